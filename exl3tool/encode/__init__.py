@@ -1,0 +1,33 @@
+"""EXL3 format core and the online (uncalibrated) encoder.
+
+The public names below are a contract: tests, the cache, the kernels and outside checks import them.
+"""
+
+from __future__ import annotations
+
+from exl3tool.encode.codebook import CODEBOOKS, CODEBOOK_MARKERS, codebook_table, decode_states
+from exl3tool.encode.decode import dequantize, dequantize_tensors, reconstruct
+from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.encode.hadamard import hadamard_128, hadamard_left, hadamard_right
+from exl3tool.encode.layout import TENSOR_CORE_PERM, matrix_to_tiles, tile_position, tiles_to_matrix
+from exl3tool.encode.trellis import pack_trellis, unpack_trellis
+
+__all__ = [
+    "CODEBOOKS", "CODEBOOK_MARKERS", "EncodedLinear", "TENSOR_CORE_PERM",
+    "codebook_table", "decode_states", "dequantize", "dequantize_tensors", "encode_linear",
+    "hadamard_128", "hadamard_left", "hadamard_right", "matrix_to_tiles", "pack_trellis",
+    "quantize_tiles", "reconstruct", "tile_position", "tiles_to_matrix", "unpack_trellis",
+]
+
+
+def __getattr__(name: str):
+    # The Viterbi and the online encoder pull in numba/Triton; import them only when used.
+    if name == "quantize_tiles":
+        from exl3tool.encode.viterbi import quantize_tiles
+
+        return quantize_tiles
+    if name == "encode_linear":
+        from exl3tool.encode.online import encode_linear
+
+        return encode_linear
+    raise AttributeError(f"module 'exl3tool.encode' has no attribute {name!r}")

@@ -1,0 +1,54 @@
+"""Tile layout: an (in, out) matrix <-> (tiles_k, tiles_n, 256) sequences in tensor-core (trellis) order.
+
+Position p = 8t + j of a tile holds element (row(p), col(p)) with
+row = 2(t mod 4) + (j & 1) + 8((j >> 1) & 1) and col = t // 4 + 8(j >> 2): the B-operand elements
+lane t holds for two m16n8k16 MMAs. Spec: exl3-format.md section 5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TENSOR_CORE_PERM", "TENSOR_CORE_PERM_INV", "tile_position", "matrix_to_tiles", "tiles_to_matrix"]
+
+
+def _perm() -> torch.Tensor:
+    p = torch.arange(256)
+    t, j = p // 8, p % 8
+    row = 2 * (t % 4) + (j & 1) + 8 * ((j >> 1) & 1)
+    col = t // 4 + 8 * (j >> 2)
+    return 16 * row + col
+
+
+TENSOR_CORE_PERM = _perm()  # perm[p] = 16*row(p) + col(p): row-major index of position p
+TENSOR_CORE_PERM_INV = torch.argsort(TENSOR_CORE_PERM)  # position of row-major element 16r + c
+
+
+def tile_position(r: int, c: int) -> int:
+    """Trellis position of tile element (row r = input offset, col c = output offset)."""
+    return 32 * (c % 8) + 8 * ((r % 8) // 2) + 4 * (c // 8) + 2 * (r // 8) + (r % 2)
+
+
+def _check_matrix(m: torch.Tensor, name: str = "matrix") -> None:
+    if m.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (in_features, out_features), got shape {tuple(m.shape)}")
+    k, n = m.shape
+    if k % 16 or n % 16:
+        raise ValueError(f"{name} shape {tuple(m.shape)} is not a multiple of 16 in both dimensions")
+
+
+def matrix_to_tiles(m: torch.Tensor) -> torch.Tensor:
+    """(k, n) matrix -> (k/16, n/16, 256) tiles, each in trellis-position order."""
+    _check_matrix(m)
+    k, n = m.shape
+    tiles = m.reshape(k // 16, 16, n // 16, 16).permute(0, 2, 1, 3).reshape(k // 16, n // 16, 256)
+    return tiles[..., TENSOR_CORE_PERM.to(m.device)]
+
+
+def tiles_to_matrix(tiles: torch.Tensor) -> torch.Tensor:
+    """(tk, tn, 256) tiles in trellis-position order -> (16 tk, 16 tn) matrix (inverse of matrix_to_tiles)."""
+    if tiles.dim() != 3 or tiles.shape[-1] != 256:
+        raise ValueError(f"tiles must have shape (tiles_k, tiles_n, 256), got {tuple(tiles.shape)}")
+    tk, tn, _ = tiles.shape
+    rowmajor = tiles[..., TENSOR_CORE_PERM_INV.to(tiles.device)]
+    return rowmajor.reshape(tk, tn, 16, 16).permute(0, 2, 1, 3).reshape(16 * tk, 16 * tn)
