@@ -262,21 +262,21 @@ def _index_files(root: Path) -> dict[str, list[str]]:
     return files
 
 
-def _collect(root: Path, files: list[Path], expected: dict[str, list[str]] | None) -> dict[str, TensorInfo]:
+def _collect(files: list[tuple[Path, list[str] | None]]) -> dict[str, TensorInfo]:
+    """Tensor name -> header record over ``(shard, names the index places there or None)`` pairs."""
     tensors: dict[str, TensorInfo] = {}
-    for file in files:
+    for file, expected in files:
         if not file.is_file():
             named = f" (named in {INDEX_NAME})" if expected is not None else ""
             raise InputError(f"{file}: shard missing{named}; the checkpoint is incomplete, download that file")
         header = _read_header(file)
         if expected is not None:
-            missing = [n for n in expected[file.name] if n not in header]
+            missing = [n for n in expected if n not in header]
             if missing:
-                raise InputError(
-                    f"{file}: shard lacks tensor {missing[0]!r} that {INDEX_NAME} places there"
-                    f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; re-download the shard"
-                )
-            header = {n: header[n] for n in expected[file.name]}
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise InputError(f"{file}: shard lacks tensor {missing[0]!r}{more} that {INDEX_NAME} places there; "
+                                 "re-download the shard")
+            header = {n: header[n] for n in expected}
         for name, info in header.items():
             tensors.setdefault(name, info)
     return tensors
@@ -299,20 +299,18 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
             root = local.parent
             config_path = root / "config.json"
             config = _load_config(config_path) if config_path.is_file() else {}
-            return Checkpoint(model, root, config, _snapshot_hash(root), _collect(root, [local], None), config_path)
+            return Checkpoint(model, root, config, _snapshot_hash(root), _collect([(local, None)]), config_path)
         root = local
     else:
         root = _download(model, revision, token, local_files_only)
 
     config = _load_config(root / "config.json")
     if (root / INDEX_NAME).is_file():
-        expected = _index_files(root)
-        files = [root / f for f in expected]
-        tensors = _collect(root, files, expected)
+        tensors = _collect([(root / f, names) for f, names in _index_files(root).items()])
     else:
         files = sorted(p for p in root.glob("*.safetensors") if not p.name.startswith("."))
         if not files:
             raise InputError(f"{root}: no *.safetensors files and no {INDEX_NAME}; only safetensors checkpoints are read")
-        tensors = _collect(root, files, None)
+        tensors = _collect([(f, None) for f in files])
     commit = _snapshot_hash(root)
     return Checkpoint(model, root, config, commit, tensors)
