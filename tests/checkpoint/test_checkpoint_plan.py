@@ -1,0 +1,162 @@
+"""Layer plans: prefixes and parallel styles per family, rank sizes per TP size, 128-alignment skips, globs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from exl3tool.checkpoint import SUPPORTED_ARCHITECTURES, open_checkpoint, plan_layers
+from exl3tool.errors import ConfigError
+
+LLAMA_MODULES = [("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "row"),
+                 ("mlp.gate_up_proj", "merged_column"), ("mlp.down_proj", "row")]
+
+# (K_r, N_r) per module for hidden 256, 4 heads x 64, 2 KV heads, intermediate 512, worked out by hand.
+EXPECTED_SIZES = {
+    1: {"qkv_proj": (256, 512), "o_proj": (256, 256), "gate_up_proj": (256, 1024), "down_proj": (512, 256)},
+    2: {"qkv_proj": (256, 256), "o_proj": (128, 256), "gate_up_proj": (256, 512), "down_proj": (256, 256)},
+    4: {"qkv_proj": (256, 192), "o_proj": (64, 256), "gate_up_proj": (256, 256), "down_proj": (128, 256)},
+}
+
+
+@pytest.fixture
+def tiny_plan(offline_hub):
+    return plan_layers(open_checkpoint("test-org/tiny-llama", revision="main"))
+
+
+def test_llama_prefixes_styles_sources(tiny_plan):
+    assert tiny_plan.architecture == "LlamaForCausalLM"
+    got = [(l.prefix, l.parallel) for l in tiny_plan.layers]
+    assert got == [(f"model.layers.{i}.{m}", p) for i in range(2) for m, p in LLAMA_MODULES]
+    qkv, o, gate_up, down = tiny_plan.layers[:4]
+    assert qkv.sources == tuple(f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv")
+    assert qkv.part_sizes == (256, 128, 128)
+    assert (qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, qkv.v_head_dim) == (4, 2, 64, 64)
+    assert gate_up.sources == ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
+    assert gate_up.part_sizes == (512, 512) and (gate_up.in_features, gate_up.out_features) == (256, 1024)
+    assert (down.in_features, down.out_features) == (512, 256)
+    assert not any("lm_head" in l.prefix or "embed" in l.prefix for l in tiny_plan.layers)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_rank_sizes(tiny_plan, tp):
+    jobs = tiny_plan.for_tp(tp, include_skipped=True)
+    assert len(jobs) == len(tiny_plan.layers) * tp
+    for job in jobs:
+        assert (job.input_size, job.output_size) == EXPECTED_SIZES[tp][job.prefix.rsplit(".", 1)[1]]
+        assert job.tp_size == tp
+    for layer in tiny_plan.layers:
+        assert [j.tp_rank for j in jobs if j.layer is layer] == list(range(tp))
+
+
+def test_alignment_skips_at_tp4(tiny_plan):
+    assert tiny_plan.skipped(1) == [] and tiny_plan.skipped(2) == []
+    skipped = tiny_plan.skipped(4)
+    prefixes = {p for p, _, _ in skipped}
+    assert prefixes == {f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("o_proj", "qkv_proj")}
+    assert sorted(r for p, r, _ in skipped if p == "model.layers.0.self_attn.o_proj") == [0, 1, 2, 3]
+    reason = next(why for p, _, why in skipped if p == "model.layers.0.self_attn.o_proj")
+    assert "K_r 64 is not a multiple of 128" in reason and "unencoded" in reason
+    jobs = tiny_plan.for_tp(4)
+    assert {j.prefix for j in jobs}.isdisjoint(prefixes)
+    assert len(jobs) == 4 * 4 and all(j.aligned for j in jobs)
+
+
+@pytest.mark.parametrize("tp", [3, 8])
+def test_tp_size_vllm_cannot_shard(tiny_plan, tp):
+    with pytest.raises(ConfigError, match=rf"4 attention heads are not divisible by tensor-parallel size {tp}"):
+        tiny_plan.for_tp(tp)
+    with pytest.raises(ConfigError):
+        tiny_plan.skipped(tp)
+    with pytest.raises(ConfigError, match="positive integer"):
+        tiny_plan.for_tp(0)
+
+
+def test_layer_and_exclude_globs(offline_hub):
+    ckpt = open_checkpoint("test-org/tiny-llama")
+    plan = plan_layers(ckpt, layers=["model.layers.1.*"], exclude=["*.o_proj"])
+    assert [l.prefix for l in plan.layers] == [
+        "model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"]
+    with pytest.raises(ConfigError, match="no eligible layer matches --layers 'model.layers.9.*'"):
+        plan_layers(ckpt, layers=["model.layers.9.*"])
+
+
+def test_minilm_unknown_architecture(minilm_dir):
+    ckpt = open_checkpoint(str(minilm_dir))
+    with pytest.raises(ConfigError) as e:
+        plan_layers(ckpt)
+    msg = str(e.value)
+    assert "BertModel" in msg and "--layers 'GLOB'" in msg
+    assert all(a in msg for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_minilm_layer_globs(minilm_dir):
+    ckpt = open_checkpoint(str(minilm_dir))
+    plan = plan_layers(ckpt, layers=["encoder.layer.0.*"])
+    shapes = {l.prefix: (l.in_features, l.out_features) for l in plan.layers}
+    assert shapes == {
+        "encoder.layer.0.attention.self.query": (384, 384),
+        "encoder.layer.0.attention.self.key": (384, 384),
+        "encoder.layer.0.attention.self.value": (384, 384),
+        "encoder.layer.0.attention.output.dense": (384, 384),
+        "encoder.layer.0.intermediate.dense": (384, 1536),
+        "encoder.layer.0.output.dense": (1536, 384),
+    }
+    assert all(l.parallel == "replicated" and l.sources == (l.prefix + ".weight",) for l in plan.layers)
+    jobs = plan.for_tp(2)
+    assert len(jobs) == 12 and plan.skipped(2) == []
+    assert {(j.prefix, j.tp_rank): (j.input_size, j.output_size) for j in jobs}[
+        ("encoder.layer.0.output.dense", 1)] == (1536, 384)
+    # embeddings never, even when a glob selects them
+    with pytest.raises(ConfigError, match="no eligible layer matches --layers 'embeddings.\*'"):
+        plan_layers(ckpt, layers=["embeddings.*"])
+
+
+def _write_moe(path, arch: str, *, shared: bool) -> str:
+    """A one-layer MoE checkpoint with tiny tensors (hidden 128, 4 experts); returns its directory."""
+    path.mkdir()
+    h, e, inter = 128, 4, 256
+    t = {
+        "model.embed_tokens.weight": torch.zeros(64, h),
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(4 * 32, h),
+        "model.layers.0.self_attn.k_proj.weight": torch.zeros(2 * 32, h),
+        "model.layers.0.self_attn.v_proj.weight": torch.zeros(2 * 32, h),
+        "model.layers.0.self_attn.o_proj.weight": torch.zeros(h, 4 * 32),
+        "model.layers.0.mlp.gate.weight": torch.zeros(e, h),
+        "lm_head.weight": torch.zeros(64, h),
+    }
+    for x in range(e):
+        for m, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            t[f"model.layers.0.mlp.experts.{x}.{m}.weight"] = torch.zeros(shape)
+    if shared:
+        t["model.layers.0.mlp.shared_expert.gate_proj.weight"] = torch.zeros(inter, h)
+        t["model.layers.0.mlp.shared_expert.up_proj.weight"] = torch.zeros(inter, h)
+        t["model.layers.0.mlp.shared_expert.down_proj.weight"] = torch.zeros(h, inter)
+        t["model.layers.0.mlp.shared_expert_gate.weight"] = torch.zeros(1, h)
+    save_file(t, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": [arch], "hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "num_hidden_layers": 1, "torch_dtype": "bfloat16"}))
+    return str(path)
+
+
+def test_qwen3_moe_router_and_shared_experts(tmp_path):
+    ckpt = open_checkpoint(_write_moe(tmp_path / "q3", "Qwen3MoeForCausalLM", shared=True))
+    plain = {l.prefix: l.parallel for l in plan_layers(ckpt).layers}
+    assert plain == {"model.layers.0.self_attn.qkv_proj": "qkv", "model.layers.0.self_attn.o_proj": "row",
+                     "model.layers.0.mlp.gate": "replicated"}
+    with_shared = {l.prefix: l.parallel for l in plan_layers(ckpt, shared_experts=True).layers}
+    assert with_shared == {**plain, "model.layers.0.mlp.shared_expert.gate_up_proj": "merged_column",
+                           "model.layers.0.mlp.shared_expert.down_proj": "row"}
+    router = next(l for l in plan_layers(ckpt).layers if l.prefix.endswith("mlp.gate"))
+    assert (router.in_features, router.out_features) == (128, 4)
+
+
+def test_qwen2_moe_router_never(tmp_path):
+    ckpt = open_checkpoint(_write_moe(tmp_path / "q2", "Qwen2MoeForCausalLM", shared=True))
+    prefixes = [l.prefix for l in plan_layers(ckpt, shared_experts=True).layers]
+    assert prefixes == ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+                        "model.layers.0.mlp.shared_expert.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj"]
