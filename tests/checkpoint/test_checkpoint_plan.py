@@ -111,7 +111,7 @@ def test_minilm_layer_globs(minilm_dir):
     assert {(j.prefix, j.tp_rank): (j.input_size, j.output_size) for j in jobs}[
         ("encoder.layer.0.output.dense", 1)] == (1536, 384)
     # embeddings never, even when a glob selects them
-    with pytest.raises(ConfigError, match="no eligible layer matches --layers 'embeddings.\*'"):
+    with pytest.raises(ConfigError, match=r"no eligible layer matches --layers 'embeddings\.\*'"):
         plan_layers(ckpt, layers=["embeddings.*"])
 
 
