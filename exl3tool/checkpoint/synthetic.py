@@ -65,8 +65,9 @@ def _chunks(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
         yield block.view(torch.uint8).numpy()
 
 
-def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int) -> str:
-    """Stream a safetensors file (header first, then tensors in order); return its sha256."""
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int,
+                       digest: bool) -> str:
+    """Stream a safetensors file (header first, then tensors in order); return its sha256 if ``digest``."""
     esize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -76,16 +77,18 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], d
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    sha = hashlib.sha256()
+    sha = hashlib.sha256() if digest else None
     with open(path, "wb") as f:
         for piece in (struct.pack("<Q", len(raw)), raw):
             f.write(piece)
-            sha.update(piece)
+            if sha is not None:
+                sha.update(piece)
         for name, shape in tensors:
             for arr in _chunks(name, shape, dtype, seed):
                 f.write(arr.data)
-                sha.update(arr.data)
-    return sha.hexdigest()
+                if sha is not None:  # only for a Hub-cache layout (blob names); ~20% of the write time
+                    sha.update(arr.data)
+    return sha.hexdigest() if sha is not None else ""
 
 
 def _split(tensors: list[tuple[str, tuple[int, ...]]], shards: int) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -147,7 +150,8 @@ def write_llama_checkpoint(path: str | Path, *, hidden: int = 256, heads: int = 
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    files: dict[str, str] = {}  # file name -> sha256
+    digest = hub_cache is not None
+    files: dict[str, str] = {}  # file name -> sha256 (empty unless laying out a Hub cache)
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     files["config.json"] = hashlib.sha256((root / "config.json").read_bytes()).hexdigest()
 
@@ -155,13 +159,13 @@ def write_llama_checkpoint(path: str | Path, *, hidden: int = 256, heads: int = 
                                   layers=layers, vocab=vocab, head_dim=hd)
     groups = _split(tensors, shards)
     if len(groups) == 1:
-        files["model.safetensors"] = _write_safetensors(root / "model.safetensors", groups[0], dtype, seed)
+        files["model.safetensors"] = _write_safetensors(root / "model.safetensors", groups[0], dtype, seed, digest)
     else:
         esize = torch.empty((), dtype=dtype).element_size()
         weight_map: dict[str, str] = {}
         for k, group in enumerate(groups):
             name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-            files[name] = _write_safetensors(root / name, group, dtype, seed)
+            files[name] = _write_safetensors(root / name, group, dtype, seed, digest)
             weight_map.update({t: name for t, _ in group})
         index = {"metadata": {"total_size": sum(_numel(s) for _, s in tensors) * esize}, "weight_map": weight_map}
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
