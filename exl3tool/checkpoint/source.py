@@ -120,8 +120,11 @@ class Checkpoint:
     """A resolved local checkpoint: config plus a name -> shard map; tensors are read on demand."""
 
     def __init__(self, model: str, root: Path, config: dict[str, Any], commit_hash: str | None,
-                 tensors: dict[str, TensorInfo], config_path: Path | None = None) -> None:
+                 tensors: dict[str, TensorInfo], config_path: Path | None = None, revision: str | None = None) -> None:
         self.model = model
+        # As given (--revision). For a local path it selects nothing, but the server's directory identity
+        # records ``commit_hash or revision`` (spec 2.4, 3), so it is kept.
+        self.revision = revision
         self.root = root
         self.config = config
         self.commit_hash = commit_hash
@@ -289,17 +292,16 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
     Example: ``open_checkpoint("meta-llama/Llama-3.1-8B", revision="main")`` under ``HF_HUB_OFFLINE=1``
     reads the cached snapshot and sets ``commit_hash`` from it.
     """
-    local = Path(os.path.expanduser(model))
+    local = Path(os.path.abspath(os.path.expanduser(model))) if os.path.exists(os.path.expanduser(model)) else Path(model)
     if local.exists():
-        if revision is not None:
-            raise InputError(f"{model}: --revision applies to Hub repo ids, not to a local path")
         if local.is_file():
             if local.suffix != ".safetensors":
                 raise InputError(f"{local}: not a .safetensors file; pass a checkpoint directory or a .safetensors file")
             root = local.parent
             config_path = root / "config.json"
             config = _load_config(config_path) if config_path.is_file() else {}
-            return Checkpoint(model, root, config, _snapshot_hash(root), _collect([(local, None)]), config_path)
+            return Checkpoint(model, root, config, _snapshot_hash(root), _collect([(local, None)]),
+                              config_path, revision)
         root = local
     else:
         root = _download(model, revision, token, local_files_only)
@@ -313,4 +315,4 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
             raise InputError(f"{root}: no *.safetensors files and no {INDEX_NAME}; only safetensors checkpoints are read")
         tensors = _collect([(f, None) for f in files])
     commit = _snapshot_hash(root)
-    return Checkpoint(model, root, config, commit, tensors)
+    return Checkpoint(model, root, config, commit, tensors, revision=revision)

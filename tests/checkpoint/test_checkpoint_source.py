@@ -125,3 +125,42 @@ def test_bad_dtype_in_config(tiny_hub, tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="torch_dtype 'int8'"):
         open_checkpoint(str(d))
+
+
+def test_hf_home_locates_the_cache(monkeypatch, tiny_hub):
+    hub, snap, _ = tiny_hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(hub.parent))  # the cache is $HF_HOME/hub
+    assert open_checkpoint("test-org/tiny-llama").commit_hash == snap.name
+
+
+@pytest.mark.parametrize("offline_env, local_files_only, expect_offline", [
+    ("1", None, True), ("", None, False), ("", True, True), ("0", False, False)])
+def test_download_call(monkeypatch, tiny_hub, tmp_path, offline_env, local_files_only, expect_offline):
+    """The Hub call: only our files, the token passed through, offline honoured, cache from the environment."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(**kwargs):
+        calls.append(kwargs)
+        return str(tiny_hub[1])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline_env)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    ckpt = open_checkpoint("test-org/tiny-llama", revision="v1.0", token="hf_x", local_files_only=local_files_only)
+    assert ckpt.commit_hash == tiny_hub[1].name
+    (call,) = calls
+    assert call["repo_id"] == "test-org/tiny-llama" and call["revision"] == "v1.0" and call["token"] == "hf_x"
+    assert sorted(call["allow_patterns"]) == sorted(["config.json", "*.safetensors", "model.safetensors.index.json"])
+    assert call["local_files_only"] is expect_offline and call["cache_dir"] == str(tmp_path)
+
+
+def test_revision_with_local_path_is_kept(tiny_hub):
+    """vLLM accepts --revision with a local path and its directory identity records it (spec 2.4)."""
+    ckpt = open_checkpoint(str(tiny_hub[2]), revision="abc")
+    assert ckpt.revision == "abc" and ckpt.commit_hash is None
+    assert open_checkpoint(str(tiny_hub[2])).revision is None
