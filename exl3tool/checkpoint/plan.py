@@ -184,7 +184,8 @@ def _weight_shape(checkpoint: Checkpoint, name: str) -> tuple[int, int]:
     return info.shape[0], info.shape[1]
 
 
-def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate, heads: tuple[int, int, int]) -> PlannedLayer | None:
+def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
+                 heads: tuple[int, int, int]) -> PlannedLayer | None:
     """Plan one module of decoder layer ``layer`` (e.g. ``model.layers.3``); None if it is absent (optional)."""
     prefix = f"{layer}.{tpl.name}"
     names = tuple(f"{layer}.{s}.weight" for s in tpl.sources)
@@ -203,7 +204,7 @@ def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate, heads:
 
     shapes = [_weight_shape(checkpoint, n) for n in sources]
     in_features = shapes[0][1]
-    for n, (_, k) in zip(sources, shapes):
+    for n, (_, k) in zip(sources, shapes, strict=True):
         if k != in_features:
             raise InputError(f"{checkpoint.root}: {n} has {k} input features, {sources[0]} has {in_features}; "
                              f"they cannot be fused into {prefix}")
@@ -215,7 +216,8 @@ def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate, heads:
         v_rows = out_features - q_rows - k_rows
         if len(sources) == 3 and (shapes[0][0] != q_rows or shapes[1][0] != k_rows):
             raise InputError(
-                f"{checkpoint.root}: {sources[0]} / {sources[1]} have {shapes[0][0]} / {shapes[1][0]} rows, but the config "
+                f"{checkpoint.root}: {sources[0]} / {sources[1]} have {shapes[0][0]} / {shapes[1][0]} rows, "
+                f"but the config "
                 f"gives {num_heads} heads x {head_dim} = {q_rows} / {num_kv} KV heads x {head_dim} = {k_rows}"
             )
         if v_rows <= 0 or v_rows % num_kv:
@@ -239,7 +241,8 @@ def _plan_family(checkpoint: Checkpoint, family: Family, arch: str, shared_exper
     hidden = _field(checkpoint, "hidden_size", arch)
     num_heads = _field(checkpoint, "num_attention_heads", arch)
     n_layers = _field(checkpoint, "num_hidden_layers", arch)
-    num_kv = _field(checkpoint, "num_key_value_heads", arch) if "num_key_value_heads" in checkpoint.config else num_heads
+    has_kv = checkpoint.config.get("num_key_value_heads") is not None  # HF default: no GQA
+    num_kv = _field(checkpoint, "num_key_value_heads", arch) if has_kv else num_heads
     if checkpoint.config.get("head_dim") is not None:
         head_dim = _field(checkpoint, "head_dim", arch)
     elif hidden % num_heads:

@@ -205,8 +205,8 @@ def _snapshot_hash(directory: Path) -> str | None:
 
 def _download(model: str, revision: str | None, token: str | bool | None, local_files_only: bool | None) -> Path:
     """Resolve a repo id to a snapshot folder; offline (env or argument) never touches the network."""
-    from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
+    from huggingface_hub import snapshot_download
 
     offline = _env_offline() if local_files_only is None else bool(local_files_only)
     cache = hub_cache_dir()
@@ -225,7 +225,9 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
             f"download it first (hf download {model} --revision {rev}) or point HF_HUB_CACHE at a cache that has it"
         ) from None
     except hf_errors.RevisionNotFoundError:
-        raise InputError(f"{model}: revision {rev!r} does not exist on the Hub; pass an existing branch, tag or commit") from None
+        raise InputError(
+            f"{model}: revision {rev!r} does not exist on the Hub; pass an existing branch, tag or commit"
+        ) from None
     except (hf_errors.RepositoryNotFoundError, hf_errors.GatedRepoError):
         raise InputError(
             f"{model}: repository not found or access denied; check the name, or log in (hf auth login / HF_TOKEN)"
@@ -233,7 +235,8 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
     except hf_errors.IncompleteSnapshotError as e:
         raise InputError(f"{model}: {e}") from None
     except (hf_errors.HfHubHTTPError, OSError) as e:
-        raise InputError(f"{model}: download failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(f"{model}: download failed ({type(e).__name__}: {first}); check the network or try again") from None
     return Path(folder)
 
 
@@ -292,11 +295,14 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
     Example: ``open_checkpoint("meta-llama/Llama-3.1-8B", revision="main")`` under ``HF_HUB_OFFLINE=1``
     reads the cached snapshot and sets ``commit_hash`` from it.
     """
-    local = Path(os.path.abspath(os.path.expanduser(model))) if os.path.exists(os.path.expanduser(model)) else Path(model)
-    if local.exists():
+    expanded = os.path.expanduser(model)
+    if os.path.exists(expanded):  # like the server: an existing path wins over a repo id (spec 2.4)
+        local = Path(os.path.abspath(expanded))
         if local.is_file():
             if local.suffix != ".safetensors":
-                raise InputError(f"{local}: not a .safetensors file; pass a checkpoint directory or a .safetensors file")
+                raise InputError(
+                    f"{local}: not a .safetensors file; pass a checkpoint directory or a .safetensors file"
+                )
             root = local.parent
             config_path = root / "config.json"
             config = _load_config(config_path) if config_path.is_file() else {}
@@ -312,7 +318,9 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
     else:
         files = sorted(p for p in root.glob("*.safetensors") if not p.name.startswith("."))
         if not files:
-            raise InputError(f"{root}: no *.safetensors files and no {INDEX_NAME}; only safetensors checkpoints are read")
+            raise InputError(
+                f"{root}: no *.safetensors files and no {INDEX_NAME}; only safetensors checkpoints are read"
+            )
         tensors = _collect([(f, None) for f in files])
     commit = _snapshot_hash(root)
     return Checkpoint(model, root, config, commit, tensors, revision=revision)

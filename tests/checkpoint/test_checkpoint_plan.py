@@ -29,7 +29,7 @@ def tiny_plan(offline_hub):
 
 def test_llama_prefixes_styles_sources(tiny_plan):
     assert tiny_plan.architecture == "LlamaForCausalLM"
-    got = [(l.prefix, l.parallel) for l in tiny_plan.layers]
+    got = [(x.prefix, x.parallel) for x in tiny_plan.layers]
     assert got == [(f"model.layers.{i}.{m}", p) for i in range(2) for m, p in LLAMA_MODULES]
     qkv, o, gate_up, down = tiny_plan.layers[:4]
     assert qkv.sources == tuple(f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv")
@@ -38,7 +38,7 @@ def test_llama_prefixes_styles_sources(tiny_plan):
     assert gate_up.sources == ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
     assert gate_up.part_sizes == (512, 512) and (gate_up.in_features, gate_up.out_features) == (256, 1024)
     assert (down.in_features, down.out_features) == (512, 256)
-    assert not any("lm_head" in l.prefix or "embed" in l.prefix for l in tiny_plan.layers)
+    assert not any("lm_head" in x.prefix or "embed" in x.prefix for x in tiny_plan.layers)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -78,7 +78,7 @@ def test_tp_size_vllm_cannot_shard(tiny_plan, tp):
 def test_layer_and_exclude_globs(offline_hub):
     ckpt = open_checkpoint("test-org/tiny-llama")
     plan = plan_layers(ckpt, layers=["model.layers.1.*"], exclude=["*.o_proj"])
-    assert [l.prefix for l in plan.layers] == [
+    assert [x.prefix for x in plan.layers] == [
         "model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"]
     with pytest.raises(ConfigError, match="no eligible layer matches --layers 'model.layers.9.*'"):
         plan_layers(ckpt, layers=["model.layers.9.*"])
@@ -96,7 +96,7 @@ def test_minilm_unknown_architecture(minilm_dir):
 def test_minilm_layer_globs(minilm_dir):
     ckpt = open_checkpoint(str(minilm_dir))
     plan = plan_layers(ckpt, layers=["encoder.layer.0.*"])
-    shapes = {l.prefix: (l.in_features, l.out_features) for l in plan.layers}
+    shapes = {x.prefix: (x.in_features, x.out_features) for x in plan.layers}
     assert shapes == {
         "encoder.layer.0.attention.self.query": (384, 384),
         "encoder.layer.0.attention.self.key": (384, 384),
@@ -105,7 +105,7 @@ def test_minilm_layer_globs(minilm_dir):
         "encoder.layer.0.intermediate.dense": (384, 1536),
         "encoder.layer.0.output.dense": (1536, 384),
     }
-    assert all(l.parallel == "replicated" and l.sources == (l.prefix + ".weight",) for l in plan.layers)
+    assert all(x.parallel == "replicated" and x.sources == (x.prefix + ".weight",) for x in plan.layers)
     jobs = plan.for_tp(2)
     assert len(jobs) == 12 and plan.skipped(2) == []
     assert {(j.prefix, j.tp_rank): (j.input_size, j.output_size) for j in jobs}[
@@ -145,18 +145,18 @@ def _write_moe(path, arch: str, *, shared: bool) -> str:
 
 def test_qwen3_moe_router_and_shared_experts(tmp_path):
     ckpt = open_checkpoint(_write_moe(tmp_path / "q3", "Qwen3MoeForCausalLM", shared=True))
-    plain = {l.prefix: l.parallel for l in plan_layers(ckpt).layers}
+    plain = {x.prefix: x.parallel for x in plan_layers(ckpt).layers}
     assert plain == {"model.layers.0.self_attn.qkv_proj": "qkv", "model.layers.0.self_attn.o_proj": "row",
                      "model.layers.0.mlp.gate": "replicated"}
-    with_shared = {l.prefix: l.parallel for l in plan_layers(ckpt, shared_experts=True).layers}
+    with_shared = {x.prefix: x.parallel for x in plan_layers(ckpt, shared_experts=True).layers}
     assert with_shared == {**plain, "model.layers.0.mlp.shared_expert.gate_up_proj": "merged_column",
                            "model.layers.0.mlp.shared_expert.down_proj": "row"}
-    router = next(l for l in plan_layers(ckpt).layers if l.prefix.endswith("mlp.gate"))
+    router = next(x for x in plan_layers(ckpt).layers if x.prefix.endswith("mlp.gate"))
     assert (router.in_features, router.out_features) == (128, 4)
 
 
 def test_qwen2_moe_router_never(tmp_path):
     ckpt = open_checkpoint(_write_moe(tmp_path / "q2", "Qwen2MoeForCausalLM", shared=True))
-    prefixes = [l.prefix for l in plan_layers(ckpt, shared_experts=True).layers]
+    prefixes = [x.prefix for x in plan_layers(ckpt, shared_experts=True).layers]
     assert prefixes == ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                         "model.layers.0.mlp.shared_expert.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj"]
