@@ -22,7 +22,8 @@ from exl3tool.errors import InputError
 
 __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "hub_cache_dir", "HUB_PATTERNS"]
 
-# The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer).
+# The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
+# only the shards it names.
 HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json"]
 INDEX_NAME = "model.safetensors.index.json"
 _HEX40 = re.compile(r"[0-9a-f]{40}")
@@ -212,12 +213,22 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
     cache = hub_cache_dir()
     rev = revision or "main"
     try:
-        folder = snapshot_download(
-            repo_id=model, revision=revision, cache_dir=str(cache), allow_patterns=HUB_PATTERNS,
+        # First the small files, which pin the commit; then only the shards the index names (a repo may also
+        # carry e.g. Mistral's consolidated.safetensors, a second full copy we must not fetch).
+        folder = Path(snapshot_download(
+            repo_id=model, revision=revision, cache_dir=str(cache), allow_patterns=[HUB_PATTERNS[0], INDEX_NAME],
             token=token, local_files_only=offline,
-        )
+        ))
+        shards = list(_index_files(folder)) if (folder / INDEX_NAME).is_file() else [HUB_PATTERNS[1]]
+        pinned = folder.name if _HEX40.fullmatch(folder.name) else revision
+        folder = Path(snapshot_download(
+            repo_id=model, revision=pinned, cache_dir=str(cache), allow_patterns=[HUB_PATTERNS[0], INDEX_NAME, *shards],
+            token=token, local_files_only=offline,
+        ))
     except hf_errors.HFValidationError:
         raise InputError(f"{model!r}: no such local path, and not a valid Hub repo id (expected 'org/name')") from None
+    except hf_errors.IncompleteSnapshotError as e:  # a subclass of LocalEntryNotFoundError: keep its detail
+        raise InputError(f"{model}: {' '.join(str(e).split())}") from None
     except hf_errors.LocalEntryNotFoundError:
         why = "downloads are off (HF_HUB_OFFLINE=1 or local_files_only)" if offline else "the Hub could not be reached"
         raise InputError(
@@ -232,12 +243,12 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
         raise InputError(
             f"{model}: repository not found or access denied; check the name, or log in (hf auth login / HF_TOKEN)"
         ) from None
-    except hf_errors.IncompleteSnapshotError as e:
-        raise InputError(f"{model}: {e}") from None
     except (hf_errors.HfHubHTTPError, OSError) as e:
         first = str(e).splitlines()[0] if str(e) else ""
-        raise InputError(f"{model}: download failed ({type(e).__name__}: {first}); check the network or try again") from None
-    return Path(folder)
+        raise InputError(
+            f"{model}: download failed ({type(e).__name__}: {first}); check the network or try again"
+        ) from None
+    return folder
 
 
 def _load_config(path: Path) -> dict[str, Any]:

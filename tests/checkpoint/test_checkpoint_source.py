@@ -153,10 +153,14 @@ def test_download_call(monkeypatch, tiny_hub, tmp_path, offline_env, local_files
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     ckpt = open_checkpoint("test-org/tiny-llama", revision="v1.0", token="hf_x", local_files_only=local_files_only)
     assert ckpt.commit_hash == tiny_hub[1].name
-    (call,) = calls
-    assert call["repo_id"] == "test-org/tiny-llama" and call["revision"] == "v1.0" and call["token"] == "hf_x"
-    assert sorted(call["allow_patterns"]) == sorted(["config.json", "*.safetensors", "model.safetensors.index.json"])
-    assert call["local_files_only"] is expect_offline and call["cache_dir"] == str(tmp_path)
+    first, second = calls  # small files first (pins the commit), then exactly the indexed shards
+    assert first["revision"] == "v1.0" and second["revision"] == tiny_hub[1].name
+    assert sorted(first["allow_patterns"]) == ["config.json", "model.safetensors.index.json"]
+    assert sorted(second["allow_patterns"]) == ["config.json", "model-00001-of-00002.safetensors",
+                                                "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    for call in calls:
+        assert call["repo_id"] == "test-org/tiny-llama" and call["token"] == "hf_x"
+        assert call["local_files_only"] is expect_offline and call["cache_dir"] == str(tmp_path)
 
 
 def test_revision_with_local_path_is_kept(tiny_hub):
@@ -164,3 +168,12 @@ def test_revision_with_local_path_is_kept(tiny_hub):
     ckpt = open_checkpoint(str(tiny_hub[2]), revision="abc")
     assert ckpt.revision == "abc" and ckpt.commit_hash is None
     assert open_checkpoint(str(tiny_hub[2])).revision is None
+
+
+def test_single_file_repo_offline(monkeypatch, tmp_path, seed):
+    snap = write_llama_checkpoint(tmp_path / "plain", seed=seed, shards=1, hub_cache=tmp_path / "hub",
+                                  repo_id="test-org/one-file")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    ckpt = open_checkpoint("test-org/one-file")
+    assert ckpt.commit_hash == snap.name and "model.norm.weight" in ckpt.tensor_names()
