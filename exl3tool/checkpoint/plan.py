@@ -185,7 +185,7 @@ def _weight_shape(checkpoint: Checkpoint, name: str) -> tuple[int, int]:
 
 
 def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
-                 heads: tuple[int, int, int]) -> PlannedLayer | None:
+                 heads: tuple[int, int, int], hidden: int) -> PlannedLayer | None:
     """Plan one module of decoder layer ``layer`` (e.g. ``model.layers.3``); None if it is absent (optional)."""
     prefix = f"{layer}.{tpl.name}"
     names = tuple(f"{layer}.{s}.weight" for s in tpl.sources)
@@ -209,6 +209,9 @@ def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
             raise InputError(f"{checkpoint.root}: {n} has {k} input features, {sources[0]} has {in_features}; "
                              f"they cannot be fused into {prefix}")
     out_features = sum(s[0] for s in shapes)
+    if tpl.parallel in ("qkv", "merged_column") and in_features != hidden:
+        raise InputError(f"{checkpoint.root}: {sources[0]} has {in_features} input features but config.json "
+                         f"hidden_size is {hidden}; the config does not belong to these weights")
 
     if tpl.parallel == "qkv":
         num_heads, num_kv, head_dim = heads
@@ -217,8 +220,7 @@ def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
         if len(sources) == 3 and (shapes[0][0] != q_rows or shapes[1][0] != k_rows):
             raise InputError(
                 f"{checkpoint.root}: {sources[0]} / {sources[1]} have {shapes[0][0]} / {shapes[1][0]} rows, "
-                f"but the config "
-                f"gives {num_heads} heads x {head_dim} = {q_rows} / {num_kv} KV heads x {head_dim} = {k_rows}"
+                f"but the config gives {num_heads} heads x {head_dim} = {q_rows} / {num_kv} KV heads x {head_dim} = {k_rows}"
             )
         if v_rows <= 0 or v_rows % num_kv:
             raise InputError(
@@ -259,7 +261,7 @@ def _plan_family(checkpoint: Checkpoint, family: Family, arch: str, shared_exper
         for tpl in family.modules:
             if tpl.shared_expert and not shared_experts:
                 continue
-            layer = _plan_module(checkpoint, f"{family.layers_prefix}.{i}", tpl, (num_heads, num_kv, head_dim))
+            layer = _plan_module(checkpoint, f"{family.layers_prefix}.{i}", tpl, (num_heads, num_kv, head_dim), hidden)
             if layer is not None:
                 planned.append(layer)
     return planned

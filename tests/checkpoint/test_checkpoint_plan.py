@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from exl3tool.checkpoint import SUPPORTED_ARCHITECTURES, open_checkpoint, plan_layers
-from exl3tool.errors import ConfigError
+from exl3tool.errors import ConfigError, InputError
 
 LLAMA_MODULES = [("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "row"),
                  ("mlp.gate_up_proj", "merged_column"), ("mlp.down_proj", "row")]
@@ -160,3 +161,17 @@ def test_qwen2_moe_router_never(tmp_path):
     prefixes = [x.prefix for x in plan_layers(ckpt, shared_experts=True).layers]
     assert prefixes == ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                         "model.layers.0.mlp.shared_expert.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj"]
+
+
+def test_config_that_does_not_fit_the_weights(tiny_hub, tmp_path):
+    d = tmp_path / "ck"
+    shutil.copytree(tiny_hub[2], d)
+    config = json.loads((d / "config.json").read_text())
+    config["hidden_size"] = 512
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="hidden_size is 512"):
+        plan_layers(open_checkpoint(str(d)))
+    config["hidden_size"], config["num_key_value_heads"] = 256, 1
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="k_proj.weight have 256 / 128 rows"):
+        plan_layers(open_checkpoint(str(d)))
