@@ -220,7 +220,8 @@ def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
         if len(sources) == 3 and (shapes[0][0] != q_rows or shapes[1][0] != k_rows):
             raise InputError(
                 f"{checkpoint.root}: {sources[0]} / {sources[1]} have {shapes[0][0]} / {shapes[1][0]} rows, "
-                f"but the config gives {num_heads} heads x {head_dim} = {q_rows} / {num_kv} KV heads x {head_dim} = {k_rows}"
+                f"but the config gives {num_heads} heads x {head_dim} = {q_rows} / "
+                f"{num_kv} KV heads x {head_dim} = {k_rows}"
             )
         if v_rows <= 0 or v_rows % num_kv:
             raise InputError(
