@@ -8,10 +8,11 @@ one ``RankJob`` per layer and rank (the key's ``tp_rank``, ``input_size = K_r``,
 from __future__ import annotations
 
 import fnmatch
+import json
 from dataclasses import dataclass
 
 from exl3tool.checkpoint.families import SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for
-from exl3tool.checkpoint.source import Checkpoint
+from exl3tool.checkpoint.source import QUANT_CONFIG, Checkpoint
 from exl3tool.errors import ConfigError, InputError
 
 __all__ = ["PlannedLayer", "RankJob", "LayerPlan", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN"]
@@ -138,6 +139,7 @@ class LayerPlan:
 
     layers: tuple[PlannedLayer, ...]
     architecture: str | None
+    serialized: tuple[str, ...] = ()  # prefixes the checkpoint already stores as EXL3: served as-is, never cached
 
     def for_tp(self, tp_size: int, *, include_skipped: bool = False) -> list[RankJob]:
         """One job per layer and rank ``0..W-1``; ranks the server never caches (6.3) only if asked."""
@@ -180,16 +182,48 @@ def _matches(name: str, globs: list[str] | None) -> bool:
 def _weight_shape(checkpoint: Checkpoint, name: str) -> tuple[int, int]:
     info = checkpoint.info(name)
     if len(info.shape) != 2 or not info.is_float:
-        raise InputError(f"{info.file}: {name} is {info.dtype_code} {list(info.shape)}, expected a 2-D floating weight")
+        raise InputError(f"{info.file}: {name} is {info.dtype_code} {list(info.shape)}, expected a 2-D F16/BF16/F32 weight")
     return info.shape[0], info.shape[1]
 
 
+def _exl3_modules(checkpoint: Checkpoint) -> set[str]:
+    """Module names ``quantization_config.json``'s ``tensor_storage`` records as ``quant_format: exl3``."""
+    path = checkpoint.root / QUANT_CONFIG
+    if not path.is_file():
+        return set()
+    try:
+        storage = json.loads(path.read_text(encoding="utf-8")).get("tensor_storage") or {}
+        if not isinstance(storage, dict):
+            raise ValueError("tensor_storage is not an object")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise InputError(f"{path}: cannot parse ({e})") from None
+    return {name for name, rec in storage.items() if isinstance(rec, dict) and rec.get("quant_format") == "exl3"}
+
+
+def _is_exl3(checkpoint: Checkpoint, stem: str, exl3: set[str]) -> bool:
+    """Stored as EXL3: named in tensor_storage (also under model./language_model. variants) or has a trellis."""
+    bare = stem.removeprefix("model.")
+    variants = {stem, bare, f"model.{bare}", f"language_model.model.{bare}", f"model.language_model.{bare}"}
+    return bool(variants & exl3) or checkpoint.has_tensor(f"{stem}.trellis")
+
+
+class _Serialized(Exception):
+    """Internal: the module is already stored as EXL3 (spec 6.1), so the server never encodes it online."""
+
+
 def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
-                 heads: tuple[int, int, int], hidden: int) -> PlannedLayer | None:
+                 heads: tuple[int, int, int], hidden: int, exl3: set[str]) -> PlannedLayer | None:
     """Plan one module of decoder layer ``layer`` (e.g. ``model.layers.3``); None if it is absent (optional)."""
     prefix = f"{layer}.{tpl.name}"
     names = tuple(f"{layer}.{s}.weight" for s in tpl.sources)
     fused = f"{prefix}.weight"
+    stored = [_is_exl3(checkpoint, n.removesuffix(".weight"), exl3) for n in names]
+    if _is_exl3(checkpoint, prefix, exl3) or all(stored):
+        raise _Serialized(prefix)
+    if any(stored):
+        raise ConfigError(f"{prefix}: checkpoint mixes EXL3 and BF16 source shards "
+                          f"({', '.join(n for n, s in zip(names, stored, strict=True) if s)} stored as EXL3); "
+                          "the server refuses this checkpoint")
     present = [n for n in names if checkpoint.has_tensor(n)]
     if len(present) == len(names):
         sources = names
@@ -240,7 +274,8 @@ def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
     return PlannedLayer(prefix, tpl.parallel, sources, part_sizes, in_features, out_features)
 
 
-def _plan_family(checkpoint: Checkpoint, family: Family, arch: str, shared_experts: bool) -> list[PlannedLayer]:
+def _plan_family(checkpoint: Checkpoint, family: Family, arch: str, shared_experts: bool,
+                 serialized: list[str]) -> list[PlannedLayer]:
     hidden = _field(checkpoint, "hidden_size", arch)
     num_heads = _field(checkpoint, "num_attention_heads", arch)
     n_layers = _field(checkpoint, "num_hidden_layers", arch)
@@ -257,12 +292,18 @@ def _plan_family(checkpoint: Checkpoint, family: Family, arch: str, shared_exper
         raise InputError(f"{checkpoint.root / 'config.json'}: num_attention_heads {num_heads} is not a multiple of "
                          f"num_key_value_heads {num_kv}")
 
+    exl3 = _exl3_modules(checkpoint)
     planned: list[PlannedLayer] = []
     for i in range(n_layers):
         for tpl in family.modules:
             if tpl.shared_expert and not shared_experts:
                 continue
-            layer = _plan_module(checkpoint, f"{family.layers_prefix}.{i}", tpl, (num_heads, num_kv, head_dim), hidden)
+            try:
+                layer = _plan_module(checkpoint, f"{family.layers_prefix}.{i}", tpl, (num_heads, num_kv, head_dim),
+                                     hidden, exl3)
+            except _Serialized as e:
+                serialized.append(str(e))
+                continue
             if layer is not None:
                 planned.append(layer)
     return planned
@@ -274,13 +315,17 @@ def _never(stem: str) -> bool:
     return "lm_head" in parts or any("embed" in p for p in parts)
 
 
-def _plan_globs(checkpoint: Checkpoint, layers: list[str]) -> list[PlannedLayer]:
+def _plan_globs(checkpoint: Checkpoint, layers: list[str], serialized: list[str]) -> list[PlannedLayer]:
+    exl3 = _exl3_modules(checkpoint)
     planned: list[PlannedLayer] = []
     for name in checkpoint.tensor_names():
         if not name.endswith(".weight"):
             continue
         stem = name.removesuffix(".weight")
         if not _matches(stem, layers) or _never(stem):
+            continue
+        if _is_exl3(checkpoint, stem, exl3):
+            serialized.append(stem)
             continue
         info = checkpoint.info(name)
         if len(info.shape) != 2 or not info.is_float:
@@ -301,6 +346,7 @@ def plan_layers(checkpoint: Checkpoint, *, layers: list[str] | None = None, excl
     """
     arch = checkpoint.architecture
     family = family_for(arch)
+    serialized: list[str] = []
     if family is None:
         if not layers:
             raise ConfigError(
@@ -308,9 +354,9 @@ def plan_layers(checkpoint: Checkpoint, *, layers: list[str] | None = None, excl
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); select its linears with --layers 'GLOB' "
                 "over checkpoint tensor names, e.g. --layers 'encoder.layer.0.*'"
             )
-        planned = _plan_globs(checkpoint, layers)
+        planned = _plan_globs(checkpoint, layers, serialized)
     else:
-        planned = _plan_family(checkpoint, family, arch or "", shared_experts)
+        planned = _plan_family(checkpoint, family, arch or "", shared_experts, serialized)
         if layers:
             planned = [p for p in planned if _matches(p.prefix, layers)]
     if layers and not planned:
@@ -320,4 +366,5 @@ def plan_layers(checkpoint: Checkpoint, *, layers: list[str] | None = None, excl
         raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers {globs}; {hint}")
     if exclude:
         planned = [p for p in planned if not _matches(p.prefix, exclude)]
-    return LayerPlan(tuple(planned), arch)
+    keep = [p for p in serialized if not layers or _matches(p, layers)]
+    return LayerPlan(tuple(planned), arch, tuple(keep))

@@ -20,12 +20,15 @@ from safetensors import safe_open
 
 from exl3tool.errors import InputError
 
-__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "hub_cache_dir", "HUB_PATTERNS"]
+__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "hub_cache_dir", "HUB_PATTERNS", "QUANT_CONFIG"]
 
 # The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
-# only the shards it names.
-HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json"]
+# only the shards it names. quantization_config.json says which layers an EXL3 checkpoint already stores
+# quantized (the server never encodes those online, spec 6.1).
 INDEX_NAME = "model.safetensors.index.json"
+QUANT_CONFIG = "quantization_config.json"
+SMALL_FILES = ["config.json", INDEX_NAME, QUANT_CONFIG]
+HUB_PATTERNS = [*SMALL_FILES, "*.safetensors"]
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
@@ -58,8 +61,11 @@ class TensorInfo:
 
     @property
     def is_float(self) -> bool:
-        """True for floating-point storage (F16/BF16/F32/F64/F8), the only kind we encode."""
-        return self.dtype_code.startswith(("F", "BF"))
+        """True for plain floating-point storage (F16/BF16/F32/F64), the only kind we encode.
+
+        FP8 weights are excluded: without their scales a cast would give wrong values.
+        """
+        return self.dtype_code in ("F16", "BF16", "F32", "F64")
 
     def __repr__(self) -> str:
         return f"TensorInfo({self.name!r}, {self.file.name!r}, {self.dtype_code}, {list(self.shape)})"
@@ -216,13 +222,13 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
         # First the small files, which pin the commit; then only the shards the index names (a repo may also
         # carry e.g. Mistral's consolidated.safetensors, a second full copy we must not fetch).
         folder = Path(snapshot_download(
-            repo_id=model, revision=revision, cache_dir=str(cache), allow_patterns=[HUB_PATTERNS[0], INDEX_NAME],
+            repo_id=model, revision=revision, cache_dir=str(cache), allow_patterns=SMALL_FILES,
             token=token, local_files_only=offline,
         ))
-        shards = list(_index_files(folder)) if (folder / INDEX_NAME).is_file() else [HUB_PATTERNS[1]]
+        shards = list(_index_files(folder)) if (folder / INDEX_NAME).is_file() else ["*.safetensors"]
         pinned = folder.name if _HEX40.fullmatch(folder.name) else revision
         folder = Path(snapshot_download(
-            repo_id=model, revision=pinned, cache_dir=str(cache), allow_patterns=[HUB_PATTERNS[0], INDEX_NAME, *shards],
+            repo_id=model, revision=pinned, cache_dir=str(cache), allow_patterns=[*SMALL_FILES, *shards],
             token=token, local_files_only=offline,
         ))
     except hf_errors.HFValidationError:

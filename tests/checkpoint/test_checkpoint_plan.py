@@ -175,3 +175,28 @@ def test_config_that_does_not_fit_the_weights(tiny_hub, tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="k_proj.weight have 256 / 128 rows"):
         plan_layers(open_checkpoint(str(d)))
+
+
+def _with_storage(tiny_hub, tmp_path, exl3_modules):
+    d = tmp_path / "ck"
+    shutil.copytree(tiny_hub[2], d)
+    storage = {m: {"quant_format": "exl3"} for m in exl3_modules}
+    storage["model.layers.1.self_attn.o_proj"] = {"quant_format": "bf16"}
+    (d / "quantization_config.json").write_text(json.dumps({"tensor_storage": storage}))
+    return open_checkpoint(str(d))
+
+
+def test_exl3_serialized_layers_are_not_planned(tiny_hub, tmp_path):
+    ckpt = _with_storage(tiny_hub, tmp_path, [f"model.layers.0.self_attn.{x}_proj" for x in "qkv"]
+                         + ["layers.1.mlp.down_proj"])  # a name without "model." matches too
+    plan = plan_layers(ckpt)
+    assert plan.serialized == ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj")
+    prefixes = {x.prefix for x in plan.layers}
+    assert len(prefixes) == 6 and not prefixes & set(plan.serialized)
+    assert "model.layers.1.self_attn.o_proj" in prefixes  # a bf16 record is not EXL3
+
+
+def test_mixed_exl3_and_bf16_sources(tiny_hub, tmp_path):
+    ckpt = _with_storage(tiny_hub, tmp_path, ["model.layers.0.mlp.gate_proj"])
+    with pytest.raises(ConfigError, match="model.layers.0.mlp.gate_up_proj: checkpoint mixes EXL3 and BF16"):
+        plan_layers(ckpt)

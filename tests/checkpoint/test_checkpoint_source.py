@@ -155,9 +155,10 @@ def test_download_call(monkeypatch, tiny_hub, tmp_path, offline_env, local_files
     assert ckpt.commit_hash == tiny_hub[1].name
     first, second = calls  # small files first (pins the commit), then exactly the indexed shards
     assert first["revision"] == "v1.0" and second["revision"] == tiny_hub[1].name
-    assert sorted(first["allow_patterns"]) == ["config.json", "model.safetensors.index.json"]
-    assert sorted(second["allow_patterns"]) == ["config.json", "model-00001-of-00002.safetensors",
-                                                "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    small = ["config.json", "model.safetensors.index.json", "quantization_config.json"]
+    assert sorted(first["allow_patterns"]) == small
+    assert sorted(second["allow_patterns"]) == sorted(
+        [*small, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
     for call in calls:
         assert call["repo_id"] == "test-org/tiny-llama" and call["token"] == "hf_x"
         assert call["local_files_only"] is expect_offline and call["cache_dir"] == str(tmp_path)
