@@ -182,7 +182,8 @@ def _matches(name: str, globs: list[str] | None) -> bool:
 def _weight_shape(checkpoint: Checkpoint, name: str) -> tuple[int, int]:
     info = checkpoint.info(name)
     if len(info.shape) != 2 or not info.is_float:
-        raise InputError(f"{info.file}: {name} is {info.dtype_code} {list(info.shape)}, expected a 2-D F16/BF16/F32 weight")
+        raise InputError(f"{info.file}: {name} is {info.dtype_code} {list(info.shape)}, "
+                         "expected a 2-D F16/BF16/F32 weight")
     return info.shape[0], info.shape[1]
 
 
