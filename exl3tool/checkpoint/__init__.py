@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from exl3tool.checkpoint.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for
-from exl3tool.checkpoint.plan import ALIGN, LayerPlan, PlannedLayer, RankJob, plan_layers, qkv_partition, rank_sizes
+from exl3tool.checkpoint.plan import (
+    ALIGN,
+    LayerPlan,
+    PlannedLayer,
+    RankJob,
+    is_shared_expert_projection,
+    plan_layers,
+    qkv_partition,
+    rank_sizes,
+    server_ignores,
+)
 from exl3tool.checkpoint.sharding import encoder_input, rank_local_weight, rank_row_ranges
 from exl3tool.checkpoint.source import Checkpoint, TensorInfo, hub_cache_dir, open_checkpoint
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
@@ -21,6 +31,7 @@ __all__ = [
     "TensorInfo",
     "encoder_input",
     "family_for",
+    "is_shared_expert_projection",
     "hub_cache_dir",
     "open_checkpoint",
     "plan_layers",
@@ -28,5 +39,6 @@ __all__ = [
     "rank_local_weight",
     "rank_row_ranges",
     "rank_sizes",
+    "server_ignores",
     "write_llama_checkpoint",
 ]

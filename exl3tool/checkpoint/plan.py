@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from dataclasses import dataclass
 
 from exl3tool.checkpoint.families import SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for
 from exl3tool.checkpoint.source import QUANT_CONFIG, Checkpoint
 from exl3tool.errors import ConfigError, InputError
 
-__all__ = ["PlannedLayer", "RankJob", "LayerPlan", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN"]
+__all__ = ["PlannedLayer", "RankJob", "LayerPlan", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN",
+           "is_shared_expert_projection", "server_ignores"]
 
 ALIGN = 128  # the Hadamard block: K_r and N_r must both be multiples of it (spec 6.3)
 PARALLEL_STYLES = ("qkv", "merged_column", "column", "row", "replicated")
@@ -336,13 +338,44 @@ def _plan_globs(checkpoint: Checkpoint, layers: list[str], serialized: list[str]
     return planned
 
 
+# vLLM's packed_modules_mapping for the families we know: how the server names a fused module's parts.
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def is_shared_expert_projection(prefix: str) -> bool:
+    """True for ``...shared_expert(s).{gate,up,gate_up,down}_proj``: covered by the ``shared_experts`` spec only."""
+    parts = prefix.split(".")
+    return (len(parts) >= 2 and parts[-1] in ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+            and parts[-2] in ("shared_expert", "shared_experts"))
+
+
+def _ignore_match(name: str, ignore: list[str]) -> bool:
+    return any(name == t or (t.startswith("re:") and re.match(t[3:], name)) for t in ignore)
+
+
+def server_ignores(prefix: str, ignore: list[str]) -> bool:
+    """The server's ``ignore`` rule (spec 6.1): exact names or ``re:`` regexes (``re.match``); a fused module
+    is judged through its unfused names unless listed exactly, and those must agree."""
+    leaf = prefix.rsplit(".", 1)[-1]
+    if leaf not in PACKED_MODULES or prefix in ignore:
+        return _ignore_match(prefix, ignore)
+    verdicts = {part: _ignore_match(prefix.replace(leaf, part), ignore) for part in PACKED_MODULES[leaf]}
+    if len(set(verdicts.values())) > 1:
+        ignored = [p for p, v in verdicts.items() if v]
+        raise ConfigError(f"{prefix}: ignore covers only {', '.join(ignored)} of its fused parts; the server "
+                          "rejects this (different quantization schemes); ignore all parts or none")
+    return next(iter(verdicts.values()))
+
+
 def plan_layers(checkpoint: Checkpoint, *, layers: list[str] | None = None, exclude: list[str] | None = None,
-                shared_experts: bool = False) -> LayerPlan:
+                shared_experts: bool = False, linear: bool = True, ignore: list[str] | None = None) -> LayerPlan:
     """Plan the server's online-encoded linears for ``checkpoint`` (headers only, no weights read).
 
     ``layers`` / ``exclude`` are fnmatch globs over vLLM prefixes (e.g. ``'model.layers.0.*'``). For an
     architecture we do not know, ``layers`` is required and matches checkpoint tensor names without
     ``.weight``; every matching 2-D floating weight becomes a ``replicated`` layer.
+    The server's own overlay settings can be mirrored: ``linear`` (a ``linear`` spec is set),
+    ``shared_experts`` (a ``shared_experts`` spec is set) and ``ignore`` (its ``ignore`` list, spec 6.1).
     Example: ``plan_layers(ckpt).for_tp(2)`` lists the entries a TP=2 server would look up.
     """
     arch = checkpoint.architecture
@@ -367,5 +400,8 @@ def plan_layers(checkpoint: Checkpoint, *, layers: list[str] | None = None, excl
         raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers {globs}; {hint}")
     if exclude:
         planned = [p for p in planned if not _matches(p.prefix, exclude)]
+    # Shared-expert projections follow the shared_experts spec only; ignore never applies to them.
+    planned = [p for p in planned if is_shared_expert_projection(p.prefix)
+               or (linear and not (ignore and server_ignores(p.prefix, ignore)))]
     keep = [p for p in serialized if not layers or _matches(p, layers)]
     return LayerPlan(tuple(planned), arch, tuple(keep))

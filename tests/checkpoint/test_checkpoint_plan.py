@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from exl3tool.checkpoint import SUPPORTED_ARCHITECTURES, open_checkpoint, plan_layers
+from exl3tool.checkpoint import SUPPORTED_ARCHITECTURES, is_shared_expert_projection, open_checkpoint, plan_layers
 from exl3tool.errors import ConfigError, InputError
 
 LLAMA_MODULES = [("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "row"),
@@ -200,3 +200,26 @@ def test_mixed_exl3_and_bf16_sources(tiny_hub, tmp_path):
     ckpt = _with_storage(tiny_hub, tmp_path, ["model.layers.0.mlp.gate_proj"])
     with pytest.raises(ConfigError, match="model.layers.0.mlp.gate_up_proj: checkpoint mixes EXL3 and BF16"):
         plan_layers(ckpt)
+
+
+def test_server_ignore_rules(offline_hub):
+    ckpt = open_checkpoint("test-org/tiny-llama")
+    plan = plan_layers(ckpt, ignore=["re:.*layers\\.1\\.self_attn\\.[qkv]_proj$", "model.layers.0.mlp.down_proj"])
+    prefixes = [x.prefix for x in plan.layers]
+    assert "model.layers.1.self_attn.qkv_proj" not in prefixes and "model.layers.0.mlp.down_proj" not in prefixes
+    assert len(prefixes) == 6
+    # the fused name listed exactly is matched directly
+    assert "model.layers.0.mlp.gate_up_proj" not in [
+        x.prefix for x in plan_layers(ckpt, ignore=["model.layers.0.mlp.gate_up_proj"]).layers]
+    with pytest.raises(ConfigError, match="ignore covers only q_proj"):
+        plan_layers(ckpt, ignore=["model.layers.0.self_attn.q_proj"])
+    assert plan_layers(ckpt, linear=False).layers == ()
+
+
+def test_shared_experts_follow_their_own_spec(tmp_path):
+    assert is_shared_expert_projection("model.layers.3.mlp.shared_experts.down_proj")
+    assert not is_shared_expert_projection("model.layers.3.mlp.down_proj")
+    ckpt = open_checkpoint(_write_moe(tmp_path / "q2", "Qwen2MoeForCausalLM", shared=True))
+    plan = plan_layers(ckpt, shared_experts=True, linear=False, ignore=["re:.*"])
+    assert [x.prefix for x in plan.layers] == [
+        "model.layers.0.mlp.shared_expert.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj"]
