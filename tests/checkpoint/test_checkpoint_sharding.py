@@ -9,7 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from exl3tool.checkpoint import encoder_input, open_checkpoint, plan_layers, rank_local_weight, write_llama_checkpoint
+from exl3tool.checkpoint import (
+    PlannedLayer,
+    RankJob,
+    encoder_input,
+    open_checkpoint,
+    plan_layers,
+    rank_local_weight,
+    rank_row_ranges,
+    rank_sizes,
+    write_llama_checkpoint,
+)
 
 HEADS, KV, HD, INTER = 4, 2, 64, 512
 
@@ -140,3 +150,12 @@ def test_job_size_mismatch_rejected(tiny):
     job = dataclasses.replace(plan.for_tp(2)[0], output_size=999)
     with pytest.raises(ValueError, match="N_r=999"):
         rank_local_weight(ckpt, job)
+
+
+def test_spec_worked_example_llama_8b_tp2_rank1():
+    """Spec 2.3: Llama-3.1-8B qkv at TP 2 rank 1 is q rows 2048..4095, k and v rows 512..1023; N_r 3072."""
+    qkv = PlannedLayer("model.layers.0.self_attn.qkv_proj", "qkv", ("q", "k", "v"), (4096, 1024, 1024),
+                       4096, 6144, num_heads=32, num_kv_heads=8, head_dim=128, v_head_dim=128)
+    assert rank_sizes(qkv, 2) == (4096, 3072)
+    job = RankJob(qkv, 2, 1, 4096, 3072)
+    assert rank_row_ranges(job) == [(0, 2048, 4096), (1, 512, 1024), (2, 512, 1024)]
