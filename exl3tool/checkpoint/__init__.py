@@ -15,7 +15,7 @@ from exl3tool.checkpoint.plan import (
     server_ignores,
 )
 from exl3tool.checkpoint.sharding import encoder_input, rank_local_weight, rank_row_ranges
-from exl3tool.checkpoint.source import Checkpoint, TensorInfo, hub_cache_dir, open_checkpoint
+from exl3tool.checkpoint.source import Checkpoint, TensorInfo, hub_cache_dir, open_checkpoint, serving_dtype
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 
 __all__ = [
@@ -40,5 +40,6 @@ __all__ = [
     "rank_row_ranges",
     "rank_sizes",
     "server_ignores",
+    "serving_dtype",
     "write_llama_checkpoint",
 ]

@@ -20,7 +20,8 @@ from safetensors import safe_open
 
 from exl3tool.errors import InputError
 
-__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "hub_cache_dir", "HUB_PATTERNS", "QUANT_CONFIG"]
+__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype", "HUB_PATTERNS",
+           "QUANT_CONFIG"]
 
 # The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
 # only the shards it names. quantization_config.json says which layers an EXL3 checkpoint already stores
@@ -107,20 +108,29 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def _config_dtype(config: dict[str, Any], config_path: Path) -> torch.dtype:
-    """The serving dtype: config ``torch_dtype`` (or newer ``dtype``), bfloat16 when absent."""
+def _config_dtype(config: dict[str, Any], config_path: Path) -> torch.dtype | None:
+    """The checkpoint's declared dtype: config ``torch_dtype`` (or newer ``dtype``), None when absent."""
     value = config.get("torch_dtype") or config.get("dtype")
     if value is None:
         text = config.get("text_config")
         if isinstance(text, dict):
             value = text.get("torch_dtype") or text.get("dtype")
     if value is None:
-        return torch.bfloat16
+        return None
     name = str(value).removeprefix("torch.")
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InputError(f"{config_path}: torch_dtype {value!r} is not a floating-point torch dtype")
     return dtype
+
+
+def serving_dtype(config_dtype: torch.dtype | None) -> torch.dtype:
+    """vLLM's ``--dtype auto`` on a current GPU: the config dtype, except float32 (or none) -> bfloat16.
+
+    vLLM downcasts float32 models to its preferred 16-bit type (bfloat16 on sm80+); a config with no dtype
+    counts as float32. Pass ``dtype=`` to ``rank_local_weight`` when the server runs with an explicit ``--dtype``.
+    """
+    return torch.bfloat16 if config_dtype in (None, torch.float32, torch.float64) else config_dtype
 
 
 class Checkpoint:
@@ -136,7 +146,8 @@ class Checkpoint:
         self.config = config
         self.commit_hash = commit_hash
         self._tensors = tensors
-        self.dtype = _config_dtype(config, config_path or root / "config.json")
+        self.config_dtype = _config_dtype(config, config_path or root / "config.json")  # as declared, or None
+        self.dtype = serving_dtype(self.config_dtype)  # what the server casts weights to under --dtype auto
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.model!r}, root={str(self.root)!r}, tensors={len(self._tensors)})"

@@ -103,7 +103,8 @@ def test_float32_checkpoint_served_as_bfloat16(tmp_path, seed):
     full = {}
     for f in d.glob("*.safetensors"):
         full.update(load_file(f))
-    got = rank_local_weight(ckpt, job, dtype=torch.bfloat16)
+    got = rank_local_weight(ckpt, job)  # default: the serving dtype, bfloat16 for a float32 model
+    assert got.dtype == torch.bfloat16
     assert torch.equal(got, oracle(full, job.prefix, 1, 0).to(torch.bfloat16))
 
 

@@ -42,7 +42,8 @@ def test_single_file_and_file_path(tmp_path, seed):
     assert not (d / "model.safetensors.index.json").exists()
     for model in (str(d), str(d / "model.safetensors")):
         ckpt = open_checkpoint(model)
-        assert ckpt.dtype == torch.float32
+        assert ckpt.config_dtype == torch.float32
+        assert ckpt.dtype == torch.bfloat16  # vLLM's --dtype auto downcasts float32 models
         assert "lm_head.weight" in ckpt.tensor_names()
         assert ckpt.get_tensor("model.norm.weight").dtype == torch.float32
 
@@ -116,6 +117,16 @@ def test_config_missing_or_incomplete(tiny_hub, tmp_path):
     (d / "config.json").unlink()
     with pytest.raises(InputError, match="config.json not found"):
         open_checkpoint(str(d))
+
+
+def test_serving_dtype_follows_vllm_auto(tiny_hub, tmp_path):
+    d = _copy(tiny_hub[2], tmp_path / "ck")
+    for declared, served in (("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.bfloat16),
+                             (None, torch.bfloat16)):
+        config = json.loads((d / "config.json").read_text())
+        config["torch_dtype"] = declared
+        (d / "config.json").write_text(json.dumps(config))
+        assert open_checkpoint(str(d)).dtype == served, declared
 
 
 def test_bad_dtype_in_config(tiny_hub, tmp_path):
