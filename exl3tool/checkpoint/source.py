@@ -127,8 +127,10 @@ def _config_dtype(config: dict[str, Any], config_path: Path) -> torch.dtype | No
 def serving_dtype(config_dtype: torch.dtype | None) -> torch.dtype:
     """vLLM's ``--dtype auto`` on a current GPU: the config dtype, except float32 (or none) -> bfloat16.
 
-    vLLM downcasts float32 models to its preferred 16-bit type (bfloat16 on sm80+); a config with no dtype
-    counts as float32. Pass ``dtype=`` to ``rank_local_weight`` when the server runs with an explicit ``--dtype``.
+    vLLM downcasts float32 models to its preferred 16-bit type (bfloat16 on sm80+; float16 for pooling
+    models); a config with no dtype counts as float32 (unless vLLM can ask the Hub API for the weights'
+    dtypes: an all-F16 checkpoint then serves as float16). Pass ``dtype=`` to ``rank_local_weight`` when the
+    server runs with an explicit ``--dtype`` or in those cases.
     """
     return torch.bfloat16 if config_dtype in (None, torch.float32, torch.float64) else config_dtype
 
