@@ -1,0 +1,80 @@
+"""The rank-local weight a vLLM TP rank holds for one layer (spec 6.4), read slice by slice.
+
+The server encodes ``layer.weight`` after its standard weight loaders filled it: q|k|v or gate|up parts
+sliced per rank and concatenated along the output dimension, row-parallel layers sliced along the input
+dimension, replicated layers whole, all cast to the serving dtype. We rebuild exactly that matrix, reading
+only the rows/columns the rank needs, so memory stays near one rank-local layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exl3tool.checkpoint.plan import RankJob, qkv_partition, rank_sizes
+from exl3tool.checkpoint.source import Checkpoint
+
+__all__ = ["rank_local_weight", "encoder_input", "rank_row_ranges"]
+
+
+def rank_row_ranges(job: RankJob) -> list[tuple[int, int, int]]:
+    """For row-sliced styles: ``(part, start, stop)`` output rows of each fused part, in fused order.
+
+    Rows are relative to the part's own tensor. Row-parallel and replicated layers take all rows.
+    """
+    layer, w, r = job.layer, job.tp_size, job.tp_rank
+    if layer.parallel == "qkv":
+        heads_r, kv_r, _, kr = qkv_partition(layer, w, r)
+        hd, vhd = layer.head_dim, layer.v_head_dim
+        assert hd is not None and vhd is not None
+        return [
+            (0, r * heads_r * hd, (r + 1) * heads_r * hd),
+            (1, kr * kv_r * hd, (kr + 1) * kv_r * hd),
+            (2, kr * kv_r * vhd, (kr + 1) * kv_r * vhd),
+        ]
+    if layer.parallel == "merged_column":
+        return [(j, r * n // w, (r + 1) * n // w) for j, n in enumerate(layer.part_sizes)]
+    if layer.parallel == "column":
+        n = layer.out_features
+        return [(0, r * n // w, (r + 1) * n // w)]
+    return [(j, 0, n) for j, n in enumerate(layer.part_sizes)]
+
+
+def rank_local_weight(checkpoint: Checkpoint, job: RankJob, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The ``[N_r, K_r]`` weight rank ``job.tp_rank`` holds, in ``dtype`` (default: the checkpoint's serving dtype).
+
+    Example: for ``model.layers.0.self_attn.qkv_proj`` at TP 2 rank 1 this is
+    ``cat([q[hq:2hq], k[kv-slice], v[kv-slice]])`` with ``hq = heads/2 * head_dim``.
+    """
+    layer = job.layer
+    dtype = dtype or checkpoint.dtype
+    k_r, n_r = rank_sizes(layer, job.tp_size)
+    if (k_r, n_r) != (job.input_size, job.output_size):
+        raise ValueError(f"{layer.prefix}: job sizes K_r={job.input_size}, N_r={job.output_size} do not match the "
+                         f"layer at TP {job.tp_size} (K_r={k_r}, N_r={n_r})")
+    if not 0 <= job.tp_rank < job.tp_size:
+        raise ValueError(f"{layer.prefix}: tp_rank {job.tp_rank} outside 0..{job.tp_size - 1}")
+
+    cols = None
+    if layer.parallel == "row":
+        w, r, k = job.tp_size, job.tp_rank, layer.in_features
+        cols = (r * k // w, (r + 1) * k // w)
+    # Offsets of each part inside a pre-fused source tensor (0 for separate tensors).
+    offsets = [sum(layer.part_sizes[:j]) for j in range(len(layer.part_sizes))] if layer.fused_source else None
+
+    pieces: list[torch.Tensor] = []
+    for part, start, stop in rank_row_ranges(job):
+        name, base = (layer.sources[0], offsets[part]) if offsets is not None else (layer.sources[part], 0)
+        pieces.append(checkpoint.read(name, rows=(base + start, base + stop), cols=cols).to(dtype))
+    weight = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    weight = weight.contiguous()
+    if tuple(weight.shape) != (n_r, k_r):
+        raise ValueError(f"{layer.prefix}: rank {job.tp_rank} weight has shape {list(weight.shape)}, "
+                         f"expected [{n_r}, {k_r}]")
+    return weight
+
+
+def encoder_input(weight: torch.Tensor) -> torch.Tensor:
+    """What the encoder consumes: the rank-local weight transposed to ``[K_r, N_r]``, float32, contiguous (spec 7)."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D [N_r, K_r] weight, got shape {list(weight.shape)}")
+    return weight.t().to(torch.float32).contiguous()

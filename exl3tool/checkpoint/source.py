@@ -1,0 +1,356 @@
+"""Open a checkpoint (local directory, one .safetensors file, or a Hub repo id) and read it lazily.
+
+Only headers are parsed up front; tensors are read one at a time (or one slice at a time) through
+safetensors' memory-mapped ``safe_open``, so the whole model is never in memory. A Hub model is
+resolved through ``huggingface_hub.snapshot_download`` restricted to the files we read, which also
+yields the 40-hex commit hash that the server's ``model_identity`` uses (spec 2.4, 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from exl3tool.errors import InputError
+
+__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype", "HUB_PATTERNS",
+           "QUANT_CONFIG"]
+
+# The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
+# only the shards it names. quantization_config.json says which layers an EXL3 checkpoint already stores
+# quantized (the server never encodes those online, spec 6.1).
+INDEX_NAME = "model.safetensors.index.json"
+QUANT_CONFIG = "quantization_config.json"
+SMALL_FILES = ["config.json", INDEX_NAME, QUANT_CONFIG]
+HUB_PATTERNS = [*SMALL_FILES, "*.safetensors"]
+_HEX40 = re.compile(r"[0-9a-f]{40}")
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+
+# safetensors dtype codes -> torch dtypes (the ones a checkpoint can hold)
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _code, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[_code] = getattr(torch, _name)
+
+
+class TensorInfo:
+    """Where one tensor lives and what it is, from the shard's header (no data read)."""
+
+    __slots__ = ("name", "file", "dtype_code", "shape")
+
+    def __init__(self, name: str, file: Path, dtype_code: str, shape: tuple[int, ...]) -> None:
+        self.name, self.file, self.dtype_code, self.shape = name, file, dtype_code, shape
+
+    @property
+    def is_float(self) -> bool:
+        """True for plain floating-point storage (F16/BF16/F32/F64), the only kind we encode.
+
+        FP8 weights are excluded: without their scales a cast would give wrong values.
+        """
+        return self.dtype_code in ("F16", "BF16", "F32", "F64")
+
+    def __repr__(self) -> str:
+        return f"TensorInfo({self.name!r}, {self.file.name!r}, {self.dtype_code}, {list(self.shape)})"
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse a safetensors header ourselves so a corrupt file fails here, naming the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise InputError(f"{path}: not a safetensors file (only {size} bytes); re-download it")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise InputError(
+                    f"{path}: corrupt safetensors header (declares {n} header bytes in a {size}-byte file); "
+                    "re-download or re-save the file"
+                )
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise InputError(f"{path}: file not found; the checkpoint is incomplete, download the missing file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        out: dict[str, TensorInfo] = {}
+        for name, rec in header.items():
+            if name == "__metadata__":
+                continue
+            code, shape, offs = rec["dtype"], tuple(int(d) for d in rec["shape"]), rec["data_offsets"]
+            if code not in _ST_DTYPES or len(offs) != 2 or not 0 <= offs[0] <= offs[1] <= size - 8 - n:
+                raise ValueError(f"bad record for tensor {name!r}")
+            out[name] = TensorInfo(name, path, code, shape)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: corrupt safetensors header ({e}); re-download or re-save the file") from None
+    return out
+
+
+def _config_dtype(config: dict[str, Any], config_path: Path) -> torch.dtype | None:
+    """The checkpoint's declared dtype: config ``torch_dtype`` (or newer ``dtype``), None when absent."""
+    value = config.get("torch_dtype") or config.get("dtype")
+    if value is None:
+        text = config.get("text_config")
+        if isinstance(text, dict):
+            value = text.get("torch_dtype") or text.get("dtype")
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InputError(f"{config_path}: torch_dtype {value!r} is not a floating-point torch dtype")
+    return dtype
+
+
+def serving_dtype(config_dtype: torch.dtype | None) -> torch.dtype:
+    """vLLM's ``--dtype auto`` on a current GPU: the config dtype, except float32 (or none) -> bfloat16.
+
+    vLLM downcasts float32 models to its preferred 16-bit type (bfloat16 on sm80+; float16 for pooling
+    models); a config with no dtype counts as float32 (unless vLLM can ask the Hub API for the weights'
+    dtypes: an all-F16 checkpoint then serves as float16). Pass ``dtype=`` to ``rank_local_weight`` when the
+    server runs with an explicit ``--dtype`` or in those cases.
+    """
+    return torch.bfloat16 if config_dtype in (None, torch.float32, torch.float64) else config_dtype
+
+
+class Checkpoint:
+    """A resolved local checkpoint: config plus a name -> shard map; tensors are read on demand."""
+
+    def __init__(self, model: str, root: Path, config: dict[str, Any], commit_hash: str | None,
+                 tensors: dict[str, TensorInfo], config_path: Path | None = None, revision: str | None = None) -> None:
+        self.model = model
+        # As given (--revision). For a local path it selects nothing, but the server's directory identity
+        # records ``commit_hash or revision`` (spec 2.4, 3), so it is kept.
+        self.revision = revision
+        self.root = root
+        self.config = config
+        self.commit_hash = commit_hash
+        self._tensors = tensors
+        self.config_dtype = _config_dtype(config, config_path or root / "config.json")  # as declared, or None
+        self.dtype = serving_dtype(self.config_dtype)  # what the server casts weights to under --dtype auto
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.model!r}, root={str(self.root)!r}, tensors={len(self._tensors)})"
+
+    @property
+    def architecture(self) -> str | None:
+        """``architectures[0]`` from config.json, or None when the config names none."""
+        archs = self.config.get("architectures")
+        return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+
+    def tensor_names(self) -> list[str]:
+        """All tensor names, in file order then header order."""
+        return list(self._tensors)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def info(self, name: str) -> TensorInfo:
+        """Header record for ``name``; InputError naming the tensor when absent."""
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise InputError(f"{self.root}: checkpoint has no tensor {name!r}") from None
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def _open(self, info: TensorInfo):
+        try:
+            return safe_open(str(info.file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise InputError(f"{info.file}: cannot open as safetensors ({e}); re-download the file") from None
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """One whole tensor, read from its shard (nothing else is loaded)."""
+        info = self.info(name)
+        with self._open(info) as f:
+            return f.get_tensor(name)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """A 2-D tensor's ``[rows, cols]`` block, reading only that slice from disk (rank-local shards)."""
+        info = self.info(name)
+        if len(info.shape) != 2:
+            raise InputError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected 2-D [out, in]")
+        r0, r1 = rows if rows is not None else (0, info.shape[0])
+        c0, c1 = cols if cols is not None else (0, info.shape[1])
+        if not (0 <= r0 <= r1 <= info.shape[0] and 0 <= c0 <= c1 <= info.shape[1]):
+            raise ValueError(f"{name}: slice rows {r0}:{r1} cols {c0}:{c1} outside shape {list(info.shape)}")
+        with self._open(info) as f:
+            return f.get_slice(name)[r0:r1, c0:c1]
+
+
+def hub_cache_dir() -> Path:
+    """The Hub cache as huggingface_hub would pick it, read from the environment now (not at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.path.expandvars(os.path.expanduser(os.environ["HF_HUB_CACHE"])))
+    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(os.path.expandvars(os.path.expanduser(os.environ["HUGGINGFACE_HUB_CACHE"])))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return Path(os.path.expandvars(os.path.expanduser(home))) / "hub"
+
+
+def _env_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _snapshot_hash(directory: Path) -> str | None:
+    """The commit hash when ``directory`` is a Hub-cache ``snapshots/<40hex>`` folder."""
+    d = Path(os.path.abspath(directory))
+    return d.name if d.parent.name == "snapshots" and _HEX40.fullmatch(d.name) else None
+
+
+def _download(model: str, revision: str | None, token: str | bool | None, local_files_only: bool | None) -> Path:
+    """Resolve a repo id to a snapshot folder; offline (env or argument) never touches the network."""
+    from huggingface_hub import errors as hf_errors
+    from huggingface_hub import snapshot_download
+
+    offline = _env_offline() if local_files_only is None else bool(local_files_only)
+    cache = hub_cache_dir()
+    rev = revision or "main"
+    try:
+        # First the small files, which pin the commit; then only the shards the index names (a repo may also
+        # carry e.g. Mistral's consolidated.safetensors, a second full copy we must not fetch).
+        folder = Path(snapshot_download(
+            repo_id=model, revision=revision, cache_dir=str(cache), allow_patterns=SMALL_FILES,
+            token=token, local_files_only=offline,
+        ))
+        shards = list(_index_files(folder)) if (folder / INDEX_NAME).is_file() else ["*.safetensors"]
+        pinned = folder.name if _HEX40.fullmatch(folder.name) else revision
+        folder = Path(snapshot_download(
+            repo_id=model, revision=pinned, cache_dir=str(cache), allow_patterns=[*SMALL_FILES, *shards],
+            token=token, local_files_only=offline,
+        ))
+    except hf_errors.HFValidationError:
+        raise InputError(f"{model!r}: no such local path, and not a valid Hub repo id (expected 'org/name')") from None
+    except hf_errors.IncompleteSnapshotError as e:  # a subclass of LocalEntryNotFoundError: keep its detail
+        raise InputError(f"{model}: {' '.join(str(e).split())}") from None
+    except hf_errors.LocalEntryNotFoundError:
+        why = "downloads are off (HF_HUB_OFFLINE=1 or local_files_only)" if offline else "the Hub could not be reached"
+        raise InputError(
+            f"{model}: revision {rev!r} is not in the Hub cache {cache} and {why}; "
+            f"download it first (hf download {model} --revision {rev}) or point HF_HUB_CACHE at a cache that has it"
+        ) from None
+    except hf_errors.RevisionNotFoundError:
+        raise InputError(
+            f"{model}: revision {rev!r} does not exist on the Hub; pass an existing branch, tag or commit"
+        ) from None
+    except (hf_errors.RepositoryNotFoundError, hf_errors.GatedRepoError):
+        raise InputError(
+            f"{model}: repository not found or access denied; check the name, or log in (hf auth login / HF_TOKEN)"
+        ) from None
+    except (hf_errors.HfHubHTTPError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(
+            f"{model}: download failed ({type(e).__name__}: {first}); check the network or try again"
+        ) from None
+    return folder
+
+
+def _load_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: config.json not found; the checkpoint directory needs one") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{path}: cannot parse config.json ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: config.json is not a JSON object")
+    return config
+
+
+def _index_files(root: Path) -> dict[str, list[str]]:
+    """Shard file -> tensor names it should hold, from model.safetensors.index.json."""
+    path = root / INDEX_NAME
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise ValueError("weight_map is not an object")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: cannot parse the shard index ({type(e).__name__}: {e})") from None
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        files.setdefault(str(file), []).append(name)
+    return files
+
+
+def _collect(files: list[tuple[Path, list[str] | None]]) -> dict[str, TensorInfo]:
+    """Tensor name -> header record over ``(shard, names the index places there or None)`` pairs."""
+    tensors: dict[str, TensorInfo] = {}
+    for file, expected in files:
+        if not file.is_file():
+            named = f" (named in {INDEX_NAME})" if expected is not None else ""
+            raise InputError(f"{file}: shard missing{named}; the checkpoint is incomplete, download that file")
+        header = _read_header(file)
+        if expected is not None:
+            missing = [n for n in expected if n not in header]
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise InputError(f"{file}: shard lacks tensor {missing[0]!r}{more} that {INDEX_NAME} places there; "
+                                 "re-download the shard")
+            header = {n: header[n] for n in expected}
+        for name, info in header.items():
+            tensors.setdefault(name, info)
+    return tensors
+
+
+def open_checkpoint(model: str, *, revision: str | None = None, token: str | bool | None = None,
+                    local_files_only: bool | None = None) -> Checkpoint:
+    """Open ``model`` (a directory, a .safetensors file, or a Hub repo id) without loading weights.
+
+    Example: ``open_checkpoint("meta-llama/Llama-3.1-8B", revision="main")`` under ``HF_HUB_OFFLINE=1``
+    reads the cached snapshot and sets ``commit_hash`` from it.
+    """
+    expanded = os.path.expanduser(model)
+    if os.path.exists(expanded):  # like the server: an existing path wins over a repo id (spec 2.4)
+        local = Path(os.path.abspath(expanded))
+        if local.is_file():
+            if local.suffix != ".safetensors":
+                raise InputError(
+                    f"{local}: not a .safetensors file; pass a checkpoint directory or a .safetensors file"
+                )
+            root = local.parent
+            config_path = root / "config.json"
+            config = _load_config(config_path) if config_path.is_file() else {}
+            return Checkpoint(model, root, config, _snapshot_hash(root), _collect([(local, None)]),
+                              config_path, revision)
+        root = local
+    else:
+        root = _download(model, revision, token, local_files_only)
+
+    config = _load_config(root / "config.json")
+    if (root / INDEX_NAME).is_file():
+        tensors = _collect([(root / f, names) for f, names in _index_files(root).items()])
+    else:
+        files = sorted(p for p in root.glob("*.safetensors") if not p.name.startswith("."))
+        if not files:
+            raise InputError(
+                f"{root}: no *.safetensors files and no {INDEX_NAME}; only safetensors checkpoints are read"
+            )
+        tensors = _collect([(f, None) for f in files])
+    commit = _snapshot_hash(root)
+    return Checkpoint(model, root, config, commit, tensors, revision=revision)

@@ -1,0 +1,57 @@
+"""The synthetic checkpoint writer: valid safetensors, layout-independent values, a real Hub-cache layout."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from exl3tool.checkpoint import write_llama_checkpoint
+
+
+def _all(d):
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_values_do_not_depend_on_sharding(tmp_path, seed):
+    one = _all(write_llama_checkpoint(tmp_path / "a", seed=seed, shards=1, layers=1))
+    three = _all(write_llama_checkpoint(tmp_path / "b", seed=seed, shards=3, layers=1))
+    other = _all(write_llama_checkpoint(tmp_path / "c", seed=seed + 1, shards=1, layers=1))
+    assert one.keys() == three.keys()
+    assert all(torch.equal(one[k], three[k]) for k in one)
+    assert not torch.equal(one["model.layers.0.mlp.up_proj.weight"], other["model.layers.0.mlp.up_proj.weight"])
+    w = one["model.layers.0.mlp.up_proj.weight"].float()
+    assert 0.015 < w.std().item() < 0.025 and one["model.norm.weight"].eq(1).all()
+    assert not torch.equal(one["model.layers.0.mlp.up_proj.weight"], one["model.layers.0.mlp.gate_proj.weight"])
+
+
+def test_index_and_config(tiny_hub):
+    plain = tiny_hub[2]
+    index = json.loads((plain / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    tensors = _all(plain)
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    config = json.loads((plain / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 64
+    assert config["torch_dtype"] == "bfloat16"
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(tensors)
+
+
+def test_hub_cache_layout(tiny_hub):
+    hub, snap, _ = tiny_hub
+    repo = hub / "models--test-org--tiny-llama"
+    assert snap.parent == repo / "snapshots"
+    for ref in ("main", "v1.0"):
+        assert (repo / "refs" / ref).read_text() == snap.name  # no trailing newline
+    for link in snap.iterdir():
+        assert link.is_symlink()
+        blob = link.resolve()
+        assert blob.parent == (repo / "blobs").resolve()
+        assert blob.name == hashlib.sha256(blob.read_bytes()).hexdigest()
