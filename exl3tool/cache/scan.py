@@ -16,16 +16,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exl3tool.cache.entry import parse_proxy_error, read_entry, validate_entry
+from safetensors import safe_open
+
+from exl3tool.cache.entry import parse_proxy_error, tensor_sha256, validate_entry
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE
 
-__all__ = ["EntryInfo", "PrunePlan", "scan", "plan_prune", "execute_prune", "lock_is_held", "matches_model"]
+__all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "lock_is_held", "matches_model"]
 
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """One file under ``<root>/v1``: ``kind`` entry|temp|lock|stray; for entries ``status`` valid|invalid."""
+    """One file under ``<root>/v1``: ``kind`` entry|temp|lock|stray; for entries ``status`` valid|invalid|unchecked."""
 
     path: Path
     kind: str
@@ -62,8 +64,12 @@ def _stat(path: Path) -> tuple[int, float]:
         return 0, 0.0
 
 
-def _check_entry(path: Path, digest: str, model_dir: str, world: int, rank: int) -> dict:
-    """Status, reason, key and details of one entry file; never raises."""
+def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | None, rank: int | None, deep: bool) -> dict:
+    """Status, reason, key and details of one entry file; never raises.
+
+    ``deep`` runs the server's full load (§5.3) and our checksum; otherwise only the header is read and a
+    well-formed entry gets status ``unchecked``.
+    """
     out: dict = {"status": "invalid", "is_symlink": path.is_symlink()}
     if path.is_symlink() and not path.exists():
         out["reason"] = f"dangling symlink to {os.readlink(path)}"
@@ -75,12 +81,13 @@ def _check_entry(path: Path, digest: str, model_dir: str, world: int, rank: int)
         out["reason"] = "not a regular file"
         return out
     try:
-        contents = read_entry(path)
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            metadata = dict(fh.metadata() or {})
     except Exception as exc:
         out["reason"] = f"unreadable as safetensors ({type(exc).__name__}: {exc})"
         return out
-    out["metadata"] = contents.metadata
-    stored = contents.metadata.get("cache_key")
+    out["metadata"] = metadata
+    stored = metadata.get("cache_key")
     if stored is None:
         out["reason"] = "no cache_key metadata"
         return out
@@ -91,7 +98,7 @@ def _check_entry(path: Path, digest: str, model_dir: str, world: int, rank: int)
         return out
     out.update(key=key, prefix=key.prefix, model_identity=key.model_identity)
     try:
-        out["proxy_error"] = parse_proxy_error(contents.metadata.get("proxy_error"))
+        out["proxy_error"] = parse_proxy_error(metadata.get("proxy_error"))
     except ValueError:
         pass
     if key.canonical_json() != stored:
@@ -100,18 +107,20 @@ def _check_entry(path: Path, digest: str, model_dir: str, world: int, rank: int)
     if hashlib.sha256(stored.encode("utf-8")).hexdigest() != digest:
         out["reason"] = "file name is not the digest of the stored cache_key"
         return out
-    if (key.model_identity[:20], key.tp_world_size, key.tp_rank) != (model_dir, world, rank):
+    if model_dir is not None and (key.model_identity[:20], key.tp_world_size, key.tp_rank) != (model_dir, world, rank):
         out["reason"] = "entry sits in the wrong model or tp directory for its key"
         return out
-    want = contents.metadata.get("exl3tool_sha256")
+    if not deep:
+        out["status"] = "unchecked"
+        out["reason"] = ""
+        return out
     try:
-        validate_entry(path, key, verify_checksum=False)  # exactly the server's checks
+        contents = validate_entry(path, key, verify_checksum=False)  # exactly the server's checks
     except Exception as exc:
         out["reason"] = f"{exc}"
         return out
+    want = metadata.get("exl3tool_sha256")
     if want is not None:
-        from exl3tool.cache.entry import tensor_sha256
-
         out["sha256_ok"] = tensor_sha256(contents.tensors) == want
         if not out["sha256_ok"]:
             out["reason"] = "tensor bytes differ from exl3tool_sha256 (the server would still load it)"
@@ -121,8 +130,28 @@ def _check_entry(path: Path, digest: str, model_dir: str, world: int, rank: int)
     return out
 
 
-def scan(root: str | Path) -> list[EntryInfo]:
-    """Every entry, temp, lock and stray file under ``<root>/v1/<id20>/tp<W>-rank<R>/``, sorted by path."""
+def inspect_entry(path: str | Path, *, deep: bool = True) -> EntryInfo:
+    """One entry file anywhere: its layout is taken from its parent directories when they follow the template."""
+    path = Path(path)
+    em = ENTRY_RE.match(path.name)
+    if em is None:
+        raise ValueError(f"{path}: not an entry file name (<64-hex digest>.safetensors)")
+    m = LAYOUT_RE.match(path.parent.name)
+    world, rank = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    model_dir = path.parent.parent.name if m else None
+    size, mtime = _stat(path)
+    details = _check_entry(path, em.group(1), model_dir, world, rank, deep)
+    return EntryInfo(
+        path=path, kind="entry", size=size, mtime=mtime, digest=em.group(1), model_dir=model_dir,
+        tp_world_size=world, tp_rank=rank, **details,
+    )
+
+
+def scan(root: str | Path, *, deep: bool = True) -> list[EntryInfo]:
+    """Every entry, temp, lock and stray file under ``<root>/v1/<id20>/tp<W>-rank<R>/``, sorted by path.
+
+    ``deep=False`` reads only headers (fast listing); ``deep=True`` loads every entry as the server would.
+    """
     base = Path(root) / "v1"
     infos: list[EntryInfo] = []
     if not base.is_dir():
@@ -137,7 +166,7 @@ def scan(root: str | Path) -> list[EntryInfo]:
                 size, mtime = _stat(path)
                 common = dict(path=path, size=size, mtime=mtime, model_dir=model_dir.name, tp_world_size=world, tp_rank=rank)
                 if (em := ENTRY_RE.match(name)) and m:
-                    details = _check_entry(path, em.group(1), model_dir.name, world, rank)
+                    details = _check_entry(path, em.group(1), model_dir.name, world, rank, deep)
                     infos.append(EntryInfo(kind="entry", digest=em.group(1), **common, **details))
                 elif lm := LOCK_RE.match(name):
                     orphan = f"{lm.group(1)}.safetensors" not in names
