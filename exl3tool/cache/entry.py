@@ -146,7 +146,7 @@ def check_fresh_encode(key: CacheKey, tensors: dict[str, torch.Tensor], proxy_er
         if t.dtype != _ST_DTYPES[dtype] or tuple(t.shape) != shape:
             raise ValueError(
                 f"{key.prefix}: encoder returned {name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, "
-                f"expected {_ST_DTYPES[dtype]}{list(shape)}"
+                f"expected {str(_ST_DTYPES[dtype]).removeprefix('torch.')}{list(shape)}"
             )
     try:
         _check_finite("suh", tensors["suh"])

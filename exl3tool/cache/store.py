@@ -157,7 +157,7 @@ class CacheStore:
                     return self._fresh(encoded, None)
                 return self._fresh(encoded, published)
         except Timeout:
-            log.warning("Timed out after %.0f s waiting for %s; encoding without the cache", self.lock_timeout, lock_path(path))
+            log.warning("Timed out after %g s waiting for %s; encoding without the cache", self.lock_timeout, lock_path(path))
             return self._fresh(self._encode(key, encode_fn), None)
         except OSError as exc:
             log.warning("Online EXL3 cache unavailable (%s); encoding without the cache", exc)
