@@ -103,11 +103,21 @@ class CacheStore:
         except Exception as exc:  # any failure to read or validate makes the entry invalid, never an error
             return Lookup("invalid", f"{type(exc).__name__}: {exc}", path)
 
+    def _lock(self, path: Path) -> FileLock:
+        lock_mode = (self.file_mode | 0o600) & ~0o022
+        return FileLock(str(lock_path(path)), timeout=self.lock_timeout, mode=lock_mode)
+
     def publish(self, key: CacheKey, encoded: EncodedLinear) -> Path:
-        """Check ``encoded`` like the server and write it atomically; non-finite data is never published."""
+        """Check ``encoded`` like the server and write it atomically under the entry lock (replacing any file).
+
+        Non-finite data is never published. Raises ``filelock.Timeout`` or ``OSError`` on failure.
+        """
         tensors = encoded.tensors()
         check_fresh_encode(key, tensors, encoded.proxy_error)
-        return write_entry(self.path(key), key, tensors, encoded.proxy_error, file_mode=self.file_mode)
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock(path):
+            return write_entry(path, key, tensors, encoded.proxy_error, file_mode=self.file_mode)
 
     def _encode(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> EncodedLinear:
         encoded = encode_fn()
@@ -141,8 +151,7 @@ class CacheStore:
             return self._fresh(self._encode(key, encode_fn), None)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            lock_mode = (self.file_mode | 0o600) & ~0o022
-            with FileLock(str(lock_path(path)), timeout=self.lock_timeout, mode=lock_mode):
+            with self._lock(path):
                 if path.is_file():
                     try:
                         return self._from_hit(self._load(path, key))
