@@ -141,3 +141,19 @@ def test_cache_app_is_importable_for_other_commands():
     from exl3tool.commands.cache import cache_app
 
     assert {c.name for c in cache_app.registered_commands} >= {"ls", "show", "verify", "prune"}
+
+
+def test_real_entry_point_exit_codes(cache):
+    """Through `python -m exl3tool` (cli.main): findings exit 1 with one error line, usage errors exit 2."""
+    import subprocess
+    import sys
+
+    key = CacheKey.for_layer(MODEL_ID, ENCODER_ID, "model.layers.0.mlp.down_proj", 6, 1, 0, 128, 256)
+    entry_path(key, cache).write_bytes(b"junk")
+    out = subprocess.run([sys.executable, "-m", "exl3tool", "cache", "verify", "--cache-dir", str(cache), "--json"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and json.loads(out.stdout)["valid"] == 11
+    assert out.stderr.strip().startswith("error: 1 invalid entry")
+    out = subprocess.run([sys.executable, "-m", "exl3tool", "cache", "prune", "--cache-dir", str(cache)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--invalid" in out.stderr

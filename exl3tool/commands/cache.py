@@ -16,7 +16,7 @@ from rich.table import Table
 
 from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.commands.options import CacheDirOpt, JsonOpt, ModelIdOpt, QuietOpt, resolve_cache_dir
-from exl3tool.errors import ConfigError, InputError
+from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.output import Output
 
 __all__ = ["cache_app", "register"]
@@ -70,7 +70,8 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
         g["bytes"] += info.size
         g["newest"] = max(g["newest"], info.mtime)
     table = Table(title=f"EXL3 cache {root}")
-    for col in ("model identity", "TP", "ranks", "entries", "malformed", "size", "newest (UTC)"):
+    table.add_column("model identity", no_wrap=True, min_width=20)
+    for col in ("TP", "ranks", "entries", "malformed", "size", "newest (UTC)"):
         table.add_column(col, justify="right" if col in ("entries", "malformed", "size") else "left")
     rows = []
     for g in sorted(groups.values(), key=lambda g: (g["model_identity"], g["tp_world_size"] or 0)):
@@ -144,7 +145,7 @@ def show(
     out.table(table)
     out.data({**_entry_json(info), "tensors": tensors, "metadata": info.metadata})
     if info.status != "valid":
-        raise typer.Exit(1)
+        raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
 
 
 @cache_app.command("verify")
@@ -160,8 +161,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     strays = [i for i in infos if i.kind == "stray"]
     if invalid or temps or strays:
         table = Table(title="Findings")
-        for col in ("file", "problem"):
-            table.add_column(col)
+        table.add_column("file", overflow="fold")
+        table.add_column("problem", overflow="fold")
         for i in invalid:
             table.add_row(str(i.path.relative_to(root) if i.path.is_relative_to(root) else i.path), i.reason)
         for i in temps + strays:
@@ -176,8 +177,7 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     )
     if temps:
         out.note("remove leftovers with: exl3tool cache prune --temp")
-    if invalid:
-        out.note("remove invalid entries with: exl3tool cache prune --invalid")
+
     out.data(
         {
             "root": str(root),
@@ -190,7 +190,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
         }
     )
     if invalid:
-        raise typer.Exit(1)
+        raise FindingsError(f"{len(invalid)} invalid entr{'y' if len(invalid) == 1 else 'ies'} under {root}; "
+                            "remove with: exl3tool cache prune --invalid")
 
 
 @cache_app.command("prune")
@@ -219,8 +220,9 @@ def prune(
     root = resolve_cache_dir(cache_dir)
     plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model)
     table = Table(title=f"Prune plan for {root}")
-    for col in ("file", "size", "why"):
-        table.add_column(col, justify="right" if col == "size" else "left")
+    table.add_column("file", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("why", overflow="fold")
     for info, why in plan.items:
         table.add_row(str(info.path.relative_to(root)), decimal(info.size), why)
     out.table(table)
