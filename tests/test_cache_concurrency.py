@@ -106,43 +106,76 @@ def test_eight_processes_race(tmp_path, nolock):
     assert not [i for i in infos if i.kind == "temp"]
 
 
-def _writer(root: str, ks: list[CacheKey]) -> None:
+def _writer(root: str, ks: list[CacheKey], encodes: dict | None = None, kill_point: str | None = None, seed: int = 0) -> None:
+    """Publish ``ks`` in order; ``kill_point`` fsync|replace: SIGKILL ourselves right before that call;
+    ``save``: die halfway through writing a file (the file keeps half its bytes, as after a crash mid-write)."""
+    if kill_point == "save":
+        import exl3tool.cache.entry as entry_mod
+
+        rng = random.Random(seed)
+        real_save = entry_mod.save_file
+
+        def save_and_die(tensors, filename, metadata=None):
+            real_save(tensors, filename, metadata=metadata)
+            if rng.random() < 0.3:
+                os.truncate(filename, os.path.getsize(filename) // 2)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        entry_mod.save_file = save_and_die
+    elif kill_point:
+        rng = random.Random(seed)
+        real = getattr(os, kill_point)
+
+        def maybe_die(*args, **kwargs):
+            if rng.random() < 0.3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        setattr(os, kill_point, maybe_die)
     store = CacheStore(root)
     for key in ks:
-        store.load_or_encode(key, lambda key=key: expected(key))
+        store.load_or_encode(key, lambda key=key: encodes[key.digest()] if encodes else expected(key))
+
+
+def _check_after_kill(root: Path, ks: list[CacheKey], size: int) -> list:
+    infos = scan(root)
+    entries = [i for i in infos if i.kind == "entry"]
+    assert all(i.status == "valid" for i in entries), [i.reason for i in entries if i.status != "valid"]
+    for key in ks:
+        if entry_path(key, root).exists():
+            assert server_lookup(root, MODEL_ID, ENCODER_ID, key.prefix, BITS, 1, 0, size, size) is not None
+    return infos
 
 
 def test_sigkill_never_leaves_a_visible_partial_entry(tmp_path):
     root = tmp_path / "cache"
-    ks = keys(24, 512, 512)
+    size = 512
+    ks = keys(16, size, size)
+    encodes = {key.digest(): expected(key) for key in ks}  # so the writer's time goes to I/O, where kills matter
     rng = random.Random(1234)
-    runs, temps_seen, published = 25, 0, []
+    runs, temps_seen, published, kinds = 28, 0, [], []
     for run in range(runs):
-        p = CTX.Process(target=_writer, args=(str(root), ks))
+        kill_point = [None, "save", "fsync", "replace"][run % 4]
+        p = CTX.Process(target=_writer, args=(str(root), ks, encodes, kill_point, run))
         p.start()
-        time.sleep(rng.uniform(0.005, 0.25))
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(10)
-        assert p.exitcode == -signal.SIGKILL or p.exitcode == 0
-        infos = scan(root)
+        if kill_point is None:
+            time.sleep(rng.uniform(0.002, 0.12))
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        kinds.append(p.exitcode)
+        infos = _check_after_kill(root, ks, size)
         entries = [i for i in infos if i.kind == "entry"]
-        assert all(i.status == "valid" for i in entries), [i.reason for i in entries if i.status != "valid"]
-        for key in ks:
-            if entry_path(key, root).exists():
-                assert server_lookup(root, MODEL_ID, ENCODER_ID, key.prefix, BITS, 1, 0, 512, 512) is not None
         temps_seen = max(temps_seen, sum(i.kind == "temp" for i in infos))
         published.append(len(entries))
         if len(entries) == len(ks):  # start over so later kills land mid-run again
             for i in entries:
                 i.path.unlink()
+    killed = sum(code == -signal.SIGKILL for code in kinds)
     leftovers = [i for i in scan(root) if i.kind == "temp"]
-    print(f"\ncrash: {runs} SIGKILLs, entries visible after each {published}, temp files left {len(leftovers)} "
-          f"(max at once {temps_seen}), partial entries seen 0")
-    if not leftovers:  # make sure the reporting path is exercised even if no kill landed mid-write
-        d = entry_path(ks[0], root).parent
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f".{ks[0].digest()}.safetensors.zz9x_k2a.tmp").write_bytes(b"partial")
-    _writer(str(root), ks)  # the next run completes
+    print(f"\ncrash: {runs} runs, {killed} SIGKILLed (at random times, mid-write, before fsync, before replace), entries visible after each "
+          f"{published}, temp files left {len(leftovers)} (max at once {temps_seen}), partial entries seen 0")
+    assert killed >= 20 and leftovers
+    _writer(str(root), ks, encodes)  # the next run completes
     for key in ks:
         assert CacheStore(root, "readonly").lookup(key).hit
     _register()
