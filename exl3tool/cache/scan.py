@@ -255,7 +255,7 @@ def plan_prune(
         if info.kind != "lock" or not matches_model(info, model):
             continue
         entry = info.path.parent / f"{info.digest}.safetensors"
-        if info.orphan and temp or entry in removed_entries:
+        if (info.orphan and temp) or entry in removed_entries:
             if lock_is_held(info.path):
                 skipped.append((info, "lock is held"))
             else:
