@@ -95,6 +95,28 @@ def test_non_finite_encode_raises_and_publishes_nothing(tmp_path, where, mode):
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+@pytest.mark.parametrize("results,calls,ok", [(["nan", "good"], 2, True), (["nan", "nan"], 2, False)])
+def test_retry_once_after_non_finite(tmp_path, results, calls, ok):
+    good = make_encoded()
+    bad = type(good)(**{**good.__dict__, "proxy_error": math.nan})
+    seq = iter([good if r == "good" else bad for r in results])
+    count = {"n": 0}
+
+    def encode():
+        count["n"] += 1
+        return next(seq)
+
+    store = CacheStore(tmp_path)
+    if ok:
+        res = store.load_or_encode_with_retry(key_for(), encode)
+        assert res.proxy_error == 0.125 and res.path is not None
+    else:
+        with pytest.raises(Exl3OnlineNonFiniteError):
+            store.load_or_encode_with_retry(key_for(), encode)
+        assert not list(tmp_path.rglob("*.safetensors"))
+    assert count["n"] == calls
+
+
 def test_wrong_encode_shape_is_a_plain_value_error(tmp_path):
     with pytest.raises(ValueError, match="trellis int16\\[16, 16, 96\\], expected int16\\[8, 16, 96\\]") as exc:
         CacheStore(tmp_path).load_or_encode(key_for(), lambda: make_encoded(k=256))

@@ -8,7 +8,6 @@ file. The lock only saves duplicate work.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,3 +170,16 @@ class CacheStore:
         except OSError as exc:
             log.warning("Online EXL3 cache unavailable (%s); encoding without the cache", exc)
             return self._fresh(self._encode(key, encode_fn), None)
+
+    def load_or_encode_with_retry(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> LoadResult:
+        """The server's ``_load_online_encoding_with_retry``: one more full attempt after a non-finite encode.
+
+        The second attempt can be a hit if another process published meanwhile; a second non-finite
+        result propagates. Other errors are not retried.
+        """
+        try:
+            return self.load_or_encode(key, encode_fn)
+        except Exl3OnlineNonFiniteError as exc:
+            log.warning("Retrying %s once after a non-finite encode: %s", key.prefix, exc)
+            return self.load_or_encode(key, encode_fn)
+

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-from collections import defaultdict
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
