@@ -27,7 +27,7 @@ ServerPathOpt = Annotated[
     Optional[str],
     typer.Option(
         "--server-path",
-        help="The model's absolute path as the server sees it (for a local checkpoint copied elsewhere; keep mtimes).",
+        help="The local checkpoint's resolved absolute path on the server (when our copy lives elsewhere; copy with mtimes kept).",
     ),
 ]
 EncoderRootOpt = Annotated[
