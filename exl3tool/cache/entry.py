@@ -1,0 +1,195 @@
+"""Reading, validating and writing one entry file (spec §5, §4.3).
+
+``validate_entry`` applies exactly the server's checks (§5.3) plus, when the entry carries it, our
+own tensor checksum. Writing goes through a temporary file in the entry's directory, ``fsync`` and
+``os.replace``, so a reader sees either no file or a complete one, whatever happens to the writer.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from exl3tool import __version__
+from exl3tool.cache.key import CacheKey
+
+__all__ = [
+    "Exl3OnlineNonFiniteError",
+    "InvalidEntryError",
+    "EntryContents",
+    "TENSOR_NAMES",
+    "expected_layout",
+    "tensor_sha256",
+    "read_entry",
+    "validate_entry",
+    "check_fresh_encode",
+    "parse_proxy_error",
+    "write_entry",
+]
+
+TENSOR_NAMES = frozenset({"trellis", "suh", "svh"})
+_ST_DTYPES = {"I16": torch.int16, "F16": torch.float16}
+
+
+class Exl3OnlineNonFiniteError(ValueError):
+    """NaN or Inf in ``suh``/``svh`` or the proxy error: never published, never a hit (the server's error)."""
+
+
+class InvalidEntryError(ValueError):
+    """An entry the server would refuse; the message is the reason."""
+
+
+@dataclass(frozen=True)
+class EntryContents:
+    """What a file holds: tensors on the CPU, parsed proxy error and the raw metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    proxy_error: float | None
+    metadata: dict[str, str]
+
+
+def expected_layout(key: CacheKey) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Safetensors dtype and shape of each tensor for ``key`` (spec §5.1)."""
+    k, n = key.input_size, key.output_size
+    return {
+        "trellis": ("I16", (k // 16, n // 16, 16 * key.bits)),
+        "suh": ("F16", (k,)),
+        "svh": ("F16", (n,)),
+    }
+
+
+def tensor_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over name, dtype, shape and raw bytes of each tensor in name order (our own integrity check)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}:{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def parse_proxy_error(text: str | None) -> float | None:
+    """The server's reading of ``proxy_error``: missing or ``""`` is None, else ``float()`` and must be finite."""
+    if text is None or text == "":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidEntryError(f"proxy_error {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise Exl3OnlineNonFiniteError(f"non-finite proxy_error {text!r}")
+    return value
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    if not bool(torch.isfinite(tensor).all()):
+        raise Exl3OnlineNonFiniteError(f"non-finite values in {name}")
+
+
+def read_entry(path: str | Path) -> EntryContents:
+    """Open ``path`` as safetensors on the CPU without any checks beyond the format itself."""
+    with safe_open(str(path), framework="pt", device="cpu") as fh:
+        metadata = dict(fh.metadata() or {})
+        tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+    return EntryContents(tensors, None, metadata)
+
+
+def validate_entry(path: str | Path, key: CacheKey, *, verify_checksum: bool = True) -> EntryContents:
+    """Load ``path`` for ``key`` with the server's checks (§5.3); raises on the first failure.
+
+    ``verify_checksum`` adds our ``exl3tool_sha256`` check when the entry has one: stricter than the
+    server, which would load e.g. a flipped trellis byte as long as shapes and finiteness hold.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidEntryError("not a regular file")
+    expected_json = key.canonical_json()
+    layout = expected_layout(key)
+    with safe_open(str(path), framework="pt", device="cpu") as fh:
+        metadata = dict(fh.metadata() or {})
+        stored = metadata.get("cache_key")
+        if stored != expected_json:
+            raise InvalidEntryError("metadata cache_key differs from the expected key" if stored else "no cache_key metadata")
+        names = set(fh.keys())
+        if names != TENSOR_NAMES:
+            raise InvalidEntryError(f"tensors are {sorted(names)}, expected ['suh', 'svh', 'trellis']")
+        for name, (dtype, shape) in layout.items():
+            sl = fh.get_slice(name)
+            got_dtype, got_shape = sl.get_dtype(), tuple(sl.get_shape())
+            if got_dtype != dtype or got_shape != shape:
+                raise InvalidEntryError(f"{name} is {got_dtype}{list(got_shape)}, expected {dtype}{list(shape)}")
+        tensors = {name: fh.get_tensor(name) for name in ("trellis", "suh", "svh")}
+    _check_finite("suh", tensors["suh"])
+    _check_finite("svh", tensors["svh"])
+    proxy_error = parse_proxy_error(metadata.get("proxy_error"))
+    want = metadata.get("exl3tool_sha256")
+    if verify_checksum and want is not None and tensor_sha256(tensors) != want:
+        raise InvalidEntryError("tensor bytes differ from exl3tool_sha256 (changed after publish)")
+    return EntryContents(tensors, proxy_error, metadata)
+
+
+def check_fresh_encode(key: CacheKey, tensors: dict[str, torch.Tensor], proxy_error: float | None) -> None:
+    """The server's checks on a fresh encode: exact tensors, dtypes and shapes, all finite."""
+    if set(tensors) != TENSOR_NAMES:
+        raise ValueError(f"{key.prefix}: encoder returned tensors {sorted(tensors)}, expected ['suh', 'svh', 'trellis']")
+    for name, (dtype, shape) in expected_layout(key).items():
+        t = tensors[name]
+        if t.dtype != _ST_DTYPES[dtype] or tuple(t.shape) != shape:
+            raise ValueError(
+                f"{key.prefix}: encoder returned {name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, "
+                f"expected {str(_ST_DTYPES[dtype]).removeprefix('torch.')}{list(shape)}"
+            )
+    try:
+        _check_finite("suh", tensors["suh"])
+        _check_finite("svh", tensors["svh"])
+        if proxy_error is not None and not math.isfinite(proxy_error):
+            raise Exl3OnlineNonFiniteError(f"non-finite proxy_error {proxy_error!r}")
+    except Exl3OnlineNonFiniteError as exc:
+        raise Exl3OnlineNonFiniteError(f"{key.prefix}: encoder produced {exc}; nothing published") from None
+
+
+def write_entry(
+    path: str | Path, key: CacheKey, tensors: dict[str, torch.Tensor], proxy_error: float | None, *, file_mode: int = 0o600
+) -> Path:
+    """Publish atomically (§4.3): mkstemp ``.<digest>.safetensors.<random>.tmp``, write, fsync, ``os.replace``.
+
+    The temporary file is unlinked in every case. ``file_mode`` 0o600 matches the server; pass 0o644 when
+    the server runs as another user.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    metadata = {
+        "cache_key": key.canonical_json(),
+        "proxy_error": "" if proxy_error is None else repr(float(proxy_error)),
+        "exl3tool_version": __version__,
+        "exl3tool_sha256": tensor_sha256(cpu),
+        "exl3tool_created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(cpu, tmp, metadata=metadata)
+        if file_mode != 0o600:
+            os.chmod(tmp, file_mode)
+        rfd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(rfd)
+        finally:
+            os.close(rfd)
+        os.replace(tmp, path)
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    return path

@@ -1,0 +1,278 @@
+"""A whole-cache scan for the ``cache`` commands, and prune plans built from it.
+
+Every entry is checked as the server would load it (via the same validator as ``CacheStore``), plus
+what only an offline tool can see: the stored key's digest against the file name, the directory it
+sits in, and our own tensor checksum. Temporary files and lock files are listed too.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors import safe_open
+
+from exl3tool.cache.entry import parse_proxy_error, tensor_sha256, validate_entry
+from exl3tool.cache.key import CacheKey
+from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE
+
+__all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "lock_is_held", "matches_model"]
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One file under ``<root>/v1``: ``kind`` entry|temp|lock|stray; for entries ``status`` valid|invalid|unchecked."""
+
+    path: Path
+    kind: str
+    size: int
+    mtime: float
+    digest: str | None = None
+    model_dir: str | None = None
+    tp_world_size: int | None = None
+    tp_rank: int | None = None
+    status: str = "n/a"
+    reason: str = ""
+    key: CacheKey | None = None
+    prefix: str | None = None
+    model_identity: str | None = None
+    proxy_error: float | None = None
+    sha256_ok: bool | None = None
+    is_symlink: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+    orphan: bool = False
+
+    @property
+    def valid(self) -> bool:
+        return self.kind == "entry" and self.status == "valid"
+
+
+def _stat(path: Path) -> tuple[int, float]:
+    try:
+        st = path.lstat()
+        size = st.st_size
+        if path.is_dir() and not path.is_symlink():
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return size, st.st_mtime
+    except OSError:
+        return 0, 0.0
+
+
+def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | None, rank: int | None, deep: bool) -> dict:
+    """Status, reason, key and details of one entry file; never raises.
+
+    ``deep`` runs the server's full load (§5.3) and our checksum; otherwise only the header is read and a
+    well-formed entry gets status ``unchecked``.
+    """
+    out: dict = {"status": "invalid", "is_symlink": path.is_symlink()}
+    if path.is_symlink() and not path.exists():
+        out["reason"] = f"dangling symlink to {os.readlink(path)}"
+        return out
+    if path.is_dir():
+        out["reason"] = "a directory where the entry file should be"
+        return out
+    if not path.is_file():
+        out["reason"] = "not a regular file"
+        return out
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            metadata = dict(fh.metadata() or {})
+    except Exception as exc:
+        out["reason"] = f"unreadable as safetensors ({type(exc).__name__}: {exc})"
+        return out
+    out["metadata"] = metadata
+    stored = metadata.get("cache_key")
+    if stored is None:
+        out["reason"] = "no cache_key metadata"
+        return out
+    try:
+        key = CacheKey.from_json(stored)
+    except Exception as exc:
+        out["reason"] = f"cache_key is not a valid key ({exc})"
+        return out
+    out.update(key=key, prefix=key.prefix, model_identity=key.model_identity)
+    try:
+        out["proxy_error"] = parse_proxy_error(metadata.get("proxy_error"))
+    except ValueError:
+        pass
+    if key.canonical_json() != stored:
+        out["reason"] = "cache_key is not in canonical form; the server never matches it"
+        return out
+    if hashlib.sha256(stored.encode("utf-8")).hexdigest() != digest:
+        out["reason"] = "file name is not the digest of the stored cache_key"
+        return out
+    if model_dir is not None and (key.model_identity[:20], key.tp_world_size, key.tp_rank) != (model_dir, world, rank):
+        out["reason"] = "entry sits in the wrong model or tp directory for its key"
+        return out
+    if not deep:
+        out["status"] = "unchecked"
+        out["reason"] = ""
+        return out
+    try:
+        contents = validate_entry(path, key, verify_checksum=False)  # exactly the server's checks
+    except Exception as exc:
+        out["reason"] = f"{exc}"
+        return out
+    want = metadata.get("exl3tool_sha256")
+    if want is not None:
+        out["sha256_ok"] = tensor_sha256(contents.tensors) == want
+        if not out["sha256_ok"]:
+            out["reason"] = "tensor bytes differ from exl3tool_sha256 (the server would still load it)"
+            return out
+    out["status"] = "valid"
+    out["reason"] = "symlink; the server follows it" if out["is_symlink"] else ""
+    return out
+
+
+def inspect_entry(path: str | Path, *, deep: bool = True) -> EntryInfo:
+    """One entry file anywhere: its layout is taken from its parent directories when they follow the template."""
+    path = Path(path)
+    em = ENTRY_RE.match(path.name)
+    if em is None:
+        raise ValueError(f"{path}: not an entry file name (<64-hex digest>.safetensors)")
+    m = LAYOUT_RE.match(path.parent.name)
+    world, rank = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    model_dir = path.parent.parent.name if m else None
+    size, mtime = _stat(path)
+    details = _check_entry(path, em.group(1), model_dir, world, rank, deep)
+    return EntryInfo(
+        path=path, kind="entry", size=size, mtime=mtime, digest=em.group(1), model_dir=model_dir,
+        tp_world_size=world, tp_rank=rank, **details,
+    )
+
+
+def scan(root: str | Path, *, deep: bool = True) -> list[EntryInfo]:
+    """Every entry, temp, lock and stray file under ``<root>/v1/<id20>/tp<W>-rank<R>/``, sorted by path.
+
+    ``deep=False`` reads only headers (fast listing); ``deep=True`` loads every entry as the server would.
+    """
+    base = Path(root) / "v1"
+    infos: list[EntryInfo] = []
+    if not base.is_dir():
+        return infos
+    for model_dir in sorted(p for p in base.iterdir() if p.is_dir()):
+        for layout_dir in sorted(p for p in model_dir.iterdir() if p.is_dir()):
+            m = LAYOUT_RE.match(layout_dir.name)
+            world, rank = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+            names = set(os.listdir(layout_dir))
+            for name in sorted(names):
+                path = layout_dir / name
+                size, mtime = _stat(path)
+                common = dict(path=path, size=size, mtime=mtime, model_dir=model_dir.name, tp_world_size=world, tp_rank=rank)
+                if (em := ENTRY_RE.match(name)) and m:
+                    details = _check_entry(path, em.group(1), model_dir.name, world, rank, deep)
+                    infos.append(EntryInfo(kind="entry", digest=em.group(1), **common, **details))
+                elif lm := LOCK_RE.match(name):
+                    orphan = f"{lm.group(1)}.safetensors" not in names
+                    infos.append(EntryInfo(kind="lock", digest=lm.group(1), orphan=orphan, **common))
+                elif tm := TEMP_RE.match(name):
+                    infos.append(EntryInfo(kind="temp", digest=tm.group(1), reason="leftover temporary file", **common))
+                else:
+                    infos.append(EntryInfo(kind="stray", reason="not a cache file", **common))
+    return infos
+
+
+def lock_is_held(path: Path) -> bool:
+    """Whether someone holds ``flock`` on the lock file ``path``; never creates it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+    finally:
+        os.close(fd)  # closing drops a lock we took
+    return False
+
+
+def matches_model(info: EntryInfo, model: str | None) -> bool:
+    """``model`` is a full model identity or a hex prefix of it."""
+    if model is None:
+        return True
+    model = model.lower()
+    if info.model_identity is not None:
+        return info.model_identity.startswith(model)
+    return info.model_dir is not None and (info.model_dir.startswith(model) or model.startswith(info.model_dir))
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """Files a prune would delete, with the reason for each, and the bytes freed; executed separately."""
+
+    items: tuple[tuple[EntryInfo, str], ...]
+    skipped: tuple[tuple[EntryInfo, str], ...]
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(info.size for info, _ in self.items)
+
+
+def plan_prune(
+    infos: list[EntryInfo],
+    *,
+    invalid: bool = False,
+    temp: bool = False,
+    older_than_days: float | None = None,
+    model: str | None = None,
+    now: float | None = None,
+) -> PrunePlan:
+    """Choose what to delete: invalid entries, leftovers (temps, unheld orphan locks), entries older than N days.
+
+    Lock files of entries that stay are never touched; a temp file whose entry lock is held belongs to a
+    live writer and is skipped.
+    """
+    now = time.time() if now is None else now
+    cutoff = None if older_than_days is None else now - older_than_days * 86400
+    chosen: list[tuple[EntryInfo, str]] = []
+    skipped: list[tuple[EntryInfo, str]] = []
+    removed_entries: set[Path] = set()
+    for info in infos:
+        if not matches_model(info, model):
+            continue
+        old = cutoff is not None and info.mtime < cutoff
+        if info.kind == "entry":
+            if invalid and info.status == "invalid" and (cutoff is None or old):
+                chosen.append((info, f"invalid: {info.reason}"))
+                removed_entries.add(info.path)
+            elif old and (not invalid or info.status == "invalid"):
+                chosen.append((info, f"older than {older_than_days:g} days"))
+                removed_entries.add(info.path)
+        elif info.kind == "temp" and temp and (cutoff is None or old):
+            entry_lock = info.path.parent / f"{info.digest}.safetensors.lock"
+            if lock_is_held(entry_lock):
+                skipped.append((info, "a writer holds the entry lock"))
+            else:
+                chosen.append((info, "leftover temporary file"))
+    for info in infos:
+        if info.kind != "lock" or not matches_model(info, model):
+            continue
+        entry = info.path.parent / f"{info.digest}.safetensors"
+        if (info.orphan and temp) or entry in removed_entries:
+            if lock_is_held(info.path):
+                skipped.append((info, "lock is held"))
+            else:
+                chosen.append((info, "lock of a removed entry" if entry in removed_entries else "orphan lock file"))
+    return PrunePlan(tuple(chosen), tuple(skipped))
+
+
+def execute_prune(plan: PrunePlan) -> tuple[int, list[str]]:
+    """Delete the plan's files; returns (bytes freed, one error line per file that could not be removed)."""
+    freed, errors = 0, []
+    for info, _ in plan.items:
+        try:
+            if info.path.is_dir() and not info.path.is_symlink():
+                shutil.rmtree(info.path)
+            else:
+                info.path.unlink(missing_ok=True)
+            freed += info.size
+        except OSError as exc:
+            errors.append(f"{info.path}: {exc.strerror or exc}")
+    return freed, errors

@@ -1,0 +1,185 @@
+"""The cache as the server uses it: look-up, atomic publish and ``load_or_encode`` per mode (spec §1.5).
+
+Correctness rests on the atomic rename, not on the lock: ``flock`` can be a no-op on network
+filesystems, in which case two writers may both encode, but a reader still only ever sees a complete
+file. The lock only saves duplicate work.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from filelock import FileLock, Timeout
+
+from exl3tool.cache.entry import Exl3OnlineNonFiniteError, check_fresh_encode, validate_entry, write_entry
+from exl3tool.cache.key import CacheKey
+from exl3tool.cache.paths import entry_path, lock_path
+from exl3tool.cache.settings import CACHE_MODES
+from exl3tool.encode.encoded import EncodedLinear
+
+__all__ = ["CacheStore", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "Exl3OnlineNonFiniteError"]
+
+LOCK_TIMEOUT_S = 600.0
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """``status`` hit|miss|invalid; ``reason`` for people; tensors and proxy error only on a hit."""
+
+    status: str
+    reason: str
+    path: Path | None
+    tensors: dict[str, torch.Tensor] | None = None
+    proxy_error: float | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.status == "hit"
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """The layer's weights: from the cache (``hit``) or a fresh encode (``encoded`` set, ``path`` None if unpublished)."""
+
+    hit: bool
+    path: Path | None
+    tensors: dict[str, torch.Tensor]
+    proxy_error: float | None
+    encoded: EncodedLinear | None
+
+
+class CacheStore:
+    """One cache root in one mode (``off``, ``readonly``, ``readwrite``).
+
+    ``file_mode`` sets published files' permissions (server: 0o600); the lock file gets the same
+    bits without group/other write, so it is never world-writable.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        mode: str = "readwrite",
+        *,
+        file_mode: int = 0o600,
+        lock_timeout: float = LOCK_TIMEOUT_S,
+        verify_checksum: bool = True,
+    ) -> None:
+        if mode not in CACHE_MODES:
+            raise ValueError(f"cache mode must be off, readonly, or readwrite; got {mode!r}")
+        if file_mode & 0o022:
+            raise ValueError(f"file_mode {oct(file_mode)} is group/world-writable; the cache must stay trusted")
+        self.root = Path(root)
+        self.mode = mode
+        self.file_mode = file_mode
+        self.lock_timeout = lock_timeout
+        self.verify_checksum = verify_checksum
+
+    def path(self, key: CacheKey) -> Path:
+        """Where ``key``'s entry lives under this root."""
+        return entry_path(key, self.root)
+
+    def _load(self, path: Path, key: CacheKey) -> Lookup:
+        contents = validate_entry(path, key, verify_checksum=self.verify_checksum)
+        return Lookup("hit", "valid entry", path, contents.tensors, contents.proxy_error)
+
+    def lookup(self, key: CacheKey) -> Lookup:
+        """The server's unlocked fast path, read-only: hit, miss (no regular file) or invalid (with reason).
+
+        Like the server, a ``stat`` error other than not-found (e.g. EACCES on a directory) propagates.
+        """
+        if self.mode == "off":
+            return Lookup("miss", "cache mode is off", None)
+        path = self.path(key)
+        if not path.is_file():
+            return Lookup("miss", "no entry", path)
+        try:
+            return self._load(path, key)
+        except Exception as exc:  # any failure to read or validate makes the entry invalid, never an error
+            return Lookup("invalid", f"{type(exc).__name__}: {exc}", path)
+
+    def _lock(self, path: Path) -> FileLock:
+        lock_mode = (self.file_mode | 0o600) & ~0o022
+        return FileLock(str(lock_path(path)), timeout=self.lock_timeout, mode=lock_mode)
+
+    def publish(self, key: CacheKey, encoded: EncodedLinear) -> Path:
+        """Check ``encoded`` like the server and write it atomically under the entry lock (replacing any file).
+
+        Non-finite data is never published. Raises ``filelock.Timeout`` or ``OSError`` on failure.
+        """
+        tensors = encoded.tensors()
+        check_fresh_encode(key, tensors, encoded.proxy_error)
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock(path):
+            return write_entry(path, key, tensors, encoded.proxy_error, file_mode=self.file_mode)
+
+    def _encode(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> EncodedLinear:
+        encoded = encode_fn()
+        check_fresh_encode(key, encoded.tensors(), encoded.proxy_error)
+        return encoded
+
+    @staticmethod
+    def _fresh(encoded: EncodedLinear, path: Path | None) -> LoadResult:
+        return LoadResult(False, path, encoded.tensors(), encoded.proxy_error, encoded)
+
+    @staticmethod
+    def _from_hit(found: Lookup) -> LoadResult:
+        assert found.tensors is not None
+        return LoadResult(True, found.path, found.tensors, found.proxy_error, None)
+
+    def load_or_encode(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> LoadResult:
+        """The server's ``load_or_quantize``: hit if valid, else encode and (readwrite) publish under the lock.
+
+        Raises ``Exl3OnlineNonFiniteError`` for a non-finite encode (nothing published) and ``ValueError``
+        for wrong shapes; OS errors and lock time-outs fall back to an uncached encode, as on the server.
+        """
+        if self.mode == "off":
+            return self._fresh(self._encode(key, encode_fn), None)
+        path = self.path(key)
+        if path.is_file():  # unprotected, like the server: EACCES here propagates
+            try:
+                return self._from_hit(self._load(path, key))
+            except Exception as exc:
+                log.warning("Ignoring invalid online EXL3 cache entry %s: %s", path, exc)
+        if self.mode == "readonly":
+            return self._fresh(self._encode(key, encode_fn), None)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with self._lock(path):
+                if path.is_file():
+                    try:
+                        return self._from_hit(self._load(path, key))
+                    except Exception as exc:
+                        log.warning("Replacing invalid online EXL3 cache entry %s: %s", path, exc)
+                        path.unlink(missing_ok=True)
+                encoded = self._encode(key, encode_fn)
+                try:
+                    published = write_entry(path, key, encoded.tensors(), encoded.proxy_error, file_mode=self.file_mode)
+                except Exception as exc:
+                    log.warning("Could not publish online EXL3 cache entry %s: %s", path, exc)
+                    return self._fresh(encoded, None)
+                return self._fresh(encoded, published)
+        except Timeout:
+            log.warning("Timed out after %g s waiting for %s; encoding without the cache", self.lock_timeout, lock_path(path))
+            return self._fresh(self._encode(key, encode_fn), None)
+        except OSError as exc:
+            log.warning("Online EXL3 cache unavailable (%s); encoding without the cache", exc)
+            return self._fresh(self._encode(key, encode_fn), None)
+
+    def load_or_encode_with_retry(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> LoadResult:
+        """The server's ``_load_online_encoding_with_retry``: one more full attempt after a non-finite encode.
+
+        The second attempt can be a hit if another process published meanwhile; a second non-finite
+        result propagates. Other errors are not retried.
+        """
+        try:
+            return self.load_or_encode(key, encode_fn)
+        except Exl3OnlineNonFiniteError as exc:
+            log.warning("Retrying %s once after a non-finite encode: %s", key.prefix, exc)
+            return self.load_or_encode(key, encode_fn)
+

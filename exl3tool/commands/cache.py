@@ -1,0 +1,256 @@
+"""``exl3tool cache ls|show|verify|prune``: inspect and tidy the server's cache; each a thin layer over ``exl3tool.cache``.
+
+``cache_app`` is importable so other modules can add commands (``cache warm``) to the same group.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.filesize import decimal
+from rich.table import Table
+
+from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.commands.options import CacheDirOpt, JsonOpt, ModelIdOpt, QuietOpt, resolve_cache_dir
+from exl3tool.errors import ConfigError, FindingsError, InputError
+from exl3tool.output import Output
+
+__all__ = ["cache_app", "register"]
+
+cache_app = typer.Typer(name="cache", help="Inspect, verify and prune the online EXL3 cache.", no_args_is_help=True)
+
+
+def _when(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def _entry_json(info: EntryInfo) -> dict[str, Any]:
+    """The stable JSON form of one scanned file (documented in the README)."""
+    return {
+        "path": str(info.path),
+        "kind": info.kind,
+        "digest": info.digest,
+        "status": info.status,
+        "reason": info.reason,
+        "size": info.size,
+        "mtime": info.mtime,
+        "model_dir": info.model_dir,
+        "model_identity": info.model_identity,
+        "tp_world_size": info.tp_world_size,
+        "tp_rank": info.tp_rank,
+        "prefix": info.prefix,
+        "proxy_error": info.proxy_error,
+        "sha256_ok": info.sha256_ok,
+        "is_symlink": info.is_symlink,
+        "orphan": info.orphan,
+        "key": info.key.as_dict() if info.key else None,
+    }
+
+
+@cache_app.command("ls")
+def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
+    """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them)."""
+    out = Output(json=json, quiet=quiet)
+    root = resolve_cache_dir(cache_dir)
+    infos = [i for i in scan(root, deep=False) if i.kind == "entry" and _model_ok(i, model)]
+    groups: dict[tuple[str, int | None], dict[str, Any]] = {}
+    for info in infos:
+        ident = info.model_identity or info.model_dir or "?"
+        g = groups.setdefault(
+            (ident, info.tp_world_size),
+            {"model_identity": ident, "tp_world_size": info.tp_world_size, "ranks": set(), "entries": 0, "bad": 0, "bytes": 0, "newest": 0.0},
+        )
+        g["ranks"].add(info.tp_rank)
+        g["entries"] += 1
+        g["bad"] += info.status == "invalid"
+        g["bytes"] += info.size
+        g["newest"] = max(g["newest"], info.mtime)
+    table = Table(title=f"EXL3 cache {root}")
+    table.add_column("model identity", no_wrap=True, min_width=20)
+    for col in ("TP", "ranks", "entries", "malformed", "size", "newest (UTC)"):
+        table.add_column(col, justify="right" if col in ("entries", "malformed", "size") else "left")
+    rows = []
+    for g in sorted(groups.values(), key=lambda g: (g["model_identity"], g["tp_world_size"] or 0)):
+        ranks = sorted(r for r in g["ranks"] if r is not None)
+        table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), ",".join(map(str, ranks)), str(g["entries"]),
+                      str(g["bad"]), decimal(g["bytes"]), _when(g["newest"]))
+        rows.append({**g, "ranks": ranks, "malformed": g.pop("bad")})
+    out.table(table)
+    out.line(f"{len(infos)} entries, {decimal(sum(i.size for i in infos))}")
+    out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos)})
+
+
+def _model_ok(info: EntryInfo, model: str | None) -> bool:
+    from exl3tool.cache.scan import matches_model
+
+    return matches_model(info, model)
+
+
+def _find_entry(root: Path, entry: str) -> Path:
+    path = Path(entry)
+    if path.exists() or path.is_symlink():
+        return path
+    needle = entry.lower().removesuffix(".safetensors")
+    if len(needle) < 6 or any(c not in "0123456789abcdef" for c in needle):
+        raise InputError(f"{entry}: no such file, and not a digest (give a path or at least 6 hex digits)")
+    found = sorted((root / "v1").glob(f"*/*/{needle}*.safetensors"))
+    if not found:
+        raise InputError(f"{entry}: no entry with that digest under {root} (check --cache-dir)")
+    if len(found) > 1:
+        raise InputError(f"{entry}: digest prefix matches {len(found)} entries; give more digits")
+    return found[0]
+
+
+@cache_app.command("show")
+def show(
+    entry: Annotated[str, typer.Argument(help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
+    cache_dir: CacheDirOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not)."""
+    from safetensors import safe_open
+
+    out = Output(json=json, quiet=quiet)
+    path = _find_entry(resolve_cache_dir(cache_dir), entry)
+    try:
+        info = inspect_entry(path)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    tensors: dict[str, Any] = {}
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                tensors[name] = {"dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
+    except Exception:
+        pass
+    table = Table(title=str(path), show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    table.add_row("status", info.status + (f" ({info.reason})" if info.reason else ""))
+    table.add_row("size", decimal(info.size))
+    if info.key:
+        for name, value in sorted(info.key.as_dict().items()):
+            table.add_row(f"key.{name}", str(value))
+    for name, t in sorted(tensors.items()):
+        table.add_row(f"tensor.{name}", f"{t['dtype']} {t['shape']}")
+    for name, value in sorted(info.metadata.items()):
+        if name != "cache_key":
+            table.add_row(f"meta.{name}", value)
+    out.table(table)
+    out.data({**_entry_json(info), "tensors": tensors, "metadata": info.metadata})
+    if info.status != "valid":
+        raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
+
+
+@cache_app.command("verify")
+def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
+    """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid."""
+    out = Output(json=json, quiet=quiet)
+    root = resolve_cache_dir(cache_dir)
+    infos = [i for i in scan(root, deep=True) if _model_ok(i, model)]
+    entries = [i for i in infos if i.kind == "entry"]
+    invalid = [i for i in entries if i.status != "valid"]
+    temps = [i for i in infos if i.kind == "temp"]
+    orphans = [i for i in infos if i.kind == "lock" and i.orphan]
+    strays = [i for i in infos if i.kind == "stray"]
+    if invalid or temps or strays:
+        table = Table(title="Findings")
+        table.add_column("file", overflow="fold")
+        table.add_column("problem", overflow="fold")
+        for i in invalid:
+            table.add_row(str(i.path.relative_to(root) if i.path.is_relative_to(root) else i.path), i.reason)
+        for i in temps + strays:
+            table.add_row(str(i.path.relative_to(root)), i.reason)
+        out.table(table)
+    for i in entries:
+        if i.is_symlink and i.status == "valid":
+            out.warn(f"{i.path}: a symlink; the server follows it and loads the target")
+    out.line(
+        f"{len(entries)} entries: {len(entries) - len(invalid)} valid, {len(invalid)} invalid; "
+        f"{len(temps)} leftover temp file(s), {len(orphans)} orphan lock(s)"
+    )
+    if temps:
+        out.note("remove leftovers with: exl3tool cache prune --temp")
+
+    out.data(
+        {
+            "root": str(root),
+            "entries": len(entries),
+            "valid": len(entries) - len(invalid),
+            "invalid": [_entry_json(i) for i in invalid],
+            "temp_files": [_entry_json(i) for i in temps],
+            "orphan_locks": [_entry_json(i) for i in orphans],
+            "stray_files": [_entry_json(i) for i in strays],
+        }
+    )
+    if invalid:
+        raise FindingsError(f"{len(invalid)} invalid entr{'y' if len(invalid) == 1 else 'ies'} under {root}; "
+                            "remove with: exl3tool cache prune --invalid")
+
+
+@cache_app.command("prune")
+def prune(
+    invalid: Annotated[bool, typer.Option("--invalid", help="Entries the server would not load.")] = False,
+    temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and unheld orphan locks.")] = False,
+    older_than: Annotated[
+        Optional[float], typer.Option("--older-than", metavar="DAYS", help="Entries (and leftovers) older than DAYS.")
+    ] = None,
+    model: ModelIdOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+    cache_dir: CacheDirOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Delete invalid entries, leftovers or old entries: prints the plan (bytes freed) first.
+
+    Lock files of entries that stay are never touched. Example: exl3tool cache prune --invalid --temp --yes
+    """
+    if not (invalid or temp or older_than is not None):
+        raise ConfigError("nothing selected: pass --invalid, --temp and/or --older-than DAYS")
+    if older_than is not None and older_than < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--older-than")
+    out = Output(json=json, quiet=quiet)
+    root = resolve_cache_dir(cache_dir)
+    plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model)
+    table = Table(title=f"Prune plan for {root}")
+    table.add_column("file", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("why", overflow="fold")
+    for info, why in plan.items:
+        table.add_row(str(info.path.relative_to(root)), decimal(info.size), why)
+    out.table(table)
+    for info, why in plan.skipped:
+        out.note(f"skipping {info.path}: {why}")
+    out.line(f"{len(plan.items)} file(s), {decimal(plan.bytes_freed)} to free")
+    result: dict[str, Any] = {
+        "root": str(root),
+        "dry_run": dry_run,
+        "planned": [{**_entry_json(i), "why": why} for i, why in plan.items],
+        "skipped": [{**_entry_json(i), "why": why} for i, why in plan.skipped],
+        "bytes_planned": plan.bytes_freed,
+    }
+    if dry_run or not plan.items:
+        out.data({**result, "bytes_freed": 0, "errors": []})
+        return
+    if not yes:
+        if json:
+            raise ConfigError("prune with --json needs --yes (or --dry-run): there is no prompt in JSON mode")
+        typer.confirm(f"Delete {len(plan.items)} file(s)?", abort=True)
+    freed, errors = execute_prune(plan)
+    for line in errors:
+        out.warn(line)
+    out.line(f"freed {decimal(freed)}")
+    out.data({**result, "bytes_freed": freed, "errors": errors})
+    if errors:
+        raise InputError(f"{len(errors)} file(s) could not be removed (see warnings); check permissions under {root}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``cache`` group."""
+    app.add_typer(cache_app, name="cache")

@@ -1,0 +1,56 @@
+"""Option types shared by commands, so every command spells the same option the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+__all__ = [
+    "RevisionOpt",
+    "ServerPathOpt",
+    "EncoderRootOpt",
+    "EncoderRevisionOpt",
+    "CacheDirOpt",
+    "JsonOpt",
+    "QuietOpt",
+    "ModelIdOpt",
+    "resolve_cache_dir",
+]
+
+RevisionOpt = Annotated[
+    Optional[str],
+    typer.Option("--revision", help="Hub branch, tag or commit (default: main); resolved to the full commit hash."),
+]
+ServerPathOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--server-path",
+        help="The local checkpoint's resolved absolute path on the server (when our copy lives elsewhere; copy with mtimes kept).",
+    ),
+]
+EncoderRootOpt = Annotated[
+    Optional[str],
+    typer.Option("--encoder-root", help="The server's VLLM_EXL3_ENCODER_SOURCE path (default: that env var)."),
+]
+EncoderRevisionOpt = Annotated[
+    Optional[str],
+    typer.Option("--encoder-revision", help="The server's VLLM_EXL3_ENCODER_REVISION (default: that env var)."),
+]
+CacheDirOpt = Annotated[
+    Optional[Path],
+    typer.Option("--cache-dir", help="Cache root (default: the server's, from VLLM_EXL3_ONLINE_CACHE_DIR etc.)."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No notes or progress on stderr.")]
+ModelIdOpt = Annotated[
+    Optional[str], typer.Option("--model", help="Only entries of this model identity (full or hex prefix).")
+]
+
+
+def resolve_cache_dir(cache_dir: Path | None) -> Path:
+    """``--cache-dir`` if given, else the server's cache root from the environment."""
+    from exl3tool.cache import cache_root
+
+    return cache_dir if cache_dir is not None else cache_root()

@@ -1,0 +1,105 @@
+"""Helpers for the cache tests: synthetic encodes, an independent server look-up, tree snapshots.
+
+``server_lookup`` is written from the spec (cache-format.md §2.2, §4.1, §5.3) with json, hashlib and
+safetensors' numpy reader only; it must not import exl3tool, so it can catch our library's mistakes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from exl3tool.encode.encoded import EncodedLinear
+
+MODEL_ID = "c9ab4d59bf201df6de4427b12737f002314d556466aa257ac9767010c612fa95"
+ENCODER_ID = "fe5e6fead00d1b22502edfa1da021d26132cb231d96346f10e51ead3eedc8326"
+
+
+def make_encoded(k: int = 128, n: int = 256, bits: int = 6, seed: int = 0, proxy_error: float = 0.125) -> EncodedLinear:
+    """Random but finite tensors of the right shapes; deterministic in ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=g, dtype=torch.int32).to(torch.int16)
+    suh = (torch.rand(k, generator=g) * 2 - 1).to(torch.float16)
+    svh = (torch.rand(n, generator=g) * 2 - 1).to(torch.float16)
+    return EncodedLinear(trellis=trellis, suh=suh, svh=svh, proxy_error=proxy_error, g_scale=1.0, bits=bits)
+
+
+def server_key_json(model_identity, encoder_identity, prefix, bits, world, rank, k, n) -> str:
+    key = {
+        "model_identity": model_identity,
+        "encoder_identity": encoder_identity,
+        "prefix": prefix,
+        "bits": bits,
+        "seed": zlib.crc32(prefix.encode("utf-8")) & 0x7FFFFFFF,
+        "tp_world_size": world,
+        "tp_rank": rank,
+        "input_size": k,
+        "output_size": n,
+        "codebook": "mcg",
+        "apply_out_scales": True,
+        "schema": 1,
+    }
+    return json.dumps(key, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def server_path(root, model_identity, world, rank, key_json) -> Path:
+    digest = hashlib.sha256(key_json.encode("utf-8")).hexdigest()
+    return Path(root) / "v1" / model_identity[:20] / f"tp{world}-rank{rank}" / f"{digest}.safetensors"
+
+
+def server_lookup(root, model_identity, encoder_identity, prefix, bits, world, rank, k, n):
+    """The server's unlocked path, re-implemented: returns (tensors, proxy_error) on a hit, else None."""
+    key_json = server_key_json(model_identity, encoder_identity, prefix, bits, world, rank, k, n)
+    path = server_path(root, model_identity, world, rank, key_json)
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="np") as fh:
+            meta = fh.metadata() or {}
+            if meta.get("cache_key") != key_json:
+                return None
+            if set(fh.keys()) != {"trellis", "suh", "svh"}:
+                return None
+            t = {name: fh.get_tensor(name) for name in fh.keys()}
+    except Exception:
+        return None
+    want = {"trellis": (np.int16, (k // 16, n // 16, 16 * bits)), "suh": (np.float16, (k,)), "svh": (np.float16, (n,))}
+    for name, (dtype, shape) in want.items():
+        if t[name].dtype != dtype or t[name].shape != shape:
+            return None
+    if not (np.isfinite(t["suh"]).all() and np.isfinite(t["svh"]).all()):
+        return None
+    pe = meta.get("proxy_error", "")
+    if pe != "":
+        try:
+            pe = float(pe)
+        except ValueError:
+            return None
+        if not math.isfinite(pe):
+            return None
+    else:
+        pe = None
+    return t, pe
+
+
+def tree(root) -> dict[str, tuple]:
+    """Every path under ``root`` with its type, mode, size, mtime and content hash (files)."""
+    out = {}
+    root = Path(root)
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() and not p.is_symlink() else None
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
+    return out
