@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turning library errors into one line and an exit code."""
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)  # in this mode click returns typer.Exit codes instead of raising
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except Exl3ToolError as exc:
         if os.environ.get("EXL3TOOL_DEBUG"):
             raise

@@ -7,7 +7,6 @@ own tensor checksum. Writing goes through a temporary file in the entry's direct
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import math
 import os
@@ -173,8 +172,7 @@ def write_entry(
         "proxy_error": "" if proxy_error is None else repr(float(proxy_error)),
         "exl3tool_version": __version__,
         "exl3tool_sha256": tensor_sha256(cpu),
-        "exl3tool_created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+    }  # no timestamp: the same inputs must give the same bytes (the file's mtime records when)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
