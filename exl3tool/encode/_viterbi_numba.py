@@ -184,7 +184,7 @@ def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained:
             b = d.view(np.int32)
             b = np.int32((b + _I0FFF + ((b >> _I13) & _I1)) & _IMASK)
             dr = b.view(np.float32)
-            sq[s] = dr * dr
+            sq[s] = np.float64(dr * dr)
         cur = hist[t]
         if t == 0:
             if constrained:
@@ -194,7 +194,7 @@ def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained:
                     cur[e] = np.float32(_INF)
                 for i in range(R):
                     e = (jf << K) | i
-                    cur[e] = sq[kf * E + e]
+                    cur[e] = np.float32(sq[kf * E + e])
             else:
                 for e in range(E):
                     best[e] = sq[e]
@@ -204,7 +204,7 @@ def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained:
                         v = sq[base + e]
                         best[e] = v if v < best[e] else best[e]
                 for e in range(E):
-                    cur[e] = best[e]
+                    cur[e] = np.float32(best[e])
             # d*d is exact in float32: rounding it once is the fp16 rounding (no double rounding)
             for e in range(E):
                 r, mid = _round_edge(cur[e])
@@ -212,32 +212,23 @@ def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained:
             continue
         old = hist[t - 1]
         for e in range(E):
-            best[e] = np.float32(_INF)
+            best[e] = _INF
+        # k outer, e inner: C_old[pred] is constant over each run of 2^K edges. Slices (not computed
+        # indices) keep numba from emitting negative-index wraparound, which blocks vectorisation.
         for k in range(R):
-            base = k * E
+            sqk = sq[k * E:(k + 1) * E]
             pb = k << sh
             for j in range(J):
-                c = old[pb + j]
+                c = np.float64(old[pb + j])
                 o = j << K
+                sj = sqk[o:o + R]
+                bj = best[o:o + R]
                 for i in range(R):
-                    v = sq[base + o + i] + c
-                    bb = best[o + i]
-                    best[o + i] = v if v < bb else bb
-        wd = w64[p]
+                    v = sj[i] + c  # float64: the sum is exact or harmless (module docstring, point 4)
+                    bb = bj[i]
+                    bj[i] = v if v < bb else bb
         for e in range(E):
-            r, mid = _round_edge(best[e])
-            if mid:
-                # f32 sum landed on an fp16 midpoint: redo this edge exactly in float64
-                m = _INF
-                for k in range(R):
-                    s = (k << (16 - K)) | e
-                    d = _r16_64(dec64[s] - wd)
-                    v = d * d + np.float64(old[(k << sh) | (e >> K)])
-                    if v < m:
-                        m = v
-                r = np.float32(_r16_64(m))
-                nfix += 1
-            cur[e] = r
+            cur[e] = np.float32(_r16_64(best[e]))
     return nfix
 
 
@@ -306,8 +297,8 @@ def _quantize_tiles_kernel(x, K: int, dec64, dec32, nthreads: int, force_generic
         w64 = np.empty(256, dtype=np.float64)
         w32 = np.empty(256, dtype=np.float32)
         hist = np.empty((256, E), dtype=np.float32)
-        sq = np.empty(65536, dtype=np.float32)
-        best = np.empty(E, dtype=np.float32)
+        sq = np.empty(65536, dtype=np.float64)
+        best = np.empty(E, dtype=np.float64)
         bp = np.empty((0, 0), dtype=np.uint8)
         ca = np.empty(E, dtype=np.float64)
         cb = np.empty(E, dtype=np.float64)
