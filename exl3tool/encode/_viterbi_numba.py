@@ -1,0 +1,336 @@
+"""Numba CPU kernels for the EXL3 tail-biting Viterbi tile quantizer (spec section 6).
+
+Two kernels, bit-identical on the inputs each is used for:
+
+* ``_generic_tile``: a literal float64 emulation of the reference's generic kernel (fp16 rounding of every
+  candidate cost, strict less-than scan over k, uint8 back-pointers). Used for tiles that contain a NaN,
+  where the scan's NaN semantics (section 6.7) matter.
+* ``_fast_tile``: for NaN-free tiles. Because RNE rounding to fp16 is monotone, the rounded minimum over k
+  equals the rounding of the unrounded minimum, so the hot loop is a plain ``min(sq[s] + C_old[pred])`` in
+  float32 (8/16 lanes) with one rounding per edge. Back-pointers are not tracked in the hot loop: the cost
+  history is kept and the literal strict-less-than scan is redone only along the traced path.
+
+Exactness argument for the fast kernel (every step checked against the goldens):
+
+1. ``d = f16(dec - w)``: dec and w are fp16; f32(dec - w) then RNE to 11 significant bits equals the direct
+   fp16 rounding (double rounding is innocuous since 24 >= 2*11 + 2). We round with the normal-range bit
+   trick only. If the true |d| < 2^-14 (fp16 subnormal) our d may differ from the fp16 one, but then both
+   d^2 < 2^-27 < 2^-25 = half the smallest fp16 ulp, so f16(d^2 + C) = C for every fp16 C >= 0 either way.
+2. ``d*d`` is exact in float32 (22 significant bits, no underflow since |d| >= 2^-24 or d == 0).
+3. ``f32(d*d + C)`` can differ from the exact sum, and RNE(f32(x)) == RNE(x) except when f32(x) lands exactly
+   on an fp16 rounding midpoint (midpoints are f32-representable, so rounding cannot cross one). We detect
+   a midpoint on the per-edge minimum and then recompute that edge exactly in float64 (rare).
+4. In float64, ``d*d + C`` (22-bit and 11-bit operands) is either exact or off by less than 2^-52 relative;
+   an inexact float64 sum needs C >> d^2, and then d^2 is either 0 modulo the fp16 midpoint grid of the
+   result (distance >= ulp(d^2) far above the float64 error) or smaller than half an fp16 ulp, so
+   f16(fl64(d*d + C)) == f16(d*d + C) in every case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = ["quantize_tiles_numba"]
+
+_INF = np.inf
+_TWO_M14 = 2.0**-14
+_M64 = 1.5 * 2.0**28  # (x + M) - M rounds |x| < 2^-14 to the fp16 subnormal grid 2^-24 (RNE, float64)
+_M32 = np.float32(0.75)  # same in float32: ulp(0.75) = 2^-24
+# int32 constants keep numba's float32 bit tricks in 32-bit lanes (python ints would promote to int64)
+_I0FFF = np.int32(0xFFF)
+_I13 = np.int32(13)
+_I1 = np.int32(1)
+_IMASK = np.int32(~0x1FFF)
+_I1FFF = np.int32(0x1FFF)
+_I1000 = np.int32(0x1000)
+
+
+@njit(cache=True, inline="always")
+def _r16_64(x: float) -> float:
+    """RNE of a float64 to the nearest fp16 value, returned as float64 (inf beyond 65520, NaN kept)."""
+    if x != x:
+        return x
+    a = abs(x)
+    if a < _TWO_M14:
+        return (x + _M64) - _M64
+    b = np.int64(np.float64(x).view(np.int64))
+    b = (b + np.int64(0x1FFFFFFFFFF) + ((b >> 42) & 1)) & np.int64(~0x3FFFFFFFFFF)
+    r = np.int64(b).view(np.float64)
+    if abs(r) >= 65520.0:
+        return _INF if x > 0 else -_INF
+    return r
+
+
+@njit(cache=True, inline="always")
+def _cost64(dec64, w: float, k: int, e: int, K: int, first: bool, constrained: bool, efix: int, cold) -> float:
+    """Exact fp16 cost of candidate k for edge e at one step (float64 emulation of section 6.2/6.3)."""
+    s = (k << (16 - K)) | e
+    d = _r16_64(dec64[s] - w)
+    if first:
+        if constrained and ((k << (16 - 2 * K)) | (e >> K)) != efix:
+            return _INF
+        return _r16_64(d * d)
+    return _r16_64(d * d + cold[(k << (16 - 2 * K)) | (e >> K)])
+
+
+@njit(cache=True)
+def _scan_k(dec64, w: float, e: int, K: int, first: bool, constrained: bool, efix: int, cold):
+    """Reference candidate scan for one edge: first k with the smallest cost (strict less-than)."""
+    best = _cost64(dec64, w, 0, e, K, first, constrained, efix, cold)
+    bk = 0
+    for k in range(1, 1 << K):
+        c = _cost64(dec64, w, k, e, K, first, constrained, efix, cold)
+        if c < best:
+            best = c
+            bk = k
+    return best, bk
+
+
+@njit(cache=True)
+def _rank(e: int) -> int:
+    """Tie-break rank of section 6.5: (brev5(bits 5..9), brev5(bits 0..4), e >> 10)."""
+    a = (e >> 5) & 31
+    b = e & 31
+    ra = 0
+    rb = 0
+    for i in range(5):
+        ra |= ((a >> i) & 1) << (4 - i)
+        rb |= ((b >> i) & 1) << (4 - i)
+    return (ra << 10) | (rb << 5) | (e >> 10)
+
+
+@njit(cache=True)
+def _final_edge(cost, E: int) -> int:
+    """Argmin over edges by (cost, rank); 0 when the minimum is +inf or NaN."""
+    best_e = 0
+    best_c = _INF
+    best_r = 1 << 30
+    for e in range(E):
+        c = cost[e]
+        if c != c or c == _INF:
+            continue
+        r = _rank(e)
+        if c < best_c or (c == best_c and r < best_r):
+            best_c = c
+            best_r = r
+            best_e = e
+    if best_c == _INF:
+        return 0
+    return best_e
+
+
+@njit(cache=True)
+def _generic_tile(w64, K: int, dec64, bp, ca, cb, states) -> None:
+    """Literal two-pass tail-biting Viterbi (float64 emulation); handles NaN exactly like the reference."""
+    E = 1 << (16 - K)
+    efix = 0
+    for pas in range(2):
+        constrained = pas == 1
+        cold = ca
+        cnew = cb
+        for t in range(256):
+            p = (t + 128) & 255 if pas == 0 else t
+            w = w64[p]
+            for e in range(E):
+                c, bk = _scan_k(dec64, w, e, K, t == 0, constrained, efix, cold)
+                cnew[e] = c
+                bp[p, e] = bk
+            tmp = cold
+            cold = cnew
+            cnew = tmp
+        if pas == 0:
+            e = _final_edge(cold, E)
+            for p in range(127, -1, -1):
+                e = (np.int64(bp[p, e]) << (16 - 2 * K)) | (e >> K)
+            efix = e
+    e = efix
+    for p in range(255, -1, -1):
+        k = np.int64(bp[p, e])
+        states[p] = (k << (16 - K)) | e
+        e = (k << (16 - 2 * K)) | (e >> K)
+
+
+@njit(cache=True, inline="always")
+def _round_edge(m: np.float32):
+    """RNE of a non-negative float32 to fp16 precision; returns (rounded float32, was it a midpoint)."""
+    if m >= np.float32(_TWO_M14):
+        b = np.float32(m).view(np.int32)
+        mid = (b & _I1FFF) == _I1000
+        r = np.int32((b + _I0FFF + ((b >> _I13) & _I1)) & _IMASK).view(np.float32)
+        if r >= np.float32(65520.0):
+            r = np.float32(_INF)
+        return r, mid
+    t = m * np.float32(2.0**25)  # exact power-of-two scaling; midpoints are odd multiples of 2^-25
+    ft = np.floor(t)
+    mid = ft == t and (np.int64(ft) & 1) == 1
+    return (m + _M32) - _M32, mid
+
+
+@njit(cache=True)
+def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained: bool, efix: int, hist, sq, best) -> int:
+    """One forward pass storing every step's rounded costs in hist[t]; returns the exact fallback count."""
+    E = 1 << (16 - K)
+    R = 1 << K  # candidates per edge = run length of a constant C_old[pred]
+    J = E >> K  # distinct pred values per k block
+    sh = 16 - 2 * K
+    nfix = 0
+    for t in range(256):
+        p = (t + order_start) & 255
+        w = w32[p]
+        # sq[s] = f16(dec[s] - w)^2 in float32 (normal-range rounding suffices, see module docstring)
+        for s in range(65536):
+            d = np.float32(dec32[s] - w)
+            b = d.view(np.int32)
+            b = np.int32((b + _I0FFF + ((b >> _I13) & _I1)) & _IMASK)
+            dr = b.view(np.float32)
+            sq[s] = np.float64(dr * dr)
+        cur = hist[t]
+        if t == 0:
+            if constrained:
+                kf = efix >> sh
+                jf = efix & (J - 1)
+                for e in range(E):
+                    cur[e] = np.float32(_INF)
+                for i in range(R):
+                    e = (jf << K) | i
+                    cur[e] = np.float32(sq[kf * E + e])
+            else:
+                for e in range(E):
+                    best[e] = sq[e]
+                for k in range(1, R):
+                    base = k * E
+                    for e in range(E):
+                        v = sq[base + e]
+                        best[e] = v if v < best[e] else best[e]
+                for e in range(E):
+                    cur[e] = np.float32(best[e])
+            # d*d is exact in float32: rounding it once is the fp16 rounding (no double rounding)
+            for e in range(E):
+                r, mid = _round_edge(cur[e])
+                cur[e] = r
+            continue
+        old = hist[t - 1]
+        for e in range(E):
+            best[e] = _INF
+        # k outer, e inner: C_old[pred] is constant over each run of 2^K edges. Slices (not computed
+        # indices) keep numba from emitting negative-index wraparound, which blocks vectorisation.
+        for k in range(R):
+            sqk = sq[k * E:(k + 1) * E]
+            pb = k << sh
+            for j in range(J):
+                c = np.float64(old[pb + j])
+                o = j << K
+                sj = sqk[o:o + R]
+                bj = best[o:o + R]
+                for i in range(R):
+                    v = sj[i] + c  # float64: the sum is exact or harmless (module docstring, point 4)
+                    bb = bj[i]
+                    bj[i] = v if v < bb else bb
+        for e in range(E):
+            cur[e] = np.float32(_r16_64(best[e]))
+    return nfix
+
+
+@njit(cache=True)
+def _bp_along(dec64, w: float, e: int, K: int, first: bool, constrained: bool, efix: int, prev) -> int:
+    """Back-pointer k of edge e at one step, recomputed with the reference scan from the previous costs."""
+    best = _INF
+    bk = 0
+    for k in range(1 << K):
+        s = (k << (16 - K)) | e
+        d = _r16_64(dec64[s] - w)
+        if first:
+            if constrained and ((k << (16 - 2 * K)) | (e >> K)) != efix:
+                c = _INF
+            else:
+                c = _r16_64(d * d)
+        else:
+            c = _r16_64(d * d + np.float64(prev[(k << (16 - 2 * K)) | (e >> K)]))
+        if k == 0 or c < best:
+            best = c
+            bk = k
+    return bk
+
+
+@njit(cache=True)
+def _fast_tile(w64, w32, K: int, dec64, dec32, hist, sq, best, states) -> int:
+    """Two-pass tail-biting Viterbi for a NaN-free tile; min-only forward passes, recomputed traceback."""
+    E = 1 << (16 - K)
+    sh = 16 - 2 * K
+    nfix = _forward_fast(w64, w32, 128, K, dec64, dec32, False, 0, hist, sq, best)
+    final = np.empty(E, dtype=np.float64)
+    for e in range(E):
+        final[e] = hist[255, e]
+    e = _final_edge(final, E)
+    # pass 1 visits position p at step t = (p - 128) & 255; trace positions 127..0 (steps 255..128)
+    for p in range(127, -1, -1):
+        t = (p - 128) & 255
+        k = _bp_along(dec64, w64[p], e, K, False, False, 0, hist[t - 1])
+        e = (k << sh) | (e >> K)
+    efix = e
+    nfix += _forward_fast(w64, w32, 0, K, dec64, dec32, True, efix, hist, sq, best)
+    e = efix
+    for p in range(255, -1, -1):
+        if p == 0:
+            k = _bp_along(dec64, w64[0], e, K, True, True, efix, hist[0])
+        else:
+            k = _bp_along(dec64, w64[p], e, K, False, True, efix, hist[p - 1])
+        states[p] = (k << (16 - K)) | e
+        e = (k << sh) | (e >> K)
+    return nfix
+
+
+@njit(cache=True, parallel=True, fastmath=False)
+def _quantize_tiles_kernel(x, K: int, dec64, dec32, nthreads: int, force_generic: bool):
+    """All tiles: prange over per-thread chunks, each chunk with its own scratch buffers."""
+    n = x.shape[0]
+    E = 1 << (16 - K)
+    states = np.empty((n, 256), dtype=np.int32)
+    fixes = np.zeros(nthreads, dtype=np.int64)
+    chunk = (n + nthreads - 1) // nthreads
+    for c in prange(nthreads):
+        lo = c * chunk
+        hi = min(n, lo + chunk)
+        if lo >= hi:
+            continue
+        w64 = np.empty(256, dtype=np.float64)
+        w32 = np.empty(256, dtype=np.float32)
+        hist = np.empty((256, E), dtype=np.float32)
+        sq = np.empty(65536, dtype=np.float64)
+        best = np.empty(E, dtype=np.float64)
+        bp = np.empty((0, 0), dtype=np.uint8)
+        ca = np.empty(E, dtype=np.float64)
+        cb = np.empty(E, dtype=np.float64)
+        st = np.empty(256, dtype=np.int64)
+        for i in range(lo, hi):
+            has_nan = False
+            for p in range(256):
+                v = _r16_64(np.float64(x[i, p]))
+                w64[p] = v
+                w32[p] = np.float32(v)
+                if v != v:
+                    has_nan = True
+            if has_nan or force_generic:
+                if bp.shape[0] == 0:
+                    bp = np.empty((256, E), dtype=np.uint8)
+                _generic_tile(w64, K, dec64, bp, ca, cb, st)
+            else:
+                fixes[c] += _fast_tile(w64, w32, K, dec64, dec32, hist, sq, best, st)
+            for p in range(256):
+                states[i, p] = st[p]
+    return states, fixes.sum()
+
+
+def quantize_tiles_numba(x: np.ndarray, bits: int, dec16: np.ndarray, force_generic: bool = False) -> tuple[np.ndarray, int]:
+    """(n, 256) float32 tiles -> (n, 256) int32 states in 0..65535 and the count of exact-fallback edges."""
+    import numba
+
+    dec64 = dec16.astype(np.float64)
+    dec32 = dec16.astype(np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    nthreads = max(1, min(numba.get_num_threads(), x.shape[0]))
+    if x.shape[0] == 0:
+        return np.empty((0, 256), dtype=np.int32), 0
+    states, fixes = _quantize_tiles_kernel(x, bits, dec64, dec32, nthreads, force_generic)
+    return states, int(fixes)

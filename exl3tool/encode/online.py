@@ -1,0 +1,296 @@
+"""The online (uncalibrated) EXL3 encoder: exllamav3's ``quantize_exl3`` without a Hessian (spec section 7).
+
+encode_linear = signs (7.2) -> regularize (7.3) -> global-scale search (7.4) -> tile quantization
+(7.5, 7.6) -> packing and fp16 scales (7.7, 7.8). Every stage is a function of its own so the
+conformance tests can feed each one the reference's intermediate values.
+
+Arithmetic follows the reference's CUDA semantics where the spec says they matter: a division of an
+fp32 tensor by a Python scalar is a multiplication by ``f32(1 / f32(s))`` (``_div_scalar``), a tensor by
+tensor division is a true division, and scalars are rounded to fp32 before they touch a tensor. The
+reductions (block RMS, means) and the Hadamard matmuls are plain fp32 torch ops, so on the CPU the
+regularised weight agrees with the GPU's to ~1-2 ulp, not bit for bit (spec 9.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from exl3tool.encode.codebook import check_codebook
+from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.encode.hadamard import hadamard_left, hadamard_right
+from exl3tool.encode.layout import matrix_to_tiles, tiles_to_matrix
+from exl3tool.encode.signs import reference_signs
+from exl3tool.encode.trellis import check_bits, pack_trellis
+
+__all__ = [
+    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "encode_linear", "quantize_regularized", "regularize",
+    "sample_scale_tiles", "scale_mse", "search_global_scale",
+]
+
+CODEBOOK_SCALE = 1.24371088  # RMS of the 3inst codebook; the reference uses it (negated) for every codebook
+MAX_TILES_PER_CALL = 65536  # the reference's batch bound for one quantize_tiles call
+_EPS = 1e-10  # added to su and sv so that no scale is exactly zero
+_ZERO = 1e-30  # an RMS below this counts as zero and becomes 0.1
+_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}  # LDLQ drift factors, applied in the fallback path too (spec 10.4)
+_COARSE = [0.1 + 0.2 * i for i in range(10)]  # Python doubles, exactly as the reference builds them
+_FINE_STEP = 0.075
+
+
+@dataclass(frozen=True)
+class Regularized:
+    """The matrix after spec 7.3 steps 1-11 (before the global scale), with its scale vectors.
+
+    ``weight`` f32 (k, n) in the rotated basis; ``su`` f32 (k,) (opposite sign to the draw, no g yet);
+    ``sv`` f32 (n,) (exactly 0 on all-zero columns); ``zeros`` is True for an all-zero weight.
+    """
+
+    weight: torch.Tensor
+    su: torch.Tensor
+    sv: torch.Tensor
+    zeros: bool
+
+
+def _f32(x: float) -> float:
+    """Round a Python double to the nearest fp32 value (what CUDA does to a scalar operand)."""
+    return float(np.float32(x))
+
+
+def _recip32(s: float) -> float:
+    """f32(1 / f32(s)) with IEEE single division: the multiplier CUDA uses for ``tensor / scalar``."""
+    return float(np.float32(1.0) / np.float32(s))
+
+
+def _div_scalar(x: torch.Tensor, s: float) -> torch.Tensor:
+    """``x / s`` for a Python scalar s the way PyTorch computes it on CUDA (spec section 0, ÷s)."""
+    return x * _recip32(s)
+
+
+def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum of squares along ``dim`` in 32-long blocks, block sums accumulated in block order (fp32)."""
+    sq = (w if dim == 0 else w.t()).square()  # (L, m): reduce over L
+    blocks = sq.reshape(-1, 32, sq.shape[1]).sum(dim=1)  # (L/32, m) per-block sums
+    acc = blocks[0].clone()
+    for b in range(1, blocks.shape[0]):
+        acc += blocks[b]
+    return acc
+
+
+def _block_rms(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """RMS along ``dim`` (0: one value per column, 1: per row) as the reference's block_rms computes it."""
+    return torch.sqrt(_div_scalar(_block_sum_squares(w, dim), w.shape[dim]))
+
+
+def regularize(weight: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tensor) -> Regularized:
+    """Spec 7.3 steps 1-11: output scales, output Hadamard, input scales, input Hadamard (no g yet).
+
+    weight f32 (k, n); su_sign (k,) and sv_sign (n,) are the +-1 draws. Returns new tensors.
+    """
+    w = weight.to(torch.float32)
+    dev = w.device
+    su_sign = su_sign.to(device=dev, dtype=torch.float32).reshape(-1)
+    sv_sign = sv_sign.to(device=dev, dtype=torch.float32).reshape(-1)
+
+    ocs = _block_rms(w, 0)  # (n,) column RMS over the input dimension
+    mean = float(ocs.mean())
+    zeros = not mean > _ZERO
+    if not zeros:
+        ocs = _div_scalar(ocs, mean)
+    zero_cols = ocs.abs() < _ZERO
+    ocs = torch.where(zero_cols, torch.full_like(ocs, _f32(0.1)), ocs)
+    sv = sv_sign * ocs + _f32(_EPS)
+    w = w / sv  # true division, column-wise
+    sv = torch.where(zero_cols, torch.zeros_like(sv), sv)
+    w = hadamard_right(w)
+
+    ics = _block_rms(w, 1)  # (k,) row RMS over the output dimension
+    ics = torch.where(ics.abs() < _ZERO, torch.full_like(ics, _f32(0.1)), ics)
+    su = (su_sign * ics) * _recip32(-CODEBOOK_SCALE) + _f32(_EPS)  # ÷s (-codebook_scale): su flips sign
+    w = w / su[:, None]  # true division, row-wise
+    w = hadamard_left(w)
+    return Regularized(weight=w, su=su, sv=sv, zeros=zeros)
+
+
+def sample_scale_tiles(w_rot: torch.Tensor, bits: int, width: int = 3) -> torch.Tensor:
+    """The tiles the scale search evaluates: wrapped diagonal plus extreme tiles, drift applied.
+
+    Returns (3D + 2 num_x, 256) f32 in trellis-position order (spec 7.4); duplicates are kept.
+    """
+    tiles = matrix_to_tiles(w_rot)  # (tk, tn, 256)
+    tk, tn, _ = tiles.shape
+    d = max(tk, tn)
+    a = torch.arange(d).repeat_interleave(width)
+    off = torch.arange(width).repeat(d)
+    diag_k, diag_n = a % tk, (a + off) % tn
+    flat = tiles.reshape(tk * tn, 256)
+    ms = flat.square().mean(dim=1)  # per-tile mean square, flat index tk * tn_total + tn
+    num_x = min(max(8, (width * d) // 16), (tk * tn + 1) // 2)
+    top = torch.topk(ms, num_x, largest=True, sorted=True).indices  # descending
+    bottom = torch.topk(ms, num_x, largest=False, sorted=True).indices  # ascending
+    index = torch.cat([(diag_k * tn + diag_n).to(ms.device), top, bottom])
+    sample = flat[index]
+    drift = _DRIFT.get(bits, 1.0)
+    return sample * _f32(drift) if drift != 1.0 else sample.clone()
+
+
+def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_tiles over (N, 256) tiles in calls of at most MAX_TILES_PER_CALL (results do not depend on it)."""
+    from exl3tool.encode.viterbi import quantize_tiles
+
+    values, states = [], []
+    for start in range(0, tiles.shape[0], MAX_TILES_PER_CALL):
+        v, s = quantize_tiles(tiles[start : start + MAX_TILES_PER_CALL].contiguous(), bits, codebook)
+        values.append(v)
+        states.append(s)
+    if len(values) == 1:
+        return values[0], states[0]
+    return torch.cat(values), torch.cat(states)
+
+
+def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str = "mcg") -> list[float]:
+    """mse(s) of spec 7.4 for each scale: mean((f32(q ÷s s) - T)^2) with q = quantize(f32(T * f32(s))).
+
+    All scales go through the quantizer together (batched); each mse is an fp32 mean.
+    """
+    if not scales:
+        return []
+    batch = torch.cat([tiles * _f32(s) for s in scales])
+    values, _ = _quantize_batched(batch, bits, codebook)
+    values = values.reshape(len(scales), *tiles.shape)
+    return [float((_div_scalar(values[i], s) - tiles).square().mean()) for i, s in enumerate(scales)]
+
+
+def _first_argmin(values: list[float]) -> int:
+    best = 0
+    for i, v in enumerate(values):
+        if v < values[best]:
+            best = i
+    return best
+
+
+def search_global_scale(w_rot: torch.Tensor, bits: int, codebook: str = "mcg") -> float:
+    """Spec 7.4: coarse grid on every third sample tile, fine grid on all, parabola; returns g (double)."""
+    check_bits(bits)
+    check_codebook(codebook)
+    sample = sample_scale_tiles(w_rot, bits)
+    coarse = scale_mse(sample[0::3], _COARSE, bits, codebook)
+    center = _COARSE[_first_argmin(coarse)]
+    fine_scales = [center + _FINE_STEP * (i - 2) for i in range(5)]
+    fine = scale_mse(sample, fine_scales, bits, codebook)
+    b = _first_argmin(fine)
+    off = 0.0
+    if 0 < b < 4:
+        y0, y1, y2 = fine[b - 1], fine[b], fine[b + 1]
+        den = y0 - 2.0 * y1 + y2
+        off = 0.5 * (y0 - y2) / den if den > 0 else 0.0
+        off = min(max(off, -0.5), 0.5)
+    return max(fine_scales[b] + off * _FINE_STEP, 0.01)
+
+
+def quantize_regularized(
+    w_r: torch.Tensor, bits: int, codebook: str = "mcg"
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Spec 7.5-7.6: quantize every tile of the g-scaled matrix (no error feedback).
+
+    Returns (states (k/16, n/16, 256) int16 in trellis order, Q_r f32 (k, n), proxy_error), where
+    proxy_error = sum((W_r - Q_r)^2) / (k n) with fp32 differences and squares summed in float64.
+    """
+    check_bits(bits)
+    check_codebook(codebook)
+    tiles = matrix_to_tiles(w_r.to(torch.float32))  # (tk, tn, 256)
+    tk, tn, _ = tiles.shape
+    values, states = _quantize_batched(tiles.reshape(tk * tn, 256), bits, codebook)
+    q_r = tiles_to_matrix(values.reshape(tk, tn, 256))
+    err = (w_r - q_r).square().to(torch.float64).sum()
+    return states.reshape(tk, tn, 256), q_r, float(err) / w_r.numel()
+
+
+def _fail(name: str | None, message: str) -> ValueError:
+    return ValueError(f"{name}: {message}" if name else message)
+
+
+def _check_weight(weight: torch.Tensor, name: str | None) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise _fail(name, f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise _fail(name, f"weight must be 2-D (in_features, out_features), got shape {tuple(weight.shape)}")
+    if weight.dtype != torch.float32:
+        raise _fail(name, f"weight must be float32, got {weight.dtype} (shape {tuple(weight.shape)}); pass weight.float()")
+    k, n = weight.shape
+    for label, dim in (("in_features", k), ("out_features", n)):
+        if dim == 0 or dim % 128:
+            raise _fail(name, f"{label} {dim} is not a positive multiple of 128 (weight shape {tuple(weight.shape)}); "
+                        "EXL3 keeps such layers unencoded")
+    finite = torch.isfinite(weight)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()
+        first = tuple(int(i) for i in bad[0])
+        raise _fail(name, f"weight has {bad.shape[0]} non-finite values (first at [{first[0]}, {first[1]}] = "
+                    f"{float(weight[first])}); shape {tuple(weight.shape)}")
+
+
+def _check_signs(sign_vectors: tuple[torch.Tensor, torch.Tensor], k: int, n: int, name: str | None) -> None:
+    if not isinstance(sign_vectors, (tuple, list)) or len(sign_vectors) != 2:
+        raise _fail(name, "sign_vectors must be a pair (su_sign (k,), sv_sign (n,))")
+    for label, vec, length in (("su_sign", sign_vectors[0], k), ("sv_sign", sign_vectors[1], n)):
+        if not isinstance(vec, torch.Tensor) or vec.numel() != length or vec.dim() not in (1, 2):
+            shape = tuple(vec.shape) if isinstance(vec, torch.Tensor) else type(vec).__name__
+            raise _fail(name, f"{label} must have {length} elements for a ({k}, {n}) weight, got {shape}")
+        if not bool(((vec == 1) | (vec == -1)).all()):
+            raise _fail(name, f"{label} must hold only +1 and -1")
+
+
+def encode_linear(
+    weight: torch.Tensor,
+    *,
+    bits: int = 6,
+    seed: int | None,
+    codebook: str = "mcg",
+    sign_vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    g_scale: float | None = None,
+    name: str | None = None,
+) -> EncodedLinear:
+    """Encode one float32 (in_features, out_features) weight as the reference's online path does.
+
+    The sign vectors are ``reference_signs(seed, k, n)``: the reference's CUDA draws, computed on the
+    CPU, so an encode on any device gets the signs a server's own encode would (pass ``sign_vectors``
+    to inject others; ``seed`` is then unused and may be None). ``device=None`` works where the weight
+    lives; on CUDA everything stays on the GPU and the Triton Viterbi does the tiles. ``g_scale``
+    skips the scale search (conformance tests); ``name`` prefixes error messages (e.g. the layer key).
+
+    >>> w = torch.randn(128, 128) * 0.02
+    >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
+    >>> tuple(enc.trellis.shape), enc.suh.dtype
+    ((8, 8, 32), torch.float16)
+    """
+    check_bits(bits)
+    check_codebook(codebook)
+    _check_weight(weight, name)
+    k, n = weight.shape
+    if sign_vectors is None:
+        if seed is None:
+            raise _fail(name, "need a seed (or sign_vectors) to draw the sign vectors")
+        sign_vectors = reference_signs(seed, k, n)
+    _check_signs(sign_vectors, k, n, name)
+    if g_scale is not None and not (np.isfinite(g_scale) and g_scale > 0):
+        raise _fail(name, f"g_scale must be a positive finite number, got {g_scale!r}")
+    dev = torch.device(device) if device is not None else weight.device
+    w = weight.to(dev)
+
+    reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
+    g = float(g_scale) if g_scale is not None else search_global_scale(reg.weight, bits, codebook)
+    w_r = reg.weight * _f32(g)
+    su = _div_scalar(reg.su, g)
+    states, _, proxy_error = quantize_regularized(w_r, bits, codebook)
+    return EncodedLinear(
+        trellis=pack_trellis(states, bits),
+        suh=su.to(torch.float16),
+        svh=reg.sv.to(torch.float16),
+        proxy_error=proxy_error,
+        g_scale=g,
+        bits=bits,
+        codebook=codebook,
+    )

@@ -1,0 +1,269 @@
+"""The online encoder against the reference's goldens, stage by stage, plus properties on fresh weights.
+
+Conformance figures measured on the goldens (CPU, this implementation; spec 9.2 explains why the first
+three cannot be exact on a CPU):
+* regularize: su/sv within 5 fp32 ulp of the reference (mean about 1 ulp; the fp32 reductions and
+  cuBLAS order differ); the rotated weight within 4e-6 x its RMS of the reference's (both are ~2.4e-7
+  x RMS from the exact value on average), so its fp16 roundings agree for > 99.7 % of the elements;
+* suh / svh: every element equal for all four golden encodes;
+* global scale: within 1e-5 relative of the reference's (measured 2e-6 on case0);
+* quantize_regularized on the reference's weight_r: states and trellis byte-identical, proxy_error
+  equal to 1e-12 relative.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from exl3tool.encode.decode import dequantize
+from exl3tool.encode.online import (
+    _div_scalar, _f32, encode_linear, quantize_regularized, regularize, sample_scale_tiles, scale_mse,
+)
+from exl3tool.encode.layout import matrix_to_tiles
+from exl3tool.encode.signs import reference_signs
+from exl3tool.encode.trellis import pack_trellis
+
+CASES = [("encode_e2e", "case0"), ("encode_e2e", "case1"), ("encode_e2e", "case2"), ("gemm_k6", "enc")]
+
+
+def _load(golden, fname: str, tag: str) -> dict:
+    """The tensors of one golden encode (prefix stripped) plus its metadata scalars."""
+    with safe_open(str(golden / f"{fname}.safetensors"), "pt") as f:
+        out = {key[len(tag) + 1:]: f.get_tensor(key) for key in f.keys() if key.startswith(tag + ".")}
+        meta = f.metadata()
+    out["seed"] = int(meta[f"{tag}.seed"])
+    out["g"] = float(out["g_scale"])
+    return out
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in fp32 units in the last place (ordered integer view)."""
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        i = x.contiguous().view(torch.int32).to(torch.int64)
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _recipe_weight(k: int, n: int, seed: int) -> torch.Tensor:
+    """The goldens' weight recipe (per-channel scales, four outlier inputs), freshly seeded: (k, n) f32."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w *= torch.exp(0.5 * torch.randn(n, 1, generator=gen))
+    w *= torch.exp(0.5 * torch.randn(1, k, generator=gen))
+    w[:, torch.randperm(k, generator=gen)[:4]] *= 10
+    return w.t().contiguous()
+
+
+def _fresh_seed() -> int:
+    return int(np.random.default_rng().integers(0, 2**31))
+
+
+# ---------------------------------------------------------------- regularize (spec 7.3)
+
+
+@pytest.mark.parametrize("fname, tag", CASES)
+def test_regularize_matches_golden(golden, fname, tag):
+    gold = _load(golden, fname, tag)
+    reg = regularize(gold["weight"], gold["su_sign"], gold["sv_sign"])
+    k, n = gold["weight"].shape
+    assert reg.weight.shape == (k, n) and reg.su.shape == (k,) and reg.sv.shape == (n,)
+    su = _div_scalar(reg.su, gold["g"])  # the golden su_f32 already carries the global scale
+    su_ulps, sv_ulps = _ulps(su, gold["su_f32"]), _ulps(reg.sv, gold["sv_f32"])
+    assert int(sv_ulps.max()) <= 5 and float(sv_ulps.float().mean()) <= 2.0
+    assert int(su_ulps.max()) <= 6 and float(su_ulps.float().mean()) <= 2.0
+    assert torch.equal(su.half(), gold["suh"]) and torch.equal(reg.sv.half(), gold["svh"])
+    assert torch.equal(torch.sign(reg.su), -gold["su_sign"])  # su carries the opposite sign of the draw
+    if "weight_r" in gold:
+        w_r, ref = reg.weight * _f32(gold["g"]), gold["weight_r"]
+        rms = float(ref.square().mean().sqrt())
+        diff = (w_r - ref).abs()
+        assert float(diff.max()) <= 4e-6 * rms and float(diff.mean()) <= 5e-7 * rms
+        assert float((w_r.half() == ref.half()).float().mean()) > 0.997
+
+
+def test_regularize_rows_have_codebook_rms_and_zero_columns_stay_zero():
+    k, n = 256, 384
+    w = torch.randn(k, n) * 0.05
+    w[:, 17] = 0.0  # an all-zero output column
+    su_sign, sv_sign = reference_signs(_fresh_seed(), k, n)
+    reg = regularize(w, su_sign, sv_sign)
+    assert reg.sv[17] == 0 and not reg.zeros
+    assert torch.all(reg.sv[torch.arange(n) != 17].abs() > 0)
+    # before the input Hadamard every row had RMS codebook_scale; the orthogonal transform keeps the total
+    assert abs(float(reg.weight.square().mean().sqrt()) - 1.24371088) < 1e-4
+
+
+# ---------------------------------------------------------------- scale search (spec 7.4)
+
+
+def test_sample_scale_tiles_layout():
+    w = torch.randn(256, 512)  # 16 x 32 tiles: D = 32, num_x = max(8, 96 // 16) = 8
+    tiles = matrix_to_tiles(w)
+    sample = sample_scale_tiles(w, 6)
+    assert sample.shape == (3 * 32 + 2 * 8, 256)
+    assert torch.equal(sample[0], tiles[0, 0]) and torch.equal(sample[2], tiles[0, 2])
+    assert torch.equal(sample[3 * 20 + 1], tiles[20 % 16, 21])  # wrapped diagonal, a = 20, w = 1
+    ms = sample[96:].square().mean(dim=1)
+    assert torch.all(ms[:7] >= ms[1:8]) and torch.all(ms[8:15] <= ms[9:16])  # descending, then ascending
+    all_ms = tiles.reshape(-1, 256).square().mean(dim=1)
+    assert float(ms[0]) == float(all_ms.max()) and float(ms[8]) == float(all_ms.min())
+    # K <= 3 carries the drift factor
+    assert torch.equal(sample_scale_tiles(w, 2), sample * _f32(1.018))
+
+
+def test_scale_mse_is_fp32_mean_of_rescaled_error():
+    tiles = torch.randn(6, 256) * 1.2
+    from exl3tool.encode.viterbi import quantize_tiles
+
+    s = 0.7000000000000001
+    values, _ = quantize_tiles(tiles * _f32(s), 4)
+    expected = float((values * float(np.float32(1) / np.float32(s)) - tiles).square().mean())
+    got = scale_mse(tiles, [0.3, s], 4)
+    assert got[1] == expected and got[0] != expected
+
+
+# ---------------------------------------------------------------- quantization (spec 7.5-7.7)
+
+
+@pytest.mark.parametrize("tag, rows", [("case0", None), ("case1", 128)])
+def test_quantize_regularized_byte_identical(golden, tag, rows):
+    """The reference's weight_r in, its states and trellis out (case1: the first 8 tile rows, for time)."""
+    gold = _load(golden, "encode_e2e", tag)
+    w_r = gold["weight_r"] if rows is None else gold["weight_r"][:rows]
+    states, q_r, proxy = quantize_regularized(w_r, 6, "mcg")
+    tile_rows = states.shape[0]
+    assert torch.equal(states, gold["encoded"][:tile_rows])
+    assert torch.equal(pack_trellis(states, 6), gold["trellis"][:tile_rows])
+    assert abs(proxy - float((w_r.double() - q_r.double()).square().mean())) < 1e-12
+    if rows is None:
+        assert abs(proxy - float(gold["proxy_error"])) <= 1e-12 * float(gold["proxy_error"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fname, tag", [("encode_e2e", "case1"), ("encode_e2e", "case2")])
+def test_quantize_regularized_byte_identical_full(golden, fname, tag):
+    gold = _load(golden, fname, tag)
+    states, _, proxy = quantize_regularized(gold["weight_r"], 6, "mcg")
+    assert torch.equal(pack_trellis(states, 6), gold["trellis"])
+    assert abs(proxy - float(gold["proxy_error"])) <= 1e-12 * float(gold["proxy_error"])
+
+
+# ---------------------------------------------------------------- the full encoder
+
+
+@pytest.fixture(scope="module")
+def case0_encode(golden):
+    gold = _load(golden, "encode_e2e", "case0")
+    start = time.perf_counter()
+    enc = encode_linear(gold["weight"], bits=6, seed=gold["seed"])  # signs from reference_signs
+    return gold, enc, time.perf_counter() - start
+
+
+def test_encode_linear_case0_against_golden(case0_encode):
+    gold, enc, seconds = case0_encode
+    assert enc.trellis.shape == gold["trellis"].shape and enc.trellis.dtype == torch.int16
+    assert enc.bits == 6 and enc.codebook == "mcg"
+    # the scale search follows the sampled MSEs continuously; cuBLAS/reduction order moves them slightly
+    assert abs(enc.g_scale - gold["g"]) <= 1e-5 * gold["g"]
+    # a g that differs in its fp32 value shifts every rotated element, so suh moves by at most an fp16 ulp
+    suh_ulps = (enc.suh.view(torch.int16).int() - gold["suh"].view(torch.int16).int()).abs()
+    assert int(suh_ulps.max()) <= 1 and float((suh_ulps == 0).float().mean()) > 0.97
+    assert torch.equal(enc.svh, gold["svh"])
+    match = float((enc.trellis == gold["trellis"]).all(dim=-1).float().mean())
+    print(f"case0: g {enc.g_scale!r} (golden {gold['g']!r}), tiles identical {match:.1%}, {seconds:.1f} s")
+    assert match > 0.8  # measured 97.7 % with a 2e-6 relative g difference (spec 9.2)
+    assert abs(enc.proxy_error - float(gold["proxy_error"])) < 0.02 * float(gold["proxy_error"])
+
+
+@pytest.mark.slow
+def test_encode_linear_with_golden_g_reproduces_trellis(golden):
+    """Given the reference's signs and g, the CPU encode matches its trellis on all but a few tiles."""
+    gold = _load(golden, "encode_e2e", "case1")
+    enc = encode_linear(gold["weight"], bits=6, seed=None, g_scale=gold["g"],
+                        sign_vectors=(gold["su_sign"], gold["sv_sign"]))
+    assert torch.equal(enc.suh, gold["suh"]) and torch.equal(enc.svh, gold["svh"])
+    match = float((enc.trellis == gold["trellis"]).all(dim=-1).float().mean())
+    print(f"case1 with golden g: tiles identical {match:.1%}")
+    assert match > 0.95  # measured 99.8 %: tiles differ only where an fp32 difference flips an fp16 rounding
+
+
+@pytest.fixture(scope="module")
+def fresh_encodes():
+    """A fresh recipe weight (128 x 128) encoded at K = 6 with the scale search, again at the found g,
+    and at K = 4 and 8 with that g (one search: the quantizer dominates the test time; for K >= 4 the
+    searched g barely moves with K, ~0.80 on the goldens)."""
+    w = _recipe_weight(128, 128, _fresh_seed())
+    seed = _fresh_seed()
+    enc = {(6, 0): encode_linear(w, bits=6, seed=seed)}
+    g = enc[(6, 0)].g_scale
+    enc.update({(bits, i): encode_linear(w, bits=bits, seed=seed, g_scale=g) for bits, i in [(6, 1), (4, 0), (8, 0)]})
+    return seed, w, enc
+
+
+def test_encode_is_deterministic(fresh_encodes):
+    _, _, enc = fresh_encodes
+    a, b = enc[(6, 0)], enc[(6, 1)]
+    assert torch.equal(a.trellis, b.trellis) and torch.equal(a.suh, b.suh) and torch.equal(a.svh, b.svh)
+    assert a.g_scale == b.g_scale and a.proxy_error == b.proxy_error
+
+
+def test_dequantized_error_like_the_reference(fresh_encodes):
+    _, w, enc = fresh_encodes
+    errors = {}
+    for bits in (4, 6, 8):
+        wq = dequantize(enc[(bits, 0)])
+        errors[bits] = float((wq - w).norm() / w.norm())
+    print("relative Frobenius errors", errors)
+    assert errors[6] <= 1.1 * 0.0179  # the goldens show 0.0177-0.0179 at K = 6
+    assert errors[8] < errors[6] < errors[4]
+    assert errors[4] > 2 * errors[6] and errors[6] > 2 * errors[8]  # ~ one halving per extra bit
+
+
+def test_signs_default_to_reference_signs(fresh_encodes):
+    seed, _, enc = fresh_encodes
+    su_sign, sv_sign = reference_signs(seed, 128, 128)
+    # suh carries the opposite sign of the input draw, svh the sign of the output draw
+    assert torch.equal(enc[(6, 0)].suh.sign().float(), -su_sign)
+    assert torch.equal(enc[(6, 0)].svh.sign().float(), sv_sign)
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "weight, kwargs, words",
+    [
+        (torch.randn(128), {}, ["2-D", "(128,)"]),
+        (torch.randn(128, 200), {}, ["out_features 200", "multiple of 128"]),
+        (torch.randn(96, 128), {}, ["in_features 96"]),
+        (torch.randn(128, 128).half(), {}, ["float32", ".float()"]),
+        (torch.randn(128, 128), {"bits": 9}, ["bits"]),
+        (torch.randn(128, 128), {"bits": 0}, ["bits"]),
+        (torch.randn(128, 128), {"codebook": "nope"}, ["codebook", "mcg"]),
+        (torch.randn(128, 128), {"sign_vectors": (torch.ones(127), torch.ones(128))}, ["su_sign", "128"]),
+        (torch.randn(128, 128), {"sign_vectors": (torch.ones(128), torch.ones(256))}, ["sv_sign", "128"]),
+        (torch.randn(128, 128), {"sign_vectors": (torch.ones(128), torch.full((128,), 0.5))}, ["sv_sign", "-1"]),
+        (torch.randn(128, 128), {"seed": None}, ["seed"]),
+        (torch.randn(128, 128), {"g_scale": -1.0}, ["g_scale"]),
+    ],
+)
+def test_encode_linear_rejects_bad_input(weight, kwargs, words):
+    kwargs = {"seed": 5, **kwargs}
+    with pytest.raises(ValueError) as err:
+        encode_linear(weight, name="model.layers.0.mlp.down_proj", **kwargs)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_encode_linear_names_non_finite_values():
+    w = torch.randn(128, 256)
+    w[3, 7] = float("nan")
+    w[90, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"2 non-finite values \(first at \[3, 7\]"):
+        encode_linear(w, seed=1)
