@@ -93,6 +93,9 @@ def run(n_tiles: int = 65536, bits: int = 6, codebook: str = "mcg", reps: int = 
 
 
 VARIANTS = {
+    "m4_w4": dict(mode=4, num_warps=4),
+    "m4_w2": dict(mode=4, num_warps=2),
+    "m4_w8": dict(mode=4, num_warps=8),
     "m2_w4": dict(mode=2, num_warps=4),
     "m2_w2": dict(mode=2, num_warps=2),
     "m2_w8": dict(mode=2, num_warps=8),

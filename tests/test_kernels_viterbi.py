@@ -138,56 +138,78 @@ _INTERP_SCRIPT = textwrap.dedent(
     import torch
     from safetensors.torch import load_file
     from exl3tool.kernels.viterbi import viterbi_tiles, interpreter_active
-    bits, cb, rows = int(sys.argv[1]), sys.argv[2], [int(r) for r in sys.argv[3].split(",")]
-    g = load_file(os.path.join(sys.argv[4], "tiles_golden.safetensors"))
-    tag = f"k{bits}_{cb}"
-    x = g[tag + ".input"][rows]
-    t0 = time.time()
-    vals, states = viterbi_tiles(x, bits, cb)
-    print(json.dumps({
-        "interp": interpreter_active(),
-        "seconds": time.time() - t0,
-        "states_equal": bool(torch.equal(states, g[tag + ".indices"][rows])),
-        "values_equal": bool(torch.equal(vals, g[tag + ".output"][rows])),
-        "dtypes": [str(vals.dtype), str(states.dtype)],
-    }))
+    jobs, golden = json.loads(sys.argv[1]), sys.argv[2]
+    g = load_file(os.path.join(golden, "tiles_golden.safetensors"))
+    out = []
+    for job in jobs:
+        if "rows" in job:
+            x = g[f"k{job['bits']}_{job['cb']}.input"][job["rows"]]
+        else:
+            x = torch.tensor(job["tiles"], dtype=torch.float32)
+        t0 = time.time()
+        vals, states = viterbi_tiles(x, job["bits"], job["cb"], mode=job["mode"])
+        out.append({"interp": interpreter_active(), "seconds": time.time() - t0,
+                    "states": states.tolist(), "values": vals.tolist(),
+                    "dtypes": [str(vals.dtype), str(states.dtype)]})
+    print(json.dumps(out))
     """
 )
 
 
-def _interp_cases(n_rows: int) -> list[tuple[int, str, list[int]]]:
-    """K=6 mcg: a random Gaussian row and a random real row; K=4 mcg: one random row."""
+def _interp_jobs() -> list[list[dict]]:
+    """Two process loads of about equal interpreter time (2 cores): random golden rows, fresh tiles."""
     rng = np.random.default_rng()
+    fresh = (rng.standard_normal((1, 256)) * rng.uniform(0.5, 1.5)).astype(np.float32)
     return [
-        (6, "mcg", [int(rng.integers(0, 512)), int(rng.integers(512, 576))]),
-        (4, "mcg", [int(rng.integers(0, 192))]),
+        # K=6 mcg, plain path: one Gaussian and one real-weight golden tile
+        [{"bits": 6, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 512)), int(rng.integers(512, 576))]}],
+        # K=4 mcg plain path (golden), and the packed-pair layout (mode 5) on a fresh tile at K=1
+        [{"bits": 4, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 192))]},
+         {"bits": 1, "cb": "mcg", "mode": 5, "tiles": fresh.tolist()}],
     ]
 
 
 @pytest.fixture(scope="module")
 def interp_results(golden):
-    """Run the interpreter cases concurrently (one process each, 2 cores) and collect their JSON."""
+    """Run the interpreter jobs concurrently (one process per list) and collect (job, result) pairs."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = []
-    for bits, cb, rows in _interp_cases(0):
-        args = [sys.executable, "-c", _INTERP_SCRIPT, str(bits), cb, ",".join(map(str, rows)), str(golden)]
-        procs.append(((bits, cb, rows), subprocess.Popen(args, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
-                                                         stderr=subprocess.PIPE, text=True)))
-    out = {}
-    for case, proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
+    for jobs in _interp_jobs():
+        args = [sys.executable, "-c", _INTERP_SCRIPT, json.dumps(jobs), str(golden)]
+        procs.append((jobs, subprocess.Popen(args, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True)))
+    pairs = []
+    for jobs, proc in procs:
+        stdout, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0, stderr[-4000:]
-        out[case[:2]] = (case[2], json.loads(stdout.strip().splitlines()[-1]))
-    return out
+        pairs += list(zip(jobs, json.loads(stdout.strip().splitlines()[-1])))
+    return pairs
 
 
-@pytest.mark.parametrize("case", [(6, "mcg"), (4, "mcg")])
-def test_interpreter_matches_golden(interp_results, case):
-    rows, res = interp_results[case]
+def _find(pairs, bits, mode):
+    return next((job, res) for job, res in pairs if job["bits"] == bits and job["mode"] == mode)
+
+
+@pytest.mark.parametrize("bits", [6, 4])
+def test_interpreter_matches_golden(interp_results, golden, bits):
+    job, res = _find(interp_results, bits, 0)
     assert res["interp"], "subprocess did not run under the Triton interpreter"
     assert res["dtypes"] == ["torch.float32", "torch.int16"]
-    assert res["states_equal"], (case, rows)
-    assert res["values_equal"], (case, rows)
+    _, idx, out = _load_golden(golden, bits, job["cb"])
+    assert torch.equal(torch.tensor(res["states"], dtype=torch.int16), idx[job["rows"]]), job["rows"]
+    assert torch.equal(torch.tensor(res["values"], dtype=torch.float32), out[job["rows"]]), job["rows"]
+
+
+def test_interpreter_packed_layout_matches_reference(interp_results):
+    """Mode 5 (the packed-pair indexing of the GPU default, exact arithmetic) on a fresh tile, K=1."""
+    job, res = _find(interp_results, 1, 5)
+    assert res["interp"]
+    x = np.asarray(job["tiles"], dtype=np.float32)
+    ref = reference_tile(x[0], 1, "mcg")
+    got = np.asarray(res["states"], dtype=np.int64)[0] & 0xFFFF
+    assert np.array_equal(got, ref)
+    table = codebook_table_np("mcg").astype(np.float32)
+    assert np.array_equal(np.asarray(res["values"], dtype=np.float32)[0], table[ref])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -240,7 +262,7 @@ def test_gpu_chunks_and_variants_agree():
         ref = reference_tile(x[int(row)].cpu().numpy(), 6, "mcg")
         assert np.array_equal(states[int(row)].cpu().numpy().view(np.uint16).astype(np.int64), ref)
     sub = x[:64]
-    for mode in (1, 3):
+    for mode in (1, 2, 3, 4):
         _, s3 = vmod.viterbi_tiles(sub, 6, "mcg", mode=mode)
         assert torch.equal(s3, states[:64]), mode
 
