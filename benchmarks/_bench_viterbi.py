@@ -82,6 +82,8 @@ def _resources() -> dict:
 
 def run(n_tiles: int = 65536, bits: int = 6, codebook: str = "mcg", reps: int = 3, **variant) -> dict:
     """Correctness on the golden K=6 mcg set, then tiles/s for n_tiles tiles of ``bits``/``codebook``."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the Viterbi benchmark needs a CUDA device")
     check = check_golden(6, "mcg", **variant)
     if check.get("bad_states") or check.get("bad_values"):
         raise AssertionError(f"viterbi kernel disagrees with the golden tiles: {check}")
@@ -107,6 +109,9 @@ VARIANTS = {
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark")
+        return
     out_dir = os.environ.get("OUT")
     n = int(os.environ.get("VITERBI_BENCH_TILES", "65536"))
     names = os.environ.get("VITERBI_VARIANTS", ",".join(VARIANTS)).split(",")

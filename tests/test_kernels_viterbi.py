@@ -268,6 +268,16 @@ def test_gpu_chunks_and_variants_agree():
 
 
 @pytest.mark.gpu
+def test_gpu_selfcheck_kept_default_mode():
+    """The packed default mode agreed with the plain mode for every bit width used (no fallback)."""
+    _gpu_ready()
+    for bits in (1, 6, 8):
+        vmod.viterbi_tiles(torch.randn(4, 256, device="cuda"), bits, "mcg")
+    res = vmod.selfcheck_results()
+    assert res and all(m == vmod.DEFAULT_MODE for m in res.values()), res
+
+
+@pytest.mark.gpu
 def test_gpu_empty_batch():
     _gpu_ready()
     vals, states = vmod.viterbi_tiles(torch.empty(0, 256, device="cuda"), 6, "mcg")

@@ -18,6 +18,7 @@ explicit round-to-nearest-even to fp16 precision (never torch's double-rounding 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -33,7 +34,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["viterbi_tiles", "interpreter_active", "MODES", "DEFAULT_MODE"]
+__all__ = ["viterbi_tiles", "interpreter_active", "selfcheck_results", "MODES", "DEFAULT_MODE"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
 #   0: exact float64 emulation (interpreter; also runs on GPU, slowly)
@@ -45,6 +46,8 @@ __all__ = ["viterbi_tiles", "interpreter_active", "MODES", "DEFAULT_MODE"]
 MODES = (0, 1, 2, 3, 4, 5)
 DEFAULT_MODE = int(os.environ.get("EXL3TOOL_VITERBI_MODE", "4"))
 LAST_COMPILED = None
+# (device, bits) -> mode chosen after the one-time self-check of the default mode against mode 1
+_CHECKED: dict[tuple[str, int], int] = {}
 DEFAULT_SCRATCH_BYTES = 2 << 30  # back-pointer scratch budget per chunk (uint8 per position and edge)
 
 if _HAVE_TRITON:
@@ -313,6 +316,34 @@ def interpreter_active() -> bool:
     return isinstance(_viterbi_kernel, InterpretedFunction)
 
 
+def selfcheck_results() -> dict[tuple[str, int], int]:
+    """Mode in use per (device, bits) after the self-check; DEFAULT_MODE unless the check failed."""
+    return dict(_CHECKED)
+
+
+def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_warps: int) -> int:
+    """DEFAULT_MODE, once checked on this device and bit width against mode 1 on fresh random tiles.
+
+    Mode 1 uses only a scalar ``fma.rn.f16`` plus Triton's own fp16 compare/select; the default packs
+    two edges per register with set/lop3 tricks. If they ever disagree, warn and fall back to mode 1.
+    Disable with EXL3TOOL_VITERBI_SELFCHECK=0.
+    """
+    key = (str(device), bits)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    mode = DEFAULT_MODE
+    if mode != 1 and os.environ.get("EXL3TOOL_VITERBI_SELFCHECK", "1") != "0":
+        x = torch.randn(8, 256, device=device) * (0.5 + torch.rand(8, 1, device=device))
+        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, num_warps=num_warps)
+        _, s_plain = viterbi_tiles(x, bits, codebook, mode=1, num_warps=num_warps)
+        if not torch.equal(s_default, s_plain):
+            warnings.warn(f"viterbi kernel mode {mode} disagrees with mode 1 on {device} at K={bits}; "
+                          "falling back to mode 1", RuntimeWarning, stacklevel=3)
+            mode = 1
+    _CHECKED[key] = mode
+    return mode
+
+
 def _geometry(bits: int, block_edges: int | None) -> tuple[int, int, int]:
     """(NL, NH, BH): candidates per edge, edge rows (e >> K) and rows per block chunk."""
     nl = 1 << bits
@@ -354,7 +385,7 @@ def viterbi_tiles(
     if not tiles.is_cuda and not interp:
         raise ValueError("viterbi_tiles needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)")
     if mode is None:
-        mode = 0 if interp else DEFAULT_MODE
+        mode = 0 if interp else _checked_default_mode(tiles.device, bits, codebook, num_warps)
     if mode not in MODES or (interp and mode not in (0, 5)):
         raise ValueError(f"mode must be one of {MODES} (0 or 5 under the interpreter), got {mode!r}")
 
