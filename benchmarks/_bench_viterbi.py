@@ -95,6 +95,7 @@ def run(n_tiles: int = 65536, bits: int = 6, codebook: str = "mcg", reps: int = 
 
 
 VARIANTS = {
+    "m4_auto": dict(mode=4),
     "m4_w4": dict(mode=4, num_warps=4),
     "m4_w2": dict(mode=4, num_warps=2),
     "m4_w8": dict(mode=4, num_warps=8),

@@ -321,7 +321,8 @@ def selfcheck_results() -> dict[tuple[str, int], int]:
     return dict(_CHECKED)
 
 
-def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_warps: int) -> int:
+def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_warps: int | None,
+                          block_edges: int | None) -> int:
     """DEFAULT_MODE, once checked on this device and bit width against mode 1 on fresh random tiles.
 
     Mode 1 uses only a scalar ``fma.rn.f16`` plus Triton's own fp16 compare/select; the default packs
@@ -334,8 +335,9 @@ def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_wa
     mode = DEFAULT_MODE
     if mode != 1 and os.environ.get("EXL3TOOL_VITERBI_SELFCHECK", "1") != "0":
         x = torch.randn(8, 256, device=device) * (0.5 + torch.rand(8, 1, device=device))
-        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, num_warps=num_warps)
-        _, s_plain = viterbi_tiles(x, bits, codebook, mode=1, num_warps=num_warps)
+        kw = dict(num_warps=num_warps, block_edges=block_edges)
+        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, **kw)
+        _, s_plain = viterbi_tiles(x, bits, codebook, mode=1, **kw)
         if not torch.equal(s_default, s_plain):
             warnings.warn(f"viterbi kernel mode {mode} disagrees with mode 1 on {device} at K={bits}; "
                           "falling back to mode 1", RuntimeWarning, stacklevel=3)
@@ -359,7 +361,7 @@ def viterbi_tiles(
     codebook: str = "mcg",
     *,
     mode: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     block_edges: int | None = None,
     k_chunk: int | None = None,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
@@ -385,7 +387,7 @@ def viterbi_tiles(
     if not tiles.is_cuda and not interp:
         raise ValueError("viterbi_tiles needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)")
     if mode is None:
-        mode = 0 if interp else _checked_default_mode(tiles.device, bits, codebook, num_warps)
+        mode = 0 if interp else _checked_default_mode(tiles.device, bits, codebook, num_warps, block_edges)
     if mode not in MODES or (interp and mode not in (0, 5)):
         raise ValueError(f"mode must be one of {MODES} (0 or 5 under the interpreter), got {mode!r}")
 
@@ -398,6 +400,8 @@ def viterbi_tiles(
     tiles = tiles.contiguous()
     dec = codebook_table(codebook, dev)
     nl, nh, bh = _geometry(bits, block_edges if block_edges is not None or not interp else 1 << (16 - bits))
+    if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8
+        num_warps = max(1, min(4, (bh * nl) // 256))
     kc = k_chunk if k_chunk is not None else (nl if interp else 1)
     if kc < 1 or kc > nl or kc & (kc - 1):
         raise ValueError(f"k_chunk must be a power of two in 1..{nl}, got {kc}")
