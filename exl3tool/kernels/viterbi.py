@@ -307,6 +307,14 @@ if _HAVE_TRITON:
             ed = k * NH + (ed >> K)
 
 
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def interpreter_active() -> bool:
     """True when this module's kernel was built by Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
     if not _HAVE_TRITON:
@@ -409,12 +417,14 @@ def viterbi_tiles(
     chunk = max(1, min(n, scratch_bytes // (256 * e)))
     bp = torch.empty((chunk, 256, e), dtype=torch.uint8, device=dev)
     cs = torch.empty((chunk, 2, e), dtype=torch.float16, device=dev)
-    for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
-        compiled = _viterbi_kernel[(hi - lo,)](
-            tiles[lo:hi], dec, cs, bp, states[lo:hi], values[lo:hi],
-            K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, num_warps=num_warps,
-        )
+    guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
+    with guard:  # launch on the tensors' GPU, not whichever is current
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            compiled = _viterbi_kernel[(hi - lo,)](
+                tiles[lo:hi], dec, cs, bp, states[lo:hi], values[lo:hi],
+                K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, num_warps=num_warps,
+            )
     global LAST_COMPILED
     LAST_COMPILED = compiled  # for the benchmark's resource report (registers, spills, PTX)
     return values, states
