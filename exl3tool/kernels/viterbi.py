@@ -1,0 +1,430 @@
+"""Triton GPU tile quantizer: the EXL3 tail-biting Viterbi (spec exl3-format.md section 6), bit-exact.
+
+Formulation (one program per tile). A step visits one trellis position; every edge e in [0, E) with
+E = 2^(16-K) keeps the cheapest of its 2^K candidates s = (k << (16-K)) | e, whose predecessor is
+pred = k * NH + (e >> K) with NH = 2^(16-2K). We loop over k (in increasing order, so a strict
+less-than keeps the first minimum exactly like the reference) and treat all edges of the tile
+element-wise as one [NH, 2^K] block, so no cross-thread reduction is needed: per candidate only
+d = dec - w, one fp16 FMA, a compare and two selects. dec[k*E + e] is a contiguous row of the
+codebook table (L1 resident); C_old[k*NH + h] is one value per block row. Costs live in a
+double-buffered per-tile global scratch (L1 resident, one CTA barrier per step); back-pointers are
+stored as the uint8 k per (position, edge); the two tracebacks are scalar loops per tile.
+
+Exactness: the fp16 FMA must be rounded once. On the GPU it is PTX ``fma.rn.f16``/``fma.rn.f16x2``
+through inline assembly; under TRITON_INTERPRET=1 (no PTX) it is emulated exactly in float64 with
+explicit round-to-nearest-even to fp16 precision (never torch's double-rounding float64->float16).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from exl3tool.encode.codebook import check_codebook, codebook_table
+
+try:  # triton is optional for the CPU-only parts of the package
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    _HAVE_TRITON = False
+
+__all__ = ["viterbi_tiles", "interpreter_active", "selfcheck_results", "MODES", "DEFAULT_MODE"]
+
+# Arithmetic paths (tl.constexpr MODE of the kernel):
+#   0: exact float64 emulation (interpreter; also runs on GPU, slowly)
+#   1: fma.rn.f16 inline asm (pack 1), Triton fp16 sub / compare / select
+#   2: one f16x2 inline asm per 2 candidates: sub, fma, set.lt mask, two lop3 selects
+#   3: fma.rn.f16x2 inline asm (pack 2), Triton fp16 sub / compare / select
+#   4: as 2, but two edges per int32 tensor element (no per-step packing/unpacking of halves)
+#   5: the layout of 4 with the exact emulation of 0 (checks 4's indexing under the interpreter)
+MODES = (0, 1, 2, 3, 4, 5)
+DEFAULT_MODE = int(os.environ.get("EXL3TOOL_VITERBI_MODE", "4"))
+LAST_COMPILED = None
+# (device, bits) -> mode chosen after the one-time self-check of the default mode against mode 1
+_CHECKED: dict[tuple[str, int], int] = {}
+DEFAULT_SCRATCH_BYTES = 2 << 30  # back-pointer scratch budget per chunk (uint8 per position and edge)
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _fma16_emu(d, c):
+        """f16(d*d + c) with ONE rounding, emulated exactly in float64 (d, c fp16; c >= 0)."""
+        dd = d.to(tl.float64)
+        r = dd * dd + c.to(tl.float64)  # exact: 22-bit product plus an fp16, far inside 53 bits
+        b = r.to(tl.int64, bitcast=True)
+        b = (b + 2199023255551 + ((b >> 42) & 1)) & -4398046511104  # RNE to 11 significant bits
+        normal = b.to(tl.float64, bitcast=True)
+        sub = (r + 402653184.0) - 402653184.0  # 1.5*2^28: RNE to a multiple of 2^-24 (fp16 subnormals)
+        out = tl.where(r < 6.103515625e-05, sub, normal)
+        out = tl.where(r >= 65520.0, float("inf"), out)
+        return out.to(tl.float16)  # exact: out is representable in fp16
+
+    @triton.jit
+    def _fma16_asm1(d, c):
+        """fp16 FMA d*d + c, single rounding (PTX fma.rn.f16), one element per asm block."""
+        return tl.inline_asm_elementwise(
+            "fma.rn.f16 $0, $1, $1, $2;", "=h,h,h", [d, c], dtype=tl.float16, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def _fma16_asm2(d, c):
+        """fp16 FMA d*d + c, single rounding, two elements per instruction (PTX fma.rn.f16x2)."""
+        return tl.inline_asm_elementwise(
+            "fma.rn.f16x2 $0, $1, $1, $2;", "=r,r,r", [d, c], dtype=tl.float16, is_pure=True, pack=2
+        )
+
+    @triton.jit
+    def _cost(dec, w, cold, MODE: tl.constexpr):
+        """fma16(d, d, C_old) with d = f16(dec - w)."""
+        if MODE == 0:
+            d = (dec.to(tl.float32) - w.to(tl.float32)).to(tl.float16)  # exact (double-rounding theorem)
+            return _fma16_emu(d, cold)
+        elif MODE == 1:
+            return _fma16_asm1(dec - w, cold)
+        else:
+            return _fma16_asm2(dec - w, cold)
+
+    @triton.jit
+    def _step_update(dec, w, cold, best, bk, k, MODE: tl.constexpr):
+        """Candidate k of every edge: replace (best, bk) where its cost is strictly smaller."""
+        if MODE == 2:
+            kk = (tl.zeros_like(bk) + k).to(tl.int16)
+            best, bk = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 d, c, m;
+                sub.rn.f16x2 d, $2, $3;
+                fma.rn.f16x2 c, d, d, $4;
+                set.lt.u32.f16x2 m, c, $5;
+                lop3.b32 $0, c, $5, m, 0xE4;
+                lop3.b32 $1, $7, $6, m, 0xE4;
+                }""",
+                "=r,=r,r,r,r,r,r,r",
+                [dec, w, cold, best, bk, kk],
+                dtype=(tl.float16, tl.int16),
+                is_pure=True,
+                pack=2,
+            )
+        else:
+            c = _cost(dec, w, cold, MODE)
+            take = c < best
+            best = tl.where(take, c, best)
+            bk = tl.where(take, k, bk).to(tl.int16)
+        return best, bk
+
+    @triton.jit
+    def _unpack2(x2):
+        """int32 holding two fp16 (element 2j in the low half) -> (low, high) fp16."""
+        lo = (x2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = ((x2 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        return lo, hi
+
+    @triton.jit
+    def _pack2(lo, hi):
+        lo32 = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi32 = hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo32 | (hi32 << 16)
+
+    @triton.jit
+    def _first_packed(dec2, w, cold, MODE: tl.constexpr):
+        """Costs of candidate k = 0 for two edges per int32: fma16(d, d, C_old)."""
+        if MODE == 4:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 ww, cc, d;
+                mov.b32 ww, {$2, $2};
+                mov.b32 cc, {$3, $3};
+                sub.rn.f16x2 d, $1, ww;
+                fma.rn.f16x2 $0, d, d, cc;
+                }""",
+                "=r,r,h,h",
+                [dec2, w, cold],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            dl, dh = _unpack2(dec2)
+            return _pack2(_cost(dl, w, cold, 0), _cost(dh, w, cold, 0))
+
+    @triton.jit
+    def _update_packed(dec2, w, cold, best2, bk2, k, MODE: tl.constexpr):
+        """Candidate k for two edges per int32 register: strict less-than replaces (best, k)."""
+        if MODE == 4:
+            kk2 = (tl.zeros_like(bk2) + k) * 65537
+            best2, bk2 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 ww, cc, d, c, m;
+                mov.b32 ww, {$3, $3};
+                mov.b32 cc, {$4, $4};
+                sub.rn.f16x2 d, $2, ww;
+                fma.rn.f16x2 c, d, d, cc;
+                set.lt.u32.f16x2 m, c, $5;
+                lop3.b32 $0, c, $5, m, 0xE4;
+                lop3.b32 $1, $7, $6, m, 0xE4;
+                }""",
+                "=r,=r,r,h,h,r,r,r",
+                [dec2, w, cold, best2, bk2, kk2],
+                dtype=(tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            dl, dh = _unpack2(dec2)
+            bl, bh = _unpack2(best2)
+            cl = _cost(dl, w, cold, 0)
+            ch = _cost(dh, w, cold, 0)
+            tlo = cl < bl
+            thi = ch < bh
+            best2 = _pack2(tl.where(tlo, cl, bl), tl.where(thi, ch, bh))
+            bk2 = tl.where(tlo, k, bk2 & 0xFFFF) | (tl.where(thi, k, bk2 >> 16) << 16)
+        return best2, bk2
+
+    @triton.jit
+    def _forward_pass(x_t, dec_ptr, cs, bp, START: tl.constexpr, K: tl.constexpr, NL: tl.constexpr,
+                      NH: tl.constexpr, BH: tl.constexpr, KC: tl.constexpr, MODE: tl.constexpr):
+        """256 Viterbi steps over positions START, START+1, ... (mod 256); costs start in cs[0:E]."""
+        E: tl.constexpr = NH * NL
+        rows = tl.arange(0, BH)[:, None]
+        cols = tl.arange(0, NL)[None, :]
+        for t in range(256):
+            p = (t + START) % 256
+            w = tl.load(x_t + p).to(tl.float16)
+            src = cs + (t % 2) * E
+            dst = cs + ((t + 1) % 2) * E
+            for hc in range(NH // BH):
+                h = hc * BH + rows  # e >> K
+                e = h * NL + cols
+                if MODE >= 4:
+                    # two edges per int32: dec pairs, costs and back-pointers packed, f16x2 arithmetic
+                    NL2: tl.constexpr = NL // 2
+                    e2 = h * NL2 + tl.arange(0, NL2)[None, :]
+                    dec32 = dec_ptr.to(tl.pointer_type(tl.int32))
+                    best2 = _first_packed(tl.load(dec32 + e2), w, tl.load(src + h), MODE)
+                    bk2 = tl.zeros([BH, NL2], dtype=tl.int32)
+                    for k in range(1, NL):
+                        dec2 = tl.load(dec32 + k * (E // 2) + e2)
+                        cold = tl.load(src + k * NH + h)
+                        best2, bk2 = _update_packed(dec2, w, cold, best2, bk2, k, MODE)
+                    tl.store(dst.to(tl.pointer_type(tl.int32)) + e2, best2)
+                    bp16 = (bp + p * E).to(tl.pointer_type(tl.int16))
+                    tl.store(bp16 + e2, ((bk2 & 0xFF) | ((bk2 >> 8) & 0xFF00)).to(tl.int16))
+                elif KC == 1:
+                    # k = 0 is the first candidate: taken unconditionally (strict less-than afterwards)
+                    best = _cost(tl.load(dec_ptr + e), w, tl.load(src + h), MODE)
+                    bk = tl.zeros([BH, NL], dtype=tl.int16)
+                    for k in range(1, NL):
+                        dec = tl.load(dec_ptr + k * E + e)
+                        cold = tl.load(src + k * NH + h)
+                        best, bk = _step_update(dec, w, cold, best, bk, k, MODE)
+                else:
+                    # KC candidates at once as a [KC, BH, NL] block; argmin keeps the first minimum
+                    kb = tl.arange(0, KC)[:, None, None]
+                    best = tl.full([BH, NL], float("inf"), tl.float16)
+                    bk = tl.zeros([BH, NL], dtype=tl.int16)
+                    for kc in range(NL // KC):
+                        k3 = kc * KC + kb
+                        dec = tl.load(dec_ptr + k3 * E + e[None, :, :])
+                        cold = tl.load(src + k3 * NH + h[None, :, :])
+                        c = _cost(dec, w, cold, MODE)
+                        cmin, ci = tl.min(c, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                        if kc == 0:
+                            best = cmin
+                            bk = ci.to(tl.int16)
+                        else:
+                            take = cmin < best
+                            best = tl.where(take, cmin, best)
+                            bk = tl.where(take, ci + kc * KC, bk).to(tl.int16)
+                if MODE < 4:
+                    tl.store(dst + e, best)
+                    tl.store(bp + p * E + e, bk.to(tl.uint8))
+            tl.debug_barrier()  # C_new and back-pointers visible to the whole CTA
+
+    @triton.jit
+    def _brev5(x):
+        return ((x & 1) << 4) | ((x & 2) << 2) | (x & 4) | ((x & 8) >> 2) | ((x & 16) >> 4)
+
+    @triton.jit
+    def _viterbi_kernel(x_ptr, dec_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr,
+                        K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr,
+                        KC: tl.constexpr, MODE: tl.constexpr):
+        """One tile per program: pass 1, end-edge choice, traceback, constrained pass 2, traceback."""
+        E: tl.constexpr = NH * NL
+        pid = tl.program_id(0).to(tl.int64)
+        x_t = x_ptr + pid * 256
+        cs = cs_ptr + pid * (2 * E)
+        bp = bp_ptr + pid * (256 * E)
+        rows = tl.arange(0, BH)[:, None]
+        cols = tl.arange(0, NL)[None, :]
+
+        # pass 1 (unconstrained): C = 0 makes the first step fma16(d, d, 0) = f16(d*d)
+        for hc in range(NH // BH):
+            e = (hc * BH + rows) * NL + cols
+            tl.store(cs + e, tl.zeros([BH, NL], dtype=tl.float16))
+        tl.debug_barrier()
+        _forward_pass(x_t, dec_ptr, cs, bp, 128, K, NL, NH, BH, KC, MODE)
+
+        # end edge: min over (bits(C[e]), rank(e)); costs are >= +0 so bit order is value order
+        best_key = tl.full([], 0x7FFFFFFF, tl.int32)
+        for hc in range(NH // BH):
+            e = (hc * BH + rows) * NL + cols
+            cb = tl.load(cs + e).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            rank = (_brev5((e >> 5) & 31) << 10) | (_brev5(e & 31) << 5) | (e >> 10)
+            best_key = tl.minimum(best_key, tl.min(tl.min((cb << 16) | rank, axis=1), axis=0))
+        r = best_key & 0xFFFF
+        e_star = ((r & 31) << 10) | (_brev5((r >> 10) & 31) << 5) | _brev5((r >> 5) & 31)
+        e_star = tl.where((best_key >> 16) >= 0x7C00, 0, e_star)
+
+        # partial traceback of pass 1 over positions 127..0 gives E_fix
+        ed = e_star
+        for i in range(128):
+            p = 127 - i
+            k = tl.load(bp + p * E + ed).to(tl.int32)
+            ed = k * NH + (ed >> K)
+        e_fix = ed
+        tl.debug_barrier()
+
+        # pass 2 (constrained): C = 0 at E_fix, +inf elsewhere, so the first step gives f16(d*d) or +inf
+        for hc in range(NH // BH):
+            e = (hc * BH + rows) * NL + cols
+            tl.store(cs + e, tl.where(e == e_fix, 0.0, float("inf")).to(tl.float16))
+        tl.debug_barrier()
+        _forward_pass(x_t, dec_ptr, cs, bp, 0, K, NL, NH, BH, KC, MODE)
+
+        # final traceback from E_fix, closing the ring
+        ed = e_fix
+        for i in range(256):
+            p = 255 - i
+            k = tl.load(bp + p * E + ed).to(tl.int32)
+            s = (k << (16 - K)) | ed
+            tl.store(idx_ptr + pid * 256 + p, s.to(tl.int16))
+            tl.store(val_ptr + pid * 256 + p, tl.load(dec_ptr + s).to(tl.float32))
+            ed = k * NH + (ed >> K)
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def interpreter_active() -> bool:
+    """True when this module's kernel was built by Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    if not _HAVE_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_viterbi_kernel, InterpretedFunction)
+
+
+def selfcheck_results() -> dict[tuple[str, int], int]:
+    """Mode in use per (device, bits) after the self-check; DEFAULT_MODE unless the check failed."""
+    return dict(_CHECKED)
+
+
+def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_warps: int | None,
+                          block_edges: int | None) -> int:
+    """DEFAULT_MODE, once checked on this device and bit width against mode 1 on fresh random tiles.
+
+    Mode 1 uses only a scalar ``fma.rn.f16`` plus Triton's own fp16 compare/select; the default packs
+    two edges per register with set/lop3 tricks. If they ever disagree, warn and fall back to mode 1.
+    Disable with EXL3TOOL_VITERBI_SELFCHECK=0.
+    """
+    key = (str(device), bits)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    mode = DEFAULT_MODE
+    if mode != 1 and os.environ.get("EXL3TOOL_VITERBI_SELFCHECK", "1") != "0":
+        x = torch.randn(8, 256, device=device) * (0.5 + torch.rand(8, 1, device=device))
+        kw = dict(num_warps=num_warps, block_edges=block_edges)
+        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, **kw)
+        _, s_plain = viterbi_tiles(x, bits, codebook, mode=1, **kw)
+        if not torch.equal(s_default, s_plain):
+            warnings.warn(f"viterbi kernel mode {mode} disagrees with mode 1 on {device} at K={bits}; "
+                          "falling back to mode 1", RuntimeWarning, stacklevel=3)
+            mode = 1
+    _CHECKED[key] = mode
+    return mode
+
+
+def _geometry(bits: int, block_edges: int | None) -> tuple[int, int, int]:
+    """(NL, NH, BH): candidates per edge, edge rows (e >> K) and rows per block chunk."""
+    nl = 1 << bits
+    nh = 1 << (16 - 2 * bits)
+    be = block_edges if block_edges is not None else 1024
+    bh = max(1, min(nh, be // nl))
+    return nl, nh, bh
+
+
+def viterbi_tiles(
+    tiles: torch.Tensor,
+    bits: int,
+    codebook: str = "mcg",
+    *,
+    mode: int | None = None,
+    num_warps: int | None = None,
+    block_edges: int | None = None,
+    k_chunk: int | None = None,
+    scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize (n, 256) float32 tiles (trellis order) to EXL3 states; same contract as quantize_tiles.
+
+    Returns (values float32 (n, 256), states int16 (n, 256)) on the input's device. Runs on CUDA
+    tensors, or on CPU tensors when the Triton interpreter is active. ``mode``/``num_warps``/
+    ``block_edges`` select kernel variants (for benchmarking); results never depend on them.
+    """
+    if not _HAVE_TRITON:
+        raise RuntimeError("viterbi_tiles needs triton")
+    if not isinstance(tiles, torch.Tensor):
+        raise ValueError(f"tiles must be a torch.Tensor, got {type(tiles).__name__}")
+    if tiles.dtype != torch.float32:
+        raise ValueError(f"tiles must be float32, got {tiles.dtype}")
+    if tiles.dim() != 2 or tiles.shape[1] != 256:
+        raise ValueError(f"tiles must have shape (n, 256), got {tuple(tiles.shape)}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    check_codebook(codebook)
+    interp = interpreter_active()
+    if not tiles.is_cuda and not interp:
+        raise ValueError("viterbi_tiles needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)")
+    if mode is None:
+        mode = 0 if interp else _checked_default_mode(tiles.device, bits, codebook, num_warps, block_edges)
+    if mode not in MODES or (interp and mode not in (0, 5)):
+        raise ValueError(f"mode must be one of {MODES} (0 or 5 under the interpreter), got {mode!r}")
+
+    dev = tiles.device
+    n = tiles.shape[0]
+    values = torch.empty((n, 256), dtype=torch.float32, device=dev)
+    states = torch.empty((n, 256), dtype=torch.int16, device=dev)
+    if n == 0:
+        return values, states
+    tiles = tiles.contiguous()
+    dec = codebook_table(codebook, dev)
+    nl, nh, bh = _geometry(bits, block_edges if block_edges is not None or not interp else 1 << (16 - bits))
+    if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8
+        num_warps = max(1, min(4, (bh * nl) // 256))
+    kc = k_chunk if k_chunk is not None else (nl if interp else 1)
+    if kc < 1 or kc > nl or kc & (kc - 1):
+        raise ValueError(f"k_chunk must be a power of two in 1..{nl}, got {kc}")
+    e = nl * nh
+    chunk = max(1, min(n, scratch_bytes // (256 * e)))
+    bp = torch.empty((chunk, 256, e), dtype=torch.uint8, device=dev)
+    cs = torch.empty((chunk, 2, e), dtype=torch.float16, device=dev)
+    guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
+    with guard:  # launch on the tensors' GPU, not whichever is current
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            compiled = _viterbi_kernel[(hi - lo,)](
+                tiles[lo:hi], dec, cs, bp, states[lo:hi], values[lo:hi],
+                K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, num_warps=num_warps,
+            )
+    global LAST_COMPILED
+    LAST_COMPILED = compiled  # for the benchmark's resource report (registers, spills, PTX)
+    return values, states

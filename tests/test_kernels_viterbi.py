@@ -1,0 +1,284 @@
+"""Tests for the Triton Viterbi tile quantizer (exl3tool.kernels.viterbi).
+
+Interpreter tests run the kernel on CPU in a subprocess with TRITON_INTERPRET=1 set before triton is
+imported (so the kernels of this pytest process, and other tests that import triton, are untouched).
+GPU tests (marker ``gpu``) check every golden tile of every configuration, fresh random tiles against
+an independent numpy reference, and a batch that crosses chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from exl3tool.encode.codebook import codebook_table_np  # noqa: E402
+from exl3tool.kernels import viterbi as vmod  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = [(2, "mcg"), (3, "mcg"), (4, "mcg"), (5, "mcg"), (6, "mcg"), (7, "mcg"), (8, "mcg"),
+           (6, "3inst"), (6, "mul1")]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Independent numpy reference (spec section 6), written with numpy's direct float64 -> float16 cast.
+# ----------------------------------------------------------------------------------------------------
+
+def _brev5(x: np.ndarray) -> np.ndarray:
+    return ((x & 1) << 4) | ((x & 2) << 2) | (x & 4) | ((x & 8) >> 2) | ((x & 16) >> 4)
+
+
+def reference_tile(x: np.ndarray, bits: int, codebook: str) -> np.ndarray:
+    """States (uint16-valued int64, 256) of one tile by the spec's two-pass tail-biting Viterbi."""
+    nl, e_n = 1 << bits, 1 << (16 - bits)
+    nh = 1 << (16 - 2 * bits)
+    dec = codebook_table_np(codebook).astype(np.float64).reshape(nl, e_n)  # dec[k, e], s = k*E + e
+    w = x.astype(np.float32).astype(np.float16).astype(np.float64)
+    e_idx = np.arange(e_n)
+    pred = np.arange(nl)[:, None] * nh + (e_idx[None, :] >> bits)  # (nl, E)
+
+    def forward(order, fix):
+        bp = np.zeros((256, e_n), dtype=np.int64)
+        cost = None
+        for t, p in enumerate(order):
+            d = (dec - w[p]).astype(np.float16).astype(np.float64)
+            if t == 0:
+                c = (d * d).astype(np.float16)
+                if fix is not None:
+                    c[pred != fix] = np.inf
+            else:
+                c = (d * d + cost[pred].astype(np.float64)).astype(np.float16)  # one rounding
+            k = np.argmin(c, axis=0)  # first minimum = strict less-than scan in increasing k
+            cost = c[k, e_idx]
+            bp[p] = k
+        return cost, bp
+
+    cost, bp1 = forward(list(range(128, 256)) + list(range(128)), None)
+    bits16 = cost.view(np.uint16).astype(np.int64)
+    rank = (_brev5((e_idx >> 5) & 31) << 10) | (_brev5(e_idx & 31) << 5) | (e_idx >> 10)
+    key = (bits16 << 16) | rank
+    e = int(np.argmin(key)) if bits16.min() < 0x7C00 else 0
+    for p in range(127, -1, -1):
+        e = int(bp1[p, e] * nh + (e >> bits))
+    e_fix = e
+    _, bp2 = forward(list(range(256)), e_fix)
+    states = np.zeros(256, dtype=np.int64)
+    e = e_fix
+    for p in range(255, -1, -1):
+        k = int(bp2[p, e])
+        states[p] = (k << (16 - bits)) | e
+        e = k * nh + (e >> bits)
+    return states
+
+
+def _load_golden(golden: Path, bits: int, codebook: str):
+    from safetensors.torch import load_file
+
+    g = load_file(str(golden / "tiles_golden.safetensors"))
+    tag = f"k{bits}_{codebook}"
+    return g[f"{tag}.input"], g[f"{tag}.indices"], g[f"{tag}.output"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Input validation (runs anywhere)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "tiles, bits, codebook",
+    [
+        (torch.zeros(2, 255), 6, "mcg"),
+        (torch.zeros(2, 256, 1), 6, "mcg"),
+        (torch.zeros(2, 256, dtype=torch.float16), 6, "mcg"),
+        (torch.zeros(2, 256, dtype=torch.float64), 6, "mcg"),
+        (torch.zeros(2, 256), 0, "mcg"),
+        (torch.zeros(2, 256), 9, "mcg"),
+        (torch.zeros(2, 256), 6.0, "mcg"),
+        (torch.zeros(2, 256), True, "mcg"),
+        (torch.zeros(2, 256), 6, "nope"),
+        (np.zeros((2, 256), dtype=np.float32), 6, "mcg"),
+    ],
+)
+def test_bad_input_raises(tiles, bits, codebook):
+    with pytest.raises(ValueError):
+        vmod.viterbi_tiles(tiles, bits, codebook)
+
+
+def test_cpu_tensor_without_interpreter_raises():
+    if vmod.interpreter_active():
+        pytest.skip("TRITON_INTERPRET=1 was set when the module was imported")
+    with pytest.raises(ValueError, match="CUDA"):
+        vmod.viterbi_tiles(torch.randn(3, 256), 6, "mcg")
+
+
+def test_reference_matches_golden_sample(golden):
+    """The numpy reference used by the GPU tests is itself right (one golden tile, K=6 mcg)."""
+    x, idx, _ = _load_golden(golden, 6, "mcg")
+    row = int(np.random.default_rng().integers(0, x.shape[0]))
+    states = reference_tile(x[row].numpy(), 6, "mcg")
+    assert np.array_equal(states, idx[row].numpy().view(np.uint16).astype(np.int64)), row
+
+
+# ----------------------------------------------------------------------------------------------------
+# Interpreter tests: the Triton kernel on CPU (subprocess, TRITON_INTERPRET=1)
+# ----------------------------------------------------------------------------------------------------
+
+_INTERP_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from safetensors.torch import load_file
+    from exl3tool.kernels.viterbi import viterbi_tiles, interpreter_active
+    jobs, golden = json.loads(sys.argv[1]), sys.argv[2]
+    g = load_file(os.path.join(golden, "tiles_golden.safetensors"))
+    out = []
+    for job in jobs:
+        if "rows" in job:
+            x = g[f"k{job['bits']}_{job['cb']}.input"][job["rows"]]
+        else:
+            x = torch.tensor(job["tiles"], dtype=torch.float32)
+        t0 = time.time()
+        vals, states = viterbi_tiles(x, job["bits"], job["cb"], mode=job["mode"])
+        out.append({"interp": interpreter_active(), "seconds": time.time() - t0,
+                    "states": states.tolist(), "values": vals.tolist(),
+                    "dtypes": [str(vals.dtype), str(states.dtype)]})
+    print(json.dumps(out))
+    """
+)
+
+
+def _interp_jobs() -> list[list[dict]]:
+    """Two process loads of about equal interpreter time (2 cores): random golden rows, fresh tiles."""
+    rng = np.random.default_rng()
+    fresh = (rng.standard_normal((1, 256)) * rng.uniform(0.5, 1.5)).astype(np.float32)
+    return [
+        # K=6 mcg, plain path: one Gaussian and one real-weight golden tile
+        [{"bits": 6, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 512)), int(rng.integers(512, 576))]}],
+        # K=4 mcg plain path (golden), and the packed-pair layout (mode 5) on a fresh tile at K=1
+        [{"bits": 4, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 192))]},
+         {"bits": 1, "cb": "mcg", "mode": 5, "tiles": fresh.tolist()}],
+    ]
+
+
+@pytest.fixture(scope="module")
+def interp_results(golden):
+    """Run the interpreter jobs concurrently (one process per list) and collect (job, result) pairs."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    for jobs in _interp_jobs():
+        args = [sys.executable, "-c", _INTERP_SCRIPT, json.dumps(jobs), str(golden)]
+        procs.append((jobs, subprocess.Popen(args, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True)))
+    pairs = []
+    for jobs, proc in procs:
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr[-4000:]
+        pairs += list(zip(jobs, json.loads(stdout.strip().splitlines()[-1])))
+    return pairs
+
+
+def _find(pairs, bits, mode):
+    return next((job, res) for job, res in pairs if job["bits"] == bits and job["mode"] == mode)
+
+
+@pytest.mark.parametrize("bits", [6, 4])
+def test_interpreter_matches_golden(interp_results, golden, bits):
+    job, res = _find(interp_results, bits, 0)
+    assert res["interp"], "subprocess did not run under the Triton interpreter"
+    assert res["dtypes"] == ["torch.float32", "torch.int16"]
+    _, idx, out = _load_golden(golden, bits, job["cb"])
+    assert torch.equal(torch.tensor(res["states"], dtype=torch.int16), idx[job["rows"]]), job["rows"]
+    assert torch.equal(torch.tensor(res["values"], dtype=torch.float32), out[job["rows"]]), job["rows"]
+
+
+def test_interpreter_packed_layout_matches_reference(interp_results):
+    """Mode 5 (the packed-pair indexing of the GPU default, exact arithmetic) on a fresh tile, K=1."""
+    job, res = _find(interp_results, 1, 5)
+    assert res["interp"]
+    x = np.asarray(job["tiles"], dtype=np.float32)
+    ref = reference_tile(x[0], 1, "mcg")
+    got = np.asarray(res["states"], dtype=np.int64)[0] & 0xFFFF
+    assert np.array_equal(got, ref)
+    table = codebook_table_np("mcg").astype(np.float32)
+    assert np.array_equal(np.asarray(res["values"], dtype=np.float32)[0], table[ref])
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU tests
+# ----------------------------------------------------------------------------------------------------
+
+def _gpu_ready():
+    if vmod.interpreter_active():
+        pytest.skip("module imported under the interpreter")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, codebook", CONFIGS)
+def test_gpu_every_golden_tile(golden, bits, codebook):
+    _gpu_ready()
+    x, idx, out = _load_golden(golden, bits, codebook)
+    vals, states = vmod.viterbi_tiles(x.cuda(), bits, codebook)
+    torch.cuda.synchronize()
+    bad = (states.cpu() != idx).any(dim=1).nonzero().flatten().tolist()
+    assert not bad, f"{len(bad)} tiles differ, first {bad[:8]}"
+    assert torch.equal(vals.cpu(), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, codebook", [(6, "mcg"), (1, "mcg"), (3, "mul1"), (7, "3inst"), (5, "mul1")])
+def test_gpu_random_vs_reference(bits, codebook):
+    _gpu_ready()
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    scale = float(torch.empty(1).uniform_(0.3, 2.0, generator=gen))
+    x = torch.randn(3, 256, generator=gen) * scale
+    vals, states = vmod.viterbi_tiles(x.cuda(), bits, codebook)
+    table = torch.from_numpy(codebook_table_np(codebook).astype(np.float32))
+    for row in range(x.shape[0]):
+        ref = reference_tile(x[row].numpy(), bits, codebook)
+        got = states[row].cpu().numpy().view(np.uint16).astype(np.int64)
+        assert np.array_equal(got, ref), (bits, codebook, row, scale)
+    assert torch.equal(vals.cpu(), table[states.cpu().long() & 0xFFFF])
+
+
+@pytest.mark.gpu
+def test_gpu_chunks_and_variants_agree():
+    """A batch split into uneven chunks, and every kernel variant, give the same states."""
+    _gpu_ready()
+    x = torch.randn(1000, 256, device="cuda") * 1.2
+    vals, states = vmod.viterbi_tiles(x, 6, "mcg")
+    # 300 tiles per chunk: 4 launches, the last one short
+    v2, s2 = vmod.viterbi_tiles(x, 6, "mcg", scratch_bytes=300 * 256 * 1024)
+    assert torch.equal(states, s2) and torch.equal(vals, v2)
+    for row in np.random.default_rng().choice(1000, size=2, replace=False):
+        ref = reference_tile(x[int(row)].cpu().numpy(), 6, "mcg")
+        assert np.array_equal(states[int(row)].cpu().numpy().view(np.uint16).astype(np.int64), ref)
+    sub = x[:64]
+    for mode in (1, 2, 3, 4):
+        _, s3 = vmod.viterbi_tiles(sub, 6, "mcg", mode=mode)
+        assert torch.equal(s3, states[:64]), mode
+
+
+@pytest.mark.gpu
+def test_gpu_selfcheck_kept_default_mode():
+    """The packed default mode agreed with the plain mode for every bit width used (no fallback)."""
+    _gpu_ready()
+    for bits in (1, 6, 8):
+        vmod.viterbi_tiles(torch.randn(4, 256, device="cuda"), bits, "mcg")
+    res = vmod.selfcheck_results()
+    assert res and all(m == vmod.DEFAULT_MODE for m in res.values()), res
+
+
+@pytest.mark.gpu
+def test_gpu_empty_batch():
+    _gpu_ready()
+    vals, states = vmod.viterbi_tiles(torch.empty(0, 256, device="cuda"), 6, "mcg")
+    assert vals.shape == (0, 256) and states.dtype == torch.int16
