@@ -1,0 +1,221 @@
+"""`exl3tool encode` (one TP layout, any mode) and `exl3tool cache warm` (every rank of several TP sizes)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import (
+    BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from exl3tool.commands.options import (
+    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, QuietOpt, RevisionOpt, ServerPathOpt,
+)
+from exl3tool.errors import FindingsError
+from exl3tool.output import Output
+from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
+
+__all__ = ["register", "encode", "cache_warm"]
+
+LayersOpt = Annotated[list[str], typer.Option("--layers", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
+ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")]
+BitsOpt = Annotated[int, typer.Option("--bits", help="Trellis bits per weight (the server's VLLM_EXL3_ONLINE_TRELLIS_BITS).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
+SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Also encode MoE shared-expert projections (the server's shared_experts spec).")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="Serving dtype the server casts weights to before encoding (bfloat16, float16); default: the checkpoint's.")]
+FileModeOpt = Annotated[str, typer.Option("--file-mode", help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as another user).")]
+
+
+class _RateColumn(ProgressColumn):
+    """Encoding rate in tiles per second."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:,.0f} tiles/s" if task.speed else "", style="cyan")
+
+
+def _parse_sizes(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise typer.BadParameter(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def _parse_mode(text: str) -> int:
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise typer.BadParameter(f"--file-mode must be octal like 0600 or 0644, got {text!r}") from None
+
+
+def render_plan(out: Output, plan: WarmPlan) -> None:
+    """The dry-run table: one row per job."""
+    table = Table(title=f"plan for {plan.model} ({plan.bits} bits, TP {','.join(map(str, plan.tp_sizes))})")
+    for col in ("layer", "tp", "rank", "shape (in x out)", "tiles", "state", "note"):
+        table.add_column(col, justify="right" if col in ("tp", "rank", "tiles") else "left")
+    for j in plan.jobs:
+        style = {"hit": "green", "miss": "yellow", "invalid": "red", "skipped": "dim"}.get(j.state, "")
+        table.add_row(j.prefix, str(j.tp_size), str(j.tp_rank), f"{j.input_size} x {j.output_size}", str(j.tiles),
+                      f"[{style}]{j.state}[/{style}]", j.reason)
+    out.table(table)
+    out.line(f"{len(plan.jobs)} jobs: {plan.count('hit')} hit, {plan.count('miss')} miss, "
+             f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; cache {plan.cache_root}")
+    out.data({
+        "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
+        "bits": plan.bits, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root), "mode": plan.mode,
+        "jobs": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
+                  "output_size": j.output_size, "tiles": j.tiles, "state": j.state, "reason": j.reason,
+                  "digest": j.digest, "path": str(j.path)} for j in plan.jobs],
+    })
+
+
+def render_summary(out: Output, summary: WarmSummary) -> None:
+    """Counts, failures and the JSON summary."""
+    c = summary.counts
+    failed = [e for e in summary.entries if e.status == "failed"]
+    if failed and not out.json:
+        table = Table(title="failed layers")
+        for col in ("layer", "tp", "rank", "error"):
+            table.add_column(col)
+        for e in failed:
+            table.add_row(e.prefix, str(e.tp_size), str(e.tp_rank), e.error)
+        out.table(table)
+    out.line(f"{c['hit']} hit, {c['encoded']} encoded, {c['skipped']} skipped, {c['failed']} failed; "
+             f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
+             f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
+    out.data(summary)
+
+
+def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
+    if dry_run:
+        _, plan, _ = prepare(request)
+        render_plan(out, plan)
+        return
+    progress: Optional[Progress] = None
+    task = None
+
+    def on_plan(plan: WarmPlan, ctx) -> None:
+        nonlocal progress, task
+        todo = plan.todo
+        if ctx.workers > 1:
+            from exl3tool.warm import share_jobs
+
+            todo = share_jobs(todo, ctx.worker, ctx.workers)
+        out.note(f"{plan.model}: {len(plan.jobs)} jobs, {plan.count('hit')} already cached, "
+                 f"{len(todo)} to encode here ({sum(j.tiles for j in todo)} tiles)")
+        if out.show_progress and todo:
+            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("tiles"), _RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=out.stderr, transient=True)
+            progress.start()
+            task = progress.add_task("encoding", total=sum(j.tiles for j in todo))
+
+    def on_start(job) -> None:
+        if progress is not None:
+            progress.update(task, description=f"{job.prefix} tp{job.tp_size}-rank{job.tp_rank}")
+
+    def on_done(job, result) -> None:
+        if progress is not None:
+            progress.advance(task, job.tiles)
+        elif not out.show_progress and not out.quiet and not out.json:
+            out.note(f"{result.status:8s} {job.prefix} tp{job.tp_size}-rank{job.tp_rank} {result.seconds:.1f}s"
+                     + (f"  {result.error}" if result.error else ""))
+
+    try:
+        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan)
+    finally:
+        if progress is not None:
+            progress.stop()
+    if summary is None:  # a torchrun worker other than 0: worker 0 reports for everyone
+        return
+    render_summary(out, summary)
+    if not summary.ok:
+        raise FindingsError(f"{summary.counts['failed']} layer job(s) failed; see the list above")
+
+
+def encode(
+    model: Annotated[str, typer.Argument(help="Hub repo id or local checkpoint directory.")],
+    revision: RevisionOpt = None,
+    tp_size: Annotated[int, typer.Option("--tp-size", help="Tensor-parallel world size of the server.")] = 1,
+    tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
+    bits: BitsOpt = 6,
+    layers: LayersOpt = [],
+    exclude: ExcludeOpt = [],
+    cache_dir: CacheDirOpt = None,
+    mode: Annotated[str, typer.Option("--mode", help="readwrite (publish), readonly (encode misses, write nothing) or off (no cache).")] = "readwrite",
+    device: DeviceOpt = "auto",
+    shared_experts: SharedOpt = False,
+    dtype: DtypeOpt = None,
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    server_path: ServerPathOpt = None,
+    file_mode: FileModeOpt = "0600",
+    dry_run: DryRunOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Encode the eligible layers of MODEL for one TP size into the cache.
+
+    Example: exl3tool encode Qwen/Qwen3-8B --revision main --tp-size 2 --encoder-root /encoders/exllamav3 --encoder-revision v0.0.18 --dry-run
+    """
+    from exl3tool.cache import cache_mode
+
+    norm = cache_mode({"VLLM_EXL3_ONLINE_CACHE_MODE": mode})
+    if tp_rank is not None and not 0 <= tp_rank < tp_size:
+        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{tp_size - 1}")
+    request = WarmRequest(
+        model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
+        revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
+        cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
+        server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode),
+    )
+    _run(Output(json=json_out, quiet=quiet), request, dry_run)
+
+
+def cache_warm(
+    model: Annotated[str, typer.Argument(help="Hub repo id or local checkpoint directory.")],
+    revision: RevisionOpt = None,
+    tp_sizes: Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")] = "1",
+    bits: BitsOpt = 6,
+    layers: LayersOpt = [],
+    exclude: ExcludeOpt = [],
+    cache_dir: CacheDirOpt = None,
+    device: DeviceOpt = "auto",
+    shared_experts: SharedOpt = False,
+    dtype: DtypeOpt = None,
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    server_path: ServerPathOpt = None,
+    file_mode: FileModeOpt = "0600",
+    dry_run: DryRunOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Leave the cache as the server would after starting MODEL at each TP size: every layer, every rank.
+
+    Idempotent (a second run is all hits) and resumable (a killed run leaves only complete entries).
+    Under `torchrun --nproc-per-node N -m exl3tool cache warm ...` each process takes a balanced share.
+    Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
+
+    Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json
+    """
+    request = WarmRequest(
+        model=model, tp_sizes=_parse_sizes(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
+        layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
+        mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
+        server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode),
+    )
+    _run(Output(json=json_out, quiet=quiet), request, dry_run)
+
+
+def register(app: typer.Typer) -> None:
+    from exl3tool.commands.cache import cache_app
+
+    app.command("encode")(encode)
+    cache_app.command("warm")(cache_warm)

@@ -1,0 +1,419 @@
+"""Plan and run the encoding of a model's eligible layers into the cache, for one or many TP layouts.
+
+A *plan* lists one job per (layer, TP size, TP rank) with its cache key, entry path and current
+state (hit, miss, invalid, skipped), so `--dry-run` costs only look-ups. Running a plan encodes the
+misses in order of decreasing tile count and publishes each through the cache store, which makes
+concurrent writers (other processes, other hosts on a shared cache) safe. Under torchrun every
+process takes a deterministic, tile-balanced share of the jobs and rank 0 gathers the summary.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from exl3tool.cache import CacheKey, CacheStore, entry_path
+from exl3tool.checkpoint import Checkpoint, LayerPlan, RankJob, encoder_input, rank_local_weight
+
+__all__ = [
+    "WarmJob", "WarmPlan", "JobResult", "WarmSummary", "build_plan", "run_plan", "share_jobs",
+    "distributed_context", "gather_results", "resolve_device", "WarmRequest", "prepare", "warm", "summarize",
+]
+
+
+@dataclass(frozen=True)
+class WarmJob:
+    """One (layer, TP size, rank) to encode: its rank-local shape, cache key and state before running."""
+
+    prefix: str
+    tp_size: int
+    tp_rank: int
+    input_size: int
+    output_size: int
+    key: CacheKey
+    path: Path
+    state: str  # "hit" | "miss" | "invalid" (present but would not load) | "skipped"
+    reason: str = ""
+    rank_job: Optional[RankJob] = field(default=None, compare=False, repr=False)
+
+    @property
+    def tiles(self) -> int:
+        return (self.input_size // 16) * (self.output_size // 16)
+
+    @property
+    def digest(self) -> str:
+        return self.key.digest()
+
+
+@dataclass(frozen=True)
+class WarmPlan:
+    """Every job of a warm, with the identities and settings that went into their keys."""
+
+    model: str
+    model_identity: str
+    encoder_identity: str
+    bits: int
+    tp_sizes: tuple[int, ...]
+    cache_root: Path
+    mode: str
+    jobs: tuple[WarmJob, ...]
+
+    def count(self, state: str) -> int:
+        return sum(1 for j in self.jobs if j.state == state)
+
+    @property
+    def todo(self) -> list[WarmJob]:
+        """Jobs that need an encode (missing or invalid entries), largest first."""
+        pending = [j for j in self.jobs if j.state in ("miss", "invalid")]
+        return sorted(pending, key=lambda j: (-j.tiles, j.digest))
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What happened to one job: hit, encoded, skipped or failed, with timing and the error if any."""
+
+    prefix: str
+    tp_size: int
+    tp_rank: int
+    input_size: int
+    output_size: int
+    status: str  # "hit" | "encoded" | "skipped" | "failed"
+    digest: str
+    path: Optional[str]
+    seconds: float = 0.0
+    bytes: int = 0
+    proxy_error: Optional[float] = None
+    error: str = ""
+    worker: int = 0
+
+
+@dataclass(frozen=True)
+class WarmSummary:
+    """The machine-readable outcome of a warm (the `--json` document)."""
+
+    model: str
+    model_identity: str
+    encoder_identity: str
+    bits: int
+    tp_sizes: list[int]
+    cache_root: str
+    device: str
+    workers: int
+    counts: dict[str, int]
+    bytes_written: int
+    seconds: float
+    entries: list[JobResult]
+    worker_stats: list[dict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.counts.get("failed", 0) == 0
+
+
+def build_plan(
+    checkpoint: Checkpoint,
+    layer_plan: LayerPlan,
+    *,
+    tp_sizes: Iterable[int],
+    bits: int,
+    model_identity: str,
+    encoder_identity: str,
+    store: CacheStore,
+    tp_ranks: Optional[Iterable[int]] = None,
+) -> WarmPlan:
+    """One job per (layer, TP size, rank), each looked up in the store (read-only) to learn its state."""
+    tp_sizes = tuple(sorted(set(int(t) for t in tp_sizes)))
+    jobs: list[WarmJob] = []
+    wanted = None if tp_ranks is None else set(tp_ranks)
+    for tp in tp_sizes:
+        reasons = {(prefix, rank): reason for prefix, rank, reason in layer_plan.skipped(tp)}
+        for rj in layer_plan.for_tp(tp, include_skipped=True):
+            if wanted is not None and rj.tp_rank not in wanted:
+                continue
+            key = CacheKey.for_layer(
+                model_identity=model_identity, encoder_identity=encoder_identity, prefix=rj.prefix,
+                bits=bits, tp_world_size=tp, tp_rank=rj.tp_rank, input_size=rj.input_size,
+                output_size=rj.output_size,
+            )
+            reason = reasons.get((rj.prefix, rj.tp_rank), "")
+            if not rj.aligned:
+                state = "skipped"
+            elif store.mode == "off":
+                state = "miss"
+            else:
+                found = store.lookup(key)
+                state, reason = found.status, found.reason or ""
+            jobs.append(WarmJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key,
+                                entry_path(key, store.root), state, reason, rj))
+    return WarmPlan(
+        model=checkpoint.model, model_identity=model_identity, encoder_identity=encoder_identity, bits=bits,
+        tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs),
+    )
+
+
+def share_jobs(jobs: list[WarmJob], worker: int, workers: int) -> list[WarmJob]:
+    """This worker's share: longest-processing-time-first over tile counts, deterministic on every process.
+
+    Jobs are taken largest first (ties by digest) and each goes to the least-loaded worker (ties to the
+    lowest worker index), so every process computes the same assignment without talking to the others.
+    """
+    if workers <= 1:
+        return list(jobs)
+    load = [0] * workers
+    mine: list[WarmJob] = []
+    for job in sorted(jobs, key=lambda j: (-j.tiles, j.digest)):
+        target = min(range(workers), key=lambda w: (load[w], w))
+        load[target] += job.tiles
+        if target == worker:
+            mine.append(job)
+    return mine
+
+
+EncodeFn = Callable[[torch.Tensor, int, int, torch.device], "object"]
+
+
+def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device):
+    from exl3tool.encode import encode_linear
+
+    return encode_linear(weight.to(device), bits=bits, seed=seed, device=device)
+
+
+def run_plan(
+    plan: WarmPlan,
+    checkpoint: Checkpoint,
+    store: CacheStore,
+    *,
+    device: torch.device,
+    worker: int = 0,
+    workers: int = 1,
+    dtype: Optional[torch.dtype] = None,
+    on_start: Optional[Callable[[WarmJob], None]] = None,
+    on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
+    encode: EncodeFn = _default_encode,
+) -> list[JobResult]:
+    """Encode this worker's share of the plan's pending jobs; report hits and skips once (worker 0).
+
+    A job that fails (unreadable weight, non-finite values, encoder error) is recorded with its error
+    and the others still run; nothing partial is ever published (the store writes atomically).
+    """
+    results: list[JobResult] = []
+    if worker == 0:
+        for job in plan.jobs:
+            if job.state in ("hit", "skipped"):
+                results.append(_result(job, "hit" if job.state == "hit" else "skipped", worker,
+                                       path=str(job.path) if job.state == "hit" else None, error=job.reason if job.state == "skipped" else ""))
+    for job in share_jobs(plan.todo, worker, workers):
+        if on_start:
+            on_start(job)
+        result = _run_job(job, plan, checkpoint, store, device, worker, dtype, encode)
+        results.append(result)
+        if on_done:
+            on_done(job, result)
+    return results
+
+
+def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode) -> JobResult:
+    start = time.perf_counter()
+    encoded_here = []
+
+    def encode_fn():
+        weight = encoder_input(rank_local_weight(checkpoint, job.rank_job, dtype=dtype))
+        if not torch.isfinite(weight).all():
+            bad = int((~torch.isfinite(weight)).sum())
+            raise ValueError(f"{bad} non-finite weight values in the rank-local weight; nothing was published")
+        enc = encode(weight, plan.bits, job.key.seed, device)
+        encoded_here.append(enc)
+        return enc
+
+    try:
+        loaded = store.load_or_encode(job.key, encode_fn)
+    except Exception as exc:  # one failed layer never stops the warm
+        return _result(job, "failed", worker, seconds=time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+    seconds = time.perf_counter() - start
+    if loaded.hit:  # another process published it meanwhile
+        return _result(job, "hit", worker, path=str(loaded.path), seconds=seconds, proxy_error=loaded.proxy_error)
+    size = loaded.path.stat().st_size if loaded.path is not None and loaded.path.exists() else 0
+    status = "encoded" if (loaded.path is not None or store.mode != "readwrite") else "failed"
+    error = "" if status == "encoded" else "encoded but could not be published (see the warning above)"
+    return _result(job, status, worker, path=str(loaded.path) if loaded.path else None, seconds=seconds,
+                   bytes_=size, proxy_error=loaded.proxy_error, error=error)
+
+
+def _result(job: WarmJob, status: str, worker: int, *, path=None, seconds=0.0, bytes_=0, proxy_error=None, error="") -> JobResult:
+    return JobResult(job.prefix, job.tp_size, job.tp_rank, job.input_size, job.output_size, status, job.digest,
+                     path, round(seconds, 4), bytes_, proxy_error, error, worker)
+
+
+def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers: int, seconds: float) -> WarmSummary:
+    """Counts, bytes and per-entry results in plan order."""
+    order = {(j.prefix, j.tp_size, j.tp_rank): i for i, j in enumerate(plan.jobs)}
+    results = sorted(results, key=lambda r: order.get((r.prefix, r.tp_size, r.tp_rank), 0))
+    counts = {s: sum(1 for r in results if r.status == s) for s in ("hit", "encoded", "skipped", "failed")}
+    return WarmSummary(
+        model=plan.model, model_identity=plan.model_identity, encoder_identity=plan.encoder_identity,
+        bits=plan.bits, tp_sizes=list(plan.tp_sizes), cache_root=str(plan.cache_root), device=device,
+        workers=workers, counts=counts, bytes_written=sum(r.bytes for r in results if r.status == "encoded"),
+        seconds=round(seconds, 3), entries=results,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchrun support
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process stands under torchrun (or alone): its worker index, the count, its local rank."""
+
+    worker: int
+    workers: int
+    local_rank: int
+    initialised: bool
+
+
+def distributed_context() -> DistributedContext:
+    """Join the torchrun group if launched by torchrun (gloo: only small objects are exchanged)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistributedContext(0, 1, int(os.environ.get("LOCAL_RANK", "0")), False)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), True)
+
+
+def worker_stats(ctx: DistributedContext, device: torch.device, seconds: float) -> dict:
+    """This process's peak host memory (RSS) and peak device memory, for the summary."""
+    import resource
+    import socket
+
+    stats = {"worker": ctx.worker, "host": socket.gethostname(), "device": str(device), "seconds": round(seconds, 3),
+             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if device.type == "cuda":
+        stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return stats
+
+
+def gather_results(ctx: DistributedContext, results: list[JobResult], stats: dict) -> Optional[tuple[list[JobResult], list[dict]]]:
+    """All workers' results and stats on worker 0 (None elsewhere); a no-op without torchrun."""
+    if not ctx.initialised:
+        return results, [stats]
+    import torch.distributed as dist
+
+    gathered: list = [None] * ctx.workers if ctx.worker == 0 else None
+    dist.gather_object((results, stats), gathered, dst=0)
+    if ctx.worker != 0:
+        return None
+    return [r for part, _ in gathered for r in part], [st for _, st in gathered]
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """`auto` is this process's GPU (LOCAL_RANK under torchrun) when CUDA is present, else the CPU."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {spec!r} is not a device (use auto, cpu, cuda or cuda:N)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: CUDA is not available on this machine (use --device cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: only cpu and cuda devices are supported")
+    return dev
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole job, as one library call (what `exl3tool encode` and `exl3tool cache warm` run)
+
+
+@dataclass(frozen=True)
+class WarmRequest:
+    """Everything a warm needs; the CLI fills it from options and environment."""
+
+    model: str
+    tp_sizes: tuple[int, ...] = (1,)
+    tp_ranks: Optional[tuple[int, ...]] = None
+    bits: int = 6
+    revision: Optional[str] = None
+    layers: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    shared_experts: bool = False
+    cache_dir: Optional[str] = None
+    mode: str = "readwrite"
+    device: str = "auto"
+    encoder_root: Optional[str] = None
+    encoder_revision: Optional[str] = None
+    server_path: Optional[str] = None
+    dtype: Optional[str] = None
+    file_mode: int = 0o600
+
+
+def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
+    """Open the checkpoint, resolve both identities, plan the layers and look every job up.
+
+    Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix.
+    """
+    from exl3tool.cache import cache_root, encoder_settings, resolve_encoder_identity, resolve_model_identity
+    from exl3tool.checkpoint import open_checkpoint, plan_layers
+    from exl3tool.errors import ConfigError
+
+    if not 1 <= request.bits <= 8:
+        raise ConfigError(f"--bits {request.bits}: must be from 1 to 8 (the server accepts 3 to 8)")
+    if any(t < 1 for t in request.tp_sizes):
+        raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
+    checkpoint = open_checkpoint(request.model, revision=request.revision)
+    mode = request.mode
+    if mode == "off":
+        model_id = encoder_id = "cache-disabled"
+    else:
+        settings = encoder_settings(request.encoder_root, request.encoder_revision, environ=environ)
+        encoder_id = resolve_encoder_identity(settings.root, settings.revision).identity
+        model_id = resolve_model_identity(
+            request.model, revision=request.revision, server_path=request.server_path,
+            commit_hash=checkpoint.commit_hash,
+        ).identity
+    layer_plan = plan_layers(checkpoint, layers=list(request.layers) or None, exclude=list(request.exclude) or None,
+                             shared_experts=request.shared_experts)
+    root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    store = CacheStore(root_dir, mode, file_mode=request.file_mode)
+    plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
+                      model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks)
+    return checkpoint, plan, store
+
+
+def warm(
+    request: WarmRequest,
+    *,
+    environ: Optional[dict] = None,
+    on_start: Optional[Callable[[WarmJob], None]] = None,
+    on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
+    on_plan: Optional[Callable[[WarmPlan, DistributedContext], None]] = None,
+) -> Optional[WarmSummary]:
+    """Plan and run a warm; under torchrun each process runs its share and worker 0 returns the summary."""
+    start = time.perf_counter()
+    ctx = distributed_context()
+    checkpoint, plan, store = prepare(request, environ=environ)
+    device = resolve_device(request.device, ctx.local_rank)
+    if on_plan:
+        on_plan(plan, ctx)
+    dtype = getattr(torch, request.dtype) if request.dtype else None
+    results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, dtype=dtype,
+                       on_start=on_start, on_done=on_done)
+    gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
+    if ctx.initialised:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if gathered is None:
+        return None
+    everything, stats = gathered
+    summary = summarize(plan, everything, device=str(device), workers=ctx.workers, seconds=time.perf_counter() - start)
+    return replace(summary, worker_stats=stats)
