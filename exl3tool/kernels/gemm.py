@@ -1,0 +1,387 @@
+"""Fused EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (spec 1.4), Q decoded in-kernel.
+
+Q is never written to memory: each program gathers the packed u32 words of the tiles it needs (spec 4.5),
+extracts the 16-bit states, decodes them with the codebook (spec 3) and feeds them to tl.dot with fp32
+accumulation. The input side (x * suh, 128-point Hadamard) is either fused into the GEMM (small m: one launch)
+or done by a small prep kernel (large m: the GEMM would otherwise redo it for every column block). The output
+side (Hadamard, * svh, cast) is always fused into the epilogue; split-K partials are reduced by the last
+program of each output block (serial reduction through a counter), so small m is a single launch.
+
+Hadamards run on tensor cores against the exact +-1 matrix, with the fp32 operand split into two bf16 parts
+(16 mantissa bits, full fp32 range: no overflow for any finite fp32 value).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from exl3tool.encode.codebook import check_codebook
+from exl3tool.encode.decode import reconstruct
+from exl3tool.encode.hadamard import HADAMARD_SCALE, hadamard_128
+from exl3tool.encode.trellis import check_bits
+
+try:  # triton is optional: the reference path runs without it
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = ["trellis_matmul", "trellis_matmul_reference", "GemmConfig", "choose_config", "HAVE_TRITON"]
+
+_CB_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (plain torch, any device)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: int,
+                  codebook: str) -> tuple[int, int]:
+    """Validate shapes/dtypes; return (k, n). Raises ValueError with a message naming the culprit."""
+    check_bits(bits)
+    check_codebook(codebook)
+    for name, t in (("x", x), ("trellis", trellis), ("suh", suh), ("svh", svh)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if trellis.dim() != 3 or trellis.dtype != torch.int16:
+        raise ValueError(f"trellis must be a 3-D int16 tensor (k/16, n/16, 16*bits), got {trellis.dtype} "
+                         f"{tuple(trellis.shape)}")
+    if trellis.shape[2] != 16 * bits:
+        raise ValueError(f"trellis last dimension {trellis.shape[2]} != 16*bits = {16 * bits}")
+    k, n = 16 * trellis.shape[0], 16 * trellis.shape[1]
+    if k == 0 or n == 0 or k % 128 or n % 128:
+        raise ValueError(f"weight shape ({k}, {n}) must be non-empty multiples of 128")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must have shape (..., {k}), got {tuple(x.shape)}")
+    if suh.shape != (k,) or not suh.is_floating_point():
+        raise ValueError(f"suh must be a floating tensor of shape ({k},), got {suh.dtype} {tuple(suh.shape)}")
+    if svh.shape != (n,) or not svh.is_floating_point():
+        raise ValueError(f"svh must be a floating tensor of shape ({n},), got {svh.dtype} {tuple(svh.shape)}")
+    devs = {t.device for t in (x, trellis, suh, svh)}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devs)}")
+    return k, n
+
+
+def trellis_matmul_reference(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *,
+                             bits: int, codebook: str = "mcg") -> torch.Tensor:
+    """Plain-torch y = x @ W (reconstruct Q, Hadamards, fp32 math) in x's dtype; the CPU oracle for verify."""
+    k, n = _check_inputs(x, trellis, suh, svh, bits, codebook)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).to(torch.float32) * suh.to(torch.float32)
+    hn = hadamard_128(torch.float32, x.device) * HADAMARD_SCALE
+    x2 = (x2.reshape(-1, k // 128, 128) @ hn).reshape(-1, k)
+    q = reconstruct(trellis, bits, codebook).to(torch.float32)
+    y1 = x2 @ q
+    y = (y1.reshape(-1, n // 128, 128) @ hn).reshape(-1, n) * svh.to(torch.float32)
+    return y.to(x.dtype).reshape(*lead, n)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _codebook(s, CB: tl.constexpr):
+        """16-bit states (uint32 tensor) -> fp16 codebook values (spec 3), bit-exact."""
+        if CB == 2:  # mul1: byte sum, then h*A + B with one rounding (exact in fp32, then one cast)
+            x = s * 0x83DCD12D
+            t = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+            h = (t + 1024).to(tl.float32)
+            v = (h * 0.00676727294921875 + (-10.3828125)).to(tl.float16)
+        else:
+            if CB == 1:
+                x = s * 0xCBAC1FED
+            else:
+                x = s * 89226354 + 64248484
+            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            v = lo + hi  # fp16 add: exact sum (both in [0.125, 2)), one RNE rounding
+        return v
+
+    @triton.jit
+    def _state_pattern(BK: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, tiles_n):
+        """Per-element word offsets (first/second word) and shift of a (BK, BN) block, relative to its first tile.
+
+        Position p = pos(r%16, c%16) (spec 5.2); the state is the 16-bit stream window ending at (p+1)K (4.5).
+        """
+        r = tl.arange(0, BK)[:, None]
+        c = tl.arange(0, BN)[None, :]
+        rr = r % 16
+        cc = c % 16
+        p = 32 * (cc % 8) + 8 * ((rr % 8) // 2) + 4 * (cc // 8) + 2 * (rr // 8) + (rr % 2)
+        WORDS: tl.constexpr = 8 * K_BITS
+        b0 = p * K_BITS + K_BITS - 16 + 256 * K_BITS
+        b1 = b0 + 16
+        w0 = b0 // 32
+        w1 = (b1 - 1) // 32
+        sh = 32 * (w1 + 1) - b1
+        w0 = w0 % WORDS
+        w1 = w1 % WORDS
+        tile = (r // 16) * tiles_n + (c // 16)
+        off0 = tile * WORDS + w0
+        off1 = tile * WORDS + w1
+        return off0, off1, sh.to(tl.uint32), (31 - sh).to(tl.uint32)
+
+    @triton.jit
+    def _two_halves_asm(x):
+        """PTX form of the two-halves step's final add for two elements at once (one add.rn.f16x2)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi;\n"
+            "prmt.b32 lo, $1, $2, 0x5410;\n"
+            "prmt.b32 hi, $1, $2, 0x7632;\n"
+            "add.rn.f16x2 $0, lo, hi; }",
+            "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+
+    @triton.jit
+    def _decode_block(wp, off0, off1, sh, sh2, CB: tl.constexpr, ASM: tl.constexpr):
+        """Gather two u32 words per element, funnel-shift the 16-bit state out, decode it.
+
+        ASM >= 1 (GPU only): the funnel shift is one shf.r.wrap; ASM == 2 also adds the fp16 halves in pairs.
+        """
+        u0 = tl.load(wp + off0).to(tl.uint32, bitcast=True)
+        u1 = tl.load(wp + off1).to(tl.uint32, bitcast=True)
+        if ASM >= 1:
+            s = tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $2, $1, $3;", "=r,r,r,r", [u0, u1, sh],
+                                          dtype=tl.uint32, is_pure=True, pack=1) & 0xFFFF
+        else:
+            s = ((u1 >> sh) | ((u0 << 1) << sh2)) & 0xFFFF  # (u0:u1) >> sh, low 16 bits; sh=0 gives u1 alone
+        if ASM >= 2 and CB != 2:
+            if CB == 1:
+                x = s * 0xCBAC1FED
+            else:
+                x = s * 89226354 + 64248484
+            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            return _two_halves_asm(x)
+        return _codebook(s, CB)
+
+    @triton.jit
+    def _split_bf16_dot(a, h, IEEE: tl.constexpr):
+        """a (fp32) @ h (exact bf16 +-1 matrix) with ~16-bit operand precision: two bf16 tensor-core dots.
+
+        IEEE (interpreter only: its dot reads bf16 storage as integers) does one plain fp32 dot instead.
+        """
+        if IEEE:
+            return tl.dot(a, h.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(a_hi, h, out_dtype=tl.float32)
+        return tl.dot(a_lo, h, acc, out_dtype=tl.float32)
+
+    @triton.jit
+    def _prep_kernel(x_ptr, suh_ptr, had_ptr, x2_ptr, M, K, HSCALE, BM: tl.constexpr, IEEE: tl.constexpr):
+        """x2 = fp16( (x * suh) @ Hn ) per 128-column chunk (the input side of spec 1.4)."""
+        pid_m = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rc = pid_c * 128 + tl.arange(0, 128)
+        mask = rm[:, None] < M
+        xv = tl.load(x_ptr + rm[:, None] * K + rc[None, :], mask=mask, other=0.0).to(tl.float32)
+        xv = xv * tl.load(suh_ptr + rc).to(tl.float32)[None, :]
+        i = tl.arange(0, 128)
+        h = tl.load(had_ptr + i[:, None] * 128 + i[None, :])
+        y = _split_bf16_dot(xv, h, IEEE) * HSCALE
+        tl.store(x2_ptr + rm[:, None] * K + rc[None, :], y.to(tl.float16), mask=mask)
+
+    @triton.jit
+    def _gemm_kernel(x_ptr, words_ptr, suh_ptr, svh_ptr, had_ptr, y_ptr, ws_ptr, cnt_ptr,
+                     M, K, N, HSCALE,
+                     K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                     FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                     ASM: tl.constexpr):
+        """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
+
+        FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
+        otherwise x is the prepared fp16 x2. SPLIT > 1: partials go to a workspace and the last program of the
+        block (counter) sums them in fixed order and runs the epilogue.
+        """
+        BN: tl.constexpr = 128
+        WORDS: tl.constexpr = 8 * K_BITS
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        tiles_n = N // 16
+        n_chunks = K // 128
+        per = tl.cdiv(n_chunks, SPLIT)
+        c_start = pid_s * per
+        c_end = tl.minimum(c_start + per, n_chunks)
+
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        m_mask = rm[:, None] < M
+        off0, off1, sh, sh2 = _state_pattern(BK, BN, K_BITS, tiles_n)
+        i128 = tl.arange(0, 128)
+        ibk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ch in range(c_start, c_end):
+            k0 = ch * 128
+            if FUSE_IN:
+                xv = tl.load(x_ptr + rm[:, None] * K + (k0 + i128)[None, :], mask=m_mask, other=0.0)
+                xv = xv.to(tl.float32) * tl.load(suh_ptr + k0 + i128).to(tl.float32)[None, :]
+            for j in tl.static_range(128 // BK):
+                kk = k0 + j * BK
+                if FUSE_IN:
+                    hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BK + ibk)[None, :])
+                    a = (_split_bf16_dot(xv, hj, IEEE) * HSCALE).to(tl.float16)
+                else:
+                    a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
+                wp = words_ptr + ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                q = _decode_block(wp, off0, off1, sh, sh2, CB, ASM)
+                acc = tl.dot(a, q, acc, out_dtype=tl.float32)
+
+        out_mask = m_mask & (rn[None, :] < N)
+        if SPLIT > 1:
+            ws = ws_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :]
+            tl.store(ws, acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in range(0, SPLIT):  # fixed order: the result does not depend on who finishes last
+                    acc += tl.load(ws_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=out_mask, other=0.0,
+                                   cache_modifier=".cg")
+                h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :])
+                yv = _split_bf16_dot(acc, h, IEEE) * HSCALE
+                yv = yv * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
+                tl.store(y_ptr + rm[:, None] * N + rn[None, :], yv.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        else:
+            h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :])
+            yv = _split_bf16_dot(acc, h, IEEE) * HSCALE
+            yv = yv * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * N + rn[None, :], yv.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration. BN is fixed at 128 (the output Hadamard block)."""
+
+    bm: int
+    bk: int
+    split: int
+    fuse_in: bool
+    num_warps: int = 4
+    num_stages: int = 2
+    asm: int = 0
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
+    """Heuristic per regime: small m = one fused launch with split-K; large m = prep + big tiles, no split."""
+    sms = _num_sms(device)
+    n_blocks = n // 128
+    chunks = k // 128
+    if m <= 64:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        target = 2 * sms
+        split = max(1, min(chunks, -(-target // n_blocks)))
+        return GemmConfig(bm=bm, bk=32, split=split, fuse_in=True, num_warps=4, num_stages=2)
+    bm = 64 if m <= 128 else 128
+    m_blocks = -(-m // bm)
+    split = 1
+    if n_blocks * m_blocks < sms:
+        split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
+    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8 if bm == 128 else 4, num_stages=2)
+
+
+_HAD_CACHE: dict[str, torch.Tensor] = {}
+_CNT_CACHE: dict[str, torch.Tensor] = {}
+
+
+def _hadamard_bf16(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    h = _HAD_CACHE.get(key)
+    if h is None:
+        h = hadamard_128(torch.float32, device).to(torch.bfloat16).contiguous()
+        _HAD_CACHE[key] = h
+    return h
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters for the serial split-K reduction; kernels reset them, so they are reused."""
+    key = str(device)
+    c = _CNT_CACHE.get(key)
+    if c is None or c.numel() < count:
+        c = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _CNT_CACHE[key] = c
+    return c
+
+
+def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *, bits: int,
+                   codebook: str = "mcg", config: GemmConfig | None = None) -> torch.Tensor:
+    """y = x @ W for an EXL3-encoded weight, decoding Q inside the Triton kernel; y has x's dtype.
+
+    x: float16/bfloat16 (..., k) on CUDA (or CPU under TRITON_INTERPRET=1). ``config`` overrides the heuristic
+    (used by the benchmark sweep). Not safe to run concurrently on two streams of one device with split-K
+    (the reduction counters are shared per device).
+    """
+    k, n = _check_inputs(x, trellis, suh, svh, bits, codebook)
+    if not HAVE_TRITON:
+        raise ValueError("trellis_matmul needs triton; use trellis_matmul_reference")
+    dev = x.device
+    if dev.type != "cuda" and not (dev.type == "cpu" and _interpret()):
+        raise ValueError(f"trellis_matmul needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {dev}")
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k).contiguous()
+    m = x2d.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=dev)
+    if m == 0:
+        return y.reshape(*lead, n)
+    cfg = config or choose_config(m, k, n, dev)
+    if 128 % cfg.bk or cfg.bm < 16:
+        raise ValueError(f"bad config {cfg}")
+    words = trellis.contiguous().view(torch.int32)
+    suh_c = suh.contiguous()
+    svh_c = svh.contiguous()
+    had = _hadamard_bf16(dev)
+    ieee = dev.type == "cpu"
+    n_blocks = n // 128
+    m_blocks = -(-m // cfg.bm)
+    split = max(1, min(cfg.split, k // 128))
+    if cfg.fuse_in:
+        xin = x2d
+    else:
+        xin = torch.empty((m, k), dtype=torch.float16, device=dev)
+        pbm = 64 if m >= 64 else 16
+        _prep_kernel[(-(-m // pbm), k // 128)](x2d, suh_c, had, xin, m, k, HADAMARD_SCALE, BM=pbm, IEEE=ieee,
+                                                num_warps=4)
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=dev)
+        cnt = _counters(dev, m_blocks * n_blocks)
+    else:
+        ws = y  # unused
+        cnt = _counters(dev, 1)
+    grid = (n_blocks, m_blocks, split)
+    _gemm_kernel[grid](xin, words, suh_c, svh_c, had, y, ws, cnt, m, k, n, HADAMARD_SCALE,
+                       K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split, IEEE=ieee,
+                       ASM=0 if ieee else cfg.asm,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.reshape(*lead, n)
