@@ -118,9 +118,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _state_pattern(BK: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, tiles_n):
-        """Per-element word offsets (first/second word) and shift of a (BK, BN) block, relative to its first tile.
+        """Per-element (first word offset << 5 | shift) and second word offset of a (BK, BN) block.
 
-        Position p = pos(r%16, c%16) (spec 5.2); the state is the 16-bit stream window ending at (p+1)K (4.5).
+        Offsets count u32 words from the block's first tile record. Position p = pos(r%16, c%16) (spec 5.2);
+        its state is the 16-bit stream window ending at bit (p+1)K (spec 4.5): words w0, w1 and a right
+        shift of the 64-bit pair (U[w0], U[w1]). Packing the shift into the low 5 bits keeps two registers per
+        element live across the K loop instead of four.
         """
         r = tl.arange(0, BK)[:, None]
         c = tl.arange(0, BN)[None, :]
@@ -136,9 +139,9 @@ if HAVE_TRITON:
         w0 = w0 % WORDS
         w1 = w1 % WORDS
         tile = (r // 16) * tiles_n + (c // 16)
-        off0 = tile * WORDS + w0
+        code0 = ((tile * WORDS + w0) << 5) | sh
         off1 = tile * WORDS + w1
-        return off0, off1, sh.to(tl.uint32), (31 - sh).to(tl.uint32)
+        return code0, off1
 
     @triton.jit
     def _two_halves_asm(x):
@@ -151,18 +154,21 @@ if HAVE_TRITON:
             "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
 
     @triton.jit
-    def _decode_block(wp, off0, off1, sh, sh2, CB: tl.constexpr, ASM: tl.constexpr):
+    def _decode_block(words_ptr, wbase, code0, off1, CB: tl.constexpr, ASM: tl.constexpr):
         """Gather two u32 words per element, funnel-shift the 16-bit state out, decode it.
 
-        ASM >= 1 (GPU only): the funnel shift is one shf.r.wrap; ASM == 2 also adds the fp16 halves in pairs.
+        ASM >= 1 (GPU only): the funnel shift is one shf.r.wrap (which uses the low 5 bits of code0 as the
+        shift, so no unpacking); ASM == 2 also adds the fp16 halves in pairs (add.rn.f16x2).
         """
-        u0 = tl.load(wp + off0).to(tl.uint32, bitcast=True)
-        u1 = tl.load(wp + off1).to(tl.uint32, bitcast=True)
+        # int32 index math, one widening address op per load (no 64-bit offset tensors kept live)
+        u0 = tl.load(words_ptr + (wbase + (code0 >> 5))).to(tl.uint32, bitcast=True)
+        u1 = tl.load(words_ptr + (wbase + off1)).to(tl.uint32, bitcast=True)
         if ASM >= 1:
-            s = tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $2, $1, $3;", "=r,r,r,r", [u0, u1, sh],
+            s = tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $2, $1, $3;", "=r,r,r,r", [u0, u1, code0],
                                           dtype=tl.uint32, is_pure=True, pack=1) & 0xFFFF
         else:
-            s = ((u1 >> sh) | ((u0 << 1) << sh2)) & 0xFFFF  # (u0:u1) >> sh, low 16 bits; sh=0 gives u1 alone
+            sh = (code0 & 31).to(tl.uint32)
+            s = ((u1 >> sh) | ((u0 << 1) << (31 - sh))) & 0xFFFF  # (u0:u1) >> sh, low 16 bits
         if ASM >= 2 and CB != 2:
             if CB == 1:
                 x = s * 0xCBAC1FED
@@ -184,6 +190,35 @@ if HAVE_TRITON:
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
         acc = tl.dot(a_hi, h, out_dtype=tl.float32)
         return tl.dot(a_lo, h, acc, out_dtype=tl.float32)
+
+    @triton.jit
+    def _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE: tl.constexpr, BM: tl.constexpr):
+        """y[:, block] = ((acc @ Hn) * svh).to(y's dtype): the output side of spec 1.4 on one 128-column block.
+
+        Small BM (mma.sync path) goes in four 32-column slices, which keeps a quarter of H live and saves
+        registers there; for BM >= 64 (wgmma) slicing costs registers instead (measured with ptxas on sm_90).
+        """
+        m_mask = rm[:, None] < M
+        i128 = tl.arange(0, 128)
+        if BM < 64:
+            i32 = tl.arange(0, 32)
+            a_hi = acc.to(tl.bfloat16)
+            a_lo = (acc - a_hi.to(tl.float32)).to(tl.bfloat16)
+            for j in tl.static_range(4):
+                cols = pid_n * 128 + j * 32 + i32
+                hj = tl.load(had_ptr + i128[:, None] * 128 + (j * 32 + i32)[None, :])
+                if IEEE:
+                    yv = tl.dot(acc, hj.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+                else:
+                    yv = tl.dot(a_lo, hj, tl.dot(a_hi, hj, out_dtype=tl.float32), out_dtype=tl.float32)
+                yv = yv * HSCALE * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+                tl.store(y_ptr + rm[:, None] * N + cols[None, :], yv.to(y_ptr.dtype.element_ty), mask=m_mask)
+        else:
+            cols = pid_n * 128 + i128
+            h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :])
+            yv = _split_bf16_dot(acc, h, IEEE) * HSCALE
+            yv = yv * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * N + cols[None, :], yv.to(y_ptr.dtype.element_ty), mask=m_mask)
 
     @triton.jit
     def _prep_kernel(x_ptr, suh_ptr, had_ptr, x2_ptr, M, K, HSCALE, BM: tl.constexpr, IEEE: tl.constexpr):
@@ -226,24 +261,29 @@ if HAVE_TRITON:
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         m_mask = rm[:, None] < M
-        off0, off1, sh, sh2 = _state_pattern(BK, BN, K_BITS, tiles_n)
+        code0, off1 = _state_pattern(BK, BN, K_BITS, tiles_n)
         i128 = tl.arange(0, 128)
         ibk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ch in range(c_start, c_end):
-            k0 = ch * 128
-            if FUSE_IN:
+        if FUSE_IN:
+            for ch in range(c_start, c_end):
+                k0 = ch * 128
+                # x1 = fp16(x * suh) as the reference kernel rounds it; one fp16 dot per slice keeps only the
+                # fp16 operand live (the bf16 hi/lo split of the prep kernel costs 4x the registers here)
                 xv = tl.load(x_ptr + rm[:, None] * K + (k0 + i128)[None, :], mask=m_mask, other=0.0)
-                xv = xv.to(tl.float32) * tl.load(suh_ptr + k0 + i128).to(tl.float32)[None, :]
-            for j in tl.static_range(128 // BK):
-                kk = k0 + j * BK
-                if FUSE_IN:
-                    hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BK + ibk)[None, :])
-                    a = (_split_bf16_dot(xv, hj, IEEE) * HSCALE).to(tl.float16)
-                else:
-                    a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
-                wp = words_ptr + ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                q = _decode_block(wp, off0, off1, sh, sh2, CB, ASM)
+                xv = (xv.to(tl.float32) * tl.load(suh_ptr + k0 + i128).to(tl.float32)[None, :]).to(tl.float16)
+                for j in tl.static_range(128 // BK):
+                    kk = k0 + j * BK
+                    hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BK + ibk)[None, :]).to(tl.float16)
+                    a = (tl.dot(xv, hj, out_dtype=tl.float32) * HSCALE).to(tl.float16)
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
+                    acc = tl.dot(a, q, acc, out_dtype=tl.float32)
+        else:
+            for kk in range(c_start * 128, c_end * 128, BK):
+                a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
+                wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
                 acc = tl.dot(a, q, acc, out_dtype=tl.float32)
 
         out_mask = m_mask & (rn[None, :] < N)
@@ -258,16 +298,10 @@ if HAVE_TRITON:
                 for s in range(0, SPLIT):  # fixed order: the result does not depend on who finishes last
                     acc += tl.load(ws_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=out_mask, other=0.0,
                                    cache_modifier=".cg")
-                h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :])
-                yv = _split_bf16_dot(acc, h, IEEE) * HSCALE
-                yv = yv * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
-                tl.store(y_ptr + rm[:, None] * N + rn[None, :], yv.to(y_ptr.dtype.element_ty), mask=out_mask)
+                _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
         else:
-            h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :])
-            yv = _split_bf16_dot(acc, h, IEEE) * HSCALE
-            yv = yv * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
-            tl.store(y_ptr + rm[:, None] * N + rn[None, :], yv.to(y_ptr.dtype.element_ty), mask=out_mask)
+            _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -297,19 +331,21 @@ def _num_sms(device: torch.device) -> int:
 def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
     """Heuristic per regime: small m = one fused launch with split-K; large m = prep + big tiles, no split."""
     sms = _num_sms(device)
+    asm = 2 if device.type == "cuda" else 0
     n_blocks = n // 128
     chunks = k // 128
     if m <= 64:
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bm = 16  # larger BM spills on sm_90 (epilogue + fused input side); extra m-blocks re-decode
         target = 2 * sms
         split = max(1, min(chunks, -(-target // n_blocks)))
-        return GemmConfig(bm=bm, bk=32, split=split, fuse_in=True, num_warps=4, num_stages=2)
+        return GemmConfig(bm=bm, bk=32, split=split, fuse_in=True, num_warps=4, num_stages=1, asm=asm)
     bm = 64 if m <= 128 else 128
     m_blocks = -(-m // bm)
     split = 1
     if n_blocks * m_blocks < sms:
         split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8 if bm == 128 else 4, num_stages=2)
+    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8 if bm == 128 else 4, num_stages=3,
+                      asm=asm)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
@@ -336,12 +372,14 @@ def _counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *, bits: int,
-                   codebook: str = "mcg", config: GemmConfig | None = None) -> torch.Tensor:
+                   codebook: str = "mcg", config: GemmConfig | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W for an EXL3-encoded weight, decoding Q inside the Triton kernel; y has x's dtype.
 
     x: float16/bfloat16 (..., k) on CUDA (or CPU under TRITON_INTERPRET=1). ``config`` overrides the heuristic
     (used by the benchmark sweep). Not safe to run concurrently on two streams of one device with split-K
-    (the reduction counters are shared per device).
+    (the reduction counters are shared per device). ``out``: optional contiguous (m, n) tensor of x's dtype to
+    write into (tests poison it to prove every element is written).
     """
     k, n = _check_inputs(x, trellis, suh, svh, bits, codebook)
     if not HAVE_TRITON:
@@ -352,7 +390,12 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     lead = x.shape[:-1]
     x2d = x.reshape(-1, k).contiguous()
     m = x2d.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=dev)
+    if out is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=dev)
+    else:
+        if out.shape != (m, n) or out.dtype != x.dtype or out.device != dev or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous ({m}, {n}) {x.dtype} tensor on {dev}")
+        y = out
     if m == 0:
         return y.reshape(*lead, n)
     cfg = config or choose_config(m, k, n, dev)
