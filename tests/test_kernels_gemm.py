@@ -99,6 +99,22 @@ _CHILD = textwrap.dedent(r"""
     sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
     from test_kernels_gemm import _random_encode, _rel
 
+    if sys.argv[3] == "bf16split":
+        # Run the GPU's Hadamard path (bf16 hi/lo split dots): teach the interpreter's tl.dot that bf16 storage
+        # is the top half of an fp32 (it reads the raw uint16 as integers otherwise).
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+        import exl3tool.kernels.gemm as gemm_mod
+
+        def _f32(h):
+            if h.dtype.scalar == tl.bfloat16:
+                return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+
+        _orig_dot = ti.InterpreterBuilder.create_dot
+        ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _orig_dot(self, _f32(a), _f32(b), d, *rest)
+        gemm_mod.INTERPRETER_EXACT_HADAMARD = False
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     cases = json.loads(sys.argv[2])
     out = []
@@ -121,10 +137,10 @@ _CHILD = textwrap.dedent(r"""
 """)
 
 
-def _run_interpreter(cases: list[dict], seed: int) -> list[dict]:
+def _run_interpreter(cases: list[dict], seed: int, mode: str = "exact") -> list[dict]:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(seed), json.dumps(cases)], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(seed), json.dumps(cases), mode], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -166,6 +182,19 @@ def test_interpreter_accuracy_and_corruption():
         if r.get("corrupt") and not r["err_corrupt"] > 20 * bound:
             failures.append(dict(r, why="corruption not caught"))
     assert not failures, failures
+
+
+def test_interpreter_bf16_split_hadamards():
+    """The GPU's Hadamard arithmetic (fp32 operand split into two bf16 dots) on both sides, both paths."""
+    cases = [
+        dict(k=256, n=128, m=3, bits=6, cb="mcg", dtype="float16"),
+        dict(k=128, n=256, m=16, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=32, split=1, fuse_in=False)),
+        dict(k=256, n=128, m=2, bits=6, cb="mcg", dtype="float16", corrupt=True),
+    ]
+    for r in _run_interpreter(cases, seed=int.from_bytes(os.urandom(4), "little"), mode="bf16split"):
+        assert r["finite"] and r["err"] < FP16_BOUND, r
+        if r.get("corrupt"):
+            assert r["err_corrupt"] > 20 * FP16_BOUND, r
 
 
 # ----------------------------------------------------------------------------------------------------------
