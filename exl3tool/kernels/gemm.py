@@ -271,20 +271,21 @@ if HAVE_TRITON:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if FUSE_IN:
             for ch in range(c_start, c_end):
-                k0 = ch * 128
+                k0 = tl.multiple_of(ch * 128, 128)  # alignment hint: vectorised x loads
                 # x1 = fp16(x * suh) as the reference kernel rounds it; one fp16 dot per slice keeps only the
                 # fp16 operand live (the bf16 hi/lo split of the prep kernel costs 4x the registers here)
                 xv = tl.load(x_ptr + rm[:, None] * K + (k0 + i128)[None, :], mask=m_mask, other=0.0)
                 xv = (xv.to(tl.float32) * tl.load(suh_ptr + k0 + i128).to(tl.float32)[None, :]).to(tl.float16)
                 for j in tl.static_range(128 // BK):
-                    kk = k0 + j * BK
+                    kk = tl.multiple_of(k0 + j * BK, BK)
                     hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BK + ibk)[None, :]).to(tl.float16)
                     a = (tl.dot(xv, hj, out_dtype=tl.float32) * HSCALE).to(tl.float16)
                     wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
                     q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
                     acc = tl.dot(a, q, acc, out_dtype=tl.float32)
         else:
-            for kk in range(c_start * 128, c_end * 128, BK):
+            for k_it in range(c_start * 128, c_end * 128, BK):
+                kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
                 a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
                 wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
                 q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
