@@ -166,6 +166,10 @@ def _interp_cases() -> list[dict]:
         dict(k=256, n=128, m=16, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=64, split=1, fuse_in=False)),
         dict(k=384, n=128, m=5, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=128, split=2, fuse_in=True)),
         dict(k=256, n=256, m=20, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=32, bk=32, split=2, fuse_in=False)),
+        dict(k=384, n=256, m=70, bits=5, cb="3inst", dtype="float16",
+             cfg=dict(bm=64, bk=16, split=3, fuse_in=False, ptrs=True)),
+        dict(k=256, n=128, m=3, bits=7, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=32, split=1, fuse_in=True,
+                                                                            ptrs=True)),
         dict(k=128, n=128, m=3, bits=6, cb="mcg", dtype="float16", corrupt=True),
     ]
     return cases

@@ -158,15 +158,14 @@ if HAVE_TRITON:
             "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
 
     @triton.jit
-    def _decode_block(words_ptr, wbase, code0, off1, CB: tl.constexpr, ASM: tl.constexpr):
-        """Gather two u32 words per element, funnel-shift the 16-bit state out, decode it.
+    def _decode_ptrs(p0, p1, code0, CB: tl.constexpr, ASM: tl.constexpr):
+        """Gather the two u32 words of every element (pointers p0, p1), funnel-shift out the state, decode it.
 
         ASM >= 1 (GPU only): the funnel shift is one shf.r.wrap (which uses the low 5 bits of code0 as the
         shift, so no unpacking); ASM == 2 also adds the fp16 halves in pairs (add.rn.f16x2).
         """
-        # int32 index math, one widening address op per load (no 64-bit offset tensors kept live)
-        u0 = tl.load(words_ptr + (wbase + (code0 >> 5))).to(tl.uint32, bitcast=True)
-        u1 = tl.load(words_ptr + (wbase + off1)).to(tl.uint32, bitcast=True)
+        u0 = tl.load(p0).to(tl.uint32, bitcast=True)
+        u1 = tl.load(p1).to(tl.uint32, bitcast=True)
         if ASM >= 1:
             s = tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $2, $1, $3;", "=r,r,r,r", [u0, u1, code0],
                                           dtype=tl.uint32, is_pure=True, pack=1) & 0xFFFF
@@ -181,6 +180,14 @@ if HAVE_TRITON:
             x = (x & 0x8FFF8FFF) ^ 0x3B603B60
             return _two_halves_asm(x)
         return _codebook(s, CB)
+
+    @triton.jit
+    def _decode_block(words_ptr, wbase, code0, off1, CB: tl.constexpr, ASM: tl.constexpr):
+        """Decode one (BK, BN) block whose first tile record starts at word ``wbase``.
+
+        int32 index math, one widening address op per load (no 64-bit offset tensors kept live).
+        """
+        return _decode_ptrs(words_ptr + (wbase + (code0 >> 5)), words_ptr + (wbase + off1), code0, CB, ASM)
 
     @triton.jit
     def _split_bf16_dot(a, h, IEEE: tl.constexpr):
@@ -244,7 +251,7 @@ if HAVE_TRITON:
                      M, K, N, HSCALE,
                      K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                     ASM: tl.constexpr):
+                     ASM: tl.constexpr, PTRS: tl.constexpr):
         """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
 
         FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
@@ -269,6 +276,12 @@ if HAVE_TRITON:
         i128 = tl.arange(0, 128)
         ibk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        # PTRS: 64-bit word pointers carried across the K loop (one 64-bit add per load per step) instead of
+        # rebuilding each address from int32 offsets (three ops per load)
+        wbase0 = ((c_start * 128 // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+        p0 = words_ptr + (wbase0 + (code0 >> 5))
+        p1 = words_ptr + (wbase0 + off1)
+        step = (BK // 16) * tiles_n * WORDS
         if FUSE_IN:
             for ch in range(c_start, c_end):
                 k0 = tl.multiple_of(ch * 128, 128)  # alignment hint: vectorised x loads
@@ -280,15 +293,25 @@ if HAVE_TRITON:
                     kk = tl.multiple_of(k0 + j * BK, BK)
                     hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BK + ibk)[None, :]).to(tl.float16)
                     a = (tl.dot(xv, hj, out_dtype=tl.float32) * HSCALE).to(tl.float16)
-                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                    q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
+                    if PTRS:
+                        q = _decode_ptrs(p0, p1, code0, CB, ASM)
+                        p0 += step
+                        p1 += step
+                    else:
+                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                        q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
                     acc = tl.dot(a, q, acc, out_dtype=tl.float32)
         else:
             for k_it in range(c_start * 128, c_end * 128, BK):
                 kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
                 a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
-                wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
+                if PTRS:
+                    q = _decode_ptrs(p0, p1, code0, CB, ASM)
+                    p0 += step
+                    p1 += step
+                else:
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
                 acc = tl.dot(a, q, acc, out_dtype=tl.float32)
 
         out_mask = m_mask & (rn[None, :] < N)
@@ -325,6 +348,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 2
     asm: int = 0
+    ptrs: bool = False
 
 
 def _num_sms(device: torch.device) -> int:
@@ -334,7 +358,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
-    """Heuristic per regime: small m = one fused launch with split-K; large m = prep + big tiles, no split."""
+    """Heuristic per regime (see benchmarks/NOTES_gemm.md for the sm_90 instruction counts behind it).
+
+    m <= 64: one fused launch (input side in-kernel), BM=16, split-K to ~2 waves of programs.
+    m > 64: prep kernel + GEMM with BM=128/256 (decode work per weight falls as 1/BM), carried word pointers,
+    2 pipeline stages; split-K only when the output blocks cannot fill the GPU.
+    """
     sms = _num_sms(device)
     asm = 2 if device.type == "cuda" else 0
     n_blocks = n // 128
@@ -344,12 +373,12 @@ def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
         target = 2 * sms
         split = max(1, min(chunks, -(-target // n_blocks)))
         return GemmConfig(bm=bm, bk=32, split=split, fuse_in=True, num_warps=4, num_stages=1, asm=asm)
-    bm = 128  # BM=64 with 4 warps spills on sm_90
+    bm = 128 if m <= 128 else 256
     m_blocks = -(-m // bm)
     split = 1
     if n_blocks * m_blocks < sms:
         split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=3, asm=asm)
+    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=2, asm=asm, ptrs=True)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
@@ -429,6 +458,6 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     grid = (n_blocks, m_blocks, split)
     _gemm_kernel[grid](xin, words, suh_c, svh_c, had, y, ws, cnt, m, k, n, HADAMARD_SCALE,
                        K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split, IEEE=ieee,
-                       ASM=0 if ieee else cfg.asm,
+                       ASM=0 if ieee else cfg.asm, PTRS=cfg.ptrs,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*lead, n)
