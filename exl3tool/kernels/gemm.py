@@ -2,10 +2,11 @@
 
 Q is never written to memory: each program gathers the packed u32 words of the tiles it needs (spec 4.5),
 extracts the 16-bit states, decodes them with the codebook (spec 3) and feeds them to tl.dot with fp32
-accumulation. The input side (x * suh, 128-point Hadamard) is either fused into the GEMM (small m: one launch)
-or done by a small prep kernel (large m: the GEMM would otherwise redo it for every column block). The output
-side (Hadamard, * svh, cast) is always fused into the epilogue; split-K partials are reduced by the last
-program of each output block (serial reduction through a counter), so small m is a single launch.
+accumulation. The input side (x * suh, 128-point Hadamard) is either fused into the GEMM (small m and small
+weights: one launch) or done by a small prep kernel (otherwise: the GEMM would redo it for every column block,
+and the fused form leaves too few registers for the cheaper carried-pointer decode). The output side (Hadamard,
+* svh, cast) is always fused into the epilogue; split-K partials are reduced by the last program of each output
+block (serial reduction through a counter), so no extra launch is needed for the reduction either.
 
 Hadamards run on tensor cores against the exact +-1 matrix, with the fp32 operand split into two bf16 parts
 (16 mantissa bits, full fp32 range: no overflow for any finite fp32 value).
