@@ -1,0 +1,467 @@
+"""Fused EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (spec 1.4), Q decoded in-kernel.
+
+Q is never written to memory: each program gathers the packed u32 words of the tiles it needs (spec 4.5),
+extracts the 16-bit states, decodes them with the codebook (spec 3) and feeds them to tl.dot with fp32
+accumulation. The input side (x * suh, 128-point Hadamard) is either fused into the GEMM (small m and small
+weights: one launch) or done by a small prep kernel (otherwise: the GEMM would redo it for every column block,
+and the fused form leaves too few registers for the cheaper carried-pointer decode). The output side (Hadamard,
+* svh, cast) is always fused into the epilogue; split-K partials are reduced by the last program of each output
+block (serial reduction through a counter), so no extra launch is needed for the reduction either.
+
+Hadamards run on tensor cores against the exact +-1 matrix, with the fp32 operand split into two bf16 parts
+(16 mantissa bits, full fp32 range: no overflow for any finite fp32 value).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from exl3tool.encode.codebook import check_codebook
+from exl3tool.encode.decode import reconstruct
+from exl3tool.encode.hadamard import HADAMARD_SCALE, hadamard_128
+from exl3tool.encode.trellis import check_bits
+
+try:  # triton is optional: the reference path runs without it
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = ["trellis_matmul", "trellis_matmul_reference", "GemmConfig", "choose_config", "HAVE_TRITON"]
+
+_CB_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+# Under TRITON_INTERPRET the Hadamards use one fp32 dot, because the interpreter's tl.dot reads bf16 storage as
+# raw integers. A test that patches the interpreter's dot sets this to False to run the GPU's bf16-split path.
+INTERPRETER_EXACT_HADAMARD = True
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (plain torch, any device)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: int,
+                  codebook: str) -> tuple[int, int]:
+    """Validate shapes/dtypes; return (k, n). Raises ValueError with a message naming the culprit."""
+    check_bits(bits)
+    check_codebook(codebook)
+    for name, t in (("x", x), ("trellis", trellis), ("suh", suh), ("svh", svh)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if trellis.dim() != 3 or trellis.dtype != torch.int16:
+        raise ValueError(f"trellis must be a 3-D int16 tensor (k/16, n/16, 16*bits), got {trellis.dtype} "
+                         f"{tuple(trellis.shape)}")
+    if trellis.shape[2] != 16 * bits:
+        raise ValueError(f"trellis last dimension {trellis.shape[2]} != 16*bits = {16 * bits}")
+    k, n = 16 * trellis.shape[0], 16 * trellis.shape[1]
+    if k == 0 or n == 0 or k % 128 or n % 128:
+        raise ValueError(f"weight shape ({k}, {n}) must be non-empty multiples of 128")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must have shape (..., {k}), got {tuple(x.shape)}")
+    if suh.shape != (k,) or not suh.is_floating_point():
+        raise ValueError(f"suh must be a floating tensor of shape ({k},), got {suh.dtype} {tuple(suh.shape)}")
+    if svh.shape != (n,) or not svh.is_floating_point():
+        raise ValueError(f"svh must be a floating tensor of shape ({n},), got {svh.dtype} {tuple(svh.shape)}")
+    devs = {t.device for t in (x, trellis, suh, svh)}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devs)}")
+    return k, n
+
+
+def trellis_matmul_reference(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *,
+                             bits: int, codebook: str = "mcg") -> torch.Tensor:
+    """Plain-torch y = x @ W (reconstruct Q, Hadamards, fp32 math) in x's dtype; the CPU oracle for verify."""
+    k, n = _check_inputs(x, trellis, suh, svh, bits, codebook)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).to(torch.float32) * suh.to(torch.float32)
+    hn = hadamard_128(torch.float32, x.device) * HADAMARD_SCALE
+    x2 = (x2.reshape(-1, k // 128, 128) @ hn).reshape(-1, k)
+    q = reconstruct(trellis, bits, codebook).to(torch.float32)
+    y1 = x2 @ q
+    y = (y1.reshape(-1, n // 128, 128) @ hn).reshape(-1, n) * svh.to(torch.float32)
+    return y.to(x.dtype).reshape(*lead, n)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _codebook(s, CB: tl.constexpr):
+        """16-bit states (uint32 tensor) -> fp16 codebook values (spec 3), bit-exact."""
+        if CB == 2:  # mul1: byte sum, then h*A + B with one rounding (exact in fp32, then one cast)
+            x = s * 0x83DCD12D
+            t = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+            h = (t + 1024).to(tl.float32)
+            v = (h * 0.00676727294921875 + (-10.3828125)).to(tl.float16)
+        else:
+            if CB == 1:
+                x = s * 0xCBAC1FED
+            else:
+                x = s * 89226354 + 64248484
+            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            v = lo + hi  # fp16 add: exact sum (both in [0.125, 2)), one RNE rounding
+        return v
+
+    @triton.jit
+    def _state_pattern(BK: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, tiles_n):
+        """Per-element (first word offset << 5 | shift) and second word offset of a (BK, BN) block.
+
+        Offsets count u32 words from the block's first tile record. Position p = pos(r%16, c%16) (spec 5.2);
+        its state is the 16-bit stream window ending at bit (p+1)K (spec 4.5): words w0, w1 and a right
+        shift of the 64-bit pair (U[w0], U[w1]). Packing the shift into the low 5 bits keeps two registers per
+        element live across the K loop instead of four.
+        """
+        r = tl.arange(0, BK)[:, None]
+        c = tl.arange(0, BN)[None, :]
+        rr = r % 16
+        cc = c % 16
+        p = 32 * (cc % 8) + 8 * ((rr % 8) // 2) + 4 * (cc // 8) + 2 * (rr // 8) + (rr % 2)
+        WORDS: tl.constexpr = 8 * K_BITS
+        b0 = p * K_BITS + K_BITS - 16 + 256 * K_BITS
+        b1 = b0 + 16
+        w0 = b0 // 32
+        w1 = (b1 - 1) // 32
+        sh = 32 * (w1 + 1) - b1
+        w0 = w0 % WORDS
+        w1 = w1 % WORDS
+        tile = (r // 16) * tiles_n + (c // 16)
+        code0 = ((tile * WORDS + w0) << 5) | sh
+        off1 = tile * WORDS + w1
+        return code0, off1
+
+    @triton.jit
+    def _two_halves_asm(x):
+        """PTX form of the two-halves step's final add for two elements at once (one add.rn.f16x2)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi;\n"
+            "prmt.b32 lo, $1, $2, 0x5410;\n"
+            "prmt.b32 hi, $1, $2, 0x7632;\n"
+            "add.rn.f16x2 $0, lo, hi; }",
+            "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+
+    @triton.jit
+    def _decode_ptrs(p0, p1, code0, CB: tl.constexpr, ASM: tl.constexpr):
+        """Gather the two u32 words of every element (pointers p0, p1), funnel-shift out the state, decode it.
+
+        ASM >= 1 (GPU only): the funnel shift is one shf.r.wrap (which uses the low 5 bits of code0 as the
+        shift, so no unpacking); ASM == 2 also adds the fp16 halves in pairs (add.rn.f16x2).
+        """
+        u0 = tl.load(p0).to(tl.uint32, bitcast=True)
+        u1 = tl.load(p1).to(tl.uint32, bitcast=True)
+        if ASM >= 1:
+            s = tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $2, $1, $3;", "=r,r,r,r", [u0, u1, code0],
+                                          dtype=tl.uint32, is_pure=True, pack=1) & 0xFFFF
+        else:
+            sh = (code0 & 31).to(tl.uint32)
+            s = ((u1 >> sh) | ((u0 << 1) << (31 - sh))) & 0xFFFF  # (u0:u1) >> sh, low 16 bits
+        if ASM >= 2 and CB != 2:
+            if CB == 1:
+                x = s * 0xCBAC1FED
+            else:
+                x = s * 89226354 + 64248484
+            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            return _two_halves_asm(x)
+        return _codebook(s, CB)
+
+    @triton.jit
+    def _decode_block(words_ptr, wbase, code0, off1, CB: tl.constexpr, ASM: tl.constexpr):
+        """Decode one (BK, BN) block whose first tile record starts at word ``wbase``.
+
+        int32 index math, one widening address op per load (no 64-bit offset tensors kept live).
+        """
+        return _decode_ptrs(words_ptr + (wbase + (code0 >> 5)), words_ptr + (wbase + off1), code0, CB, ASM)
+
+    @triton.jit
+    def _split_bf16_dot(a, h, IEEE: tl.constexpr):
+        """a (fp32) @ h (exact bf16 +-1 matrix) with ~16-bit operand precision: two bf16 tensor-core dots.
+
+        IEEE (interpreter only: its dot reads bf16 storage as integers) does one plain fp32 dot instead.
+        """
+        if IEEE:
+            return tl.dot(a, h.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(a_hi, h, out_dtype=tl.float32)
+        return tl.dot(a_lo, h, acc, out_dtype=tl.float32)
+
+    @triton.jit
+    def _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE: tl.constexpr, BM: tl.constexpr):
+        """y[:, block] = ((acc @ Hn) * svh).to(y's dtype): the output side of spec 1.4 on one 128-column block.
+
+        Small BM (mma.sync path) goes in four 32-column slices, which keeps a quarter of H live and saves
+        registers there; for BM >= 64 (wgmma) slicing costs registers instead (measured with ptxas on sm_90).
+        """
+        m_mask = rm[:, None] < M
+        i128 = tl.arange(0, 128)
+        if BM < 64:
+            i32 = tl.arange(0, 32)
+            a_hi = acc.to(tl.bfloat16)
+            a_lo = (acc - a_hi.to(tl.float32)).to(tl.bfloat16)
+            for j in tl.static_range(4):
+                cols = pid_n * 128 + j * 32 + i32
+                hj = tl.load(had_ptr + i128[:, None] * 128 + (j * 32 + i32)[None, :])
+                if IEEE:
+                    yv = tl.dot(acc, hj.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+                else:
+                    yv = tl.dot(a_lo, hj, tl.dot(a_hi, hj, out_dtype=tl.float32), out_dtype=tl.float32)
+                yv = yv * HSCALE * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+                tl.store(y_ptr + rm[:, None] * N + cols[None, :], yv.to(y_ptr.dtype.element_ty), mask=m_mask)
+        else:
+            cols = pid_n * 128 + i128
+            h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :])
+            yv = _split_bf16_dot(acc, h, IEEE) * HSCALE
+            yv = yv * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * N + cols[None, :], yv.to(y_ptr.dtype.element_ty), mask=m_mask)
+
+    @triton.jit
+    def _prep_kernel(x_ptr, suh_ptr, had_ptr, x2_ptr, M, K, HSCALE, BM: tl.constexpr, IEEE: tl.constexpr):
+        """x2 = fp16( (x * suh) @ Hn ) per 128-column chunk (the input side of spec 1.4)."""
+        pid_m = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rc = pid_c * 128 + tl.arange(0, 128)
+        mask = rm[:, None] < M
+        xv = tl.load(x_ptr + rm[:, None] * K + rc[None, :], mask=mask, other=0.0).to(tl.float32)
+        xv = xv * tl.load(suh_ptr + rc).to(tl.float32)[None, :]
+        i = tl.arange(0, 128)
+        h = tl.load(had_ptr + i[:, None] * 128 + i[None, :])
+        y = _split_bf16_dot(xv, h, IEEE) * HSCALE
+        tl.store(x2_ptr + rm[:, None] * K + rc[None, :], y.to(tl.float16), mask=mask)
+
+    @triton.jit
+    def _gemm_kernel(x_ptr, words_ptr, suh_ptr, svh_ptr, had_ptr, y_ptr, ws_ptr, cnt_ptr,
+                     M, K, N, HSCALE,
+                     K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                     FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                     ASM: tl.constexpr, PTRS: tl.constexpr):
+        """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
+
+        FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
+        otherwise x is the prepared fp16 x2. SPLIT > 1: partials go to a workspace and the last program of the
+        block (counter) sums them in fixed order and runs the epilogue.
+        """
+        BN: tl.constexpr = 128
+        WORDS: tl.constexpr = 8 * K_BITS
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        tiles_n = N // 16
+        n_chunks = K // 128
+        per = tl.cdiv(n_chunks, SPLIT)
+        c_start = pid_s * per
+        c_end = tl.minimum(c_start + per, n_chunks)
+
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        m_mask = rm[:, None] < M
+        code0, off1 = _state_pattern(BK, BN, K_BITS, tiles_n)
+        i128 = tl.arange(0, 128)
+        ibk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        # PTRS: 64-bit word pointers carried across the K loop (one 64-bit add per load per step) instead of
+        # rebuilding each address from int32 offsets (three ops per load)
+        wbase0 = ((c_start * 128 // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+        p0 = words_ptr + (wbase0 + (code0 >> 5))
+        p1 = words_ptr + (wbase0 + off1)
+        step = (BK // 16) * tiles_n * WORDS
+        if FUSE_IN:
+            for ch in range(c_start, c_end):
+                k0 = tl.multiple_of(ch * 128, 128)  # alignment hint: vectorised x loads
+                # x1 = fp16(x * suh) as the reference kernel rounds it; one fp16 dot per slice keeps only the
+                # fp16 operand live (the bf16 hi/lo split of the prep kernel costs 4x the registers here)
+                xv = tl.load(x_ptr + rm[:, None] * K + (k0 + i128)[None, :], mask=m_mask, other=0.0)
+                xv = (xv.to(tl.float32) * tl.load(suh_ptr + k0 + i128).to(tl.float32)[None, :]).to(tl.float16)
+                for j in tl.static_range(128 // BK):
+                    kk = tl.multiple_of(k0 + j * BK, BK)
+                    hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BK + ibk)[None, :]).to(tl.float16)
+                    a = (tl.dot(xv, hj, out_dtype=tl.float32) * HSCALE).to(tl.float16)
+                    if PTRS:
+                        q = _decode_ptrs(p0, p1, code0, CB, ASM)
+                        p0 += step
+                        p1 += step
+                    else:
+                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                        q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
+                    acc = tl.dot(a, q, acc, out_dtype=tl.float32)
+        else:
+            for k_it in range(c_start * 128, c_end * 128, BK):
+                kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
+                a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
+                if PTRS:
+                    q = _decode_ptrs(p0, p1, code0, CB, ASM)
+                    p0 += step
+                    p1 += step
+                else:
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
+                acc = tl.dot(a, q, acc, out_dtype=tl.float32)
+
+        out_mask = m_mask & (rn[None, :] < N)
+        if SPLIT > 1:
+            ws = ws_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :]
+            tl.store(ws, acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in range(0, SPLIT):  # fixed order: the result does not depend on who finishes last
+                    acc += tl.load(ws_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=out_mask, other=0.0,
+                                   cache_modifier=".cg")
+                _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        else:
+            _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration. BN is fixed at 128 (the output Hadamard block)."""
+
+    bm: int
+    bk: int
+    split: int
+    fuse_in: bool
+    num_warps: int = 4
+    num_stages: int = 2
+    asm: int = 0
+    ptrs: bool = False
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
+    """Heuristic per regime (see benchmarks/NOTES_gemm.md for the sm_90 instruction counts behind it).
+
+    m <= 64: one fused launch (input side in-kernel), BM=16, split-K to ~2 waves of programs.
+    m > 64: prep kernel + GEMM with BM=128/256 (decode work per weight falls as 1/BM), carried word pointers,
+    2 pipeline stages; split-K only when the output blocks cannot fill the GPU.
+    """
+    sms = _num_sms(device)
+    asm = 2 if device.type == "cuda" else 0
+    n_blocks = n // 128
+    chunks = k // 128
+    if m <= 64:
+        bm = 16  # larger BM spills on sm_90 (epilogue + fused input side); extra m-blocks re-decode
+        target = 2 * sms
+        split = max(1, min(chunks, -(-target // n_blocks)))
+        if k * n >= (1 << 25):  # big weights: 13.2 vs 16.8 instr/weight outweighs the prep launch (~2-3 us)
+            return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
+                              ptrs=True)
+        return GemmConfig(bm=bm, bk=32, split=split, fuse_in=True, num_warps=4, num_stages=1, asm=asm)
+    bm = 128 if m <= 128 else 256
+    m_blocks = -(-m // bm)
+    split = 1
+    if n_blocks * m_blocks < sms:
+        split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
+    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=2, asm=asm, ptrs=True)
+
+
+_HAD_CACHE: dict[str, torch.Tensor] = {}
+_CNT_CACHE: dict[str, torch.Tensor] = {}
+
+
+def _hadamard_bf16(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    h = _HAD_CACHE.get(key)
+    if h is None:
+        h = hadamard_128(torch.float32, device).to(torch.bfloat16).contiguous()
+        _HAD_CACHE[key] = h
+    return h
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters for the serial split-K reduction; kernels reset them, so they are reused."""
+    key = str(device)
+    c = _CNT_CACHE.get(key)
+    if c is None or c.numel() < count:
+        c = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _CNT_CACHE[key] = c
+    return c
+
+
+def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *, bits: int,
+                   codebook: str = "mcg", config: GemmConfig | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W for an EXL3-encoded weight, decoding Q inside the Triton kernel; y has x's dtype.
+
+    x: float16/bfloat16 (..., k) on CUDA (or CPU under TRITON_INTERPRET=1). ``config`` overrides the heuristic
+    (used by the benchmark sweep). Not safe to run concurrently on two streams of one device with split-K
+    (the reduction counters are shared per device). ``out``: optional contiguous (m, n) tensor of x's dtype to
+    write into (tests poison it to prove every element is written).
+    """
+    k, n = _check_inputs(x, trellis, suh, svh, bits, codebook)
+    if not HAVE_TRITON:
+        raise ValueError("trellis_matmul needs triton; use trellis_matmul_reference")
+    dev = x.device
+    if dev.type != "cuda" and not (dev.type == "cpu" and _interpret()):
+        raise ValueError(f"trellis_matmul needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {dev}")
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k).contiguous()
+    m = x2d.shape[0]
+    if out is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=dev)
+    else:
+        if out.shape != (m, n) or out.dtype != x.dtype or out.device != dev or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous ({m}, {n}) {x.dtype} tensor on {dev}")
+        y = out
+    if m == 0:
+        return y.reshape(*lead, n)
+    cfg = config or choose_config(m, k, n, dev)
+    if 128 % cfg.bk or cfg.bm < 16:
+        raise ValueError(f"bad config {cfg}")
+    words = trellis.contiguous().view(torch.int32)
+    suh_c = suh.contiguous()
+    svh_c = svh.contiguous()
+    had = _hadamard_bf16(dev)
+    ieee = dev.type == "cpu" and INTERPRETER_EXACT_HADAMARD
+    n_blocks = n // 128
+    m_blocks = -(-m // cfg.bm)
+    split = max(1, min(cfg.split, k // 128))
+    if cfg.fuse_in:
+        xin = x2d
+    else:
+        xin = torch.empty((m, k), dtype=torch.float16, device=dev)
+        pbm = 64 if m >= 64 else 16
+        _prep_kernel[(-(-m // pbm), k // 128)](x2d, suh_c, had, xin, m, k, HADAMARD_SCALE, BM=pbm, IEEE=ieee,
+                                                num_warps=4)
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=dev)
+        cnt = _counters(dev, m_blocks * n_blocks)
+    else:
+        ws = y  # unused
+        cnt = _counters(dev, 1)
+    grid = (n_blocks, m_blocks, split)
+    _gemm_kernel[grid](xin, words, suh_c, svh_c, had, y, ws, cnt, m, k, n, HADAMARD_SCALE,
+                       K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split, IEEE=ieee,
+                       ASM=0 if ieee else cfg.asm, PTRS=cfg.ptrs,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.reshape(*lead, n)
