@@ -168,6 +168,20 @@ def _round_edge(m: np.float32):
 
 
 @njit(cache=True)
+def _round_costs(best, out) -> None:
+    """out[e] = f16-rounded best[e] (non-negative float64 or +inf), branch-free so that it vectorises."""
+    bi = best.view(np.int64)
+    for e in range(best.shape[0]):
+        x = best[e]
+        b = bi[e]
+        rn = np.int64((b + np.int64(0x1FFFFFFFFFF) + ((b >> 42) & 1)) & np.int64(~0x3FFFFFFFFFF)).view(np.float64)
+        sub = (x + _M64) - _M64
+        r = sub if x < _TWO_M14 else rn
+        r = _INF if r >= 65520.0 else r
+        out[e] = np.float32(r)
+
+
+@njit(cache=True)
 def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained: bool, efix: int, hist, sq, best) -> int:
     """One forward pass storing every step's rounded costs in hist[t]; returns the exact fallback count."""
     E = 1 << (16 - K)
@@ -183,8 +197,8 @@ def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained:
             d = np.float32(dec32[s] - w)
             b = d.view(np.int32)
             b = np.int32((b + _I0FFF + ((b >> _I13) & _I1)) & _IMASK)
-            dr = b.view(np.float32)
-            sq[s] = np.float64(dr * dr)
+            dr = np.uint32(b).view(np.float32)
+            sq[s] = dr * dr  # exact in float32; widened to float64 in the min loop
         cur = hist[t]
         if t == 0:
             if constrained:
@@ -197,12 +211,13 @@ def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained:
                     cur[e] = np.float32(sq[kf * E + e])
             else:
                 for e in range(E):
-                    best[e] = sq[e]
+                    best[e] = np.float64(sq[e])
                 for k in range(1, R):
-                    base = k * E
+                    sqk = sq[k * E:(k + 1) * E]
                     for e in range(E):
-                        v = sq[base + e]
-                        best[e] = v if v < best[e] else best[e]
+                        v = np.float64(sqk[e])
+                        bb = best[e]
+                        best[e] = v if v < bb else bb
                 for e in range(E):
                     cur[e] = np.float32(best[e])
             # d*d is exact in float32: rounding it once is the fp16 rounding (no double rounding)
@@ -224,11 +239,10 @@ def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained:
                 sj = sqk[o:o + R]
                 bj = best[o:o + R]
                 for i in range(R):
-                    v = sj[i] + c  # float64: the sum is exact or harmless (module docstring, point 4)
+                    v = np.float64(sj[i]) + c  # float64: the sum is exact or harmless (module docstring, point 4)
                     bb = bj[i]
                     bj[i] = v if v < bb else bb
-        for e in range(E):
-            cur[e] = np.float32(_r16_64(best[e]))
+        _round_costs(best, cur)
     return nfix
 
 
@@ -297,7 +311,7 @@ def _quantize_tiles_kernel(x, K: int, dec64, dec32, nthreads: int, force_generic
         w64 = np.empty(256, dtype=np.float64)
         w32 = np.empty(256, dtype=np.float32)
         hist = np.empty((256, E), dtype=np.float32)
-        sq = np.empty(65536, dtype=np.float64)
+        sq = np.empty(65536, dtype=np.float32)
         best = np.empty(E, dtype=np.float64)
         bp = np.empty((0, 0), dtype=np.uint8)
         ca = np.empty(E, dtype=np.float64)

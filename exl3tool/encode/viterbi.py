@@ -107,15 +107,15 @@ def _rank(e: torch.Tensor) -> torch.Tensor:
 
 
 def _first_min(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Strict less-than scan over dim 1 (k), as the reference: (best cost, first best k).
+    """Strict less-than scan over the last dim (k), as the reference: (best cost, first best k).
 
     If k = 0 is NaN nothing replaces it; otherwise NaNs never win, so they can be treated as +inf.
     """
-    nan0 = torch.isnan(cost[:, 0])
+    nan0 = torch.isnan(cost[..., 0])
     clean = torch.where(torch.isnan(cost), float("inf"), cost)
-    best = clean.amin(dim=1)
-    k = (clean == best.unsqueeze(1)).to(torch.uint8).argmax(dim=1)
-    best = torch.where(nan0, cost[:, 0], best)
+    k = clean.argmin(dim=-1)  # documented: the first index among equal minima
+    best = torch.gather(clean, -1, k.unsqueeze(-1)).squeeze(-1)
+    best = torch.where(nan0, cost[..., 0], best)
     k = torch.where(nan0, torch.zeros_like(k), k)
     return best, k
 
@@ -124,11 +124,15 @@ def _forward(w: torch.Tensor, order: list[int], K: int, dec_s: torch.Tensor, pre
              efix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over positions ``order``; returns final costs (n, E) and back-pointer k (n, 256, E) uint8."""
     n = w.shape[0]
+    w32 = w.to(torch.float32)  # exact: w holds fp16 values
+    dec_s32 = dec_s.to(torch.float32)
     E = 1 << (16 - K)
     bp = torch.zeros((n, 256, E), dtype=torch.uint8, device=w.device)
     cost = None
     for t, p in enumerate(order):
-        d = _r16(dec_s.unsqueeze(0) - w[:, p].view(n, 1, 1))  # (n, 2^K, E), exact fp16 differences
+        # (n, E, 2^K) fp16 differences: f32(dec - w) is then rounded float32 -> float16 once (a direct RNE
+        # cast); f16(f32(a - b)) == f16(a - b) for fp16 a, b since 24 >= 2*11 + 2 (no double-rounding error)
+        d = (dec_s32.unsqueeze(0) - w32[:, p].view(n, 1, 1)).to(torch.float16).to(torch.float64)
         if t == 0:
             c = _r16(d * d)
             if efix is not None:
@@ -152,10 +156,10 @@ def quantize_tiles_torch(tiles: torch.Tensor, bits: int, codebook: str = "mcg",
     E = 1 << (16 - K)
     table = codebook_table(codebook, dev)
     dec = table.to(torch.float64)  # exact widening
-    kk = torch.arange(1 << K, device=dev).view(-1, 1)
-    ee = torch.arange(E, device=dev).view(1, -1)
-    s_grid = (kk << (16 - K)) | ee  # (2^K, E) candidate states
-    pred = s_grid >> K  # (2^K, E) in-edge of each candidate
+    kk = torch.arange(1 << K, device=dev).view(1, -1)
+    ee = torch.arange(E, device=dev).view(-1, 1)
+    s_grid = (kk << (16 - K)) | ee  # (E, 2^K) candidate states; k innermost so the scan is contiguous
+    pred = s_grid >> K  # (E, 2^K) in-edge of each candidate
     dec_s = dec[s_grid]
     rank = _rank(torch.arange(E, device=dev))
     if batch is None:
