@@ -2,14 +2,16 @@
 
 Conformance figures measured on the goldens (CPU, this implementation; spec 9.2 explains why the first
 three cannot be exact on a CPU):
-* regularize: sv within 2 fp32 ulp (mean 0.004), su within 3 ulp (mean 0.03, case2 1.1) of the
+* regularize: sv within 2 fp32 ulp (mean 0.004-0.007), su within 3 ulp (mean 0.02-0.05) of the
   reference: the block RMS and mean reductions follow PyTorch's CUDA order; the Hadamard products do
   not follow cuBLAS's, so the regularised weight differs by up to 1e-6 x its RMS (mean ~2e-7, the
   same size as either's distance from the exact value) and its fp16 roundings agree for > 99.95 %;
+  on an H200 (cuBLAS) the same code gives weight_r, su and sv bit-identical to the goldens;
 * suh / svh: every element equal for all four golden encodes;
 * global scale: 1.1e-5 relative from the reference's on case0 (tested to 5e-5): the parabola step
   amplifies the few sample tiles that quantize differently;
-* full case0 encode from the seed: 92 % of the tiles byte-identical (tested > 80 %);
+* full case0 encode from the seed: 92 % of the tiles byte-identical (tested > 80 %); on an H200 all
+  four golden encodes come out byte-identical (trellis, suh, svh, g) -- see the gpu test below;
 * quantize_regularized on the reference's weight_r: states and trellis byte-identical, proxy_error
   equal to 1e-12 relative.
 """
@@ -79,7 +81,7 @@ def test_regularize_matches_golden(golden, fname, tag):
     su = _div_scalar(reg.su, gold["g"])  # the golden su_f32 already carries the global scale
     su_ulps, sv_ulps = _ulps(su, gold["su_f32"]), _ulps(reg.sv, gold["sv_f32"])
     assert int(sv_ulps.max()) <= 3 and float(sv_ulps.float().mean()) <= 0.05
-    assert int(su_ulps.max()) <= 4 and float(su_ulps.float().mean()) <= 1.5
+    assert int(su_ulps.max()) <= 4 and float(su_ulps.float().mean()) <= 0.1
     assert torch.equal(su.half(), gold["suh"]) and torch.equal(reg.sv.half(), gold["svh"])
     assert torch.equal(torch.sign(reg.su), -gold["su_sign"])  # su carries the opposite sign of the draw
     if "weight_r" in gold:
@@ -126,7 +128,7 @@ def test_scale_mse_is_fp32_mean_of_rescaled_error():
 
     s = 0.7000000000000001
     values, _ = quantize_tiles(tiles * _f32(s), 4)
-    expected = float((values * float(np.float32(1) / np.float32(s)) - tiles).square().mean())
+    expected = float((values * float(np.float32(1 / s)) - tiles).square().mean())
     got = scale_mse(tiles, [0.3, s], 4)
     assert got[1] == expected and got[0] != expected
 
@@ -271,3 +273,15 @@ def test_encode_linear_names_non_finite_values():
     w[90, 1] = float("inf")
     with pytest.raises(ValueError, match=r"2 non-finite values \(first at \[3, 7\]"):
         encode_linear(w, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fname, tag", CASES)
+def test_encode_linear_on_cuda_is_byte_identical(golden, fname, tag):
+    """On a GPU (cuBLAS Hadamards, Triton Viterbi) the whole encode reproduces the reference's bytes."""
+    gold = _load(golden, fname, tag)
+    enc = encode_linear(gold["weight"].cuda(), bits=6, seed=gold["seed"])
+    assert enc.g_scale == gold["g"]
+    assert torch.equal(enc.trellis.cpu(), gold["trellis"])
+    assert torch.equal(enc.suh.cpu(), gold["suh"]) and torch.equal(enc.svh.cpu(), gold["svh"])
+    assert abs(enc.proxy_error - float(gold["proxy_error"])) <= 1e-9 * float(gold["proxy_error"])

@@ -5,7 +5,7 @@ encode_linear = signs (7.2) -> regularize (7.3) -> global-scale search (7.4) -> 
 conformance tests can feed each one the reference's intermediate values.
 
 Arithmetic follows the reference's CUDA semantics where the spec says they matter: a division of an
-fp32 tensor by a Python scalar is a multiplication by ``f32(1 / f32(s))`` (``_div_scalar``), a tensor by
+fp32 tensor by a Python scalar is a multiplication by ``f32(1 / s)`` (``_div_scalar``), a tensor by
 tensor division is a true division, and scalars are rounded to fp32 before they touch a tensor. The
 reductions (block RMS, means) and the Hadamard matmuls are plain fp32 torch ops, so on the CPU the
 regularised weight agrees with the GPU's to ~1-2 ulp, not bit for bit (spec 9.2).
@@ -59,8 +59,12 @@ def _f32(x: float) -> float:
 
 
 def _recip32(s: float) -> float:
-    """f32(1 / f32(s)) with IEEE single division: the multiplier CUDA uses for ``tensor / scalar``."""
-    return float(np.float32(1.0) / np.float32(s))
+    """f32(1 / s), the reciprocal taken in double: the multiplier CUDA uses for ``tensor / scalar``.
+
+    The spec (section 0) says f32(1 / f32(s)); golden case2 (su ÷s g with g = 0.7865423261524054, where
+    the two differ) shows the double reciprocal: 97.7 % of su_f32 match this way, 4.9 % the other.
+    """
+    return float(np.float32(1.0 / float(s)))
 
 
 def _div_scalar(x: torch.Tensor, s: float) -> torch.Tensor:
