@@ -10,14 +10,18 @@ from exl3tool.encode.decode import dequantize, dequantize_tensors, reconstruct
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.encode.hadamard import hadamard_128, hadamard_left, hadamard_right
 from exl3tool.encode.layout import TENSOR_CORE_PERM, matrix_to_tiles, tile_position, tiles_to_matrix
+from exl3tool.encode.signs import reference_signs, torch_signs
 from exl3tool.encode.trellis import pack_trellis, unpack_trellis
 
 __all__ = [
     "CODEBOOKS", "CODEBOOK_MARKERS", "EncodedLinear", "TENSOR_CORE_PERM",
     "codebook_table", "decode_states", "dequantize", "dequantize_tensors", "encode_linear",
     "hadamard_128", "hadamard_left", "hadamard_right", "matrix_to_tiles", "pack_trellis",
-    "quantize_tiles", "reconstruct", "tile_position", "tiles_to_matrix", "unpack_trellis",
+    "quantize_regularized", "quantize_tiles", "reconstruct", "reference_signs", "regularize", "search_global_scale",
+    "tile_position", "tiles_to_matrix", "torch_signs", "unpack_trellis",
 ]
+
+_ONLINE = ("encode_linear", "quantize_regularized", "regularize", "search_global_scale")
 
 
 def __getattr__(name: str):
@@ -26,8 +30,8 @@ def __getattr__(name: str):
         from exl3tool.encode.viterbi import quantize_tiles
 
         return quantize_tiles
-    if name == "encode_linear":
-        from exl3tool.encode.online import encode_linear
+    if name in _ONLINE:
+        from exl3tool.encode import online
 
-        return encode_linear
+        return getattr(online, name)
     raise AttributeError(f"module 'exl3tool.encode' has no attribute {name!r}")

@@ -5,7 +5,7 @@ encode_linear = signs (7.2) -> regularize (7.3) -> global-scale search (7.4) -> 
 conformance tests can feed each one the reference's intermediate values.
 
 Arithmetic follows the reference's CUDA semantics where the spec says they matter: a division of an
-fp32 tensor by a Python scalar is a multiplication by ``f32(1 / f32(s))`` (``_div_scalar``), a tensor by
+fp32 tensor by a Python scalar is a multiplication by ``f32(1 / s)`` (``_div_scalar``), a tensor by
 tensor division is a true division, and scalars are rounded to fp32 before they touch a tensor. The
 reductions (block RMS, means) and the Hadamard matmuls are plain fp32 torch ops, so on the CPU the
 regularised weight agrees with the GPU's to ~1-2 ulp, not bit for bit (spec 9.2).
@@ -59,8 +59,13 @@ def _f32(x: float) -> float:
 
 
 def _recip32(s: float) -> float:
-    """f32(1 / f32(s)) with IEEE single division: the multiplier CUDA uses for ``tensor / scalar``."""
-    return float(np.float32(1.0) / np.float32(s))
+    """f32(1 / s), the reciprocal taken in double: the multiplier CUDA uses for ``tensor / scalar``.
+
+    The spec (section 0) says f32(1 / f32(s)); golden case2 (su ÷s g with g = 0.7865423261524054, where
+    the two differ) shows the double reciprocal: on an H200 every su_f32 element matches this way;
+    with f32(1 / f32(g)) only ~5 % do.
+    """
+    return float(np.float32(1.0 / float(s)))
 
 
 def _div_scalar(x: torch.Tensor, s: float) -> torch.Tensor:
@@ -68,14 +73,70 @@ def _div_scalar(x: torch.Tensor, s: float) -> torch.Tensor:
     return x * _recip32(s)
 
 
+def _strided4_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 as a CUDA thread does it: four strided fp32 accumulators, then combined in order."""
+    acc = [x[j::4].clone() for j in range(4)]
+    acc = [a[0].clone() if a.shape[0] == 1 else _sequential_sum(a) for a in acc]
+    return ((acc[0] + acc[1]) + acc[2]) + acc[3]
+
+
+def _sequential_sum(x: torch.Tensor) -> torch.Tensor:
+    out = x[0].clone()
+    for i in range(1, x.shape[0]):
+        out += x[i]
+    return out
+
+
 def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum of squares along ``dim`` in 32-long blocks, block sums accumulated in block order (fp32)."""
-    sq = (w if dim == 0 else w.t()).square()  # (L, m): reduce over L
-    blocks = sq.reshape(-1, 32, sq.shape[1]).sum(dim=1)  # (L/32, m) per-block sums
+    """Sum of squares along ``dim`` in 32-long blocks, block sums accumulated in block order (fp32).
+
+    Inside a block the order mimics PyTorch's CUDA reduction: across rows (dim 0) one thread walks the
+    32 rows with four strided accumulators; along a row (dim 1) a warp halving tree adds x[i] + x[i + 16],
+    then + 8, ... These orders bring su and sv to ~0.05 ulp mean difference from the goldens
+    (the plain CPU sums give ~1 ulp).
+    """
+    sq = w.square()
+    if dim == 0:
+        blocks = [_strided4_sum(sq[b : b + 32]) for b in range(0, sq.shape[0], 32)]  # each (n,)
+    else:
+        blocks = [_halving_sum_to(sq[:, b : b + 32].t(), 1)[0] for b in range(0, sq.shape[1], 32)]  # each (k,)
     acc = blocks[0].clone()
-    for b in range(1, blocks.shape[0]):
-        acc += blocks[b]
+    for block in blocks[1:]:
+        acc += block
     return acc
+
+
+def _cuda_mean(x: torch.Tensor) -> float:
+    """fp32 mean of a 1-D tensor (length a multiple of 128) in the order of PyTorch's CUDA reduction.
+
+    Lengths over 128 are read as float4 vectors: thread t of ``T = min(pow2 floor(len / 4), 512)``
+    keeps four accumulators over vectors t, t + T, ..., added in order; then a halving tree over the
+    threads (x[i] + x[i + T/2], ...), which reproduces the means of all four golden encodes.
+    The sum is multiplied by f32(1 / len).
+    """
+    n = x.shape[0]
+    vec = 4 if n > 128 else 1
+    dim0 = n // vec
+    threads = min(1 << (dim0.bit_length() - 1), 512)
+    v = x.reshape(-1, vec)  # (n / vec, vec) vectors
+    per_thread = []
+    for t in range(threads):
+        rows = v[t::threads]  # this thread's vectors, in order
+        lanes = _sequential_sum(rows) if rows.shape[0] > 1 else rows[0].clone()  # (vec,) accumulators
+        total = lanes[0].clone()
+        for j in range(1, vec):
+            total += lanes[j]
+        per_thread.append(total)
+    sums = torch.stack(per_thread)
+    return float(_halving_sum_to(sums, 1)[0] * _recip32(n))
+
+
+def _halving_sum_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Tree-sum dim 0 (a power of 2 long) down to ``width`` rows: x[i] + x[i + half], halving each step."""
+    while x.shape[0] > width:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return x
 
 
 def _block_rms(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -94,7 +155,7 @@ def regularize(weight: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tenso
     sv_sign = sv_sign.to(device=dev, dtype=torch.float32).reshape(-1)
 
     ocs = _block_rms(w, 0)  # (n,) column RMS over the input dimension
-    mean = float(ocs.mean())
+    mean = _cuda_mean(ocs)
     zeros = not mean > _ZERO
     if not zeros:
         ocs = _div_scalar(ocs, mean)
