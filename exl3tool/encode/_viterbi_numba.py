@@ -28,8 +28,18 @@ Exactness argument for the fast kernel (every step checked against the goldens):
 
 from __future__ import annotations
 
+import os
+
+import numba
 import numpy as np
 from numba import njit, prange
+
+# numba's default "omp" layer (GNU OpenMP) leaves its workers spinning after each parallel call; on a
+# 2-core box that made the torch work that follows (Hadamards, the torch reference) 15x slower. The
+# workqueue layer sleeps. Respect an explicit choice, and this only takes effect before numba's first
+# parallel launch in the process.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
 
 __all__ = ["quantize_tiles_numba"]
 
@@ -338,8 +348,6 @@ def _quantize_tiles_kernel(x, K: int, dec64, dec32, nthreads: int, force_generic
 
 def quantize_tiles_numba(x: np.ndarray, bits: int, dec16: np.ndarray, force_generic: bool = False) -> tuple[np.ndarray, int]:
     """(n, 256) float32 tiles -> (n, 256) int32 states in 0..65535 and the count of exact-fallback edges."""
-    import numba
-
     dec64 = dec16.astype(np.float64)
     dec32 = dec16.astype(np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)

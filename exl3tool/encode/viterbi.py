@@ -97,6 +97,15 @@ def _r16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x, r)
 
 
+def _r16_cost(x: torch.Tensor) -> torch.Tensor:
+    """Cheaper _r16 for costs: x >= 0, +inf or an arithmetic (canonical, so preserved) NaN."""
+    b = x.view(torch.int64)
+    normal = ((b + (2**41 - 1) + ((b >> 42) & 1)) & ~(2**42 - 1)).view(torch.float64)
+    m = 1.5 * 2.0**28
+    r = torch.where(x < 2.0**-14, (x + m) - m, normal)
+    return r.masked_fill_(r >= 65520.0, float("inf"))
+
+
 def _rank(e: torch.Tensor) -> torch.Tensor:
     """Section 6.5 tie-break rank: (brev5(bits 5..9), brev5(bits 0..4), e >> 10)."""
 
@@ -134,11 +143,12 @@ def _forward(w: torch.Tensor, order: list[int], K: int, dec_s: torch.Tensor, pre
         # cast); f16(f32(a - b)) == f16(a - b) for fp16 a, b since 24 >= 2*11 + 2 (no double-rounding error)
         d = (dec_s32.unsqueeze(0) - w32[:, p].view(n, 1, 1)).to(torch.float16).to(torch.float64)
         if t == 0:
-            c = _r16(d * d)
+            c = _r16_cost(d * d)
             if efix is not None:
                 c = torch.where(pred.unsqueeze(0) == efix.view(n, 1, 1), c, float("inf"))
         else:
-            c = _r16(d * d + cost[:, pred])  # float64 sum is exact enough: one rounding (module viterbi docs)
+            # d*d is exact in float64, and f16(fl64(d*d + C)) == f16(d*d + C) (see _viterbi_numba, point 4)
+            c = _r16_cost(torch.addcmul(cost[:, pred], d, d))
         cost, k = _first_min(c)
         bp[:, p] = k.to(torch.uint8)
     return cost, bp
