@@ -58,7 +58,7 @@ def quantize_tiles(
             raise ValueError(f"backend 'numba' needs CPU tiles, got device {tiles.device}")
         from exl3tool.encode._viterbi_numba import quantize_tiles_numba
 
-        states, _ = quantize_tiles_numba(tiles.contiguous().numpy(), bits, codebook_table_np(codebook))
+        states = quantize_tiles_numba(tiles.contiguous().numpy(), bits, codebook_table_np(codebook))
         st = torch.from_numpy(states)
         values = codebook_table(codebook, "cpu")[st.to(torch.int64)].to(torch.float32)
         return values, _to_int16(st)
