@@ -6,24 +6,29 @@ Two kernels, bit-identical on the inputs each is used for:
   candidate cost, strict less-than scan over k, uint8 back-pointers). Used for tiles that contain a NaN,
   where the scan's NaN semantics (section 6.7) matter.
 * ``_fast_tile``: for NaN-free tiles. Because RNE rounding to fp16 is monotone, the rounded minimum over k
-  equals the rounding of the unrounded minimum, so the hot loop is a plain ``min(sq[s] + C_old[pred])`` in
-  float32 (8/16 lanes) with one rounding per edge. Back-pointers are not tracked in the hot loop: the cost
-  history is kept and the literal strict-less-than scan is redone only along the traced path.
+  equals the rounding of the unrounded minimum, so the hot loop is a plain ``min(sq[s] + C_old[pred])``
+  (float64, vectorised) with one rounding per edge and step. Back-pointers are not tracked in the hot loop:
+  every step's rounded costs are kept and the literal strict-less-than scan is redone only along the
+  traced path (2^K candidates per position), which gives the reference's tie-break by construction.
 
-Exactness argument for the fast kernel (every step checked against the goldens):
+Exactness argument for the fast kernel (checked on every golden tile):
 
 1. ``d = f16(dec - w)``: dec and w are fp16; f32(dec - w) then RNE to 11 significant bits equals the direct
    fp16 rounding (double rounding is innocuous since 24 >= 2*11 + 2). We round with the normal-range bit
    trick only. If the true |d| < 2^-14 (fp16 subnormal) our d may differ from the fp16 one, but then both
-   d^2 < 2^-27 < 2^-25 = half the smallest fp16 ulp, so f16(d^2 + C) = C for every fp16 C >= 0 either way.
-2. ``d*d`` is exact in float32 (22 significant bits, no underflow since |d| >= 2^-24 or d == 0).
-3. ``f32(d*d + C)`` can differ from the exact sum, and RNE(f32(x)) == RNE(x) except when f32(x) lands exactly
-   on an fp16 rounding midpoint (midpoints are f32-representable, so rounding cannot cross one). We detect
-   a midpoint on the per-edge minimum and then recompute that edge exactly in float64 (rare).
-4. In float64, ``d*d + C`` (22-bit and 11-bit operands) is either exact or off by less than 2^-52 relative;
-   an inexact float64 sum needs C >> d^2, and then d^2 is either 0 modulo the fp16 midpoint grid of the
-   result (distance >= ulp(d^2) far above the float64 error) or smaller than half an fp16 ulp, so
-   f16(fl64(d*d + C)) == f16(d*d + C) in every case.
+   d^2 < 2^-27 < 2^-25 = half the smallest fp16 ulp, so f16(d^2 + C) = C for every fp16 C >= 0 either way
+   (and f16(d^2) = 0 at a first step).
+2. ``d*d`` is exact in float32 (22 significant bits, no underflow since |d| >= 2^-24 or d == 0), and so in
+   float64. |d| may round up to 2^16; then d^2 >= 2^32 and the cost is +inf either way.
+3. ``x = d*d + C`` in float64 rounds to the same fp16 value as the exact sum. Only x < 2^17 matters (else
+   +inf either way). Write d = m * 2^q (|m| < 2^11): d^2 is a multiple of 2^2q, C of 2^-24, so the sum is
+   exact when 2^2q >= 2^-36 (17 + 36 = 53 bits). If it is inexact, the float64 error is < 2^-36 and a wrong
+   fp16 result needs an fp16 rounding boundary b != x with |x - b| < 2^-36, i.e. d^2 within 2^-36 of b - C:
+   * b == C: then d^2 < 2^-36 and x, fl64(x) both lie in [C, C + 2^-36], which round to C;
+   * b != C: |b - C| >= 2^-25, so d^2 > 2^-26, while 2^2q < 2^-36 gives d^2 < 2^(22+2q) <= 2^-16 and
+     2^2q >= 2^-46; inexactness then needs x > 2^(53+2q) >= 2^7, so C > 2^6 and b, C are multiples of 2^-4,
+     forcing d^2 > 2^-5: a contradiction.
+   Float64 rounding is monotone, so the minimum of the float64 sums rounds to the minimum rounded cost.
 """
 
 from __future__ import annotations
