@@ -1,6 +1,6 @@
 """Throughput of the CPU tile quantizer (numba) per K, and of the pure-torch path for a ratio.
 
-Usage: python benchmarks/bench_quantize_tiles.py [--tiles 2048] [--small 256] [--torch-tiles 2] [--json]
+Usage: python benchmarks/bench_quantize_tiles.py [--tiles 2048] [--small 256] [--torch-tiles 2] [--torch-threads 1] [--json]
 Gaussian tiles (fixed seed). The numba kernel is compiled (or loaded from its cache) before timing.
 """
 
@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--tiles", type=int, default=2048, help="tiles for the K=6 mcg headline figure")
     ap.add_argument("--small", type=int, default=256, help="tiles for each K in 2..8")
     ap.add_argument("--torch-tiles", type=int, default=2, help="tiles for the torch path (slow); 0 skips it")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch threads for the torch path (many tiny ops: 1 was fastest on a busy 2-core box)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
 
@@ -47,6 +49,7 @@ def main() -> None:
         rate = _rate(lambda t: quantize_tiles(t, K, "mcg", backend="numba"), x[: args.small])
         result["per_k"][str(K)] = {"tiles": args.small, "tiles_per_s": round(rate, 2)}
     if args.torch_tiles:
+        torch.set_num_threads(args.torch_threads)
         n_thr = torch.get_num_threads()
         rate = _rate(lambda t: quantize_tiles_torch(t, 6), x[: args.torch_tiles])
         result["torch_k6"] = {"tiles": args.torch_tiles, "tiles_per_s": round(rate, 3), "torch_threads": n_thr}
