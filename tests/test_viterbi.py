@@ -61,7 +61,9 @@ def _fresh_tiles(seed: int) -> torch.Tensor:
     return t
 
 
-@pytest.mark.parametrize("K,cb,rows", [(8, "mcg", [0, 2, 3]), (5, "mul1", [3]), (3, "3inst", [1])])
+@pytest.mark.parametrize(
+    "K,cb,rows", [(8, "mcg", [0, 2, 3]), (5, "mul1", [3]), (3, "3inst", [1]), (1, "mcg", [2]), (6, "mcg", [0])]
+)
 def test_numba_matches_torch_reference(K, cb, rows):
     x = _fresh_tiles(1000 + K)[rows]  # the torch path is slow on CPU: a few tiles only
     v_n, s_n = quantize_tiles(x, K, cb, backend="numba")

@@ -30,7 +30,7 @@ def _check_tiles(tiles: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"tiles must have a floating-point dtype, got {tiles.dtype} (shape {tuple(tiles.shape)})")
     if tiles.dim() != 2 or tiles.shape[1] != 256:
         raise ValueError(f"tiles must have shape (n, 256) in trellis-position order, got shape {tuple(tiles.shape)}")
-    return tiles.to(torch.float32)
+    return tiles.detach().to(torch.float32)
 
 
 def quantize_tiles(
