@@ -172,3 +172,15 @@ def test_triton_backend_falls_back_with_warning(monkeypatch):
     with pytest.warns(RuntimeWarning, match="Triton Viterbi kernel unavailable"):
         assert quantize_tiles(x, 8, "mul1", backend="triton") == "torch-ran"
     assert calls == [((1, 256), 8, "mul1")]
+
+
+@pytest.mark.parametrize("cfg", ["k4_mcg", "k6_mul1"])
+def test_generic_kernel_matches_golden(tiles_golden, cfg):
+    """The literal kernel NaN tiles go through, on finite golden tiles (one Gaussian, one real)."""
+    from exl3tool.encode._viterbi_numba import quantize_tiles_numba
+
+    K, cb = int(cfg[1]), cfg.split("_")[1]
+    x = tiles_golden[f"{cfg}.input"][[0, -1]]
+    got = quantize_tiles_numba(x, K, codebook_table_np(cb), force_generic=True)
+    want = _u16(tiles_golden[f"{cfg}.indices"][[0, -1]])
+    assert np.array_equal(got, want), _match_report(got, want)
