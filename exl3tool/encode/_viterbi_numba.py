@@ -6,37 +6,52 @@ Two kernels, bit-identical on the inputs each is used for:
   candidate cost, strict less-than scan over k, uint8 back-pointers). Used for tiles that contain a NaN,
   where the scan's NaN semantics (section 6.7) matter.
 * ``_fast_tile``: for NaN-free tiles. Because RNE rounding to fp16 is monotone, the rounded minimum over k
-  equals the rounding of the unrounded minimum, so the hot loop is a plain ``min(sq[s] + C_old[pred])`` in
-  float32 (8/16 lanes) with one rounding per edge. Back-pointers are not tracked in the hot loop: the cost
-  history is kept and the literal strict-less-than scan is redone only along the traced path.
+  equals the rounding of the unrounded minimum, so the hot loop is a plain ``min(sq[s] + C_old[pred])``
+  (float64, vectorised) with one rounding per edge and step. Back-pointers are not tracked in the hot loop:
+  every step's rounded costs are kept and the literal strict-less-than scan is redone only along the
+  traced path (2^K candidates per position), which gives the reference's tie-break by construction.
 
-Exactness argument for the fast kernel (every step checked against the goldens):
+Exactness argument for the fast kernel (checked on every golden tile):
 
 1. ``d = f16(dec - w)``: dec and w are fp16; f32(dec - w) then RNE to 11 significant bits equals the direct
    fp16 rounding (double rounding is innocuous since 24 >= 2*11 + 2). We round with the normal-range bit
    trick only. If the true |d| < 2^-14 (fp16 subnormal) our d may differ from the fp16 one, but then both
-   d^2 < 2^-27 < 2^-25 = half the smallest fp16 ulp, so f16(d^2 + C) = C for every fp16 C >= 0 either way.
-2. ``d*d`` is exact in float32 (22 significant bits, no underflow since |d| >= 2^-24 or d == 0).
-3. ``f32(d*d + C)`` can differ from the exact sum, and RNE(f32(x)) == RNE(x) except when f32(x) lands exactly
-   on an fp16 rounding midpoint (midpoints are f32-representable, so rounding cannot cross one). We detect
-   a midpoint on the per-edge minimum and then recompute that edge exactly in float64 (rare).
-4. In float64, ``d*d + C`` (22-bit and 11-bit operands) is either exact or off by less than 2^-52 relative;
-   an inexact float64 sum needs C >> d^2, and then d^2 is either 0 modulo the fp16 midpoint grid of the
-   result (distance >= ulp(d^2) far above the float64 error) or smaller than half an fp16 ulp, so
-   f16(fl64(d*d + C)) == f16(d*d + C) in every case.
+   d^2 < 2^-27 < 2^-25 = half the smallest fp16 ulp, so f16(d^2 + C) = C for every fp16 C >= 0 either way
+   (and f16(d^2) = 0 at a first step).
+2. ``d*d`` is exact in float32 (22 significant bits, no underflow since |d| >= 2^-24 or d == 0), and so in
+   float64. |d| may round up to 2^16; then d^2 >= 2^32 and the cost is +inf either way.
+3. ``x = d*d + C`` in float64 rounds to the same fp16 value as the exact sum. Only x < 2^17 matters (else
+   +inf either way). Write d = m * 2^q (|m| < 2^11): d^2 is a multiple of 2^2q, C of 2^-24, so the sum is
+   exact when 2^2q >= 2^-36 (17 + 36 = 53 bits). If it is inexact, the float64 error is < 2^-36 and a wrong
+   fp16 result needs an fp16 rounding boundary b != x with |x - b| < 2^-36, i.e. d^2 within 2^-36 of b - C:
+   * b == C: then d^2 < 2^-36 and x, fl64(x) both lie in [C, C + 2^-36], which round to C;
+   * b != C: |b - C| >= 2^-25, so d^2 > 2^-26, while 2^2q < 2^-36 gives d^2 < 2^(22+2q) <= 2^-16 and
+     2^2q >= 2^-46; inexactness then needs x > 2^(53+2q) >= 2^7, so C > 2^6 and b, C are multiples of 2^-4,
+     forcing d^2 > 2^-5: a contradiction.
+   Float64 rounding is monotone, so the minimum of the float64 sums rounds to the minimum rounded cost.
 """
 
 from __future__ import annotations
 
+import os
+
+import numba
 import numpy as np
 from numba import njit, prange
+
+# numba's default "omp" layer (GNU OpenMP) leaves its workers spinning after each parallel call; on a
+# 2-core box that made the torch work that follows (Hadamards, the torch reference) 15x slower. The
+# workqueue layer sleeps. Respect an explicit choice, and this only takes effect before numba's first
+# parallel launch in the process.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
 
 __all__ = ["quantize_tiles_numba"]
 
 _INF = np.inf
 _TWO_M14 = 2.0**-14
 _M64 = 1.5 * 2.0**28  # (x + M) - M rounds |x| < 2^-14 to the fp16 subnormal grid 2^-24 (RNE, float64)
-_M32 = np.float32(0.75)  # same in float32: ulp(0.75) = 2^-24
+_TRANSPOSE_MAX_K = 5  # K <= 5: transposed loop layout (see _forward_fast)
 # int32 constants keep numba's float32 bit tricks in 32-bit lanes (python ints would promote to int64)
 _I0FFF = np.int32(0xFFF)
 _I13 = np.int32(13)
@@ -151,22 +166,6 @@ def _generic_tile(w64, K: int, dec64, bp, ca, cb, states) -> None:
         e = (k << (16 - 2 * K)) | (e >> K)
 
 
-@njit(cache=True, inline="always")
-def _round_edge(m: np.float32):
-    """RNE of a non-negative float32 to fp16 precision; returns (rounded float32, was it a midpoint)."""
-    if m >= np.float32(_TWO_M14):
-        b = np.float32(m).view(np.int32)
-        mid = (b & _I1FFF) == _I1000
-        r = np.int32((b + _I0FFF + ((b >> _I13) & _I1)) & _IMASK).view(np.float32)
-        if r >= np.float32(65520.0):
-            r = np.float32(_INF)
-        return r, mid
-    t = m * np.float32(2.0**25)  # exact power-of-two scaling; midpoints are odd multiples of 2^-25
-    ft = np.floor(t)
-    mid = ft == t and (np.int64(ft) & 1) == 1
-    return (m + _M32) - _M32, mid
-
-
 @njit(cache=True)
 def _round_costs(best, out) -> None:
     """out[e] = f16-rounded best[e] (non-negative float64 or +inf), branch-free so that it vectorises."""
@@ -182,68 +181,91 @@ def _round_costs(best, out) -> None:
 
 
 @njit(cache=True)
-def _forward_fast(w64, w32, order_start: int, K: int, dec64, dec32, constrained: bool, efix: int, hist, sq, best) -> int:
-    """One forward pass storing every step's rounded costs in hist[t]; returns the exact fallback count."""
+def _forward_fast(w32, order_start: int, K: int, decl, constrained: bool, efix: int, hist, sq, best, tmp) -> None:
+    """One forward pass storing every step's rounded costs in hist[t] (natural edge order).
+
+    ``decl`` is the float32 codebook in the loop layout of ``_loop_layout``: natural for K >= 6 (inner loop
+    over the 2^K edges sharing one pred), transposed for K <= 5 (inner loop over the 2^(16-2K) preds of a
+    k block, so short runs of 4 or 8 do not stop vectorisation). ``sq`` and ``best`` follow that layout.
+    """
     E = 1 << (16 - K)
     R = 1 << K  # candidates per edge = run length of a constant C_old[pred]
     J = E >> K  # distinct pred values per k block
     sh = 16 - 2 * K
-    nfix = 0
+    tr = K <= _TRANSPOSE_MAX_K
     for t in range(256):
         p = (t + order_start) & 255
         w = w32[p]
         # sq[s] = f16(dec[s] - w)^2 in float32 (normal-range rounding suffices, see module docstring)
         for s in range(65536):
-            d = np.float32(dec32[s] - w)
+            d = np.float32(decl[s] - w)
             b = d.view(np.int32)
             b = np.int32((b + _I0FFF + ((b >> _I13) & _I1)) & _IMASK)
             dr = np.uint32(b).view(np.float32)
             sq[s] = dr * dr  # exact in float32; widened to float64 in the min loop
         cur = hist[t]
-        if t == 0:
-            if constrained:
-                kf = efix >> sh
-                jf = efix & (J - 1)
-                for e in range(E):
-                    cur[e] = np.float32(_INF)
-                for i in range(R):
-                    e = (jf << K) | i
-                    cur[e] = np.float32(sq[kf * E + e])
-            else:
-                for e in range(E):
-                    best[e] = np.float64(sq[e])
-                for k in range(1, R):
-                    sqk = sq[k * E:(k + 1) * E]
-                    for e in range(E):
-                        v = np.float64(sqk[e])
-                        bb = best[e]
-                        best[e] = v if v < bb else bb
-                for e in range(E):
-                    cur[e] = np.float32(best[e])
-            # d*d is exact in float32: rounding it once is the fp16 rounding (no double rounding)
+        if t == 0 and constrained:
+            # only pred == efix is allowed: k = efix >> sh and edges e with e >> K == efix & (J - 1)
+            kf = efix >> sh
+            jf = efix & (J - 1)
             for e in range(E):
-                r, mid = _round_edge(cur[e])
-                cur[e] = r
-            continue
-        old = hist[t - 1]
-        for e in range(E):
-            best[e] = _INF
-        # k outer, e inner: C_old[pred] is constant over each run of 2^K edges. Slices (not computed
-        # indices) keep numba from emitting negative-index wraparound, which blocks vectorisation.
-        for k in range(R):
-            sqk = sq[k * E:(k + 1) * E]
-            pb = k << sh
-            for j in range(J):
-                c = np.float64(old[pb + j])
-                o = j << K
-                sj = sqk[o:o + R]
-                bj = best[o:o + R]
-                for i in range(R):
-                    v = np.float64(sj[i]) + c  # float64: the sum is exact or harmless (module docstring, point 4)
-                    bb = bj[i]
-                    bj[i] = v if v < bb else bb
-        _round_costs(best, cur)
-    return nfix
+                best[e] = _INF
+            for i in range(R):
+                li = kf * E + (i * J + jf if tr else (jf << K) | i)
+                best[i * J + jf if tr else (jf << K) | i] = np.float64(sq[li])
+        elif t == 0:
+            # d*d is exact, so min then one rounding is the fp16 cost (no double rounding)
+            for e in range(E):
+                best[e] = np.float64(sq[e])
+            for k in range(1, R):
+                sqk = sq[k * E:(k + 1) * E]
+                for e in range(E):
+                    v = np.float64(sqk[e])
+                    bb = best[e]
+                    best[e] = v if v < bb else bb
+        else:
+            old = hist[t - 1]
+            for e in range(E):
+                best[e] = _INF
+            # Slices (not computed indices) keep numba from emitting negative-index wraparound, which
+            # blocks vectorisation.
+            for k in range(R):
+                sqk = sq[k * E:(k + 1) * E]
+                ok = old[(k << sh):(k << sh) + J]
+                if tr:
+                    for i in range(R):
+                        sj = sqk[i * J:(i + 1) * J]
+                        bj = best[i * J:(i + 1) * J]
+                        for j in range(J):
+                            v = np.float64(sj[j]) + np.float64(ok[j])  # float64: docstring point 4
+                            bb = bj[j]
+                            bj[j] = v if v < bb else bb
+                else:
+                    for j in range(J):
+                        c = np.float64(ok[j])
+                        o = j << K
+                        sj = sqk[o:o + R]
+                        bj = best[o:o + R]
+                        for i in range(R):
+                            v = np.float64(sj[i]) + c  # float64: docstring point 4
+                            bb = bj[i]
+                            bj[i] = v if v < bb else bb
+        if tr:
+            _round_costs(best, tmp)
+            for i in range(R):
+                for j in range(J):
+                    cur[(j << K) | i] = tmp[i * J + j]
+        else:
+            _round_costs(best, cur)
+
+
+def _loop_layout(dec32: np.ndarray, K: int) -> np.ndarray:
+    """The codebook reordered for _forward_fast: index k*E + i*J + j holds state (k << (16-K)) | (j << K) | i."""
+    if K > _TRANSPOSE_MAX_K:
+        return np.ascontiguousarray(dec32)
+    E, R = 1 << (16 - K), 1 << K
+    J = E >> K
+    return np.ascontiguousarray(dec32.reshape(R, J, R).transpose(0, 2, 1).reshape(-1))
 
 
 @njit(cache=True)
@@ -268,11 +290,11 @@ def _bp_along(dec64, w: float, e: int, K: int, first: bool, constrained: bool, e
 
 
 @njit(cache=True)
-def _fast_tile(w64, w32, K: int, dec64, dec32, hist, sq, best, states) -> int:
+def _fast_tile(w64, w32, K: int, dec64, decl, hist, sq, best, tmp, states) -> None:
     """Two-pass tail-biting Viterbi for a NaN-free tile; min-only forward passes, recomputed traceback."""
     E = 1 << (16 - K)
     sh = 16 - 2 * K
-    nfix = _forward_fast(w64, w32, 128, K, dec64, dec32, False, 0, hist, sq, best)
+    _forward_fast(w32, 128, K, decl, False, 0, hist, sq, best, tmp)
     final = np.empty(E, dtype=np.float64)
     for e in range(E):
         final[e] = hist[255, e]
@@ -283,7 +305,7 @@ def _fast_tile(w64, w32, K: int, dec64, dec32, hist, sq, best, states) -> int:
         k = _bp_along(dec64, w64[p], e, K, False, False, 0, hist[t - 1])
         e = (k << sh) | (e >> K)
     efix = e
-    nfix += _forward_fast(w64, w32, 0, K, dec64, dec32, True, efix, hist, sq, best)
+    _forward_fast(w32, 0, K, decl, True, efix, hist, sq, best, tmp)
     e = efix
     for p in range(255, -1, -1):
         if p == 0:
@@ -292,16 +314,14 @@ def _fast_tile(w64, w32, K: int, dec64, dec32, hist, sq, best, states) -> int:
             k = _bp_along(dec64, w64[p], e, K, False, True, efix, hist[p - 1])
         states[p] = (k << (16 - K)) | e
         e = (k << sh) | (e >> K)
-    return nfix
 
 
 @njit(cache=True, parallel=True, fastmath=False)
-def _quantize_tiles_kernel(x, K: int, dec64, dec32, nthreads: int, force_generic: bool):
+def _quantize_tiles_kernel(x, K: int, dec64, decl, nthreads: int, force_generic: bool):
     """All tiles: prange over per-thread chunks, each chunk with its own scratch buffers."""
     n = x.shape[0]
     E = 1 << (16 - K)
     states = np.empty((n, 256), dtype=np.int32)
-    fixes = np.zeros(nthreads, dtype=np.int64)
     chunk = (n + nthreads - 1) // nthreads
     for c in prange(nthreads):
         lo = c * chunk
@@ -313,6 +333,7 @@ def _quantize_tiles_kernel(x, K: int, dec64, dec32, nthreads: int, force_generic
         hist = np.empty((256, E), dtype=np.float32)
         sq = np.empty(65536, dtype=np.float32)
         best = np.empty(E, dtype=np.float64)
+        tmp = np.empty(E, dtype=np.float32)
         bp = np.empty((0, 0), dtype=np.uint8)
         ca = np.empty(E, dtype=np.float64)
         cb = np.empty(E, dtype=np.float64)
@@ -330,21 +351,18 @@ def _quantize_tiles_kernel(x, K: int, dec64, dec32, nthreads: int, force_generic
                     bp = np.empty((256, E), dtype=np.uint8)
                 _generic_tile(w64, K, dec64, bp, ca, cb, st)
             else:
-                fixes[c] += _fast_tile(w64, w32, K, dec64, dec32, hist, sq, best, st)
+                _fast_tile(w64, w32, K, dec64, decl, hist, sq, best, tmp, st)
             for p in range(256):
                 states[i, p] = st[p]
-    return states, fixes.sum()
+    return states
 
 
-def quantize_tiles_numba(x: np.ndarray, bits: int, dec16: np.ndarray, force_generic: bool = False) -> tuple[np.ndarray, int]:
-    """(n, 256) float32 tiles -> (n, 256) int32 states in 0..65535 and the count of exact-fallback edges."""
-    import numba
-
+def quantize_tiles_numba(x: np.ndarray, bits: int, dec16: np.ndarray, force_generic: bool = False) -> np.ndarray:
+    """(n, 256) float32 tiles -> (n, 256) int32 states in 0..65535 (force_generic: literal kernel only)."""
     dec64 = dec16.astype(np.float64)
-    dec32 = dec16.astype(np.float32)
+    decl = _loop_layout(dec16.astype(np.float32), bits)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    nthreads = max(1, min(numba.get_num_threads(), x.shape[0]))
     if x.shape[0] == 0:
-        return np.empty((0, 256), dtype=np.int32), 0
-    states, fixes = _quantize_tiles_kernel(x, bits, dec64, dec32, nthreads, force_generic)
-    return states, int(fixes)
+        return np.empty((0, 256), dtype=np.int32)
+    nthreads = max(1, min(numba.get_num_threads(), x.shape[0]))
+    return _quantize_tiles_kernel(x, bits, dec64, decl, nthreads, force_generic)

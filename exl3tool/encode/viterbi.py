@@ -30,7 +30,7 @@ def _check_tiles(tiles: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"tiles must have a floating-point dtype, got {tiles.dtype} (shape {tuple(tiles.shape)})")
     if tiles.dim() != 2 or tiles.shape[1] != 256:
         raise ValueError(f"tiles must have shape (n, 256) in trellis-position order, got shape {tuple(tiles.shape)}")
-    return tiles.to(torch.float32)
+    return tiles.detach().to(torch.float32)
 
 
 def quantize_tiles(
@@ -58,7 +58,7 @@ def quantize_tiles(
             raise ValueError(f"backend 'numba' needs CPU tiles, got device {tiles.device}")
         from exl3tool.encode._viterbi_numba import quantize_tiles_numba
 
-        states, _ = quantize_tiles_numba(tiles.contiguous().numpy(), bits, codebook_table_np(codebook))
+        states = quantize_tiles_numba(tiles.contiguous().numpy(), bits, codebook_table_np(codebook))
         st = torch.from_numpy(states)
         values = codebook_table(codebook, "cpu")[st.to(torch.int64)].to(torch.float32)
         return values, _to_int16(st)
@@ -95,6 +95,15 @@ def _r16(x: torch.Tensor) -> torch.Tensor:
     r = torch.where(x.abs() < 2.0**-14, sub, normal)
     r = torch.where(r.abs() >= 65520.0, torch.copysign(torch.full_like(r, float("inf")), x), r)
     return torch.where(torch.isnan(x), x, r)
+
+
+def _r16_cost(x: torch.Tensor) -> torch.Tensor:
+    """Cheaper _r16 for costs: x >= 0, +inf or an arithmetic (canonical, so preserved) NaN."""
+    b = x.view(torch.int64)
+    normal = ((b + (2**41 - 1) + ((b >> 42) & 1)) & ~(2**42 - 1)).view(torch.float64)
+    m = 1.5 * 2.0**28
+    r = torch.where(x < 2.0**-14, (x + m) - m, normal)
+    return r.masked_fill_(r >= 65520.0, float("inf"))
 
 
 def _rank(e: torch.Tensor) -> torch.Tensor:
@@ -134,11 +143,12 @@ def _forward(w: torch.Tensor, order: list[int], K: int, dec_s: torch.Tensor, pre
         # cast); f16(f32(a - b)) == f16(a - b) for fp16 a, b since 24 >= 2*11 + 2 (no double-rounding error)
         d = (dec_s32.unsqueeze(0) - w32[:, p].view(n, 1, 1)).to(torch.float16).to(torch.float64)
         if t == 0:
-            c = _r16(d * d)
+            c = _r16_cost(d * d)
             if efix is not None:
                 c = torch.where(pred.unsqueeze(0) == efix.view(n, 1, 1), c, float("inf"))
         else:
-            c = _r16(d * d + cost[:, pred])  # float64 sum is exact enough: one rounding (module viterbi docs)
+            # d*d is exact in float64, and f16(fl64(d*d + C)) == f16(d*d + C) (see _viterbi_numba, point 4)
+            c = _r16_cost(torch.addcmul(cost[:, pred], d, d))
         cost, k = _first_min(c)
         bp[:, p] = k.to(torch.uint8)
     return cost, bp
