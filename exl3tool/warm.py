@@ -402,6 +402,8 @@ def warm(
     ctx = distributed_context()
     checkpoint, plan, store = prepare(request, environ=environ)
     device = resolve_device(request.device, ctx.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
     if on_plan:
         on_plan(plan, ctx)
     dtype = getattr(torch, request.dtype) if request.dtype else None
