@@ -14,6 +14,7 @@ from rich.text import Text
 
 from exl3tool.commands.options import (
     CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, QuietOpt, RevisionOpt, ServerPathOpt,
+    parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
 from exl3tool.output import Output
@@ -36,16 +37,6 @@ class _RateColumn(ProgressColumn):
 
     def render(self, task) -> Text:
         return Text(f"{task.speed:,.0f} tiles/s" if task.speed else "", style="cyan")
-
-
-def _parse_sizes(text: str, what: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise typer.BadParameter(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise typer.BadParameter(f"{what} must be positive integers, got {text!r}")
-    return values
 
 
 def _parse_mode(text: str) -> int:
@@ -206,7 +197,7 @@ def cache_warm(
     Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json
     """
     request = WarmRequest(
-        model=model, tp_sizes=_parse_sizes(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
+        model=model, tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode),

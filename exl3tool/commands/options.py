@@ -54,3 +54,14 @@ def resolve_cache_dir(cache_dir: Path | None) -> Path:
     from exl3tool.cache import cache_root
 
     return cache_dir if cache_dir is not None else cache_root()
+
+
+def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
+    """Parse a comma-separated option such as ``--tp-sizes 1,2,4`` or ``--rows 1,16``; BadParameter if not positive ints."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{option} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise typer.BadParameter(f"{option} must be positive integers, got {text!r}")
+    return values

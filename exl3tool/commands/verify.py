@@ -11,6 +11,7 @@ from rich.table import Table
 
 from exl3tool.commands.options import (
     CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, QuietOpt, RevisionOpt, ServerPathOpt,
+    parse_positive_ints,
 )
 from exl3tool.errors import FindingsError, InputError
 from exl3tool.output import Output, to_jsonable
@@ -71,16 +72,6 @@ def render(out: Output, report: VerifyReport) -> None:
     out.data(report_dict(report))
 
 
-def _parse_rows(text: str) -> tuple[int, ...]:
-    try:
-        rows = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise typer.BadParameter(f"--rows must be comma-separated integers, got {text!r}") from None
-    if not rows or any(r < 1 for r in rows):
-        raise typer.BadParameter(f"--rows must be positive integers, got {text!r}")
-    return rows
-
-
 def verify(
     model: Annotated[str, typer.Argument(help="Hub repo id or local checkpoint directory.")],
     revision: RevisionOpt = None,
@@ -112,6 +103,7 @@ def verify(
     """
     if report is not None and report.suffix.lower() not in (".json", ".md"):
         raise typer.BadParameter(f"--report must end in .json or .md, got {report}")
+    row_counts = parse_positive_ints(rows, "--rows")
     out = Output(json=json_out, quiet=quiet)
     request = WarmRequest(
         model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
@@ -126,7 +118,7 @@ def verify(
         import torch
 
         torch_dtype = getattr(torch, dtype)
-    result = verify_plan(plan, checkpoint, store, rows=_parse_rows(rows), seed=seed, device=dev,
+    result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
                          max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
                          on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"))
     render(out, result)
