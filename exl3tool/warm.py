@@ -22,7 +22,7 @@ from exl3tool.checkpoint import Checkpoint, LayerPlan, RankJob, encoder_input, r
 
 __all__ = [
     "WarmJob", "WarmPlan", "JobResult", "WarmSummary", "build_plan", "run_plan", "share_jobs",
-    "distributed_context", "gather_results", "resolve_device", "WarmRequest", "prepare", "warm", "summarize",
+    "distributed_context", "gather_results", "agreed_todo", "resolve_device", "WarmRequest", "prepare", "warm", "summarize",
 ]
 
 
@@ -191,23 +191,29 @@ def run_plan(
     device: torch.device,
     worker: int = 0,
     workers: int = 1,
+    todo: Optional[list[WarmJob]] = None,
     dtype: Optional[torch.dtype] = None,
     on_start: Optional[Callable[[WarmJob], None]] = None,
     on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
     encode: EncodeFn = _default_encode,
 ) -> list[JobResult]:
-    """Encode this worker's share of the plan's pending jobs; report hits and skips once (worker 0).
+    """Encode this worker's share of the pending jobs; worker 0 also reports every other job once.
 
-    A job that fails (unreadable weight, non-finite values, encoder error) is recorded with its error
-    and the others still run; nothing partial is ever published (the store writes atomically).
+    ``todo`` is the pending list every worker agrees on (worker 0's plan under torchrun, see
+    ``agreed_todo``); by default this plan's own. A job that fails (unreadable weight, non-finite values,
+    encoder error) is recorded with its error and the others still run; nothing partial is ever
+    published (the store writes atomically).
     """
+    todo = plan.todo if todo is None else todo
+    pending = {j.digest for j in todo}
     results: list[JobResult] = []
     if worker == 0:
         for job in plan.jobs:
-            if job.state in ("hit", "skipped"):
-                results.append(_result(job, "hit" if job.state == "hit" else "skipped", worker,
-                                       path=str(job.path) if job.state == "hit" else None, error=job.reason if job.state == "skipped" else ""))
-    for job in share_jobs(plan.todo, worker, workers):
+            if job.state == "skipped":
+                results.append(_result(job, "skipped", worker, error=job.reason))
+            elif job.digest not in pending:
+                results.append(_result(job, "hit", worker, path=str(job.path)))
+    for job in share_jobs(todo, worker, workers):
         if on_start:
             on_start(job)
         result = _run_job(job, plan, checkpoint, store, device, worker, dtype, encode)
@@ -313,6 +319,28 @@ def gather_results(ctx: DistributedContext, results: list[JobResult], stats: dic
     return [r for part, _ in gathered for r in part], [st for _, st in gathered]
 
 
+def agreed_todo(ctx: DistributedContext, plan: WarmPlan) -> list[WarmJob]:
+    """The pending jobs as worker 0 planned them, on every worker.
+
+    Workers start at slightly different times; one that looks the cache up after another has already
+    published would otherwise compute a different share and a job could fall between two workers.
+    """
+    if not ctx.initialised:
+        return plan.todo
+    import torch.distributed as dist
+
+    box = [[j.digest for j in plan.todo] if ctx.worker == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    by_digest = {j.digest: j for j in plan.jobs}
+    missing = [d for d in box[0] if d not in by_digest]
+    if missing:
+        from exl3tool.errors import ConfigError
+
+        raise ConfigError(f"worker {ctx.worker} planned different jobs than worker 0 ({len(missing)} unknown); "
+                          "every worker must see the same checkpoint, options and cache directory")
+    return [by_digest[d] for d in box[0]]
+
+
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     """`auto` is this process's GPU (LOCAL_RANK under torchrun) when CUDA is present, else the CPU."""
     if spec == "auto":
@@ -395,7 +423,7 @@ def warm(
     environ: Optional[dict] = None,
     on_start: Optional[Callable[[WarmJob], None]] = None,
     on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
-    on_plan: Optional[Callable[[WarmPlan, DistributedContext], None]] = None,
+    on_plan: Optional[Callable[[WarmPlan, DistributedContext, list[WarmJob]], None]] = None,
 ) -> Optional[WarmSummary]:
     """Plan and run a warm; under torchrun each process runs its share and worker 0 returns the summary."""
     start = time.perf_counter()
@@ -404,11 +432,12 @@ def warm(
     device = resolve_device(request.device, ctx.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
-    if on_plan:
-        on_plan(plan, ctx)
     dtype = getattr(torch, request.dtype) if request.dtype else None
-    results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, dtype=dtype,
-                       on_start=on_start, on_done=on_done)
+    todo = agreed_todo(ctx, plan)
+    if on_plan:
+        on_plan(plan, ctx, todo)
+    results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
+                       dtype=dtype, on_start=on_start, on_done=on_done)
     gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
     if ctx.initialised:
         import torch.distributed as dist

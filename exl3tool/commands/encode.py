@@ -92,9 +92,8 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
     progress: Optional[Progress] = None
     task = None
 
-    def on_plan(plan: WarmPlan, ctx) -> None:
+    def on_plan(plan: WarmPlan, ctx, todo) -> None:
         nonlocal progress, task
-        todo = plan.todo
         if ctx.workers > 1:
             from exl3tool.warm import share_jobs
 
