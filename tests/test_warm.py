@@ -204,3 +204,31 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path):
               "--encoder-revision", "r"], dict(os.environ))
     assert r.returncode == 2
     assert "model.safetensors" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_workers_with_stale_plans_still_cover_every_job(offline, tmp_path):
+    """Worker 1 plans after worker 0 published one entry; with worker 0's agreed list nothing is dropped."""
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.encode.encoded import EncodedLinear
+    from exl3tool.warm import run_plan
+
+    def fake_encode(weight, bits, seed, device):  # shapes right, contents irrelevant here; fast
+        k, n = weight.shape
+        g = torch.Generator().manual_seed(seed)
+        return EncodedLinear(torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=g,
+                                           dtype=torch.int32).to(torch.int16),
+                             torch.rand(k, generator=g).half(), torch.rand(n, generator=g).half(), 0.1, 1.0, bits)
+
+    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
+    checkpoint = open_checkpoint(REPO)
+    _, plan0, store = prepare(request)
+    agreed = plan0.todo
+    first = agreed[0]
+    store.publish(first.key, fake_encode(torch.zeros(first.input_size, first.output_size), 6, 1, "cpu"))
+    _, plan1, _ = prepare(request)  # worker 1's late view: `first` is already a hit
+    assert len(plan1.todo) == len(agreed) - 1
+    r0 = run_plan(plan0, checkpoint, store, device=torch.device("cpu"), worker=0, workers=2, todo=agreed, encode=fake_encode)
+    r1 = run_plan(plan1, checkpoint, store, device=torch.device("cpu"), worker=1, workers=2, todo=agreed, encode=fake_encode)
+    done = sorted((r.prefix, r.tp_size, r.tp_rank) for r in r0 + r1 if r.status in ("hit", "encoded"))
+    assert done == sorted((j.prefix, j.tp_size, j.tp_rank) for j in plan0.jobs)  # each job exactly once
+    assert len([p for p in tmp_path.rglob("*.safetensors") if not p.name.startswith(".")]) == len(plan0.jobs)
