@@ -19,6 +19,7 @@ import torch
 
 from exl3tool.cache import CacheKey, CacheStore, entry_path
 from exl3tool.checkpoint import Checkpoint, LayerPlan, RankJob, encoder_input, rank_local_weight
+from exl3tool.encode.encoded import EncodedLinear
 
 __all__ = [
     "WarmJob", "WarmPlan", "JobResult", "WarmSummary", "build_plan", "run_plan", "share_jobs",
@@ -174,10 +175,10 @@ def share_jobs(jobs: list[WarmJob], worker: int, workers: int) -> list[WarmJob]:
     return mine
 
 
-EncodeFn = Callable[[torch.Tensor, int, int, torch.device], "object"]
+EncodeFn = Callable[[torch.Tensor, int, int, torch.device], EncodedLinear]
 
 
-def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device):
+def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device) -> EncodedLinear:
     from exl3tool.encode import encode_linear
 
     return encode_linear(weight.to(device), bits=bits, seed=seed, device=device)
@@ -225,16 +226,13 @@ def run_plan(
 
 def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode) -> JobResult:
     start = time.perf_counter()
-    encoded_here = []
 
     def encode_fn():
         weight = encoder_input(rank_local_weight(checkpoint, job.rank_job, dtype=dtype))
         if not torch.isfinite(weight).all():
             bad = int((~torch.isfinite(weight)).sum())
             raise ValueError(f"{bad} non-finite weight values in the rank-local weight; nothing was published")
-        enc = encode(weight, plan.bits, job.key.seed, device)
-        encoded_here.append(enc)
-        return enc
+        return encode(weight, plan.bits, job.key.seed, device)
 
     try:
         loaded = store.load_or_encode(job.key, encode_fn)
@@ -245,7 +243,7 @@ def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode) -> Job
         return _result(job, "hit", worker, path=str(loaded.path), seconds=seconds, proxy_error=loaded.proxy_error)
     size = loaded.path.stat().st_size if loaded.path is not None and loaded.path.exists() else 0
     status = "encoded" if (loaded.path is not None or store.mode != "readwrite") else "failed"
-    error = "" if status == "encoded" else "encoded but could not be published (see the warning above)"
+    error = "" if status == "encoded" else "encoded, but publishing failed (lock timeout or OS error on the cache); nothing was written"
     return _result(job, status, worker, path=str(loaded.path) if loaded.path else None, seconds=seconds,
                    bytes_=size, proxy_error=loaded.proxy_error, error=error)
 
