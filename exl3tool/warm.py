@@ -147,7 +147,7 @@ def build_plan(
             elif store.mode == "off":
                 state = "miss"
             else:
-                found = store.lookup(key)
+                found = store.lookup(key, quick=True)  # headers and scales, not the trellis bytes
                 state, reason = found.status, found.reason or ""
             jobs.append(WarmJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key,
                                 entry_path(key, store.root), state, reason, rj))

@@ -102,11 +102,16 @@ def read_entry(path: str | Path) -> EntryContents:
     return EntryContents(tensors, None, metadata)
 
 
-def validate_entry(path: str | Path, key: CacheKey, *, verify_checksum: bool = True) -> EntryContents:
+def validate_entry(
+    path: str | Path, key: CacheKey, *, verify_checksum: bool = True, load_trellis: bool = True
+) -> EntryContents:
     """Load ``path`` for ``key`` with the server's checks (§5.3); raises on the first failure.
 
     ``verify_checksum`` adds our ``exl3tool_sha256`` check when the entry has one: stricter than the
     server, which would load e.g. a flipped trellis byte as long as shapes and finiteness hold.
+    ``load_trellis=False`` is the quick form for planning: every check the server makes that can fail
+    (key, tensor set, dtypes, shapes, a file that covers its header, finite suh/svh, proxy_error), without
+    reading the trellis data or hashing it; the returned tensors then hold suh and svh only.
     """
     path = Path(path)
     if not path.is_file():
@@ -126,12 +131,13 @@ def validate_entry(path: str | Path, key: CacheKey, *, verify_checksum: bool = T
             got_dtype, got_shape = sl.get_dtype(), tuple(sl.get_shape())
             if got_dtype != dtype or got_shape != shape:
                 raise InvalidEntryError(f"{name} is {got_dtype}{list(got_shape)}, expected {dtype}{list(shape)}")
-        tensors = {name: fh.get_tensor(name) for name in ("trellis", "suh", "svh")}
+        names = ("trellis", "suh", "svh") if load_trellis else ("suh", "svh")
+        tensors = {name: fh.get_tensor(name) for name in names}
     _check_finite("suh", tensors["suh"])
     _check_finite("svh", tensors["svh"])
     proxy_error = parse_proxy_error(metadata.get("proxy_error"))
     want = metadata.get("exl3tool_sha256")
-    if verify_checksum and want is not None and tensor_sha256(tensors) != want:
+    if load_trellis and verify_checksum and want is not None and tensor_sha256(tensors) != want:
         raise InvalidEntryError("tensor bytes differ from exl3tool_sha256 (changed after publish)")
     return EntryContents(tensors, proxy_error, metadata)
 

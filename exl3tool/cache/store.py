@@ -83,14 +83,17 @@ class CacheStore:
         """Where ``key``'s entry lives under this root."""
         return entry_path(key, self.root)
 
-    def _load(self, path: Path, key: CacheKey) -> Lookup:
-        contents = validate_entry(path, key, verify_checksum=self.verify_checksum)
+    def _load(self, path: Path, key: CacheKey, quick: bool = False) -> Lookup:
+        contents = validate_entry(path, key, verify_checksum=self.verify_checksum, load_trellis=not quick)
         return Lookup("hit", "valid entry", path, contents.tensors, contents.proxy_error)
 
-    def lookup(self, key: CacheKey) -> Lookup:
+    def lookup(self, key: CacheKey, *, quick: bool = False) -> Lookup:
         """The server's unlocked fast path, read-only: hit, miss (no regular file) or invalid (with reason).
 
         Like the server, a ``stat`` error other than not-found (e.g. EACCES on a directory) propagates.
+        ``quick`` skips reading and hashing the trellis data (see ``validate_entry``): what a warm's plan
+        uses so that an all-hits warm of a large model reads headers, not gigabytes; a hit then carries
+        suh and svh only.
         """
         if self.mode == "off":
             return Lookup("miss", "cache mode is off", None)
@@ -98,7 +101,7 @@ class CacheStore:
         if not path.is_file():
             return Lookup("miss", "no entry", path)
         try:
-            return self._load(path, key)
+            return self._load(path, key, quick)
         except Exception as exc:  # any failure to read or validate makes the entry invalid, never an error
             return Lookup("invalid", f"{type(exc).__name__}: {exc}", path)
 
