@@ -59,28 +59,22 @@ def _weight_fp32(tr: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torc
 
 
 def candidates(m: int, k: int, n: int) -> list[GemmConfig]:
-    """Configs swept per regime (the heuristic's pick first)."""
+    """Configs swept per regime: the heuristic's pick first, the gather decode (the previous kernel) second."""
     dev = torch.device("cuda")
     base = choose_config(m, k, n, dev)
-    out = [base]
+    out = [base, GemmConfig(**dict(base.__dict__, decode=0))]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     nb, ch = n // 128, k // 128
     if m <= 64:
-        for mult in (1, 2, 4):
+        for mult in (1, 2, 4, 8):
             split = max(1, min(ch, -(-mult * sms // nb)))
-            for bk, asm, w, st in ((32, 2, 4, 1), (32, 2, 8, 1), (16, 2, 4, 1), (64, 2, 4, 1), (32, 1, 4, 1),
-                                   (32, 0, 4, 1), (32, 2, 4, 2)):
-                out.append(GemmConfig(bm=16, bk=bk, split=split, fuse_in=True, num_warps=w, num_stages=st, asm=asm))
-            for w, st in ((4, 1), (8, 1), (8, 2)):  # prep kernel + carried pointers (fewer instr, two launches)
-                out.append(GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=w, num_stages=st, asm=2,
-                                      ptrs=True))
+            for fuse, bk, w, st in ((True, 32, 4, 1), (True, 32, 4, 2), (True, 64, 4, 1), (True, 32, 8, 1),
+                                    (False, 32, 4, 1), (False, 32, 4, 2), (False, 32, 4, 3), (False, 64, 8, 2)):
+                out.append(GemmConfig(bm=16, bk=bk, split=split, fuse_in=fuse, num_warps=w, num_stages=st, asm=2))
     else:
-        for bm, bk, w, st, asm, pt in ((256, 32, 8, 2, 2, True), (256, 16, 8, 3, 2, True), (256, 32, 8, 1, 2, True),
-                                       (256, 32, 16, 1, 2, True), (256, 32, 16, 2, 2, True),
-                                       (128, 32, 8, 2, 2, True), (128, 16, 8, 3, 2, True), (128, 32, 8, 1, 2, True),
-                                       (128, 32, 8, 3, 2, False), (128, 32, 8, 3, 0, False)):
-            out.append(GemmConfig(bm=bm, bk=bk, split=1, fuse_in=False, num_warps=w, num_stages=st, asm=asm,
-                                  ptrs=pt))
+        for bm, bk, w, st in ((256, 32, 8, 2), (256, 32, 8, 3), (256, 64, 8, 2), (256, 32, 16, 2),
+                              (128, 32, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 2)):
+            out.append(GemmConfig(bm=bm, bk=bk, split=1, fuse_in=False, num_warps=w, num_stages=st, asm=2))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -177,7 +171,7 @@ def _fmt(r: dict) -> str:
     return (f"({r['k']:>5},{r['n']:>5}) m={r['m']:>4}  trellis {r['time_us']:9.1f} us  {r['gbps']:7.0f} GB/s  "
             f"{r['tflops']:7.1f} TFLOP/s | torch fp16 {r['torch_fp16_us']:9.1f} us | x{r['speedup']:.2f}  "
             f"err {r['rel_err']:.1e}  cfg bm{c['bm']} bk{c['bk']} s{c['split']} f{int(c['fuse_in'])} "
-            f"w{c['num_warps']} st{c['num_stages']} a{c['asm']} p{int(c['ptrs'])}")
+            f"w{c['num_warps']} st{c['num_stages']} a{c['asm']} p{int(c['ptrs'])} d{c.get('decode', 1)}")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,12 @@ _CHILD = textwrap.dedent(r"""
             bad[0, 0, :] = ~bad[0, 0, :]  # flip every bit of one tile record
             yb = trellis_matmul(x, bad, suh, svh, bits=bits, codebook=cb, config=cfg)
             rec["err_corrupt"] = _rel(yb, ref)
+        if c.get("same_decode"):
+            y0 = trellis_matmul(x, tr, suh, svh, bits=bits, codebook=cb,
+                                config=GemmConfig(bm=16, bk=32, split=1, fuse_in=False, decode=0))
+            y1 = trellis_matmul(x, tr, suh, svh, bits=bits, codebook=cb,
+                                config=GemmConfig(bm=16, bk=32, split=1, fuse_in=False, decode=1))
+            rec["same_decode_equal"] = bool(torch.equal(y0, y1))
         out.append(rec)
     print("RESULT " + json.dumps(out))
 """)
@@ -177,10 +183,16 @@ def _interp_cases() -> list[dict]:
         dict(k=384, n=128, m=5, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=128, split=2, fuse_in=True)),
         dict(k=256, n=256, m=20, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=32, bk=32, split=2, fuse_in=False)),
         dict(k=384, n=256, m=70, bits=5, cb="3inst", dtype="float16",
-             cfg=dict(bm=64, bk=16, split=3, fuse_in=False, ptrs=True)),
+             cfg=dict(bm=64, bk=16, split=3, fuse_in=False, ptrs=True, decode=0)),
         dict(k=256, n=128, m=3, bits=7, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=32, split=1, fuse_in=True,
-                                                                            ptrs=True)),
+                                                                            ptrs=True, decode=0)),
+        dict(k=256, n=128, m=3, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=32, split=2, fuse_in=False,
+                                                                            decode=0)),
         dict(k=128, n=128, m=3, bits=6, cb="mcg", dtype="float16", corrupt=True),
+        # the pair decode against the per-element gather decode, bit for bit, every K (and the 3 codebooks)
+        *[dict(k=128, n=256, m=2, bits=b, cb=cb, dtype="float16", same_decode=True)
+          for b, cb in ((1, "mcg"), (2, "3inst"), (3, "mul1"), (4, "mcg"), (5, "mcg"), (6, "3inst"), (7, "mcg"),
+                        (8, "mcg"))],
         # the GPU's Hadamard arithmetic (bf16 split) on both sides, fused and prepared input paths
         dict(k=256, n=128, m=3, bits=6, cb="mcg", dtype="float16", mode="bf16split"),
         dict(k=128, n=256, m=16, bits=6, cb="mcg", dtype="float16", mode="bf16split",
@@ -210,7 +222,10 @@ def test_interpreter_accuracy_and_corruption(interp_results):
             failures.append(r)
         if r.get("corrupt") and not r["err_corrupt"] > 20 * bound:
             failures.append(dict(r, why="corruption not caught"))
+        if r.get("same_decode") and not r["same_decode_equal"]:
+            failures.append(dict(r, why="pair decode differs from the gather decode"))
     assert not failures, failures
+    assert sum(bool(r.get("same_decode")) for r in interp_results) == 8
     assert sum(r.get("mode") == "bf16split" for r in interp_results) == 3
 
 
@@ -259,7 +274,7 @@ def test_sm90_offline_compile(regime):
            "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
            "HSCALE": "fp32"}
     const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,
-                 ASM=cfg.asm, PTRS=cfg.ptrs)
+                 ASM=cfg.asm, PTRS=cfg.ptrs, DECODE=cfg.decode, S1=1)
     sig.update({name: "constexpr" for name in const})
     try:
         src = ASTSource(fn=_gemm_kernel, signature=sig, constexprs=const,
@@ -268,7 +283,8 @@ def test_sm90_offline_compile(regime):
     except TypeError as exc:  # pragma: no cover - older/newer ASTSource signature
         pytest.skip(f"ASTSource signature differs in this triton: {exc}")
     kernel = triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    assert "shf.r.wrap.b32" in kernel.asm["ptx"] and "add.rn.f16x2" in kernel.asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert "lop3.b32" in ptx and "add.rn.f16x2" in ptx  # the PTX hash and halves of the pair decode
     assert kernel.metadata.shared <= _SM90_SMEM_LIMIT, kernel.metadata.shared
     assert len(kernel.asm["cubin"]) > 0
 

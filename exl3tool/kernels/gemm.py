@@ -34,7 +34,7 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     tl = None
     HAVE_TRITON = False
 
-__all__ = ["trellis_matmul", "trellis_matmul_reference", "GemmConfig", "choose_config", "HAVE_TRITON"]
+__all__ = ["trellis_matmul", "trellis_matmul_reference", "GemmConfig", "choose_config", "pair_block_bits", "HAVE_TRITON"]
 
 _CB_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 
@@ -149,6 +149,79 @@ if HAVE_TRITON:
         return code0, off1
 
     @triton.jit
+    def _pair_pattern(BK: tl.constexpr, K_BITS: tl.constexpr, S1: tl.constexpr, tiles_n):
+        """Word pair offsets per block of positions, and each element's shift, for one (BK, 128) block.
+
+        The tensors are 10-D in exactly Q's order: rows (tile row, b1, b4, b3, b0), columns (tile column, b2,
+        b7, b6, b5), where b0..b7 are the bits of the trellis position p = pos(r % 16, c % 16) (spec 5.2):
+        r % 16 = 8 b1 + 4 b4 + 2 b3 + b0 and c % 16 = 8 b2 + 4 b7 + 2 b6 + b5, so a plain reshape gives
+        (BK, 128). Positions p0 .. p0 + 2**EB - 1 (EB = 2 when S1 == 1, else 1) read their 16-bit windows
+        (spec 4.5) from one aligned pair of words (hi = U[j], lo = U[j + 1], wrapping in the tile record);
+        ``pair_block_bits`` checks on the host that every window fits. The offsets have size-1 axes at those
+        low position bits (b0, and b1 when S1 == 1), so each pair is loaded once per block, then broadcast.
+        Returns (off_hi, off_lo) in u32 words from the block's first record, and the right shift of the
+        64-bit pair hi:lo that leaves each element's state in the low 16 bits.
+        """
+        TR: tl.constexpr = BK // 16
+        WORDS: tl.constexpr = 8 * K_BITS
+        tr = tl.arange(0, TR)[:, None, None, None, None, None, None, None, None, None]
+        b1 = tl.arange(0, S1)[None, :, None, None, None, None, None, None, None, None]
+        b4 = tl.arange(0, 2)[None, None, :, None, None, None, None, None, None, None]
+        b3 = tl.arange(0, 2)[None, None, None, :, None, None, None, None, None, None]
+        tc = tl.arange(0, 8)[None, None, None, None, None, :, None, None, None, None]
+        b2 = tl.arange(0, 2)[None, None, None, None, None, None, :, None, None, None]
+        b7 = tl.arange(0, 2)[None, None, None, None, None, None, None, :, None, None]
+        b6 = tl.arange(0, 2)[None, None, None, None, None, None, None, None, :, None]
+        b5 = tl.arange(0, 2)[None, None, None, None, None, None, None, None, None, :]
+        p0 = 128 * b7 + 64 * b6 + 32 * b5 + 16 * b4 + 8 * b3 + 4 * b2 + 2 * b1
+        s0 = (p0 * K_BITS + (K_BITS - 16 + 256 * K_BITS)) % (256 * K_BITS)  # first bit of p0's window
+        j = s0 // 32
+        rec = (tr * tiles_n + tc) * WORDS
+        off_hi = rec + j
+        off_lo = rec + (j + 1) % WORDS
+        e0 = tl.arange(0, 2)[None, None, None, None, :, None, None, None, None, None]
+        e1 = tl.arange(0, 2)[None, :, None, None, None, None, None, None, None, None]
+        if S1 == 1:
+            shift = 48 - (s0 % 32) - K_BITS * (e0 + 2 * e1)
+        else:
+            shift = 48 - (s0 % 32) - K_BITS * e0
+        return off_hi, off_lo, shift.to(tl.uint64)
+
+    @triton.jit
+    def _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK: tl.constexpr, CB: tl.constexpr,
+                      ASM: tl.constexpr):
+        """Decode one (BK, 128) block from its word pairs (see ``_pair_pattern``): two u32 loads per block of
+        positions, one 64-bit funnel shift and a mask per element, then the codebook."""
+        wptr = words_ptr + wbase  # scalar: each load is then one wide multiply-add of its offset
+        hi = tl.load(wptr + off_hi).to(tl.uint32, bitcast=True).to(tl.uint64)
+        lo = tl.load(wptr + off_lo).to(tl.uint32, bitcast=True).to(tl.uint64)
+        s = (((hi << 32) | lo) >> shift).to(tl.uint32)
+        if ASM >= 2 and CB != 2:
+            x = _hash_asm(s, CB)
+            q = _two_halves_asm(x)
+        else:
+            q = _codebook(s & 0xFFFF, CB)
+        return tl.reshape(q, (BK, 128))
+
+    @triton.jit
+    def _hash_asm(s, CB: tl.constexpr):
+        """Low 16 bits of s -> the two fp16 bit patterns of the 3inst/mcg codebooks (spec 3), in PTX so that
+        the mask and the xor stay one lop3."""
+        if CB == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t;\n"
+                "and.b32 t, $1, 0xFFFF;\n"
+                "mul.lo.u32 t, t, 0xCBAC1FED;\n"
+                "lop3.b32 $0, t, 0x8FFF8FFF, 0x3B603B60, 0x6A; }",
+                "=r,r", [s], dtype=tl.uint32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t;\n"
+            "and.b32 t, $1, 0xFFFF;\n"
+            "mad.lo.u32 t, t, 89226354, 64248484;\n"
+            "lop3.b32 $0, t, 0x8FFF8FFF, 0x3B603B60, 0x6A; }",
+            "=r,r", [s], dtype=tl.uint32, is_pure=True, pack=1)
+
+    @triton.jit
     def _two_halves_asm(x):
         """PTX form of the two-halves step's final add for two elements at once (one add.rn.f16x2)."""
         return tl.inline_asm_elementwise(
@@ -252,7 +325,7 @@ if HAVE_TRITON:
                      M, K, N, HSCALE,
                      K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                     ASM: tl.constexpr, PTRS: tl.constexpr):
+                     ASM: tl.constexpr, PTRS: tl.constexpr, DECODE: tl.constexpr, S1: tl.constexpr):
         """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
 
         FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
@@ -273,16 +346,19 @@ if HAVE_TRITON:
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         m_mask = rm[:, None] < M
-        code0, off1 = _state_pattern(BK, BN, K_BITS, tiles_n)
         i128 = tl.arange(0, 128)
         ibk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        # PTRS: 64-bit word pointers carried across the K loop (one 64-bit add per load per step) instead of
-        # rebuilding each address from int32 offsets (three ops per load)
         wbase0 = ((c_start * 128 // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-        p0 = words_ptr + (wbase0 + (code0 >> 5))
-        p1 = words_ptr + (wbase0 + off1)
         step = (BK // 16) * tiles_n * WORDS
+        if DECODE == 1:  # word pairs per block of positions (coalesced, 2 loads per 2-4 weights)
+            off_hi, off_lo, shift = _pair_pattern(BK, K_BITS, S1, tiles_n)
+        else:  # one gathered word pair per element
+            code0, off1 = _state_pattern(BK, BN, K_BITS, tiles_n)
+            # PTRS: 64-bit word pointers carried across the K loop (one 64-bit add per load per step) instead
+            # of rebuilding each address from int32 offsets (three ops per load)
+            p0 = words_ptr + (wbase0 + (code0 >> 5))
+            p1 = words_ptr + (wbase0 + off1)
         if FUSE_IN:
             for ch in range(c_start, c_end):
                 k0 = tl.multiple_of(ch * 128, 128)  # alignment hint: vectorised x loads
@@ -294,7 +370,10 @@ if HAVE_TRITON:
                     kk = tl.multiple_of(k0 + j * BK, BK)
                     hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BK + ibk)[None, :]).to(tl.float16)
                     a = (tl.dot(xv, hj, out_dtype=tl.float32) * HSCALE).to(tl.float16)
-                    if PTRS:
+                    if DECODE == 1:
+                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                        q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
+                    elif PTRS:
                         q = _decode_ptrs(p0, p1, code0, CB, ASM)
                         p0 += step
                         p1 += step
@@ -306,7 +385,10 @@ if HAVE_TRITON:
             for k_it in range(c_start * 128, c_end * 128, BK):
                 kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
                 a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
-                if PTRS:
+                if DECODE == 1:
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
+                elif PTRS:
                     q = _decode_ptrs(p0, p1, code0, CB, ASM)
                     p0 += step
                     p1 += step
@@ -350,6 +432,25 @@ class GemmConfig:
     num_stages: int = 2
     asm: int = 0
     ptrs: bool = False
+    decode: int = 1  # 1: word pairs per block of positions; 0: one gathered word pair per element
+
+
+def pair_block_bits(bits: int) -> int:
+    """log2 of how many consecutive trellis positions share one aligned word pair in the pair decode.
+
+    Position p's state is the 16-bit window ending at bit (p + 1) K of the tile's bit stream (spec 4.5);
+    a block of 2**eb positions starting at p0 can be cut out of the 64-bit pair of words holding p0's
+    first bit when that first bit's offset in its word + 16 + (2**eb - 1) K <= 64, for every block.
+    Four positions fit for every K but 7, two for every K.
+    """
+    check_bits(bits)
+    for eb in (2, 1):
+        size = 1 << eb
+        fits = all(((p0 * bits + bits - 16 + 256 * bits) % (256 * bits)) % 32 + 16 + (size - 1) * bits <= 64
+                   for p0 in range(0, 256, size))
+        if fits:
+            return eb
+    raise AssertionError(f"no pair block size for K={bits}")  # unreachable for K <= 8: (2-1) K <= 17
 
 
 def _num_sms(device: torch.device) -> int:
@@ -359,30 +460,26 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
-    """Heuristic per regime (see benchmarks/NOTES_gemm.md for the sm_90 instruction counts behind it).
+    """Heuristic per regime, from the H200 sweep (benchmarks/NOTES_gemm.md; ``EXL3_BENCH_SWEEP=1``).
 
-    m <= 64: one fused launch (input side in-kernel), BM=16, split-K to ~2 waves of programs.
-    m > 64: prep kernel + GEMM with BM=128/256 (decode work per weight falls as 1/BM), carried word pointers,
-    2 pipeline stages; split-K only when the output blocks cannot fill the GPU.
+    m <= 64: BM=16 and split-K to about four programs per SM, so that enough loads are in flight; the input
+    side is fused into the GEMM for small weights (one launch) and done by the prep kernel otherwise.
+    m > 64: prep kernel + GEMM with BM=128/256 (the decode is paid once per BM rows), 2 pipeline stages;
+    split-K only when the output blocks cannot fill the GPU.
     """
     sms = _num_sms(device)
     asm = 2 if device.type == "cuda" else 0
     n_blocks = n // 128
     chunks = k // 128
     if m <= 64:
-        bm = 16  # larger BM spills on sm_90 (epilogue + fused input side); extra m-blocks re-decode
-        target = 2 * sms
-        split = max(1, min(chunks, -(-target // n_blocks)))
-        if k * n >= (1 << 25):  # big weights: 13.2 vs 16.8 instr/weight outweighs the prep launch (~2-3 us)
-            return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
-                              ptrs=True)
-        return GemmConfig(bm=bm, bk=32, split=split, fuse_in=True, num_warps=4, num_stages=1, asm=asm)
+        split = max(1, min(chunks, -(-4 * sms // n_blocks)))
+        return GemmConfig(bm=16, bk=32, split=split, fuse_in=k * n < (1 << 25), num_warps=4, num_stages=2, asm=asm)
     bm = 128 if m <= 128 else 256
     m_blocks = -(-m // bm)
     split = 1
     if n_blocks * m_blocks < sms:
         split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=2, asm=asm, ptrs=True)
+    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=2, asm=asm)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
@@ -462,6 +559,7 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     grid = (n_blocks, m_blocks, split)
     _gemm_kernel[grid](xin, words, suh_c, svh_c, had, y, ws, cnt, m, k, n, HADAMARD_SCALE,
                        K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split, IEEE=ieee,
-                       ASM=0 if ieee else cfg.asm, PTRS=cfg.ptrs,
+                       ASM=0 if ieee else cfg.asm, PTRS=cfg.ptrs, DECODE=cfg.decode,
+                       S1=1 if pair_block_bits(bits) == 2 else 2,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*lead, n)
