@@ -58,13 +58,25 @@ def _weight_fp32(tr: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torc
     return suh.float()[:, None] * w * svh.float()[None, :]
 
 
+def previous_config(m: int, k: int, n: int, sms: int) -> GemmConfig:
+    """What choose_config picked before the pair decode (gather decode; measured 2026-11-29): the baseline."""
+    nb, ch = n // 128, k // 128
+    if m <= 64:
+        split = max(1, min(ch, -(-2 * sms // nb)))
+        big = k * n >= (1 << 25)
+        return GemmConfig(bm=16, bk=32, split=split, fuse_in=not big, num_warps=4, num_stages=1, asm=2, ptrs=big,
+                          decode=0)
+    return GemmConfig(bm=128 if m <= 128 else 256, bk=32, split=1, fuse_in=False, num_warps=8, num_stages=2, asm=2,
+                      ptrs=True, decode=0)
+
+
 def candidates(m: int, k: int, n: int) -> list[GemmConfig]:
     """Configs swept per regime: the heuristic's pick first, the gather decode (the previous kernel) second."""
     dev = torch.device("cuda")
     base = choose_config(m, k, n, dev)
-    out = [base, GemmConfig(**dict(base.__dict__, decode=0))]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     nb, ch = n // 128, k // 128
+    out = [base, previous_config(m, k, n, sms)]
     if m <= 64:
         for mult in (1, 2, 4, 8):
             split = max(1, min(ch, -(-mult * sms // nb)))
