@@ -112,6 +112,15 @@ def main() -> None:
 
     a, b = _tree_digest(work / "cache-1"), _tree_digest(work / "cache-n")
     identical = a == b and len(a) > 0
+    differ = {}
+    if not identical:  # say which entries, tensors or metadata differ
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from determinism_check import _diff
+
+        for rel in sorted(set(a) | set(b)):
+            if a.get(rel) != b.get(rel):
+                differ[rel] = (_diff(work / "cache-1" / rel, work / "cache-n" / rel) if rel in a and rel in b
+                               else "missing in one cache")
     jobs = [(e["prefix"], e["tp_size"], e["tp_rank"]) for e in multi["entries"] if e["status"] != "skipped"]
     encoded = [e for e in multi["entries"] if e["status"] == "encoded"]
     no_dupes = len(jobs) == len(set(jobs)) and len(encoded) == single["counts"]["encoded"]
@@ -124,7 +133,8 @@ def main() -> None:
                   "intermediate": args.intermediate, "layers": args.layers, "dtype": "bfloat16"},
         "tp_sizes": args.tp_sizes, "entries": len(a), "checkpoint_write_s": round(t_write, 1),
         "single_s": round(t_single, 1), "multi_s": round(t_multi, 1), "nproc": args.nproc,
-        "speedup": round(t_single / t_multi, 2), "byte_identical": identical, "no_job_twice": no_dupes,
+        "speedup": round(t_single / t_multi, 2), "byte_identical": identical, "differing_entries": differ,
+        "no_job_twice": no_dupes,
         "tiles_per_worker": per_worker, "gpu_util_single": util_single, "gpu_util_multi": util_multi,
         "worker_stats_single": single.get("worker_stats"), "worker_stats_multi": multi.get("worker_stats"),
     }
