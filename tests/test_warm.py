@@ -432,3 +432,19 @@ def test_host_threads_under_torchrun():
     assert host_threads(True, {"OMP_NUM_THREADS": "4", "LOCAL_WORLD_SIZE": "2"}) is None  # the user's own setting
     with pytest.raises(ConfigError, match="EXL3TOOL_THREADS"):
         host_threads(True, {"EXL3TOOL_THREADS": "zero"})
+
+
+@pytest.mark.parametrize("command", [["cache", "warm"], ["encode"]])
+def test_overlap_flag_reaches_the_request(command, monkeypatch):
+    from typer.testing import CliRunner
+
+    import exl3tool.commands.encode as encode_cmd
+    from exl3tool.cli import _register, app
+
+    _register()
+    seen = []
+    monkeypatch.setattr(encode_cmd, "warm", lambda request, **kw: seen.append(request.overlap))  # None: nothing to report
+    for flag in ([], ["--no-overlap"], ["--overlap"]):
+        r = CliRunner().invoke(app, [*command, REPO, "--cache-dir", "/nonexistent", *flag])
+        assert r.exit_code == 0, r.output
+    assert seen == [True, False, True]
