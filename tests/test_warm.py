@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from exl3tool.cache import CacheStore, layer_seed
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.encode import dequantize_tensors
+from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.warm import WarmRequest, prepare, share_jobs, warm
 
 REPO = "test-org/tiny-llama"
@@ -52,6 +53,14 @@ def _env(hub) -> dict:
 
 def _cli(args, env, **kw):
     return subprocess.run([sys.executable, "-m", "exl3tool", *args], capture_output=True, text=True, env=env, **kw)
+
+
+def fake_encode(weight, bits, seed, device):  # shapes right, contents irrelevant here; fast
+    k, n = weight.shape
+    g = torch.Generator().manual_seed(seed)
+    return EncodedLinear(torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=g,
+                                       dtype=torch.int32).to(torch.int16),
+                         torch.rand(k, generator=g).half(), torch.rand(n, generator=g).half(), 0.1, 1.0, bits)
 
 
 def _weights(plain: Path) -> dict[str, torch.Tensor]:
@@ -209,15 +218,7 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path):
 def test_workers_with_stale_plans_still_cover_every_job(offline, tmp_path):
     """Worker 1 plans after worker 0 published one entry; with worker 0's agreed list nothing is dropped."""
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.encode.encoded import EncodedLinear
     from exl3tool.warm import run_plan
-
-    def fake_encode(weight, bits, seed, device):  # shapes right, contents irrelevant here; fast
-        k, n = weight.shape
-        g = torch.Generator().manual_seed(seed)
-        return EncodedLinear(torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=g,
-                                           dtype=torch.int32).to(torch.int16),
-                             torch.rand(k, generator=g).half(), torch.rand(n, generator=g).half(), 0.1, 1.0, bits)
 
     request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
     checkpoint = open_checkpoint(REPO)
@@ -232,3 +233,218 @@ def test_workers_with_stale_plans_still_cover_every_job(offline, tmp_path):
     done = sorted((r.prefix, r.tp_size, r.tp_rank) for r in r0 + r1 if r.status in ("hit", "encoded"))
     assert done == sorted((j.prefix, j.tp_size, j.tp_rank) for j in plan0.jobs)  # each job exactly once
     assert len([p for p in tmp_path.rglob("*.safetensors") if not p.name.startswith(".")]) == len(plan0.jobs)
+
+
+# ---- overlap: prefetch thread, encodes on the calling thread, publishing thread ------------------------------
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _no_leftovers(store: CacheStore, plan) -> None:
+    from filelock import FileLock
+
+    from exl3tool.cache import lock_path
+
+    assert not [p for p in store.root.rglob("*.tmp")], "temp files left behind"
+    for job in plan.jobs:
+        lock = lock_path(job.path)
+        if lock.exists():
+            with FileLock(str(lock), timeout=0):  # raises Timeout if a lock was left held
+                pass
+
+
+def test_overlap_on_and_off_publish_identical_trees(offline, tmp_path):
+    """Real encodes of layer 1's o_proj at TP 2 (2 entries of 128 x 256), once with overlap and once without."""
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.warm import run_plan
+
+    checkpoint = open_checkpoint(REPO)
+    outcomes = {}
+    for overlap in (True, False):
+        request = WarmRequest(model=REPO, tp_sizes=(2,), layers=("model.layers.1.self_attn.o_proj",),
+                              cache_dir=str(tmp_path / str(overlap)), **ENC)
+        _, plan, store = prepare(request)
+        results = run_plan(plan, checkpoint, store, device=torch.device("cpu"), overlap=overlap)
+        assert [r.status for r in results] == ["encoded", "encoded"]
+        outcomes[overlap] = ([(r.prefix, r.tp_rank, r.status, r.digest, r.bytes, r.proxy_error) for r in results],
+                             _tree(store.root))
+        _no_leftovers(store, plan)
+    assert outcomes[True][0] == outcomes[False][0]
+    on, off = outcomes[True][1], outcomes[False][1]
+    assert sorted(on) == sorted(off) and len([n for n in on if n.endswith(".safetensors")]) == 2
+    assert [n for n in on if on[n] != off[n]] == [], "entries differ between overlap on and off"
+
+
+def test_overlap_failed_read_and_failed_publish_are_per_layer(offline, tmp_path, monkeypatch):
+    """o_proj and down_proj at TP 1 and 2 (12 jobs, fake encode): one weight read fails, one publish fails."""
+    import exl3tool.cache.store as store_mod
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.warm import run_plan
+
+    checkpoint = open_checkpoint(REPO)
+    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
+    _, plan, store = prepare(request)
+    todo = plan.todo
+    unreadable = "model.layers.0.self_attn.o_proj.weight"
+    real_read = checkpoint.read
+
+    def read(name, rows=None, cols=None):
+        if name == unreadable:
+            raise OSError(5, "Input/output error", unreadable)
+        return real_read(name, rows, cols)
+
+    monkeypatch.setattr(checkpoint, "read", read)
+    doomed = next(j for j in todo if "down_proj" in j.prefix and j.tp_size == 2)
+    real_write = store_mod.write_entry
+
+    def write_entry(path, key, *a, **k):
+        if key.digest() == doomed.digest:
+            raise OSError(28, "No space left on device")
+        return real_write(path, key, *a, **k)
+
+    monkeypatch.setattr(store_mod, "write_entry", write_entry)
+    results = run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=fake_encode)
+    by = {(r.prefix, r.tp_size, r.tp_rank): r for r in results}
+    assert len(results) == len(plan.jobs) == 12
+    failed = {k for k, r in by.items() if r.status == "failed"}
+    want_failed = {("model.layers.0.self_attn.o_proj", 1, 0), ("model.layers.0.self_attn.o_proj", 2, 0),
+                   ("model.layers.0.self_attn.o_proj", 2, 1), (doomed.prefix, 2, doomed.tp_rank)}
+    assert failed == want_failed
+    assert all("Input/output error" in by[k].error for k in want_failed if "o_proj" in k[0])
+    assert "publishing failed" in by[(doomed.prefix, 2, doomed.tp_rank)].error
+    assert {r.status for k, r in by.items() if k not in want_failed} == {"encoded"}
+    published = {p.name for p in tmp_path.rglob("*.safetensors")}
+    assert published == {f"{j.digest}.safetensors" for j in plan.jobs if (j.prefix, j.tp_size, j.tp_rank) not in failed}
+    _no_leftovers(store, plan)
+
+
+def test_overlap_entry_published_by_another_writer_is_a_hit(offline, tmp_path):
+    """Another writer holds the entry lock while the warm starts and publishes meanwhile: a hit, no encode."""
+    import threading
+
+    from filelock import FileLock
+
+    from exl3tool.cache import lock_path, write_entry
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.warm import run_plan
+
+    checkpoint = open_checkpoint(REPO)
+    request = WarmRequest(model=REPO, tp_sizes=(1,), layers=("model.layers.0.self_attn.o_proj",), cache_dir=str(tmp_path), **ENC)
+    _, plan, store = prepare(request)
+    (job,) = plan.todo
+    job.path.parent.mkdir(parents=True, exist_ok=True)
+    holding, calls = threading.Event(), []
+
+    def other_writer():
+        with FileLock(str(lock_path(job.path))):
+            holding.set()
+            time.sleep(1.0)  # the warm finds no entry, then waits for the lock
+            enc = fake_encode(torch.zeros(job.input_size, job.output_size), 6, job.key.seed, "cpu")
+            write_entry(job.path, job.key, enc.tensors(), enc.proxy_error)
+
+    t = threading.Thread(target=other_writer)
+    t.start()
+    assert holding.wait(10)
+
+    def spy(*a):
+        calls.append(a)
+        return fake_encode(*a)
+
+    t0 = time.perf_counter()
+    (result,) = run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=spy)
+    t.join(10)
+    assert result.status == "hit" and not calls and result.path == str(job.path)
+    assert time.perf_counter() - t0 > 0.5  # it waited on the lock (not the unlocked fast path)
+    _no_leftovers(store, plan)
+
+
+def test_overlap_callbacks_once_per_job_on_the_main_thread(offline, tmp_path):
+    """12 jobs, fake encode: on_start/on_done once each, in job order, from this thread; same results as without."""
+    import threading
+
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.warm import run_plan
+
+    checkpoint = open_checkpoint(REPO)
+    main = threading.current_thread()
+    outcomes = {}
+    for overlap in (True, False):
+        request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"),
+                              cache_dir=str(tmp_path / str(overlap)), **ENC)
+        _, plan, store = prepare(request)
+        calls = []
+
+        def on_start(job):
+            calls.append(("start", job.digest, threading.current_thread() is main))
+
+        def on_done(job, result):
+            assert result.digest == job.digest
+            calls.append(("done", job.digest, threading.current_thread() is main))
+
+        results = run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=fake_encode,
+                           on_start=on_start, on_done=on_done, overlap=overlap)
+        digests = [j.digest for j in plan.todo]
+        assert all(on_main for _, _, on_main in calls)
+        assert [d for kind, d, _ in calls if kind == "start"] == digests
+        assert [d for kind, d, _ in calls if kind == "done"] == digests
+        assert {r.status for r in results} == {"encoded"} and all(r.seconds > 0 for r in results)
+        outcomes[overlap] = ([(r.prefix, r.tp_size, r.tp_rank, r.status, r.bytes) for r in results], _tree(store.root))
+    assert outcomes[True] == outcomes[False]
+
+
+def test_overlap_interrupt_stops_threads_and_leaves_no_lock(offline, tmp_path):
+    """A KeyboardInterrupt in the second encode: it propagates, the first entry is published, nothing is left held."""
+    import threading
+
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.warm import run_plan
+
+    checkpoint = open_checkpoint(REPO)
+    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj",), cache_dir=str(tmp_path), **ENC)
+    _, plan, store = prepare(request)
+    calls = []
+
+    def encode(*a):
+        calls.append(a)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return fake_encode(*a)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=encode)
+    assert len([p for p in tmp_path.rglob("*.safetensors")]) == 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("exl3tool-")]
+    _no_leftovers(store, plan)
+
+
+def test_host_threads_under_torchrun():
+    from exl3tool.errors import ConfigError
+    from exl3tool.warm import host_threads
+
+    cores = os.cpu_count() or 1
+    torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert host_threads(True, torchrun) == max(1, cores // 2)
+    assert host_threads(True, {**torchrun, "EXL3TOOL_THREADS": "3"}) == 3
+    assert host_threads(False, {"EXL3TOOL_THREADS": "5"}) == 5
+    assert host_threads(False, torchrun) is None  # not under torchrun: leave torch alone
+    assert host_threads(True, {"OMP_NUM_THREADS": "4", "LOCAL_WORLD_SIZE": "2"}) is None  # the user's own setting
+    with pytest.raises(ConfigError, match="EXL3TOOL_THREADS"):
+        host_threads(True, {"EXL3TOOL_THREADS": "zero"})
+
+
+@pytest.mark.parametrize("command", [["cache", "warm"], ["encode"]])
+def test_overlap_flag_reaches_the_request(command, monkeypatch):
+    from typer.testing import CliRunner
+
+    import exl3tool.commands.encode as encode_cmd
+    from exl3tool.cli import _register, app
+
+    _register()
+    seen = []
+    monkeypatch.setattr(encode_cmd, "warm", lambda request, **kw: seen.append(request.overlap))  # None: nothing to report
+    for flag in ([], ["--no-overlap"], ["--overlap"]):
+        r = CliRunner().invoke(app, [*command, REPO, "--cache-dir", "/nonexistent", *flag])
+        assert r.exit_code == 0, r.output
+    assert seen == [True, False, True]

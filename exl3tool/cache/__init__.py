@@ -19,7 +19,7 @@ from exl3tool.cache.key import CACHE_DISABLED, CacheKey, layer_seed
 from exl3tool.cache.paths import entry_path, lock_path
 from exl3tool.cache.scan import EntryInfo, PrunePlan, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.cache.settings import CACHE_MODES, cache_mode, cache_root
-from exl3tool.cache.store import LOCK_TIMEOUT_S, CacheStore, LoadResult, Lookup
+from exl3tool.cache.store import LOCK_TIMEOUT_S, CacheStore, Claim, LoadResult, Lookup
 
 __all__ = [
     "CACHE_DISABLED",
@@ -27,6 +27,7 @@ __all__ = [
     "LOCK_TIMEOUT_S",
     "CacheKey",
     "CacheStore",
+    "Claim",
     "EncoderIdentity",
     "EncoderSettings",
     "EntryInfo",

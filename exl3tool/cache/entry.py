@@ -8,15 +8,17 @@ own tensor checksum. Writing goes through a temporary file in the entry's direct
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as _st_save
 
 from exl3tool import __version__
 from exl3tool.cache.key import CacheKey
@@ -162,6 +164,19 @@ def check_fresh_encode(key: CacheKey, tensors: dict[str, torch.Tensor], proxy_er
         raise Exl3OnlineNonFiniteError(f"{key.prefix}: encoder produced {exc}; nothing published") from None
 
 
+def _serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, memoryview]:
+    """safetensors' own serialization with the header's keys in sorted order: ``(size + header, data)``.
+
+    safetensors writes the metadata map in hash order, which changes from one call to the next; sorting the
+    header makes the same inputs give the same bytes. The data section is safetensors' unchanged.
+    """
+    raw = _st_save(tensors, metadata=metadata)
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.dumps(json.loads(raw[8:8 + n]), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    header += b" " * (-len(header) % 8)  # keep the data 8-byte aligned, as safetensors does
+    return struct.pack("<Q", len(header)) + header, memoryview(raw)[8 + n:]
+
+
 def write_entry(
     path: str | Path, key: CacheKey, tensors: dict[str, torch.Tensor], proxy_error: float | None, *, file_mode: int = 0o600
 ) -> Path:
@@ -182,7 +197,10 @@ def write_entry(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(cpu, tmp, metadata=metadata)
+        head, data = _serialize(cpu, metadata)
+        with open(tmp, "wb") as fh:
+            fh.write(head)
+            fh.write(data)
         if file_mode != 0o600:
             os.chmod(tmp, file_mode)
         rfd = os.open(tmp, os.O_RDONLY)

@@ -21,7 +21,7 @@ from exl3tool.cache.paths import entry_path, lock_path
 from exl3tool.cache.settings import CACHE_MODES
 from exl3tool.encode.encoded import EncodedLinear
 
-__all__ = ["CacheStore", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "Exl3OnlineNonFiniteError"]
+__all__ = ["CacheStore", "Claim", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "Exl3OnlineNonFiniteError"]
 
 LOCK_TIMEOUT_S = 600.0
 log = logging.getLogger(__name__)
@@ -51,6 +51,27 @@ class LoadResult:
     tensors: dict[str, torch.Tensor]
     proxy_error: float | None
     encoded: EncodedLinear | None
+
+
+class Claim:
+    """An entry lock held by ``CacheStore.claim`` with no valid entry under it: publish with
+    ``CacheStore.publish_claimed`` (which releases it) or ``release`` it."""
+
+    def __init__(self, key: CacheKey, path: Path, lock) -> None:
+        self.key = key
+        self.path = path
+        self._lock = lock
+        self._held = True
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> None:
+        """Release the entry lock; a second call does nothing."""
+        if self._held:
+            self._held = False
+            self._lock.__exit__(None, None, None)
 
 
 class CacheStore:
@@ -105,8 +126,10 @@ class CacheStore:
         except Exception as exc:  # any failure to read or validate makes the entry invalid, never an error
             return Lookup("invalid", f"{type(exc).__name__}: {exc}", path)
 
-    def _lock(self, path: Path) -> FileLock:
+    def _lock(self, path: Path, cross_thread: bool = False) -> FileLock:
         lock_mode = (self.file_mode | 0o600) & ~0o022
+        if cross_thread:  # held by one thread, released by another (filelock's holds are per thread by default)
+            return FileLock(str(lock_path(path)), timeout=self.lock_timeout, mode=lock_mode, thread_local=False)
         return FileLock(str(lock_path(path)), timeout=self.lock_timeout, mode=lock_mode)
 
     def publish(self, key: CacheKey, encoded: EncodedLinear) -> Path:
@@ -135,43 +158,106 @@ class CacheStore:
         assert found.tensors is not None
         return LoadResult(True, found.path, found.tensors, found.proxy_error, None)
 
-    def load_or_encode(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> LoadResult:
-        """The server's ``load_or_quantize``: hit if valid, else encode and (readwrite) publish under the lock.
+    def cached(self, key: CacheKey) -> LoadResult | None:
+        """``load_or_encode``'s unlocked fast path: the entry as a hit when it is valid, else None.
 
-        Raises ``Exl3OnlineNonFiniteError`` for a non-finite encode (nothing published) and ``ValueError``
-        for wrong shapes; OS errors and lock time-outs fall back to an uncached encode, as on the server.
+        An invalid entry is logged and ignored. Like the server, a ``stat`` error other than not-found
+        (e.g. EACCES) propagates. Mode off: always None.
         """
         if self.mode == "off":
-            return self._fresh(self._encode(key, encode_fn), None)
+            return None
         path = self.path(key)
         if path.is_file():  # unprotected, like the server: EACCES here propagates
             try:
                 return self._from_hit(self._load(path, key))
             except Exception as exc:
                 log.warning("Ignoring invalid online EXL3 cache entry %s: %s", path, exc)
+        return None
+
+    def claim(self, key: CacheKey, *, cross_thread: bool = False) -> Claim | LoadResult:
+        """Take ``key``'s entry lock (readwrite only) and re-check under it.
+
+        A valid entry found under the lock (another writer published meanwhile) comes back as a hit, with the
+        lock released; an invalid one is logged and removed. Otherwise the lock stays held and comes back as a
+        ``Claim``: encode, then ``publish_claimed`` (or ``Claim.release``). ``cross_thread`` lets another
+        thread release it (filelock's ``thread_local=False``), for publishing on a background thread.
+        Raises ``filelock.Timeout`` or ``OSError`` (then encode without the cache, see ``note_unavailable``).
+        """
+        if self.mode != "readwrite":
+            raise ValueError(f"claim needs a readwrite cache, not {self.mode!r}")
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = self._lock(path, cross_thread)
+        lock.__enter__()
+        claimed = Claim(key, path, lock)
+        try:
+            if path.is_file():
+                try:
+                    hit = self._from_hit(self._load(path, key))
+                except Exception as exc:
+                    log.warning("Replacing invalid online EXL3 cache entry %s: %s", path, exc)
+                    path.unlink(missing_ok=True)
+                else:
+                    claimed.release()
+                    return hit
+        except BaseException:
+            claimed.release()
+            raise
+        return claimed
+
+    def publish_claimed(self, claimed: Claim, encoded: EncodedLinear) -> LoadResult:
+        """Write ``encoded`` (already checked, see ``check_fresh_encode``) atomically for ``claimed`` and release its lock.
+
+        The lock is released in every case. A failed write is logged and the encode comes back unpublished
+        (``path`` None), as in ``load_or_encode``.
+        """
+        if not claimed.held:
+            raise ValueError(f"{claimed.path}: the claim was already released")
+        try:
+            try:
+                published = write_entry(claimed.path, claimed.key, encoded.tensors(), encoded.proxy_error,
+                                        file_mode=self.file_mode)
+            except Exception as exc:
+                log.warning("Could not publish online EXL3 cache entry %s: %s", claimed.path, exc)
+                return self._fresh(encoded, None)
+            return self._fresh(encoded, published)
+        finally:
+            claimed.release()
+
+    def note_unavailable(self, key: CacheKey, exc: BaseException) -> None:
+        """Log why ``key``'s entry lock could not be used (time-out or OS error) before an uncached encode."""
+        if isinstance(exc, Timeout):
+            log.warning("Timed out after %g s waiting for %s; encoding without the cache", self.lock_timeout,
+                        lock_path(self.path(key)))
+        else:
+            log.warning("Online EXL3 cache unavailable (%s); encoding without the cache", exc)
+
+    def load_or_encode(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> LoadResult:
+        """The server's ``load_or_quantize``: hit if valid, else encode and (readwrite) publish under the lock.
+
+        Raises ``Exl3OnlineNonFiniteError`` for a non-finite encode (nothing published) and ``ValueError``
+        for wrong shapes; OS errors and lock time-outs fall back to an uncached encode, as on the server.
+        In readwrite mode this is ``cached``, then ``claim``, the encode and ``publish_claimed``.
+        """
+        if self.mode == "off":
+            return self._fresh(self._encode(key, encode_fn), None)
+        hit = self.cached(key)
+        if hit is not None:
+            return hit
         if self.mode == "readonly":
             return self._fresh(self._encode(key, encode_fn), None)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with self._lock(path):
-                if path.is_file():
-                    try:
-                        return self._from_hit(self._load(path, key))
-                    except Exception as exc:
-                        log.warning("Replacing invalid online EXL3 cache entry %s: %s", path, exc)
-                        path.unlink(missing_ok=True)
+            claimed = self.claim(key)
+            if isinstance(claimed, LoadResult):
+                return claimed
+            try:
                 encoded = self._encode(key, encode_fn)
-                try:
-                    published = write_entry(path, key, encoded.tensors(), encoded.proxy_error, file_mode=self.file_mode)
-                except Exception as exc:
-                    log.warning("Could not publish online EXL3 cache entry %s: %s", path, exc)
-                    return self._fresh(encoded, None)
-                return self._fresh(encoded, published)
-        except Timeout:
-            log.warning("Timed out after %g s waiting for %s; encoding without the cache", self.lock_timeout, lock_path(path))
-            return self._fresh(self._encode(key, encode_fn), None)
-        except OSError as exc:
-            log.warning("Online EXL3 cache unavailable (%s); encoding without the cache", exc)
+            except BaseException:
+                claimed.release()
+                raise
+            return self.publish_claimed(claimed, encoded)
+        except (Timeout, OSError) as exc:
+            self.note_unavailable(key, exc)
             return self._fresh(self._encode(key, encode_fn), None)
 
     def load_or_encode_with_retry(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> LoadResult:

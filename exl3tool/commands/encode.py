@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.commands.options import (
-    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, QuietOpt, RevisionOpt, ServerPathOpt,
+    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, OverlapOpt, QuietOpt, RevisionOpt, ServerPathOpt,
     parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
@@ -146,6 +146,7 @@ def encode(
     encoder_revision: EncoderRevisionOpt = None,
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
+    overlap: OverlapOpt = True,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -163,7 +164,7 @@ def encode(
         model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
         cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
-        server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode),
+        server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode), overlap=overlap,
     )
     _run(Output(json=json_out, quiet=quiet), request, dry_run)
 
@@ -183,6 +184,7 @@ def cache_warm(
     encoder_revision: EncoderRevisionOpt = None,
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
+    overlap: OverlapOpt = True,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -199,7 +201,7 @@ def cache_warm(
         model=model, tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
-        server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode),
+        server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode), overlap=overlap,
     )
     _run(Output(json=json_out, quiet=quiet), request, dry_run)
 

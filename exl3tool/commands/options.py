@@ -16,6 +16,7 @@ __all__ = [
     "JsonOpt",
     "QuietOpt",
     "ModelIdOpt",
+    "OverlapOpt",
     "resolve_cache_dir",
 ]
 
@@ -44,6 +45,13 @@ CacheDirOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No notes or progress on stderr.")]
+OverlapOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overlap/--no-overlap",
+        help="Read the next weights and publish finished entries on background threads while encoding (same results).",
+    ),
+]
 ModelIdOpt = Annotated[
     Optional[str], typer.Option("--model", help="Only entries of this model identity (full or hex prefix).")
 ]
