@@ -91,16 +91,17 @@ def candidates(m: int, k: int, n: int) -> list[GemmConfig]:
     nb, ch = n // 128, k // 128
     out = [base, previous_config(m, k, n, sms)]
     if m <= 64:
-        for mult in (1, 2, 4, 8):
+        for mult in (2, 4, 8):
             split = max(1, min(ch, -(-mult * sms // nb)))
-            for fuse, bk, w, st in ((True, 32, 4, 1), (True, 64, 4, 1), (True, 128, 4, 1), (True, 32, 8, 1),
-                                    (True, 64, 8, 1), (True, 32, 4, 2), (False, 32, 4, 1), (False, 64, 4, 1),
-                                    (False, 128, 8, 1), (False, 32, 4, 3)):
-                out.append(GemmConfig(bm=16, bk=bk, split=split, fuse_in=fuse, num_warps=w, num_stages=st, asm=2))
+            for fuse, bk, w, pf in ((False, 32, 4, True), (False, 32, 4, False), (False, 64, 4, True),
+                                    (False, 32, 8, True), (True, 64, 4, False)):
+                out.append(GemmConfig(bm=16, bk=bk, split=split, fuse_in=fuse, num_warps=w, num_stages=1, asm=2,
+                                      prefetch=pf))
     else:
-        for bm, bk, w, st in ((256, 32, 8, 2), (256, 32, 8, 3), (256, 64, 8, 2), (256, 32, 16, 2),
-                              (128, 32, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 2)):
-            out.append(GemmConfig(bm=bm, bk=bk, split=1, fuse_in=False, num_warps=w, num_stages=st, asm=2))
+        for bm, bk, w, st, pf in ((256, 32, 8, 3, False), (256, 64, 8, 2, False), (256, 64, 8, 3, False),
+                                  (256, 32, 8, 1, True), (128, 32, 8, 3, False), (128, 64, 8, 1, True)):
+            out.append(GemmConfig(bm=bm, bk=bk, split=1, fuse_in=False, num_warps=w, num_stages=st, asm=2,
+                                  prefetch=pf))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -206,7 +207,7 @@ def _fmt(r: dict) -> str:
     return (f"({r['k']:>5},{r['n']:>5}) m={r['m']:>4}  trellis {r['time_us']:9.1f} us  {r['gbps']:7.0f} GB/s  "
             f"{r['tflops']:7.1f} TFLOP/s | torch fp16 {r['torch_fp16_us']:9.1f} us | x{r['speedup']:.2f}  "
             f"err {r['rel_err']:.1e}  cfg bm{c['bm']} bk{c['bk']} s{c['split']} f{int(c['fuse_in'])} "
-            f"w{c['num_warps']} st{c['num_stages']} a{c['asm']} p{int(c['ptrs'])} d{c.get('decode', 1)}"
+            f"w{c['num_warps']} st{c['num_stages']} a{c['asm']} p{int(c['ptrs'])} d{c.get('decode', 1)} pf{int(c.get('prefetch', True))}"
             + (f" | eager call {r['call_us']:.1f} us vs torch {r['torch_fp16_call_us']:.1f} us" if "call_us" in r else ""))
 
 

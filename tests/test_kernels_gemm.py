@@ -182,6 +182,10 @@ def _interp_cases() -> list[dict]:
         dict(k=256, n=128, m=16, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=64, split=1, fuse_in=False)),
         dict(k=384, n=128, m=5, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=128, split=2, fuse_in=True)),
         dict(k=256, n=256, m=20, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=32, bk=32, split=2, fuse_in=False)),
+        # register prefetch with a split past the last chunk (5 chunks in 4 splits of 2: the last is empty)
+        dict(k=640, n=128, m=3, bits=6, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=32, split=4, fuse_in=False)),
+        dict(k=640, n=128, m=3, bits=4, cb="mcg", dtype="float16",
+             cfg=dict(bm=16, bk=64, split=4, fuse_in=False, prefetch=False)),
         dict(k=384, n=256, m=70, bits=5, cb="3inst", dtype="float16",
              cfg=dict(bm=64, bk=16, split=3, fuse_in=False, ptrs=True, decode=0)),
         dict(k=256, n=128, m=3, bits=7, cb="mcg", dtype="float16", cfg=dict(bm=16, bk=32, split=1, fuse_in=True,
@@ -274,7 +278,7 @@ def test_sm90_offline_compile(regime):
            "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
            "HSCALE": "fp32"}
     const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,
-                 ASM=cfg.asm, PTRS=cfg.ptrs, DECODE=cfg.decode, S1=1)
+                 ASM=cfg.asm, PTRS=cfg.ptrs, DECODE=cfg.decode, S1=1, PREFETCH=cfg.prefetch)
     sig.update({name: "constexpr" for name in const})
     try:
         src = ASTSource(fn=_gemm_kernel, signature=sig, constexprs=const,

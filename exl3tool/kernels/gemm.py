@@ -188,13 +188,16 @@ if HAVE_TRITON:
         return off_hi, off_lo, shift.to(tl.uint64)
 
     @triton.jit
-    def _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK: tl.constexpr, CB: tl.constexpr,
-                      ASM: tl.constexpr):
-        """Decode one (BK, 128) block from its word pairs (see ``_pair_pattern``): two u32 loads per block of
-        positions, one 64-bit funnel shift and a mask per element, then the codebook."""
+    def _load_pairs(words_ptr, wbase, off_hi, off_lo):
+        """The (hi, lo) word pairs of one (BK, 128) block (see ``_pair_pattern``), as uint64 tensors."""
         wptr = words_ptr + wbase  # scalar: each load is then one wide multiply-add of its offset
         hi = tl.load(wptr + off_hi).to(tl.uint32, bitcast=True).to(tl.uint64)
         lo = tl.load(wptr + off_lo).to(tl.uint32, bitcast=True).to(tl.uint64)
+        return hi, lo
+
+    @triton.jit
+    def _decode_loaded(hi, lo, shift, BK: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+        """Loaded pairs -> fp16 (BK, 128): one 64-bit funnel shift and a mask per element, then the codebook."""
         s = (((hi << 32) | lo) >> shift).to(tl.uint32)
         if ASM >= 2 and CB != 2:
             x = _hash_asm(s, CB)
@@ -202,6 +205,14 @@ if HAVE_TRITON:
         else:
             q = _codebook(s & 0xFFFF, CB)
         return tl.reshape(q, (BK, 128))
+
+    @triton.jit
+    def _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK: tl.constexpr, CB: tl.constexpr,
+                      ASM: tl.constexpr):
+        """Decode one (BK, 128) block from its word pairs: two u32 loads per block of positions, then
+        ``_decode_loaded``."""
+        hi, lo = _load_pairs(words_ptr, wbase, off_hi, off_lo)
+        return _decode_loaded(hi, lo, shift, BK, CB, ASM)
 
     @triton.jit
     def _hash_asm(s, CB: tl.constexpr):
@@ -325,7 +336,8 @@ if HAVE_TRITON:
                      M, K, N, HSCALE,
                      K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                     ASM: tl.constexpr, PTRS: tl.constexpr, DECODE: tl.constexpr, S1: tl.constexpr):
+                     ASM: tl.constexpr, PTRS: tl.constexpr, DECODE: tl.constexpr, S1: tl.constexpr,
+                     PREFETCH: tl.constexpr):
         """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
 
         FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
@@ -382,20 +394,40 @@ if HAVE_TRITON:
                         q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
                     acc = tl.dot(a, q, acc, out_dtype=tl.float32)
         else:
-            for k_it in range(c_start * 128, c_end * 128, BK):
-                kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
-                a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
-                if DECODE == 1:
-                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
-                elif PTRS:
-                    q = _decode_ptrs(p0, p1, code0, CB, ASM)
-                    p0 += step
-                    p1 += step
-                else:
-                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                    q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
-                acc = tl.dot(a, q, acc, out_dtype=tl.float32)
+            if DECODE == 1 and PREFETCH:
+                # register double buffering: the next step's words and x are loaded before this step's
+                # decode, so their latency hides behind it (pipeline stages go through shared memory and
+                # cost more than they hide for these 4-byte gathers)
+                k_end = c_end * 128
+                empty = c_start >= c_end  # a split past the last chunk: load something valid, use nothing
+                wb = tl.where(empty, 0, wbase0)
+                hi, lo = _load_pairs(words_ptr, wb, off_hi, off_lo)
+                k0 = tl.multiple_of(tl.where(empty, 0, c_start * 128), BK)
+                a = tl.load(x_ptr + rm[:, None] * K + (k0 + ibk)[None, :], mask=m_mask, other=0.0)
+                for k_it in range(c_start * 128, k_end, BK):
+                    more = k_it + BK < k_end
+                    wb_next = tl.where(more, wb + step, wb)  # the last step reloads its own block
+                    k_next = tl.multiple_of(tl.where(more, k_it + BK, k_it), BK)
+                    hi_n, lo_n = _load_pairs(words_ptr, wb_next, off_hi, off_lo)
+                    a_n = tl.load(x_ptr + rm[:, None] * K + (k_next + ibk)[None, :], mask=m_mask, other=0.0)
+                    q = _decode_loaded(hi, lo, shift, BK, CB, ASM)
+                    acc = tl.dot(a, q, acc, out_dtype=tl.float32)
+                    hi, lo, a, wb = hi_n, lo_n, a_n, wb_next
+            else:
+                for k_it in range(c_start * 128, c_end * 128, BK):
+                    kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
+                    a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
+                    if DECODE == 1:
+                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                        q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
+                    elif PTRS:
+                        q = _decode_ptrs(p0, p1, code0, CB, ASM)
+                        p0 += step
+                        p1 += step
+                    else:
+                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                        q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
+                    acc = tl.dot(a, q, acc, out_dtype=tl.float32)
 
         out_mask = m_mask & (rn[None, :] < N)
         if SPLIT > 1:
@@ -433,6 +465,7 @@ class GemmConfig:
     asm: int = 0
     ptrs: bool = False
     decode: int = 1  # 1: word pairs per block of positions; 0: one gathered word pair per element
+    prefetch: bool = True  # pair decode, prepared input: load step i + 1's words during step i's decode
 
 
 def pair_block_bits(bits: int) -> int:
@@ -463,7 +496,8 @@ def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
     """Heuristic per regime, from the H200 sweep (benchmarks/NOTES_gemm.md; ``EXL3_BENCH_SWEEP=1``).
 
     m <= 64: BM=16 and split-K to about four programs per SM, so that enough loads are in flight; the input
-    side is fused into the GEMM for small weights (one launch) and done by the prep kernel otherwise.
+    side by the prep kernel (the fused form was never faster in the sweep), one pipeline stage (Triton's
+    shared-memory stages cost 2-3x here) with register prefetch instead.
     m > 64: prep kernel + GEMM with BM=128/256 (the decode is paid once per BM rows), 2 pipeline stages;
     split-K only when the output blocks cannot fill the GPU.
     """
@@ -473,13 +507,13 @@ def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
     chunks = k // 128
     if m <= 64:
         split = max(1, min(chunks, -(-4 * sms // n_blocks)))
-        return GemmConfig(bm=16, bk=32, split=split, fuse_in=k * n < (1 << 25), num_warps=4, num_stages=2, asm=asm)
+        return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm)
     bm = 128 if m <= 128 else 256
     m_blocks = -(-m // bm)
     split = 1
     if n_blocks * m_blocks < sms:
         split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=2, asm=asm)
+    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=3, asm=asm, prefetch=False)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
@@ -560,6 +594,6 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     _gemm_kernel[grid](xin, words, suh_c, svh_c, had, y, ws, cnt, m, k, n, HADAMARD_SCALE,
                        K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split, IEEE=ieee,
                        ASM=0 if ieee else cfg.asm, PTRS=cfg.ptrs, DECODE=cfg.decode,
-                       S1=1 if pair_block_bits(bits) == 2 else 2,
+                       S1=1 if pair_block_bits(bits) == 2 else 2, PREFETCH=cfg.prefetch,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*lead, n)
