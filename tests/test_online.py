@@ -285,3 +285,57 @@ def test_encode_linear_on_cuda_is_byte_identical(golden, fname, tag):
     assert torch.equal(enc.trellis.cpu(), gold["trellis"])
     assert torch.equal(enc.suh.cpu(), gold["suh"]) and torch.equal(enc.svh.cpu(), gold["svh"])
     assert abs(enc.proxy_error - float(gold["proxy_error"])) <= 1e-9 * float(gold["proxy_error"])
+
+
+def _threadwise_mean(x: torch.Tensor) -> float:
+    """The CUDA mean order written out thread by thread (the form the vectorised _cuda_mean replaced)."""
+    n = x.shape[0]
+    vec = 4 if n > 128 else 1
+    threads = min(1 << ((n // vec).bit_length() - 1), 512)
+    v = x.reshape(-1, vec)
+    sums = []
+    for t in range(threads):
+        lanes = v[t].clone()
+        for row in v[t + threads :: threads]:
+            lanes += row
+        total = lanes[0].clone()
+        for j in range(1, vec):
+            total += lanes[j]
+        sums.append(total)
+    s = torch.stack(sums)
+    while s.shape[0] > 1:
+        s = s[: s.shape[0] // 2] + s[s.shape[0] // 2 :]
+    return float(s[0] * np.float32(1.0 / n))
+
+
+@pytest.mark.parametrize("n", [128, 384, 640, 1536, 4096])
+def test_cuda_mean_order_thread_by_thread(n):
+    """Lengths whose vectors do not split evenly over the threads (384: 96 vectors on 64 threads) included."""
+    from exl3tool.encode.online import _cuda_mean
+
+    x = torch.rand(n) * torch.rand(1) * 4
+    assert _cuda_mean(x) == _threadwise_mean(x)
+
+
+def test_block_sum_squares_order_block_by_block():
+    """Vectorised block sums equal the block-by-block form, bit for bit, on both axes."""
+    from exl3tool.encode.online import _block_sum_squares
+
+    w = torch.randn(384, 640) * torch.rand(1, 640) * 3
+    sq = w.square()
+    cols = None
+    for b in range(0, 384, 32):  # dim 0: four strided accumulators per 32-row block, blocks in order
+        acc = [sq[b + j].clone() for j in range(4)]
+        for i in range(1, 8):
+            for j in range(4):
+                acc[j] += sq[b + 4 * i + j]
+        blk = ((acc[0] + acc[1]) + acc[2]) + acc[3]
+        cols = blk if cols is None else cols + blk
+    assert torch.equal(_block_sum_squares(w, 0), cols)
+    rows = None
+    for b in range(0, 640, 32):  # dim 1: a halving tree per 32-column block, blocks in order
+        x = sq[:, b : b + 32].t()
+        while x.shape[0] > 1:
+            x = x[: x.shape[0] // 2] + x[x.shape[0] // 2 :]
+        rows = x[0] if rows is None else rows + x[0]
+    assert torch.equal(_block_sum_squares(w, 1), rows)

@@ -73,14 +73,8 @@ def _div_scalar(x: torch.Tensor, s: float) -> torch.Tensor:
     return x * _recip32(s)
 
 
-def _strided4_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 0 as a CUDA thread does it: four strided fp32 accumulators, then combined in order."""
-    acc = [x[j::4].clone() for j in range(4)]
-    acc = [a[0].clone() if a.shape[0] == 1 else _sequential_sum(a) for a in acc]
-    return ((acc[0] + acc[1]) + acc[2]) + acc[3]
-
-
 def _sequential_sum(x: torch.Tensor) -> torch.Tensor:
+    """x[0] + x[1] + ... + x[-1] along dim 0, strictly in that order (fp32 rounding after every add)."""
     out = x[0].clone()
     for i in range(1, x.shape[0]):
         out += x[i]
@@ -93,17 +87,19 @@ def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
     Inside a block the order mimics PyTorch's CUDA reduction: across rows (dim 0) one thread walks the
     32 rows with four strided accumulators; along a row (dim 1) a warp halving tree adds x[i] + x[i + 16],
     then + 8, ... These orders bring su and sv to ~0.05 ulp mean difference from the goldens
-    (the plain CPU sums give ~1 ulp).
+    (the plain CPU sums give ~1 ulp). Every block is reduced at once (a few whole-tensor ops, not a few
+    per block: on a GPU the per-block form was thousands of tiny launches per layer).
     """
     sq = w.square()
     if dim == 0:
-        blocks = [_strided4_sum(sq[b : b + 32]) for b in range(0, sq.shape[0], 32)]  # each (n,)
+        k, n = sq.shape
+        rows = sq.reshape(k // 32, 8, 4, n)  # [block, i, j] = row 32 block + 4 i + j
+        acc = _sequential_sum(rows.transpose(0, 1))  # (blocks, 4, n): accumulator j walks rows j, j + 4, ...
+        blocks = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]  # (blocks, n)
     else:
-        blocks = [_halving_sum_to(sq[:, b : b + 32].t(), 1)[0] for b in range(0, sq.shape[1], 32)]  # each (k,)
-    acc = blocks[0].clone()
-    for block in blocks[1:]:
-        acc += block
-    return acc
+        k, n = sq.shape
+        blocks = _halving_sum_to(sq.reshape(k, n // 32, 32).permute(2, 1, 0), 1)[0]  # (blocks, k)
+    return _sequential_sum(blocks)
 
 
 def _cuda_mean(x: torch.Tensor) -> float:
@@ -119,15 +115,11 @@ def _cuda_mean(x: torch.Tensor) -> float:
     dim0 = n // vec
     threads = min(1 << (dim0.bit_length() - 1), 512)
     v = x.reshape(-1, vec)  # (n / vec, vec) vectors
-    per_thread = []
-    for t in range(threads):
-        rows = v[t::threads]  # this thread's vectors, in order
-        lanes = _sequential_sum(rows) if rows.shape[0] > 1 else rows[0].clone()  # (vec,) accumulators
-        total = lanes[0].clone()
-        for j in range(1, vec):
-            total += lanes[j]
-        per_thread.append(total)
-    sums = torch.stack(per_thread)
+    full, rem = divmod(dim0, threads)  # every thread has `full` vectors; threads below `rem` one more
+    lanes = _sequential_sum(v[: full * threads].reshape(full, threads, vec))  # (threads, vec)
+    if rem:
+        lanes[:rem] += v[full * threads :]
+    sums = _sequential_sum(lanes.t())  # (threads,): lane 0 + lane 1 + ...
     return float(_halving_sum_to(sums, 1)[0] * _recip32(n))
 
 
