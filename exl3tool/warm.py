@@ -560,7 +560,11 @@ def agreed_todo(ctx: DistributedContext, plan: WarmPlan) -> list[WarmJob]:
 
 
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
-    """`auto` is this process's GPU (LOCAL_RANK under torchrun) when CUDA is present, else the CPU."""
+    """`auto` is this process's GPU (LOCAL_RANK under torchrun) when CUDA is present, else the CPU.
+
+    A bare `cuda` gets the same index as `auto` would, so the result always names one GPU (which
+    ``torch.cuda.set_device`` and the per-device kernel caches need).
+    """
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -573,6 +577,12 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
         raise ValueError(f"--device {spec}: CUDA is not available on this machine (use --device cpu)")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {spec!r}: only cpu and cuda devices are supported")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if dev.index is None:
+            return torch.device("cuda", local_rank % count)
+        if dev.index >= count:
+            raise ValueError(f"--device {spec}: this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1})")
     return dev
 
 

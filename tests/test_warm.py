@@ -448,3 +448,17 @@ def test_overlap_flag_reaches_the_request(command, monkeypatch):
         r = CliRunner().invoke(app, [*command, REPO, "--cache-dir", "/nonexistent", *flag])
         assert r.exit_code == 0, r.output
     assert seen == [True, False, True]
+
+
+def test_bare_cuda_device_names_one_gpu(monkeypatch):
+    """`--device cuda` resolves to an indexed GPU (the one `auto` would pick), and a missing index fails by name."""
+    from exl3tool.warm import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda", local_rank=3) == torch.device("cuda", 1)
+    assert resolve_device("auto", local_rank=1) == torch.device("cuda", 1)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="has 2 GPU"):
+        resolve_device("cuda:2")

@@ -14,6 +14,7 @@ Hadamards run on tensor cores against the exact +-1 matrix, with the fp32 operan
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -468,6 +469,7 @@ class GemmConfig:
     prefetch: bool = True  # pair decode, prepared input: load step i + 1's words during step i's decode
 
 
+@functools.lru_cache(maxsize=None)
 def pair_block_bits(bits: int) -> int:
     """log2 of how many consecutive trellis positions share one aligned word pair in the pair decode.
 
@@ -486,9 +488,14 @@ def pair_block_bits(bits: int) -> int:
     raise AssertionError(f"no pair block size for K={bits}")  # unreachable for K <= 8: (2-1) K <= 17
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
 
 
@@ -496,10 +503,11 @@ def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
     """Heuristic per regime, from the H200 sweep (benchmarks/NOTES_gemm.md; ``EXL3_BENCH_SWEEP=1``).
 
     m <= 64: BM=16 and split-K to about four programs per SM, so that enough loads are in flight; the input
-    side by the prep kernel (the fused form was never faster in the sweep), one pipeline stage (Triton's
-    shared-memory stages cost 2-3x here) with register prefetch instead.
-    m > 64: prep kernel + GEMM with BM=128/256 (the decode is paid once per BM rows), 2 pipeline stages;
-    split-K only when the output blocks cannot fill the GPU.
+    side by the prep kernel (the fused form was never faster), one pipeline stage (Triton's shared-memory
+    stages cost 2-3x here) and no register prefetch (its registers cost more occupancy than it hides).
+    m > 64: prep kernel + GEMM with BM=128/256 (the decode is paid once per BM rows), one stage with the
+    register prefetch (30 % faster than three stages); split-K only when the output blocks cannot fill
+    the GPU.
     """
     sms = _num_sms(device)
     asm = 2 if device.type == "cuda" else 0
@@ -507,13 +515,14 @@ def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
     chunks = k // 128
     if m <= 64:
         split = max(1, min(chunks, -(-4 * sms // n_blocks)))
-        return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm)
-    bm = 128 if m <= 128 else 256
+        return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
+                          prefetch=False)
+    bm, bk = (128, 64) if m <= 128 else (256, 32)
     m_blocks = -(-m // bm)
     split = 1
     if n_blocks * m_blocks < sms:
         split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=3, asm=asm, prefetch=False)
+    return GemmConfig(bm=bm, bk=bk, split=split, fuse_in=False, num_warps=8, num_stages=1, asm=asm, prefetch=True)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
