@@ -1,5 +1,5 @@
 """Same inputs, same bytes? Warm one synthetic model into several caches (CPU or GPU, one process or
-torchrun) and report, entry by entry, which tensors or metadata differ.
+torchrun) and report, entry by entry, which tensors or metadata differ, and which files differ at all.
 
     python benchmarks/determinism_check.py --devices cuda:0,cuda:0,cuda:1 --torchrun 2
 """
@@ -70,7 +70,10 @@ def main() -> None:
         cur = _entries(other)
         diffs = {k: _diff(ref[k], cur[k]) for k in ref if k in cur}
         report[other.name] = {"missing": sorted(set(ref) ^ set(cur)),
-                              "differ": {k: v for k, v in diffs.items() if v}, "entries": len(cur)}
+                              "differ": {k: v for k, v in diffs.items() if v}, "entries": len(cur),
+                              # same tensors and metadata can still be different files (header layout)
+                              "bytes_differ": sorted(k for k in ref if k in cur
+                                                     and ref[k].read_bytes() != cur[k].read_bytes())}
     print(json.dumps({"reference": runs[0].name, "entries": len(ref), "compare": report}, indent=1))
 
 
