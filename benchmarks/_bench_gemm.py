@@ -71,25 +71,13 @@ def _weight_fp32(tr: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torc
     return suh.float()[:, None] * w * svh.float()[None, :]
 
 
-def previous_config(m: int, k: int, n: int, sms: int) -> GemmConfig:
-    """What choose_config picked before the pair decode (gather decode; measured 2026-11-29): the baseline."""
-    nb, ch = n // 128, k // 128
-    if m <= 64:
-        split = max(1, min(ch, -(-2 * sms // nb)))
-        big = k * n >= (1 << 25)
-        return GemmConfig(bm=16, bk=32, split=split, fuse_in=not big, num_warps=4, num_stages=1, asm=2, ptrs=big,
-                          decode=0)
-    return GemmConfig(bm=128 if m <= 128 else 256, bk=32, split=1, fuse_in=False, num_warps=8, num_stages=2, asm=2,
-                      ptrs=True, decode=0)
-
-
 def candidates(m: int, k: int, n: int) -> list[GemmConfig]:
-    """Configs swept per regime: the heuristic's pick first, the gather decode (the previous kernel) second."""
+    """Configs swept per regime, the heuristic's pick first."""
     dev = torch.device("cuda")
     base = choose_config(m, k, n, dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     nb, ch = n // 128, k // 128
-    out = [base, previous_config(m, k, n, sms)]
+    out = [base]
     if m <= 64:
         for mult in (2, 4, 8):
             split = max(1, min(ch, -(-mult * sms // nb)))
@@ -207,7 +195,7 @@ def _fmt(r: dict) -> str:
     return (f"({r['k']:>5},{r['n']:>5}) m={r['m']:>4}  trellis {r['time_us']:9.1f} us  {r['gbps']:7.0f} GB/s  "
             f"{r['tflops']:7.1f} TFLOP/s | torch fp16 {r['torch_fp16_us']:9.1f} us | x{r['speedup']:.2f}  "
             f"err {r['rel_err']:.1e}  cfg bm{c['bm']} bk{c['bk']} s{c['split']} f{int(c['fuse_in'])} "
-            f"w{c['num_warps']} st{c['num_stages']} a{c['asm']} p{int(c['ptrs'])} d{c.get('decode', 1)} pf{int(c.get('prefetch', True))}"
+            f"w{c['num_warps']} st{c['num_stages']} a{c['asm']} pf{int(c.get('prefetch', True))}"
             + (f" | eager call {r['call_us']:.1f} us vs torch {r['torch_fp16_call_us']:.1f} us" if "call_us" in r else ""))
 
 

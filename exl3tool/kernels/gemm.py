@@ -1,12 +1,12 @@
 """Fused EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (spec 1.4), Q decoded in-kernel.
 
-Q is never written to memory: each program gathers the packed u32 words of the tiles it needs (spec 4.5),
-extracts the 16-bit states, decodes them with the codebook (spec 3) and feeds them to tl.dot with fp32
-accumulation. The input side (x * suh, 128-point Hadamard) is either fused into the GEMM (small m and small
-weights: one launch) or done by a small prep kernel (otherwise: the GEMM would redo it for every column block,
-and the fused form leaves too few registers for the cheaper carried-pointer decode). The output side (Hadamard,
-* svh, cast) is always fused into the epilogue; split-K partials are reduced by the last program of each output
-block (serial reduction through a counter), so no extra launch is needed for the reduction either.
+Q is never written to memory: each program loads the packed u32 words of the tiles it needs as one aligned word
+pair per block of 2-4 consecutive trellis positions (spec 4.5), cuts each 16-bit state out of its pair with one
+64-bit shift, decodes it with the codebook (spec 3) and feeds the block to tl.dot with fp32 accumulation. The
+input side (x * suh, 128-point Hadamard) is done by a small prep kernel (the GEMM would otherwise redo it for
+every column block) or, on request, fused into the GEMM. The output side (Hadamard, * svh, cast) is always fused
+into the epilogue; split-K partials are reduced by the last program of each output block (serial reduction
+through a counter, in a fixed order), so no extra launch is needed for the reduction either.
 
 Hadamards run on tensor cores against the exact +-1 matrix, with the fp32 operand split into two bf16 parts
 (16 mantissa bits, full fp32 range: no overflow for any finite fp32 value).
@@ -123,33 +123,6 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _state_pattern(BK: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, tiles_n):
-        """Per-element (first word offset << 5 | shift) and second word offset of a (BK, BN) block.
-
-        Offsets count u32 words from the block's first tile record. Position p = pos(r%16, c%16) (spec 5.2);
-        its state is the 16-bit stream window ending at bit (p+1)K (spec 4.5): words w0, w1 and a right
-        shift of the 64-bit pair (U[w0], U[w1]). Packing the shift into the low 5 bits keeps two registers per
-        element live across the K loop instead of four.
-        """
-        r = tl.arange(0, BK)[:, None]
-        c = tl.arange(0, BN)[None, :]
-        rr = r % 16
-        cc = c % 16
-        p = 32 * (cc % 8) + 8 * ((rr % 8) // 2) + 4 * (cc // 8) + 2 * (rr // 8) + (rr % 2)
-        WORDS: tl.constexpr = 8 * K_BITS
-        b0 = p * K_BITS + K_BITS - 16 + 256 * K_BITS
-        b1 = b0 + 16
-        w0 = b0 // 32
-        w1 = (b1 - 1) // 32
-        sh = 32 * (w1 + 1) - b1
-        w0 = w0 % WORDS
-        w1 = w1 % WORDS
-        tile = (r // 16) * tiles_n + (c // 16)
-        code0 = ((tile * WORDS + w0) << 5) | sh
-        off1 = tile * WORDS + w1
-        return code0, off1
-
-    @triton.jit
     def _pair_pattern(BK: tl.constexpr, K_BITS: tl.constexpr, S1: tl.constexpr, tiles_n):
         """Word pair offsets per block of positions, and each element's shift, for one (BK, 128) block.
 
@@ -244,38 +217,6 @@ if HAVE_TRITON:
             "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
 
     @triton.jit
-    def _decode_ptrs(p0, p1, code0, CB: tl.constexpr, ASM: tl.constexpr):
-        """Gather the two u32 words of every element (pointers p0, p1), funnel-shift out the state, decode it.
-
-        ASM >= 1 (GPU only): the funnel shift is one shf.r.wrap (which uses the low 5 bits of code0 as the
-        shift, so no unpacking); ASM == 2 also adds the fp16 halves in pairs (add.rn.f16x2).
-        """
-        u0 = tl.load(p0).to(tl.uint32, bitcast=True)
-        u1 = tl.load(p1).to(tl.uint32, bitcast=True)
-        if ASM >= 1:
-            s = tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $2, $1, $3;", "=r,r,r,r", [u0, u1, code0],
-                                          dtype=tl.uint32, is_pure=True, pack=1) & 0xFFFF
-        else:
-            sh = (code0 & 31).to(tl.uint32)
-            s = ((u1 >> sh) | ((u0 << 1) << (31 - sh))) & 0xFFFF  # (u0:u1) >> sh, low 16 bits
-        if ASM >= 2 and CB != 2:
-            if CB == 1:
-                x = s * 0xCBAC1FED
-            else:
-                x = s * 89226354 + 64248484
-            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-            return _two_halves_asm(x)
-        return _codebook(s, CB)
-
-    @triton.jit
-    def _decode_block(words_ptr, wbase, code0, off1, CB: tl.constexpr, ASM: tl.constexpr):
-        """Decode one (BK, BN) block whose first tile record starts at word ``wbase``.
-
-        int32 index math, one widening address op per load (no 64-bit offset tensors kept live).
-        """
-        return _decode_ptrs(words_ptr + (wbase + (code0 >> 5)), words_ptr + (wbase + off1), code0, CB, ASM)
-
-    @triton.jit
     def _split_bf16_dot(a, h, IEEE: tl.constexpr):
         """a (fp32) @ h (exact bf16 +-1 matrix) with ~16-bit operand precision: two bf16 tensor-core dots.
 
@@ -337,8 +278,7 @@ if HAVE_TRITON:
                      M, K, N, HSCALE,
                      K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                     ASM: tl.constexpr, PTRS: tl.constexpr, DECODE: tl.constexpr, S1: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     ASM: tl.constexpr, S1: tl.constexpr, PREFETCH: tl.constexpr):
         """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
 
         FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
@@ -364,14 +304,7 @@ if HAVE_TRITON:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         wbase0 = ((c_start * 128 // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
         step = (BK // 16) * tiles_n * WORDS
-        if DECODE == 1:  # word pairs per block of positions (coalesced, 2 loads per 2-4 weights)
-            off_hi, off_lo, shift = _pair_pattern(BK, K_BITS, S1, tiles_n)
-        else:  # one gathered word pair per element
-            code0, off1 = _state_pattern(BK, BN, K_BITS, tiles_n)
-            # PTRS: 64-bit word pointers carried across the K loop (one 64-bit add per load per step) instead
-            # of rebuilding each address from int32 offsets (three ops per load)
-            p0 = words_ptr + (wbase0 + (code0 >> 5))
-            p1 = words_ptr + (wbase0 + off1)
+        off_hi, off_lo, shift = _pair_pattern(BK, K_BITS, S1, tiles_n)
         if FUSE_IN:
             for ch in range(c_start, c_end):
                 k0 = tl.multiple_of(ch * 128, 128)  # alignment hint: vectorised x loads
@@ -383,19 +316,11 @@ if HAVE_TRITON:
                     kk = tl.multiple_of(k0 + j * BK, BK)
                     hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BK + ibk)[None, :]).to(tl.float16)
                     a = (tl.dot(xv, hj, out_dtype=tl.float32) * HSCALE).to(tl.float16)
-                    if DECODE == 1:
-                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                        q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
-                    elif PTRS:
-                        q = _decode_ptrs(p0, p1, code0, CB, ASM)
-                        p0 += step
-                        p1 += step
-                    else:
-                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                        q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
                     acc = tl.dot(a, q, acc, out_dtype=tl.float32)
         else:
-            if DECODE == 1 and PREFETCH:
+            if PREFETCH:
                 # register double buffering: the next step's words and x are loaded before this step's
                 # decode, so their latency hides behind it (pipeline stages go through shared memory and
                 # cost more than they hide for these 4-byte gathers)
@@ -418,16 +343,8 @@ if HAVE_TRITON:
                 for k_it in range(c_start * 128, c_end * 128, BK):
                     kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
                     a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
-                    if DECODE == 1:
-                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                        q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
-                    elif PTRS:
-                        q = _decode_ptrs(p0, p1, code0, CB, ASM)
-                        p0 += step
-                        p1 += step
-                    else:
-                        wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                        q = _decode_block(words_ptr, wbase, code0, off1, CB, ASM)
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
                     acc = tl.dot(a, q, acc, out_dtype=tl.float32)
 
         out_mask = m_mask & (rn[None, :] < N)
@@ -464,9 +381,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 2
     asm: int = 0
-    ptrs: bool = False
-    decode: int = 1  # 1: word pairs per block of positions; 0: one gathered word pair per element
-    prefetch: bool = True  # pair decode, prepared input: load step i + 1's words during step i's decode
+    prefetch: bool = True  # prepared input: load step i + 1's words and x during step i's decode
 
 
 @functools.lru_cache(maxsize=None)
@@ -602,7 +517,7 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     grid = (n_blocks, m_blocks, split)
     _gemm_kernel[grid](xin, words, suh_c, svh_c, had, y, ws, cnt, m, k, n, HADAMARD_SCALE,
                        K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split, IEEE=ieee,
-                       ASM=0 if ieee else cfg.asm, PTRS=cfg.ptrs, DECODE=cfg.decode,
+                       ASM=0 if ieee else cfg.asm,
                        S1=1 if pair_block_bits(bits) == 2 else 2, PREFETCH=cfg.prefetch,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*lead, n)
