@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on nvidia-h200-x2, two lanes in parallel:
-#   GPU 0: the GEMM's GPU tests, then the GEMM config sweep (pair decode vs the gather decode, EXL3_BENCH_SWEEP=1);
+#   GPU 0: the GEMM's GPU tests, then the GEMM config sweep (EXL3_BENCH_SWEEP=1);
 #   GPU 1: the stage-by-stage determinism probe in two processes, then the full-size warm determinism check
 #          (two single-process warms and one torchrun warm of two processes, all on that GPU).
 # Run from the repository root with the goldens in ./golden; logs land in $OUT.

@@ -252,14 +252,16 @@ def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.d
 
 
 def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode) -> JobResult:
+    return _through_store(job, store, worker,
+                          lambda: encode(_prepare_input(job, checkpoint, dtype), plan.bits, job.key.seed, device))
+
+
+def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Callable[[], EncodedLinear]) -> JobResult:
+    """``store.load_or_encode`` for one job, as a result: a failed layer never stops the warm."""
     start = time.perf_counter()
-
-    def encode_fn():
-        return encode(_prepare_input(job, checkpoint, dtype), plan.bits, job.key.seed, device)
-
     try:
         loaded = store.load_or_encode(job.key, encode_fn)
-    except Exception as exc:  # one failed layer never stops the warm
+    except Exception as exc:
         return _failed(job, worker, exc, time.perf_counter() - start)
     return _loaded_result(job, loaded, store, worker, time.perf_counter() - start)
 
@@ -392,18 +394,12 @@ class _Pipeline:
         return self.encode(weight, self.plan.bits, job.key.seed, self.device)
 
     def _load_or_encode(self, job, weight, error) -> JobResult:
-        start = time.perf_counter()
-
         def encode_fn():
             if error is not None:
                 raise error
             return self._encode(job, weight)
 
-        try:
-            loaded = self.store.load_or_encode(job.key, encode_fn)
-        except Exception as exc:
-            return _failed(job, self.worker, exc, time.perf_counter() - start)
-        return _loaded_result(job, loaded, self.store, self.worker, time.perf_counter() - start)
+        return _through_store(job, self.store, self.worker, encode_fn)
 
     def _claim_and_encode(self, job, weight, error, publisher: ThreadPoolExecutor):
         store, worker = self.store, self.worker
