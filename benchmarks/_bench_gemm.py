@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exl3tool.encode.decode import reconstruct  # noqa: E402
 from exl3tool.encode.hadamard import hadamard_128  # noqa: E402
-from exl3tool.kernels.gemm import (FOLD_BOTH, FOLD_IN, FOLD_NONE, FOLD_OUT, GemmConfig, ReconConfig,  # noqa: E402
-                                   choose_config, trellis_matmul)
+from exl3tool.kernels.gemm import (FOLD_BOTH, FOLD_BOTH16, FOLD_IN, FOLD_NONE, FOLD_OUT, GemmConfig,  # noqa: E402
+                                   ReconConfig, choose_config, trellis_matmul)
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 MS = [1, 4, 16, 64, 512, 4096]
@@ -82,8 +82,8 @@ def _weight_fp64(tr: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torc
 def path_of(cfg) -> str:
     """Short name of the path a config takes."""
     if isinstance(cfg, ReconConfig):
-        return "recon/" + {FOLD_NONE: "q", FOLD_OUT: "out", FOLD_IN: "in", FOLD_BOTH: "w"}[cfg.fold]
-    return "fused" + ("/t" if cfg.trans else "")
+        return "recon/" + {FOLD_NONE: "q", FOLD_OUT: "out", FOLD_IN: "in", FOLD_BOTH: "w", FOLD_BOTH16: "w16"}[cfg.fold]
+    return "fused" + ("/t" if cfg.trans else "") + ("/l2" if cfg.l2_prefetch else "")
 
 
 def _as_dict(cfg) -> dict:
@@ -103,31 +103,23 @@ def candidates(m: int, k: int, n: int) -> list:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     nb, ch = n // 128, k // 128
     out = [base]
-    if m <= 64:
+    if m < 128:
         bm = 16 if m <= 16 else 64
         mb = -(-m // bm)
-        for mult in ((2, 4, 8) if m <= 16 else (1, 2)):
+        for mult in ((1, 2, 4, 8) if m <= 16 else (1, 2, 4)):
             split = max(1, min(ch, -(-mult * sms // (nb * mb))))
-            variants = ((32, 4, False), (32, 4, True), (64, 4, False)) if m <= 16 else ((32, 4, False), (64, 8, False))
-            for bk, w, pf in variants:
+            for bk, w, pf, tr, l2 in ((32, 4, False, False, False), (32, 4, False, False, True),
+                                      (64, 4, False, False, True), (32, 4, False, True, True),
+                                      (32, 4, True, False, True)):
                 out.append(GemmConfig(bm=bm, bk=bk, split=split, fuse_in=False, num_warps=w, num_stages=1, asm=2,
-                                      prefetch=pf, trans=True))
-            if m > 16:
-                out.append(GemmConfig(bm=bm, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=2,
-                                      prefetch=False))
-        if m <= 16:
-            split = max(1, min(ch, -(-4 * sms // nb)))
-            out.append(GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=8, num_stages=1, asm=2,
-                                  prefetch=False, trans=True))
-            out.append(GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=2,
-                                  prefetch=False, trans=False))
+                                      prefetch=pf, trans=tr, l2_prefetch=l2))
     if m >= 64:
-        for fold in (FOLD_NONE, FOLD_OUT, FOLD_IN, FOLD_BOTH):
-            for br, w in ((32, 4), (64, 4), (128, 8), (64, 8)):
+        out.append(ReconConfig(fold=FOLD_NONE, br=32, num_warps=4, asm=2))
+        out.append(ReconConfig(fold=FOLD_NONE, br=64, num_warps=4, asm=2))
+    if m >= 512:
+        for fold in (FOLD_OUT, FOLD_IN, FOLD_BOTH, FOLD_BOTH16):
+            for br, w in ((64, 4), (128, 8), (64, 8)):
                 out.append(ReconConfig(fold=fold, br=br, num_warps=w, asm=2))
-    if 64 < m <= 512:
-        out.append(GemmConfig(bm=128 if m <= 128 else 256, bk=64 if m <= 128 else 32, split=1, fuse_in=False,
-                              num_warps=8, num_stages=1, asm=2, prefetch=True))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

@@ -35,6 +35,14 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
 
+def _ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in fp16 ulps (the bit patterns in monotone order: -0 and +0 are 0 apart)."""
+    def ordered(t):
+        i = t.view(torch.int16).int()
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+    return (ordered(a) - ordered(b)).abs()
+
+
 def _random_encode(k: int, n: int, bits: int, gen: torch.Generator, device: str = "cpu"):
     """Random packed trellis (every bit pattern is a valid trellis) and realistic fp16 sign*scale vectors."""
     tr = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), dtype=torch.int16, generator=gen)
@@ -98,7 +106,7 @@ _CHILD = textwrap.dedent(r"""
     from exl3tool.kernels.gemm import (trellis_matmul, GemmConfig, ReconConfig, fold_weight, fold_weight_reference,
                                        choose_config)
     sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-    from test_kernels_gemm import _random_encode, _rel
+    from test_kernels_gemm import _random_encode, _rel, _ulp_diff
 
     # Cases tagged mode="bf16split" run the GPU's Hadamard path (bf16 hi/lo split dots): the patched tl.dot
     # reads bf16 storage as the top half of an fp32 (the stock interpreter reads the raw uint16 as integers).
@@ -124,7 +132,7 @@ _CHILD = textwrap.dedent(r"""
             rcfg = ReconConfig(fold=c["fold"], br=c.get("br", 32))
             w = fold_weight(tr, suh, svh, bits=c["bits"], codebook=c["cb"], fold=c["fold"], config=rcfg)
             r = fold_weight_reference(tr, suh, svh, bits=c["bits"], codebook=c["cb"], fold=c["fold"])
-            d = (w.view(torch.int16).int() - r.view(torch.int16).int()).abs()
+            d = _ulp_diff(w, r)
             out.append(dict(c, mismatches=int((d != 0).sum()), max_ulp=int(d.max()), numel=d.numel()))
             continue
         if c.get("golden"):  # the reference kernel's own inputs/outputs (gemm_k6)
@@ -214,7 +222,9 @@ def _interp_cases() -> list[dict]:
         *[dict(k=kk, n=nn, m=5, bits=b, cb=cb, dtype=dt, rcfg=dict(fold=f, br=br))
           for f, kk, nn, b, cb, dt, br in ((0, 256, 128, 6, "mcg", "float16", 32), (1, 128, 256, 4, "3inst", "bfloat16", 64),
                                            (2, 256, 128, 6, "mcg", "float16", 128), (2, 128, 128, 5, "mul1", "bfloat16", 32),
-                                           (3, 256, 256, 6, "mcg", "float16", 64))],
+                                           (3, 256, 256, 6, "mcg", "float16", 64), (4, 128, 256, 6, "mcg", "float16", 128))],
+        dict(k=256, n=128, m=3, bits=6, cb="mcg", dtype="float16",
+             cfg=dict(bm=16, bk=32, split=2, fuse_in=False, l2_prefetch=True)),  # the interpreter skips the PTX
         dict(k=256, n=128, m=128, bits=6, cb="mcg", dtype="float16", corrupt=True, dispatch="ReconConfig"),
         dict(k=128, n=256, m=130, bits=6, cb="mcg", dtype="bfloat16", dispatch="ReconConfig"),
         dict(k=128, n=128, m=64, bits=6, cb="mcg", dtype="float16", dispatch="GemmConfig"),
@@ -266,18 +276,24 @@ def test_interpreter_fold_weight_bit_exact(interp_results):
 
 
 def test_choose_config_dispatch():
-    """Below RECON_MIN_M rows the fused kernel, from there on the reconstruct path with the wider side folded."""
+    """Below RECON_MIN_M rows the fused kernel, from there on the reconstruct path with the cheapest fold."""
     pytest.importorskip("triton")
-    from exl3tool.kernels.gemm import (FOLD_IN, FOLD_OUT, RECON_MIN_M, GemmConfig, ReconConfig,
-                                       choose_config)
+    from exl3tool.kernels.gemm import (_FOLDS, FOLD_IN, FOLD_NONE, RECON_MIN_M, GemmConfig, ReconConfig,
+                                       choose_config, recon_cost)
 
     cpu = torch.device("cpu")
+    assert choose_config(1, 14336, 4096, cpu).bm == 16
+    assert choose_config(RECON_MIN_M - 1, 4096, 4096, cpu).bm == 64
     assert isinstance(choose_config(RECON_MIN_M - 1, 4096, 4096, cpu), GemmConfig)
-    assert isinstance(choose_config(1, 14336, 4096, cpu), GemmConfig)
-    big = choose_config(RECON_MIN_M, 4096, 14336, cpu)
-    assert isinstance(big, ReconConfig) and big.fold == FOLD_OUT
+    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        for m in (RECON_MIN_M, 512, 4096):
+            for dt in (torch.float16, torch.bfloat16):
+                cfg = choose_config(m, k, n, cpu, dt)
+                assert isinstance(cfg, ReconConfig)
+                assert recon_cost(cfg.fold, m, k, n, dt) == min(recon_cost(f, m, k, n, dt) for f in _FOLDS)
+    # the passes over the activations grow with m: few rows fold nothing, many rows fold the wide input side
+    assert choose_config(RECON_MIN_M, 4096, 4096, cpu).fold == FOLD_NONE
     assert choose_config(4096, 14336, 4096, cpu).fold == FOLD_IN
-    assert choose_config(4096, 14336, 4096, cpu, torch.bfloat16).fold == FOLD_OUT  # cuBLAS needs fp16 x for FOLD_IN
 
 
 def test_interpreter_golden_m1(interp_results):
@@ -333,7 +349,7 @@ def test_sm90_offline_compile(regime):
                "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
                "HSCALE": "fp32"}
         const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,
-                     ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch, TRANS=cfg.trans)
+                     ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch, TRANS=cfg.trans, L2PF=0)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         divisible = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)
     sig.update({name: "constexpr" for name in const})
@@ -446,6 +462,9 @@ _GPU_CONFIGS = {
     "recon_out": dict(fold=1, br=64, asm=2),
     "recon_in": dict(fold=2, br=128, num_warps=8, asm=2),
     "recon_w": dict(fold=3, br=64, num_warps=8, asm=2),
+    "recon_w16": dict(fold=4, br=128, num_warps=8, asm=2),
+    "fused_l2pf": dict(bm=16, bk=32, split=3, fuse_in=False, num_stages=1, asm=2, prefetch=False, l2_prefetch=True),
+    "fused_bm64": dict(bm=64, bk=32, split=2, fuse_in=False, num_stages=1, asm=2, prefetch=False),
 }
 
 
@@ -478,7 +497,7 @@ def test_gpu_fold_weight_bit_exact(fold, cb):
         got = fold_weight(tr, suh, svh, bits=bits, codebook=cb, fold=fold,
                           config=ReconConfig(fold=fold, br=br, num_warps=w, asm=2))
         exp = fold_weight_reference(tr.cpu(), suh.cpu(), svh.cpu(), bits=bits, codebook=cb, fold=fold)
-        d = (got.cpu().view(torch.int16).int() - exp.view(torch.int16).int()).abs()
+        d = _ulp_diff(got.cpu(), exp)
         if fold == 3:
             assert int(d.max()) <= 1 and int((d != 0).sum()) <= d.numel() // 1000
         else:

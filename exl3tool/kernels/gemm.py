@@ -36,8 +36,8 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     HAVE_TRITON = False
 
 __all__ = ["trellis_matmul", "trellis_matmul_reference", "fold_weight", "fold_weight_reference", "GemmConfig",
-           "ReconConfig", "choose_config", "pair_block_bits", "RECON_MIN_M", "FOLD_NONE", "FOLD_OUT", "FOLD_IN",
-           "FOLD_BOTH", "HAVE_TRITON"]
+           "ReconConfig", "choose_config", "recon_cost", "pair_block_bits", "RECON_MIN_M", "FOLD_NONE", "FOLD_OUT", "FOLD_IN",
+           "FOLD_BOTH", "FOLD_BOTH16", "HAVE_TRITON"]
 
 _CB_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 
@@ -239,6 +239,16 @@ if HAVE_TRITON:
             "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
 
     @triton.jit
+    def _prefetch_l2(ptrs, mask):
+        """``prefetch.global.L2`` of each address where mask holds (PTX; the result is a dummy)."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p;\n"
+            "setp.ne.b32 p, $2, 0;\n"
+            "@p prefetch.global.L2 [$1];\n"
+            "mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _split_bf16_dot(a, h, IEEE: tl.constexpr):
         """a (fp32) @ h (exact bf16 +-1 matrix) with ~16-bit operand precision: two bf16 tensor-core dots.
 
@@ -310,17 +320,26 @@ if HAVE_TRITON:
 
     @triton.jit
     def _prep_kernel(x_ptr, suh_ptr, had_ptr, x2_ptr, M, K, HSCALE, BM: tl.constexpr, IEEE: tl.constexpr):
-        """x2 = fp16( (x * suh) @ Hn ) per 128-column chunk (the input side of spec 1.4)."""
+        """x2 = fp16( (x * suh) @ Hn ) per 128-column chunk (the input side of spec 1.4).
+
+        fp16 x: one fp16 dot against diag(suh) H (exact fp16 entries +-suh; the tensor cores' products are
+        exact, so this is (x * suh) @ H with fp32 accumulation). bf16 x: x * suh in fp32, then the bf16 hi/lo
+        split against H (two dots).
+        """
         pid_m = tl.program_id(0)
         pid_c = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rc = pid_c * 128 + tl.arange(0, 128)
         mask = rm[:, None] < M
-        xv = tl.load(x_ptr + rm[:, None] * K + rc[None, :], mask=mask, other=0.0).to(tl.float32)
-        xv = xv * tl.load(suh_ptr + rc).to(tl.float32)[None, :]
         i = tl.arange(0, 128)
         h = tl.load(had_ptr + i[:, None] * 128 + i[None, :])
-        y = _split_bf16_dot(xv, h, IEEE) * HSCALE
+        xv = tl.load(x_ptr + rm[:, None] * K + rc[None, :], mask=mask, other=0.0)
+        if x_ptr.dtype.element_ty == tl.float16:
+            hs = (h.to(tl.float16) * tl.load(suh_ptr + rc)[:, None]).to(tl.float16)
+            y = tl.dot(xv, hs, out_dtype=tl.float32) * HSCALE
+        else:
+            xv = xv.to(tl.float32) * tl.load(suh_ptr + rc).to(tl.float32)[None, :]
+            y = _split_bf16_dot(xv, h, IEEE) * HSCALE
         tl.store(x2_ptr + rm[:, None] * K + rc[None, :], y.to(tl.float16), mask=mask)
 
     @triton.jit
@@ -347,7 +366,8 @@ if HAVE_TRITON:
 
         FOLD 0: Q itself (spec 1.3). FOLD 1 (output side folded in): fp16((Q Hn-block product) * svh),
         computed as ((Q @ H) * HSCALE) * svh in fp32. FOLD 2 (input side): fp16(((H @ Q) * HSCALE) * suh).
-        FOLD 3: both, i.e. the de-rotated W of spec 1.4. Q's entries are multiples of 2**-13 below 4 in
+        FOLD 3: both, i.e. the de-rotated W of spec 1.4 (FOLD 4: the same with H @ Q rounded to fp16 before
+        the second product: one dot less, one more rounding). Q's entries are multiples of 2**-13 below 4 in
         magnitude (mcg/3inst; mul1: 2**-17), so Q @ H with fp16 operands is exact in fp32 in any summation
         order: FOLD 0-2 equal their plain-torch oracle (``fold_weight_reference``) bit for bit. FOLD 3 splits
         the exact H @ Q into fp16 hi and lo parts for the second product, whose fp32 sum is not exact.
@@ -375,8 +395,11 @@ if HAVE_TRITON:
             else:
                 h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :]).to(tl.float16)
                 v_hi = acc.to(tl.float16)
-                v_lo = (acc - v_hi.to(tl.float32)).to(tl.float16)
-                u = tl.dot(v_lo, h, tl.dot(v_hi, h, out_dtype=tl.float32), out_dtype=tl.float32)
+                if FOLD == 3:
+                    v_lo = (acc - v_hi.to(tl.float32)).to(tl.float16)
+                    u = tl.dot(v_lo, h, tl.dot(v_hi, h, out_dtype=tl.float32), out_dtype=tl.float32)
+                else:  # FOLD 4: H @ Q rounded to fp16 before the second product (one dot less)
+                    u = tl.dot(v_hi, h, out_dtype=tl.float32)
                 w = (u * 0.0078125) * tl.load(suh_ptr + rows).to(tl.float32)[:, None]
                 w = w * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
             tl.store(w_ptr + rows[:, None] * N + cols[None, :], w.to(tl.float16))
@@ -398,7 +421,8 @@ if HAVE_TRITON:
                      M, K, N, HSCALE,
                      K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                     ASM: tl.constexpr, S1: tl.constexpr, PREFETCH: tl.constexpr, TRANS: tl.constexpr = False):
+                     ASM: tl.constexpr, S1: tl.constexpr, PREFETCH: tl.constexpr, TRANS: tl.constexpr = False,
+                     L2PF: tl.constexpr = 0):
         """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
 
         FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
@@ -406,6 +430,9 @@ if HAVE_TRITON:
         block (counter) sums them in fixed order and runs the epilogue. TRANS (prepared input only): the
         product is computed transposed, acc^T (128, BM) = Q^T x2^T, so that the decoded weight is the dot's
         left operand (the one tensor cores can take from registers) and the few rows of x the right one.
+        L2PF > 0 (GPU only): before the K loop, the program asks for all its trellis words to be brought into
+        L2 (``prefetch.global.L2``, one per 128-byte line, L2PF >= the program's line count), so that the
+        word gathers of the loop wait on L2 rather than on HBM.
         """
         BN: tl.constexpr = 128
         WORDS: tl.constexpr = 8 * K_BITS
@@ -418,6 +445,12 @@ if HAVE_TRITON:
         c_start = pid_s * per
         c_end = tl.minimum(c_start + per, n_chunks)
 
+        if L2PF > 0:  # a tile row of the block is 8 records = 256 K_BITS bytes = 2 K_BITS lines, contiguous
+            LPR: tl.constexpr = 2 * K_BITS
+            li = tl.arange(0, L2PF)
+            t_row = c_start * 8 + li // LPR
+            lines = words_ptr + (t_row * tiles_n + pid_n * (BN // 16)) * WORDS + (li % LPR) * 32
+            _prefetch_l2(lines, t_row < c_end * 8)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         m_mask = rm[:, None] < M
@@ -522,10 +555,12 @@ class GemmConfig:
     asm: int = 0
     prefetch: bool = True  # prepared input: load step i + 1's words and x during step i's decode
     trans: bool = False  # prepared input: compute y^T = Q^T x^T (the weight as the dot's left operand)
+    l2_prefetch: bool = False  # GPU: prefetch the program's trellis words into L2 before its K loop
 
 
 # What the reconstruct kernel folds into the fp16 weight it writes (``ReconConfig.fold``)
-FOLD_NONE, FOLD_OUT, FOLD_IN, FOLD_BOTH = 0, 1, 2, 3
+FOLD_NONE, FOLD_OUT, FOLD_IN, FOLD_BOTH, FOLD_BOTH16 = 0, 1, 2, 3, 4
+_FOLDS = (FOLD_NONE, FOLD_OUT, FOLD_IN, FOLD_BOTH, FOLD_BOTH16)
 
 
 @dataclass(frozen=True)
@@ -535,7 +570,8 @@ class ReconConfig:
     fold: which Hadamard sides (with their scales) the written weight includes, the rest is done on the
     activations: FOLD_NONE = Q (prep kernel on x, post kernel on y, the reference's route), FOLD_OUT = Q B_n
     diag(svh) (prep kernel on x), FOLD_IN = diag(suh) B_k Q (post kernel on y; x goes to cuBLAS as fp16),
-    FOLD_BOTH = W (nothing else). br: rows decoded per step, num_warps: of the reconstruct kernel.
+    FOLD_BOTH = W (nothing else; FOLD_BOTH16: the same with one dot less and one more fp16 rounding).
+    br: rows decoded per step, num_warps: of the reconstruct kernel.
     """
 
     fold: int = FOLD_OUT
@@ -577,36 +613,49 @@ def _num_sms(device: torch.device) -> int:
 # m at and above which trellis_matmul takes the reconstruct path (measured on the H200: NOTES_gemm.md)
 RECON_MIN_M = 128
 
+# The reconstruct path's costs on the H200, in microseconds per million elements (fitted to the sweep in
+# benchmarks/results/, NOTES_gemm.md): the reconstruct kernel per weight for each fold, then the passes over
+# the activations that the fold leaves (prep: x's input side, per element of x; post: y's output side, per
+# element of y; to_fp16: bf16 x cast for the folds that hand x to cuBLAS as it is).
+RECON_COST_US = {"recon": {FOLD_NONE: 1.0, FOLD_OUT: 1.8, FOLD_IN: 1.8, FOLD_BOTH: 2.8, FOLD_BOTH16: 2.3},
+                 "prep": 2.2, "post": 1.4, "to_fp16": 0.9}
+_FOLD_PASSES = {FOLD_NONE: ("prep", "post"), FOLD_OUT: ("prep",), FOLD_IN: ("post", "to_fp16"),
+                FOLD_BOTH: ("to_fp16",), FOLD_BOTH16: ("to_fp16",)}
+
+
+def recon_cost(fold: int, m: int, k: int, n: int, dtype: torch.dtype = torch.float16) -> float:
+    """Predicted extra time (us) of the reconstruct path over the bare fp16 matmul, from ``RECON_COST_US``."""
+    size = {"prep": m * k, "post": m * n, "to_fp16": m * k if dtype != torch.float16 else 0}
+    return 1e-6 * (RECON_COST_US["recon"][fold] * k * n
+                   + sum(RECON_COST_US[p] * size[p] for p in _FOLD_PASSES[fold]))
+
 
 def choose_config(m: int, k: int, n: int, device: torch.device,
                   dtype: torch.dtype = torch.float16) -> GemmConfig | ReconConfig:
     """Heuristic per regime, from the H200 sweep (benchmarks/NOTES_gemm.md; ``EXL3_BENCH_SWEEP=1``).
 
-    m < RECON_MIN_M: the fused kernel, BM=16 and split-K to about four programs per SM, so that enough loads
-    are in flight; the input side by the prep kernel (the fused form was never faster), one pipeline stage
+    m <= 16: the fused kernel, BM=16 and split-K to about four programs per SM, so that enough loads are in
+    flight; the input side by the prep kernel (the fused form was never faster), one pipeline stage
     (Triton's shared-memory stages cost 2-3x here) and no register prefetch (its registers cost more
     occupancy than it hides).
-    m >= RECON_MIN_M: the reconstruct path. The activation-side pass it needs costs m x (the side's width),
-    so the wider side's Hadamard is folded into the weight: FOLD_IN when k >= n (its post pass is one
-    exact fp16 dot per output), FOLD_OUT when n > k or x is bf16 (cuBLAS needs fp16 x for FOLD_IN).
+    16 < m < RECON_MIN_M: the fused kernel with BM=64 and split-K to about two programs per SM.
+    m >= RECON_MIN_M: the reconstruct path, with the fold of least predicted cost (``recon_cost``): the
+    passes over the activations grow with m, the reconstruct kernel's cost with the folded Hadamards.
     """
     sms = _num_sms(device)
     asm = 2 if device.type == "cuda" else 0
     n_blocks = n // 128
     chunks = k // 128
     if m >= RECON_MIN_M:
-        fold = FOLD_IN if (k >= n and dtype == torch.float16) else FOLD_OUT
-        return ReconConfig(fold=fold, br=32, num_warps=4, asm=asm)
-    if m <= 64:
+        fold = min(_FOLDS, key=lambda f: recon_cost(f, m, k, n, dtype))
+        return ReconConfig(fold=fold, br=32 if fold == FOLD_NONE else 64, num_warps=4, asm=asm)
+    if m <= 16:
         split = max(1, min(chunks, -(-4 * sms // n_blocks)))
         return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
                           prefetch=False)
-    bm, bk = (128, 64) if m <= 128 else (256, 32)
-    m_blocks = -(-m // bm)
-    split = 1
-    if n_blocks * m_blocks < sms:
-        split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=bm, bk=bk, split=split, fuse_in=False, num_warps=8, num_stages=1, asm=asm, prefetch=True)
+    m_blocks = -(-m // 64)
+    split = max(1, min(chunks, -(-2 * sms // (n_blocks * m_blocks))))
+    return GemmConfig(bm=64, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm, prefetch=False)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
@@ -651,11 +700,11 @@ def fold_weight_reference(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.T
     if fold == FOLD_IN:
         v = (h @ q.float().reshape(k // 128, 128, n)).reshape(k, n)
         return ((v * HADAMARD_SCALE) * suh.float()[:, None]).half()
-    if fold == FOLD_BOTH:
+    if fold in (FOLD_BOTH, FOLD_BOTH16):
         from exl3tool.encode.decode import dequantize_tensors
 
         return dequantize_tensors(trellis, suh, svh, bits, codebook, torch.float64).half()
-    raise ValueError(f"fold must be one of 0..3, got {fold}")
+    raise ValueError(f"fold must be one of {_FOLDS}, got {fold}")
 
 
 def _check_triton_device(dev: torch.device) -> None:
@@ -679,8 +728,8 @@ def fold_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *, 
     x = torch.empty((0, k), dtype=torch.float16, device=trellis.device)
     _check_inputs(x, trellis, suh, svh, bits, codebook)
     _check_triton_device(trellis.device)
-    if fold not in (FOLD_NONE, FOLD_OUT, FOLD_IN, FOLD_BOTH):
-        raise ValueError(f"fold must be one of 0..3, got {fold}")
+    if fold not in _FOLDS:
+        raise ValueError(f"fold must be one of {_FOLDS}, got {fold}")
     cfg = config or ReconConfig(fold=fold, asm=2 if trellis.device.type == "cuda" else 0)
     return _fold_weight(trellis.contiguous().view(torch.int32), suh.contiguous(), svh.contiguous(), k,
                         16 * trellis.shape[1], bits, codebook, fold, cfg)
@@ -729,7 +778,7 @@ def _recon_matmul(x2d: torch.Tensor, words: torch.Tensor, suh: torch.Tensor, svh
         xin = _prep(x2d, suh, ieee)
     else:  # the input side is in w: x goes to cuBLAS as it is (fp16)
         xin = x2d.to(torch.float16)
-    if cfg.fold in (FOLD_OUT, FOLD_BOTH):
+    if cfg.fold in (FOLD_OUT, FOLD_BOTH, FOLD_BOTH16):
         _mm(xin, w, y)
         return
     y1 = torch.empty((m, n), dtype=torch.float16, device=x2d.device)
@@ -770,7 +819,7 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     svh_c = svh.contiguous()
     ieee = dev.type == "cpu" and INTERPRETER_EXACT_HADAMARD
     if isinstance(cfg, ReconConfig):
-        if cfg.fold not in (FOLD_NONE, FOLD_OUT, FOLD_IN, FOLD_BOTH):
+        if cfg.fold not in _FOLDS:
             raise ValueError(f"bad config {cfg}")
         _recon_matmul(x2d, words, suh_c, svh_c, k, n, bits, codebook, cfg, y, ieee)
         return y.reshape(*lead, n)
@@ -787,10 +836,13 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     else:
         ws = y  # unused
         cnt = _counters(dev, 1)
+    l2pf = 0
+    if cfg.l2_prefetch and not ieee:  # the interpreter runs no PTX
+        l2pf = triton.next_power_of_2(-(-(k // 128) // split) * 16 * bits)  # lines: chunks x 8 tile rows x 2K
     grid = (n_blocks, m_blocks, split)
     _gemm_kernel[grid](xin, words, suh_c, svh_c, had, y, ws, cnt, m, k, n, HADAMARD_SCALE,
                        K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split,
                        IEEE=ieee, ASM=0 if ieee else cfg.asm,
                        S1=1 if pair_block_bits(bits) == 2 else 2, PREFETCH=cfg.prefetch, TRANS=cfg.trans,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       L2PF=l2pf, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*lead, n)
