@@ -83,7 +83,7 @@ def path_of(cfg) -> str:
     """Short name of the path a config takes."""
     if isinstance(cfg, ReconConfig):
         return "recon/" + {FOLD_NONE: "q", FOLD_OUT: "out", FOLD_IN: "in", FOLD_BOTH: "w", FOLD_BOTH16: "w16"}[cfg.fold]
-    return "fused" + ("/t" if cfg.trans else "") + ("/l2" if cfg.l2_prefetch else "")
+    return "fused" + ("/t" if cfg.trans else "") + ("/l2" if cfg.l2_prefetch else "") + ("/fma" if cfg.fma else "")
 
 
 def _as_dict(cfg) -> dict:
@@ -113,6 +113,12 @@ def candidates(m: int, k: int, n: int) -> list:
                                       (32, 4, True, False, True)):
                 out.append(GemmConfig(bm=bm, bk=bk, split=split, fuse_in=False, num_warps=w, num_stages=1, asm=2,
                                       prefetch=pf, trans=tr, l2_prefetch=l2))
+    if m == 1:
+        for mult in (2, 4, 8):
+            split = max(1, min(ch, -(-mult * sms // nb)))
+            for bk, w, l2 in ((32, 4, False), (32, 4, True), (64, 4, False), (32, 8, False), (16, 4, False)):
+                out.append(GemmConfig(bm=16, bk=bk, split=split, fuse_in=False, num_warps=w, num_stages=1, asm=2,
+                                      prefetch=False, l2_prefetch=l2, fma=True))
     if m >= 64:
         out.append(ReconConfig(fold=FOLD_NONE, br=32, num_warps=4, asm=2))
         out.append(ReconConfig(fold=FOLD_NONE, br=64, num_warps=4, asm=2))

@@ -225,6 +225,11 @@ def _interp_cases() -> list[dict]:
                                            (3, 256, 256, 6, "mcg", "float16", 64), (4, 128, 256, 6, "mcg", "float16", 128))],
         dict(k=256, n=128, m=3, bits=6, cb="mcg", dtype="float16",
              cfg=dict(bm=16, bk=32, split=2, fuse_in=False, l2_prefetch=True)),  # the interpreter skips the PTX
+        # one row through fp32 FMAs instead of tl.dot, with split-K (an empty split too) and without
+        dict(k=640, n=256, m=1, bits=6, cb="mcg", dtype="float16",
+             cfg=dict(bm=16, bk=32, split=4, fuse_in=False, prefetch=False, fma=True)),
+        dict(k=256, n=128, m=1, bits=5, cb="mul1", dtype="bfloat16", mode="bf16split",
+             cfg=dict(bm=16, bk=64, split=1, fuse_in=False, prefetch=False, fma=True)),
         dict(k=256, n=128, m=128, bits=6, cb="mcg", dtype="float16", corrupt=True, dispatch="ReconConfig"),
         dict(k=128, n=256, m=130, bits=6, cb="mcg", dtype="bfloat16", dispatch="ReconConfig"),
         dict(k=128, n=128, m=64, bits=6, cb="mcg", dtype="float16", dispatch="GemmConfig"),
@@ -260,7 +265,7 @@ def test_interpreter_accuracy_and_corruption(interp_results):
         if r.get("corrupt") and not r["err_corrupt"] > 20 * bound:
             failures.append(dict(r, why="corruption not caught"))
     assert not failures, failures
-    assert sum(r.get("mode") == "bf16split" for r in interp_results) == 4
+    assert sum(r.get("mode") == "bf16split" for r in interp_results) == 5
 
 
 def test_interpreter_fold_weight_bit_exact(interp_results):
@@ -349,7 +354,7 @@ def test_sm90_offline_compile(regime):
                "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
                "HSCALE": "fp32"}
         const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,
-                     ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch, TRANS=cfg.trans, L2PF=0)
+                     ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch, TRANS=cfg.trans, L2PF=0, FMA=False)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         divisible = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)
     sig.update({name: "constexpr" for name in const})
@@ -481,6 +486,23 @@ def test_gpu_explicit_configs(name, m, dt):
     gen = torch.Generator().manual_seed(hash((name, m, str(dt))) & 0xFFFF)
     err = _gpu_case(640, 384, m, 6, "mcg", dt, gen, config=cfg)
     assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND_GPU), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("bk,split,l2", [(32, 5, False), (64, 3, True), (16, 1, False)])
+def test_gpu_fma_one_row(bk, split, l2, dt):
+    """The one-row FMA variant (m == 1 only; other m are refused)."""
+    from exl3tool.kernels.gemm import GemmConfig, trellis_matmul
+
+    cfg = GemmConfig(bm=16, bk=bk, split=split, fuse_in=False, num_stages=1, asm=2, prefetch=False,
+                     l2_prefetch=l2, fma=True)
+    gen = torch.Generator().manual_seed(bk + split)
+    err = _gpu_case(640, 384, 1, 6, "mcg", dt, gen, config=cfg)
+    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND_GPU), err
+    tr, suh, svh = _random_encode(640, 384, 6, gen, "cuda")
+    with pytest.raises(ValueError):
+        trellis_matmul(torch.randn(2, 640, device="cuda").half(), tr, suh, svh, bits=6, config=cfg)
 
 
 @pytest.mark.gpu

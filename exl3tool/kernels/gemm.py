@@ -422,7 +422,7 @@ if HAVE_TRITON:
                      K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
                      ASM: tl.constexpr, S1: tl.constexpr, PREFETCH: tl.constexpr, TRANS: tl.constexpr = False,
-                     L2PF: tl.constexpr = 0):
+                     L2PF: tl.constexpr = 0, FMA: tl.constexpr = False):
         """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
 
         FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
@@ -432,7 +432,9 @@ if HAVE_TRITON:
         left operand (the one tensor cores can take from registers) and the few rows of x the right one.
         L2PF > 0 (GPU only): before the K loop, the program asks for all its trellis words to be brought into
         L2 (``prefetch.global.L2``, one per 128-byte line, L2PF >= the program's line count), so that the
-        word gathers of the loop wait on L2 rather than on HBM.
+        word gathers of the loop wait on L2 rather than on HBM. FMA (M == 1, prepared input, no TRANS or
+        PREFETCH): the product is accumulated with fp32 FMAs in the decode's own layout, (BK, 128) partial sums
+        reduced once at the end, instead of tl.dot.
         """
         BN: tl.constexpr = 128
         WORDS: tl.constexpr = 8 * K_BITS
@@ -500,6 +502,15 @@ if HAVE_TRITON:
                     else:
                         acc = tl.dot(a, q, acc, out_dtype=tl.float32)
                     hi, lo, a, wb = hi_n, lo_n, a_n, wb_next
+            elif FMA:  # one row of x: no tensor cores, so no shared-memory staging and no barrier per step
+                acc2 = tl.zeros((BK, BN), dtype=tl.float32)
+                for k_it in range(c_start * 128, c_end * 128, BK):
+                    kk = tl.multiple_of(k_it, BK)
+                    xv = tl.load(x_ptr + kk + ibk).to(tl.float32)
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
+                    acc2 += q.to(tl.float32) * xv[:, None]
+                acc = tl.where(rm[:, None] == pid_m * BM, tl.sum(acc2, axis=0)[None, :], 0.0)
             else:
                 for k_it in range(c_start * 128, c_end * 128, BK):
                     kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
@@ -556,6 +567,7 @@ class GemmConfig:
     prefetch: bool = True  # prepared input: load step i + 1's words and x during step i's decode
     trans: bool = False  # prepared input: compute y^T = Q^T x^T (the weight as the dot's left operand)
     l2_prefetch: bool = False  # GPU: prefetch the program's trellis words into L2 before its K loop
+    fma: bool = False  # one row only (m == 1): fp32 FMAs instead of tensor cores (no prefetch, no trans)
 
 
 # What the reconstruct kernel folds into the fp16 weight it writes (``ReconConfig.fold``)
@@ -617,8 +629,8 @@ RECON_MIN_M = 128
 # benchmarks/results/, NOTES_gemm.md): the reconstruct kernel per weight for each fold, then the passes over
 # the activations that the fold leaves (prep: x's input side, per element of x; post: y's output side, per
 # element of y; to_fp16: bf16 x cast for the folds that hand x to cuBLAS as it is).
-RECON_COST_US = {"recon": {FOLD_NONE: 1.0, FOLD_OUT: 1.8, FOLD_IN: 1.8, FOLD_BOTH: 2.8, FOLD_BOTH16: 2.3},
-                 "prep": 2.2, "post": 1.4, "to_fp16": 0.9}
+RECON_COST_US = {"recon": {FOLD_NONE: 0.88, FOLD_OUT: 1.72, FOLD_IN: 1.64, FOLD_BOTH: 2.77, FOLD_BOTH16: 2.09},
+                 "prep": 1.28, "post": 1.45, "to_fp16": 1.0}
 _FOLD_PASSES = {FOLD_NONE: ("prep", "post"), FOLD_OUT: ("prep",), FOLD_IN: ("post", "to_fp16"),
                 FOLD_BOTH: ("to_fp16",), FOLD_BOTH16: ("to_fp16",)}
 
@@ -638,7 +650,8 @@ def choose_config(m: int, k: int, n: int, device: torch.device,
     flight; the input side by the prep kernel (the fused form was never faster), one pipeline stage
     (Triton's shared-memory stages cost 2-3x here) and no register prefetch (its registers cost more
     occupancy than it hides).
-    16 < m < RECON_MIN_M: the fused kernel with BM=64 and split-K to about two programs per SM.
+    16 < m < RECON_MIN_M: the fused kernel with BM=64, BK=64, split-K to about four programs per SM and the
+    L2 prefetch of the words.
     m >= RECON_MIN_M: the reconstruct path, with the fold of least predicted cost (``recon_cost``): the
     passes over the activations grow with m, the reconstruct kernel's cost with the folded Hadamards.
     """
@@ -654,8 +667,9 @@ def choose_config(m: int, k: int, n: int, device: torch.device,
         return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
                           prefetch=False)
     m_blocks = -(-m // 64)
-    split = max(1, min(chunks, -(-2 * sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=64, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm, prefetch=False)
+    split = max(1, min(chunks, -(-4 * sms // (n_blocks * m_blocks))))
+    return GemmConfig(bm=64, bk=64, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm, prefetch=False,
+                      l2_prefetch=True)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
@@ -825,6 +839,8 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
         return y.reshape(*lead, n)
     if 128 % cfg.bk or cfg.bm < 16 or (cfg.trans and cfg.fuse_in):
         raise ValueError(f"bad config {cfg}")
+    if cfg.fma and (m != 1 or cfg.trans or cfg.fuse_in or cfg.prefetch):
+        raise ValueError(f"config {cfg}: fma needs m == 1 and the plain prepared-input loop")
     had = _hadamard_bf16(dev)
     n_blocks = n // 128
     m_blocks = -(-m // cfg.bm)
@@ -844,5 +860,5 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
                        K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split,
                        IEEE=ieee, ASM=0 if ieee else cfg.asm,
                        S1=1 if pair_block_bits(bits) == 2 else 2, PREFETCH=cfg.prefetch, TRANS=cfg.trans,
-                       L2PF=l2pf, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       L2PF=l2pf, FMA=cfg.fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*lead, n)
