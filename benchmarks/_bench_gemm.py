@@ -114,9 +114,9 @@ def candidates(m: int, k: int, n: int) -> list:
                 out.append(GemmConfig(bm=bm, bk=bk, split=split, fuse_in=False, num_warps=w, num_stages=1, asm=2,
                                       prefetch=pf, trans=tr, l2_prefetch=l2))
     if m == 1:
-        for mult in (2, 4, 8):
+        for mult in (4, 8, 16):
             split = max(1, min(ch, -(-mult * sms // nb)))
-            for bk, w, l2 in ((32, 4, False), (32, 4, True), (64, 4, False), (32, 8, False), (16, 4, False)):
+            for bk, w, l2 in ((32, 4, False), (32, 4, True), (64, 4, True)):
                 out.append(GemmConfig(bm=16, bk=bk, split=split, fuse_in=False, num_warps=w, num_stages=1, asm=2,
                                       prefetch=False, l2_prefetch=l2, fma=True))
     if m >= 64:

@@ -287,7 +287,8 @@ def test_choose_config_dispatch():
                                        choose_config, recon_cost)
 
     cpu = torch.device("cpu")
-    assert choose_config(1, 14336, 4096, cpu).bm == 16
+    assert choose_config(1, 14336, 4096, cpu).fma and choose_config(1, 14336, 4096, cpu).l2_prefetch
+    assert choose_config(2, 14336, 4096, cpu).bm == 16 and not choose_config(2, 14336, 4096, cpu).fma
     assert choose_config(RECON_MIN_M - 1, 4096, 4096, cpu).bm == 64
     assert isinstance(choose_config(RECON_MIN_M - 1, 4096, 4096, cpu), GemmConfig)
     for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
@@ -330,7 +331,7 @@ def test_sm90_offline_compile(regime):
     except Exception as exc:  # pragma: no cover - depends on the installed triton
         pytest.skip(f"offline compile API unavailable: {exc}")
 
-    m, k, n = (1, 4096, 4096) if regime.startswith("small_m") else (4096, 4096, 14336)
+    m, k, n = {"small_m": (1, 4096, 4096), "small_m_trans": (16, 4096, 4096), "large_m": (4096, 4096, 14336)}[regime]
     orig = g._num_sms
     g._num_sms = lambda dev: 132  # choose_config reads the SM count only on CUDA: mirror the H200's
     try:
@@ -354,7 +355,9 @@ def test_sm90_offline_compile(regime):
                "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
                "HSCALE": "fp32"}
         const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,
-                     ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch, TRANS=cfg.trans, L2PF=0, FMA=False)
+                     ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch, TRANS=cfg.trans,
+                     L2PF=triton.next_power_of_2(-(-(k // 128) // cfg.split) * 96) if cfg.l2_prefetch else 0,
+                     FMA=cfg.fma)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         divisible = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)
     sig.update({name: "constexpr" for name in const})
