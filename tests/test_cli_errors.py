@@ -151,7 +151,7 @@ def test_unwritable_cache_fails_in_one_line_before_any_encode(model, tmp_path, c
     code, out, err = run(["cache", "warm", str(model), "--layers", "*.o_proj", "--cache-dir", str(root), *ENC], capsys)
     assert code == 2
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert lines[-1].startswith(f"error: cache directory {root}") and ("not a directory" in lines[-1])
+    assert lines[-1].startswith(f"error: cache directory {root}") and ("not a directory" in lines[-1].lower())
     assert "encoded" not in out and blocker.read_text() == "not a directory"
 
 
