@@ -647,8 +647,8 @@ def choose_config(m: int, k: int, n: int, device: torch.device,
     """Heuristic per regime, from the H200 sweep (benchmarks/NOTES_gemm.md; ``EXL3_BENCH_SWEEP=1``).
 
     m == 1: the fused kernel's FMA form (no tensor cores, so no shared-memory staging and no barrier per
-    step: 20-25 % faster than tl.dot at one row), split-K to about eight programs per SM, the words
-    prefetched into L2.
+    step: 20-30 % faster than tl.dot at one row), split-K to about sixteen programs per SM (as many as there
+    are 128-row chunks), the words prefetched into L2.
     2 <= m <= 16: the fused kernel, BM=16 and split-K to about four programs per SM, so that enough loads are in
     flight; the input side by the prep kernel (the fused form was never faster), one pipeline stage
     (Triton's shared-memory stages cost 2-3x here) and no register prefetch (its registers cost more
@@ -666,7 +666,7 @@ def choose_config(m: int, k: int, n: int, device: torch.device,
         fold = min(_FOLDS, key=lambda f: recon_cost(f, m, k, n, dtype))
         return ReconConfig(fold=fold, br=32 if fold == FOLD_NONE else 64, num_warps=4, asm=asm)
     if m == 1:
-        split = max(1, min(chunks, -(-8 * sms // n_blocks)))
+        split = max(1, min(chunks, -(-16 * sms // n_blocks)))
         return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
                           prefetch=False, l2_prefetch=True, fma=True)
     if m <= 16:
