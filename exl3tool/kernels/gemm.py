@@ -1,15 +1,21 @@
-"""Fused EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (spec 1.4), Q decoded in-kernel.
+"""EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (spec 1.4), in Triton.
 
-Q is never written to memory: each program loads the packed u32 words of the tiles it needs as one aligned word
-pair per block of 2-4 consecutive trellis positions (spec 4.5), cuts each 16-bit state out of its pair with one
-64-bit shift, decodes it with the codebook (spec 3) and feeds the block to tl.dot with fp32 accumulation. The
-input side (x * suh, 128-point Hadamard) is done by a small prep kernel (the GEMM would otherwise redo it for
-every column block) or, on request, fused into the GEMM. The output side (Hadamard, * svh, cast) is always fused
-into the epilogue; split-K partials are reduced by the last program of each output block (serial reduction
-through a counter, in a fixed order), so no extra launch is needed for the reduction either.
+Two paths, chosen by ``choose_config`` (``trellis_matmul`` is the entry point):
 
-Hadamards run on tensor cores against the exact +-1 matrix, with the fp32 operand split into two bf16 parts
-(16 mantissa bits, full fp32 range: no overflow for any finite fp32 value).
+- Fused (m < RECON_MIN_M): Q is never written to memory. Each program loads the packed u32 words of the tiles
+  it needs as one aligned word pair per block of 2-4 consecutive trellis positions (spec 4.5), cuts each 16-bit
+  state out of its pair with one 64-bit shift, decodes it with the codebook (spec 3) and feeds the block to
+  tl.dot with fp32 accumulation (at m = 1: fp32 FMAs instead). The input side (x * suh, 128-point Hadamard) is
+  done by a small prep kernel (the GEMM would otherwise redo it for every column block) or, on request, fused
+  into the GEMM. The output side (Hadamard, * svh, cast) is always fused into the epilogue; split-K partials
+  are reduced by the last program of each output block (serial reduction through a counter, in a fixed
+  order), so no extra launch is needed for the reduction either.
+- Reconstruct (m >= RECON_MIN_M): ``_recon_kernel`` writes an fp16 weight (Q with none, one or both Hadamard
+  sides folded in, ``ReconConfig.fold``), torch.mm (cuBLAS) multiplies, and the prep / post kernels do the
+  sides that are not folded.
+
+Hadamards run on tensor cores against the exact +-1 matrix: fp16 operands where they are exact (fp16 x, Q,
+fp16 y1), otherwise the fp32 operand split into two bf16 parts (16 mantissa bits, full fp32 range).
 """
 
 from __future__ import annotations
