@@ -26,7 +26,7 @@ from filelock import Timeout
 
 from exl3tool.cache import CacheKey, CacheStore, Claim, LoadResult, entry_path
 from exl3tool.cache.entry import check_fresh_encode
-from exl3tool.checkpoint import Checkpoint, LayerPlan, RankJob, encoder_input, rank_local_weight
+from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob, encoder_input, rank_local_weight
 from exl3tool.encode.encoded import EncodedLinear
 
 __all__ = [
@@ -71,6 +71,8 @@ class WarmPlan:
     cache_root: Path
     mode: str
     jobs: tuple[WarmJob, ...]
+    layer_plan: Optional[LayerPlan] = field(default=None, compare=False, repr=False)  # overlay, kind, excluded
+    fetch: Optional[FetchInfo] = None  # what a selective Hub download fetched
 
     def count(self, state: str) -> int:
         return sum(1 for j in self.jobs if j.state == state)
@@ -161,7 +163,8 @@ def build_plan(
                                 entry_path(key, store.root), state, reason, rj))
     return WarmPlan(
         model=checkpoint.model, model_identity=model_identity, encoder_identity=encoder_identity, bits=bits,
-        tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs),
+        tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs), layer_plan=layer_plan,
+        fetch=checkpoint.fetch,
     )
 
 
@@ -607,6 +610,7 @@ class WarmRequest:
     dtype: Optional[str] = None
     file_mode: int = 0o600
     overlap: bool = True
+    quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
@@ -615,14 +619,18 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
     Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix.
     """
     from exl3tool.cache import cache_root, encoder_settings, resolve_encoder_identity, resolve_model_identity
-    from exl3tool.checkpoint import open_checkpoint, plan_layers
+    from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch
     from exl3tool.errors import ConfigError
 
     if not 1 <= request.bits <= 8:
         raise ConfigError(f"--bits {request.bits}: must be from 1 to 8 (the server accepts 3 to 8)")
     if any(t < 1 for t in request.tp_sizes):
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
-    checkpoint = open_checkpoint(request.model, revision=request.revision)
+    overlay = resolve_overlay(request.quantization_config, shared_experts=request.shared_experts)
+    layers, exclude = list(request.layers) or None, list(request.exclude) or None
+    checkpoint = open_checkpoint(  # a Hub download fetches only the shards holding planned tensors
+        request.model, revision=request.revision,
+        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude))
     mode = request.mode
     if mode == "off":
         model_id = encoder_id = "cache-disabled"
@@ -633,8 +641,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
             request.model, revision=request.revision, server_path=request.server_path,
             commit_hash=checkpoint.commit_hash,
         ).identity
-    layer_plan = plan_layers(checkpoint, layers=list(request.layers) or None, exclude=list(request.exclude) or None,
-                             shared_experts=request.shared_experts)
+    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude)
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
