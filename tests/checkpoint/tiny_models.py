@@ -274,3 +274,29 @@ def write_glm53(path: Path, *, scope: bool = False, text: dict | None = None, **
             b.linear(f"{p}.mlp.shared_experts.down_proj", h, s)
     b.linear("lm_head", 64, h)
     return b.write(path, cfg, storage=not scope, **kw)
+
+
+def write_mla_from_config(path: Path, config: dict, *, header_only: bool = True, shards: int = 8) -> Path:
+    """A DeepSeek-V2/V3-style EXL3 checkpoint of ``config``'s real size: BF16 attention, dense MLPs and shared
+    experts as header-only shards; every routed expert stored as EXL3 (tensor_storage records only)."""
+    cfg = copy.deepcopy(config)
+    cfg["quantization_config"] = dict(EXL3_SUMMARY)
+    b = Builder()
+    h = cfg["hidden_size"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        mla_attention(b, p, cfg)
+        if i < cfg["first_k_dense_replace"]:
+            for proj, shape in (("gate_proj", (cfg["intermediate_size"], h)), ("up_proj", (cfg["intermediate_size"], h)),
+                                ("down_proj", (h, cfg["intermediate_size"]))):
+                b.linear(f"{p}.mlp.{proj}", *shape)
+        else:
+            s = cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
+            b.linear(f"{p}.mlp.shared_experts.gate_proj", s, h)
+            b.linear(f"{p}.mlp.shared_experts.up_proj", s, h)
+            b.linear(f"{p}.mlp.shared_experts.down_proj", h, s)
+            m = cfg["moe_intermediate_size"]
+            for e in range(cfg["n_routed_experts"]):
+                for proj, (o, k) in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
+                    b.storage[f"{p}.mlp.experts.{e}.{proj}"] = exl3_record(f"{p}.mlp.experts.{e}.{proj}", k, o)
+    return b.write(path, cfg, shards=shards, header_only=header_only)
