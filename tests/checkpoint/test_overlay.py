@@ -147,3 +147,17 @@ def test_tensors_to_fetch_reads_only_planned_sources(tmp_path):
     # the same checkpoint without the EXL3 marker is refused anyway: nothing to fetch
     config.pop("quantization_config")
     assert tensors_to_fetch(d, config, names, None) == set()
+
+
+def test_unknown_architecture_generic_mode(tmp_path):
+    from exl3tool.checkpoint import plan_layers, write_checkpoint
+
+    d = write_checkpoint(tmp_path / "bert", {"architectures": ["BertModel"], "hidden_size": 128},
+                         [("embeddings.word_embeddings.weight", (64, 128)),
+                          ("encoder.layer.0.attention.self.query.weight", (128, 128)),
+                          ("encoder.layer.0.output.dense.weight", (128, 256))])
+    with pytest.raises(ConfigError, match="BertModel has no known layer plan"):
+        plan_layers(open_checkpoint(str(d)))
+    plan = plan_layers(open_checkpoint(str(d)), layers=["encoder.layer.0.*"])
+    assert [x.prefix for x in plan.layers] == ["encoder.layer.0.attention.self.query", "encoder.layer.0.output.dense"]
+    assert not plan.server_lookup and "the server will not look them up" in plan.notes[0]
