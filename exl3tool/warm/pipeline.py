@@ -1,0 +1,325 @@
+"""Running a warm plan: encode this worker's share of the pending jobs and publish each through the store.
+
+Misses are encoded in order of decreasing tile count and published through the cache store, which makes
+concurrent writers (other processes, other hosts on a shared cache) safe. By default reading the next weights
+and publishing run on background threads while the calling thread encodes (``run_plan(overlap=True)``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+from filelock import Timeout
+
+from exl3tool.cache import CacheStore, Claim, LoadResult
+from exl3tool.cache.entry import check_fresh_encode
+from exl3tool.checkpoint import Checkpoint, encoder_input, rank_local_weight
+from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.errors import describe
+from exl3tool.warm.plan import WarmJob, WarmPlan, share_jobs
+from exl3tool.warm.results import JobResult, job_result
+
+__all__ = ["EncodeFn", "TilesFn", "run_plan"]
+
+
+EncodeFn = Callable[..., EncodedLinear]  # (weight, bits, seed, device) [, progress=callable(tiles)]
+TilesFn = Callable[[WarmJob, int], None]
+
+
+def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device,
+                    progress: Optional[Callable[[int], None]] = None) -> EncodedLinear:
+    from exl3tool.encode import encode_linear
+
+    return encode_linear(weight.to(device), bits=bits, seed=seed, device=device, progress=progress)
+
+
+def _call_encode(encode: EncodeFn, job: WarmJob, weight: torch.Tensor, bits: int, device: torch.device,
+                 on_tiles: Optional[TilesFn]) -> EncodedLinear:
+    """``encode`` for ``job``; with ``on_tiles`` it also reports tiles as they are quantized (``progress=``)."""
+    if on_tiles is None:
+        return encode(weight, bits, job.key.seed, device)
+    return encode(weight, bits, job.key.seed, device, progress=lambda n: on_tiles(job, n))
+
+
+def run_plan(
+    plan: WarmPlan,
+    checkpoint: Checkpoint,
+    store: CacheStore,
+    *,
+    device: torch.device,
+    worker: int = 0,
+    workers: int = 1,
+    todo: Optional[list[WarmJob]] = None,
+    dtype: Optional[torch.dtype] = None,
+    on_start: Optional[Callable[[WarmJob], None]] = None,
+    on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
+    encode: EncodeFn = _default_encode,
+    overlap: bool = True,
+    on_tiles: Optional[TilesFn] = None,
+) -> list[JobResult]:
+    """Encode this worker's share of the pending jobs; worker 0 also reports every other job once.
+
+    ``todo`` is the pending list every worker agrees on (worker 0's plan under torchrun, see
+    ``agreed_todo``); by default this plan's own. A job that fails (unreadable weight, non-finite values,
+    encoder error) is recorded with its error and the others still run; nothing partial is ever
+    published (the store writes atomically).
+
+    ``overlap`` (default) keeps the device busy: a background thread reads and checks the next jobs' weights
+    (at most two ahead) and another publishes (hash, write, fsync, rename) while the calling thread encodes
+    the next job. Encodes still run one at a time, in job order, on the calling thread, and so do the
+    callbacks; results and published bytes are the same as without overlap.
+
+    ``on_tiles(job, n)`` (on the calling thread) hears of every n tiles quantized inside a job's encode, for
+    progress bars that move during a long layer; ``encode`` must then take a ``progress`` keyword.
+    """
+    todo = plan.todo if todo is None else todo
+    pending = {j.digest for j in todo}
+    results: list[JobResult] = []
+    if worker == 0:
+        for job in plan.jobs:
+            if job.state == "skipped":
+                results.append(job_result(job, "skipped", worker, error=job.reason))
+            elif job.digest not in pending:
+                results.append(job_result(job, "hit", worker, path=str(job.path)))
+    mine = share_jobs(todo, worker, workers)
+    if overlap and mine:
+        pipeline = _Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles)
+        results.extend(pipeline.run(mine))
+        return results
+    for job in mine:
+        if on_start:
+            on_start(job)
+        result = _run_job(job, plan, checkpoint, store, device, worker, dtype, encode, on_tiles)
+        results.append(result)
+        if on_done:
+            on_done(job, result)
+    return results
+
+
+def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """The encoder's input for ``job``: the rank-local weight, transposed to float32 and checked finite."""
+    weight = encoder_input(rank_local_weight(checkpoint, job.rank_job, dtype=dtype))
+    if not torch.isfinite(weight).all():
+        bad = int((~torch.isfinite(weight)).sum())
+        raise ValueError(f"{bad} non-finite weight values in the rank-local weight; nothing was published")
+    return weight
+
+
+def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode, on_tiles=None) -> JobResult:
+    return _through_store(job, store, worker, lambda: _call_encode(
+        encode, job, _prepare_input(job, checkpoint, dtype), plan.bits, device, on_tiles))
+
+
+def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Callable[[], EncodedLinear]) -> JobResult:
+    """``store.load_or_encode`` for one job, as a result: a failed layer never stops the warm."""
+    start = time.perf_counter()
+    try:
+        loaded = store.load_or_encode(job.key, encode_fn)
+    except Exception as exc:
+        return _failed(job, worker, exc, time.perf_counter() - start)
+    return _loaded_result(job, loaded, store, worker, time.perf_counter() - start)
+
+
+_PUBLISH_FAILED = "encoded, but publishing failed (lock timeout or OS error on the cache); nothing was written"
+
+
+def _failed(job: WarmJob, worker: int, exc: BaseException, seconds: float) -> JobResult:
+    return job_result(job, "failed", worker, seconds=seconds, error=describe(exc))
+
+
+def _loaded_result(job: WarmJob, loaded: LoadResult, store: CacheStore, worker: int, seconds: float) -> JobResult:
+    if loaded.hit:  # another process published it meanwhile
+        return job_result(job, "hit", worker, path=str(loaded.path), seconds=seconds, proxy_error=loaded.proxy_error)
+    size = loaded.path.stat().st_size if loaded.path is not None and loaded.path.exists() else 0
+    status = "encoded" if (loaded.path is not None or store.mode != "readwrite") else "failed"
+    error = "" if status == "encoded" else _PUBLISH_FAILED
+    return job_result(job, status, worker, path=str(loaded.path) if loaded.path else None, seconds=seconds,
+                   bytes_=size, proxy_error=loaded.proxy_error, error=error)
+
+
+class _Prefetcher:
+    """Reads and checks the jobs' encoder inputs on a background thread, at most ``depth + 1`` jobs ahead.
+
+    ``next()`` hands them out in job order as ``(job, weight, error)``; a job whose input could not be
+    prepared carries the exception instead of a weight.
+    """
+
+    def __init__(self, jobs: list[WarmJob], prepare: Callable[[WarmJob], torch.Tensor], depth: int = 1) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(list(jobs), prepare), name="exl3tool-prefetch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, jobs: list[WarmJob], prepare: Callable[[WarmJob], torch.Tensor]) -> None:
+        for job in jobs:
+            if self._stop.is_set():
+                return
+            try:
+                item = (job, prepare(job), None)
+            except BaseException as exc:  # becomes that job's failure, reported by the main thread
+                item = (job, None, exc)
+            while True:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def next(self) -> tuple[WarmJob, Optional[torch.Tensor], Optional[BaseException]]:
+        while True:
+            try:
+                return self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the prefetch thread stopped early") from None
+
+    def close(self) -> None:
+        """Stop reading ahead, wait for the thread and drop what it had prepared."""
+        self._stop.set()
+        while self._thread.is_alive():
+            self._drain()
+            self._thread.join(0.1)
+        self._drain()
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+
+
+class _Pipeline:
+    """``run_plan`` with overlap: prefetch thread, encodes on the calling thread, one publishing thread.
+
+    In readwrite mode each job follows ``CacheStore.load_or_encode``'s protocol step by step: the unlocked
+    look-up (``cached``), the entry lock and the re-check under it (``claim``), the encode, then
+    ``publish_claimed`` on the publishing thread, which writes and releases the lock. Other modes call
+    ``load_or_encode`` itself. Results and callbacks stay in job order on the calling thread.
+    """
+
+    MAX_PUBLISHES = 2  # claimed entries in flight (being written or waiting): bounds held locks and memory
+
+    def __init__(self, plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles=None) -> None:
+        self.plan, self.checkpoint, self.store, self.device = plan, checkpoint, store, device
+        self.worker, self.dtype, self.encode = worker, dtype, encode
+        self.on_start, self.on_done, self.on_tiles = on_start, on_done, on_tiles
+        self.pending: deque[tuple[WarmJob, Future]] = deque()
+        self.results: list[JobResult] = []
+
+    def run(self, jobs: list[WarmJob]) -> list[JobResult]:
+        prefetch = _Prefetcher(jobs, lambda job: _prepare_input(job, self.checkpoint, self.dtype))
+        publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exl3tool-publish")
+        try:
+            for job in jobs:
+                got, weight, error = prefetch.next()
+                assert got is job, "prefetch out of order"
+                self._finish_ready()
+                if self.on_start:
+                    self.on_start(job)
+                if self.store.mode == "readwrite":
+                    outcome = self._claim_and_encode(job, weight, error, publisher)
+                else:
+                    outcome = self._load_or_encode(job, weight, error)
+                del weight
+                if not isinstance(outcome, Future):
+                    outcome = _done(outcome)
+                self.pending.append((job, outcome))
+                self._finish_ready()
+            self._finish_ready(wait=True)
+        finally:
+            prefetch.close()
+            publisher.shutdown(wait=True)  # in-flight publishes complete and release their locks
+        return self.results
+
+    def _finish_ready(self, wait: bool = False) -> None:
+        """Report finished jobs in order (results, ``on_done``), on this thread; ``wait`` for all of them."""
+        while self.pending and (wait or self.pending[0][1].done()):
+            job, fut = self.pending.popleft()
+            result = fut.result()
+            self.results.append(result)
+            if self.on_done:
+                self.on_done(job, result)
+
+    def _encode(self, job: WarmJob, weight: torch.Tensor) -> EncodedLinear:
+        return _call_encode(self.encode, job, weight, self.plan.bits, self.device, self.on_tiles)
+
+    def _load_or_encode(self, job, weight, error) -> JobResult:
+        def encode_fn():
+            if error is not None:
+                raise error
+            return self._encode(job, weight)
+
+        return _through_store(job, self.store, self.worker, encode_fn)
+
+    def _claim_and_encode(self, job, weight, error, publisher: ThreadPoolExecutor):
+        store, worker = self.store, self.worker
+        start = time.perf_counter()
+        try:
+            hit = store.cached(job.key)
+        except Exception as exc:
+            return _failed(job, worker, exc, time.perf_counter() - start)
+        if hit is not None:
+            return _loaded_result(job, hit, store, worker, time.perf_counter() - start)
+        claimed: Optional[Claim] = None
+        try:
+            got = store.claim(job.key, cross_thread=True)
+        except (Timeout, OSError) as exc:  # encode without the cache, as load_or_encode does
+            store.note_unavailable(job.key, exc)
+        else:
+            if isinstance(got, LoadResult):  # another process published it meanwhile
+                return _loaded_result(job, got, store, worker, time.perf_counter() - start)
+            claimed = got
+        try:
+            if error is not None:
+                raise error
+            encoded = self._encode(job, weight)
+            encoded = replace(encoded, **encoded.tensors())  # copied to the CPU here: publishing never touches the device
+            check_fresh_encode(job.key, encoded.tensors(), encoded.proxy_error)
+        except Exception as exc:
+            if claimed is not None:
+                claimed.release()
+            return _failed(job, worker, exc, time.perf_counter() - start)
+        except BaseException:
+            if claimed is not None:
+                claimed.release()
+            raise
+        if claimed is None:
+            return job_result(job, "failed", worker, seconds=time.perf_counter() - start,
+                           proxy_error=encoded.proxy_error, error=_PUBLISH_FAILED)
+        encode_seconds = time.perf_counter() - start
+        while sum(not f.done() for _, f in self.pending) >= self.MAX_PUBLISHES:
+            next(f for _, f in self.pending if not f.done()).result()
+            self._finish_ready()
+        try:
+            return publisher.submit(self._publish, job, claimed, encoded, encode_seconds)
+        except BaseException:
+            claimed.release()
+            raise
+
+    def _publish(self, job: WarmJob, claimed: Claim, encoded: EncodedLinear, encode_seconds: float) -> JobResult:
+        """On the publishing thread: write and release; never raises."""
+        start = time.perf_counter()
+        try:
+            loaded = self.store.publish_claimed(claimed, encoded)
+            return _loaded_result(job, loaded, self.store, self.worker, encode_seconds + time.perf_counter() - start)
+        except BaseException as exc:  # e.g. releasing the lock failed; the claim is released either way
+            claimed.release()
+            return job_result(job, "failed", self.worker, seconds=encode_seconds + time.perf_counter() - start,
+                           proxy_error=encoded.proxy_error, error=f"{_PUBLISH_FAILED} ({describe(exc)})")
+
+
+def _done(result: JobResult) -> Future:
+    fut: Future = Future()
+    fut.set_result(result)
+    return fut

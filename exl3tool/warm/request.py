@@ -1,0 +1,160 @@
+"""The whole job as one library call (what ``exl3tool encode`` and ``exl3tool cache warm`` run).
+
+``prepare`` opens the checkpoint, resolves both identities and plans; ``warm`` runs the plan on this process's
+device, under torchrun on its share, and returns the summary on worker 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from exl3tool.cache import CacheStore
+from exl3tool.warm.distributed import (
+    DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
+)
+from exl3tool.warm.pipeline import run_plan
+from exl3tool.warm.plan import WarmJob, WarmPlan, build_plan
+from exl3tool.warm.results import JobResult, WarmSummary, summarize
+
+__all__ = ["WarmRequest", "prepare", "resolve_device", "warm"]
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """`auto` is this process's GPU (LOCAL_RANK under torchrun) when CUDA is present, else the CPU.
+
+    A bare `cuda` gets the same index as `auto` would, so the result always names one GPU (which
+    ``torch.cuda.set_device`` and the per-device kernel caches need).
+    """
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {spec!r} is not a device (use auto, cpu, cuda or cuda:N)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: CUDA is not available on this machine (use --device cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: only cpu and cuda devices are supported")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if dev.index is None:
+            return torch.device("cuda", local_rank % count)
+        if dev.index >= count:
+            raise ValueError(f"--device {spec}: this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1})")
+    return dev
+
+
+
+@dataclass(frozen=True)
+class WarmRequest:
+    """Everything a warm needs; the CLI fills it from options and environment."""
+
+    model: str
+    tp_sizes: tuple[int, ...] = (1,)
+    tp_ranks: Optional[tuple[int, ...]] = None
+    bits: int = 6
+    revision: Optional[str] = None
+    layers: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    shared_experts: bool = False
+    cache_dir: Optional[str] = None
+    mode: str = "readwrite"
+    device: str = "auto"
+    encoder_root: Optional[str] = None
+    encoder_revision: Optional[str] = None
+    server_path: Optional[str] = None
+    dtype: Optional[str] = None
+    file_mode: int = 0o600
+    overlap: bool = True
+    quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
+
+
+def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
+    """Open the checkpoint, resolve both identities, plan the layers and look every job up.
+
+    Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix.
+    """
+    from exl3tool.cache import cache_root, encoder_settings, resolve_encoder_identity, resolve_model_identity
+    from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch
+    from exl3tool.errors import ConfigError
+
+    if not 1 <= request.bits <= 8:
+        raise ConfigError(f"--bits {request.bits}: must be from 1 to 8 (the server accepts 3 to 8)")
+    if any(t < 1 for t in request.tp_sizes):
+        raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
+    overlay = resolve_overlay(request.quantization_config, shared_experts=request.shared_experts)
+    layers, exclude = list(request.layers) or None, list(request.exclude) or None
+    checkpoint = open_checkpoint(  # a Hub download fetches only the shards holding planned tensors
+        request.model, revision=request.revision,
+        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude))
+    mode = request.mode
+    if mode == "off":
+        model_id = encoder_id = "cache-disabled"
+    else:
+        settings = encoder_settings(request.encoder_root, request.encoder_revision, environ=environ)
+        encoder_id = resolve_encoder_identity(settings.root, settings.revision).identity
+        model_id = resolve_model_identity(
+            request.model, revision=request.revision, server_path=request.server_path,
+            commit_hash=checkpoint.commit_hash,
+        ).identity
+    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude)
+    if request.exclude and not layer_plan.layers:
+        raise ConfigError(f"{checkpoint.model}: --exclude {' '.join(repr(g) for g in request.exclude)} leaves no layer "
+                          "to encode; nothing to do (narrow the globs)")
+    root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    store = CacheStore(root_dir, mode, file_mode=request.file_mode)
+    plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
+                      model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks)
+    return checkpoint, plan, store
+
+
+
+def warm(
+    request: WarmRequest,
+    *,
+    environ: Optional[dict] = None,
+    on_start: Optional[Callable[[WarmJob], None]] = None,
+    on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
+    on_plan: Optional[Callable[[WarmPlan, DistributedContext, list[WarmJob]], None]] = None,
+    on_tiles: Optional[Callable[[WarmJob, int], None]] = None,
+) -> Optional[WarmSummary]:
+    """Plan and run a warm; under torchrun each process runs its share and worker 0 returns the summary.
+
+    Under torchrun, which sets OMP_NUM_THREADS=1, host-side torch ops get cpu_count / LOCAL_WORLD_SIZE threads
+    per process; EXL3TOOL_THREADS=N sets the count (see ``host_threads``).
+    """
+    start = time.perf_counter()
+    ctx = distributed_context()
+    threads = host_threads(ctx.initialised)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    checkpoint, plan, store = prepare(request, environ=environ)
+    device = resolve_device(request.device, ctx.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
+    dtype = getattr(torch, request.dtype) if request.dtype else None
+    todo = agreed_todo(ctx, plan)
+    if todo and store.mode == "readwrite":
+        store.check_writable()  # fail in a second, not after encoding every layer
+    if on_plan:
+        on_plan(plan, ctx, todo)
+    results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
+                       dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
+                       on_tiles=on_tiles)
+    gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
+    if ctx.initialised:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if gathered is None:
+        return None
+    everything, stats = gathered
+    summary = summarize(plan, everything, device=str(device), workers=ctx.workers, seconds=time.perf_counter() - start)
+    return replace(summary, worker_stats=stats)
