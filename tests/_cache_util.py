@@ -103,3 +103,57 @@ def tree(root) -> dict[str, tuple]:
             digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() and not p.is_symlink() else None
             out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
     return out
+
+
+def server_model_identity(model_name: str, revision: str | None = None, commit_hash: str | None = None) -> str:
+    """The server's model identity (spec §2.4), re-implemented with pathlib as the serving process runs it.
+
+    Run it on the *server's* tree: paths, links, sizes and mtimes are read from the filesystem here.
+    """
+    rev = commit_hash or revision
+    p = Path(model_name).expanduser()
+    if not p.exists():
+        assert rev, "the server fails closed without a revision"
+        payload = {"kind": "hub", "model": model_name, "revision": rev}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    p = p.resolve()
+    if p.is_file():
+        st = p.stat()
+        payload = {"kind": "file", "path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if st.st_size <= 16 * 1024 * 1024:
+            payload["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    markers = []
+    for name in ("config.json", "quantization_config.json", "model.safetensors.index.json",
+                 "pytorch_model.bin.index.json", "tier_bitmap.json"):
+        if (p / name).is_file():
+            markers.append((name, hashlib.sha256((p / name).read_bytes()).hexdigest()))
+    shards = []
+    for pattern in ("*.safetensors", "*.bin", "*.gguf"):
+        for shard in sorted(p.glob(pattern)):
+            target = shard.resolve()
+            st = target.stat()
+            shards.append((shard.name, str(target), st.st_size, st.st_mtime_ns))
+    payload = {"kind": "directory", "path": str(p), "revision": rev, "markers": markers, "shards": shards}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def transformers_commit_hash(model_path: str) -> str | None:
+    """What transformers sets as ``_commit_hash`` for a local folder: a ``snapshots/<40-hex>/`` component."""
+    import re
+
+    m = re.search(r"snapshots/([^/]+)/", os.path.join(model_path, "config.json"))
+    return m.group(1) if m and re.fullmatch(r"[0-9a-f]{40}", m.group(1)) else None
+
+
+def server_encoder_identity(package_root: str, revision: str | None = None) -> str:
+    """The server's encoder identity (spec §2.5), with pathlib's ``rglob`` as the serving process runs it."""
+    root = Path(package_root).expanduser().resolve()
+    if revision and revision.strip():
+        payload = {"root": str(root), "revision": revision.strip()}
+    else:
+        files = [(str(f.relative_to(root)), hashlib.sha256(f.read_bytes()).hexdigest())
+                 for f in sorted(root.rglob("*.py")) if f.is_file()]
+        assert files, "the server refuses an encoder source without .py files"
+        payload = {"root": str(root), "files": files}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -11,9 +11,11 @@ from exl3tool.cache.identity import (
     EncoderIdentity,
     EncoderSettings,
     ModelIdentity,
+    ServerIdentities,
     encoder_settings,
     resolve_encoder_identity,
     resolve_model_identity,
+    server_identities,
 )
 from exl3tool.cache.key import CACHE_DISABLED, CacheKey, layer_seed
 from exl3tool.cache.paths import entry_path, lock_path
@@ -38,6 +40,7 @@ __all__ = [
     "ModelIdentity",
     "PrunePlan",
     "ResolvedRevision",
+    "ServerIdentities",
     "cache_mode",
     "cache_root",
     "encoder_settings",
@@ -51,6 +54,7 @@ __all__ = [
     "resolve_hub_revision",
     "resolve_model_identity",
     "scan",
+    "server_identities",
     "tensor_sha256",
     "validate_entry",
     "write_entry",

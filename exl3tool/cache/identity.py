@@ -22,6 +22,8 @@ __all__ = [
     "ModelIdentity",
     "EncoderIdentity",
     "EncoderSettings",
+    "ServerIdentities",
+    "server_identities",
     "resolve_model_identity",
     "resolve_encoder_identity",
     "encoder_settings",
@@ -42,6 +44,7 @@ SHARD_SUFFIXES = (".safetensors", ".bin", ".gguf")
 FILE_HASH_LIMIT = 16 * 1024 * 1024  # single-file checkpoints up to 16 MiB (inclusive) are content-hashed
 _SNAPSHOT = re.compile(r"snapshots/([^/]+)/")
 _FULL_HASH = re.compile(r"^[0-9a-f]{40}$")
+_QUANTIZE_PY = ("modules", "quant", "exl3_lib", "quantize.py")  # what the server loads from the encoder source
 
 
 @dataclass(frozen=True)
@@ -53,25 +56,33 @@ class ModelIdentity:
     payload: str
     revision: str | None
     derivation: str
+    revision_from: str = ""  # hub-resolved | commit-hash | snapshot | option | none | n/a
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class EncoderIdentity:
-    """``identity`` = sha256 of ``payload``; ``mode`` is ``revision`` or ``files``."""
+    """``identity`` = sha256 of ``payload``; ``mode`` is ``revision`` or ``files``.
+
+    ``root`` is the server's root string in the payload; ``files_from`` the local folder whose ``.py`` files were
+    hashed (files mode; the same folder unless ``--encoder-source`` named a copy).
+    """
 
     identity: str
     mode: str
     payload: str
     root: str
+    files_from: str | None = None
 
 
 @dataclass(frozen=True)
 class EncoderSettings:
-    """The encoder root and revision the server will see, and where they came from."""
+    """The encoder root and revision the server will see, where they came from, and the local copy to hash."""
 
     root: str
     revision: str | None
     source: str
+    source_dir: str | None = None  # --encoder-source: hash this folder's .py files, key them with ``root``
 
 
 def _sha256_hex(data: bytes) -> str:
@@ -118,12 +129,49 @@ def _server_string(local: str, local_root: str, server_root: str | None) -> str:
     return local
 
 
+def _hub_repo_folder(model_dir: str) -> str | None:
+    """The repo folder (``models--org--name``) when ``model_dir`` is a Hub-cache ``snapshots/<name>`` folder."""
+    parent = os.path.dirname(model_dir)
+    return os.path.dirname(parent) if os.path.basename(parent) == "snapshots" else None
+
+
+def _outside_shard_on_server(real: str, name: str, target: str, server: str) -> tuple[str, str | None]:
+    """Where the server resolves shard ``name`` whose target lies outside our model folder ``real``, and a warning.
+
+    A Hub-cache snapshot's shards are relative links into ``../../blobs/``: mounted elsewhere, they resolve
+    beside the *server's* ``snapshots/`` folder, so the target is mapped there when the server's path is a
+    snapshot folder too. Anything the server's filesystem decides and we cannot see is refused (ConfigError)
+    with the two ways to make it knowable. Other links keep our absolute target, with a warning.
+    """
+    repo = _hub_repo_folder(real)
+    if repo is None or not target.startswith(os.path.join(repo, "blobs") + os.sep):
+        return target, (f"{name} links outside the model folder to {target}; the identity uses that path, so the "
+                        f"server must see the shard at exactly {target} (or copy the checkpoint with the links "
+                        "dereferenced and mtimes kept: cp -rL --preserve=timestamps)")
+    link_path = os.path.join(real, name)
+    link = os.readlink(link_path) if os.path.islink(link_path) else ""
+    how = (f"mount the whole repo folder {os.path.basename(repo)} (blobs/ beside snapshots/) and pass --server-path "
+           f"<mount>/snapshots/{os.path.basename(real)}, or copy the snapshot with its links dereferenced and mtimes "
+           f"kept (cp -rL --preserve=timestamps {real} DEST) and warm DEST with --server-path")
+    if not link or os.path.isabs(link) or os.path.normpath(os.path.join(real, link)) != target:
+        why = f"an absolute link to {link}" if link and os.path.isabs(link) else f"a chain of links to {target}"
+        raise ConfigError(f"{link_path}: this Hub-cache shard is {why}; the server resolves it in its own "
+                          f"filesystem, which exl3tool cannot see from here. To warm for --server-path {server}: {how}")
+    mapped = os.path.normpath(os.path.join(server, link))
+    server_repo = _hub_repo_folder(server)
+    if server_repo is None or not mapped.startswith(os.path.join(server_repo, "blobs") + os.sep):
+        raise ConfigError(f"{link_path}: this Hub-cache shard is a link to {link}; with --server-path {server} "
+                          f"(not a snapshots/<hash> folder) the server would look for it at {mapped}, outside any "
+                          f"mounted repo folder, and fail to start. Either {how}")
+    return mapped, None
+
+
 def _hub_identity(model: str, revision: str | None, commit_hash: str | None) -> ModelIdentity:
     if commit_hash:
-        rev, how = commit_hash, "hf_config._commit_hash given by the caller (takes precedence over --revision)"
+        rev, how, src = commit_hash, "hf_config._commit_hash given by the caller (takes precedence over --revision)", "commit-hash"
     else:
         resolved = resolve_hub_revision(model, revision)
-        rev, how = resolved.sha, resolved.how
+        rev, how, src = resolved.sha, resolved.how, "hub-resolved"
     payload = _default_json({"kind": "hub", "model": model, "revision": rev})
     return ModelIdentity(
         model_payload_digest(payload),
@@ -131,6 +179,7 @@ def _hub_identity(model: str, revision: str | None, commit_hash: str | None) -> 
         payload,
         rev,
         f"'{model}' is not a local path, so it is a Hub repo id; revision {rev}: {how}.",
+        src,
     )
 
 
@@ -148,10 +197,11 @@ def _file_identity(real: str, server: str) -> ModelIdentity:
         None,
         f"single-file checkpoint {server}: path, size and mtime_ns"
         + (" plus its SHA-256 (16 MiB or smaller)." if hashed else " (larger than 16 MiB, so bytes are not hashed)."),
+        "n/a",
     )
 
 
-def _directory_identity(real: str, server: str, rev: str | None, rev_how: str) -> ModelIdentity:
+def _directory_identity(real: str, server: str, rev: str | None, rev_how: str, rev_from: str) -> ModelIdentity:
     markers = []
     for name in MARKER_FILES:
         path = os.path.join(real, name)
@@ -159,6 +209,8 @@ def _directory_identity(real: str, server: str, rev: str | None, rev_how: str) -
             markers.append([name, _file_sha256(path)])
     names = os.listdir(real)
     shards = []
+    warnings = []
+    mapped = 0
     for suffix in SHARD_SUFFIXES:
         for name in sorted(n for n in names if n.endswith(suffix)):  # hidden files and directories included
             target = os.path.realpath(os.path.join(real, name))
@@ -169,15 +221,24 @@ def _directory_identity(real: str, server: str, rev: str | None, rev_how: str) -
                     f"{os.path.join(real, name)}: cannot stat shard ({exc.strerror}); the server would fail start-up too. "
                     "Fix or remove the broken file/link"
                 ) from None
-            shards.append([name, _server_string(target, real, server), st.st_size, st.st_mtime_ns])
+            on_server = _server_string(target, real, server)
+            if server != real and on_server == target and not target.startswith(real.rstrip("/") + "/"):
+                on_server, warning = _outside_shard_on_server(real, name, target, server)
+                mapped += warning is None
+                if warning:
+                    warnings.append(warning)
+            shards.append([name, on_server, st.st_size, st.st_mtime_ns])
     payload = _compact_json({"kind": "directory", "path": server, "revision": rev, "markers": markers, "shards": shards})
+    blobs = f"; {mapped} Hub-cache blob link(s) mapped beside the server's snapshots/ folder" if mapped else ""
     return ModelIdentity(
         model_payload_digest(payload),
         "directory",
         payload,
         rev,
         f"local directory {server}: {len(markers)} marker file(s) hashed, {len(shards)} shard(s) by path, size and "
-        f"mtime_ns (not content); revision {rev!r} ({rev_how}).",
+        f"mtime_ns (not content){blobs}; revision {rev!r} ({rev_how}).",
+        rev_from,
+        tuple(warnings),
     )
 
 
@@ -194,8 +255,10 @@ def resolve_model_identity(
     the full commit hash, as transformers' ``_commit_hash`` would be; ``commit_hash`` overrides it.
     A local checkpoint is identified by paths, sizes and ``st_mtime_ns`` *as the serving process sees
     them*: ``server_path`` is the server's absolute model path; shard targets inside the model directory
-    are re-rooted under it. Caveat: sizes and mtimes are taken from our copy, so the copy must preserve
-    mtimes (``cp -p``, ``rsync -t``) or the server computes a different identity and every look-up misses.
+    are re-rooted under it, and a Hub-cache snapshot's links into ``../../blobs/`` are mapped beside the
+    server's ``snapshots/`` folder (or refused when the server's path is not one). Caveat: sizes and mtimes
+    are taken from our copy, so the copy must preserve mtimes (``cp -p``, ``rsync -t``) or the server
+    computes a different identity and every look-up misses. Commands call ``server_identities``.
     """
     p = os.path.expanduser(model)
     if not os.path.exists(p):
@@ -211,15 +274,16 @@ def resolve_model_identity(
         server = real
     if os.path.isfile(real):
         return _file_identity(real, server)
+    snapshot = _snapshot_hash(server_path if server_path is not None else p)
     if commit_hash:
-        rev, how = commit_hash, "hf_config._commit_hash given by the caller"
-    elif _snapshot_hash(server_path if server_path is not None else p):
-        rev, how = _snapshot_hash(server_path if server_path is not None else p), "the snapshots/<hash> folder name, as transformers sets _commit_hash"
+        rev, how, src = commit_hash, "hf_config._commit_hash given by the caller", "commit-hash"
+    elif snapshot:
+        rev, how, src = snapshot, "the snapshots/<hash> folder name of the server's path, as transformers sets _commit_hash", "snapshot"
     elif revision:
-        rev, how = revision, "--revision as given"
+        rev, how, src = revision, "--revision as given", "option"
     else:
-        rev, how = None, "no commit hash and no --revision"
-    return _directory_identity(real, server, rev, how)
+        rev, how, src = None, "no commit hash and no --revision", "none"
+    return _directory_identity(real, server, rev, how, src)
 
 
 def _walk_py_files(root: str) -> list[tuple[str, ...]]:
@@ -238,36 +302,50 @@ def _walk_py_files(root: str) -> list[tuple[str, ...]]:
     return found
 
 
-def resolve_encoder_identity(root: str, revision: str | None = None) -> EncoderIdentity:
+def resolve_encoder_identity(root: str, revision: str | None = None, *, source: str | None = None) -> EncoderIdentity:
     """The server's ``encoder_identity`` for ``VLLM_EXL3_ENCODER_SOURCE=root`` (spec §2.5).
 
     With a non-blank ``revision`` the payload is the resolved root string plus the stripped revision,
     and ``root`` need not exist here; the root string must still be the server's. Without one, every
-    ``*.py`` file under ``root`` is hashed, ordered by path components.
+    ``*.py`` file is hashed, ordered by path components: the files of ``source`` (a local copy of the
+    server's encoder, e.g. an installed exllamav3 package) when given, else those under ``root``; the
+    payload always names ``root``.
+
+    >>> resolve_encoder_identity("/opt/exllamav3", source="venv/lib/python3.12/site-packages/exllamav3")  # doctest: +SKIP
     """
     real = os.path.realpath(os.path.expanduser(root))
     if revision is not None and revision.strip() != "":
         payload = _compact_json({"root": real, "revision": revision.strip()})
         return EncoderIdentity(model_payload_digest(payload), "revision", payload, real)
-    if not os.path.isdir(real):
-        what = "is not a directory" if os.path.exists(real) else "does not exist"
+    files_dir = real if source is None else os.path.realpath(os.path.expanduser(source))
+    if not os.path.isdir(files_dir):
+        what = "is not a directory" if os.path.exists(files_dir) else "does not exist"
+        if source is not None:
+            raise ConfigError(f"--encoder-source {files_dir} {what} (it is the local copy of the server's encoder "
+                              "whose .py files are hashed)")
         raise ConfigError(f"EXL3 encoder source {real} {what} (its .py files are hashed: point --encoder-root or "
-                          "VLLM_EXL3_ENCODER_SOURCE at the encoder's source, or pass --encoder-revision)")
-    files = sorted(_walk_py_files(real))  # tuple order = component-wise order, as pathlib sorts
+                          "VLLM_EXL3_ENCODER_SOURCE at the encoder's source, name a local copy with --encoder-source, "
+                          "or pass --encoder-revision)")
+    files = sorted(_walk_py_files(files_dir))  # tuple order = component-wise order, as pathlib sorts
     if not files:
-        raise ConfigError(f"EXL3 encoder source contains no Python files: {real} (pass --encoder-revision, or fix the root)")
-    listing = [["/".join(parts), _file_sha256(os.path.join(real, *parts))] for parts in files]
+        raise ConfigError(f"EXL3 encoder source contains no Python files: {files_dir} (pass --encoder-revision, or fix "
+                          f"{'--encoder-source' if source is not None else 'the root'})")
+    listing = [["/".join(parts), _file_sha256(os.path.join(files_dir, *parts))] for parts in files]
     payload = _compact_json({"root": real, "files": listing})
-    return EncoderIdentity(model_payload_digest(payload), "files", payload, real)
+    return EncoderIdentity(model_payload_digest(payload), "files", payload, real, files_dir)
 
 
 def encoder_settings(
-    root: str | None = None, revision: str | None = None, environ: Mapping[str, str] | None = None
+    root: str | None = None,
+    revision: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    source_dir: str | None = None,
 ) -> EncoderSettings:
     """The encoder root/revision: explicit values first, then ``VLLM_EXL3_ENCODER_SOURCE`` / ``_REVISION``.
 
     Without a root there is no identity to compute (the server refuses to start too), so this raises
-    instead of inventing one.
+    instead of inventing one. ``source_dir`` (``--encoder-source``) is the local copy to hash in files mode.
     """
     env = os.environ if environ is None else environ
     source = "options"
@@ -284,4 +362,84 @@ def encoder_settings(
         revision = env.get("VLLM_EXL3_ENCODER_REVISION")
         if revision is not None and source == "options":
             source = "options and environment"
-    return EncoderSettings(root=root, revision=revision, source=source)
+    if source_dir is not None and source_dir.strip() == "":
+        source_dir = None
+    return EncoderSettings(root=root, revision=revision, source=source, source_dir=source_dir)
+
+
+@dataclass(frozen=True)
+class ServerIdentities:
+    """Both identities a server started as described will compute, what to start it with, and warnings."""
+
+    model: ModelIdentity
+    encoder: EncoderIdentity
+    encoder_settings: EncoderSettings
+    server_revision: str | None  # the --revision to start the server with (None: without one, or it does not matter)
+    revision_note: str
+    warnings: tuple[str, ...] = ()
+
+
+def _revision_advice(mid: ModelIdentity, given: str | None) -> tuple[str | None, str, tuple[str, ...]]:
+    """Which ``--revision`` the server must be started with for ``mid``, a sentence saying so, and warnings."""
+    if mid.kind == "hub":
+        sha = mid.revision
+        note = f"start the server with --revision {sha} (the full commit hash is always safe)"
+        if given is not None and given == sha:
+            return sha, note, ()
+        what = f"--revision {given!r} is a branch, tag or short hash" if given else "no --revision: the default branch 'main'"
+        return sha, note, (
+            f"{what} resolved to {sha} now; a server started with a branch or tag resolves it again when it starts, "
+            f"and if it has moved by then every look-up misses: start the server with --revision {sha}",)
+    if mid.kind == "file":
+        return None, "the server's --revision does not enter a single-file checkpoint's identity", ()
+    if mid.revision_from == "snapshot":
+        return None, ("the server takes the revision from the snapshots/<hash> folder of its model path "
+                      "(transformers' _commit_hash); its --revision does not change the identity"), ()
+    if mid.revision_from == "commit-hash":
+        return mid.revision, f"the server's config must carry _commit_hash {mid.revision}", ()
+    if mid.revision_from == "option":
+        return mid.revision, (f"start the server with --revision {mid.revision} exactly: a local folder's identity "
+                              "hashes the string as given (fork versions that do not pass --revision to the cache "
+                              "need a warm without --revision)"), ()
+    return None, "start the server without --revision (a local folder's identity then has revision null)", ()
+
+
+def _encoder_warnings(eid: EncoderIdentity, settings: EncoderSettings) -> tuple[str, ...]:
+    if eid.mode == "revision":
+        if settings.source_dir is not None:
+            return ("--encoder-source is not used: with an encoder revision the server hashes no files",)
+        return ()
+    if eid.files_from and not os.path.isfile(os.path.join(eid.files_from, *_QUANTIZE_PY)):
+        return (f"{eid.files_from} holds no {'/'.join(_QUANTIZE_PY)}: the server's VLLM_EXL3_ENCODER_SOURCE is the "
+                "exllamav3 package folder (the one holding modules/); a different folder hashes a different file set "
+                "and cannot load the encoder on a miss",)
+    return ()
+
+
+def server_identities(
+    model: str,
+    *,
+    revision: str | None = None,
+    server_path: str | None = None,
+    encoder_root: str | None = None,
+    encoder_revision: str | None = None,
+    encoder_source: str | None = None,
+    hub_commit: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServerIdentities:
+    """The one function that decides the identities for ``identity``, ``encode``, ``cache warm`` and ``verify``.
+
+    ``hub_commit`` is the commit of the snapshot a command downloaded for a Hub repo id, so the key names the
+    weights that were read; it never applies to a local checkpoint, whose revision is what the *server* derives:
+    the ``snapshots/<hash>`` folder of its path (``server_path`` when given, not our copy's), else ``revision``.
+
+    >>> server_identities("./m", server_path="/models/m", encoder_root="/opt/exllamav3", encoder_revision="v1")  # doctest: +SKIP
+    """
+    local = os.path.exists(os.path.expanduser(model))
+    mid = resolve_model_identity(model, revision=revision, server_path=server_path,
+                                 commit_hash=None if local else hub_commit)
+    settings = encoder_settings(encoder_root, encoder_revision, environ, source_dir=encoder_source)
+    eid = resolve_encoder_identity(settings.root, settings.revision, source=settings.source_dir)
+    server_rev, note, rev_warnings = _revision_advice(mid, revision)
+    return ServerIdentities(mid, eid, settings, server_rev, note,
+                            mid.warnings + rev_warnings + _encoder_warnings(eid, settings))

@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.commands.options import (
-    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, OverlapOpt, QuantizationConfigOpt, QuietOpt,
-    RevisionOpt, ServerPathOpt, parse_positive_ints,
+    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt, OverlapOpt,
+    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
 from exl3tool.output import Output
@@ -28,7 +28,6 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's G
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="Serving dtype the server casts weights to before encoding (bfloat16, float16); default: the checkpoint's.")]
-FileModeOpt = Annotated[str, typer.Option("--file-mode", help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as another user).")]
 
 
 class _RateColumn(ProgressColumn):
@@ -36,13 +35,6 @@ class _RateColumn(ProgressColumn):
 
     def render(self, task) -> Text:
         return Text(f"{task.speed:,.0f} tiles/s" if task.speed else "", style="cyan")
-
-
-def _parse_mode(text: str) -> int:
-    try:
-        return int(text, 8)
-    except ValueError:
-        raise typer.BadParameter(f"--file-mode must be octal like 0600 or 0644, got {text!r}") from None
 
 
 def plan_header(plan: WarmPlan) -> dict:
@@ -54,6 +46,7 @@ def plan_header(plan: WarmPlan) -> dict:
         "architecture": lp.architecture if lp is not None else None,
         "server_lookup": lp.server_lookup if lp is not None else True,
         "notes": list(lp.notes) if lp is not None else [],
+        "identity_warnings": list(plan.identity_warnings),
         "fetch": None if plan.fetch is None else {
             "shards": list(plan.fetch.shards), "shards_total": plan.fetch.shards_total,
             "bytes_fetched": plan.fetch.bytes_fetched, "index_total_bytes": plan.fetch.index_total_bytes},
@@ -62,6 +55,8 @@ def plan_header(plan: WarmPlan) -> dict:
 
 def plan_notes(out: Output, plan: WarmPlan) -> None:
     """The plan's header on stderr: overlay, kind, notes; a warning when the server will not look entries up."""
+    for warning in plan.identity_warnings:
+        out.warn(warning)
     lp = plan.layer_plan
     if lp is None:
         return
@@ -205,6 +200,7 @@ def encode(
     dtype: DtypeOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
@@ -227,8 +223,8 @@ def encode(
         model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
         cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
-        server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode), overlap=overlap,
-        quantization_config=quantization_config,
+        encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
+        overlap=overlap, quantization_config=quantization_config,
     )
     _run(Output(json=json_out, quiet=quiet), request, dry_run)
 
@@ -247,6 +243,7 @@ def cache_warm(
     dtype: DtypeOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
@@ -266,8 +263,8 @@ def cache_warm(
         model=model, tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
-        server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode), overlap=overlap,
-        quantization_config=quantization_config,
+        encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
+        overlap=overlap, quantization_config=quantization_config,
     )
     _run(Output(json=json_out, quiet=quiet), request, dry_run)
 

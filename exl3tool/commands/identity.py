@@ -7,10 +7,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from exl3tool.cache import encoder_settings, resolve_encoder_identity, resolve_model_identity
+from exl3tool.cache import server_identities
 from exl3tool.commands.options import (
     EncoderRevisionOpt,
     EncoderRootOpt,
+    EncoderSourceOpt,
     JsonOpt,
     QuantizationConfigOpt,
     QuietOpt,
@@ -28,11 +29,15 @@ def identity(
     server_path: ServerPathOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
     quantization_config: QuantizationConfigOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Print the model and encoder identities the server derives, the resolved revision and how.
+    """Print the model and encoder identities the server derives, how, and the --revision to start it with.
+
+    Warns when a branch or tag was resolved (the server resolves it again when it starts; the full commit hash is
+    always safe). With --encoder-source the local copy's .py files are hashed under the --encoder-root string.
 
     The identities do not depend on --quantization-config; it is validated as the server does and shown, so one
     command line can be checked before a warm.
@@ -43,24 +48,31 @@ def identity(
 
     out = Output(json=json, quiet=quiet)
     overlay = resolve_overlay(quantization_config)
-    mid = resolve_model_identity(model, revision=revision, server_path=server_path)
-    settings = encoder_settings(encoder_root, encoder_revision)
-    eid = resolve_encoder_identity(settings.root, settings.revision)
+    ids = server_identities(model, revision=revision, server_path=server_path, encoder_root=encoder_root,
+                            encoder_revision=encoder_revision, encoder_source=encoder_source)
+    mid, eid, settings = ids.model, ids.encoder, ids.encoder_settings
     table = Table(title="Identities", show_header=True)
     table.add_column("")
     table.add_column("identity", overflow="fold", min_width=64)
     table.add_column("derivation", overflow="fold")
     table.add_row("model", mid.identity, f"{mid.kind}: {mid.derivation}")
-    how = (
-        f"revision mode: root {eid.root} + revision {settings.revision.strip()!r}"
-        if eid.mode == "revision"
-        else f"files mode: every *.py under {eid.root} hashed"
-    )
+    if eid.mode == "revision":
+        how = f"revision mode: root {eid.root} + revision {settings.revision.strip()!r}"
+    elif eid.files_from != eid.root:
+        how = f"files mode: every *.py of the local copy {eid.files_from} hashed, keyed with the server's root {eid.root}"
+    else:
+        how = f"files mode: every *.py under {eid.root} hashed"
     table.add_row("encoder", eid.identity, f"{how} (from {settings.source})")
     out.table(table)
     out.line(f"revision: {mid.revision or '(none)'}")
+    out.line(f"server --revision: {ids.server_revision or '(none)'}: {ids.revision_note}")
+    out.line(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
+    if eid.mode == "files":
+        out.line(f"encoder files hashed from: {eid.files_from}")
     out.line(f"cache dir: v1/{mid.identity[:20]}/")
     out.line(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
+    for warning in ids.warnings:
+        out.warn(warning)
     out.data(
         {
             "model": {
@@ -68,6 +80,9 @@ def identity(
                 "identity": mid.identity,
                 "kind": mid.kind,
                 "revision": mid.revision,
+                "revision_from": mid.revision_from,
+                "server_revision": ids.server_revision,
+                "server_revision_note": ids.revision_note,
                 "payload": mid.payload,
                 "derivation": mid.derivation,
             },
@@ -75,10 +90,12 @@ def identity(
                 "identity": eid.identity,
                 "mode": eid.mode,
                 "root": eid.root,
+                "files_from": eid.files_from,
                 "payload": eid.payload,
                 "source": settings.source,
             },
             "quantization_config": overlay.as_json(),
+            "warnings": list(ids.warnings),
         }
     )
 

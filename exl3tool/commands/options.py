@@ -12,6 +12,8 @@ __all__ = [
     "ServerPathOpt",
     "EncoderRootOpt",
     "EncoderRevisionOpt",
+    "EncoderSourceOpt",
+    "FileModeOpt",
     "CacheDirOpt",
     "JsonOpt",
     "QuietOpt",
@@ -19,6 +21,7 @@ __all__ = [
     "OverlapOpt",
     "QuantizationConfigOpt",
     "resolve_cache_dir",
+    "parse_file_mode",
 ]
 
 RevisionOpt = Annotated[
@@ -39,6 +42,23 @@ EncoderRootOpt = Annotated[
 EncoderRevisionOpt = Annotated[
     Optional[str],
     typer.Option("--encoder-revision", help="The server's VLLM_EXL3_ENCODER_REVISION (default: that env var)."),
+]
+EncoderSourceOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--encoder-source",
+        metavar="DIR",
+        help="A local copy of the server's encoder package whose .py files are hashed (files mode, no "
+        "--encoder-revision); --encoder-root stays the path string the server uses. Default: the files under "
+        "--encoder-root.",
+    ),
+]
+FileModeOpt = Annotated[
+    str,
+    typer.Option(
+        "--file-mode",
+        help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as another user).",
+    ),
 ]
 CacheDirOpt = Annotated[
     Optional[Path],
@@ -84,3 +104,11 @@ def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
     if not values or any(v < 1 for v in values):
         raise typer.BadParameter(f"{option} must be positive integers, got {text!r}")
     return values
+
+
+def parse_file_mode(text: str) -> int:
+    """Parse ``--file-mode`` (octal such as 0600 or 0644); BadParameter otherwise."""
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise typer.BadParameter(f"--file-mode must be octal like 0600 or 0644, got {text!r}") from None

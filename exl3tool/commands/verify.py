@@ -10,8 +10,8 @@ import typer
 from rich.table import Table
 
 from exl3tool.commands.options import (
-    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt,
-    ServerPathOpt, parse_positive_ints,
+    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt, QuietOpt,
+    RevisionOpt, ServerPathOpt, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError, InputError
 from exl3tool.output import Output, to_jsonable
@@ -90,6 +90,7 @@ def verify(
     cache_dir: CacheDirOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Also write the report to FILE (.json or .md).")] = None,
     json_out: JsonOpt = False,
@@ -109,8 +110,8 @@ def verify(
     request = WarmRequest(
         model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), cache_dir=cache_dir, mode="readonly",
-        device=device, encoder_root=encoder_root, encoder_revision=encoder_revision, server_path=server_path,
-        dtype=dtype, quantization_config=quantization_config,
+        device=device, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
+        server_path=server_path, dtype=dtype, quantization_config=quantization_config,
     )
     checkpoint, plan, store = prepare(request)
     dev = resolve_device(device)

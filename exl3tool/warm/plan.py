@@ -54,6 +54,7 @@ class WarmPlan:
     jobs: tuple[WarmJob, ...]
     layer_plan: Optional[LayerPlan] = field(default=None, compare=False, repr=False)  # overlay, kind, excluded
     fetch: Optional[FetchInfo] = None  # what a selective Hub download fetched
+    identity_warnings: tuple[str, ...] = ()  # from server_identities: e.g. a branch revision, an unmappable link
 
     def count(self, state: str) -> int:
         return sum(1 for j in self.jobs if j.state == state)

@@ -69,6 +69,7 @@ class WarmRequest:
     device: str = "auto"
     encoder_root: Optional[str] = None
     encoder_revision: Optional[str] = None
+    encoder_source: Optional[str] = None  # local copy of the encoder whose .py files are hashed (files mode)
     server_path: Optional[str] = None
     dtype: Optional[str] = None
     file_mode: int = 0o600
@@ -81,7 +82,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
 
     Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix.
     """
-    from exl3tool.cache import cache_root, encoder_settings, resolve_encoder_identity, resolve_model_identity
+    from exl3tool.cache import cache_root, server_identities
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch
     from exl3tool.errors import ConfigError
 
@@ -95,15 +96,16 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
         request.model, revision=request.revision,
         select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude))
     mode = request.mode
+    identity_warnings: tuple[str, ...] = ()
     if mode == "off":
         model_id = encoder_id = "cache-disabled"
-    else:
-        settings = encoder_settings(request.encoder_root, request.encoder_revision, environ=environ)
-        encoder_id = resolve_encoder_identity(settings.root, settings.revision).identity
-        model_id = resolve_model_identity(
+    else:  # the same function as `exl3tool identity`, so both always agree
+        ids = server_identities(
             request.model, revision=request.revision, server_path=request.server_path,
-            commit_hash=checkpoint.commit_hash,
-        ).identity
+            encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
+            encoder_source=request.encoder_source, hub_commit=checkpoint.commit_hash, environ=environ,
+        )
+        model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
     layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude)
     if request.exclude and not layer_plan.layers:
         raise ConfigError(f"{checkpoint.model}: --exclude {' '.join(repr(g) for g in request.exclude)} leaves no layer "
@@ -112,6 +114,8 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
                       model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks)
+    if identity_warnings:
+        plan = replace(plan, identity_warnings=identity_warnings)
     return checkpoint, plan, store
 
 
