@@ -13,8 +13,10 @@ import math
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -35,6 +37,7 @@ __all__ = [
     "check_fresh_encode",
     "parse_proxy_error",
     "write_entry",
+    "atomic_write",
 ]
 
 TENSOR_NAMES = frozenset({"trellis", "suh", "svh"})
@@ -194,15 +197,38 @@ def write_entry(
         "exl3tool_version": __version__,
         "exl3tool_sha256": tensor_sha256(cpu),
     }  # no timestamp: the same inputs must give the same bytes (the file's mtime records when)
+    head, data = _serialize(cpu, metadata)
+
+    def write(fh) -> None:
+        fh.write(head)
+        fh.write(data)
+
+    return atomic_write(path, write, file_mode=file_mode)
+
+
+def atomic_write(
+    path: str | Path,
+    write: Callable[[BinaryIO], None],
+    *,
+    file_mode: int = 0o600,
+    check: Callable[[Path], None] | None = None,
+) -> Path:
+    """The publish protocol of §4.3 for any bytes: ``write`` fills a temp file in ``path``'s directory
+    (``.<name>.<random>.tmp``), ``check`` may inspect it (raise to abandon the publish), then fsync and
+    ``os.replace`` onto ``path``. The temp file is unlinked in every case; ``path`` is either untouched or
+    replaced whole.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        head, data = _serialize(cpu, metadata)
         with open(tmp, "wb") as fh:
-            fh.write(head)
-            fh.write(data)
+            write(fh)
         if file_mode != 0o600:
             os.chmod(tmp, file_mode)
+        if check is not None:
+            check(Path(tmp))
         rfd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(rfd)

@@ -11,13 +11,16 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
+from typing import BinaryIO
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from filelock import FileLock, Timeout
 
-from exl3tool.cache.entry import Exl3OnlineNonFiniteError, check_fresh_encode, validate_entry, write_entry
+from exl3tool.cache.entry import (
+    Exl3OnlineNonFiniteError, atomic_write, check_fresh_encode, validate_entry, write_entry,
+)
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import acquire_with_notice
 from exl3tool.cache.paths import entry_path, lock_path
@@ -293,3 +296,28 @@ class CacheStore:
             log.warning("Retrying %s once after a non-finite encode: %s", key.prefix, exc)
             return self.load_or_encode(key, encode_fn)
 
+    def import_entry(self, key: CacheKey, write: Callable[[BinaryIO], None], check: Callable[[Path], None]) -> str:
+        """Publish bytes made elsewhere (a bundle's entry) as ``key``'s entry, through the same protocol as ``publish``.
+
+        ``present``: a valid entry is there already (kept; ``write`` is not called; a second import of the same
+        bundle takes no lock and changes nothing). Otherwise, under the entry lock and after a re-check, ``write``
+        fills the temp file, ``check(temp)`` may refuse it (its exception propagates, nothing changes), then
+        fsync and atomic rename: ``replaced`` (an invalid entry was there) or ``published``.
+        Raises ``filelock.Timeout`` or ``OSError`` when the cache cannot be written.
+        """
+        if self.mode != "readwrite":
+            raise ValueError(f"import_entry needs a readwrite cache, not {self.mode!r}")
+        if self.lookup(key).hit:
+            return "present"
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = self._lock(path)
+        acquire_with_notice(lock, self.lock_timeout, path)
+        try:
+            found = self.lookup(key)
+            if found.hit:
+                return "present"
+            atomic_write(path, write, file_mode=self.file_mode, check=check)
+            return "replaced" if found.status == "invalid" else "published"
+        finally:
+            lock.__exit__(None, None, None)

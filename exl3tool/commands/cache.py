@@ -15,7 +15,7 @@ from rich.table import Table
 
 from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.commands.group import Exl3Group
-from exl3tool.commands.options import CacheDirOpt, JsonOpt, ModelIdOpt, QuietOpt, resolve_cache_dir
+from exl3tool.commands.options import CacheDirOpt, FileModeOpt, JsonOpt, ModelIdOpt, QuietOpt, resolve_cache_dir
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.output import Output
 
@@ -256,3 +256,150 @@ def prune(
 def register(app: typer.Typer) -> None:
     """Add the ``cache`` group."""
     app.add_typer(cache_app, name="cache")
+
+
+# --- bundles: `cache export` / `cache import` ------------------------------------------------------------------------
+
+
+def _tp_filter(tp_sizes: Optional[str]) -> Optional[tuple[int, ...]]:
+    from exl3tool.commands.options import parse_positive_ints
+
+    return None if tp_sizes is None else parse_positive_ints(tp_sizes, "--tp-sizes")
+
+
+def _export_report(out: Output, plan, bundle: str, size: int) -> None:
+    if plan.left_out:
+        table = Table(title="left out (invalid)")
+        table.add_column("entry", overflow="fold")
+        table.add_column("why", overflow="fold")
+        for path, why in plan.left_out:
+            table.add_row(path, why)
+        out.table(table)
+    out.line(f"exported {len(plan.entries)} entries ({decimal(plan.bytes)}) to {bundle}: a {decimal(size)} bundle; "
+             f"{len(plan.left_out)} invalid left out; cache {plan.root}")
+    out.data({
+        "bundle": bundle, "root": str(plan.root), "entries": len(plan.entries), "bytes": plan.bytes,
+        "bundle_bytes": size,
+        "exported": [{"path": e.path, "digest": e.digest, "size": e.size, "sha256": e.sha256} for e in plan.entries],
+        "left_out": [{"path": p, "reason": why} for p, why in plan.left_out],
+    })
+
+
+@cache_app.command("export")
+def export(
+    out_path: Annotated[str, typer.Argument(metavar="OUT", help="Bundle file to write, or - for stdout.")],
+    model: ModelIdOpt = None,
+    tp_sizes: Annotated[
+        Optional[str], typer.Option("--tp-sizes", help="Only entries of these TP sizes, comma-separated (default: all).")
+    ] = None,
+    cache_dir: CacheDirOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write the valid entries (default: all) into one bundle file: a tar whose first member is the manifest.
+
+    Every entry is loaded as the server would first; invalid ones are never exported and are listed. The same
+    entries always give the same bytes. With OUT `-` the bundle goes to stdout and the report to stderr:
+    exl3tool cache export - --model 3f2a | ssh node exl3tool cache import -
+    Exit codes: 0 every selected entry exported, 1 some invalid ones left out (the bundle holds the rest),
+    2 nothing to export, usage or I/O error.
+    """
+    import contextlib
+    import os
+    import sys
+    import tempfile
+
+    from exl3tool.cache.bundle import plan_export, write_bundle
+
+    root = resolve_cache_dir(cache_dir)
+    if not root.is_dir():
+        raise InputError(f"cache directory {root} does not exist (check --cache-dir)")
+    if out_path == "-" and sys.stdout.isatty():
+        raise ConfigError("refusing to write a bundle to a terminal; redirect stdout or pipe it (… | exl3tool cache import -)")
+    plan = plan_export(root, model=model, tp_sizes=_tp_filter(tp_sizes))
+    if not plan.entries:
+        what = f" of model {model}" if model else ""
+        raise ConfigError(f"no valid entries{what} under {root} to export"
+                          + (f" ({len(plan.left_out)} invalid left out)" if plan.left_out else "")
+                          + "; check --model / --tp-sizes / --cache-dir")
+    if out_path == "-":
+        size = write_bundle(plan, sys.stdout.buffer)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the bundle: the report goes to stderr
+            _export_report(Output(json=json, quiet=quiet), plan, "-", size)
+    else:
+        target = Path(out_path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                size = write_bundle(plan, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)  # a failed export never leaves a partial bundle under OUT
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _export_report(Output(json=json, quiet=quiet), plan, str(target), size)
+    if plan.left_out:
+        raise FindingsError(f"{len(plan.left_out)} invalid entr{'y' if len(plan.left_out) == 1 else 'ies'} left out of "
+                            "the bundle; see them with: exl3tool cache verify")
+
+
+@cache_app.command("import")
+def import_(
+    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="Bundle file to read, or - for stdin.")],
+    cache_dir: CacheDirOpt = None,
+    file_mode: FileModeOpt = "0600",
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Publish a bundle's entries into the cache, treating it as untrusted input.
+
+    Every entry must match the manifest's size and sha256 and pass the server's checks before it is renamed into
+    place (temp file, fsync, atomic rename, entry lock). Links, devices, absolute or '..' paths, extended headers,
+    members not in the manifest, duplicates, paths that do not match their key and oversize headers are refused.
+    A valid entry already present is kept; an invalid one is replaced. Importing a bundle twice changes nothing.
+    Exit codes: 0 all imported or present, 1 some refused (the rest imported), 2 unreadable bundle or I/O error.
+    Example: exl3tool cache import exl3-cache.tar --cache-dir /srv/exl3-cache --file-mode 0644
+    """
+    import sys
+
+    from exl3tool.cache import CacheStore
+    from exl3tool.cache.bundle import import_bundle
+    from exl3tool.commands.options import parse_file_mode
+
+    out = Output(json=json, quiet=quiet)
+    root = resolve_cache_dir(cache_dir)
+    try:
+        store = CacheStore(root, "readwrite", file_mode=parse_file_mode(file_mode))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--file-mode") from None
+    if bundle == "-":
+        report = import_bundle(sys.stdin.buffer, store)
+    else:
+        try:
+            fh = open(bundle, "rb")
+        except OSError as exc:
+            raise InputError(f"cannot read the bundle {bundle}: {exc.strerror}") from None
+        with fh:
+            report = import_bundle(fh, store)
+    refused = [i for i in report.items if i.status == "refused"]
+    if refused:
+        table = Table(title="refused")
+        table.add_column("member", overflow="fold")
+        table.add_column("why", overflow="fold")
+        for i in refused:
+            table.add_row(i.path, i.reason)
+        out.table(table)
+    out.line(f"{report.count('imported')} imported, {report.count('replaced')} replaced (were invalid), "
+             f"{report.count('present')} already present, {len(refused)} refused; "
+             f"{decimal(report.bytes_written)} written; cache {root}")
+    out.data({
+        "bundle": bundle, "root": str(root), "tool_version": report.tool_version,
+        "imported": report.count("imported"), "replaced": report.count("replaced"),
+        "present": report.count("present"), "refused": len(refused), "bytes_written": report.bytes_written,
+        "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items],
+    })
+    if refused:
+        raise FindingsError(f"{len(refused)} bundle member(s) refused (nothing of them was written); the rest were "
+                            "imported")

@@ -1,0 +1,458 @@
+"""Cache bundles: a cache's valid entries in one file, to warm where the GPUs are and serve where the servers are.
+
+A bundle (format version 1) is an uncompressed POSIX ustar archive. Its first member is ``manifest.json``; then one
+member per entry at its path under the cache root (``v1/<id20>/tp<W>-rank<R>/<digest>.safetensors``), sorted by
+path. Every header has the same fixed fields (mode 0644, uid/gid 0, no owner names, mtime 0), so the same entries
+always give the same bytes, whatever their files' times and owners.
+
+Importing treats a bundle as untrusted, because the cache holds what the server runs as weights: members are
+matched by name against the manifest and never extracted by their own path; links, devices, extended headers,
+unknown, duplicate or oversize members are refused; each entry must match the manifest's size and SHA-256 and pass
+the server's checks (``validate_entry``) in its temp file before ``CacheStore.import_entry`` renames it into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from exl3tool import __version__
+from exl3tool.cache.entry import validate_entry
+from exl3tool.cache.key import CacheKey
+from exl3tool.cache.paths import entry_path
+from exl3tool.cache.scan import EntryInfo, matches_model, scan
+from exl3tool.cache.store import CacheStore
+from exl3tool.errors import InputError, describe
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "BundleEntry",
+    "ExportPlan",
+    "ImportItem",
+    "ImportReport",
+    "BundleError",
+    "plan_export",
+    "write_bundle",
+    "import_bundle",
+    "manifest_bytes",
+]
+
+FORMAT = "exl3tool-cache-bundle"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MANIFEST_LIMIT = 64 * 1024 * 1024  # about 100,000 entries
+HEADER_LIMIT = 1024 * 1024  # an entry's safetensors header (ours and the server's are about 1 KB)
+_BLOCK = 512
+_RECORD = 20 * _BLOCK  # archives end on a whole record, as tar writes them
+_CHUNK = 1 << 20
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_EXTENDED = {tarfile.XHDTYPE: "a pax extended header", tarfile.XGLTYPE: "a pax global header",
+             tarfile.GNUTYPE_LONGNAME: "a GNU long-name header", tarfile.GNUTYPE_LONGLINK: "a GNU long-link header"}
+_KINDS = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link", tarfile.CHRTYPE: "a character device",
+          tarfile.BLKTYPE: "a block device", tarfile.FIFOTYPE: "a FIFO", tarfile.DIRTYPE: "a directory",
+          tarfile.CONTTYPE: "a contiguous file"}
+
+
+class BundleError(InputError):
+    """The bundle cannot be read as one (not a tar, no manifest first, a broken header, cut short): exit 2."""
+
+
+@dataclass(frozen=True)
+class BundleEntry:
+    """One manifest record: where the entry goes, its key (canonical JSON), size and SHA-256 of its bytes."""
+
+    path: str
+    digest: str
+    key: str
+    size: int
+    sha256: str
+
+    def as_json(self) -> dict:
+        return {"path": self.path, "digest": self.digest, "key": self.key, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export writes (valid entries, sorted by path) and what it leaves out, with why."""
+
+    root: Path
+    entries: tuple[BundleEntry, ...]
+    left_out: tuple[tuple[str, str], ...]  # (path under the root, reason)
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.size for e in self.entries)
+
+
+@dataclass(frozen=True)
+class ImportItem:
+    """One entry or member of an import: ``status`` imported|replaced|present|refused, with the reason."""
+
+    path: str
+    status: str
+    reason: str = ""
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """Everything an import did, in bundle order; ``refused`` items leave the cache untouched."""
+
+    root: Path
+    tool_version: str
+    items: tuple[ImportItem, ...]
+
+    def count(self, status: str) -> int:
+        return sum(1 for i in self.items if i.status == status)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(i.size for i in self.items if i.status in ("imported", "replaced"))
+
+    @property
+    def ok(self) -> bool:
+        return self.count("refused") == 0
+
+
+def _relative(key: CacheKey) -> str:
+    return entry_path(key, "").as_posix()
+
+
+def _file_sha256(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(_CHUNK):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def plan_export(root: str | Path, *, model: str | None = None, tp_sizes: tuple[int, ...] | None = None) -> ExportPlan:
+    """Load every entry under ``root`` as the server would (``scan``) and hash the valid ones; nothing is written.
+
+    ``model`` (a model identity or hex prefix) and ``tp_sizes`` select entries; invalid selected entries are
+    left out with their reason.
+    """
+    root = Path(root)
+    chosen: list[BundleEntry] = []
+    left_out: list[tuple[str, str]] = []
+    infos: list[EntryInfo] = [i for i in scan(root, deep=True) if i.kind == "entry" and matches_model(i, model)]
+    for info in infos:
+        if tp_sizes is not None and info.tp_world_size not in tp_sizes:
+            continue
+        rel = info.path.relative_to(root).as_posix()
+        if info.status == "invalid" or info.key is None:
+            left_out.append((rel, info.reason or "invalid"))
+            continue
+        try:
+            size, sha = _file_sha256(info.path)
+        except OSError as exc:
+            left_out.append((rel, f"unreadable ({describe(exc)})"))
+            continue
+        chosen.append(BundleEntry(rel, info.key.digest(), info.key.canonical_json(), size, sha))
+    chosen.sort(key=lambda e: e.path)
+    left_out.sort()
+    return ExportPlan(root, tuple(chosen), tuple(left_out))
+
+
+def manifest_bytes(entries: tuple[BundleEntry, ...]) -> bytes:
+    """The manifest member's bytes: sorted keys, one entry per line, the tool version (deterministic)."""
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "tool_version": __version__,
+           "entries": [e.as_json() for e in entries]}
+    return (json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=True) + "\n").encode("ascii")
+
+
+def _header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = size, 0, 0o644, 0, 0, "", ""
+    info.type = tarfile.REGTYPE
+    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+
+
+def write_bundle(plan: ExportPlan, out: BinaryIO) -> int:
+    """Write ``plan``'s bundle to ``out`` (a file or a pipe, written in order); returns the bytes written.
+
+    Each entry is re-hashed while it is copied: InputError if a file changed since ``plan_export`` (re-run the
+    export; the bundle written so far is incomplete).
+    """
+    written = 0
+
+    def put(data: bytes | memoryview) -> None:
+        nonlocal written
+        out.write(data)
+        written += len(data)
+
+    def pad() -> None:
+        if written % _BLOCK:
+            put(b"\0" * (_BLOCK - written % _BLOCK))
+
+    manifest = manifest_bytes(plan.entries)
+    put(_header(MANIFEST_NAME, len(manifest)))
+    put(manifest)
+    pad()
+    for entry in plan.entries:
+        put(_header(entry.path, entry.size))
+        h = hashlib.sha256()
+        left = entry.size
+        with open(plan.root / entry.path, "rb") as fh:
+            while left:
+                block = fh.read(min(_CHUNK, left))
+                if not block:
+                    break
+                h.update(block)
+                put(block)
+                left -= len(block)
+            extra = fh.read(1)
+        if left or extra or h.hexdigest() != entry.sha256:
+            raise InputError(f"{plan.root / entry.path}: changed while it was being exported (a warm or prune running?); "
+                             "the bundle is incomplete, export again")
+        pad()
+    put(b"\0" * (2 * _BLOCK))
+    if written % _RECORD:
+        put(b"\0" * (_RECORD - written % _RECORD))
+    out.flush()
+    return written
+
+
+class _Reader:
+    """Exact reads from a stream (a pipe may return less than asked)."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+        self.offset = 0
+
+    def read(self, n: int) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            block = self.stream.read(min(n - got, _CHUNK))
+            if not block:
+                break
+            parts.append(block)
+            got += len(block)
+        self.offset += got
+        return b"".join(parts)
+
+    def exactly(self, n: int, what: str) -> bytes:
+        data = self.read(n)
+        if len(data) != n:
+            raise BundleError(f"the bundle ends in the middle of {what} (cut short at byte {self.offset})")
+        return data
+
+
+class _Member:
+    """One archive member as its header describes it; ``read`` hands out at most ``size`` bytes of its data."""
+
+    def __init__(self, info: tarfile.TarInfo, reader: _Reader) -> None:
+        self.name, self.type, self.size, self.linkname = info.name, info.type, info.size, info.linkname
+        self._reader = reader
+        self.left = info.size
+
+    def read(self, n: int) -> bytes:
+        data = self._reader.exactly(min(n, self.left), f"member {self.name!r}")
+        self.left -= len(data)
+        return data
+
+    def skip(self) -> None:
+        while self.left:
+            self.read(_CHUNK)
+        self._reader.exactly(-self.size % _BLOCK, f"member {self.name!r}'s padding")
+
+
+def _members(reader: _Reader) -> Iterator[_Member]:
+    """Members in order; each one's unread data is skipped when the next is asked for. Ends at a zero block."""
+    while True:
+        block = reader.read(_BLOCK)
+        if not block or block == b"\0" * _BLOCK:
+            return
+        if len(block) != _BLOCK:
+            raise BundleError(f"the bundle ends in the middle of a tar header (cut short at byte {reader.offset})")
+        try:
+            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            raise BundleError(f"not a readable tar header at byte {reader.offset - _BLOCK} ({exc})") from None
+        member = _Member(info, reader)
+        yield member
+        member.skip()
+
+
+def _manifest_entries(doc: object) -> tuple[dict[str, tuple[BundleEntry, CacheKey]], list[ImportItem]]:
+    """The manifest's usable entries by path, and a refusal for each record that is not one."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise BundleError(f"{MANIFEST_NAME} is not an exl3tool cache bundle manifest")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise BundleError(f"bundle format version {doc.get('format_version')!r} is not {FORMAT_VERSION}; "
+                          "use the exl3tool version that wrote it, or export again")
+    records = doc.get("entries")
+    if not isinstance(records, list):
+        raise BundleError(f"{MANIFEST_NAME} has no entries list")
+    usable: dict[str, tuple[BundleEntry, CacheKey]] = {}
+    refused: list[ImportItem] = []
+    seen: set[str] = set()
+    for n, rec in enumerate(records):
+        where = rec.get("path") if isinstance(rec, dict) and isinstance(rec.get("path"), str) else f"manifest entry {n}"
+        try:
+            entry, key = _check_record(rec)
+        except ValueError as exc:
+            refused.append(ImportItem(where, "refused", f"manifest: {exc}"))
+            seen.add(where)
+            continue
+        if entry.path in seen:
+            refused.append(ImportItem(entry.path, "refused", "manifest: listed twice"))
+            usable.pop(entry.path, None)
+            continue
+        seen.add(entry.path)
+        usable[entry.path] = (entry, key)
+    return usable, refused
+
+
+def _check_record(rec: object) -> tuple[BundleEntry, CacheKey]:
+    if not isinstance(rec, dict) or set(rec) != {"path", "digest", "key", "size", "sha256"}:
+        raise ValueError("not a record of path, digest, key, size and sha256")
+    path, digest, key_json, size, sha = rec["path"], rec["digest"], rec["key"], rec["size"], rec["sha256"]
+    if not all(isinstance(v, str) for v in (path, digest, key_json, sha)) or type(size) is not int:
+        raise ValueError("wrong field types")
+    try:
+        key = CacheKey.from_json(key_json)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"key is not a cache key ({exc})") from None
+    if key.canonical_json() != key_json:
+        raise ValueError("key is not in canonical form; the server never matches it")
+    if key.digest() != digest:
+        raise ValueError("digest is not the SHA-256 of the key")
+    if path != _relative(key):
+        raise ValueError(f"path does not match its key (the key's entry is {_relative(key)})")
+    if not _HEX64.match(sha):
+        raise ValueError("sha256 is not 64 hex digits")
+    data = 2 * (key.input_size // 16) * (key.output_size // 16) * 16 * key.bits + 2 * key.input_size + 2 * key.output_size
+    if not 8 < size <= 8 + HEADER_LIMIT + data:
+        raise ValueError(f"size {size} is impossible for its key (at most {8 + HEADER_LIMIT + data} bytes)")
+    return BundleEntry(path, digest, key_json, size, sha), key
+
+
+def _refuse_member(member: _Member, extended: str | None) -> str | None:
+    """Why ``member`` is refused before the manifest is consulted (type and name), or None."""
+    if member.type in _EXTENDED:
+        return f"{_EXTENDED[member.type]} (exl3tool bundles have none; it would rename the next member)"
+    if extended:
+        return f"follows {extended}, so its real name is unknown"
+    if member.type in _KINDS:
+        target = f" to {member.linkname}" if member.type in (tarfile.SYMTYPE, tarfile.LNKTYPE) else ""
+        return f"{_KINDS[member.type]}{target}; a bundle holds regular files only"
+    if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        return f"unknown member type {member.type!r}"
+    if member.name.startswith("/"):
+        return "an absolute path"
+    if ".." in member.name.split("/"):
+        return "a path with '..'"
+    return None
+
+
+class _Refused(Exception):
+    """A bundle entry that fails a check after its bytes were read (the temp file is dropped)."""
+
+
+def _copy(member: _Member, first: bytes, sha: "hashlib._Hash") -> Callable[[BinaryIO], None]:
+    def write(fh: BinaryIO) -> None:
+        sha.update(first)
+        fh.write(first)
+        while member.left:
+            block = member.read(_CHUNK)
+            sha.update(block)
+            fh.write(block)
+    return write
+
+
+def import_bundle(stream: BinaryIO, store: CacheStore) -> ImportReport:
+    """Read a bundle from ``stream`` (a file or a pipe, in one pass) and publish its entries into ``store``.
+
+    Raises BundleError when the stream is not a bundle (nothing written) or breaks off (entries published
+    before that stay: each is complete). Raises InputError when the cache cannot be written.
+    """
+    reader = _Reader(stream)
+    members = _members(reader)
+    try:
+        first = next(members, None)
+    except BundleError as exc:
+        raise BundleError(f"not a cache bundle: {exc}") from None
+    if first is None:
+        raise BundleError("the bundle is empty")
+    if first.name != MANIFEST_NAME or first.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        raise BundleError(f"the first member is {first.name!r}, not the {MANIFEST_NAME} every bundle starts with")
+    if first.size > MANIFEST_LIMIT:
+        raise BundleError(f"{MANIFEST_NAME} is {first.size} bytes, over the {MANIFEST_LIMIT}-byte limit")
+    try:
+        doc = json.loads(first.read(first.size).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BundleError(f"{MANIFEST_NAME} is not JSON ({exc})") from None
+    wanted, items = _manifest_entries(doc)
+    refused_in_manifest = {i.path for i in items}
+    done: set[str] = set()
+    names: set[str] = {MANIFEST_NAME}
+    extended: str | None = None
+    try:
+        for member in members:
+            why = _refuse_member(member, extended)
+            extended = _EXTENDED.get(member.type)
+            if why is None and member.name in names:
+                why = "appears twice in the bundle"
+            names.add(member.name)
+            if why is None and member.name in refused_in_manifest:
+                continue  # already reported with the manifest's reason
+            record = wanted.get(member.name)
+            if why is None and record is None:
+                why = "not in the manifest"
+            if why is None and member.size != record[0].size:
+                why = f"{member.size} bytes, but the manifest says {record[0].size}"
+            if why is not None:
+                items.append(ImportItem(member.name, "refused", why))
+                continue
+            done.add(member.name)
+            items.append(_import_one(member, *record, store))
+    except BundleError as exc:
+        raise BundleError(f"{exc}; {_progress(items)} before that") from None
+    except OSError as exc:
+        raise InputError(f"cannot write the cache {store.root}: {describe(exc)}; {_progress(items)} before that") from None
+    for path in sorted(set(wanted) - done):
+        items.append(ImportItem(path, "refused", "listed in the manifest, missing from the bundle"))
+    return ImportReport(store.root, str(doc.get("tool_version", "")), tuple(items))
+
+
+def _progress(items: list[ImportItem]) -> str:
+    n = sum(1 for i in items if i.status in ("imported", "replaced"))
+    return f"{n} entr{'y' if n == 1 else 'ies'} imported"
+
+
+def _import_one(member: _Member, entry: BundleEntry, key: CacheKey, store: CacheStore) -> ImportItem:
+    first = member.read(8)
+    (header_len,) = struct.unpack("<Q", first)
+    if header_len > HEADER_LIMIT or 8 + header_len > entry.size:
+        return ImportItem(entry.path, "refused", f"oversize safetensors header ({header_len} bytes; the limit is "
+                                                 f"{HEADER_LIMIT} and the file has {entry.size})")
+    sha = hashlib.sha256()
+
+    def check(temp: Path) -> None:
+        if sha.hexdigest() != entry.sha256:
+            raise _Refused("its bytes differ from the manifest's sha256")
+        try:
+            validate_entry(temp, key)
+        except Exception as exc:
+            raise _Refused(f"the server would not load it: {describe(exc)}") from None
+
+    try:
+        status = store.import_entry(key, _copy(member, first, sha), check)
+    except _Refused as exc:
+        return ImportItem(entry.path, "refused", str(exc))
+    if status == "present":
+        return ImportItem(entry.path, "present", "a valid entry is already there (kept)")
+    return ImportItem(entry.path, "imported" if status == "published" else "replaced",
+                      "" if status == "published" else "replaced an invalid entry", entry.size)
