@@ -1,0 +1,112 @@
+"""docs/deploy.md's scripts, run end to end on the CPU: warm a tiny synthetic model in a "CI" tree, export, import
+into a "server" tree where model and encoder were copied (mtimes kept) to other absolute paths, and the tests'
+independent server look-up, run with the server's paths, hits every entry.
+
+The docs show these scripts verbatim (checked here), so the documented commands are the ones this test runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from exl3tool.checkpoint import write_llama_checkpoint
+
+from _cache_util import server_encoder_identity, server_lookup, server_model_identity
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CI = REPO_ROOT / "examples" / "ci"
+DOC = REPO_ROOT / "docs" / "deploy.md"
+SCRIPTS = ("common.sh", "identity-key.sh", "warm.sh", "export.sh", "import.sh", "warm-and-bundle.yml")
+TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
+HD = 64  # head dim of TINY
+TP_SIZES = (1, 2)
+LAYERS = "model.layers.0.self_attn.*"  # qkv_proj and o_proj of layer 0: 1,536 tiles over TP 1 and 2
+
+
+def expected_jobs():
+    """(prefix, W, R, K_r, N_r) of layer 0's attention at each TP size, from the spec's slicing rules (§6.4)."""
+    heads, kv, hidden = TINY["heads"], TINY["kv_heads"], TINY["hidden"]
+    for w in TP_SIZES:
+        kv_r = max(1, kv // w)
+        for r in range(w):
+            yield "model.layers.0.self_attn.qkv_proj", w, r, hidden, (heads // w + 2 * kv_r) * HD
+            yield "model.layers.0.self_attn.o_proj", w, r, hidden // w, hidden
+
+
+def _run(script: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    r = subprocess.run(["bash", str(CI / script)], env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"{script} failed ({r.returncode}):\n{r.stderr}"
+    return r
+
+
+def test_scripts_warm_export_import_and_every_entry_hits(tmp_path):
+    ci, srv = tmp_path / "ci", tmp_path / "server"
+    model = write_llama_checkpoint(ci / "models" / "tiny", **TINY, seed=11, shards=2)
+    encoder = ci / "exllamav3"
+    (encoder / "modules" / "quant" / "exl3_lib").mkdir(parents=True)
+    (encoder / "__init__.py").write_text("__version__ = 'test'\n")
+    (encoder / "modules" / "quant" / "exl3_lib" / "quantize.py").write_text("def quantize_exl3(*a, **k): ...\n")
+    (srv / "models").mkdir(parents=True)
+    (srv / "opt").mkdir()
+    subprocess.run(["cp", "-a", str(model), str(srv / "models" / "tiny")], check=True)  # mtimes kept
+    subprocess.run(["cp", "-a", str(encoder), str(srv / "opt" / "exllamav3")], check=True)
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               MODEL=str(model), SERVER_MODEL_PATH=str(srv / "models" / "tiny"),
+               ENCODER_ROOT=str(srv / "opt" / "exllamav3"), ENCODER_SOURCE=str(encoder),
+               TP_SIZES=",".join(map(str, TP_SIZES)), BITS="6", LAYERS=LAYERS, DEVICE="cpu",
+               CACHE_DIR=str(ci / "cache"), BUNDLE=str(ci / "exl3-bundle.tar"), IDENTITY_JSON=str(ci / "identity.json"))
+    for name in ("VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION", "REVISION", "ENCODER_REVISION", "NPROC"):
+        env.pop(name, None)
+
+    key = _run("identity-key.sh", env, ci).stdout.strip()
+    _run("warm.sh", env, ci)
+    warm = json.loads((ci / "warm.json").read_text())
+    assert warm["counts"] == {"hit": 0, "encoded": 6, "skipped": 0, "failed": 0}
+    _run("export.sh", env, ci)
+
+    node = dict(env, CACHE_DIR=str(srv / "cache"))  # the node needs only BUNDLE and CACHE_DIR
+    _run("import.sh", node, srv)
+
+    model_id = server_model_identity(str(srv / "models" / "tiny"))
+    encoder_id = server_encoder_identity(str(srv / "opt" / "exllamav3"))
+    assert key == f"exl3-{model_id[:20]}-{encoder_id[:20]}-k6"
+    for prefix, w, r, k, n in expected_jobs():
+        hit = server_lookup(srv / "cache", model_id, encoder_id, prefix, 6, w, r, k, n)
+        assert hit is not None, f"{prefix} tp{w}-rank{r} ({k} x {n}) misses on the server"
+    files = [p for p in (srv / "cache").rglob("*.safetensors")]
+    assert len(files) == 6 and all(p.stat().st_mode & 0o777 == 0o644 for p in files)
+
+
+def _doc_blocks() -> dict[str, str]:
+    """``<!-- examples/ci/NAME -->`` followed by a fenced block: the block's text by file name."""
+    text = DOC.read_text()
+    pattern = re.compile(r"<!-- examples/ci/(\S+) -->\n```[a-z]*\n(.*?)```", re.S)
+    return {m.group(1): m.group(2) for m in pattern.finditer(text)}
+
+
+def test_docs_show_the_scripts_verbatim_and_run_only_tested_ones():
+    blocks = _doc_blocks()
+    assert set(blocks) == set(SCRIPTS), "docs/deploy.md must show every script of examples/ci"
+    for name, body in blocks.items():
+        assert body == (CI / name).read_text(), f"docs/deploy.md's copy of examples/ci/{name} is out of date"
+    invoked = set(re.findall(r"bash examples/ci/([\w-]+\.sh)", DOC.read_text()))
+    assert invoked == {"identity-key.sh", "warm.sh", "export.sh", "import.sh"}  # each run by the test above
+
+
+def test_workflow_runs_the_scripts_and_keys_the_artifact():
+    wf = yaml.safe_load((CI / "warm-and-bundle.yml").read_text())
+    job = wf["jobs"]["warm"]
+    assert job["env"]["TP_SIZES"] == "1,2,4,8"
+    runs = "\n".join(step.get("run", "") for step in job["steps"])
+    for script in ("identity-key.sh", "warm.sh", "export.sh"):
+        assert f"bash examples/ci/{script}" in runs
+    upload = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["with"]["name"] == "${{ steps.key.outputs.key }}"
