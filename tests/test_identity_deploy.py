@@ -207,3 +207,36 @@ def test_revision_the_server_must_start_with(offline_hub, tmp_path):
     assert s.server_revision == "v2" and "exactly" in s.revision_note and s.warnings == ()
     s = server_identities(str(d), encoder_root="/e", encoder_revision="r")
     assert s.server_revision is None and "without --revision" in s.revision_note
+
+
+def _three_commands(model: str, extra: list[str], cache) -> set[str]:
+    """The model identity of `identity`, `encode --dry-run` and `cache warm --dry-run` (in process)."""
+    found = set()
+    for cmd in (["identity"], ["encode", "--dry-run"], ["cache", "warm", "--dry-run"]):
+        args = [*cmd, model, *extra, "--encoder-root", "/e", "--encoder-revision", "r", "--json"]
+        if cmd[0] != "identity":
+            args += ["--cache-dir", str(cache), "--layers", "model.layers.0.self_attn.o_proj"]
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, (args, r.output, r.exception)
+        doc = json.loads(r.stdout)
+        found.add(doc["model"]["identity"] if cmd[0] == "identity" else doc["model_identity"])
+    return found
+
+
+@pytest.mark.parametrize("case", ["copy-in-snapshot", "copy-in-snapshot-with-revision", "hub-mapped", "hub-in-place",
+                                  "plain-with-revision"])
+def test_identity_encode_and_warm_agree_on_every_server_path_case(case, trees, hub_trees, tmp_path):
+    if case.startswith("copy-in-snapshot"):
+        model, server = str(trees["local"]), str(trees["server"])
+        extra = ["--server-path", server] + (["--revision", "v7"] if case.endswith("revision") else [])
+        want = server_model_identity(server, revision="v7" if case.endswith("revision") else None)
+    elif case == "hub-mapped":
+        model, server = str(hub_trees["snap"]), str(hub_trees["server_snap"])
+        extra, want = ["--server-path", server], server_model_identity(server, commit_hash=hub_trees["snap"].name)
+    elif case == "hub-in-place":
+        model = str(hub_trees["snap"])
+        extra, want = [], server_model_identity(model, commit_hash=hub_trees["snap"].name)
+    else:
+        model = str(trees["server"])
+        extra, want = ["--revision", "v7"], server_model_identity(model, revision="v7")
+    assert _three_commands(model, extra, tmp_path / "c") == {want}
