@@ -1,23 +1,33 @@
 """The exl3tool command line: wires command groups to the library and maps errors to exit codes.
 
-Commands live in ``exl3tool.commands``; each parses options, calls one library function and
-renders the result. Set ``EXL3TOOL_DEBUG=1`` to see full tracebacks instead of one-line errors.
+Commands live in ``exl3tool.commands``; each parses options, calls one library function and renders the result.
+Every failure ends here as one sentence on stderr (and, under ``--json``, a JSON error document on stdout) with
+exit code 1 (findings) or 2 (usage, configuration or I/O). ``EXL3TOOL_DEBUG=1`` adds the traceback and changes
+nothing else.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import traceback
 from typing import Annotated, Optional
 
 import typer
 
 from exl3tool import __version__
-from exl3tool.errors import Exl3ToolError
+from exl3tool.commands.group import ClickException, Exl3Group
+from exl3tool.errors import Exl3ToolError, describe
+from exl3tool.output import forget_json_document, json_document_written
+
+__all__ = ["app", "main", "debug_enabled"]
+
 
 app = typer.Typer(
     name="exl3tool",
     help="Encode dense layers into EXL3 trellis weights offline, into the serving stack's cache.",
+    cls=Exl3Group,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -47,30 +57,46 @@ def _register() -> None:
     register(app)
 
 
+def debug_enabled(environ: Optional[dict] = None) -> bool:
+    """``EXL3TOOL_DEBUG`` is on for 1/true/yes/on (any case); 0, false, no, off or empty leave it off."""
+    value = (os.environ if environ is None else environ).get("EXL3TOOL_DEBUG", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None) -> None:
+    """Report one failure: the sentence on stderr (or Click's usage block), a JSON document on stdout in JSON mode."""
+    if debug_enabled():
+        traceback.print_exc()
+    if show_usage is not None:
+        show_usage()
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    if json_mode and not json_document_written():  # a findings error follows its own report: one document
+        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code}, indent=2) + "\n")
+        sys.stdout.flush()
+    sys.exit(exit_code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: run the app, turning library errors into one line and an exit code."""
+    """Console entry point: run the app, turning every error into one line and an exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    json_mode = "--json" in args
+    forget_json_document()
     _register()
     try:
-        rc = app(args=argv, standalone_mode=False)  # in this mode click returns typer.Exit codes instead of raising
+        rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except Exl3ToolError as exc:
-        if os.environ.get("EXL3TOOL_DEBUG"):
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+        _fail(describe(exc), exc.exit_code, json_mode)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
-        print("aborted", file=sys.stderr)
-        sys.exit(2)
-    except Exception as exc:  # click usage errors and anything unexpected
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(2)
-        if os.environ.get("EXL3TOOL_DEBUG"):
-            raise
-        print(f"error: {type(exc).__name__}: {exc} (set EXL3TOOL_DEBUG=1 for the traceback)", file=sys.stderr)
-        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        _fail("aborted", 2, json_mode)
+    except ClickException as exc:  # usage errors: Click's own usage line, "Try ... --help" and the message
+        _fail(exc.format_message(), exc.exit_code, json_mode, show_usage=exc.show)
+    except (ValueError, OSError) as exc:  # bad values and I/O problems raised below the commands
+        _fail(describe(exc), 2, json_mode)
+    except Exception as exc:  # a bug: say so, with what we know
+        hint = "" if debug_enabled() else "; set EXL3TOOL_DEBUG=1 for the traceback"
+        _fail(f"internal error ({type(exc).__name__}: {describe(exc)}){hint}; please report it", 2, json_mode)

@@ -7,7 +7,7 @@ configuration or I/O errors.
 
 from __future__ import annotations
 
-__all__ = ["Exl3ToolError", "ConfigError", "InputError", "FindingsError"]
+__all__ = ["Exl3ToolError", "ConfigError", "InputError", "FindingsError", "describe"]
 
 
 class Exl3ToolError(Exception):
@@ -28,3 +28,18 @@ class FindingsError(Exl3ToolError):
     """The command ran and found problems (failed layers, invalid entries)."""
 
     exit_code = 1
+
+
+def describe(exc: BaseException) -> str:
+    """The sentence a user should read for ``exc``: its message, never its class name.
+
+    OSErrors become "PATH: reason" (``[Errno 21] Is a directory: 'x'`` reads as ``x: Is a directory``); an
+    exception with no message falls back to its class name so the line is never empty.
+    """
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror}"
+    text = str(exc).strip()
+    if isinstance(exc, KeyError) and len(exc.args) == 1:
+        text = f"missing {exc.args[0]!r}"
+    return text or type(exc).__name__

@@ -12,8 +12,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-__all__ = ["Output", "to_jsonable"]
+__all__ = ["Output", "to_jsonable", "plain_table", "json_document_written", "forget_json_document"]
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -32,6 +33,35 @@ def to_jsonable(obj: Any) -> Any:
     if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
         return obj.item()
     return obj
+
+
+def _plain(cell: Any) -> str:
+    """A cell's text without Rich markup or styles."""
+    if isinstance(cell, Text):
+        return cell.plain
+    return Text.from_markup(str(cell)).plain if isinstance(cell, str) else str(cell)
+
+
+def plain_table(table: Table) -> str:
+    """``table`` as text: the title, a header row and one line per row, columns padded to their widest cell.
+
+    >>> t = Table("layer", "error"); t.add_row("model.layers.0.mlp.down_proj", "[red]failed[/red]")
+    >>> print(plain_table(t), end="")
+    layer                         error
+    model.layers.0.mlp.down_proj  failed
+    """
+    headers = [_plain(c.header) for c in table.columns]
+    columns = [[_plain(cell) for cell in c._cells] for c in table.columns]
+    rows = [list(r) for r in zip(*columns)] if columns else []
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    right = [c.justify == "right" for c in table.columns]
+
+    def fmt(cells: list[str]) -> str:
+        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+        return "  ".join(parts).rstrip() + "\n"
+
+    title = f"{_plain(table.title)}\n" if table.title else ""
+    return title + fmt(headers) + "".join(fmt(r) for r in rows)
 
 
 @dataclass
@@ -58,9 +88,18 @@ class Output:
         self.stderr.print(f"[yellow]warning:[/yellow] {message}", highlight=False)
 
     def table(self, table: Table) -> None:
-        """A table for people; skipped in JSON mode (the caller emits ``data`` instead)."""
-        if not self.json:
+        """A table for people; skipped in JSON mode (the caller emits ``data`` instead).
+
+        At a terminal Rich draws it to the window's width; piped or in a CI log it becomes plain aligned rows
+        that are never cut or folded (a log has no width, and ``encod…`` or ``2.10e…`` would hide the data).
+        """
+        if self.json:
+            return
+        if self.stdout.is_terminal:
             self.stdout.print(table)
+        else:
+            sys.stdout.write(plain_table(table))
+            sys.stdout.flush()
 
     def line(self, message: str) -> None:
         """A result line on stdout for people; skipped in JSON mode."""
@@ -72,3 +111,17 @@ class Output:
         if self.json:
             sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
             sys.stdout.flush()
+            _written.append(True)
+
+
+_written: list[bool] = []  # set once any command printed its JSON document in this process
+
+
+def forget_json_document() -> None:
+    """Start a new command: no JSON document written yet (``main`` calls this; tests run many commands)."""
+    _written.clear()
+
+
+def json_document_written() -> bool:
+    """Whether a JSON result document went to stdout already (then an error adds no second document)."""
+    return bool(_written)

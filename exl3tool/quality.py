@@ -8,7 +8,6 @@ embed a fixed set of sentences and compare with the original embeddings by cosin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from exl3tool.cache import CacheStore
 from exl3tool.checkpoint import encoder_input, rank_local_weight
 from exl3tool.encode import dequantize_tensors
+from exl3tool.errors import describe
 
 __all__ = [
     "QUANT_ERR_GOLDEN", "DEFAULT_KERNEL_ERR", "default_quant_err", "LayerCheck", "VerifyReport",
@@ -182,7 +182,7 @@ def verify_plan(
                 row_checks, rel, mse = verify_entry(found.tensors, weight, bits=plan.bits, rows=rows, seed=seed,
                                                     device=device, gemm=gemm)
             except Exception as exc:
-                check = LayerCheck(**base, status="fail", reason=f"{type(exc).__name__}: {exc}", path=str(job.path),
+                check = LayerCheck(**base, status="fail", reason=describe(exc), path=str(job.path),
                                    seconds=time.perf_counter() - start)
             else:
                 problems = []

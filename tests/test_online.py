@@ -339,3 +339,13 @@ def test_block_sum_squares_order_block_by_block():
             x = x[: x.shape[0] // 2] + x[x.shape[0] // 2 :]
         rows = x[0] if rows is None else rows + x[0]
     assert torch.equal(_block_sum_squares(w, 1), rows)
+
+
+def test_sqrt32_is_correctly_rounded_like_cudas_sqrtf():
+    import numpy as np
+
+    from exl3tool.encode.online import _sqrt32
+
+    x = torch.rand(1 << 16, dtype=torch.float32) * torch.logspace(-6, 6, 1 << 16)  # fresh values over many scales
+    want = torch.from_numpy(np.sqrt(x.numpy()))  # IEEE sqrt: correctly rounded
+    assert torch.equal(_sqrt32(x), want)

@@ -249,6 +249,10 @@ def resolve_encoder_identity(root: str, revision: str | None = None) -> EncoderI
     if revision is not None and revision.strip() != "":
         payload = _compact_json({"root": real, "revision": revision.strip()})
         return EncoderIdentity(model_payload_digest(payload), "revision", payload, real)
+    if not os.path.isdir(real):
+        what = "is not a directory" if os.path.exists(real) else "does not exist"
+        raise ConfigError(f"EXL3 encoder source {real} {what} (its .py files are hashed: point --encoder-root or "
+                          "VLLM_EXL3_ENCODER_SOURCE at the encoder's source, or pass --encoder-revision)")
     files = sorted(_walk_py_files(real))  # tuple order = component-wise order, as pathlib sorts
     if not files:
         raise ConfigError(f"EXL3 encoder source contains no Python files: {real} (pass --encoder-revision, or fix the root)")

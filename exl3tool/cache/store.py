@@ -8,6 +8,8 @@ file. The lock only saves duplicate work.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +19,11 @@ from filelock import FileLock, Timeout
 
 from exl3tool.cache.entry import Exl3OnlineNonFiniteError, check_fresh_encode, validate_entry, write_entry
 from exl3tool.cache.key import CacheKey
+from exl3tool.cache.locks import acquire_with_notice
 from exl3tool.cache.paths import entry_path, lock_path
 from exl3tool.cache.settings import CACHE_MODES
 from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.errors import InputError, describe
 
 __all__ = ["CacheStore", "Claim", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "Exl3OnlineNonFiniteError"]
 
@@ -100,6 +104,23 @@ class CacheStore:
         self.lock_timeout = lock_timeout
         self.verify_checksum = verify_checksum
 
+    def check_writable(self) -> None:
+        """Create the root if needed, then write and remove a file there; InputError naming the cause if that fails.
+
+        A warm calls this before its first encode, so a read-only mount, a file in the way or missing permissions
+        cost a second, not every layer's encode.
+        """
+        if self.root.exists() and not self.root.is_dir():
+            raise InputError(f"cache directory {self.root} is not a directory; pass a directory as --cache-dir")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".exl3tool-write-check-", dir=self.root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise InputError(f"cache directory {self.root} is not writable ({describe(exc)}); pass a writable "
+                             "--cache-dir or fix its permissions") from None
+
     def path(self, key: CacheKey) -> Path:
         """Where ``key``'s entry lives under this root."""
         return entry_path(key, self.root)
@@ -124,7 +145,7 @@ class CacheStore:
         try:
             return self._load(path, key, quick)
         except Exception as exc:  # any failure to read or validate makes the entry invalid, never an error
-            return Lookup("invalid", f"{type(exc).__name__}: {exc}", path)
+            return Lookup("invalid", describe(exc), path)
 
     def _lock(self, path: Path, cross_thread: bool = False) -> FileLock:
         lock_mode = (self.file_mode | 0o600) & ~0o022
@@ -188,7 +209,7 @@ class CacheStore:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = self._lock(path, cross_thread)
-        lock.__enter__()
+        acquire_with_notice(lock, self.lock_timeout, path)
         claimed = Claim(key, path, lock)
         try:
             if path.is_file():

@@ -14,13 +14,15 @@ from rich.filesize import decimal
 from rich.table import Table
 
 from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.commands.group import Exl3Group
 from exl3tool.commands.options import CacheDirOpt, JsonOpt, ModelIdOpt, QuietOpt, resolve_cache_dir
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.output import Output
 
 __all__ = ["cache_app", "register"]
 
-cache_app = typer.Typer(name="cache", help="Inspect, verify and prune the online EXL3 cache.", no_args_is_help=True)
+cache_app = typer.Typer(name="cache", help="Inspect, verify and prune the online EXL3 cache.", no_args_is_help=True,
+                        cls=Exl3Group)
 
 
 def _when(ts: float) -> str:
@@ -106,7 +108,7 @@ def _find_entry(root: Path, entry: str) -> Path:
 
 @cache_app.command("show")
 def show(
-    entry: Annotated[str, typer.Argument(help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
+    entry: Annotated[str, typer.Argument(metavar="ENTRY", help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
     cache_dir: CacheDirOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -106,19 +105,26 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
             progress.start()
             task = progress.add_task("encoding", total=sum(j.tiles for j in todo))
 
+    counted: dict[str, int] = {}  # tiles shown so far per job (digest)
+
     def on_start(job) -> None:
         if progress is not None:
             progress.update(task, description=f"{job.prefix} tp{job.tp_size}-rank{job.tp_rank}")
 
+    def on_tiles(job, n: int) -> None:  # tiles quantized inside the encode: the bar moves within a layer
+        if progress is not None:
+            counted[job.digest] = counted.get(job.digest, 0) + n
+            progress.advance(task, n)
+
     def on_done(job, result) -> None:
         if progress is not None:
-            progress.advance(task, job.tiles)
+            progress.advance(task, max(0, job.tiles - counted.pop(job.digest, 0)))  # hits, failures: the rest
         elif not out.show_progress and not out.quiet and not out.json:
             out.note(f"{result.status:8s} {job.prefix} tp{job.tp_size}-rank{job.tp_rank} {result.seconds:.1f}s"
                      + (f"  {result.error}" if result.error else ""))
 
     try:
-        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan)
+        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan, on_tiles=on_tiles)
     finally:
         if progress is not None:
             progress.stop()
@@ -130,7 +136,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
 
 
 def encode(
-    model: Annotated[str, typer.Argument(help="Hub repo id or local checkpoint directory.")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")],
     revision: RevisionOpt = None,
     tp_size: Annotated[int, typer.Option("--tp-size", help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
@@ -155,9 +161,11 @@ def encode(
 
     Example: exl3tool encode Qwen/Qwen3-8B --revision main --tp-size 2 --encoder-root /encoders/exllamav3 --encoder-revision v0.0.18 --dry-run
     """
-    from exl3tool.cache import cache_mode
+    from exl3tool.cache.settings import CACHE_MODES
 
-    norm = cache_mode({"VLLM_EXL3_ONLINE_CACHE_MODE": mode})
+    norm = mode.strip().lower()
+    if norm not in CACHE_MODES:
+        raise typer.BadParameter(f"--mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
     if tp_rank is not None and not 0 <= tp_rank < tp_size:
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{tp_size - 1}")
     request = WarmRequest(
@@ -170,7 +178,7 @@ def encode(
 
 
 def cache_warm(
-    model: Annotated[str, typer.Argument(help="Hub repo id or local checkpoint directory.")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")],
     revision: RevisionOpt = None,
     tp_sizes: Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")] = "1",
     bits: BitsOpt = 6,

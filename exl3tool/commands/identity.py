@@ -22,7 +22,7 @@ __all__ = ["register", "identity"]
 
 
 def identity(
-    model: Annotated[str, typer.Argument(help="Hub repo id or local checkpoint path, exactly as given to --model.")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint path, exactly as given to --model.")],
     revision: RevisionOpt = None,
     server_path: ServerPathOpt = None,
     encoder_root: EncoderRootOpt = None,

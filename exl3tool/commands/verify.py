@@ -15,7 +15,7 @@ from exl3tool.commands.options import (
 )
 from exl3tool.errors import FindingsError, InputError
 from exl3tool.output import Output, to_jsonable
-from exl3tool.verify import DEFAULT_KERNEL_ERR, LayerCheck, VerifyReport, verify_plan
+from exl3tool.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_plan
 from exl3tool.warm import WarmRequest, prepare, resolve_device
 
 __all__ = ["register", "verify", "report_markdown"]
@@ -73,7 +73,7 @@ def render(out: Output, report: VerifyReport) -> None:
 
 
 def verify(
-    model: Annotated[str, typer.Argument(help="Hub repo id or local checkpoint directory.")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")],
     revision: RevisionOpt = None,
     tp_size: Annotated[int, typer.Option("--tp-size", help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,

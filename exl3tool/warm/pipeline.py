@@ -22,19 +22,30 @@ from exl3tool.cache import CacheStore, Claim, LoadResult
 from exl3tool.cache.entry import check_fresh_encode
 from exl3tool.checkpoint import Checkpoint, encoder_input, rank_local_weight
 from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.errors import describe
 from exl3tool.warm.plan import WarmJob, WarmPlan, share_jobs
 from exl3tool.warm.results import JobResult, job_result
 
-__all__ = ["EncodeFn", "run_plan"]
+__all__ = ["EncodeFn", "TilesFn", "run_plan"]
 
 
-EncodeFn = Callable[[torch.Tensor, int, int, torch.device], EncodedLinear]
+EncodeFn = Callable[..., EncodedLinear]  # (weight, bits, seed, device) [, progress=callable(tiles)]
+TilesFn = Callable[[WarmJob, int], None]
 
 
-def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device) -> EncodedLinear:
+def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device,
+                    progress: Optional[Callable[[int], None]] = None) -> EncodedLinear:
     from exl3tool.encode import encode_linear
 
-    return encode_linear(weight.to(device), bits=bits, seed=seed, device=device)
+    return encode_linear(weight.to(device), bits=bits, seed=seed, device=device, progress=progress)
+
+
+def _call_encode(encode: EncodeFn, job: WarmJob, weight: torch.Tensor, bits: int, device: torch.device,
+                 on_tiles: Optional[TilesFn]) -> EncodedLinear:
+    """``encode`` for ``job``; with ``on_tiles`` it also reports tiles as they are quantized (``progress=``)."""
+    if on_tiles is None:
+        return encode(weight, bits, job.key.seed, device)
+    return encode(weight, bits, job.key.seed, device, progress=lambda n: on_tiles(job, n))
 
 
 def run_plan(
@@ -51,6 +62,7 @@ def run_plan(
     on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
     encode: EncodeFn = _default_encode,
     overlap: bool = True,
+    on_tiles: Optional[TilesFn] = None,
 ) -> list[JobResult]:
     """Encode this worker's share of the pending jobs; worker 0 also reports every other job once.
 
@@ -63,6 +75,9 @@ def run_plan(
     (at most two ahead) and another publishes (hash, write, fsync, rename) while the calling thread encodes
     the next job. Encodes still run one at a time, in job order, on the calling thread, and so do the
     callbacks; results and published bytes are the same as without overlap.
+
+    ``on_tiles(job, n)`` (on the calling thread) hears of every n tiles quantized inside a job's encode, for
+    progress bars that move during a long layer; ``encode`` must then take a ``progress`` keyword.
     """
     todo = plan.todo if todo is None else todo
     pending = {j.digest for j in todo}
@@ -75,12 +90,13 @@ def run_plan(
                 results.append(job_result(job, "hit", worker, path=str(job.path)))
     mine = share_jobs(todo, worker, workers)
     if overlap and mine:
-        results.extend(_Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done).run(mine))
+        pipeline = _Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles)
+        results.extend(pipeline.run(mine))
         return results
     for job in mine:
         if on_start:
             on_start(job)
-        result = _run_job(job, plan, checkpoint, store, device, worker, dtype, encode)
+        result = _run_job(job, plan, checkpoint, store, device, worker, dtype, encode, on_tiles)
         results.append(result)
         if on_done:
             on_done(job, result)
@@ -96,9 +112,9 @@ def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.d
     return weight
 
 
-def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode) -> JobResult:
-    return _through_store(job, store, worker,
-                          lambda: encode(_prepare_input(job, checkpoint, dtype), plan.bits, job.key.seed, device))
+def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode, on_tiles=None) -> JobResult:
+    return _through_store(job, store, worker, lambda: _call_encode(
+        encode, job, _prepare_input(job, checkpoint, dtype), plan.bits, device, on_tiles))
 
 
 def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Callable[[], EncodedLinear]) -> JobResult:
@@ -115,7 +131,7 @@ _PUBLISH_FAILED = "encoded, but publishing failed (lock timeout or OS error on t
 
 
 def _failed(job: WarmJob, worker: int, exc: BaseException, seconds: float) -> JobResult:
-    return job_result(job, "failed", worker, seconds=seconds, error=f"{type(exc).__name__}: {exc}")
+    return job_result(job, "failed", worker, seconds=seconds, error=describe(exc))
 
 
 def _loaded_result(job: WarmJob, loaded: LoadResult, store: CacheStore, worker: int, seconds: float) -> JobResult:
@@ -194,10 +210,10 @@ class _Pipeline:
 
     MAX_PUBLISHES = 2  # claimed entries in flight (being written or waiting): bounds held locks and memory
 
-    def __init__(self, plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done) -> None:
+    def __init__(self, plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles=None) -> None:
         self.plan, self.checkpoint, self.store, self.device = plan, checkpoint, store, device
         self.worker, self.dtype, self.encode = worker, dtype, encode
-        self.on_start, self.on_done = on_start, on_done
+        self.on_start, self.on_done, self.on_tiles = on_start, on_done, on_tiles
         self.pending: deque[tuple[WarmJob, Future]] = deque()
         self.results: list[JobResult] = []
 
@@ -236,7 +252,7 @@ class _Pipeline:
                 self.on_done(job, result)
 
     def _encode(self, job: WarmJob, weight: torch.Tensor) -> EncodedLinear:
-        return self.encode(weight, self.plan.bits, job.key.seed, self.device)
+        return _call_encode(self.encode, job, weight, self.plan.bits, self.device, self.on_tiles)
 
     def _load_or_encode(self, job, weight, error) -> JobResult:
         def encode_fn():
@@ -300,7 +316,7 @@ class _Pipeline:
         except BaseException as exc:  # e.g. releasing the lock failed; the claim is released either way
             claimed.release()
             return job_result(job, "failed", self.worker, seconds=encode_seconds + time.perf_counter() - start,
-                           proxy_error=encoded.proxy_error, error=f"{_PUBLISH_FAILED} ({type(exc).__name__}: {exc})")
+                           proxy_error=encoded.proxy_error, error=f"{_PUBLISH_FAILED} ({describe(exc)})")
 
 
 def _done(result: JobResult) -> Future:

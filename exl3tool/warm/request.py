@@ -101,6 +101,9 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
         ).identity
     layer_plan = plan_layers(checkpoint, layers=list(request.layers) or None, exclude=list(request.exclude) or None,
                              shared_experts=request.shared_experts)
+    if request.exclude and not layer_plan.layers:
+        raise ConfigError(f"{checkpoint.model}: --exclude {' '.join(repr(g) for g in request.exclude)} leaves no layer "
+                          "to encode; nothing to do (narrow the globs)")
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
@@ -116,6 +119,7 @@ def warm(
     on_start: Optional[Callable[[WarmJob], None]] = None,
     on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
     on_plan: Optional[Callable[[WarmPlan, DistributedContext, list[WarmJob]], None]] = None,
+    on_tiles: Optional[Callable[[WarmJob, int], None]] = None,
 ) -> Optional[WarmSummary]:
     """Plan and run a warm; under torchrun each process runs its share and worker 0 returns the summary.
 
@@ -133,10 +137,13 @@ def warm(
         torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
     dtype = getattr(torch, request.dtype) if request.dtype else None
     todo = agreed_todo(ctx, plan)
+    if todo and store.mode == "readwrite":
+        store.check_writable()  # fail in a second, not after encoding every layer
     if on_plan:
         on_plan(plan, ctx, todo)
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
-                       dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap)
+                       dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
+                       on_tiles=on_tiles)
     gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
     if ctx.initialised:
         import torch.distributed as dist

@@ -1,0 +1,76 @@
+"""Taking an entry lock, and saying who holds it when a warm has to wait.
+
+The server's lock is an ``flock`` on ``<entry>.lock``; flock records no owner in the file, but on Linux
+``/proc/locks`` lists the process holding a lock on each inode, so a waiting warm can name it (local holders
+only: a writer on another host of a shared filesystem is not listed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from filelock import Timeout
+
+__all__ = ["lock_holders", "acquire_with_notice", "NOTICE_AFTER_S"]
+
+log = logging.getLogger(__name__)
+
+NOTICE_AFTER_S = 2.0  # wait this long quietly before saying which entry we wait for
+
+
+def _command(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    words = [w.decode(errors="replace") for w in raw.split(b"\0") if w]
+    text = " ".join(words)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def lock_holders(path: str | Path, proc_locks: str = "/proc/locks") -> list[str]:
+    """``pid N (command)`` for each local process holding a lock on ``path``; empty if unknown.
+
+    >>> lock_holders("/nonexistent/entry.lock")
+    []
+    """
+    try:
+        st = os.stat(path)
+        lines = Path(proc_locks).read_text().splitlines()
+    except OSError:
+        return []
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    holders = []
+    for line in lines:
+        fields = line.split()
+        if "->" in fields:  # a process blocked waiting for the lock, not a holder
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+        except (IndexError, ValueError):
+            continue
+        if key == want and pid != os.getpid():
+            cmd = _command(pid)
+            holders.append(f"pid {pid}" + (f" ({cmd})" if cmd else ""))
+    return sorted(set(holders))
+
+
+def acquire_with_notice(lock, timeout: float, entry: Path) -> None:
+    """``lock.acquire`` with ``timeout``; after NOTICE_AFTER_S of waiting, log which entry and who holds it."""
+    start = time.monotonic()
+    try:
+        lock.acquire(timeout=min(NOTICE_AFTER_S, timeout))
+        return
+    except Timeout:
+        if timeout <= NOTICE_AFTER_S:
+            raise
+    holders = lock_holders(lock.lock_file)
+    who = ", ".join(holders) if holders else "another process (not on this host, or unknown)"
+    left = max(0.0, timeout - (time.monotonic() - start))
+    log.warning("Waiting up to %.0f s for the entry lock of %s, held by %s", left, entry, who)
+    lock.acquire(timeout=left)

@@ -1,0 +1,38 @@
+"""The command-group class every exl3tool group uses, and Click's exception classes as this Typer raises them."""
+
+from __future__ import annotations
+
+import typer
+from typer.core import TyperGroup
+
+__all__ = ["Exl3Group", "ClickException", "UsageError"]
+
+
+def _click_class(name: str) -> type:
+    """Click's exception class ``name`` as this Typer raises it (typer 0.29 vendors its own copy of Click)."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+
+
+ClickException = _click_class("ClickException")
+UsageError = _click_class("UsageError")
+
+
+class Exl3Group(TyperGroup):
+    """A command group that shows its help (exit 0) when called bare, and points misplaced commands to their group."""
+
+    def parse_args(self, ctx, args):
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            typer.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except UsageError:
+            name = args[0] if args else ""
+            for group_name, group in self.commands.items():
+                if hasattr(group, "commands") and name in group.commands:
+                    raise UsageError(f"No such command '{name}'. Did you mean 'exl3tool {group_name} {name}'?",
+                                     ctx=ctx) from None
+            raise

@@ -1,0 +1,246 @@
+"""Errors, exit codes and output as a user meets them: each test pins a defect found by trying exl3tool as a
+new user (issue 14), and fails on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.table import Table
+
+from exl3tool.cache import CacheKey, CacheStore
+from exl3tool.checkpoint.synthetic import write_llama_checkpoint
+from exl3tool.cli import debug_enabled, main
+from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.errors import describe
+from exl3tool.output import plain_table
+
+ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "tiny"
+    write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512,
+                           seed=random.SystemRandom().randrange(2**31), shards=1)
+    return path
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``exl3tool ARGV`` in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+        sys.exit(0)
+    out, err = capsys.readouterr()
+    code = exited.value.code
+    return (0 if code is None else code), out, err
+
+
+@pytest.fixture
+def no_encode(monkeypatch):
+    """Any encode fails the test: the command must stop before encoding."""
+    import exl3tool.encode as enc
+
+    def refuse(*a, **k):
+        raise AssertionError("an encode ran")
+
+    monkeypatch.setattr(enc, "encode_linear", refuse)
+
+
+# --- usage errors -------------------------------------------------------------------------------------------
+
+
+def test_unknown_option_prints_clicks_usage_block_not_a_class_name(capsys):
+    code, out, err = run(["cache", "warm", "./m", "--frobnicate"], capsys)
+    assert code == 2
+    assert "Usage: exl3tool cache warm" in err
+    assert "Try 'exl3tool cache warm --help' for help." in err
+    assert "No such option: --frobnicate" in err
+    assert "NoSuchOption" not in err and "DEBUG" not in err
+
+
+def test_bare_group_shows_its_help_and_exits_0(capsys):
+    code, out, err = run(["cache"], capsys)
+    assert code == 0
+    assert "Usage: exl3tool cache" in out and "warm" in out
+    assert "error" not in err.lower()
+
+
+def test_command_of_a_group_called_at_the_top_suggests_the_group(capsys):
+    code, _, err = run(["warm", "x"], capsys)
+    assert code == 2
+    assert "Did you mean 'exl3tool cache warm'?" in err
+
+
+def test_mode_error_names_the_option_not_the_environment_variable(model, capsys):
+    code, _, err = run(["encode", str(model), "--mode", "bogus", *ENC], capsys)
+    assert code == 2
+    assert "--mode" in err and "bogus" in err
+    assert "VLLM_EXL3_ONLINE_CACHE_MODE" not in err
+
+
+# --- debug, JSON errors, messages ---------------------------------------------------------------------------
+
+
+def test_debug_flag_values():
+    assert debug_enabled({"EXL3TOOL_DEBUG": "1"}) and debug_enabled({"EXL3TOOL_DEBUG": "yes"})
+    assert not debug_enabled({"EXL3TOOL_DEBUG": "0"}) and not debug_enabled({"EXL3TOOL_DEBUG": "false"})
+    assert not debug_enabled({})
+
+
+@pytest.mark.parametrize("debug", ["", "0", "1"])
+def test_debug_adds_the_traceback_and_keeps_the_exit_code(model, capsys, monkeypatch, debug):
+    monkeypatch.setenv("EXL3TOOL_DEBUG", debug)
+    code, _, err = run(["identity", str(model), "--encoder-root", "/nonexistent/exllamav3"], capsys)
+    assert code == 2
+    assert ("Traceback" in err) == (debug == "1")
+    assert "error: EXL3 encoder source /nonexistent/exllamav3 does not exist" in err
+    assert "contains no Python files" not in err
+
+
+def test_json_mode_errors_are_a_json_document_on_stdout(model, capsys):
+    code, out, err = run(["identity", str(model), "--encoder-root", "/nonexistent/x", "--json"], capsys)
+    assert code == 2
+    doc = json.loads(out)
+    assert doc["exit_code"] == 2 and "does not exist" in doc["error"]
+    assert "does not exist" in err
+    code, out, _ = run(["cache", "warm", str(model), "--frobnicate", "--json"], capsys)
+    assert code == 2 and json.loads(out) == {"error": "No such option: --frobnicate", "exit_code": 2}
+
+
+def test_describe_gives_the_sentence_not_the_class():
+    assert describe(ValueError("bad shape")) == "bad shape"
+    assert describe(IsADirectoryError(21, "Is a directory", "/c/e.safetensors")) == "/c/e.safetensors: Is a directory"
+    assert describe(KeyError("trellis")) == "missing 'trellis'"
+    assert describe(RuntimeError()) == "RuntimeError"
+
+
+def test_failed_layer_errors_carry_no_exception_class(tmp_path):
+    from exl3tool.warm.pipeline import _failed
+    from exl3tool.warm.plan import WarmJob
+
+    key = CacheKey.for_layer(model_identity="m" * 64, encoder_identity="e" * 64, prefix="model.layers.0.mlp.down_proj",
+                             bits=6, tp_world_size=1, tp_rank=0, input_size=256, output_size=256)
+    job = WarmJob(key.prefix, 1, 0, 256, 256, key, tmp_path / "e", "miss")
+    result = _failed(job, 0, ValueError("3 non-finite weight values in the rank-local weight"), 0.1)
+    assert result.error == "3 non-finite weight values in the rank-local weight"
+
+
+# --- nothing to do, unwritable cache ------------------------------------------------------------------------
+
+
+def test_exclude_everything_is_a_usage_error_like_an_unmatched_layers_glob(model, tmp_path, capsys, no_encode):
+    code, _, err = run(["cache", "warm", str(model), "--exclude", "*", "--cache-dir", str(tmp_path), *ENC], capsys)
+    assert code == 2 and "leaves no layer" in err
+    code, _, err = run(["cache", "warm", str(model), "--layers", "nope.*", "--cache-dir", str(tmp_path), *ENC], capsys)
+    assert code == 2 and "no eligible layer matches" in err
+
+
+@pytest.mark.parametrize("case", ["file", "below-a-file"])
+def test_unwritable_cache_fails_in_one_line_before_any_encode(model, tmp_path, capsys, no_encode, case):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    root = blocker if case == "file" else blocker / "cache"
+    code, out, err = run(["cache", "warm", str(model), "--layers", "*.o_proj", "--cache-dir", str(root), *ENC], capsys)
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines[-1].startswith(f"error: cache directory {root}") and ("not a directory" in lines[-1].lower())
+    assert "encoded" not in out and blocker.read_text() == "not a directory"
+
+
+# --- output people can read ---------------------------------------------------------------------------------
+
+
+def test_plain_table_never_cuts_names_or_numbers():
+    table = Table(title="verify")
+    for col in ("layer", "shape", "kernel err"):
+        table.add_column(col)
+    names = [f"model.language_model.layers.{i}.self_attn.indexer.wq_b" for i in (10, 11, 12)]
+    for name in names:
+        table.add_row(name, "3840x12288", "[green]2.1034e-04[/green]")
+    text = plain_table(table)
+    assert "…" not in text
+    for name in names:
+        assert f"{name}  3840x12288  2.1034e-04" in text
+
+
+def test_piped_dry_run_lists_full_layer_names(model, tmp_path, capsys):
+    code, out, _ = run(["cache", "warm", str(model), "--dry-run", "--cache-dir", str(tmp_path), *ENC], capsys)
+    assert code == 0
+    assert "…" not in out
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"):
+        assert name in out
+    assert "256 x 1024" in out  # gate_up at TP 1: in 256, out 2 x 512
+    assert max(len(ln) for ln in out.splitlines()) > 80  # not folded to a terminal width
+
+
+def test_encode_reports_tiles_inside_a_layer():
+    from exl3tool.encode import encode_linear
+
+    seen: list[int] = []
+    weight = torch.randn(512, 512) * 0.02  # 1024 tiles: two CPU progress steps
+    enc = encode_linear(weight, bits=6, seed=random.randrange(2**31), progress=seen.append)
+    assert sum(seen) == 1024 and len(seen) >= 2
+    assert enc.trellis.shape[:2] == (32, 32)
+
+
+def test_pipeline_passes_tile_progress_before_the_job_is_done(model, tmp_path):
+    from exl3tool.warm import WarmRequest, prepare, run_plan
+
+    checkpoint, plan, store = prepare(WarmRequest(model=str(model), cache_dir=str(tmp_path),
+                                                  encoder_root="/e", encoder_revision="r"))
+    events: list[tuple[str, str, int]] = []
+
+    def fake_encode(weight, bits, seed, device, progress=None):
+        k, n = weight.shape
+        tiles = (k // 16) * (n // 16)
+        for _ in range(4):
+            progress(tiles // 4)
+        g = torch.Generator().manual_seed(seed)
+        return EncodedLinear(torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=g,
+                                           dtype=torch.int32).to(torch.int16),
+                             torch.rand(k, generator=g).half(), torch.rand(n, generator=g).half(), 0.1, 1.0, bits)
+
+    run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=fake_encode,
+             on_tiles=lambda job, n: events.append(("tiles", job.digest, n)),
+             on_done=lambda job, result: events.append(("done", job.digest, job.tiles)))
+    for job in plan.todo:
+        mine = [e for e in events if e[1] == job.digest]
+        assert [e[0] for e in mine] == ["tiles"] * 4 + ["done"]
+        assert sum(e[2] for e in mine[:4]) == job.tiles
+
+
+def test_waiting_for_a_held_lock_names_the_entry_and_the_holder(tmp_path, caplog):
+    key = CacheKey.for_layer(model_identity="m" * 64, encoder_identity="e" * 64, prefix="model.layers.0.mlp.down_proj",
+                             bits=6, tp_world_size=1, tp_rank=0, input_size=256, output_size=256)
+    store = CacheStore(tmp_path, "readwrite", lock_timeout=30)
+    entry = store.path(key)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys, time
+        fd = os.open({str(entry) + '.lock'!r}, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(3.5)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with caplog.at_level("WARNING"):
+            claimed = store.claim(key)
+        waited = time.monotonic() - start
+        claimed.release()
+    finally:
+        holder.wait(10)
+    notes = [r.getMessage() for r in caplog.records if "Waiting" in r.getMessage()]
+    assert len(notes) == 1 and str(entry) in notes[0]
+    if Path("/proc/locks").exists():
+        assert f"pid {holder.pid}" in notes[0]
+    assert waited > 2.0
