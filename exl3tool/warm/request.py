@@ -21,7 +21,25 @@ from exl3tool.warm.pipeline import run_plan
 from exl3tool.warm.plan import WarmJob, WarmPlan, build_plan
 from exl3tool.warm.results import JobResult, WarmSummary, summarize
 
-__all__ = ["WarmRequest", "prepare", "resolve_device", "warm"]
+__all__ = ["SERVING_DTYPES", "WarmRequest", "prepare", "resolve_device", "serving_torch_dtype", "warm"]
+
+# vLLM's --dtype values a server can run with; "auto" is the checkpoint's config dtype, float32 served as bfloat16
+SERVING_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def serving_torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """The torch dtype the server casts weights to for ``--dtype name``; None for ``auto`` (the checkpoint's rule).
+
+    >>> serving_torch_dtype("float16"), serving_torch_dtype("auto")
+    (torch.float16, None)
+    """
+    if name is None or name == "auto":
+        return None
+    if name not in SERVING_DTYPES:
+        from exl3tool.errors import ConfigError
+
+        raise ConfigError(f"--dtype {name!r}: must be one of {', '.join(SERVING_DTYPES)} (the server's --dtype)")
+    return getattr(torch, name)
 
 
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
@@ -70,7 +88,7 @@ class WarmRequest:
     encoder_root: Optional[str] = None
     encoder_revision: Optional[str] = None
     server_path: Optional[str] = None
-    dtype: Optional[str] = None
+    dtype: Optional[str] = None  # one of SERVING_DTYPES; None is "auto"
     file_mode: int = 0o600
     overlap: bool = True
 
@@ -84,8 +102,12 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
     from exl3tool.checkpoint import open_checkpoint, plan_layers
     from exl3tool.errors import ConfigError
 
-    if not 1 <= request.bits <= 8:
-        raise ConfigError(f"--bits {request.bits}: must be from 1 to 8 (the server accepts 3 to 8)")
+    from exl3tool.cache.settings import BITS_RANGE
+
+    lo, hi = BITS_RANGE
+    if not lo <= request.bits <= hi:
+        raise ConfigError(f"--bits {request.bits}: must be from {lo} to {hi} (what the server accepts)")
+    serving_torch_dtype(request.dtype)  # a ConfigError for anything the server cannot run with
     if any(t < 1 for t in request.tp_sizes):
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
     checkpoint = open_checkpoint(request.model, revision=request.revision)
@@ -135,7 +157,7 @@ def warm(
     device = resolve_device(request.device, ctx.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
-    dtype = getattr(torch, request.dtype) if request.dtype else None
+    dtype = serving_torch_dtype(request.dtype)
     todo = agreed_todo(ctx, plan)
     if todo and store.mode == "readwrite":
         store.check_writable()  # fail in a second, not after encoding every layer
