@@ -93,10 +93,11 @@ class WarmRequest:
     overlap: bool = True
 
 
-def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
+def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
     """Open the checkpoint, resolve both identities, plan the layers and look every job up.
 
-    Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix.
+    Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix. ``check_hits``
+    hashes present entries against our checksum (see ``build_plan``).
     """
     from exl3tool.cache import cache_root, encoder_settings, resolve_encoder_identity, resolve_model_identity
     from exl3tool.checkpoint import open_checkpoint, plan_layers
@@ -129,7 +130,8 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
-                      model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks)
+                      model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,
+                      check_hits=check_hits)
     return checkpoint, plan, store
 
 
@@ -153,7 +155,7 @@ def warm(
     threads = host_threads(ctx.initialised)
     if threads is not None:
         torch.set_num_threads(threads)
-    checkpoint, plan, store = prepare(request, environ=environ)
+    checkpoint, plan, store = prepare(request, environ=environ, check_hits=ctx.worker == 0)  # worker 0's plan rules
     device = resolve_device(request.device, ctx.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
