@@ -35,6 +35,14 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
 
+def _ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in fp16 ulps (the bit patterns in monotone order: -0 and +0 are 0 apart)."""
+    def ordered(t):
+        i = t.view(torch.int16).int()
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+    return (ordered(a) - ordered(b)).abs()
+
+
 def _random_encode(k: int, n: int, bits: int, gen: torch.Generator, device: str = "cpu"):
     """Random packed trellis (every bit pattern is a valid trellis) and realistic fp16 sign*scale vectors."""
     tr = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), dtype=torch.int16, generator=gen)
@@ -95,9 +103,10 @@ _CHILD = textwrap.dedent(r"""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
     from exl3tool.encode.decode import dequantize_tensors
-    from exl3tool.kernels.gemm import trellis_matmul, GemmConfig
+    from exl3tool.kernels.gemm import (trellis_matmul, GemmConfig, ReconConfig, fold_weight, fold_weight_reference,
+                                       choose_config)
     sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-    from test_kernels_gemm import _random_encode, _rel
+    from test_kernels_gemm import _random_encode, _rel, _ulp_diff
 
     # Cases tagged mode="bf16split" run the GPU's Hadamard path (bf16 hi/lo split dots): the patched tl.dot
     # reads bf16 storage as the top half of an fp32 (the stock interpreter reads the raw uint16 as integers).
@@ -118,6 +127,14 @@ _CHILD = textwrap.dedent(r"""
     out = []
     for c in cases:
         gemm_mod.INTERPRETER_EXACT_HADAMARD = c.get("mode") != "bf16split"
+        if c.get("fold") is not None:  # the reconstruct kernel against its plain-torch oracle, bit for bit
+            tr, suh, svh = _random_encode(c["k"], c["n"], c["bits"], gen)
+            rcfg = ReconConfig(fold=c["fold"], br=c.get("br", 32))
+            w = fold_weight(tr, suh, svh, bits=c["bits"], codebook=c["cb"], fold=c["fold"], config=rcfg)
+            r = fold_weight_reference(tr, suh, svh, bits=c["bits"], codebook=c["cb"], fold=c["fold"])
+            d = _ulp_diff(w, r)
+            out.append(dict(c, mismatches=int((d != 0).sum()), max_ulp=int(d.max()), numel=d.numel()))
+            continue
         if c.get("golden"):  # the reference kernel's own inputs/outputs (gemm_k6)
             from safetensors.torch import load_file
             g = load_file(c["golden"])
@@ -133,10 +150,11 @@ _CHILD = textwrap.dedent(r"""
         tr, suh, svh = _random_encode(k, n, bits, gen)
         x = torch.randn(m, k, generator=gen).to(dt)
         ref = x.double() @ dequantize_tensors(tr, suh, svh, bits, cb, torch.float64)
-        cfg = GemmConfig(**c["cfg"]) if c.get("cfg") else None
+        cfg = GemmConfig(**c["cfg"]) if c.get("cfg") else ReconConfig(**c["rcfg"]) if c.get("rcfg") else None
         y = torch.full((m, n), float("nan"), dtype=dt)  # poison: every element must be written
         trellis_matmul(x, tr, suh, svh, bits=bits, codebook=cb, config=cfg, out=y)
-        rec = dict(c, err=_rel(y, ref), finite=bool(torch.isfinite(y).all()))
+        rec = dict(c, err=_rel(y, ref), finite=bool(torch.isfinite(y).all()),
+                   path=type(cfg or choose_config(m, k, n, x.device, dt)).__name__)
         if c.get("corrupt"):
             bad = tr.clone()
             bad[0, 0, :] = ~bad[0, 0, :]  # flip every bit of one tile record
@@ -193,6 +211,33 @@ def _interp_cases() -> list[dict]:
         dict(k=128, n=256, m=16, bits=6, cb="mcg", dtype="float16", mode="bf16split",
              cfg=dict(bm=16, bk=32, split=1, fuse_in=False)),
         dict(k=256, n=128, m=2, bits=6, cb="mcg", dtype="float16", mode="bf16split", corrupt=True),
+        # the transposed fused kernel (y^T = Q^T x^T): split-K with an empty split, prefetch, bf16, other K
+        dict(k=640, n=128, m=3, bits=6, cb="mcg", dtype="float16",
+             cfg=dict(bm=16, bk=32, split=4, fuse_in=False, prefetch=False, trans=True)),
+        dict(k=256, n=256, m=20, bits=7, cb="3inst", dtype="bfloat16",
+             cfg=dict(bm=32, bk=64, split=2, fuse_in=False, prefetch=True, trans=True)),
+        dict(k=128, n=256, m=16, bits=6, cb="mcg", dtype="float16", mode="bf16split", corrupt=True,
+             cfg=dict(bm=16, bk=32, split=1, fuse_in=False, trans=True)),
+        # the reconstruct path: every fold, both dtypes, the default dispatch at m = RECON_MIN_M
+        *[dict(k=kk, n=nn, m=5, bits=b, cb=cb, dtype=dt, rcfg=dict(fold=f, br=br))
+          for f, kk, nn, b, cb, dt, br in ((0, 256, 128, 6, "mcg", "float16", 32), (1, 128, 256, 4, "3inst", "bfloat16", 64),
+                                           (2, 256, 128, 6, "mcg", "float16", 128), (2, 128, 128, 5, "mul1", "bfloat16", 32),
+                                           (3, 256, 256, 6, "mcg", "float16", 64), (4, 128, 256, 6, "mcg", "float16", 128))],
+        dict(k=256, n=128, m=3, bits=6, cb="mcg", dtype="float16",
+             cfg=dict(bm=16, bk=32, split=2, fuse_in=False, l2_prefetch=True)),  # the interpreter skips the PTX
+        # one row through fp32 FMAs instead of tl.dot, with split-K (an empty split too) and without
+        dict(k=640, n=256, m=1, bits=6, cb="mcg", dtype="float16",
+             cfg=dict(bm=16, bk=32, split=4, fuse_in=False, prefetch=False, fma=True)),
+        dict(k=256, n=128, m=1, bits=5, cb="mul1", dtype="bfloat16", mode="bf16split",
+             cfg=dict(bm=16, bk=64, split=1, fuse_in=False, prefetch=False, fma=True)),
+        dict(k=256, n=128, m=128, bits=6, cb="mcg", dtype="float16", corrupt=True, dispatch="ReconConfig"),
+        dict(k=128, n=256, m=130, bits=6, cb="mcg", dtype="bfloat16", dispatch="ReconConfig"),
+        dict(k=128, n=128, m=64, bits=6, cb="mcg", dtype="float16", dispatch="GemmConfig"),
+        # the reconstruct kernel's weight against fold_weight_reference, bit for bit (FOLD_BOTH: within 1 ulp)
+        *[dict(fold=f, k=256, n=256, bits=b, cb=cb, br=br)
+          for f, b, cb, br in ((0, 6, "mcg", 32), (0, 7, "mul1", 64), (1, 6, "mcg", 128), (1, 2, "mul1", 32),
+                               (1, 8, "3inst", 64), (2, 6, "mcg", 32), (2, 3, "3inst", 128), (2, 5, "mul1", 64),
+                               (3, 6, "mcg", 32))],
     ]
     golden = _golden_path()
     if golden is not None:  # the reference kernel's golden encode and input, m = 1 (about 6 s)
@@ -210,15 +255,51 @@ def test_interpreter_accuracy_and_corruption(interp_results):
     """Kernels under the interpreter vs the float64 reference; a corrupted tile record must be caught."""
     failures = []
     for r in interp_results:
-        if r.get("golden"):
+        if r.get("golden") or r.get("fold") is not None:
             continue
+        if r.get("dispatch") and r["path"] != r["dispatch"]:
+            failures.append(dict(r, why="trellis_matmul took another path"))
         bound = BF16_BOUND_INTERP if r["dtype"] == "bfloat16" else FP16_BOUND
         if not r["finite"] or not r["err"] < bound:
             failures.append(r)
         if r.get("corrupt") and not r["err_corrupt"] > 20 * bound:
             failures.append(dict(r, why="corruption not caught"))
     assert not failures, failures
-    assert sum(r.get("mode") == "bf16split" for r in interp_results) == 3
+    assert sum(r.get("mode") == "bf16split" for r in interp_results) == 5
+
+
+def test_interpreter_fold_weight_bit_exact(interp_results):
+    """The reconstruct kernel's fp16 weight equals the plain-torch oracle (reconstruct + exact fp32 Hadamard)
+    bit for bit for FOLD_NONE/OUT/IN; FOLD_BOTH (inexact second product) within 1 ulp on a few elements."""
+    rows = [r for r in interp_results if r.get("fold") is not None]
+    assert len(rows) == 9 and {r["fold"] for r in rows} == {0, 1, 2, 3}
+    for r in rows:
+        if r["fold"] == 3:
+            assert r["max_ulp"] <= 1 and r["mismatches"] <= r["numel"] // 1000, r
+        else:
+            assert r["mismatches"] == 0, r
+
+
+def test_choose_config_dispatch():
+    """Below RECON_MIN_M rows the fused kernel, from there on the reconstruct path with the cheapest fold."""
+    pytest.importorskip("triton")
+    from exl3tool.kernels.gemm import (_FOLDS, FOLD_IN, FOLD_NONE, RECON_MIN_M, GemmConfig, ReconConfig,
+                                       choose_config, recon_cost)
+
+    cpu = torch.device("cpu")
+    assert choose_config(1, 14336, 4096, cpu).fma and choose_config(1, 14336, 4096, cpu).l2_prefetch
+    assert choose_config(2, 14336, 4096, cpu).bm == 16 and not choose_config(2, 14336, 4096, cpu).fma
+    assert choose_config(RECON_MIN_M - 1, 4096, 4096, cpu).bm == 64
+    assert isinstance(choose_config(RECON_MIN_M - 1, 4096, 4096, cpu), GemmConfig)
+    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        for m in (RECON_MIN_M, 512, 4096):
+            for dt in (torch.float16, torch.bfloat16):
+                cfg = choose_config(m, k, n, cpu, dt)
+                assert isinstance(cfg, ReconConfig)
+                assert recon_cost(cfg.fold, m, k, n, dt) == min(recon_cost(f, m, k, n, dt) for f in _FOLDS)
+    # the passes over the activations grow with m: few rows fold nothing, many rows fold the wide input side
+    assert choose_config(RECON_MIN_M, 4096, 4096, cpu).fold == FOLD_NONE
+    assert choose_config(4096, 14336, 4096, cpu).fold == FOLD_IN
 
 
 def test_interpreter_golden_m1(interp_results):
@@ -235,7 +316,7 @@ def test_interpreter_golden_m1(interp_results):
 _SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
-@pytest.mark.parametrize("regime", ["small_m", "large_m"])
+@pytest.mark.parametrize("regime", ["small_m", "small_m_trans", "large_m"])
 def test_sm90_offline_compile(regime):
     """Compile the default configs for sm_90 without a GPU (Triton's bundled ptxas): catches PTX/inline-asm
     errors and shared-memory overuse before a device run. Skipped where triton cannot target CUDA offline."""
@@ -246,35 +327,47 @@ def test_sm90_offline_compile(regime):
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from exl3tool.kernels.gemm import _gemm_kernel, choose_config
+        from exl3tool.kernels import gemm as g
     except Exception as exc:  # pragma: no cover - depends on the installed triton
         pytest.skip(f"offline compile API unavailable: {exc}")
-    import torch as _t
 
-    m, k, n = (1, 4096, 4096) if regime == "small_m" else (4096, 4096, 14336)
-    cfg = choose_config(m, k, n, _t.device("cuda")) if _t.cuda.is_available() else None
-    if cfg is None:  # choose_config reads the SM count only on CUDA; mirror its CUDA choice with 132 SMs
-        from exl3tool.kernels import gemm as g
-
-        orig = g._num_sms
-        g._num_sms = lambda dev: 132
-        try:
-            cfg = g.choose_config(m, k, n, _t.device("cuda"))
-        finally:
-            g._num_sms = orig
-    sig = {"x_ptr": "*fp16", "words_ptr": "*i32", "suh_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*bf16",
-           "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
-           "HSCALE": "fp32"}
-    const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,
-                 ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch)
+    m, k, n = {"small_m": (1, 4096, 4096), "small_m_trans": (16, 4096, 4096), "large_m": (4096, 4096, 14336)}[regime]
+    orig = g._num_sms
+    g._num_sms = lambda dev: 132  # choose_config reads the SM count only on CUDA: mirror the H200's
+    try:
+        cfg = g.choose_config(m, k, n, torch.device("cuda"))
+    finally:
+        g._num_sms = orig
+    if regime == "large_m":
+        assert isinstance(cfg, g.ReconConfig)
+        fn = g._recon_kernel
+        sig = {"words_ptr": "*i32", "suh_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*bf16", "w_ptr": "*fp16",
+               "N": "i32", "HSCALE": "fp32"}
+        const = dict(K_BITS=6, CB=1, S1=1, ASM=cfg.asm, FOLD=cfg.fold, BR=cfg.br)
+        options = {"num_warps": cfg.num_warps, "num_stages": 1}
+        divisible = (0, 1, 2, 3, 4, 5)
+    else:
+        assert isinstance(cfg, g.GemmConfig)
+        if regime == "small_m_trans":
+            cfg = g.GemmConfig(**dict(cfg.__dict__, trans=True))
+        fn = g._gemm_kernel
+        sig = {"x_ptr": "*fp16", "words_ptr": "*i32", "suh_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*bf16",
+               "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
+               "HSCALE": "fp32"}
+        const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,
+                     ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch, TRANS=cfg.trans,
+                     L2PF=triton.next_power_of_2(-(-(k // 128) // cfg.split) * 96) if cfg.l2_prefetch else 0,
+                     FMA=cfg.fma)
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        divisible = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)
     sig.update({name: "constexpr" for name in const})
     try:
-        src = ASTSource(fn=_gemm_kernel, signature=sig, constexprs=const,
-                        attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)})
+        src = ASTSource(fn=fn, signature=sig, constexprs=const,
+                        attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
         target = GPUTarget("cuda", 90, 32)
     except TypeError as exc:  # pragma: no cover - older/newer ASTSource signature
         pytest.skip(f"ASTSource signature differs in this triton: {exc}")
-    kernel = triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    kernel = triton.compile(src, target=target, options=options)
     ptx = kernel.asm["ptx"]
     assert "lop3.b32" in ptx and "add.rn.f16x2" in ptx  # the PTX hash and halves of the pair decode
     assert kernel.metadata.shared <= _SM90_SMEM_LIMIT, kernel.metadata.shared
@@ -367,3 +460,70 @@ def test_gpu_golden(m):
     assert _rel(y, g[f"y_m{m}"].double()) < 2e-3
     exact = x.double() @ dequantize_tensors(tr, suh, svh, 6, "mcg", torch.float64)
     assert _rel(y, exact) < FP16_BOUND
+
+
+_GPU_CONFIGS = {
+    "fused_trans": dict(bm=16, bk=32, split=3, fuse_in=False, num_stages=1, asm=2, prefetch=False, trans=True),
+    "fused_trans_pf": dict(bm=16, bk=32, split=2, fuse_in=False, num_stages=1, asm=2, prefetch=True, trans=True),
+    "fused_trans_bm64": dict(bm=64, bk=64, split=1, fuse_in=False, num_stages=1, asm=2, prefetch=False, trans=True),
+    "recon_q": dict(fold=0, br=32, asm=2),
+    "recon_out": dict(fold=1, br=64, asm=2),
+    "recon_in": dict(fold=2, br=128, num_warps=8, asm=2),
+    "recon_w": dict(fold=3, br=64, num_warps=8, asm=2),
+    "recon_w16": dict(fold=4, br=128, num_warps=8, asm=2),
+    "fused_l2pf": dict(bm=16, bk=32, split=3, fuse_in=False, num_stages=1, asm=2, prefetch=False, l2_prefetch=True),
+    "fused_bm64": dict(bm=64, bk=32, split=2, fuse_in=False, num_stages=1, asm=2, prefetch=False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m", [1, 16, 70, 300])
+@pytest.mark.parametrize("name", sorted(_GPU_CONFIGS))
+def test_gpu_explicit_configs(name, m, dt):
+    """Every path and variant, whatever the heuristic picks: accuracy, poisoned output, determinism."""
+    from exl3tool.kernels.gemm import GemmConfig, ReconConfig
+
+    c = _GPU_CONFIGS[name]
+    cfg = ReconConfig(**c) if "fold" in c else GemmConfig(**c)
+    gen = torch.Generator().manual_seed(hash((name, m, str(dt))) & 0xFFFF)
+    err = _gpu_case(640, 384, m, 6, "mcg", dt, gen, config=cfg)
+    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND_GPU), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("bk,split,l2", [(32, 5, False), (64, 3, True), (16, 1, False)])
+def test_gpu_fma_one_row(bk, split, l2, dt):
+    """The one-row FMA variant (m == 1 only; other m are refused)."""
+    from exl3tool.kernels.gemm import GemmConfig, trellis_matmul
+
+    cfg = GemmConfig(bm=16, bk=bk, split=split, fuse_in=False, num_stages=1, asm=2, prefetch=False,
+                     l2_prefetch=l2, fma=True)
+    gen = torch.Generator().manual_seed(bk + split)
+    err = _gpu_case(640, 384, 1, 6, "mcg", dt, gen, config=cfg)
+    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND_GPU), err
+    tr, suh, svh = _random_encode(640, 384, 6, gen, "cuda")
+    with pytest.raises(ValueError):
+        trellis_matmul(torch.randn(2, 640, device="cuda").half(), tr, suh, svh, bits=6, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", [0, 1, 2, 3])
+@pytest.mark.parametrize("cb", ["mcg", "3inst", "mul1"])
+def test_gpu_fold_weight_bit_exact(fold, cb):
+    """On tensor cores too, the reconstruct kernel's weight equals the plain-torch oracle bit for bit
+    (FOLD_BOTH: within 1 ulp on at most 0.1 % of the elements)."""
+    from exl3tool.kernels.gemm import ReconConfig, fold_weight, fold_weight_reference
+
+    gen = torch.Generator().manual_seed(fold * 10 + len(cb))
+    for bits, br, w in ((6, 32, 4), (4, 128, 8), (7, 64, 4)):
+        tr, suh, svh = _random_encode(512, 384, bits, gen, "cuda")
+        got = fold_weight(tr, suh, svh, bits=bits, codebook=cb, fold=fold,
+                          config=ReconConfig(fold=fold, br=br, num_warps=w, asm=2))
+        exp = fold_weight_reference(tr.cpu(), suh.cpu(), svh.cpu(), bits=bits, codebook=cb, fold=fold)
+        d = _ulp_diff(got.cpu(), exp)
+        if fold == 3:
+            assert int(d.max()) <= 1 and int((d != 0).sum()) <= d.numel() // 1000
+        else:
+            assert int((d != 0).sum()) == 0, (bits, br, int((d != 0).sum()))

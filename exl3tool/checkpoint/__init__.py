@@ -1,45 +1,76 @@
-"""Checkpoints: reading (local or Hub), the server's layer plan, and TP rank-local shards (spec 6)."""
+"""Checkpoints: reading (local or Hub), the server's view of them (overlay, kinds, layer plan), TP rank-local shards."""
 
 from __future__ import annotations
 
 from exl3tool.checkpoint.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for
+from exl3tool.checkpoint.overlay import (
+    DEFAULT_OVERLAY_JSON,
+    Overlay,
+    QuantSpec,
+    is_shared_expert_projection,
+    parse_overlay,
+    resolve_overlay,
+    should_ignore_layer,
+)
 from exl3tool.checkpoint.plan import (
     ALIGN,
+    Excluded,
     LayerPlan,
     PlannedLayer,
     RankJob,
-    is_shared_expert_projection,
     plan_layers,
     qkv_partition,
     rank_sizes,
-    server_ignores,
+    tensors_to_fetch,
 )
+from exl3tool.checkpoint.serving import CheckpointKind, NotServable, StorageMap, serving_kind, storage_candidates
 from exl3tool.checkpoint.sharding import encoder_input, rank_local_weight, rank_row_ranges
-from exl3tool.checkpoint.source import Checkpoint, TensorInfo, hub_cache_dir, open_checkpoint, serving_dtype
-from exl3tool.checkpoint.synthetic import write_llama_checkpoint
+from exl3tool.checkpoint.source import (
+    Checkpoint,
+    FetchInfo,
+    TensorInfo,
+    hub_cache_dir,
+    open_checkpoint,
+    serving_dtype,
+)
+from exl3tool.checkpoint.synthetic import write_checkpoint, write_llama_checkpoint
 
 __all__ = [
     "ALIGN",
+    "DEFAULT_OVERLAY_JSON",
     "FAMILIES",
     "SUPPORTED_ARCHITECTURES",
     "Checkpoint",
+    "CheckpointKind",
+    "Excluded",
     "Family",
+    "FetchInfo",
     "LayerPlan",
     "ModuleTemplate",
+    "NotServable",
+    "Overlay",
     "PlannedLayer",
+    "QuantSpec",
     "RankJob",
+    "StorageMap",
     "TensorInfo",
     "encoder_input",
     "family_for",
-    "is_shared_expert_projection",
     "hub_cache_dir",
+    "is_shared_expert_projection",
     "open_checkpoint",
+    "parse_overlay",
     "plan_layers",
     "qkv_partition",
     "rank_local_weight",
     "rank_row_ranges",
     "rank_sizes",
-    "server_ignores",
+    "resolve_overlay",
     "serving_dtype",
+    "serving_kind",
+    "should_ignore_layer",
+    "storage_candidates",
+    "tensors_to_fetch",
+    "write_checkpoint",
     "write_llama_checkpoint",
 ]

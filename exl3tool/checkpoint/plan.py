@@ -1,23 +1,33 @@
-"""Which linear layers the server encodes online, with their vLLM prefixes and rank-local sizes (spec 6.1-6.5).
+"""Which linear layers the server encodes online, with their vLLM prefixes and rank-local sizes.
 
-``plan_layers`` reads only the config and tensor headers. ``LayerPlan.for_tp(W)`` expands the plan into
-one ``RankJob`` per layer and rank (the key's ``tp_rank``, ``input_size = K_r``, ``output_size = N_r``);
-``skipped(W)`` lists the ranks the server keeps off the cache because of the 128-alignment rule (6.3).
+``plan_layers`` reads the config, the checkpoint's EXL3 metadata and tensor headers (no weights). It routes every
+module of the architecture's table as the server does (``serving.route_family``: stored as EXL3, spec, ignore),
+reads the planned modules' shapes, and returns a ``LayerPlan``. ``LayerPlan.for_tp(W)`` expands it into one
+``RankJob`` per layer and rank (the key's ``tp_rank``, ``input_size = K_r``, ``output_size = N_r``); ``skipped(W)``
+lists the ranks the server keeps off the cache because of the 128-alignment rule; ``excluded`` lists the modules
+the server builds with the quant config but does not encode, with the reason.
+
+With ``layers`` globs the planner also runs where the server would not look anything up (an architecture without a
+table, a checkpoint the server refuses): ``server_lookup`` is then False and ``notes`` says why.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import json
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
 
-from exl3tool.checkpoint.families import SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for
+from exl3tool.checkpoint.families import SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for, text_config
+from exl3tool.checkpoint.overlay import Overlay, is_shared_expert_projection, resolve_overlay
+from exl3tool.checkpoint.serving import (
+    CheckpointKind, Route, StorageMap, read_json, route_family, serving_view,
+)
 from exl3tool.checkpoint.source import QUANT_CONFIG, Checkpoint
 from exl3tool.errors import ConfigError, InputError
 
-__all__ = ["PlannedLayer", "RankJob", "LayerPlan", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN",
-           "is_shared_expert_projection", "server_ignores"]
+__all__ = ["PlannedLayer", "RankJob", "LayerPlan", "Excluded", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN",
+           "is_shared_expert_projection", "tensors_to_fetch"]
 
 ALIGN = 128  # the Hadamard block: K_r and N_r must both be multiples of it (spec 6.3)
 PARALLEL_STYLES = ("qkv", "merged_column", "column", "row", "replicated")
@@ -27,9 +37,10 @@ PARALLEL_STYLES = ("qkv", "merged_column", "column", "row", "replicated")
 class PlannedLayer:
     """One server linear module: its prefix, parallel style and full (unsharded) shape.
 
-    ``sources`` are checkpoint tensor names in fused order (q, k, v / gate, up). ``part_sizes`` are the
-    output rows of each fused part; when a checkpoint already stores the fused tensor, ``sources`` has one
-    name and ``part_sizes`` still has one entry per part (the parts are stacked in that tensor).
+    ``sources`` are checkpoint tensor names; ``part_sizes`` the output rows of each fused part (q, k, v / gate, up /
+    ...). ``part_sources`` says where part ``j`` lives: ``(source index, first row in that source)``; by default
+    part ``j`` is source ``j`` (or, for one pre-fused source, the parts stacked in it). ``replicated_parts`` are
+    parts every rank holds whole (a merged layer's replicated shard).
     """
 
     prefix: str
@@ -42,11 +53,22 @@ class PlannedLayer:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     v_head_dim: int | None = None
+    part_sources: tuple[tuple[int, int], ...] | None = None
+    replicated_parts: tuple[int, ...] = ()
+    spec: str = "linear"  # "linear" | "shared_experts" (the overlay spec that covers it) | "generic" (--layers)
 
     @property
     def fused_source(self) -> bool:
         """True when one checkpoint tensor holds several fused parts (a pre-fused qkv_proj / gate_up_proj)."""
         return len(self.sources) == 1 and len(self.part_sizes) > 1
+
+    def part_location(self, part: int) -> tuple[int, int]:
+        """``(source index, first row)`` of fused part ``part``."""
+        if self.part_sources is not None:
+            return self.part_sources[part]
+        if self.fused_source:
+            return 0, sum(self.part_sizes[:part])
+        return part, 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +89,15 @@ class RankJob:
     def aligned(self) -> bool:
         """Whether the server would look this entry up at all (K_r and N_r multiples of 128)."""
         return self.input_size % ALIGN == 0 and self.output_size % ALIGN == 0
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """A module the model builds with the quant config that the server does not encode online, and why."""
+
+    prefix: str
+    reason: str  # "stored_exl3" | "no_spec" | "ignored" | "excluded"
+    detail: str = ""
 
 
 def _check_tp(tp_size: int) -> None:
@@ -117,8 +148,9 @@ def rank_sizes(layer: PlannedLayer, tp_size: int) -> tuple[int, int]:
         assert layer.head_dim is not None and layer.v_head_dim is not None
         return layer.in_features, (heads_r + kv_r) * layer.head_dim + kv_r * layer.v_head_dim
     if layer.parallel == "merged_column":
-        return layer.in_features, sum(_divide(layer, f"output part {j} size", n, tp_size)
-                                      for j, n in enumerate(layer.part_sizes))
+        return layer.in_features, sum(
+            n if j in layer.replicated_parts else _divide(layer, f"output part {j} size", n, tp_size)
+            for j, n in enumerate(layer.part_sizes))
     if layer.parallel == "column":
         return layer.in_features, _divide(layer, "out_features", layer.out_features, tp_size)
     if layer.parallel == "row":
@@ -137,15 +169,34 @@ def _skip_reason(k_r: int, n_r: int) -> str | None:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """The planned layers of one checkpoint, in model order."""
+    """The planned layers of one checkpoint, in model order, and how the server sees the checkpoint."""
 
     layers: tuple[PlannedLayer, ...]
     architecture: str | None
     serialized: tuple[str, ...] = ()  # prefixes the checkpoint already stores as EXL3: served as-is, never cached
+    excluded: tuple[Excluded, ...] = ()
+    overlay: Optional[Overlay] = None
+    kind: Optional[CheckpointKind] = field(default=None, compare=False)
+    server_lookup: bool = True  # False: generic --layers mode, entries the server does not look up
+    family: Optional[Family] = field(default=None, compare=False, repr=False)
+    notes: tuple[str, ...] = ()
+    text: Optional[dict] = field(default=None, compare=False, repr=False)
+
+    def check_tp(self, tp_size: int) -> None:
+        """ConfigError where the server refuses this TP size (rank-sliced kinds) or vLLM cannot shard the model."""
+        _check_tp(tp_size)
+        if self.server_lookup and self.kind is not None:
+            why = self.kind.tp_refusal(tp_size)
+            if why:
+                raise ConfigError(why)
+        if self.family is not None and self.family.tp_check is not None and self.text is not None:
+            why = self.family.tp_check(self.text, tp_size)
+            if why:
+                raise ConfigError(f"{why}; vLLM cannot shard this model at tensor-parallel size {tp_size}")
 
     def for_tp(self, tp_size: int, *, include_skipped: bool = False) -> list[RankJob]:
         """One job per layer and rank ``0..W-1``; ranks the server never caches (6.3) only if asked."""
-        _check_tp(tp_size)
+        self.check_tp(tp_size)
         jobs: list[RankJob] = []
         for layer in self.layers:
             k_r, n_r = rank_sizes(layer, tp_size)
@@ -155,7 +206,7 @@ class LayerPlan:
 
     def skipped(self, tp_size: int) -> list[tuple[str, int, str]]:
         """``(prefix, rank, reason)`` for every rank whose K_r or N_r is not 128-aligned at this TP size."""
-        _check_tp(tp_size)
+        self.check_tp(tp_size)
         out: list[tuple[str, int, str]] = []
         for layer in self.layers:
             reason = _skip_reason(*rank_sizes(layer, tp_size))
@@ -165,19 +216,10 @@ class LayerPlan:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# planning
+# shapes
 
 
-def _field(checkpoint: Checkpoint, name: str, arch: str) -> int:
-    value = checkpoint.config.get(name)
-    if value is None:
-        raise InputError(f"{checkpoint.root / 'config.json'}: missing field {name!r}, needed to plan {arch} layers")
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InputError(f"{checkpoint.root / 'config.json'}: field {name!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _matches(name: str, globs: list[str] | None) -> bool:
+def _matches(name: str, globs: Iterable[str] | None) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs or ())
 
 
@@ -189,69 +231,76 @@ def _weight_shape(checkpoint: Checkpoint, name: str) -> tuple[int, int]:
     return info.shape[0], info.shape[1]
 
 
-def _exl3_modules(checkpoint: Checkpoint) -> set[str]:
-    """Module names ``quantization_config.json``'s ``tensor_storage`` records as ``quant_format: exl3``."""
-    path = checkpoint.root / QUANT_CONFIG
-    if not path.is_file():
-        return set()
-    try:
-        storage = json.loads(path.read_text(encoding="utf-8")).get("tensor_storage") or {}
-        if not isinstance(storage, dict):
-            raise ValueError("tensor_storage is not an object")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
-        raise InputError(f"{path}: cannot parse ({e})") from None
-    return {name for name, rec in storage.items() if isinstance(rec, dict) and rec.get("quant_format") == "exl3"}
+def _int_field(checkpoint: Checkpoint, cfg: dict, name: str, arch: str) -> int:
+    value = cfg.get(name)
+    if value is None:
+        raise InputError(f"{checkpoint.root / 'config.json'}: missing field {name!r}, needed to plan {arch} layers")
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InputError(f"{checkpoint.root / 'config.json'}: field {name!r} must be a positive integer, got {value!r}")
+    return value
 
 
-def _is_exl3(checkpoint: Checkpoint, stem: str, exl3: set[str]) -> bool:
-    """Stored as EXL3: named in tensor_storage (also under model./language_model. variants) or has a trellis."""
-    bare = stem.removeprefix("model.")
-    variants = {stem, bare, f"model.{bare}", f"language_model.model.{bare}", f"model.language_model.{bare}"}
-    return bool(variants & exl3) or checkpoint.has_tensor(f"{stem}.trellis")
+def _checkpoint_layers(family: Family, names: Iterable[str]) -> str:
+    """Where this checkpoint keeps the decoder layers (the family's candidates, first with tensors)."""
+    names = list(names)
+    for prefix in family.checkpoint_layers:
+        if any(n.startswith(f"{prefix}.") for n in names):
+            return prefix
+    return family.checkpoint_layers[0]
 
 
-class _Serialized(Exception):
-    """Internal: the module is already stored as EXL3 (spec 6.1), so the server never encodes it online."""
+def _source_candidates(family: Family, base: str, source: str) -> list[str]:
+    return [f"{base}.{source}.weight"] + [f"{base}.{alt}.weight" for src, alt in family.aliases if src == source]
 
 
-def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
-                 heads: tuple[int, int, int], hidden: int, exl3: set[str]) -> PlannedLayer | None:
-    """Plan one module of decoder layer ``layer`` (e.g. ``model.layers.3``); None if it is absent (optional)."""
-    prefix = f"{layer}.{tpl.name}"
-    names = tuple(f"{layer}.{s}.weight" for s in tpl.sources)
-    fused = f"{prefix}.weight"
-    stored = [_is_exl3(checkpoint, n.removesuffix(".weight"), exl3) for n in names]
-    if _is_exl3(checkpoint, prefix, exl3) or all(stored):
-        raise _Serialized(prefix)
-    if any(stored):
-        raise ConfigError(f"{prefix}: checkpoint mixes EXL3 and BF16 source shards "
-                          f"({', '.join(n for n, s in zip(names, stored, strict=True) if s)} stored as EXL3); "
-                          "the server refuses this checkpoint")
-    present = [n for n in names if checkpoint.has_tensor(n)]
-    if len(present) == len(names):
-        sources = names
-    elif not present and len(names) > 1 and checkpoint.has_tensor(fused):
+def _heads(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str) -> tuple[int, int, int]:
+    hidden = _int_field(checkpoint, cfg, "hidden_size", arch)
+    num_heads = _int_field(checkpoint, cfg, "num_attention_heads", arch)
+    num_kv = _int_field(checkpoint, cfg, "num_key_value_heads", arch) if cfg.get("num_key_value_heads") else num_heads
+    if cfg.get("head_dim") is None and hidden % num_heads:
+        raise InputError(f"{checkpoint.root / 'config.json'}: no 'head_dim', and hidden_size {hidden} is not "
+                         f"divisible by num_attention_heads {num_heads}; add head_dim to the config")
+    if num_heads % num_kv:
+        raise InputError(f"{checkpoint.root / 'config.json'}: num_attention_heads {num_heads} is not a multiple of "
+                         f"num_key_value_heads {num_kv}")
+    return family.heads(cfg)
+
+
+def _plan_route(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, route: Route,
+                ckpt_layers: str) -> PlannedLayer | None:
+    """Shapes of one planned module from the tensor headers; None when an optional module is absent."""
+    tpl: ModuleTemplate = route.template
+    base = f"{ckpt_layers}.{route.layer}"
+    found = [next((n for n in _source_candidates(family, base, s) if checkpoint.has_tensor(n)), None)
+             for s in tpl.sources]
+    fused = f"{base}.{tpl.name}.weight"
+    if all(found):
+        sources = tuple(n for n in found if n)
+    elif not any(found) and len(tpl.sources) > 1 and checkpoint.has_tensor(fused):
         sources = (fused,)
-    elif not present and not tpl.required:
+    elif not any(found) and not tpl.required:
         return None
     else:
-        missing = next(n for n in names if not checkpoint.has_tensor(n))
-        also = f" (nor a fused {fused})" if len(names) > 1 else ""
-        raise InputError(f"{checkpoint.root}: checkpoint has no tensor {missing!r}{also}, needed for {prefix}")
-
+        missing = f"{base}.{tpl.sources[found.index(None)]}.weight"
+        also = f" (nor a fused {fused})" if len(tpl.sources) > 1 else ""
+        raise InputError(f"{checkpoint.root}: checkpoint has no tensor {missing!r}{also}, needed for {route.prefix} "
+                         "(not stored as EXL3, so the server loads it as BF16)")
     shapes = [_weight_shape(checkpoint, n) for n in sources]
     in_features = shapes[0][1]
     for n, (_, k) in zip(sources, shapes, strict=True):
         if k != in_features:
             raise InputError(f"{checkpoint.root}: {n} has {k} input features, {sources[0]} has {in_features}; "
-                             f"they cannot be fused into {prefix}")
+                             f"they cannot be fused into {route.prefix}")
     out_features = sum(s[0] for s in shapes)
-    if tpl.parallel in ("qkv", "merged_column") and in_features != hidden:
-        raise InputError(f"{checkpoint.root}: {sources[0]} has {in_features} input features but config.json "
-                         f"hidden_size is {hidden}; the config does not belong to these weights")
+    if tpl.parallel in ("qkv", "merged_column"):
+        hidden = _int_field(checkpoint, cfg, "hidden_size", arch)
+        if in_features != hidden:
+            raise InputError(f"{checkpoint.root}: {sources[0]} has {in_features} input features but config.json "
+                             f"hidden_size is {hidden}; the config does not belong to these weights")
+    common = dict(spec=route.spec or "linear", replicated_parts=tpl.replicated_parts)
 
     if tpl.parallel == "qkv":
-        num_heads, num_kv, head_dim = heads
+        num_heads, num_kv, head_dim = _heads(checkpoint, family, cfg, arch)
         q_rows, k_rows = num_heads * head_dim, num_kv * head_dim
         v_rows = out_features - q_rows - k_rows
         if len(sources) == 3 and (shapes[0][0] != q_rows or shapes[1][0] != k_rows):
@@ -262,54 +311,45 @@ def _plan_module(checkpoint: Checkpoint, layer: str, tpl: ModuleTemplate,
             )
         if v_rows <= 0 or v_rows % num_kv:
             raise InputError(
-                f"{checkpoint.root}: {prefix} has {out_features} output rows, which do not split into q {q_rows}, "
-                f"k {k_rows} and v for {num_kv} KV heads; check num_attention_heads, num_key_value_heads and head_dim"
+                f"{checkpoint.root}: {route.prefix} has {out_features} output rows, which do not split into q "
+                f"{q_rows}, k {k_rows} and v for {num_kv} KV heads; check num_attention_heads, num_key_value_heads "
+                "and head_dim"
             )
-        return PlannedLayer(prefix, "qkv", sources, (q_rows, k_rows, v_rows), in_features, out_features,
-                            num_heads, num_kv, head_dim, v_rows // num_kv)
-    if len(sources) == 1 and len(names) > 1:  # pre-fused merged column: equal parts (gate, up)
-        if out_features % len(names):
-            raise InputError(f"{checkpoint.root}: fused {fused} has {out_features} rows, "
-                             f"not divisible into {len(names)} equal parts")
-        part_sizes = (out_features // len(names),) * len(names)
+        return PlannedLayer(route.prefix, "qkv", sources, (q_rows, k_rows, v_rows), in_features, out_features,
+                            num_heads, num_kv, head_dim, v_rows // num_kv, **common)
+
+    if tpl.parts is None:
+        if len(sources) == 1 and len(tpl.sources) > 1:  # pre-fused merged column: equal parts (gate, up)
+            if out_features % len(tpl.sources):
+                raise InputError(f"{checkpoint.root}: fused {fused} has {out_features} rows, "
+                                 f"not divisible into {len(tpl.sources)} equal parts")
+            part_sizes = (out_features // len(tpl.sources),) * len(tpl.sources)
+        else:
+            part_sizes = tuple(s[0] for s in shapes)
+        return PlannedLayer(route.prefix, tpl.parallel, sources, part_sizes, in_features, out_features, **common)
+
+    part_sizes = tuple(tpl.parts(cfg))
+    if len(sources) == 1 and len(part_sizes) > 1:  # one tensor holds every part, stacked in order
+        counts = (len(part_sizes),)
     else:
-        part_sizes = tuple(s[0] for s in shapes)
-    return PlannedLayer(prefix, tpl.parallel, sources, part_sizes, in_features, out_features)
-
-
-def _plan_family(checkpoint: Checkpoint, family: Family, arch: str, shared_experts: bool,
-                 serialized: list[str]) -> list[PlannedLayer]:
-    hidden = _field(checkpoint, "hidden_size", arch)
-    num_heads = _field(checkpoint, "num_attention_heads", arch)
-    n_layers = _field(checkpoint, "num_hidden_layers", arch)
-    has_kv = checkpoint.config.get("num_key_value_heads") is not None  # HF default: no GQA
-    num_kv = _field(checkpoint, "num_key_value_heads", arch) if has_kv else num_heads
-    if checkpoint.config.get("head_dim") is not None:
-        head_dim = _field(checkpoint, "head_dim", arch)
-    elif hidden % num_heads:
-        raise InputError(f"{checkpoint.root / 'config.json'}: no 'head_dim', and hidden_size {hidden} is not "
-                         f"divisible by num_attention_heads {num_heads}; add head_dim to the config")
-    else:
-        head_dim = hidden // num_heads
-    if num_heads % num_kv:
-        raise InputError(f"{checkpoint.root / 'config.json'}: num_attention_heads {num_heads} is not a multiple of "
-                         f"num_key_value_heads {num_kv}")
-
-    exl3 = _exl3_modules(checkpoint)
-    planned: list[PlannedLayer] = []
-    for i in range(n_layers):
-        for tpl in family.modules:
-            if tpl.shared_expert and not shared_experts:
-                continue
-            try:
-                layer = _plan_module(checkpoint, f"{family.layers_prefix}.{i}", tpl, (num_heads, num_kv, head_dim),
-                                     hidden, exl3)
-            except _Serialized as e:
-                serialized.append(str(e))
-                continue
-            if layer is not None:
-                planned.append(layer)
-    return planned
+        counts = tpl.source_parts or (1,) * len(sources)
+    if sum(counts) != len(part_sizes) or len(counts) != len(sources):
+        raise ValueError(f"{route.prefix}: template parts {part_sizes} do not fit sources {sources}")
+    part_sources: list[tuple[int, int]] = []
+    j = 0
+    for s, (name, count) in enumerate(zip(sources, counts, strict=True)):
+        want = sum(part_sizes[j:j + count])
+        if shapes[s][0] != want:
+            raise InputError(f"{checkpoint.root}: {name} has {shapes[s][0]} rows, but config.json gives {want} "
+                             f"({' + '.join(map(str, part_sizes[j:j + count]))}) for {route.prefix}; the config "
+                             "does not belong to these weights")
+        offset = 0
+        for n in part_sizes[j:j + count]:
+            part_sources.append((s, offset))
+            offset += n
+        j += count
+    return PlannedLayer(route.prefix, tpl.parallel, sources, part_sizes, in_features, out_features,
+                        part_sources=tuple(part_sources), **common)
 
 
 def _never(stem: str) -> bool:
@@ -318,8 +358,8 @@ def _never(stem: str) -> bool:
     return "lm_head" in parts or any("embed" in p for p in parts)
 
 
-def _plan_globs(checkpoint: Checkpoint, layers: list[str], serialized: list[str]) -> list[PlannedLayer]:
-    exl3 = _exl3_modules(checkpoint)
+def _plan_globs(checkpoint: Checkpoint, layers: list[str], storage: StorageMap,
+                serialized: list[str], excluded: list[Excluded]) -> list[PlannedLayer]:
     planned: list[PlannedLayer] = []
     for name in checkpoint.tensor_names():
         if not name.endswith(".weight"):
@@ -327,60 +367,44 @@ def _plan_globs(checkpoint: Checkpoint, layers: list[str], serialized: list[str]
         stem = name.removesuffix(".weight")
         if not _matches(stem, layers) or _never(stem):
             continue
-        if _is_exl3(checkpoint, stem, exl3):
+        if storage.is_exl3(stem):
             serialized.append(stem)
+            excluded.append(Excluded(stem, "stored_exl3", "stored as EXL3 in the checkpoint"))
             continue
         info = checkpoint.info(name)
         if len(info.shape) != 2 or not info.is_float:
             continue  # norms, biases-as-weights, integer buffers
         n, k = info.shape
-        planned.append(PlannedLayer(stem, "replicated", (name,), (n,), k, n))
+        planned.append(PlannedLayer(stem, "replicated", (name,), (n,), k, n, spec="generic"))
     return planned
 
 
-# vLLM's packed_modules_mapping for the families we know: how the server names a fused module's parts.
-PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+def _as_overlay(overlay: Overlay | str | None) -> Overlay:
+    if isinstance(overlay, Overlay):
+        return overlay
+    return resolve_overlay(overlay)
 
 
-def is_shared_expert_projection(prefix: str) -> bool:
-    """True for ``...shared_expert(s).{gate,up,gate_up,down}_proj``: covered by the ``shared_experts`` spec only."""
-    parts = prefix.split(".")
-    return (len(parts) >= 2 and parts[-1] in ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
-            and parts[-2] in ("shared_expert", "shared_experts"))
-
-
-def _ignore_match(name: str, ignore: list[str]) -> bool:
-    return any(name == t or (t.startswith("re:") and re.match(t[3:], name)) for t in ignore)
-
-
-def server_ignores(prefix: str, ignore: list[str]) -> bool:
-    """The server's ``ignore`` rule (spec 6.1): exact names or ``re:`` regexes (``re.match``); a fused module
-    is judged through its unfused names unless listed exactly, and those must agree."""
-    leaf = prefix.rsplit(".", 1)[-1]
-    if leaf not in PACKED_MODULES or prefix in ignore:
-        return _ignore_match(prefix, ignore)
-    verdicts = {part: _ignore_match(prefix.replace(leaf, part), ignore) for part in PACKED_MODULES[leaf]}
-    if len(set(verdicts.values())) > 1:
-        ignored = [p for p, v in verdicts.items() if v]
-        raise ConfigError(f"{prefix}: ignore covers only {', '.join(ignored)} of its fused parts; the server "
-                          "rejects this (different quantization schemes); ignore all parts or none")
-    return next(iter(verdicts.values()))
-
-
-def plan_layers(checkpoint: Checkpoint, *, layers: list[str] | None = None, exclude: list[str] | None = None,
-                shared_experts: bool = False, linear: bool = True, ignore: list[str] | None = None) -> LayerPlan:
+def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None, layers: list[str] | None = None,
+                exclude: list[str] | None = None) -> LayerPlan:
     """Plan the server's online-encoded linears for ``checkpoint`` (headers only, no weights read).
 
-    ``layers`` / ``exclude`` are fnmatch globs over vLLM prefixes (e.g. ``'model.layers.0.*'``). For an
-    architecture we do not know, ``layers`` is required and matches checkpoint tensor names without
-    ``.weight``; every matching 2-D floating weight becomes a ``replicated`` layer.
-    The server's own overlay settings can be mirrored: ``linear`` (a ``linear`` spec is set),
-    ``shared_experts`` (a ``shared_experts`` spec is set) and ``ignore`` (its ``ignore`` list, spec 6.1).
-    Example: ``plan_layers(ckpt).for_tp(2)`` lists the entries a TP=2 server would look up.
+    ``overlay`` is the server's ``--quantization-config`` (parsed ``Overlay`` or the JSON string; default: the
+    documented minimal overlay). ``layers`` / ``exclude`` are fnmatch globs over vLLM prefixes (e.g.
+    ``'model.layers.0.*'``). For an architecture without a table, or a checkpoint the server would refuse with the
+    overlay, ``layers`` is required and the plan's ``server_lookup`` is False (unknown architectures: globs match
+    checkpoint tensor names without ``.weight``; every matching 2-D floating weight becomes a ``replicated`` layer).
+    Example: ``plan_layers(ckpt, overlay='{"linear": "mxfp8"}').for_tp(2)`` lists the entries a TP=2 server looks up.
     """
+    overlay = _as_overlay(overlay)
     arch = checkpoint.architecture
     family = family_for(arch)
+    quant_file = read_json(checkpoint.root / QUANT_CONFIG)
+    view = serving_view(checkpoint.config, quant_file, family.storage_mapper if family else ())
     serialized: list[str] = []
+    excluded: list[Excluded] = []
+    notes: list[str] = list(view.kind.notes) if view.kind else []
+
     if family is None:
         if not layers:
             raise ConfigError(
@@ -388,20 +412,78 @@ def plan_layers(checkpoint: Checkpoint, *, layers: list[str] | None = None, excl
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); select its linears with --layers 'GLOB' "
                 "over checkpoint tensor names, e.g. --layers 'encoder.layer.0.*'"
             )
-        planned = _plan_globs(checkpoint, layers, serialized)
-    else:
-        planned = _plan_family(checkpoint, family, arch or "", shared_experts, serialized)
-        if layers:
-            planned = [p for p in planned if _matches(p.prefix, layers)]
+        planned = _plan_globs(checkpoint, layers, view.storage, serialized, excluded)
+        notes.insert(0, f"generic --layers mode: architecture {arch or '(none)'} has no layer table, so these "
+                        "entries are keyed by checkpoint tensor names; the server will not look them up"
+                        + (f" ({view.refusal})" if view.refusal else ""))
+        if not planned:
+            raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers "
+                              f"{' '.join(repr(g) for g in layers)}; globs match checkpoint tensor names without "
+                              "'.weight'")
+        return LayerPlan(tuple(planned), arch, tuple(serialized), tuple(excluded), overlay, view.kind, False,
+                         None, tuple(notes), None)
+
+    if view.refusal:
+        if not layers:
+            raise ConfigError(
+                f"{checkpoint.model}: the server would not encode or look up any layer of this checkpoint with "
+                f"--quantization-config: {view.refusal}. For an experiment, select layers with --layers 'GLOB' "
+                "(their entries are not ones the server looks up)"
+            )
+        notes.insert(0, f"generic --layers mode: the server will not look these entries up ({view.refusal})")
+
+    cfg = text_config(checkpoint.config)
+    routes = route_family(checkpoint.config, family, view.storage, overlay)
+    ckpt_layers = _checkpoint_layers(family, checkpoint.index_names())
+    planned: list[PlannedLayer] = []
+    for route in routes:
+        if layers and not _matches(route.prefix, layers):
+            continue
+        if route.decision != "planned":
+            excluded.append(Excluded(route.prefix, route.decision, route.detail))
+            if route.decision == "stored_exl3":
+                serialized.append(route.prefix)
+            continue
+        if exclude and _matches(route.prefix, exclude):
+            excluded.append(Excluded(route.prefix, "excluded", "left out by --exclude"))
+            continue
+        layer = _plan_route(checkpoint, family, cfg, arch or "", route, ckpt_layers)
+        if layer is not None:
+            planned.append(layer)
     if layers and not planned:
-        globs = " ".join(repr(g) for g in layers)
-        hint = ("globs match vLLM prefixes such as 'model.layers.0.self_attn.qkv_proj'" if family
-                else "globs match checkpoint tensor names without '.weight'")
-        raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers {globs}; {hint}")
-    if exclude:
-        planned = [p for p in planned if not _matches(p.prefix, exclude)]
-    # Shared-expert projections follow the shared_experts spec only; ignore never applies to them.
-    planned = [p for p in planned if is_shared_expert_projection(p.prefix)
-               or (linear and not (ignore and server_ignores(p.prefix, ignore)))]
-    keep = [p for p in serialized if not layers or _matches(p, layers)]
-    return LayerPlan(tuple(planned), arch, tuple(keep))
+        raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers "
+                          f"{' '.join(repr(g) for g in layers)}; globs match vLLM prefixes such as "
+                          f"'{family.layers_prefix}.0.self_attn.o_proj'")
+    return LayerPlan(tuple(planned), arch, tuple(serialized), tuple(excluded), overlay, view.kind,
+                     view.refusal is None, family, tuple(notes), cfg)
+
+
+def tensors_to_fetch(root: Path, config: dict, names: Iterable[str], overlay: Overlay | str | None = None,
+                     layers: list[str] | None = None, exclude: list[str] | None = None) -> set[str]:
+    """The tensor names ``plan_layers`` will read, from the config, the EXL3 metadata and the index only.
+
+    A Hub download fetches just the shards holding these: for an EXL3 checkpoint of a large MoE only the BF16
+    dense tensors the server encodes, a small share of the bytes. Empty when the plan would be refused anyway.
+    """
+    overlay = _as_overlay(overlay)
+    names = list(names)
+    archs = config.get("architectures")
+    family = family_for(archs[0] if isinstance(archs, list) and archs else None)
+    if family is None:
+        return {n for n in names if n.endswith(".weight") and _matches(n.removesuffix(".weight"), layers)
+                and not _never(n.removesuffix(".weight"))} if layers else set()
+    view = serving_view(config, read_json(root / QUANT_CONFIG), family.storage_mapper)
+    if view.refusal and not layers:
+        return set()
+    base_layers = _checkpoint_layers(family, names)
+    wanted: set[str] = set()
+    for route in route_family(config, family, view.storage, overlay):
+        if route.decision != "planned" or (layers and not _matches(route.prefix, layers)):
+            continue
+        if exclude and _matches(route.prefix, exclude):
+            continue
+        base = f"{base_layers}.{route.layer}"
+        for s in route.template.sources:
+            wanted.update(_source_candidates(family, base, s))
+        wanted.add(f"{base}.{route.template.name}.weight")
+    return wanted & set(names)

@@ -1,9 +1,11 @@
 """The rank-local weight a vLLM TP rank holds for one layer (spec 6.4), read slice by slice.
 
-The server encodes ``layer.weight`` after its standard weight loaders filled it: q|k|v or gate|up parts
-sliced per rank and concatenated along the output dimension, row-parallel layers sliced along the input
-dimension, replicated layers whole, all cast to the serving dtype. We rebuild exactly that matrix, reading
-only the rows/columns the rank needs, so memory stays near one rank-local layer.
+The server encodes ``layer.weight`` after its standard weight loaders filled it: q|k|v or the parts of a merged
+column layer (gate|up; q|k|v|z of a gated-delta-net ``in_proj_qkvz``; q|k|v|b|f_a of GLM-5.3's KDA
+``in_proj_qkvgfab``, whose ``f_a`` part every rank holds whole) sliced per rank and concatenated along the output
+dimension in the server's order, row-parallel layers sliced along the input dimension, replicated layers
+(``disable_tp`` fused ones too) whole, all cast to the serving dtype. We rebuild exactly that matrix, reading only
+the rows/columns the rank needs, so memory stays near one rank-local layer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def rank_row_ranges(job: RankJob) -> list[tuple[int, int, int]]:
             (2, kr * kv_r * vhd, (kr + 1) * kv_r * vhd),
         ]
     if layer.parallel == "merged_column":
-        return [(j, r * n // w, (r + 1) * n // w) for j, n in enumerate(layer.part_sizes)]
+        return [(j, 0, n) if j in layer.replicated_parts else (j, r * n // w, (r + 1) * n // w)
+                for j, n in enumerate(layer.part_sizes)]
     if layer.parallel == "column":
         n = layer.out_features
         return [(0, r * n // w, (r + 1) * n // w)]
@@ -58,13 +61,10 @@ def rank_local_weight(checkpoint: Checkpoint, job: RankJob, dtype: torch.dtype |
     if layer.parallel == "row":
         w, r, k = job.tp_size, job.tp_rank, layer.in_features
         cols = (r * k // w, (r + 1) * k // w)
-    # Offsets of each part inside a pre-fused source tensor (0 for separate tensors).
-    offsets = [sum(layer.part_sizes[:j]) for j in range(len(layer.part_sizes))] if layer.fused_source else None
-
     pieces: list[torch.Tensor] = []
     for part, start, stop in rank_row_ranges(job):
-        name, base = (layer.sources[0], offsets[part]) if offsets is not None else (layer.sources[part], 0)
-        pieces.append(checkpoint.read(name, rows=(base + start, base + stop), cols=cols).to(dtype))
+        source, base = layer.part_location(part)  # which tensor holds the part, and where it starts in it
+        pieces.append(checkpoint.read(layer.sources[source], rows=(base + start, base + stop), cols=cols).to(dtype))
     weight = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     weight = weight.contiguous()
     if tuple(weight.shape) != (n_r, k_r):

@@ -12,16 +12,17 @@ import json
 import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors import safe_open
 
 from exl3tool.errors import InputError
 
-__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype", "HUB_PATTERNS",
-           "QUANT_CONFIG"]
+__all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype",
+           "HUB_PATTERNS", "QUANT_CONFIG", "Selector"]
 
 # The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
 # only the shards it names. quantization_config.json says which layers an EXL3 checkpoint already stores
@@ -135,11 +136,32 @@ def serving_dtype(config_dtype: torch.dtype | None) -> torch.dtype:
     return torch.bfloat16 if config_dtype in (None, torch.float32, torch.float64) else config_dtype
 
 
+# Given the snapshot folder (small files present), config.json and every tensor name of the index: the names the
+# plan will read. A Hub download then fetches only the shards that hold them.
+Selector = Callable[[Path, dict, list[str]], "set[str] | None"]
+
+
+@dataclass(frozen=True)
+class FetchInfo:
+    """What a Hub download fetched: shard files, their bytes, and the index's total (all tensors of the repo)."""
+
+    shards: tuple[str, ...]
+    shards_total: int
+    bytes_fetched: int
+    index_total_bytes: Optional[int]
+
+    def line(self) -> str:
+        total = f" of {self.index_total_bytes / 2**30:.2f} GiB" if self.index_total_bytes else ""
+        return (f"fetched {len(self.shards)} of {self.shards_total} shards: "
+                f"{self.bytes_fetched / 2**30:.2f} GiB{total} (only shards holding planned tensors)")
+
+
 class Checkpoint:
     """A resolved local checkpoint: config plus a name -> shard map; tensors are read on demand."""
 
     def __init__(self, model: str, root: Path, config: dict[str, Any], commit_hash: str | None,
-                 tensors: dict[str, TensorInfo], config_path: Path | None = None, revision: str | None = None) -> None:
+                 tensors: dict[str, TensorInfo], config_path: Path | None = None, revision: str | None = None,
+                 index_names: list[str] | None = None, fetch: FetchInfo | None = None) -> None:
         self.model = model
         # As given (--revision). For a local path it selects nothing, but the server's directory identity
         # records ``commit_hash or revision`` (spec 2.4, 3), so it is kept.
@@ -150,6 +172,8 @@ class Checkpoint:
         self._tensors = tensors
         self.config_dtype = _config_dtype(config, config_path or root / "config.json")  # as declared, or None
         self.dtype = serving_dtype(self.config_dtype)  # what the server casts weights to under --dtype auto
+        self._index_names = index_names  # every tensor of the index, also those in shards not fetched
+        self.fetch = fetch  # set for a Hub checkpoint whose shards were fetched selectively
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.model!r}, root={str(self.root)!r}, tensors={len(self._tensors)})"
@@ -166,6 +190,10 @@ class Checkpoint:
 
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
+
+    def index_names(self) -> list[str]:
+        """Every tensor name of the checkpoint, including shards a selective Hub download left out."""
+        return list(self._index_names) if self._index_names is not None else self.tensor_names()
 
     def info(self, name: str) -> TensorInfo:
         """Header record for ``name``; InputError naming the tensor when absent."""
@@ -223,8 +251,12 @@ def _snapshot_hash(directory: Path) -> str | None:
     return d.name if d.parent.name == "snapshots" and _HEX40.fullmatch(d.name) else None
 
 
-def _download(model: str, revision: str | None, token: str | bool | None, local_files_only: bool | None) -> Path:
-    """Resolve a repo id to a snapshot folder; offline (env or argument) never touches the network."""
+def _download(model: str, revision: str | None, token: str | bool | None, local_files_only: bool | None,
+              select: Selector | None = None) -> tuple[Path, list[str] | None]:
+    """Resolve a repo id to a snapshot folder; offline (env or argument) never touches the network.
+
+    Returns the folder and, when ``select`` chose a subset, the shard files fetched (None: every shard).
+    """
     from huggingface_hub import errors as hf_errors
     from huggingface_hub import snapshot_download
 
@@ -238,7 +270,17 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
             repo_id=model, revision=revision, cache_dir=str(cache), allow_patterns=SMALL_FILES,
             token=token, local_files_only=offline,
         ))
-        shards = list(_index_files(folder)) if (folder / INDEX_NAME).is_file() else ["*.safetensors"]
+        chosen: list[str] | None = None
+        if (folder / INDEX_NAME).is_file():
+            files = _index_files(folder)
+            shards = list(files)
+            if select is not None:
+                names = [n for f in files.values() for n in f]
+                wanted = select(folder, _load_config(folder / "config.json"), names)
+                if wanted is not None:
+                    chosen = shards = [f for f, held in files.items() if wanted & set(held)]
+        else:
+            shards = ["*.safetensors"]
         pinned = folder.name if _HEX40.fullmatch(folder.name) else revision
         folder = Path(snapshot_download(
             repo_id=model, revision=pinned, cache_dir=str(cache), allow_patterns=[*SMALL_FILES, *shards],
@@ -267,7 +309,7 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
         raise InputError(
             f"{model}: download failed ({type(e).__name__}: {first}); check the network or try again"
         ) from None
-    return folder
+    return folder, chosen
 
 
 def _load_config(path: Path) -> dict[str, Any]:
@@ -318,12 +360,22 @@ def _collect(files: list[tuple[Path, list[str] | None]]) -> dict[str, TensorInfo
     return tensors
 
 
+def _index_total(root: Path) -> Optional[int]:
+    try:
+        total = json.loads((root / INDEX_NAME).read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(total) if isinstance(total, (int, float)) else None
+
+
 def open_checkpoint(model: str, *, revision: str | None = None, token: str | bool | None = None,
-                    local_files_only: bool | None = None) -> Checkpoint:
+                    local_files_only: bool | None = None, select: Selector | None = None) -> Checkpoint:
     """Open ``model`` (a directory, a .safetensors file, or a Hub repo id) without loading weights.
 
-    Example: ``open_checkpoint("meta-llama/Llama-3.1-8B", revision="main")`` under ``HF_HUB_OFFLINE=1``
-    reads the cached snapshot and sets ``commit_hash`` from it.
+    ``select`` (Hub repos with an index): given the snapshot's small files, the tensor names the plan needs; only
+    the shards holding them are downloaded and read (``Checkpoint.fetch`` says how many bytes). Local checkpoints
+    are read whole. Example: ``open_checkpoint("meta-llama/Llama-3.1-8B", revision="main")`` under
+    ``HF_HUB_OFFLINE=1`` reads the cached snapshot and sets ``commit_hash`` from it.
     """
     expanded = os.path.expanduser(model)
     if os.path.exists(expanded):  # like the server: an existing path wins over a repo id (spec 2.4)
@@ -339,12 +391,20 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
             return Checkpoint(model, root, config, _snapshot_hash(root), _collect([(local, None)]),
                               config_path, revision)
         root = local
+        chosen = None
     else:
-        root = _download(model, revision, token, local_files_only)
+        root, chosen = _download(model, revision, token, local_files_only, select)
 
     config = _load_config(root / "config.json")
     if (root / INDEX_NAME).is_file():
-        tensors = _collect([(root / f, names) for f, names in _index_files(root).items()])
+        files = _index_files(root)
+        picked = files if chosen is None else {f: files[f] for f in chosen}
+        tensors = _collect([(root / f, names) for f, names in picked.items()])
+        if chosen is not None:
+            fetched = sum((root / f).stat().st_size for f in chosen)
+            fetch = FetchInfo(tuple(chosen), len(files), fetched, _index_total(root))
+            return Checkpoint(model, root, config, _snapshot_hash(root), tensors, revision=revision,
+                              index_names=[n for held in files.values() for n in held], fetch=fetch)
     else:
         files = sorted(p for p in root.glob("*.safetensors") if not p.name.startswith("."))
         if not files:

@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.commands.options import (
-    BitsOpt, DtypeOpt, CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, OverlapOpt, QuietOpt, RevisionOpt, ServerPathOpt,
-    parse_positive_ints,
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, OverlapOpt, QuantizationConfigOpt,
+    QuietOpt, RevisionOpt, ServerPathOpt, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
 from exl3tool.output import Output
@@ -25,7 +25,7 @@ LayersOpt = Annotated[list[str], typer.Option("--layers", help="Only layers whos
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
-SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Also encode MoE shared-expert projections (the server's shared_experts spec).")]
+SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
 FileModeOpt = Annotated[str, typer.Option("--file-mode", help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as another user).")]
 
 
@@ -43,9 +43,48 @@ def _parse_mode(text: str) -> int:
         raise typer.BadParameter(f"--file-mode must be octal like 0600 or 0644, got {text!r}") from None
 
 
+def plan_header(plan: WarmPlan) -> dict:
+    """What the plan was made with: the overlay, the checkpoint kind, whether the server looks entries up, notes."""
+    lp = plan.layer_plan
+    return {
+        "quantization_config": lp.overlay.as_json() if lp is not None and lp.overlay is not None else None,
+        "checkpoint_kind": lp.kind.kind if lp is not None and lp.kind is not None else None,
+        "architecture": lp.architecture if lp is not None else None,
+        "server_lookup": lp.server_lookup if lp is not None else True,
+        "notes": list(lp.notes) if lp is not None else [],
+        "fetch": None if plan.fetch is None else {
+            "shards": list(plan.fetch.shards), "shards_total": plan.fetch.shards_total,
+            "bytes_fetched": plan.fetch.bytes_fetched, "index_total_bytes": plan.fetch.index_total_bytes},
+    }
+
+
+def plan_notes(out: Output, plan: WarmPlan) -> None:
+    """The plan's header on stderr: overlay, kind, notes; a warning when the server will not look entries up."""
+    lp = plan.layer_plan
+    if lp is None:
+        return
+    if lp.overlay is not None:
+        out.note(f"quantization config: {lp.overlay.text}" + (" (default)" if lp.overlay.default else ""))
+    for note in lp.notes:
+        (out.note if lp.server_lookup else out.warn)(note)
+    if plan.fetch is not None:
+        out.note(plan.fetch.line())
+
+
+def _why(j) -> str:
+    if j.state == "skipped" or j.state == "invalid":
+        return j.reason
+    spec = j.rank_job.layer.spec if j.rank_job is not None else "linear"
+    return "--layers glob (the server does not look this entry up)" if spec == "generic" else f"planned ({spec} spec)"
+
+
 def render_plan(out: Output, plan: WarmPlan) -> None:
-    """The dry-run table: one row per job."""
-    table = Table(title=f"plan for {plan.model} ({plan.bits} bits, TP {','.join(map(str, plan.tp_sizes))})")
+    """The dry-run table: one row per job, then the modules the server does not encode and why."""
+    lp = plan.layer_plan
+    overlay = f", quantization config {lp.overlay.text}" if lp is not None and lp.overlay is not None else ""
+    kind = f", {lp.kind.kind} checkpoint" if lp is not None and lp.kind is not None else ""
+    table = Table(title=f"plan for {plan.model} ({plan.bits} bits, TP {','.join(map(str, plan.tp_sizes))}"
+                        f"{kind}{overlay})")
     for col in ("layer", "tp", "rank", "shape (in x out)", "tiles", "state", "note"):
         table.add_column(col, justify="right" if col in ("tp", "rank", "tiles") else "left")
     for j in plan.jobs:
@@ -53,14 +92,28 @@ def render_plan(out: Output, plan: WarmPlan) -> None:
         table.add_row(j.prefix, str(j.tp_size), str(j.tp_rank), f"{j.input_size} x {j.output_size}", str(j.tiles),
                       f"[{style}]{j.state}[/{style}]", j.reason)
     out.table(table)
+    excluded = lp.excluded if lp is not None else ()
+    if excluded and not out.json:
+        ex = Table(title="not encoded by the server")
+        for col in ("layer", "reason"):
+            ex.add_column(col)
+        for e in excluded:
+            ex.add_row(e.prefix, e.detail or e.reason)
+        out.table(ex)
+    plan_notes(out, plan)
     out.line(f"{len(plan.jobs)} jobs: {plan.count('hit')} hit, {plan.count('miss')} miss, "
-             f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; cache {plan.cache_root}")
+             f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; {len(excluded)} modules not "
+             f"encoded by the server; {sum(j.tiles for j in plan.jobs if j.state != 'skipped')} tiles; "
+             f"cache {plan.cache_root}")
     out.data({
         "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
         "bits": plan.bits, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root), "mode": plan.mode,
+        **plan_header(plan),
         "jobs": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
                   "output_size": j.output_size, "tiles": j.tiles, "state": j.state, "reason": j.reason,
+                  "why": _why(j), "planned_by": j.rank_job.layer.spec if j.rank_job is not None else None,
                   "digest": j.digest, "path": str(j.path)} for j in plan.jobs],
+        "not_planned": [{"prefix": e.prefix, "reason": e.reason, "why": e.detail} for e in excluded],
     })
 
 
@@ -95,6 +148,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
             from exl3tool.warm import share_jobs
 
             todo = share_jobs(todo, ctx.worker, ctx.workers)
+        plan_notes(out, plan)
         out.note(f"{plan.model}: {len(plan.jobs)} jobs, {plan.count('hit')} already cached, "
                  f"{len(todo)} to encode here ({sum(j.tiles for j in todo)} tiles)")
         if out.show_progress and todo:
@@ -145,6 +199,7 @@ def encode(
     mode: Annotated[str, typer.Option("--mode", help="readwrite (publish), readonly (encode misses, write nothing) or off (no cache).")] = "readwrite",
     device: DeviceOpt = "auto",
     shared_experts: SharedOpt = False,
+    quantization_config: QuantizationConfigOpt = None,
     dtype: DtypeOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
@@ -171,6 +226,7 @@ def encode(
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
         cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode), overlap=overlap,
+        quantization_config=quantization_config,
     )
     _run(Output(json=json_out, quiet=quiet), request, dry_run)
 
@@ -185,6 +241,7 @@ def cache_warm(
     cache_dir: CacheDirOpt = None,
     device: DeviceOpt = "auto",
     shared_experts: SharedOpt = False,
+    quantization_config: QuantizationConfigOpt = None,
     dtype: DtypeOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
@@ -208,6 +265,7 @@ def cache_warm(
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         server_path=server_path, dtype=dtype, file_mode=_parse_mode(file_mode), overlap=overlap,
+        quantization_config=quantization_config,
     )
     _run(Output(json=json_out, quiet=quiet), request, dry_run)
 

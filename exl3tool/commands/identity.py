@@ -12,6 +12,7 @@ from exl3tool.commands.options import (
     EncoderRevisionOpt,
     EncoderRootOpt,
     JsonOpt,
+    QuantizationConfigOpt,
     QuietOpt,
     RevisionOpt,
     ServerPathOpt,
@@ -27,14 +28,21 @@ def identity(
     server_path: ServerPathOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    quantization_config: QuantizationConfigOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Print the model and encoder identities the server derives, the resolved revision and how.
 
+    The identities do not depend on --quantization-config; it is validated as the server does and shown, so one
+    command line can be checked before a warm.
+
     Example: exl3tool identity org/model --encoder-root /encoders/exllamav3 --encoder-revision 1a2b3c
     """
+    from exl3tool.checkpoint import resolve_overlay
+
     out = Output(json=json, quiet=quiet)
+    overlay = resolve_overlay(quantization_config)
     mid = resolve_model_identity(model, revision=revision, server_path=server_path)
     settings = encoder_settings(encoder_root, encoder_revision)
     eid = resolve_encoder_identity(settings.root, settings.revision)
@@ -52,6 +60,7 @@ def identity(
     out.table(table)
     out.line(f"revision: {mid.revision or '(none)'}")
     out.line(f"cache dir: v1/{mid.identity[:20]}/")
+    out.line(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
     out.data(
         {
             "model": {
@@ -69,6 +78,7 @@ def identity(
                 "payload": eid.payload,
                 "source": settings.source,
             },
+            "quantization_config": overlay.as_json(),
         }
     )
 

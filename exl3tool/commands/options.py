@@ -23,6 +23,7 @@ __all__ = [
     "OverlapOpt",
     "BitsOpt",
     "DtypeOpt",
+    "QuantizationConfigOpt",
     "resolve_cache_dir",
     "existing_cache_dir",
 ]
@@ -57,6 +58,16 @@ OverlapOpt = Annotated[
     typer.Option(
         "--overlap/--no-overlap",
         help="Read the next weights and publish finished entries on background threads while encoding (same results).",
+    ),
+]
+QuantizationConfigOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--quantization-config",
+        metavar="JSON",
+        help="The server's --quantization-config string, exactly as it is started with (keys linear, shared_experts, "
+        "ignore; \"mxfp8\" shorthand). Default: '{\"linear\": {\"weight\": \"mxfp8\"}}', the minimal overlay that "
+        "turns online Trellis on.",
     ),
 ]
 ModelIdOpt = Annotated[

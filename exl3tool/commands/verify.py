@@ -10,8 +10,8 @@ import typer
 from rich.table import Table
 
 from exl3tool.commands.options import (
-    BitsOpt, DtypeOpt, CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, QuietOpt, RevisionOpt, ServerPathOpt,
-    parse_positive_ints,
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, JsonOpt, QuantizationConfigOpt, QuietOpt,
+    RevisionOpt, ServerPathOpt, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError, InputError
 from exl3tool.output import Output, to_jsonable
@@ -81,6 +81,7 @@ def verify(
     bits: BitsOpt = None,
     layers: Annotated[list[str], typer.Option("--layers", help="Only layers matching this glob; repeatable.")] = [],
     exclude: Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")] = [],
+    quantization_config: QuantizationConfigOpt = None,
     rows: Annotated[str, typer.Option("--rows", help="Comma-separated activation row counts.")] = "1,16,256",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the activations (printed in the report).")] = 0,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
@@ -110,7 +111,7 @@ def verify(
         model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), cache_dir=cache_dir, mode="readonly",
         device=device, encoder_root=encoder_root, encoder_revision=encoder_revision, server_path=server_path,
-        dtype=dtype,
+        dtype=dtype, quantization_config=quantization_config,
     )
     checkpoint, plan, store = prepare(request)
     dev = resolve_device(device)

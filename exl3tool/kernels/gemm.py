@@ -1,15 +1,21 @@
-"""Fused EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (spec 1.4), Q decoded in-kernel.
+"""EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (spec 1.4), in Triton.
 
-Q is never written to memory: each program loads the packed u32 words of the tiles it needs as one aligned word
-pair per block of 2-4 consecutive trellis positions (spec 4.5), cuts each 16-bit state out of its pair with one
-64-bit shift, decodes it with the codebook (spec 3) and feeds the block to tl.dot with fp32 accumulation. The
-input side (x * suh, 128-point Hadamard) is done by a small prep kernel (the GEMM would otherwise redo it for
-every column block) or, on request, fused into the GEMM. The output side (Hadamard, * svh, cast) is always fused
-into the epilogue; split-K partials are reduced by the last program of each output block (serial reduction
-through a counter, in a fixed order), so no extra launch is needed for the reduction either.
+Two paths, chosen by ``choose_config`` (``trellis_matmul`` is the entry point):
 
-Hadamards run on tensor cores against the exact +-1 matrix, with the fp32 operand split into two bf16 parts
-(16 mantissa bits, full fp32 range: no overflow for any finite fp32 value).
+- Fused (m < RECON_MIN_M): Q is never written to memory. Each program loads the packed u32 words of the tiles
+  it needs as one aligned word pair per block of 2-4 consecutive trellis positions (spec 4.5), cuts each 16-bit
+  state out of its pair with one 64-bit shift, decodes it with the codebook (spec 3) and feeds the block to
+  tl.dot with fp32 accumulation (at m = 1: fp32 FMAs instead). The input side (x * suh, 128-point Hadamard) is
+  done by a small prep kernel (the GEMM would otherwise redo it for every column block) or, on request, fused
+  into the GEMM. The output side (Hadamard, * svh, cast) is always fused into the epilogue; split-K partials
+  are reduced by the last program of each output block (serial reduction through a counter, in a fixed
+  order), so no extra launch is needed for the reduction either.
+- Reconstruct (m >= RECON_MIN_M): ``_recon_kernel`` writes an fp16 weight (Q with none, one or both Hadamard
+  sides folded in, ``ReconConfig.fold``), torch.mm (cuBLAS) multiplies, and the prep / post kernels do the
+  sides that are not folded.
+
+Hadamards run on tensor cores against the exact +-1 matrix: fp16 operands where they are exact (fp16 x, Q,
+fp16 y1), otherwise the fp32 operand split into two bf16 parts (16 mantissa bits, full fp32 range).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     tl = None
     HAVE_TRITON = False
 
-__all__ = ["trellis_matmul", "trellis_matmul_reference", "GemmConfig", "choose_config", "pair_block_bits", "HAVE_TRITON"]
+__all__ = ["trellis_matmul", "trellis_matmul_reference", "fold_weight", "fold_weight_reference", "GemmConfig",
+           "ReconConfig", "choose_config", "recon_cost", "pair_block_bits", "RECON_MIN_M", "FOLD_NONE", "FOLD_OUT", "FOLD_IN",
+           "FOLD_BOTH", "FOLD_BOTH16", "HAVE_TRITON"]
 
 _CB_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 
@@ -123,7 +131,7 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _pair_pattern(BK: tl.constexpr, K_BITS: tl.constexpr, S1: tl.constexpr, tiles_n):
+    def _pair_pattern(BK: tl.constexpr, K_BITS: tl.constexpr, S1: tl.constexpr, tiles_n, TRANS: tl.constexpr = False):
         """Word pair offsets per block of positions, and each element's shift, for one (BK, 128) block.
 
         The tensors are 10-D in exactly Q's order: rows (tile row, b1, b4, b3, b0), columns (tile column, b2,
@@ -134,27 +142,41 @@ if HAVE_TRITON:
         ``pair_block_bits`` checks on the host that every window fits. The offsets have size-1 axes at those
         low position bits (b0, and b1 when S1 == 1), so each pair is loaded once per block, then broadcast.
         Returns (off_hi, off_lo) in u32 words from the block's first record, and the right shift of the
-        64-bit pair hi:lo that leaves each element's state in the low 16 bits.
+        64-bit pair hi:lo that leaves each element's state in the low 16 bits. TRANS puts the five column
+        axes first, so that the same reshape gives Q^T's (128, BK) block instead.
         """
         TR: tl.constexpr = BK // 16
         WORDS: tl.constexpr = 8 * K_BITS
-        tr = tl.arange(0, TR)[:, None, None, None, None, None, None, None, None, None]
-        b1 = tl.arange(0, S1)[None, :, None, None, None, None, None, None, None, None]
-        b4 = tl.arange(0, 2)[None, None, :, None, None, None, None, None, None, None]
-        b3 = tl.arange(0, 2)[None, None, None, :, None, None, None, None, None, None]
-        tc = tl.arange(0, 8)[None, None, None, None, None, :, None, None, None, None]
-        b2 = tl.arange(0, 2)[None, None, None, None, None, None, :, None, None, None]
-        b7 = tl.arange(0, 2)[None, None, None, None, None, None, None, :, None, None]
-        b6 = tl.arange(0, 2)[None, None, None, None, None, None, None, None, :, None]
-        b5 = tl.arange(0, 2)[None, None, None, None, None, None, None, None, None, :]
+        if TRANS:  # Q^T's order: columns (tc, b2, b7, b6, b5) first, then rows (tr, b1, b4, b3, b0)
+            tc = tl.arange(0, 8)[:, None, None, None, None, None, None, None, None, None]
+            b2 = tl.arange(0, 2)[None, :, None, None, None, None, None, None, None, None]
+            b7 = tl.arange(0, 2)[None, None, :, None, None, None, None, None, None, None]
+            b6 = tl.arange(0, 2)[None, None, None, :, None, None, None, None, None, None]
+            b5 = tl.arange(0, 2)[None, None, None, None, :, None, None, None, None, None]
+            tr = tl.arange(0, TR)[None, None, None, None, None, :, None, None, None, None]
+            b1 = tl.arange(0, S1)[None, None, None, None, None, None, :, None, None, None]
+            b4 = tl.arange(0, 2)[None, None, None, None, None, None, None, :, None, None]
+            b3 = tl.arange(0, 2)[None, None, None, None, None, None, None, None, :, None]
+            e0 = tl.arange(0, 2)[None, None, None, None, None, None, None, None, None, :]
+            e1 = tl.arange(0, 2)[None, None, None, None, None, None, :, None, None, None]
+        else:
+            tr = tl.arange(0, TR)[:, None, None, None, None, None, None, None, None, None]
+            b1 = tl.arange(0, S1)[None, :, None, None, None, None, None, None, None, None]
+            b4 = tl.arange(0, 2)[None, None, :, None, None, None, None, None, None, None]
+            b3 = tl.arange(0, 2)[None, None, None, :, None, None, None, None, None, None]
+            tc = tl.arange(0, 8)[None, None, None, None, None, :, None, None, None, None]
+            b2 = tl.arange(0, 2)[None, None, None, None, None, None, :, None, None, None]
+            b7 = tl.arange(0, 2)[None, None, None, None, None, None, None, :, None, None]
+            b6 = tl.arange(0, 2)[None, None, None, None, None, None, None, None, :, None]
+            b5 = tl.arange(0, 2)[None, None, None, None, None, None, None, None, None, :]
+            e0 = tl.arange(0, 2)[None, None, None, None, :, None, None, None, None, None]
+            e1 = tl.arange(0, 2)[None, :, None, None, None, None, None, None, None, None]
         p0 = 128 * b7 + 64 * b6 + 32 * b5 + 16 * b4 + 8 * b3 + 4 * b2 + 2 * b1
         s0 = (p0 * K_BITS + (K_BITS - 16 + 256 * K_BITS)) % (256 * K_BITS)  # first bit of p0's window
         j = s0 // 32
         rec = (tr * tiles_n + tc) * WORDS
         off_hi = rec + j
         off_lo = rec + (j + 1) % WORDS
-        e0 = tl.arange(0, 2)[None, None, None, None, :, None, None, None, None, None]
-        e1 = tl.arange(0, 2)[None, :, None, None, None, None, None, None, None, None]
         if S1 == 1:
             shift = 48 - (s0 % 32) - K_BITS * (e0 + 2 * e1)
         else:
@@ -170,23 +192,29 @@ if HAVE_TRITON:
         return hi, lo
 
     @triton.jit
-    def _decode_loaded(hi, lo, shift, BK: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
-        """Loaded pairs -> fp16 (BK, 128): one 64-bit funnel shift and a mask per element, then the codebook."""
+    def _decode_loaded(hi, lo, shift, BK: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr,
+                       TRANS: tl.constexpr = False):
+        """Loaded pairs -> fp16 (BK, 128) (TRANS: its transpose, (128, BK)): one 64-bit funnel shift and a
+        mask per element, then the codebook."""
         s = (((hi << 32) | lo) >> shift).to(tl.uint32)
         if ASM >= 2 and CB != 2:
             x = _hash_asm(s, CB)
             q = _two_halves_asm(x)
         else:
             q = _codebook(s & 0xFFFF, CB)
-        return tl.reshape(q, (BK, 128))
+        if TRANS:
+            q = tl.reshape(q, (128, BK))
+        else:
+            q = tl.reshape(q, (BK, 128))
+        return q
 
     @triton.jit
     def _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK: tl.constexpr, CB: tl.constexpr,
-                      ASM: tl.constexpr):
-        """Decode one (BK, 128) block from its word pairs: two u32 loads per block of positions, then
-        ``_decode_loaded``."""
+                      ASM: tl.constexpr, TRANS: tl.constexpr = False):
+        """Decode one (BK, 128) block (TRANS: (128, BK), Q^T) from its word pairs: two u32 loads per block of
+        positions, then ``_decode_loaded``."""
         hi, lo = _load_pairs(words_ptr, wbase, off_hi, off_lo)
-        return _decode_loaded(hi, lo, shift, BK, CB, ASM)
+        return _decode_loaded(hi, lo, shift, BK, CB, ASM, TRANS)
 
     @triton.jit
     def _hash_asm(s, CB: tl.constexpr):
@@ -215,6 +243,16 @@ if HAVE_TRITON:
             "prmt.b32 hi, $1, $2, 0x7632;\n"
             "add.rn.f16x2 $0, lo, hi; }",
             "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+
+    @triton.jit
+    def _prefetch_l2(ptrs, mask):
+        """``prefetch.global.L2`` of each address where mask holds (PTX; the result is a dummy)."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p;\n"
+            "setp.ne.b32 p, $2, 0;\n"
+            "@p prefetch.global.L2 [$1];\n"
+            "mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _split_bf16_dot(a, h, IEEE: tl.constexpr):
@@ -259,31 +297,150 @@ if HAVE_TRITON:
             tl.store(y_ptr + rm[:, None] * N + cols[None, :], yv.to(y_ptr.dtype.element_ty), mask=m_mask)
 
     @triton.jit
+    def _load_x(x_ptr, rm, k0, ibk, M, K, TRANS: tl.constexpr):
+        """The (BM, BK) slice of the prepared fp16 x at columns k0 .. k0 + BK (TRANS: its transpose)."""
+        if TRANS:
+            a = tl.load(x_ptr + rm[None, :] * K + (k0 + ibk)[:, None], mask=rm[None, :] < M, other=0.0)
+        else:
+            a = tl.load(x_ptr + rm[:, None] * K + (k0 + ibk)[None, :], mask=rm[:, None] < M, other=0.0)
+        return a
+
+    @triton.jit
+    def _epilogue_t(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE: tl.constexpr):
+        """``_epilogue`` for a transposed accumulator acc^T (128, BM): y^T = Hn acc^T (Hn is symmetric), in
+        four 32-row slices of H, then * svh and the store into y's (BM, 128) block."""
+        m_mask = rm[None, :] < M
+        i128 = tl.arange(0, 128)
+        i32 = tl.arange(0, 32)
+        a_hi = acc.to(tl.bfloat16)
+        a_lo = (acc - a_hi.to(tl.float32)).to(tl.bfloat16)
+        for j in tl.static_range(4):
+            cols = pid_n * 128 + j * 32 + i32
+            hj = tl.load(had_ptr + (j * 32 + i32)[:, None] * 128 + i128[None, :])
+            if IEEE:
+                yv = tl.dot(hj.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                yv = tl.dot(hj, a_lo, tl.dot(hj, a_hi, out_dtype=tl.float32), out_dtype=tl.float32)
+            yv = yv * HSCALE * tl.load(svh_ptr + cols).to(tl.float32)[:, None]
+            tl.store(y_ptr + rm[None, :] * N + cols[:, None], yv.to(y_ptr.dtype.element_ty), mask=m_mask)
+
+    @triton.jit
     def _prep_kernel(x_ptr, suh_ptr, had_ptr, x2_ptr, M, K, HSCALE, BM: tl.constexpr, IEEE: tl.constexpr):
-        """x2 = fp16( (x * suh) @ Hn ) per 128-column chunk (the input side of spec 1.4)."""
+        """x2 = fp16( (x * suh) @ Hn ) per 128-column chunk (the input side of spec 1.4).
+
+        fp16 x: one fp16 dot against diag(suh) H (exact fp16 entries +-suh; the tensor cores' products are
+        exact, so this is (x * suh) @ H with fp32 accumulation). bf16 x: x * suh in fp32, then the bf16 hi/lo
+        split against H (two dots).
+        """
         pid_m = tl.program_id(0)
         pid_c = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rc = pid_c * 128 + tl.arange(0, 128)
         mask = rm[:, None] < M
-        xv = tl.load(x_ptr + rm[:, None] * K + rc[None, :], mask=mask, other=0.0).to(tl.float32)
-        xv = xv * tl.load(suh_ptr + rc).to(tl.float32)[None, :]
         i = tl.arange(0, 128)
         h = tl.load(had_ptr + i[:, None] * 128 + i[None, :])
-        y = _split_bf16_dot(xv, h, IEEE) * HSCALE
+        xv = tl.load(x_ptr + rm[:, None] * K + rc[None, :], mask=mask, other=0.0)
+        if x_ptr.dtype.element_ty == tl.float16:
+            hs = (h.to(tl.float16) * tl.load(suh_ptr + rc)[:, None]).to(tl.float16)
+            y = tl.dot(xv, hs, out_dtype=tl.float32) * HSCALE
+        else:
+            xv = xv.to(tl.float32) * tl.load(suh_ptr + rc).to(tl.float32)[None, :]
+            y = _split_bf16_dot(xv, h, IEEE) * HSCALE
         tl.store(x2_ptr + rm[:, None] * K + rc[None, :], y.to(tl.float16), mask=mask)
+
+    @triton.jit
+    def _post_kernel(y1_ptr, svh_ptr, had_ptr, y_ptr, M, N, HSCALE, BM: tl.constexpr):
+        """y = ((y1 @ Hn) * svh).to(y's dtype) per 128-column block: the output side of spec 1.4 for the
+        reconstruct path's fp16 product y1 (an fp16 operand: one exact-product dot, fp32 accumulation)."""
+        pid_m = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rc = pid_c * 128 + tl.arange(0, 128)
+        mask = rm[:, None] < M
+        v = tl.load(y1_ptr + rm[:, None] * N + rc[None, :], mask=mask, other=0.0)
+        i = tl.arange(0, 128)
+        h = tl.load(had_ptr + i[:, None] * 128 + i[None, :]).to(tl.float16)
+        y = tl.dot(v, h, out_dtype=tl.float32) * HSCALE
+        y = y * tl.load(svh_ptr + rc).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * N + rc[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _recon_kernel(words_ptr, suh_ptr, svh_ptr, had_ptr, w_ptr, N, HSCALE,
+                      K_BITS: tl.constexpr, CB: tl.constexpr, S1: tl.constexpr, ASM: tl.constexpr,
+                      FOLD: tl.constexpr, BR: tl.constexpr):
+        """One (128, 128) block of the weight the reconstruct path hands to cuBLAS, written as fp16.
+
+        FOLD 0: Q itself (spec 1.3). FOLD 1 (output side folded in): fp16((Q Hn-block product) * svh),
+        computed as ((Q @ H) * HSCALE) * svh in fp32. FOLD 2 (input side): fp16(((H @ Q) * HSCALE) * suh).
+        FOLD 3: both, i.e. the de-rotated W of spec 1.4 (FOLD 4: the same with H @ Q rounded to fp16 before
+        the second product: one dot less, one more rounding). Q's entries are multiples of 2**-13 below 4 in
+        magnitude (mcg/3inst; mul1: 2**-17), so Q @ H with fp16 operands is exact in fp32 in any summation
+        order: FOLD 0-2 equal their plain-torch oracle (``fold_weight_reference``) bit for bit. FOLD 3 splits
+        the exact H @ Q into fp16 hi and lo parts for the second product, whose fp32 sum is not exact.
+        Q is decoded BR rows at a time (pair decode, as in the GEMM).
+        """
+        WORDS: tl.constexpr = 8 * K_BITS
+        pid_n = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        tiles_n = N // 16
+        i128 = tl.arange(0, 128)
+        ibr = tl.arange(0, BR)
+        cols = pid_n * 128 + i128
+        off_hi, off_lo, shift = _pair_pattern(BR, K_BITS, S1, tiles_n)
+        wbase = ((pid_c * 8) * tiles_n + pid_n * 8) * WORDS
+        step = (BR // 16) * tiles_n * WORDS
+        if FOLD >= 2:
+            acc = tl.zeros((128, 128), dtype=tl.float32)
+            for j in tl.static_range(128 // BR):
+                q = _decode_pairs(words_ptr, wbase + j * step, off_hi, off_lo, shift, BR, CB, ASM)
+                hj = tl.load(had_ptr + i128[:, None] * 128 + (j * BR + ibr)[None, :]).to(tl.float16)
+                acc = tl.dot(hj, q, acc, out_dtype=tl.float32)
+            rows = pid_c * 128 + i128
+            if FOLD == 2:
+                w = (acc * HSCALE) * tl.load(suh_ptr + rows).to(tl.float32)[:, None]
+            else:
+                h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :]).to(tl.float16)
+                v_hi = acc.to(tl.float16)
+                if FOLD == 3:
+                    v_lo = (acc - v_hi.to(tl.float32)).to(tl.float16)
+                    u = tl.dot(v_lo, h, tl.dot(v_hi, h, out_dtype=tl.float32), out_dtype=tl.float32)
+                else:  # FOLD 4: H @ Q rounded to fp16 before the second product (one dot less)
+                    u = tl.dot(v_hi, h, out_dtype=tl.float32)
+                w = (u * 0.0078125) * tl.load(suh_ptr + rows).to(tl.float32)[:, None]
+                w = w * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+            tl.store(w_ptr + rows[:, None] * N + cols[None, :], w.to(tl.float16))
+        else:
+            if FOLD == 1:
+                h = tl.load(had_ptr + i128[:, None] * 128 + i128[None, :]).to(tl.float16)
+                sv = tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+            for j in tl.static_range(128 // BR):
+                q = _decode_pairs(words_ptr, wbase + j * step, off_hi, off_lo, shift, BR, CB, ASM)
+                rows = pid_c * 128 + j * BR + ibr
+                if FOLD == 1:
+                    u = tl.dot(q, h, out_dtype=tl.float32)
+                    tl.store(w_ptr + rows[:, None] * N + cols[None, :], ((u * HSCALE) * sv).to(tl.float16))
+                else:
+                    tl.store(w_ptr + rows[:, None] * N + cols[None, :], q)
 
     @triton.jit
     def _gemm_kernel(x_ptr, words_ptr, suh_ptr, svh_ptr, had_ptr, y_ptr, ws_ptr, cnt_ptr,
                      M, K, N, HSCALE,
                      K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                     ASM: tl.constexpr, S1: tl.constexpr, PREFETCH: tl.constexpr):
+                     ASM: tl.constexpr, S1: tl.constexpr, PREFETCH: tl.constexpr, TRANS: tl.constexpr = False,
+                     L2PF: tl.constexpr = 0, FMA: tl.constexpr = False):
         """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
 
         FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
         otherwise x is the prepared fp16 x2. SPLIT > 1: partials go to a workspace and the last program of the
-        block (counter) sums them in fixed order and runs the epilogue.
+        block (counter) sums them in fixed order and runs the epilogue. TRANS (prepared input only): the
+        product is computed transposed, acc^T (128, BM) = Q^T x2^T, so that the decoded weight is the dot's
+        left operand (the one tensor cores can take from registers) and the few rows of x the right one.
+        L2PF > 0 (GPU only): before the K loop, the program asks for all its trellis words to be brought into
+        L2 (``prefetch.global.L2``, one per 128-byte line, L2PF >= the program's line count), so that the
+        word gathers of the loop wait on L2 rather than on HBM. FMA (M == 1, prepared input, no TRANS or
+        PREFETCH): the product is accumulated with fp32 FMAs in the decode's own layout, (BK, 128) partial sums
+        reduced once at the end, instead of tl.dot.
         """
         BN: tl.constexpr = 128
         WORDS: tl.constexpr = 8 * K_BITS
@@ -296,15 +453,24 @@ if HAVE_TRITON:
         c_start = pid_s * per
         c_end = tl.minimum(c_start + per, n_chunks)
 
+        if L2PF > 0:  # a tile row of the block is 8 records = 256 K_BITS bytes = 2 K_BITS lines, contiguous
+            LPR: tl.constexpr = 2 * K_BITS
+            li = tl.arange(0, L2PF)
+            t_row = c_start * 8 + li // LPR
+            lines = words_ptr + (t_row * tiles_n + pid_n * (BN // 16)) * WORDS + (li % LPR) * 32
+            _prefetch_l2(lines, t_row < c_end * 8)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         m_mask = rm[:, None] < M
         i128 = tl.arange(0, 128)
         ibk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if TRANS:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
         wbase0 = ((c_start * 128 // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
         step = (BK // 16) * tiles_n * WORDS
-        off_hi, off_lo, shift = _pair_pattern(BK, K_BITS, S1, tiles_n)
+        off_hi, off_lo, shift = _pair_pattern(BK, K_BITS, S1, tiles_n, TRANS)
         if FUSE_IN:
             for ch in range(c_start, c_end):
                 k0 = tl.multiple_of(ch * 128, 128)  # alignment hint: vectorised x loads
@@ -329,38 +495,61 @@ if HAVE_TRITON:
                 wb = tl.where(empty, 0, wbase0)
                 hi, lo = _load_pairs(words_ptr, wb, off_hi, off_lo)
                 k0 = tl.multiple_of(tl.where(empty, 0, c_start * 128), BK)
-                a = tl.load(x_ptr + rm[:, None] * K + (k0 + ibk)[None, :], mask=m_mask, other=0.0)
+                a = _load_x(x_ptr, rm, k0, ibk, M, K, TRANS)
                 for k_it in range(c_start * 128, k_end, BK):
                     more = k_it + BK < k_end
                     wb_next = tl.where(more, wb + step, wb)  # the last step reloads its own block
                     k_next = tl.multiple_of(tl.where(more, k_it + BK, k_it), BK)
                     hi_n, lo_n = _load_pairs(words_ptr, wb_next, off_hi, off_lo)
-                    a_n = tl.load(x_ptr + rm[:, None] * K + (k_next + ibk)[None, :], mask=m_mask, other=0.0)
-                    q = _decode_loaded(hi, lo, shift, BK, CB, ASM)
-                    acc = tl.dot(a, q, acc, out_dtype=tl.float32)
+                    a_n = _load_x(x_ptr, rm, k_next, ibk, M, K, TRANS)
+                    q = _decode_loaded(hi, lo, shift, BK, CB, ASM, TRANS)
+                    if TRANS:
+                        acc = tl.dot(q, a, acc, out_dtype=tl.float32)
+                    else:
+                        acc = tl.dot(a, q, acc, out_dtype=tl.float32)
                     hi, lo, a, wb = hi_n, lo_n, a_n, wb_next
+            elif FMA:  # one row of x: no tensor cores, so no shared-memory staging and no barrier per step
+                acc2 = tl.zeros((BK, BN), dtype=tl.float32)
+                for k_it in range(c_start * 128, c_end * 128, BK):
+                    kk = tl.multiple_of(k_it, BK)
+                    xv = tl.load(x_ptr + kk + ibk).to(tl.float32)
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
+                    acc2 += q.to(tl.float32) * xv[:, None]
+                acc = tl.where(rm[:, None] == pid_m * BM, tl.sum(acc2, axis=0)[None, :], 0.0)
             else:
                 for k_it in range(c_start * 128, c_end * 128, BK):
                     kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
-                    a = tl.load(x_ptr + rm[:, None] * K + (kk + ibk)[None, :], mask=m_mask, other=0.0)
+                    a = _load_x(x_ptr, rm, kk, ibk, M, K, TRANS)
                     wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
-                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
-                    acc = tl.dot(a, q, acc, out_dtype=tl.float32)
+                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM, TRANS)
+                    if TRANS:
+                        acc = tl.dot(q, a, acc, out_dtype=tl.float32)
+                    else:
+                        acc = tl.dot(a, q, acc, out_dtype=tl.float32)
 
-        out_mask = m_mask & (rn[None, :] < N)
+        if TRANS:  # acc[c, r] is y1[rm[r], rn[c]]
+            out_off = rm[None, :] * N + rn[:, None]
+            out_mask = (rm[None, :] < M) & (rn[:, None] < N)
+        else:
+            out_off = rm[:, None] * N + rn[None, :]
+            out_mask = m_mask & (rn[None, :] < N)
         if SPLIT > 1:
-            ws = ws_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :]
-            tl.store(ws, acc, mask=out_mask)
+            tl.store(ws_ptr + pid_s * M * N + out_off, acc, mask=out_mask)
             tl.debug_barrier()  # every thread's partial is stored before the release below
             cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
             done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT - 1:
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                acc = tl.zeros_like(acc)
                 for s in range(0, SPLIT):  # fixed order: the result does not depend on who finishes last
-                    acc += tl.load(ws_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=out_mask, other=0.0,
-                                   cache_modifier=".cg")
-                _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
+                    acc += tl.load(ws_ptr + s * M * N + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if TRANS:
+                    _epilogue_t(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE)
+                else:
+                    _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        elif TRANS:
+            _epilogue_t(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE)
         else:
             _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
 
@@ -372,7 +561,7 @@ if HAVE_TRITON:
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch configuration. BN is fixed at 128 (the output Hadamard block)."""
+    """One launch configuration of the fused kernel. BN is fixed at 128 (the output Hadamard block)."""
 
     bm: int
     bk: int
@@ -382,6 +571,31 @@ class GemmConfig:
     num_stages: int = 2
     asm: int = 0
     prefetch: bool = True  # prepared input: load step i + 1's words and x during step i's decode
+    trans: bool = False  # prepared input: compute y^T = Q^T x^T (the weight as the dot's left operand)
+    l2_prefetch: bool = False  # GPU: prefetch the program's trellis words into L2 before its K loop
+    fma: bool = False  # one row only (m == 1): fp32 FMAs instead of tensor cores (no prefetch, no trans)
+
+
+# What the reconstruct kernel folds into the fp16 weight it writes (``ReconConfig.fold``)
+FOLD_NONE, FOLD_OUT, FOLD_IN, FOLD_BOTH, FOLD_BOTH16 = 0, 1, 2, 3, 4
+_FOLDS = (FOLD_NONE, FOLD_OUT, FOLD_IN, FOLD_BOTH, FOLD_BOTH16)
+
+
+@dataclass(frozen=True)
+class ReconConfig:
+    """The reconstruct path: a Triton kernel writes an fp16 weight, torch.mm (cuBLAS) multiplies.
+
+    fold: which Hadamard sides (with their scales) the written weight includes, the rest is done on the
+    activations: FOLD_NONE = Q (prep kernel on x, post kernel on y, the reference's route), FOLD_OUT = Q B_n
+    diag(svh) (prep kernel on x), FOLD_IN = diag(suh) B_k Q (post kernel on y; x goes to cuBLAS as fp16),
+    FOLD_BOTH = W (nothing else; FOLD_BOTH16: the same with one dot less and one more fp16 rounding).
+    br: rows decoded per step, num_warps: of the reconstruct kernel.
+    """
+
+    fold: int = FOLD_OUT
+    br: int = 32
+    num_warps: int = 4
+    asm: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -414,30 +628,61 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def choose_config(m: int, k: int, n: int, device: torch.device) -> GemmConfig:
+# m at and above which trellis_matmul takes the reconstruct path (measured on the H200: NOTES_gemm.md)
+RECON_MIN_M = 128
+
+# The reconstruct path's costs on the H200, in microseconds per million elements (fitted to the sweep in
+# benchmarks/results/, NOTES_gemm.md): the reconstruct kernel per weight for each fold, then the passes over
+# the activations that the fold leaves (prep: x's input side, per element of x; post: y's output side, per
+# element of y; to_fp16: bf16 x cast for the folds that hand x to cuBLAS as it is).
+RECON_COST_US = {"recon": {FOLD_NONE: 0.88, FOLD_OUT: 1.72, FOLD_IN: 1.64, FOLD_BOTH: 2.77, FOLD_BOTH16: 2.09},
+                 "prep": 1.28, "post": 1.45, "to_fp16": 1.0}
+_FOLD_PASSES = {FOLD_NONE: ("prep", "post"), FOLD_OUT: ("prep",), FOLD_IN: ("post", "to_fp16"),
+                FOLD_BOTH: ("to_fp16",), FOLD_BOTH16: ("to_fp16",)}
+
+
+def recon_cost(fold: int, m: int, k: int, n: int, dtype: torch.dtype = torch.float16) -> float:
+    """Predicted extra time (us) of the reconstruct path over the bare fp16 matmul, from ``RECON_COST_US``."""
+    size = {"prep": m * k, "post": m * n, "to_fp16": m * k if dtype != torch.float16 else 0}
+    return 1e-6 * (RECON_COST_US["recon"][fold] * k * n
+                   + sum(RECON_COST_US[p] * size[p] for p in _FOLD_PASSES[fold]))
+
+
+def choose_config(m: int, k: int, n: int, device: torch.device,
+                  dtype: torch.dtype = torch.float16) -> GemmConfig | ReconConfig:
     """Heuristic per regime, from the H200 sweep (benchmarks/NOTES_gemm.md; ``EXL3_BENCH_SWEEP=1``).
 
-    m <= 64: BM=16 and split-K to about four programs per SM, so that enough loads are in flight; the input
-    side by the prep kernel (the fused form was never faster), one pipeline stage (Triton's shared-memory
-    stages cost 2-3x here) and no register prefetch (its registers cost more occupancy than it hides).
-    m > 64: prep kernel + GEMM with BM=128/256 (the decode is paid once per BM rows), one stage with the
-    register prefetch (30 % faster than three stages); split-K only when the output blocks cannot fill
-    the GPU.
+    m == 1: the fused kernel's FMA form (no tensor cores, so no shared-memory staging and no barrier per
+    step: 20-30 % faster than tl.dot at one row), split-K to about sixteen programs per SM (as many as there
+    are 128-row chunks), the words prefetched into L2.
+    2 <= m <= 16: the fused kernel, BM=16 and split-K to about four programs per SM, so that enough loads are in
+    flight; the input side by the prep kernel (the fused form was never faster), one pipeline stage
+    (Triton's shared-memory stages cost 2-3x here) and no register prefetch (its registers cost more
+    occupancy than it hides).
+    16 < m < RECON_MIN_M: the fused kernel with BM=64, BK=64, split-K to about four programs per SM and the
+    L2 prefetch of the words.
+    m >= RECON_MIN_M: the reconstruct path, with the fold of least predicted cost (``recon_cost``): the
+    passes over the activations grow with m, the reconstruct kernel's cost with the folded Hadamards.
     """
     sms = _num_sms(device)
     asm = 2 if device.type == "cuda" else 0
     n_blocks = n // 128
     chunks = k // 128
-    if m <= 64:
+    if m >= RECON_MIN_M:
+        fold = min(_FOLDS, key=lambda f: recon_cost(f, m, k, n, dtype))
+        return ReconConfig(fold=fold, br=32 if fold == FOLD_NONE else 64, num_warps=4, asm=asm)
+    if m == 1:
+        split = max(1, min(chunks, -(-16 * sms // n_blocks)))
+        return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
+                          prefetch=False, l2_prefetch=True, fma=True)
+    if m <= 16:
         split = max(1, min(chunks, -(-4 * sms // n_blocks)))
         return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
                           prefetch=False)
-    bm, bk = (128, 64) if m <= 128 else (256, 32)
-    m_blocks = -(-m // bm)
-    split = 1
-    if n_blocks * m_blocks < sms:
-        split = max(1, min(chunks, -(-sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=bm, bk=bk, split=split, fuse_in=False, num_warps=8, num_stages=1, asm=asm, prefetch=True)
+    m_blocks = -(-m // 64)
+    split = max(1, min(chunks, -(-4 * sms // (n_blocks * m_blocks))))
+    return GemmConfig(bm=64, bk=64, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm, prefetch=False,
+                      l2_prefetch=True)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
@@ -463,22 +708,127 @@ def _counters(device: torch.device, count: int) -> torch.Tensor:
     return c
 
 
-def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *, bits: int,
-                   codebook: str = "mcg", config: GemmConfig | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W for an EXL3-encoded weight, decoding Q inside the Triton kernel; y has x's dtype.
+def fold_weight_reference(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *, bits: int,
+                          codebook: str = "mcg", fold: int = FOLD_OUT) -> torch.Tensor:
+    """Plain-torch oracle of the reconstruct kernel: the fp16 (k, n) weight it writes for ``fold``.
 
-    x: float16/bfloat16 (..., k) on CUDA (or CPU under TRITON_INTERPRET=1). ``config`` overrides the heuristic
-    (used by the benchmark sweep). Not safe to run concurrently on two streams of one device with split-K
-    (the reduction counters are shared per device). ``out``: optional contiguous (m, n) tensor of x's dtype to
-    write into (tests poison it to prove every element is written).
+    FOLD_NONE: ``reconstruct``. FOLD_OUT: fp16(((Q @ H) * HSCALE) * svh) per 128-column block, FOLD_IN:
+    fp16(((H @ Q) * HSCALE) * suh) per 128-row block, both in fp32 (Q @ H is exact there: the kernel gives
+    the same bits). FOLD_BOTH: fp16 of the float64 ``dequantize_tensors`` (the kernel may differ by one ulp).
     """
-    k, n = _check_inputs(x, trellis, suh, svh, bits, codebook)
+    q = reconstruct(trellis, bits, codebook)  # (k, n) fp16
+    if fold == FOLD_NONE:
+        return q
+    k, n = q.shape
+    h = hadamard_128(torch.float32, q.device)
+    if fold == FOLD_OUT:
+        u = (q.float().reshape(k, n // 128, 128) @ h).reshape(k, n)  # exact: Q's entries are multiples of 2**-13
+        return ((u * HADAMARD_SCALE) * svh.float()[None, :]).half()
+    if fold == FOLD_IN:
+        v = (h @ q.float().reshape(k // 128, 128, n)).reshape(k, n)
+        return ((v * HADAMARD_SCALE) * suh.float()[:, None]).half()
+    if fold in (FOLD_BOTH, FOLD_BOTH16):
+        from exl3tool.encode.decode import dequantize_tensors
+
+        return dequantize_tensors(trellis, suh, svh, bits, codebook, torch.float64).half()
+    raise ValueError(f"fold must be one of {_FOLDS}, got {fold}")
+
+
+def _check_triton_device(dev: torch.device) -> None:
     if not HAVE_TRITON:
         raise ValueError("trellis_matmul needs triton; use trellis_matmul_reference")
-    dev = x.device
     if dev.type != "cuda" and not (dev.type == "cpu" and _interpret()):
         raise ValueError(f"trellis_matmul needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {dev}")
+
+
+def fold_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *, bits: int, codebook: str = "mcg",
+                fold: int = FOLD_OUT, config: ReconConfig | None = None) -> torch.Tensor:
+    """The fp16 (k, n) weight of the reconstruct path (Triton kernel), Q with ``fold``'s sides folded in.
+
+    Equal to ``fold_weight_reference`` bit for bit for FOLD_NONE/OUT/IN. Example: ``fold_weight(tr, suh, svh,
+    bits=6, fold=FOLD_BOTH)`` is the dequantized weight in fp16.
+    """
+    if trellis.dim() != 3 or trellis.dtype != torch.int16:
+        raise ValueError(f"trellis must be a 3-D int16 tensor (k/16, n/16, 16*bits), got {trellis.dtype} "
+                         f"{tuple(trellis.shape)}")
+    k = 16 * trellis.shape[0]
+    x = torch.empty((0, k), dtype=torch.float16, device=trellis.device)
+    _check_inputs(x, trellis, suh, svh, bits, codebook)
+    _check_triton_device(trellis.device)
+    if fold not in _FOLDS:
+        raise ValueError(f"fold must be one of {_FOLDS}, got {fold}")
+    cfg = config or ReconConfig(fold=fold, asm=2 if trellis.device.type == "cuda" else 0)
+    return _fold_weight(trellis.contiguous().view(torch.int32), suh.contiguous(), svh.contiguous(), k,
+                        16 * trellis.shape[1], bits, codebook, fold, cfg)
+
+
+def _fold_weight(words: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, k: int, n: int, bits: int,
+                 codebook: str, fold: int, cfg: ReconConfig) -> torch.Tensor:
+    dev = words.device
+    if 128 % cfg.br or cfg.br < 16:
+        raise ValueError(f"bad config {cfg}")
+    w = torch.empty((k, n), dtype=torch.float16, device=dev)
+    _recon_kernel[(n // 128, k // 128)](words, suh, svh, _hadamard_bf16(dev), w, n, HADAMARD_SCALE,
+                                        K_BITS=bits, CB=_CB_ID[codebook],
+                                        S1=1 if pair_block_bits(bits) == 2 else 2,
+                                        ASM=cfg.asm if dev.type == "cuda" else 0, FOLD=fold, BR=cfg.br,
+                                        num_warps=cfg.num_warps)
+    return w
+
+
+def _prep(x2d: torch.Tensor, suh: torch.Tensor, ieee: bool) -> torch.Tensor:
+    """x2 = fp16((x * suh) @ B_k) (the prep kernel), (m, k)."""
+    m, k = x2d.shape
+    xin = torch.empty((m, k), dtype=torch.float16, device=x2d.device)
+    pbm = 64 if m >= 64 else 16
+    _prep_kernel[(-(-m // pbm), k // 128)](x2d, suh, _hadamard_bf16(x2d.device), xin, m, k, HADAMARD_SCALE,
+                                           BM=pbm, IEEE=ieee, num_warps=4)
+    return xin
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> None:
+    """y = a @ b for fp16 a, b (fp32 accumulation, one rounding to y's dtype): cuBLAS on CUDA."""
+    if a.device.type != "cuda":  # the interpreter's CPU tests: the same arithmetic in fp32
+        y.copy_(a.float() @ b.float())
+    elif y.dtype == torch.float16:
+        torch.mm(a, b, out=y)
+    else:  # bf16 output: keep the fp32 product (fp16 could overflow where bf16 does not)
+        y.copy_(torch.mm(a, b, out_dtype=torch.float32))
+
+
+def _recon_matmul(x2d: torch.Tensor, words: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, k: int, n: int,
+                  bits: int, codebook: str, cfg: ReconConfig, y: torch.Tensor, ieee: bool) -> None:
+    """The reconstruct path: y = x @ W through the fp16 weight of ``cfg.fold`` and torch.mm."""
+    m = x2d.shape[0]
+    w = _fold_weight(words, suh, svh, k, n, bits, codebook, cfg.fold, cfg)
+    if cfg.fold in (FOLD_NONE, FOLD_OUT):
+        xin = _prep(x2d, suh, ieee)
+    else:  # the input side is in w: x goes to cuBLAS as it is (fp16)
+        xin = x2d.to(torch.float16)
+    if cfg.fold in (FOLD_OUT, FOLD_BOTH, FOLD_BOTH16):
+        _mm(xin, w, y)
+        return
+    y1 = torch.empty((m, n), dtype=torch.float16, device=x2d.device)
+    _mm(xin, w, y1)
+    _post_kernel[(-(-m // 64), n // 128)](y1, svh, _hadamard_bf16(x2d.device), y, m, n, HADAMARD_SCALE, BM=64,
+                                          num_warps=4)
+
+
+def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, *, bits: int,
+                   codebook: str = "mcg", config: GemmConfig | ReconConfig | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W for an EXL3-encoded weight, decoding Q inside Triton kernels; y has x's dtype.
+
+    x: float16/bfloat16 (..., k) on CUDA (or CPU under TRITON_INTERPRET=1). Below ``RECON_MIN_M`` rows the
+    fused kernel decodes Q inside the GEMM; from there on a Triton kernel writes an fp16 weight and cuBLAS
+    multiplies (``choose_config``). ``config`` overrides the heuristic (used by the benchmark sweep). Not safe
+    to run concurrently on two streams of one device with split-K (the reduction counters are shared per
+    device). ``out``: optional contiguous (m, n) tensor of x's dtype to write into (tests poison it to prove
+    every element is written).
+    """
+    k, n = _check_inputs(x, trellis, suh, svh, bits, codebook)
+    dev = x.device
+    _check_triton_device(dev)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, k).contiguous()
     m = x2d.shape[0]
@@ -490,34 +840,38 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
         y = out
     if m == 0:
         return y.reshape(*lead, n)
-    cfg = config or choose_config(m, k, n, dev)
-    if 128 % cfg.bk or cfg.bm < 16:
-        raise ValueError(f"bad config {cfg}")
+    cfg = config or choose_config(m, k, n, dev, x.dtype)
     words = trellis.contiguous().view(torch.int32)
     suh_c = suh.contiguous()
     svh_c = svh.contiguous()
-    had = _hadamard_bf16(dev)
     ieee = dev.type == "cpu" and INTERPRETER_EXACT_HADAMARD
+    if isinstance(cfg, ReconConfig):
+        if cfg.fold not in _FOLDS:
+            raise ValueError(f"bad config {cfg}")
+        _recon_matmul(x2d, words, suh_c, svh_c, k, n, bits, codebook, cfg, y, ieee)
+        return y.reshape(*lead, n)
+    if 128 % cfg.bk or cfg.bm < 16 or (cfg.trans and cfg.fuse_in):
+        raise ValueError(f"bad config {cfg}")
+    if cfg.fma and (m != 1 or cfg.trans or cfg.fuse_in or cfg.prefetch):
+        raise ValueError(f"config {cfg}: fma needs m == 1 and the plain prepared-input loop")
+    had = _hadamard_bf16(dev)
     n_blocks = n // 128
     m_blocks = -(-m // cfg.bm)
     split = max(1, min(cfg.split, k // 128))
-    if cfg.fuse_in:
-        xin = x2d
-    else:
-        xin = torch.empty((m, k), dtype=torch.float16, device=dev)
-        pbm = 64 if m >= 64 else 16
-        _prep_kernel[(-(-m // pbm), k // 128)](x2d, suh_c, had, xin, m, k, HADAMARD_SCALE, BM=pbm, IEEE=ieee,
-                                                num_warps=4)
+    xin = x2d if cfg.fuse_in else _prep(x2d, suh_c, ieee)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=dev)
         cnt = _counters(dev, m_blocks * n_blocks)
     else:
         ws = y  # unused
         cnt = _counters(dev, 1)
+    l2pf = 0
+    if cfg.l2_prefetch and not ieee:  # the interpreter runs no PTX
+        l2pf = triton.next_power_of_2(-(-(k // 128) // split) * 16 * bits)  # lines: chunks x 8 tile rows x 2K
     grid = (n_blocks, m_blocks, split)
     _gemm_kernel[grid](xin, words, suh_c, svh_c, had, y, ws, cnt, m, k, n, HADAMARD_SCALE,
-                       K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split, IEEE=ieee,
-                       ASM=0 if ieee else cfg.asm,
-                       S1=1 if pair_block_bits(bits) == 2 else 2, PREFETCH=cfg.prefetch,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split,
+                       IEEE=ieee, ASM=0 if ieee else cfg.asm,
+                       S1=1 if pair_block_bits(bits) == 2 else 2, PREFETCH=cfg.prefetch, TRANS=cfg.trans,
+                       L2PF=l2pf, FMA=cfg.fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*lead, n)

@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 from exl3tool.cache import CacheKey, CacheStore, entry_path
 from exl3tool.cache.store import PRUNE_HINT
-from exl3tool.checkpoint import Checkpoint, LayerPlan, RankJob
+from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
 
 __all__ = ["WarmJob", "WarmPlan", "build_plan", "share_jobs"]
 
@@ -56,6 +56,8 @@ class WarmPlan:
     cache_root: Path
     mode: str
     jobs: tuple[WarmJob, ...]
+    layer_plan: Optional[LayerPlan] = field(default=None, compare=False, repr=False)  # overlay, kind, excluded
+    fetch: Optional[FetchInfo] = None  # what a selective Hub download fetched
 
     def count(self, state: str) -> int:
         return sum(1 for j in self.jobs if j.state == state)
@@ -131,7 +133,8 @@ def build_plan(
                             entry_path(key, store.root), state, reason, rj))
     return WarmPlan(
         model=checkpoint.model, model_identity=model_identity, encoder_identity=encoder_identity, bits=bits,
-        tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs),
+        tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs), layer_plan=layer_plan,
+        fetch=checkpoint.fetch,
     )
 
 

@@ -91,6 +91,7 @@ class WarmRequest:
     dtype: Optional[str] = None  # one of SERVING_DTYPES; None is "auto"
     file_mode: int = 0o600
     overlap: bool = True
+    quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -100,7 +101,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     hashes present entries against our checksum (see ``build_plan``).
     """
     from exl3tool.cache import cache_root, encoder_settings, resolve_encoder_identity, resolve_model_identity
-    from exl3tool.checkpoint import open_checkpoint, plan_layers
+    from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch
     from exl3tool.errors import ConfigError
 
     from exl3tool.cache.settings import BITS_RANGE
@@ -111,7 +112,11 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     serving_torch_dtype(request.dtype)  # a ConfigError for anything the server cannot run with
     if any(t < 1 for t in request.tp_sizes):
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
-    checkpoint = open_checkpoint(request.model, revision=request.revision)
+    overlay = resolve_overlay(request.quantization_config, shared_experts=request.shared_experts)
+    layers, exclude = list(request.layers) or None, list(request.exclude) or None
+    checkpoint = open_checkpoint(  # a Hub download fetches only the shards holding planned tensors
+        request.model, revision=request.revision,
+        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude))
     mode = request.mode
     if mode == "off":
         model_id = encoder_id = "cache-disabled"
@@ -122,8 +127,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
             request.model, revision=request.revision, server_path=request.server_path,
             commit_hash=checkpoint.commit_hash,
         ).identity
-    layer_plan = plan_layers(checkpoint, layers=list(request.layers) or None, exclude=list(request.exclude) or None,
-                             shared_experts=request.shared_experts)
+    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude)
     if request.exclude and not layer_plan.layers:
         raise ConfigError(f"{checkpoint.model}: --exclude {' '.join(repr(g) for g in request.exclude)} leaves no layer "
                           "to encode; nothing to do (narrow the globs)")

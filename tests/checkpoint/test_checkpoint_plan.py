@@ -6,10 +6,11 @@ import json
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from exl3tool.checkpoint import SUPPORTED_ARCHITECTURES, is_shared_expert_projection, open_checkpoint, plan_layers
+from exl3tool.checkpoint import (
+    SUPPORTED_ARCHITECTURES, is_shared_expert_projection, open_checkpoint, plan_layers, write_checkpoint,
+)
+from exl3tool.checkpoint.synthetic import exl3_record, exl3_tensors
 from exl3tool.errors import ConfigError, InputError
 
 LLAMA_MODULES = [("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "row"),
@@ -117,48 +118,53 @@ def test_minilm_layer_globs(minilm_dir):
 
 
 def _write_moe(path, arch: str, *, shared: bool) -> str:
-    """A one-layer MoE checkpoint with tiny tensors (hidden 128, 4 experts); returns its directory."""
-    path.mkdir()
+    """A one-layer EXL3 MoE checkpoint (hidden 128, 4 experts stored as EXL3, the rest BF16); returns its directory."""
     h, e, inter = 128, 4, 256
-    t = {
-        "model.embed_tokens.weight": torch.zeros(64, h),
-        "model.layers.0.self_attn.q_proj.weight": torch.zeros(4 * 32, h),
-        "model.layers.0.self_attn.k_proj.weight": torch.zeros(2 * 32, h),
-        "model.layers.0.self_attn.v_proj.weight": torch.zeros(2 * 32, h),
-        "model.layers.0.self_attn.o_proj.weight": torch.zeros(h, 4 * 32),
-        "model.layers.0.mlp.gate.weight": torch.zeros(e, h),
-        "lm_head.weight": torch.zeros(64, h),
-    }
+    t = [("model.embed_tokens.weight", (64, h)),
+         ("model.layers.0.self_attn.q_proj.weight", (4 * 32, h)),
+         ("model.layers.0.self_attn.k_proj.weight", (2 * 32, h)),
+         ("model.layers.0.self_attn.v_proj.weight", (2 * 32, h)),
+         ("model.layers.0.self_attn.o_proj.weight", (h, 4 * 32)),
+         ("model.layers.0.mlp.gate.weight", (e, h)),
+         ("lm_head.weight", (64, h))]
+    storage = {}
     for x in range(e):
-        for m, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-            t[f"model.layers.0.mlp.experts.{x}.{m}.weight"] = torch.zeros(shape)
+        for m, (k, n) in (("gate_proj", (h, inter)), ("up_proj", (h, inter)), ("down_proj", (inter, h))):
+            t += exl3_tensors(f"model.layers.0.mlp.experts.{x}.{m}", k, n)
+            storage[f"model.layers.0.mlp.experts.{x}.{m}"] = exl3_record(f"model.layers.0.mlp.experts.{x}.{m}", k, n)
     if shared:
-        t["model.layers.0.mlp.shared_expert.gate_proj.weight"] = torch.zeros(inter, h)
-        t["model.layers.0.mlp.shared_expert.up_proj.weight"] = torch.zeros(inter, h)
-        t["model.layers.0.mlp.shared_expert.down_proj.weight"] = torch.zeros(h, inter)
-        t["model.layers.0.mlp.shared_expert_gate.weight"] = torch.zeros(1, h)
-    save_file(t, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": [arch], "hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "num_hidden_layers": 1, "torch_dtype": "bfloat16"}))
-    return str(path)
+        t += [("model.layers.0.mlp.shared_expert.gate_proj.weight", (inter, h)),
+              ("model.layers.0.mlp.shared_expert.up_proj.weight", (inter, h)),
+              ("model.layers.0.mlp.shared_expert.down_proj.weight", (h, inter)),
+              ("model.layers.0.mlp.shared_expert_gate.weight", (1, h))]
+    qc = {"quant_method": "exl3", "bits": 4.0, "codebook": "mcg"}
+    config = {"architectures": [arch], "hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "num_hidden_layers": 1, "torch_dtype": "bfloat16", "quantization_config": qc}
+    return str(write_checkpoint(path, config, t, quantization_config={**qc, "tensor_storage": storage}))
+
+
+BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 
 
 def test_qwen3_moe_router_and_shared_experts(tmp_path):
     ckpt = open_checkpoint(_write_moe(tmp_path / "q3", "Qwen3MoeForCausalLM", shared=True))
-    plain = {x.prefix: x.parallel for x in plan_layers(ckpt).layers}
+    default = plan_layers(ckpt)  # the default overlay has no shared_experts spec
+    plain = {x.prefix: x.parallel for x in default.layers}
     assert plain == {"model.layers.0.self_attn.qkv_proj": "qkv", "model.layers.0.self_attn.o_proj": "row",
                      "model.layers.0.mlp.gate": "replicated"}
-    with_shared = {x.prefix: x.parallel for x in plan_layers(ckpt, shared_experts=True).layers}
+    assert {(x.prefix, x.reason) for x in default.excluded} == {
+        ("model.layers.0.mlp.shared_expert.gate_up_proj", "no_spec"),
+        ("model.layers.0.mlp.shared_expert.down_proj", "no_spec")}
+    with_shared = {x.prefix: x.parallel for x in plan_layers(ckpt, overlay=BOTH).layers}
     assert with_shared == {**plain, "model.layers.0.mlp.shared_expert.gate_up_proj": "merged_column",
                            "model.layers.0.mlp.shared_expert.down_proj": "row"}
-    router = next(x for x in plan_layers(ckpt).layers if x.prefix.endswith("mlp.gate"))
+    router = next(x for x in default.layers if x.prefix.endswith("mlp.gate"))
     assert (router.in_features, router.out_features) == (128, 4)
 
 
 def test_qwen2_moe_router_never(tmp_path):
     ckpt = open_checkpoint(_write_moe(tmp_path / "q2", "Qwen2MoeForCausalLM", shared=True))
-    prefixes = [x.prefix for x in plan_layers(ckpt, shared_experts=True).layers]
+    prefixes = [x.prefix for x in plan_layers(ckpt, overlay=BOTH).layers]
     assert prefixes == ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                         "model.layers.0.mlp.shared_expert.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj"]
 
@@ -180,9 +186,12 @@ def test_config_that_does_not_fit_the_weights(tiny_hub, tmp_path):
 def _with_storage(tiny_hub, tmp_path, exl3_modules):
     d = tmp_path / "ck"
     shutil.copytree(tiny_hub[2], d)
-    storage = {m: {"quant_format": "exl3"} for m in exl3_modules}
+    path = d / "quantization_config.json"
+    quant = json.loads(path.read_text())
+    storage = quant["tensor_storage"]
+    storage.update({m: exl3_record(m, 256, 256) for m in exl3_modules})
     storage["model.layers.1.self_attn.o_proj"] = {"quant_format": "bf16"}
-    (d / "quantization_config.json").write_text(json.dumps({"tensor_storage": storage}))
+    path.write_text(json.dumps(quant))
     return open_checkpoint(str(d))
 
 
@@ -191,6 +200,8 @@ def test_exl3_serialized_layers_are_not_planned(tiny_hub, tmp_path):
                          + ["layers.1.mlp.down_proj"])  # a name without "model." matches too
     plan = plan_layers(ckpt)
     assert plan.serialized == ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj")
+    assert [(x.prefix, x.reason) for x in plan.excluded] == [
+        ("model.layers.0.self_attn.qkv_proj", "stored_exl3"), ("model.layers.1.mlp.down_proj", "stored_exl3")]
     prefixes = {x.prefix for x in plan.layers}
     assert len(prefixes) == 6 and not prefixes & set(plan.serialized)
     assert "model.layers.1.self_attn.o_proj" in prefixes  # a bf16 record is not EXL3
@@ -198,28 +209,40 @@ def test_exl3_serialized_layers_are_not_planned(tiny_hub, tmp_path):
 
 def test_mixed_exl3_and_bf16_sources(tiny_hub, tmp_path):
     ckpt = _with_storage(tiny_hub, tmp_path, ["model.layers.0.mlp.gate_proj"])
-    with pytest.raises(ConfigError, match="model.layers.0.mlp.gate_up_proj: checkpoint mixes EXL3 and BF16"):
+    with pytest.raises(ConfigError, match="'model.layers.0.mlp.gate_up_proj' mixes EXL3 and BF16 source shards"):
         plan_layers(ckpt)
+
+
+def _ov(ignore=None, linear=True, shared=False) -> str:
+    doc = {"linear": "mxfp8"} if linear else {}
+    if shared:
+        doc["shared_experts"] = {"weight": "mxfp8"}
+    if ignore is not None:
+        doc["ignore"] = ignore
+    return json.dumps(doc)
 
 
 def test_server_ignore_rules(offline_hub):
     ckpt = open_checkpoint("test-org/tiny-llama")
-    plan = plan_layers(ckpt, ignore=["re:.*layers\\.1\\.self_attn\\.[qkv]_proj$", "model.layers.0.mlp.down_proj"])
+    plan = plan_layers(ckpt, overlay=_ov(["re:.*layers\\.1\\.self_attn\\.[qkv]_proj$", "model.layers.0.mlp.down_proj"]))
     prefixes = [x.prefix for x in plan.layers]
     assert "model.layers.1.self_attn.qkv_proj" not in prefixes and "model.layers.0.mlp.down_proj" not in prefixes
     assert len(prefixes) == 6
+    assert {x.prefix for x in plan.excluded if x.reason == "ignored"} == {
+        "model.layers.1.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"}
     # the fused name listed exactly is matched directly
     assert "model.layers.0.mlp.gate_up_proj" not in [
-        x.prefix for x in plan_layers(ckpt, ignore=["model.layers.0.mlp.gate_up_proj"]).layers]
+        x.prefix for x in plan_layers(ckpt, overlay=_ov(["model.layers.0.mlp.gate_up_proj"])).layers]
     with pytest.raises(ConfigError, match="ignore covers only q_proj"):
-        plan_layers(ckpt, ignore=["model.layers.0.self_attn.q_proj"])
-    assert plan_layers(ckpt, linear=False).layers == ()
+        plan_layers(ckpt, overlay=_ov(["model.layers.0.self_attn.q_proj"]))
+    assert plan_layers(ckpt, overlay=_ov(linear=False, shared=True)).layers == ()
 
 
 def test_shared_experts_follow_their_own_spec(tmp_path):
     assert is_shared_expert_projection("model.layers.3.mlp.shared_experts.down_proj")
     assert not is_shared_expert_projection("model.layers.3.mlp.down_proj")
     ckpt = open_checkpoint(_write_moe(tmp_path / "q2", "Qwen2MoeForCausalLM", shared=True))
-    plan = plan_layers(ckpt, shared_experts=True, linear=False, ignore=["re:.*"])
+    plan = plan_layers(ckpt, overlay=_ov(["re:.*"], shared=True))  # ignore never applies to shared experts
     assert [x.prefix for x in plan.layers] == [
         "model.layers.0.mlp.shared_expert.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj"]
+    assert {x.spec for x in plan.layers} == {"shared_experts"}

@@ -113,6 +113,7 @@ def test_prefused_checkpoint_matches_unfused(tiny_hub, tiny_tensors, tmp_path):
     d = tmp_path / "fused"
     d.mkdir()
     shutil.copy(tiny_hub[2] / "config.json", d / "config.json")
+    shutil.copy(tiny_hub[2] / "quantization_config.json", d / "quantization_config.json")
     fused = {}
     for name, t in tiny_tensors.items():
         if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:

@@ -44,7 +44,7 @@ def test_single_file_and_file_path(tmp_path, seed):
         ckpt = open_checkpoint(model)
         assert ckpt.config_dtype == torch.float32
         assert ckpt.dtype == torch.bfloat16  # vLLM's --dtype auto downcasts float32 models
-        assert "lm_head.weight" in ckpt.tensor_names()
+        assert "lm_head.trellis" in ckpt.tensor_names()  # lm_head is stored as EXL3
         assert ckpt.get_tensor("model.norm.weight").dtype == torch.float32
 
 

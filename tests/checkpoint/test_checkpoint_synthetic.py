@@ -41,7 +41,13 @@ def test_index_and_config(tiny_hub):
     config = json.loads((plain / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 64
     assert config["torch_dtype"] == "bfloat16"
-    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(tensors)
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= set(tensors)
+    # an EXL3 checkpoint as the fork serves them: lm_head stored as EXL3, every decoder linear BF16
+    assert config["quantization_config"]["quant_method"] == "exl3" and "lm_head.weight" not in tensors
+    assert tensors["lm_head.trellis"].dtype == torch.int16 and tuple(tensors["lm_head.trellis"].shape) == (16, 32, 96)
+    storage = json.loads((plain / "quantization_config.json").read_text())["tensor_storage"]
+    assert storage["lm_head"]["quant_format"] == "exl3"
+    assert set(storage["lm_head"]["stored_tensors"]) == {f"lm_head.{x}" for x in ("trellis", "suh", "svh", "mcg")}
 
 
 def test_hub_cache_layout(tiny_hub):

@@ -1,0 +1,278 @@
+"""The plans of the families the fork serves, against tables written here from the fork's code (issue 11).
+
+Each table lists, at TP 2, every module the model builds with the quant config: its prefix, parallel style,
+rank-local ``(K_r, N_r)`` and what the server does with it ("job": encoded and looked up; "skip": not 128-aligned;
+or the reason it is not encoded). The tables come from reading the model files, not from our planner.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from exl3tool.checkpoint import open_checkpoint, plan_layers, storage_candidates
+from exl3tool.checkpoint.synthetic import exl3_record
+from exl3tool.errors import ConfigError
+
+from tiny_models import QWEN38_OVERLAY, glm53_text, write_glm5, write_glm53, write_mla, write_qwen35
+
+BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
+GLM52_RECIPE = ('{"linear": "mxfp8", "shared_experts": "mxfp8", "ignore": ["re:.*q_a_proj$", '
+                '"re:.*kv_a_proj_with_mqa$", "re:.*mlp\\\\.gate$", "re:.*eh_proj$", "lm_head"]}')
+
+
+def table(plan, tp: int = 2) -> dict[str, tuple]:
+    """prefix -> (parallel, K_r, N_r, "job" | "skip") for planned layers, prefix -> reason for the others."""
+    out: dict[str, tuple] = {}
+    skipped = {p for p, _, _ in plan.skipped(tp)}
+    for job in plan.for_tp(tp, include_skipped=True):
+        if job.tp_rank == 0:
+            out[job.prefix] = (job.layer.parallel, job.input_size, job.output_size,
+                               "skip" if job.prefix in skipped else "job")
+    for e in plan.excluded:
+        out[e.prefix] = (e.reason,)
+    return out
+
+
+# DeepSeek-V3 MLA, q_lora_rank 128 (deepseek_v2.py): fused_qkv_a_proj = q_a | kv_a_with_mqa, replicated (disable_tp),
+# 128 + 128 + 64 = 320 rows: unaligned, like DeepSeek-V3's own 2112. Layer 0 dense, layer 1 MoE with shared experts.
+MLA_TP2 = {
+    "model.layers.0.self_attn.fused_qkv_a_proj": ("replicated", 128, 320, "skip"),
+    "model.layers.0.self_attn.q_b_proj": ("column", 128, 256, "job"),
+    "model.layers.0.self_attn.kv_b_proj": ("column", 128, 256, "job"),
+    "model.layers.0.self_attn.o_proj": ("row", 128, 128, "job"),
+    "model.layers.0.mlp.gate_up_proj": ("merged_column", 128, 256, "job"),
+    "model.layers.0.mlp.down_proj": ("row", 128, 128, "job"),
+    "model.layers.1.self_attn.fused_qkv_a_proj": ("replicated", 128, 320, "skip"),
+    "model.layers.1.self_attn.q_b_proj": ("stored_exl3",),
+    "model.layers.1.self_attn.kv_b_proj": ("column", 128, 256, "job"),
+    "model.layers.1.self_attn.o_proj": ("row", 128, 128, "job"),
+    "model.layers.1.mlp.shared_experts.gate_up_proj": ("merged_column", 128, 256, "job"),
+    "model.layers.1.mlp.shared_experts.down_proj": ("row", 128, 128, "job"),
+}
+
+
+def test_mla_with_q_lora(tmp_path):
+    plan = plan_layers(open_checkpoint(str(write_mla(tmp_path / "m"))), overlay=BOTH)
+    assert table(plan) == MLA_TP2
+    assert plan.kind.kind == "exl3" and plan.server_lookup
+    fused = plan.layers[0]
+    assert fused.sources == ("model.layers.0.self_attn.q_a_proj.weight",
+                             "model.layers.0.self_attn.kv_a_proj_with_mqa.weight")
+    assert fused.part_sizes == (128, 192)
+    # the default overlay has no shared_experts spec
+    assert table(plan_layers(open_checkpoint(str(tmp_path / "m"))))[
+        "model.layers.1.mlp.shared_experts.down_proj"] == ("no_spec",)
+    # TP 4: 4 heads still shard; TP 8 does not (vLLM asserts num_heads % tp == 0)
+    assert table(plan, 4)["model.layers.0.self_attn.q_b_proj"] == ("column", 128, 128, "job")
+    with pytest.raises(ConfigError, match="4 attention heads are not divisible by tensor-parallel size 8"):
+        plan.for_tp(8)
+
+
+def test_mla_without_q_lora(tmp_path):
+    plan = plan_layers(open_checkpoint(str(write_mla(tmp_path / "m", q_lora=False))), overlay=BOTH)
+    got = table(plan)
+    assert {k: v for k, v in got.items() if ".layers.0.self_attn" in k} == {
+        "model.layers.0.self_attn.q_proj": ("column", 128, 256, "job"),
+        "model.layers.0.self_attn.kv_a_proj_with_mqa": ("replicated", 128, 192, "skip"),
+        "model.layers.0.self_attn.kv_b_proj": ("column", 128, 256, "job"),
+        "model.layers.0.self_attn.o_proj": ("row", 128, 128, "job"),
+    }
+    assert not any("fused_qkv_a" in k or "q_b_proj" in k for k in got)
+
+
+# GLM-5 (GlmMoeDsaForCausalLM -> vllm/models/deepseek_v32): the DSA indexer's wq_b is a ReplicatedLinear built with
+# the quant config (q_lora 128 -> 2 heads x 64); wk_weights_proj never (quant_config=None).
+def _glm5_expected(indexer_layers, fused="skip"):
+    out = {}
+    for i in range(4):
+        p = f"model.layers.{i}"
+        out[f"{p}.self_attn.fused_qkv_a_proj"] = ("replicated", 128, 320, "skip") if fused == "skip" else (fused,)
+        out[f"{p}.self_attn.q_b_proj"] = ("column", 128, 256, "job")
+        out[f"{p}.self_attn.kv_b_proj"] = ("column", 128, 256, "job")
+        out[f"{p}.self_attn.o_proj"] = ("row", 128, 128, "job")
+        if i in indexer_layers:
+            out[f"{p}.self_attn.indexer.wq_b"] = ("replicated", 128, 128, "job")
+        if i == 0:
+            out[f"{p}.mlp.gate_up_proj"] = ("merged_column", 128, 256, "job")
+            out[f"{p}.mlp.down_proj"] = ("row", 128, 128, "job")
+        else:
+            out[f"{p}.mlp.shared_experts.gate_up_proj"] = ("merged_column", 128, 256, "job")
+            out[f"{p}.mlp.shared_experts.down_proj"] = ("row", 128, 128, "job")
+    return out
+
+
+def test_glm5_indexer_pattern_and_recipe(tmp_path):
+    d = write_glm5(tmp_path / "g", index_topk_pattern=["F", "S", "F", "S"])
+    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH)
+    assert table(plan) == _glm5_expected({0, 2})
+    # the GLM-5.2 recipe ignores q_a_proj / kv_a_proj_with_mqa: fused_qkv_a_proj is ignored through its sources
+    recipe = plan_layers(open_checkpoint(str(d)), overlay=GLM52_RECIPE)
+    assert table(recipe) == _glm5_expected({0, 2}, fused="ignored")
+    assert not any("wk_weights_proj" in x.prefix or x.prefix.endswith("mlp.gate") for x in recipe.layers)
+
+
+def test_indexer_freq_rules_differ_between_model_files(tmp_path):
+    # deepseek_v32 (GLM-5): no pattern, index_topk_freq 2 (offset 2): skip when max(i - 1, 0) % 2 != 0 -> layer 2
+    d = write_glm5(tmp_path / "g", index_topk_freq=2)
+    assert table(plan_layers(open_checkpoint(str(d)), overlay=BOTH)) == _glm5_expected({0, 1, 3})
+    # deepseek_v2 (DeepseekV3ForCausalLM) applies the freq rule only with use_index_cache
+    for cache, layers in ((False, {0, 1, 2, 3}), (True, {0, 1, 3})):
+        d2 = tmp_path / f"v3{cache}"
+        shutil.copytree(d, d2)
+        cfg = json.loads((d2 / "config.json").read_text())
+        cfg.update(architectures=["DeepseekV3ForCausalLM"], use_index_cache=cache)
+        (d2 / "config.json").write_text(json.dumps(cfg))
+        got = table(plan_layers(open_checkpoint(str(d2)), overlay=BOTH))
+        assert {k for k in got if k.endswith("indexer.wq_b")} == {f"model.layers.{i}.self_attn.indexer.wq_b"
+                                                                for i in layers}
+
+
+# Qwen3.8-style hybrid (Qwen3_5ForConditionalGeneration) with the fork's recipe overlay: layers 0-2 gated delta net,
+# layer 3 gated full attention. in_proj_qkvz = [key 128, key 128, value 256, value 256] / 2 per rank;
+# qkv_proj = QKVParallelLinear(8 "heads" (4 + 4 gates), 2 KV heads) -> 4*64 + 64 + 64 at TP 2.
+L = "language_model.model.layers"
+QWEN38_TP2 = {
+    f"{L}.0.linear_attn.in_proj_qkvz": ("stored_exl3",),
+    f"{L}.0.linear_attn.in_proj_ba": ("ignored",),
+    f"{L}.0.linear_attn.out_proj": ("stored_exl3",),
+    f"{L}.0.mlp.gate_up_proj": ("merged_column", 128, 256, "job"),
+    f"{L}.0.mlp.down_proj": ("row", 128, 128, "job"),
+    f"{L}.1.linear_attn.in_proj_qkvz": ("stored_exl3",),
+    f"{L}.1.linear_attn.in_proj_ba": ("ignored",),
+    f"{L}.1.linear_attn.out_proj": ("stored_exl3",),
+    f"{L}.1.mlp.gate_up_proj": ("stored_exl3",),
+    f"{L}.1.mlp.down_proj": ("stored_exl3",),
+    f"{L}.2.linear_attn.in_proj_qkvz": ("merged_column", 128, 384, "job"),
+    f"{L}.2.linear_attn.in_proj_ba": ("ignored",),
+    f"{L}.2.linear_attn.out_proj": ("row", 128, 128, "job"),
+    f"{L}.2.mlp.gate_up_proj": ("stored_exl3",),
+    f"{L}.2.mlp.down_proj": ("stored_exl3",),
+    f"{L}.3.self_attn.qkv_proj": ("qkv", 128, 384, "job"),
+    f"{L}.3.self_attn.o_proj": ("row", 128, 128, "job"),
+    f"{L}.3.mlp.gate_up_proj": ("stored_exl3",),
+    f"{L}.3.mlp.down_proj": ("stored_exl3",),
+}
+
+
+def test_qwen38_hybrid_with_the_recipe(tmp_path):
+    plan = plan_layers(open_checkpoint(str(write_qwen35(tmp_path / "q"))), overlay=QWEN38_OVERLAY)
+    assert table(plan) == QWEN38_TP2
+    qkvz = next(x for x in plan.layers if x.prefix.endswith("in_proj_qkvz"))
+    assert qkvz.sources == ("model.language_model.layers.2.linear_attn.in_proj_qkv.weight",
+                            "model.language_model.layers.2.linear_attn.in_proj_z.weight")
+    assert qkvz.part_sizes == (128, 128, 256, 256) and qkvz.part_sources == ((0, 0), (0, 128), (0, 256), (1, 0))
+    assert not any("visual" in x.prefix or "mtp" in x.prefix for x in plan.layers)
+    # without the ignore list in_proj_ba is planned, and unaligned (N_r = 2 x 4 value heads / 2)
+    plain = table(plan_layers(open_checkpoint(str(tmp_path / "q"))))
+    assert plain[f"{L}.2.linear_attn.in_proj_ba"] == ("merged_column", 128, 4, "skip")
+    # 2 linear key heads: TP 4 cannot shard the gated delta net
+    with pytest.raises(ConfigError, match="2 linear key heads are not divisible by tensor-parallel size 4"):
+        plan.for_tp(4)
+
+
+def test_qwen38_mixed_in_proj_sources_refused(tmp_path):
+    ckpt = open_checkpoint(str(write_qwen35(tmp_path / "q", mixed_in_proj=True)))
+    with pytest.raises(ConfigError, match="in_proj_qkvz' mixes EXL3 and BF16 source shards"):
+        plan_layers(ckpt, overlay=QWEN38_OVERLAY)
+
+
+# GLM-5.3 (Glm5NextForConditionalGeneration): KDA layers build in_proj_qkvgfab (q|k|v|b column, f_a replicated:
+# 3 x 256/2 + 2/2 + 128 = 513 rows, unaligned like the real model's 12448), f_b/g_b (column), g_a (replicated),
+# o_proj (row) with the quant config; the MLA layer 3 builds nothing with it.
+def _glm53_expected():
+    out = {}
+    for i in range(4):
+        p = f"{L}.{i}"
+        if i < 3:
+            out[f"{p}.self_attn.in_proj_qkvgfab"] = ("merged_column", 128, 513, "skip")
+            out[f"{p}.self_attn.f_b_proj"] = ("column", 128, 128, "job")
+            out[f"{p}.self_attn.g_a_proj"] = ("replicated", 128, 128, "job")
+            out[f"{p}.self_attn.g_b_proj"] = ("column", 128, 128, "job")
+            out[f"{p}.self_attn.o_proj"] = ("row", 128, 128, "job")
+        if i == 0:
+            out[f"{p}.mlp.gate_up_proj"] = ("merged_column", 128, 256, "job")
+            out[f"{p}.mlp.down_proj"] = ("row", 128, 128, "job")
+        else:
+            out[f"{p}.mlp.shared_experts.gate_up_proj"] = ("merged_column", 128, 256, "job")
+            out[f"{p}.mlp.shared_experts.down_proj"] = ("row", 128, 128, "job")
+    return out
+
+
+def test_glm53_family(tmp_path):
+    plan = plan_layers(open_checkpoint(str(write_glm53(tmp_path / "g"))), overlay=BOTH)
+    assert table(plan) == _glm53_expected()
+    fused = plan.layers[0]
+    assert fused.sources[-1] == "model.language_model.layers.0.self_attn.forget_gate.f_a_proj.weight"
+    assert fused.part_sizes == (256, 256, 256, 2, 128) and fused.replicated_parts == (4,)
+
+
+def test_glm53_scope_refusals_follow_the_later_exl3_py(tmp_path):
+    # a tiny model with the scope: the later exl3.py checks the GLM-5.3-Flash geometry and refuses anything else
+    ckpt = open_checkpoint(str(write_glm53(tmp_path / "g", scope=True)))
+    with pytest.raises(ConfigError, match="GLM-5.3 routed-only EXL3 architecture mismatch"):
+        plan_layers(ckpt)
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 6
+    (tmp_path / "g" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="GLM-5.3 routed-only EXL3 metadata is unsupported"):
+        plan_layers(open_checkpoint(str(tmp_path / "g")))
+
+
+def glm53_flash_text() -> dict:
+    """GLM-5.3-Flash's text geometry as the later exl3.py checks it (+ Glm5NextTextConfig defaults)."""
+    return glm53_text(hidden_size=4096, num_hidden_layers=45, first_k_dense_replace=3, n_routed_experts=288,
+                      moe_intermediate_size=2048, intermediate_size=12288, num_attention_heads=64, q_lora_rank=1536,
+                      kv_lora_rank=512, qk_nope_head_dim=256, qk_rope_head_dim=0, v_head_dim=256,
+                      index_n_heads=32, index_head_dim=128, index_topk=2048, index_kpool=4,
+                      index_kpool_compress=True, index_kpool_always_select_tail=True,
+                      layer_types=["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention"
+                                   for i in range(45)],
+                      mlp_layer_types=["dense"] * 3 + ["sparse"] * 42,
+                      linear_attn_config={"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4,
+                                          "full_attn_layers": list(range(3, 45, 4))})
+
+
+def test_glm53_flash_scope_header_only(tmp_path):
+    """The Flash geometry with the scope, planned from header-only shards: TP 2 only, every dense layer BF16."""
+    d = write_glm53(tmp_path / "f", scope=True, text=glm53_flash_text(), header_only=True, shards=4)
+    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH)
+    assert plan.kind.kind == "glm53_routed_experts_only" and not plan.excluded
+    jobs = plan.for_tp(2)
+    # 34 KDA layers x (f_b, g_a, g_b, o_proj) + 3 dense MLPs x 2 + 42 shared experts x 2; in_proj_qkvgfab is
+    # 3 x 4096 + 32 + 128 = 12448 rows per rank: unaligned, the server keeps it MXFP8
+    assert len(plan.layers) == 34 * 5 + 3 * 2 + 42 * 2 and len(jobs) == 2 * (34 * 4 + 3 * 2 + 42 * 2)
+    assert {p for p, _, _ in plan.skipped(2)} == {f"{L}.{i}.self_attn.in_proj_qkvgfab" for i in range(45) if i % 4 != 3}
+    with pytest.raises(ConfigError, match="checkpoint=2, runtime=4"):
+        plan.for_tp(4)
+
+
+def test_storage_spellings_follow_storage_entry():
+    """``_storage_entry``'s candidates, in the server's order (written from exl3.py)."""
+    assert storage_candidates("model.layers.0.mlp.down_proj") == ["model.layers.0.mlp.down_proj",
+                                                                  "layers.0.mlp.down_proj"]
+    assert storage_candidates("language_model.model.layers.0.o_proj") == [
+        "language_model.model.layers.0.o_proj", "model.language_model.model.layers.0.o_proj",
+        "language_model.layers.0.o_proj", "model.language_model.layers.0.o_proj", "model.layers.0.o_proj",
+        "model.model.layers.0.o_proj", "layers.0.o_proj"]
+    assert storage_candidates("lm_head") == ["lm_head", "model.lm_head"]
+
+
+def test_llama_variant_spellings_first_record_decides_and_no_trellis_test(tiny_hub, tmp_path):
+    d = tmp_path / "ck"
+    shutil.copytree(tiny_hub[2], d)
+    quant = json.loads((d / "quantization_config.json").read_text())
+    st = quant["tensor_storage"]
+    for x in "qkv":  # all three sources under "layers.0..." (no "model."): qkv_proj is stored
+        st[f"layers.0.self_attn.{x}_proj"] = exl3_record(f"model.layers.0.self_attn.{x}_proj", 256, 256)
+    st["model.model.layers.1.mlp.down_proj"] = exl3_record("x", 512, 256)  # not a spelling of the prefix
+    # the exact name holds a bf16 record: it is found first and decides, the later exl3 spelling does not count
+    st["model.layers.1.self_attn.o_proj"] = {"quant_format": "bf16"}
+    st["layers.1.self_attn.o_proj"] = exl3_record("x", 256, 256)
+    (d / "quantization_config.json").write_text(json.dumps(quant))
+    got = table(plan_layers(open_checkpoint(str(d))))
+    assert got["model.layers.0.self_attn.qkv_proj"] == ("stored_exl3",)
+    assert got["model.layers.1.mlp.down_proj"] == ("row", 256, 256, "job")
+    assert got["model.layers.1.self_attn.o_proj"] == ("row", 128, 256, "job")

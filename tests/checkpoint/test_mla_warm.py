@@ -1,0 +1,82 @@
+"""Every planned entry of the tiny DeepSeek-V3 MLA model, encoded on the CPU at TP 2, found by the tests'
+independent server look-up, decoding to the right rank-local slice; ``verify`` passes on it.
+
+One module-scoped warm: 9 aligned entries per rank (896 tiles per rank, K=6) and the two unaligned
+``fused_qkv_a_proj`` layers skipped, as the server skips them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from exl3tool.encode import dequantize_tensors
+from exl3tool.verify import verify_plan
+from exl3tool.warm import WarmRequest, prepare, warm
+
+from _cache_util import server_lookup
+from tiny_models import write_mla
+
+ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="mla-test")
+OVERLAY = '{"linear": {"weight": "mxfp8"}, "shared_experts": "mxfp8"}'
+BITS = 6
+
+
+def rank_slice(t: dict[str, torch.Tensor], prefix: str, r: int) -> torch.Tensor:
+    """The ``[N_r, K_r]`` weight TP-2 rank ``r`` holds, from the checkpoint tensors with plain indexing."""
+    layer, module = prefix.rsplit(".", 1)
+    w = lambda name: t[f"{layer}.{name}.weight"].float()  # noqa: E731
+    if module in ("q_b_proj", "kv_b_proj"):  # ColumnParallelLinear: output rows split
+        return w(module).chunk(2, dim=0)[r]
+    if module in ("o_proj", "down_proj"):  # RowParallelLinear: input columns split
+        return w(module).chunk(2, dim=1)[r]
+    if module == "gate_up_proj":  # MergedColumnParallelLinear: gate rows | up rows, each split
+        return torch.cat([w("gate_proj").chunk(2)[r], w("up_proj").chunk(2)[r]])
+    raise AssertionError(prefix)
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+    base = tmp_path_factory.mktemp("mla")
+    model = write_mla(base / "model", seed=random.SystemRandom().randrange(2**31))
+    summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(base / "cache"),
+                               device="cpu", quantization_config=OVERLAY, **ENC))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(model.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return model, base / "cache", summary, tensors
+
+
+def test_every_planned_entry_is_a_server_hit_with_the_right_slice(warmed):
+    model, cache, summary, tensors = warmed
+    assert summary.counts == {"hit": 0, "encoded": 18, "skipped": 4, "failed": 0}
+    assert {e.prefix for e in summary.entries if e.status == "skipped"} == {
+        "model.layers.0.self_attn.fused_qkv_a_proj", "model.layers.1.self_attn.fused_qkv_a_proj"}
+    encoded = [e for e in summary.entries if e.status == "encoded"]
+    assert {e.prefix for e in encoded} == {
+        "model.layers.0.self_attn.q_b_proj", "model.layers.0.self_attn.kv_b_proj", "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.kv_b_proj",
+        "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.shared_experts.gate_up_proj",
+        "model.layers.1.mlp.shared_experts.down_proj"}
+    for e in encoded:
+        hit = server_lookup(cache, summary.model_identity, summary.encoder_identity, e.prefix, BITS, 2, e.tp_rank,
+                            e.input_size, e.output_size)
+        assert hit is not None, (e.prefix, e.tp_rank)
+        t = {k: torch.from_numpy(v) for k, v in hit[0].items()}
+        got = dequantize_tensors(t["trellis"], t["suh"], t["svh"], BITS, "mcg", dtype=torch.float64)  # [K_r, N_r]
+        want = rank_slice(tensors, e.prefix, e.tp_rank).t().double()
+        other = rank_slice(tensors, e.prefix, 1 - e.tp_rank).t().double()
+        assert tuple(got.shape) == (e.input_size, e.output_size) == tuple(want.shape)
+        assert ((got - want).norm() / want.norm()).item() < 0.03, e.prefix
+        assert ((got - other).norm() / other.norm()).item() > 0.5, e.prefix
+
+
+def test_verify_passes(warmed):
+    model, cache, _, _ = warmed
+    checkpoint, plan, store = prepare(WarmRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(cache),
+                                                  mode="readonly", device="cpu", quantization_config=OVERLAY, **ENC))
+    report = verify_plan(plan, checkpoint, store, rows=(1, 16), seed=3, device=torch.device("cpu"))
+    assert report.ok and len(report.layers) == 18
