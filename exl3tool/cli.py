@@ -50,11 +50,17 @@ def _root(
     """exl3tool: offline EXL3 encoding and cache warming."""
 
 
+_registered: list[bool] = []
+
+
 def _register() -> None:
-    """Attach every command group; imported lazily so `--help` stays fast."""
+    """Attach every command group, once per process; imported lazily so `--help` stays fast."""
+    if _registered:
+        return
     from exl3tool.commands import register
 
     register(app)
+    _registered.append(True)
 
 
 def debug_enabled(environ: Optional[dict] = None) -> bool:

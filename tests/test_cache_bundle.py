@@ -328,3 +328,17 @@ def test_manifest_is_deterministic_and_lists_what_was_written(cache):
             data = tf.extractfile(rec["path"]).read()
             assert hashlib.sha256(data).hexdigest() == rec["sha256"] and len(data) == rec["size"]
             assert json.loads(rec["key"]) == CacheKey.from_json(rec["key"]).as_dict()
+
+
+def test_an_entry_the_cache_cannot_take_is_refused_and_the_rest_imported(cache, tmp_path):
+    bundle = tmp_path / "b.tar"
+    cli("cache", "export", str(bundle), "--cache-dir", str(cache))
+    server = tmp_path / "server"
+    blocked = CacheStore(server).path(keys()[0])
+    blocked.mkdir(parents=True)  # a directory where the entry file goes: no rename can replace it
+    code, out, _ = cli("cache", "import", str(bundle), "--cache-dir", str(server), "--json")
+    doc = json.loads(out)
+    assert code == 1 and (doc["imported"], doc["refused"]) == (5, 1)
+    assert "is a directory" in next(e["reason"] for e in doc["entries"] if e["status"] == "refused")
+    assert blocked.is_dir() and not list(server.rglob("*.tmp"))
+

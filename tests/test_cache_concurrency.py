@@ -178,15 +178,17 @@ def test_sigkill_never_leaves_a_visible_partial_entry(tmp_path):
     print(f"\ncrash: {runs} runs, {killed} SIGKILLed {by_point}, entries visible after each "
           f"{published}, temp files left {len(leftovers)} (max at once {temps_seen}), partial entries seen 0")
     assert killed >= 24 and leftovers
-    _writer(str(root), ks, encodes)  # the next run completes
+    _writer(str(root), ks, encodes)  # the next run completes; under each lock it takes it removes that entry's temps
     for key in ks:
         assert CacheStore(root, "readonly").lookup(key).hit
+    stale = entry_path(ks[0], root).parent / f".{ks[0].digest()}.safetensors.killed01.tmp"
+    stale.write_bytes(b"half an entry")  # a temp next to a valid entry: no writer takes that lock again
     _register()
     runner = CliRunner()
     res = runner.invoke(app, ["cache", "verify", "--cache-dir", str(root), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
-    assert report["valid"] == len(ks) and report["temp_files"]
+    assert report["valid"] == len(ks) and str(stale) in {t["path"] for t in report["temp_files"]}
     res = runner.invoke(app, ["cache", "prune", "--temp", "--yes", "--cache-dir", str(root)])
     assert res.exit_code == 0, res.output
     assert not [i for i in scan(root) if i.kind == "temp"]

@@ -183,6 +183,17 @@ def test_torchrun_two_cpu_workers_split_the_plan(hub, tmp_path):
     assert {e["worker"] for e in doc["entries"]} == {0, 1}
     assert len([p for p in cache.rglob("*.safetensors") if not p.name.startswith(".")]) == 3
     assert len(doc["worker_stats"]) == 2
+    # the same warm in one process with 2 threads (the workers had 1 each): the same bytes (issue 14; these small
+    # random layers rarely showed the old thread-dependent sums, test_encode_threads pins them deterministically)
+    env.pop("OMP_NUM_THREADS")
+    alone = tmp_path / "alone"
+    one = [sys.executable, "-m", "exl3tool", *cmd[cmd.index("exl3tool") + 1:]]
+    one[one.index(str(cache))] = str(alone)
+    r = subprocess.run(one, capture_output=True, text=True, env={**env, "EXL3TOOL_THREADS": "2"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    mine = {p.relative_to(cache): p.read_bytes() for p in cache.rglob("*.safetensors")}
+    theirs = {p.relative_to(alone): p.read_bytes() for p in alone.rglob("*.safetensors")}
+    assert mine.keys() == theirs.keys() and [k for k in mine if mine[k] != theirs[k]] == []
 
 
 def test_non_finite_weight_fails_that_layer_only(tmp_path):

@@ -28,7 +28,7 @@ from exl3tool.cache.entry import validate_entry
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.paths import entry_path
 from exl3tool.cache.scan import EntryInfo, matches_model, scan
-from exl3tool.cache.store import CacheStore
+from exl3tool.cache.store import PRUNE_HINT, CacheStore
 from exl3tool.errors import InputError, describe
 
 __all__ = [
@@ -452,6 +452,11 @@ def _import_one(member: _Member, entry: BundleEntry, key: CacheKey, store: Cache
         status = store.import_entry(key, _copy(member, first, sha), check)
     except _Refused as exc:
         return ImportItem(entry.path, "refused", str(exc))
+    except OSError:
+        problem = store.obstacle(key)  # something in this entry's place that no publish can replace
+        if problem is None:
+            raise
+        return ImportItem(entry.path, "refused", f"the cache cannot take it: {problem}; {PRUNE_HINT}")
     if status == "present":
         return ImportItem(entry.path, "present", "a valid entry is already there (kept)")
     return ImportItem(entry.path, "imported" if status == "published" else "replaced",

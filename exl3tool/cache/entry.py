@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import struct
 import tempfile
@@ -32,6 +33,8 @@ __all__ = [
     "TENSOR_NAMES",
     "expected_layout",
     "tensor_sha256",
+    "file_tensor_sha256",
+    "describe_unreadable",
     "read_entry",
     "validate_entry",
     "check_fresh_encode",
@@ -42,6 +45,7 @@ __all__ = [
 
 TENSOR_NAMES = frozenset({"trellis", "suh", "svh"})
 _ST_DTYPES = {"I16": torch.int16, "F16": torch.float16}
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the header length
 
 
 class Exl3OnlineNonFiniteError(ValueError):
@@ -71,14 +75,83 @@ def expected_layout(key: CacheKey) -> dict[str, tuple[str, tuple[int, ...]]]:
     }
 
 
+def _sha_line(name: str, dtype: str, shape: list[int]) -> bytes:
+    return f"{name}:{dtype}:{shape}\n".encode()
+
+
 def tensor_sha256(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 over name, dtype, shape and raw bytes of each tensor in name order (our own integrity check)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
-        h.update(f"{name}:{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(_sha_line(name, str(t.dtype).removeprefix("torch."), list(t.shape)))
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy().data)  # the buffer itself, no copy
     return h.hexdigest()
+
+
+def _read_header(fh) -> tuple[int, dict]:
+    """(header length, header dict) of an open safetensors file; ValueError if it does not parse."""
+    head = fh.read(8)
+    if len(head) < 8:
+        raise ValueError("no header length")
+    n = struct.unpack("<Q", head)[0]
+    if n > _MAX_HEADER:
+        raise ValueError(f"header length {n} is implausible")
+    return n, json.loads(fh.read(n))
+
+
+def file_tensor_sha256(path: str | Path) -> str:
+    """``tensor_sha256`` of an entry's tensors, hashed straight from the file (mapped, no tensor copies).
+
+    What a warm's plan checks hits with: the same digest as ``tensor_sha256(read_entry(path).tensors)`` for
+    ``I16``/``F16`` tensors, at hashing speed (about 2 GB/s per core with SHA extensions).
+    """
+    names = {"I16": "int16", "F16": "float16"}
+    with open(path, "rb") as fh:
+        n, header = _read_header(fh)
+        h = hashlib.sha256()
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                for name in sorted(k for k in header if k != "__metadata__"):
+                    rec = header[name]
+                    start, stop = rec["data_offsets"]
+                    h.update(_sha_line(name, names.get(rec["dtype"], rec["dtype"]), [int(d) for d in rec["shape"]]))
+                    h.update(view[8 + n + start:8 + n + stop])
+            finally:
+                view.release()
+    return h.hexdigest()
+
+
+def describe_unreadable(path: str | Path, exc: BaseException) -> str:
+    """Why safetensors could not open ``path``, in words: above all, a file shorter than its header promises.
+
+    >>> describe_unreadable(truncated_entry, exc)   # doctest: +SKIP
+    'file is 4086 bytes, shorter than the 4096 bytes its header promises (truncated, e.g. an interrupted copy)'
+    """
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"file is {size} bytes, shorter than the 8-byte header length a safetensors file starts with"
+            n = struct.unpack("<Q", head)[0]
+            if n > _MAX_HEADER:
+                return f"not a safetensors file (its first 8 bytes claim a {n}-byte header)"
+            if 8 + n > size:
+                return f"file is {size} bytes, shorter than its header promises ({8 + n} bytes for the header alone; truncated)"
+            try:
+                header = json.loads(fh.read(n))
+                end = max((int(r["data_offsets"][1]) for k, r in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                return f"not a safetensors file (its header is not valid safetensors JSON: {exc})"
+    except OSError as err:
+        return f"unreadable ({err.strerror or err})"
+    if 8 + n + end > size:
+        return (f"file is {size} bytes, shorter than the {8 + n + end} bytes its header promises "
+                "(truncated, e.g. an interrupted copy)")
+    return f"not a valid safetensors file ({exc})"
 
 
 def parse_proxy_error(text: str | None) -> float | None:
@@ -114,16 +187,22 @@ def validate_entry(
 
     ``verify_checksum`` adds our ``exl3tool_sha256`` check when the entry has one: stricter than the
     server, which would load e.g. a flipped trellis byte as long as shapes and finiteness hold.
-    ``load_trellis=False`` is the quick form for planning: every check the server makes that can fail
-    (key, tensor set, dtypes, shapes, a file that covers its header, finite suh/svh, proxy_error), without
-    reading the trellis data or hashing it; the returned tensors then hold suh and svh only.
+    ``load_trellis=False`` is the form for planning: every check the server makes that can fail (key, tensor
+    set, dtypes, shapes, a file that covers its header, finite suh/svh, proxy_error) without loading the
+    trellis into a tensor; with ``verify_checksum`` the checksum is then hashed straight from the file
+    (``file_tensor_sha256``). The returned tensors then hold suh and svh only.
+    An entry without ``exl3tool_sha256`` (the server writes none) passes with the server's checks alone.
     """
     path = Path(path)
     if not path.is_file():
         raise InvalidEntryError("not a regular file")
     expected_json = key.canonical_json()
     layout = expected_layout(key)
-    with safe_open(str(path), framework="pt", device="cpu") as fh:
+    try:
+        fh_ctx = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:
+        raise InvalidEntryError(describe_unreadable(path, exc)) from None
+    with fh_ctx as fh:
         metadata = dict(fh.metadata() or {})
         stored = metadata.get("cache_key")
         if stored != expected_json:
@@ -142,8 +221,10 @@ def validate_entry(
     _check_finite("svh", tensors["svh"])
     proxy_error = parse_proxy_error(metadata.get("proxy_error"))
     want = metadata.get("exl3tool_sha256")
-    if load_trellis and verify_checksum and want is not None and tensor_sha256(tensors) != want:
-        raise InvalidEntryError("tensor bytes differ from exl3tool_sha256 (changed after publish)")
+    if verify_checksum and want is not None:
+        got = tensor_sha256(tensors) if load_trellis else file_tensor_sha256(path)
+        if got != want:
+            raise InvalidEntryError("tensor bytes differ from exl3tool_sha256 (changed after publish)")
     return EntryContents(tensors, proxy_error, metadata)
 
 

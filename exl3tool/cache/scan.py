@@ -2,7 +2,9 @@
 
 Every entry is checked as the server would load it (via the same validator as ``CacheStore``), plus
 what only an offline tool can see: the stored key's digest against the file name, the directory it
-sits in, and our own tensor checksum. Temporary files and lock files are listed too.
+sits in, and our own tensor checksum. Temporary files and lock files are listed too; a lock path that is
+not a regular file (a directory, a symlink) is reported, since no writer can take that entry's lock.
+Symlinked directories are listed, never entered, so a prune never reaches outside the cache.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors import safe_open
 
-from exl3tool.cache.entry import parse_proxy_error, tensor_sha256, validate_entry
+from exl3tool.cache.entry import describe_unreadable, parse_proxy_error, tensor_sha256, validate_entry
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE
 
@@ -27,7 +30,13 @@ __all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "exe
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """One file under ``<root>/v1``: ``kind`` entry|temp|lock|stray; for entries ``status`` valid|invalid|unchecked."""
+    """One file under ``<root>/v1``: ``kind`` entry|temp|lock|stray.
+
+    ``status`` for entries: ``valid`` (the server loads it and our checksum matches), ``unchecked`` (a deep
+    scan: the server loads it but it carries no ``exl3tool_sha256``; a header-only scan: not loaded) or
+    ``invalid``; for lock files ``invalid`` when the lock path is not a regular file, else ``n/a``.
+    ``loadable``: whether the server would load the entry (None when not known, e.g. header-only).
+    """
 
     path: Path
     kind: str
@@ -47,6 +56,7 @@ class EntryInfo:
     is_symlink: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     orphan: bool = False
+    loadable: bool | None = None
 
     @property
     def valid(self) -> bool:
@@ -84,7 +94,7 @@ def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | No
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             metadata = dict(fh.metadata() or {})
     except Exception as exc:
-        out["reason"] = f"unreadable as safetensors ({type(exc).__name__}: {exc})"
+        out["reason"] = describe_unreadable(path, exc)
         return out
     out["metadata"] = metadata
     stored = metadata.get("cache_key")
@@ -119,15 +129,36 @@ def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | No
     except Exception as exc:
         out["reason"] = f"{exc}"
         return out
+    out["loadable"] = True
+    link = "; a symlink, the server follows it" if out["is_symlink"] else ""
     want = metadata.get("exl3tool_sha256")
-    if want is not None:
-        out["sha256_ok"] = tensor_sha256(contents.tensors) == want
-        if not out["sha256_ok"]:
-            out["reason"] = "tensor bytes differ from exl3tool_sha256 (the server would still load it)"
-            return out
+    if want is None:
+        out["status"] = "unchecked"
+        out["reason"] = ("the server would load it, but it has no exl3tool_sha256 (written by the server?), so its "
+                         "weights are unchecked: exl3tool verify MODEL checks them" + link)
+        return out
+    out["sha256_ok"] = tensor_sha256(contents.tensors) == want
+    if not out["sha256_ok"]:
+        out["reason"] = ("tensor bytes differ from exl3tool_sha256: the server would load it, but the bytes changed "
+                         "after exl3tool published them")
+        return out
     out["status"] = "valid"
-    out["reason"] = "symlink; the server follows it" if out["is_symlink"] else ""
+    out["reason"] = link.removeprefix("; ")
     return out
+
+
+def _lock_problem(path: Path) -> str | None:
+    """Why the lock path ``path`` cannot serve as a lock (not a regular file), or None; never follows a link."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return f"the lock path is a symlink (to {os.readlink(path)}); no writer can take this entry's lock"
+    what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+    return f"the lock path is {what}; no writer can take this entry's lock"
 
 
 def inspect_entry(path: str | Path, *, deep: bool = True) -> EntryInfo:
@@ -156,8 +187,20 @@ def scan(root: str | Path, *, deep: bool = True) -> list[EntryInfo]:
     infos: list[EntryInfo] = []
     if not base.is_dir():
         return infos
-    for model_dir in sorted(p for p in base.iterdir() if p.is_dir()):
-        for layout_dir in sorted(p for p in model_dir.iterdir() if p.is_dir()):
+
+    def subdirs(parent: Path) -> list[Path]:
+        found = []
+        for p in sorted(parent.iterdir()):
+            if p.is_symlink() and p.is_dir():  # listed, never entered: a prune must not reach outside the cache
+                size, mtime = _stat(p)
+                infos.append(EntryInfo(path=p, kind="stray", size=size, mtime=mtime, is_symlink=True,
+                                       reason=f"a symlink to a directory ({os.readlink(p)}); not followed"))
+            elif p.is_dir():
+                found.append(p)
+        return found
+
+    for model_dir in subdirs(base):
+        for layout_dir in subdirs(model_dir):
             m = LAYOUT_RE.match(layout_dir.name)
             world, rank = (int(m.group(1)), int(m.group(2))) if m else (None, None)
             names = set(os.listdir(layout_dir))
@@ -170,7 +213,10 @@ def scan(root: str | Path, *, deep: bool = True) -> list[EntryInfo]:
                     infos.append(EntryInfo(kind="entry", digest=em.group(1), **common, **details))
                 elif lm := LOCK_RE.match(name):
                     orphan = f"{lm.group(1)}.safetensors" not in names
-                    infos.append(EntryInfo(kind="lock", digest=lm.group(1), orphan=orphan, **common))
+                    problem = _lock_problem(path)
+                    infos.append(EntryInfo(kind="lock", digest=lm.group(1), orphan=orphan, **common,
+                                           status="invalid" if problem else "n/a", reason=problem or "",
+                                           is_symlink=path.is_symlink()))
                 elif tm := TEMP_RE.match(name):
                     infos.append(EntryInfo(kind="temp", digest=tm.group(1), reason="leftover temporary file", **common))
                 else:
@@ -181,7 +227,7 @@ def scan(root: str | Path, *, deep: bool = True) -> list[EntryInfo]:
 def lock_is_held(path: Path) -> bool:
     """Whether someone holds ``flock`` on the lock file ``path``; never creates it."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # never a link's target; a FIFO never blocks
     except OSError:
         return False
     try:
@@ -226,8 +272,9 @@ def plan_prune(
 ) -> PrunePlan:
     """Choose what to delete: invalid entries, leftovers (temps, unheld orphan locks), entries older than N days.
 
-    Lock files of entries that stay are never touched; a temp file whose entry lock is held belongs to a
-    live writer and is skipped.
+    Lock files of entries that stay are never touched, except a lock path that is not a regular file
+    (``invalid``: a directory or symlink no writer can lock), which ``invalid`` removes (a symlink itself,
+    never its target); a temp file whose entry lock is held belongs to a live writer and is skipped.
     """
     now = time.time() if now is None else now
     cutoff = None if older_than_days is None else now - older_than_days * 86400
@@ -253,6 +300,10 @@ def plan_prune(
                 chosen.append((info, "leftover temporary file"))
     for info in infos:
         if info.kind != "lock" or not matches_model(info, model):
+            continue
+        if info.status == "invalid":
+            if invalid:
+                chosen.append((info, f"invalid: {info.reason}"))
             continue
         entry = info.path.parent / f"{info.digest}.safetensors"
         if (info.orphan and temp) or entry in removed_entries:

@@ -8,9 +8,13 @@ from pathlib import Path
 
 from exl3tool.errors import ConfigError
 
-__all__ = ["CACHE_MODES", "cache_mode", "cache_root", "vllm_cache_root"]
+__all__ = ["CACHE_MODES", "BITS_RANGE", "DEFAULT_BITS", "BITS_VAR", "cache_mode", "cache_root", "trellis_bits",
+           "vllm_cache_root"]
 
 CACHE_MODES = ("off", "readonly", "readwrite")
+BITS_RANGE = (3, 8)  # what the server accepts for VLLM_EXL3_ONLINE_TRELLIS_BITS (spec §1.2)
+DEFAULT_BITS = 6
+BITS_VAR = "VLLM_EXL3_ONLINE_TRELLIS_BITS"
 _ALIASES = {"read-only": "readonly", "rw": "readwrite", "none": "off"}
 
 
@@ -33,6 +37,28 @@ def cache_mode(environ: Mapping[str, str] | None = None) -> str:
         # The server's exact text; an empty string is rejected too (only an unset variable means the default).
         raise ConfigError(f"VLLM_EXL3_ONLINE_CACHE_MODE must be off, readonly, or readwrite; got {mode!r}")
     return mode
+
+
+def trellis_bits(environ: Mapping[str, str] | None = None) -> int | None:
+    """``VLLM_EXL3_ONLINE_TRELLIS_BITS`` read as the server reads it: None when unset or blank, else 3..8.
+
+    The server parses it with ``int()`` (surrounding spaces allowed, ``"6.0"`` rejected); anything else is a
+    ConfigError that names the variable.
+
+    >>> trellis_bits({"VLLM_EXL3_ONLINE_TRELLIS_BITS": " 4 "})
+    4
+    """
+    raw = _env(environ).get(BITS_VAR)
+    if raw is None or raw.strip() == "":
+        return None
+    lo, hi = BITS_RANGE
+    try:
+        bits = int(raw)
+    except ValueError:
+        raise ConfigError(f"{BITS_VAR}={raw!r} must be an integer from {lo} to {hi} (the server refuses it too)") from None
+    if not lo <= bits <= hi:
+        raise ConfigError(f"{BITS_VAR}={raw!r} must be from {lo} to {hi} (the server refuses it too)")
+    return bits
 
 
 def vllm_cache_root(environ: Mapping[str, str] | None = None) -> Path:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Callable
-from typing import BinaryIO
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from filelock import FileLock, Timeout
@@ -23,26 +24,56 @@ from exl3tool.cache.entry import (
 )
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import acquire_with_notice
-from exl3tool.cache.paths import entry_path, lock_path
+from exl3tool.cache.paths import TEMP_RE, entry_path, lock_path
 from exl3tool.cache.settings import CACHE_MODES
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.errors import InputError, describe
 
-__all__ = ["CacheStore", "Claim", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "Exl3OnlineNonFiniteError"]
+__all__ = ["CacheStore", "Claim", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "Exl3OnlineNonFiniteError", "PRUNE_HINT",
+           "entry_obstacle"]
 
 LOCK_TIMEOUT_S = 600.0
+PRUNE_HINT = "remove it with: exl3tool cache prune --invalid"
 log = logging.getLogger(__name__)
+
+
+def entry_obstacle(path: Path) -> str | None:
+    """What at ``path`` (an entry file) or its lock path makes every publish fail, or None; never follows a link.
+
+    A directory at the entry path (``os.replace`` cannot replace it) and a directory, symlink (filelock refuses
+    to follow it) or socket at the lock path (the lock cannot be opened). A symlink or FIFO at the entry path
+    is no obstacle: publishing replaces it.
+    """
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            return f"{path} is a directory where the entry file should be; no warm can replace it"
+    except OSError:
+        pass
+    lock = lock_path(path)
+    try:
+        mode = os.lstat(lock).st_mode
+    except OSError:
+        return None
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return f"{lock} (the entry's lock path) is {what}, so no writer can take the entry lock"
+    return None
 
 
 @dataclass(frozen=True)
 class Lookup:
-    """``status`` hit|miss|invalid; ``reason`` for people; tensors and proxy error only on a hit."""
+    """``status`` hit|miss|invalid; ``reason`` for people; tensors and proxy error only on a hit.
+
+    ``checked`` (hits only): the entry carries ``exl3tool_sha256`` and its bytes matched it; False for a hit
+    without it (server-written), whose weights only ``exl3tool verify`` can check.
+    """
 
     status: str
     reason: str
     path: Path | None
     tensors: dict[str, torch.Tensor] | None = None
     proxy_error: float | None = None
+    checked: bool | None = None
 
     @property
     def hit(self) -> bool:
@@ -51,13 +82,17 @@ class Lookup:
 
 @dataclass(frozen=True)
 class LoadResult:
-    """The layer's weights: from the cache (``hit``) or a fresh encode (``encoded`` set, ``path`` None if unpublished)."""
+    """The layer's weights: from the cache (``hit``) or a fresh encode (``encoded`` set, ``path`` None if unpublished).
+
+    ``error`` says why a fresh encode was not published (lock or write failure), for people.
+    """
 
     hit: bool
     path: Path | None
     tensors: dict[str, torch.Tensor]
     proxy_error: float | None
     encoded: EncodedLinear | None
+    error: str | None = None
 
 
 class Claim:
@@ -128,17 +163,23 @@ class CacheStore:
         """Where ``key``'s entry lives under this root."""
         return entry_path(key, self.root)
 
-    def _load(self, path: Path, key: CacheKey, quick: bool = False) -> Lookup:
-        contents = validate_entry(path, key, verify_checksum=self.verify_checksum, load_trellis=not quick)
-        return Lookup("hit", "valid entry", path, contents.tensors, contents.proxy_error)
+    def _load(self, path: Path, key: CacheKey, quick: bool = False, checksum: bool = True) -> Lookup:
+        verify = self.verify_checksum and checksum
+        contents = validate_entry(path, key, verify_checksum=verify, load_trellis=not quick)
+        checked = verify and "exl3tool_sha256" in contents.metadata
+        reason = "valid entry" if checked or not verify else (
+            "valid for the server; no exl3tool_sha256 (server-written?), so its weights are unchecked: "
+            "exl3tool verify MODEL checks them")
+        return Lookup("hit", reason, path, contents.tensors, contents.proxy_error, checked)
 
-    def lookup(self, key: CacheKey, *, quick: bool = False) -> Lookup:
+    def lookup(self, key: CacheKey, *, quick: bool = False, checksum: bool = True) -> Lookup:
         """The server's unlocked fast path, read-only: hit, miss (no regular file) or invalid (with reason).
 
         Like the server, a ``stat`` error other than not-found (e.g. EACCES on a directory) propagates.
-        ``quick`` skips reading and hashing the trellis data (see ``validate_entry``): what a warm's plan
-        uses so that an all-hits warm of a large model reads headers, not gigabytes; a hit then carries
-        suh and svh only.
+        ``quick`` does not load the trellis into memory (a hit then carries suh and svh only) but, with
+        ``checksum`` (and the store's ``verify_checksum``), still hashes its bytes from the file against
+        ``exl3tool_sha256``: what a warm's plan uses, so that no hit with changed bytes is kept.
+        ``checksum=False`` is the server's own check (no trellis bytes read at all).
         """
         if self.mode == "off":
             return Lookup("miss", "cache mode is off", None)
@@ -146,7 +187,7 @@ class CacheStore:
         if not path.is_file():
             return Lookup("miss", "no entry", path)
         try:
-            return self._load(path, key, quick)
+            return self._load(path, key, quick, checksum)
         except Exception as exc:  # any failure to read or validate makes the entry invalid, never an error
             return Lookup("invalid", describe(exc), path)
 
@@ -155,6 +196,36 @@ class CacheStore:
         if cross_thread:  # held by one thread, released by another (filelock's holds are per thread by default)
             return FileLock(str(lock_path(path)), timeout=self.lock_timeout, mode=lock_mode, thread_local=False)
         return FileLock(str(lock_path(path)), timeout=self.lock_timeout, mode=lock_mode)
+
+    def obstacle(self, key: CacheKey) -> str | None:
+        """Why no publish of ``key`` can ever succeed under this root (see ``entry_obstacle``), or None."""
+        return entry_obstacle(self.path(key))
+
+    @staticmethod
+    def _remove_stale_temps(path: Path) -> None:
+        """Remove ``path``'s leftover temp files (``.<digest>.safetensors.*.tmp``); call with the entry lock held.
+
+        Every writer (the server, exl3tool) writes its temp file under the entry lock, so with the lock held
+        none is being written: they are a killed writer's leftovers. On a filesystem where ``flock`` is a
+        no-op this can make a concurrent writer's publish fail; no reader ever sees a partial entry.
+        """
+        digest = path.name.removesuffix(".safetensors")
+        try:
+            names = os.listdir(path.parent)
+        except OSError:
+            return
+        for name in names:
+            m = TEMP_RE.match(name)
+            if m is None or m.group(1) != digest:
+                continue
+            temp = path.parent / name
+            try:
+                if not stat.S_ISREG(os.lstat(temp).st_mode):
+                    continue
+                temp.unlink()
+                log.info("Removed %s, a temp file left by a killed writer", temp)
+            except OSError as exc:
+                log.warning("Could not remove stale temp file %s: %s", temp, describe(exc))
 
     def publish(self, key: CacheKey, encoded: EncodedLinear) -> Path:
         """Check ``encoded`` like the server and write it atomically under the entry lock (replacing any file).
@@ -166,6 +237,7 @@ class CacheStore:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock(path):
+            self._remove_stale_temps(path)
             return write_entry(path, key, tensors, encoded.proxy_error, file_mode=self.file_mode)
 
     def _encode(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> EncodedLinear:
@@ -215,6 +287,7 @@ class CacheStore:
         acquire_with_notice(lock, self.lock_timeout, path)
         claimed = Claim(key, path, lock)
         try:
+            self._remove_stale_temps(path)
             if path.is_file():
                 try:
                     hit = self._from_hit(self._load(path, key))
@@ -243,10 +316,19 @@ class CacheStore:
                                         file_mode=self.file_mode)
             except Exception as exc:
                 log.warning("Could not publish online EXL3 cache entry %s: %s", claimed.path, exc)
-                return self._fresh(encoded, None)
+                return replace(self._fresh(encoded, None), error=self.unpublished_reason(claimed.path, exc))
             return self._fresh(encoded, published)
         finally:
             claimed.release()
+
+    def unpublished_reason(self, path: Path, exc: BaseException) -> str:
+        """Why an encode of ``path`` could not be published: the obstacle with its fix, else the OS error."""
+        problem = entry_obstacle(path)
+        if problem:
+            return f"{problem}; {PRUNE_HINT}"
+        if isinstance(exc, Timeout):
+            return f"timed out after {self.lock_timeout:g} s waiting for {lock_path(path)}"
+        return describe(exc)
 
     def note_unavailable(self, key: CacheKey, exc: BaseException) -> None:
         """Log why ``key``'s entry lock could not be used (time-out or OS error) before an uncached encode."""
@@ -282,7 +364,7 @@ class CacheStore:
             return self.publish_claimed(claimed, encoded)
         except (Timeout, OSError) as exc:
             self.note_unavailable(key, exc)
-            return self._fresh(self._encode(key, encode_fn), None)
+            return replace(self._fresh(self._encode(key, encode_fn), None), error=self.unpublished_reason(self.path(key), exc))
 
     def load_or_encode_with_retry(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> LoadResult:
         """The server's ``_load_online_encoding_with_retry``: one more full attempt after a non-finite encode.
@@ -314,6 +396,7 @@ class CacheStore:
         lock = self._lock(path)
         acquire_with_notice(lock, self.lock_timeout, path)
         try:
+            self._remove_stale_temps(path)
             found = self.lookup(key)
             if found.hit:
                 return "present"

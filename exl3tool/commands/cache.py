@@ -15,7 +15,9 @@ from rich.table import Table
 
 from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.commands.group import Exl3Group
-from exl3tool.commands.options import CacheDirOpt, FileModeOpt, JsonOpt, ModelIdOpt, QuietOpt, resolve_cache_dir
+from exl3tool.commands.options import (
+    CacheDirOpt, FileModeOpt, JsonOpt, ModelIdOpt, QuietOpt, existing_cache_dir, resolve_cache_dir,
+)
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.output import Output
 
@@ -30,7 +32,7 @@ def _when(ts: float) -> str:
 
 
 def _entry_json(info: EntryInfo) -> dict[str, Any]:
-    """The stable JSON form of one scanned file (documented in the README)."""
+    """The stable JSON form of one scanned file (every field documented in docs/cache.md)."""
     return {
         "path": str(info.path),
         "kind": info.kind,
@@ -48,6 +50,7 @@ def _entry_json(info: EntryInfo) -> dict[str, Any]:
         "sha256_ok": info.sha256_ok,
         "is_symlink": info.is_symlink,
         "orphan": info.orphan,
+        "server_loads": info.loadable,
         "key": info.key.as_dict() if info.key else None,
     }
 
@@ -56,18 +59,22 @@ def _entry_json(info: EntryInfo) -> dict[str, Any]:
 def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them)."""
     out = Output(json=json, quiet=quiet)
-    root = resolve_cache_dir(cache_dir)
+    root = existing_cache_dir(cache_dir)
     infos = [i for i in scan(root, deep=False) if i.kind == "entry" and _model_ok(i, model)]
+    # One row per (model directory, TP size): an unreadable entry has no identity of its own but sits in its model's
+    # directory; the row shows the full identity that the directory's readable entries carry.
     groups: dict[tuple[str, int | None], dict[str, Any]] = {}
     for info in infos:
-        ident = info.model_identity or info.model_dir or "?"
-        g = groups.setdefault(
-            (ident, info.tp_world_size),
-            {"model_identity": ident, "tp_world_size": info.tp_world_size, "ranks": set(), "entries": 0, "bad": 0, "bytes": 0, "newest": 0.0},
-        )
+        folder = info.model_dir or "?"
+        g = groups.setdefault((folder, info.tp_world_size), {
+            "model_identity": folder, "tp_world_size": info.tp_world_size, "ranks": set(), "entries": 0,
+            "malformed": 0, "bytes": 0, "newest": 0.0,
+        })
+        if info.model_identity and info.model_identity.startswith(folder) and info.status != "invalid":
+            g["model_identity"] = info.model_identity
         g["ranks"].add(info.tp_rank)
         g["entries"] += 1
-        g["bad"] += info.status == "invalid"
+        g["malformed"] += info.status == "invalid"
         g["bytes"] += info.size
         g["newest"] = max(g["newest"], info.mtime)
     table = Table(title=f"EXL3 cache {root}")
@@ -78,8 +85,8 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
     for g in sorted(groups.values(), key=lambda g: (g["model_identity"], g["tp_world_size"] or 0)):
         ranks = sorted(r for r in g["ranks"] if r is not None)
         table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), ",".join(map(str, ranks)), str(g["entries"]),
-                      str(g["bad"]), decimal(g["bytes"]), _when(g["newest"]))
-        rows.append({**g, "ranks": ranks, "malformed": g.pop("bad")})
+                      str(g["malformed"]), decimal(g["bytes"]), _when(g["newest"]))
+        rows.append({**g, "ranks": ranks})
     out.table(table)
     out.line(f"{len(infos)} entries, {decimal(sum(i.size for i in infos))}")
     out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos)})
@@ -145,37 +152,54 @@ def show(
             table.add_row(f"meta.{name}", value)
     out.table(table)
     out.data({**_entry_json(info), "tensors": tensors, "metadata": info.metadata})
-    if info.status != "valid":
+    if info.status == "unchecked":
+        out.note(f"{path}: {info.reason}")
+    elif info.status != "valid":
+        if info.loadable:  # the server's checks pass; only our checksum fails
+            raise FindingsError(f"{path}: the server would load this entry, but exl3tool's checksum says its tensor "
+                                "bytes changed after publishing; remove it with: exl3tool cache prune --invalid")
         raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
 
 
 @cache_app.command("verify")
 def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
-    """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid."""
+    """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
+
+    Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
+    and `exl3tool verify MODEL` checks their weights. A lock path that is not a regular file is invalid too.
+    """
     out = Output(json=json, quiet=quiet)
-    root = resolve_cache_dir(cache_dir)
+    root = existing_cache_dir(cache_dir)
     infos = [i for i in scan(root, deep=True) if _model_ok(i, model)]
     entries = [i for i in infos if i.kind == "entry"]
-    invalid = [i for i in entries if i.status != "valid"]
+    valid = [i for i in entries if i.status == "valid"]
+    unchecked = [i for i in entries if i.status == "unchecked"]
+    invalid = [i for i in entries if i.status == "invalid"]
+    bad_locks = [i for i in infos if i.kind == "lock" and i.status == "invalid"]
     temps = [i for i in infos if i.kind == "temp"]
-    orphans = [i for i in infos if i.kind == "lock" and i.orphan]
+    orphans = [i for i in infos if i.kind == "lock" and i.orphan and i.status != "invalid"]
     strays = [i for i in infos if i.kind == "stray"]
-    if invalid or temps or strays:
+
+    def rel(i: EntryInfo) -> str:
+        return str(i.path.relative_to(root) if i.path.is_relative_to(root) else i.path)
+
+    if invalid or bad_locks or temps or strays:
         table = Table(title="Findings")
         table.add_column("file", overflow="fold")
         table.add_column("problem", overflow="fold")
-        for i in invalid:
-            table.add_row(str(i.path.relative_to(root) if i.path.is_relative_to(root) else i.path), i.reason)
-        for i in temps + strays:
-            table.add_row(str(i.path.relative_to(root)), i.reason)
+        for i in invalid + bad_locks + temps + strays:
+            table.add_row(rel(i), i.reason)
         out.table(table)
     for i in entries:
         if i.is_symlink and i.status == "valid":
             out.warn(f"{i.path}: a symlink; the server follows it and loads the target")
     out.line(
-        f"{len(entries)} entries: {len(entries) - len(invalid)} valid, {len(invalid)} invalid; "
-        f"{len(temps)} leftover temp file(s), {len(orphans)} orphan lock(s)"
+        f"{len(entries)} entries: {len(valid)} valid, {len(unchecked)} unchecked, {len(invalid)} invalid; "
+        f"{len(bad_locks)} broken lock path(s), {len(temps)} leftover temp file(s), {len(orphans)} orphan lock(s)"
     )
+    if unchecked:
+        out.note(f"{len(unchecked)} entr{'y has' if len(unchecked) == 1 else 'ies have'} no exl3tool checksum "
+                 "(written by the server?): the server would load them; check their weights with: exl3tool verify MODEL")
     if temps:
         out.note("remove leftovers with: exl3tool cache prune --temp")
 
@@ -183,21 +207,27 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
         {
             "root": str(root),
             "entries": len(entries),
-            "valid": len(entries) - len(invalid),
+            "valid": len(valid),
+            "unchecked": [_entry_json(i) for i in unchecked],
             "invalid": [_entry_json(i) for i in invalid],
+            "broken_locks": [_entry_json(i) for i in bad_locks],
             "temp_files": [_entry_json(i) for i in temps],
             "orphan_locks": [_entry_json(i) for i in orphans],
             "stray_files": [_entry_json(i) for i in strays],
         }
     )
-    if invalid:
-        raise FindingsError(f"{len(invalid)} invalid entr{'y' if len(invalid) == 1 else 'ies'} under {root}; "
-                            "remove with: exl3tool cache prune --invalid")
+    if invalid or bad_locks:
+        what = []
+        if invalid:
+            what.append(f"{len(invalid)} invalid entr{'y' if len(invalid) == 1 else 'ies'}")
+        if bad_locks:
+            what.append(f"{len(bad_locks)} broken lock path{'' if len(bad_locks) == 1 else 's'}")
+        raise FindingsError(f"{' and '.join(what)} under {root}; remove with: exl3tool cache prune --invalid")
 
 
 @cache_app.command("prune")
 def prune(
-    invalid: Annotated[bool, typer.Option("--invalid", help="Entries the server would not load.")] = False,
+    invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or their bytes fail exl3tool's checksum) and broken lock paths.")] = False,
     temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and unheld orphan locks.")] = False,
     older_than: Annotated[
         Optional[float], typer.Option("--older-than", metavar="DAYS", help="Entries (and leftovers) older than DAYS.")
@@ -218,7 +248,7 @@ def prune(
     if older_than is not None and older_than < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--older-than")
     out = Output(json=json, quiet=quiet)
-    root = resolve_cache_dir(cache_dir)
+    root = existing_cache_dir(cache_dir)
     plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model)
     table = Table(title=f"Prune plan for {root}")
     table.add_column("file", overflow="fold")
@@ -311,9 +341,7 @@ def export(
 
     from exl3tool.cache.bundle import plan_export, write_bundle
 
-    root = resolve_cache_dir(cache_dir)
-    if not root.is_dir():
-        raise InputError(f"cache directory {root} does not exist (check --cache-dir)")
+    root = existing_cache_dir(cache_dir)
     if out_path == "-" and sys.stdout.isatty():
         raise ConfigError("refusing to write a bundle to a terminal; redirect stdout or pipe it (… | exl3tool cache import -)")
     plan = plan_export(root, model=model, tp_sizes=_tp_filter(tp_sizes))

@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.commands.options import (
-    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt, OverlapOpt,
-    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
+    OverlapOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
 from exl3tool.output import Output
@@ -23,11 +23,9 @@ __all__ = ["register", "encode", "cache_warm"]
 
 LayersOpt = Annotated[list[str], typer.Option("--layers", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")]
-BitsOpt = Annotated[int, typer.Option("--bits", help="Trellis bits per weight (the server's VLLM_EXL3_ONLINE_TRELLIS_BITS).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
-DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="Serving dtype the server casts weights to before encoding (bfloat16, float16); default: the checkpoint's.")]
 
 
 class _RateColumn(ProgressColumn):
@@ -189,7 +187,7 @@ def encode(
     revision: RevisionOpt = None,
     tp_size: Annotated[int, typer.Option("--tp-size", help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
-    bits: BitsOpt = 6,
+    bits: BitsOpt = None,
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
     cache_dir: CacheDirOpt = None,
@@ -197,7 +195,7 @@ def encode(
     device: DeviceOpt = "auto",
     shared_experts: SharedOpt = False,
     quantization_config: QuantizationConfigOpt = None,
-    dtype: DtypeOpt = None,
+    dtype: DtypeOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
     encoder_source: EncoderSourceOpt = None,
@@ -233,14 +231,14 @@ def cache_warm(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")],
     revision: RevisionOpt = None,
     tp_sizes: Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")] = "1",
-    bits: BitsOpt = 6,
+    bits: BitsOpt = None,
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
     cache_dir: CacheDirOpt = None,
     device: DeviceOpt = "auto",
     shared_experts: SharedOpt = False,
     quantization_config: QuantizationConfigOpt = None,
-    dtype: DtypeOpt = None,
+    dtype: DtypeOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
     encoder_source: EncoderSourceOpt = None,

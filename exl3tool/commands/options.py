@@ -7,6 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS, trellis_bits
+from exl3tool.errors import ConfigError
+from exl3tool.warm.request import SERVING_DTYPES
+
 __all__ = [
     "RevisionOpt",
     "ServerPathOpt",
@@ -19,9 +23,12 @@ __all__ = [
     "QuietOpt",
     "ModelIdOpt",
     "OverlapOpt",
+    "BitsOpt",
+    "DtypeOpt",
     "QuantizationConfigOpt",
     "resolve_cache_dir",
     "parse_file_mode",
+    "existing_cache_dir",
 ]
 
 RevisionOpt = Annotated[
@@ -88,6 +95,46 @@ ModelIdOpt = Annotated[
 ]
 
 
+def _bits(value: Optional[int]) -> int:
+    """``--bits``: the given value, else the server's VLLM_EXL3_ONLINE_TRELLIS_BITS, else 6; 3..8 either way."""
+    lo, hi = BITS_RANGE
+    if value is None:
+        try:
+            env = trellis_bits()
+        except ConfigError as exc:
+            raise typer.BadParameter(f"{exc} (it is --bits's default; pass --bits or fix the variable)") from None
+        return DEFAULT_BITS if env is None else env
+    if not lo <= value <= hi:
+        raise typer.BadParameter(f"{value} is not from {lo} to {hi} (what the server accepts for {BITS_VAR})")
+    return value
+
+
+BitsOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--bits", callback=_bits, show_default=f"${BITS_VAR}, else {DEFAULT_BITS}",
+        help=f"Trellis bits per weight, {BITS_RANGE[0]} to {BITS_RANGE[1]} (the server's {BITS_VAR}).",
+    ),
+]
+
+
+def _dtype(value: str) -> str:
+    """``--dtype``: exactly one of vLLM's serving dtypes (``exl3tool.warm.SERVING_DTYPES``)."""
+    if value not in SERVING_DTYPES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(SERVING_DTYPES)} (the server's --dtype values)")
+    return value
+
+
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype", callback=_dtype, metavar="|".join(SERVING_DTYPES),
+        help="The server's --dtype, which weights are cast to before encoding: auto (the checkpoint's config dtype; "
+        "float32 checkpoints are served as bfloat16), bfloat16, float16 or float32.",
+    ),
+]
+
+
 def resolve_cache_dir(cache_dir: Path | None) -> Path:
     """``--cache-dir`` if given, else the server's cache root from the environment."""
     from exl3tool.cache import cache_root
@@ -112,3 +159,15 @@ def parse_file_mode(text: str) -> int:
         return int(text, 8)
     except ValueError:
         raise typer.BadParameter(f"--file-mode must be octal like 0600 or 0644, got {text!r}") from None
+
+
+def existing_cache_dir(cache_dir: Path | None) -> Path:
+    """``resolve_cache_dir``, which must be an existing directory (InputError otherwise, exit 2)."""
+    from exl3tool.errors import InputError
+
+    root = resolve_cache_dir(cache_dir)
+    if not root.exists():
+        raise InputError(f"cache directory {root} does not exist (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
+    if not root.is_dir():
+        raise InputError(f"cache directory {root} is not a directory (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
+    return root

@@ -10,13 +10,14 @@ import typer
 from rich.table import Table
 
 from exl3tool.commands.options import (
-    CacheDirOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt, QuietOpt,
-    RevisionOpt, ServerPathOpt, parse_positive_ints,
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt,
+    QuietOpt, RevisionOpt, ServerPathOpt, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError, InputError
 from exl3tool.output import Output, to_jsonable
 from exl3tool.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_plan
 from exl3tool.warm import WarmRequest, prepare, resolve_device
+from exl3tool.warm.request import serving_torch_dtype
 
 __all__ = ["register", "verify", "report_markdown"]
 
@@ -77,7 +78,7 @@ def verify(
     revision: RevisionOpt = None,
     tp_size: Annotated[int, typer.Option("--tp-size", help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
-    bits: Annotated[int, typer.Option("--bits", help="Trellis bits per weight.")] = 6,
+    bits: BitsOpt = None,
     layers: Annotated[list[str], typer.Option("--layers", help="Only layers matching this glob; repeatable.")] = [],
     exclude: Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")] = [],
     quantization_config: QuantizationConfigOpt = None,
@@ -86,7 +87,7 @@ def verify(
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
     max_kernel_err: Annotated[float, typer.Option("--max-kernel-err", help="Largest allowed ||y_gemm - x@W_deq|| / ||x@W_deq||.")] = DEFAULT_KERNEL_ERR,
     max_quant_err: Annotated[Optional[float], typer.Option("--max-quant-err", help="Largest allowed ||y_gemm - x@W|| / ||x@W|| (default: 1.5x the reference encoder's error for --bits).")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Serving dtype (default: the checkpoint's).")] = None,
+    dtype: DtypeOpt = "auto",
     cache_dir: CacheDirOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
@@ -115,11 +116,7 @@ def verify(
     )
     checkpoint, plan, store = prepare(request)
     dev = resolve_device(device)
-    torch_dtype = None
-    if dtype:
-        import torch
-
-        torch_dtype = getattr(torch, dtype)
+    torch_dtype = serving_torch_dtype(dtype)
     result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
                          max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
                          on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"))

@@ -9,6 +9,10 @@ fp32 tensor by a Python scalar is a multiplication by ``f32(1 / s)`` (``_div_sca
 tensor division is a true division, and scalars are rounded to fp32 before they touch a tensor. The
 reductions (block RMS, means) and the Hadamard matmuls are plain fp32 torch ops, so on the CPU the
 regularised weight agrees with the GPU's to ~1-2 ulp, not bit for bit (spec 9.2).
+
+Whole-tensor sums on the CPU (the scale search's MSEs, the proxy error) go through ``_fixed_sum``: torch's
+CPU reduction of a large tensor to one value splits it by thread count, so a process with 1 thread (torchrun's
+default) and one with 2 rounded differently, which changed the proxy error and, through g, the trellis.
 """
 
 from __future__ import annotations
@@ -124,6 +128,38 @@ def _cuda_mean(x: torch.Tensor) -> float:
     return float(_halving_sum_to(sums, 1)[0] * _recip32(n))
 
 
+_SUM_CHUNK = 4096  # below torch's GRAIN_SIZE (32768): a sum this long is one serial loop on one thread
+
+
+def _fixed_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of every element of ``x`` (0-d, x's dtype) in an order that does not depend on the thread count.
+
+    On the CPU the flattened tensor is summed in rows of ``_SUM_CHUNK`` (zero-padded; adding +0.0 is exact),
+    row by row, until one row is left: torch gives each row's sum to a single thread, while a plain
+    ``x.sum()`` of a large tensor splits it into one chunk per thread. Elsewhere this is ``x.sum()``
+    (CUDA reductions do not depend on a thread count; the GPU bytes stay as they were).
+
+    >>> _fixed_sum(torch.ones(100_000)).item()
+    100000.0
+    """
+    if x.device.type != "cpu":
+        return x.sum()
+    x = x.reshape(-1)
+    while x.numel() > _SUM_CHUNK:
+        pad = -x.numel() % _SUM_CHUNK
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad)])
+        x = x.view(-1, _SUM_CHUNK).sum(dim=1)
+    return x.sum()
+
+
+def _mean(x: torch.Tensor) -> torch.Tensor:
+    """``x.mean()`` (sum, then a true division by the count, as torch's CPU mean does) via ``_fixed_sum`` on the CPU."""
+    if x.device.type != "cpu":
+        return x.mean()
+    return _fixed_sum(x) / x.numel()
+
+
 def _halving_sum_to(x: torch.Tensor, width: int) -> torch.Tensor:
     """Tree-sum dim 0 (a power of 2 long) down to ``width`` rows: x[i] + x[i + half], halving each step."""
     while x.shape[0] > width:
@@ -229,14 +265,14 @@ def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
 def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str = "mcg") -> list[float]:
     """mse(s) of spec 7.4 for each scale: mean((f32(q ÷s s) - T)^2) with q = quantize(f32(T * f32(s))).
 
-    All scales go through the quantizer together (batched); each mse is an fp32 mean.
+    All scales go through the quantizer together (batched); each mse is an fp32 mean (``_mean``).
     """
     if not scales:
         return []
     batch = torch.cat([tiles * _f32(s) for s in scales])
     values, _ = _quantize_batched(batch, bits, codebook)
     values = values.reshape(len(scales), *tiles.shape)
-    return [float((_div_scalar(values[i], s) - tiles).square().mean()) for i, s in enumerate(scales)]
+    return [float(_mean((_div_scalar(values[i], s) - tiles).square())) for i, s in enumerate(scales)]
 
 
 def _first_argmin(values: list[float]) -> int:
@@ -280,7 +316,7 @@ def quantize_regularized(
     tk, tn, _ = tiles.shape
     values, states = _quantize_batched(tiles.reshape(tk * tn, 256), bits, codebook, progress)
     q_r = tiles_to_matrix(values.reshape(tk, tn, 256))
-    err = (w_r - q_r).square().to(torch.float64).sum()
+    err = _fixed_sum((w_r - q_r).square().to(torch.float64))
     return states.reshape(tk, tn, 256), q_r, float(err) / w_r.numel()
 
 

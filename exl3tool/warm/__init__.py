@@ -10,11 +10,11 @@ from exl3tool.warm.distributed import (
 )
 from exl3tool.warm.pipeline import EncodeFn, run_plan
 from exl3tool.warm.plan import WarmJob, WarmPlan, build_plan, share_jobs
-from exl3tool.warm.request import WarmRequest, prepare, resolve_device, warm
+from exl3tool.warm.request import SERVING_DTYPES, WarmRequest, prepare, resolve_device, serving_torch_dtype, warm
 from exl3tool.warm.results import JobResult, WarmSummary, job_result, summarize
 
 __all__ = [
     "WarmJob", "WarmPlan", "JobResult", "WarmSummary", "EncodeFn", "build_plan", "run_plan", "share_jobs",
     "distributed_context", "DistributedContext", "gather_results", "agreed_todo", "worker_stats", "host_threads",
-    "resolve_device", "WarmRequest", "prepare", "warm", "summarize", "job_result",
+    "resolve_device", "WarmRequest", "prepare", "warm", "summarize", "job_result", "SERVING_DTYPES", "serving_torch_dtype",
 ]

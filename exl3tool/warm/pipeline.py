@@ -19,6 +19,7 @@ import torch
 from filelock import Timeout
 
 from exl3tool.cache import CacheStore, Claim, LoadResult
+from exl3tool.cache.store import PRUNE_HINT
 from exl3tool.cache.entry import check_fresh_encode
 from exl3tool.checkpoint import Checkpoint, encoder_input, rank_local_weight
 from exl3tool.encode.encoded import EncodedLinear
@@ -121,13 +122,31 @@ def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Call
     """``store.load_or_encode`` for one job, as a result: a failed layer never stops the warm."""
     start = time.perf_counter()
     try:
+        blocked = _blocked(job, store, worker)
+        if blocked is not None:
+            return blocked
         loaded = store.load_or_encode(job.key, encode_fn)
     except Exception as exc:
         return _failed(job, worker, exc, time.perf_counter() - start)
     return _loaded_result(job, loaded, store, worker, time.perf_counter() - start)
 
 
-_PUBLISH_FAILED = "encoded, but publishing failed (lock timeout or OS error on the cache); nothing was written"
+def _publish_failed(reason: Optional[str]) -> str:
+    return f"encoded, but publishing failed ({reason or 'lock timeout or OS error on the cache'}); nothing was written"
+
+
+def _blocked(job: WarmJob, store: CacheStore, worker: int) -> Optional[JobResult]:
+    """A failed result, before any encode, when something in the cache makes publishing ``job`` impossible.
+
+    A directory at the entry path, or a directory or symlink at its lock path, survives every warm; the result
+    names it and the fix. A valid entry next to a broken lock path is still a hit (read without the lock).
+    """
+    if store.mode != "readwrite":
+        return None
+    problem = store.obstacle(job.key)
+    if problem is None or store.cached(job.key) is not None:
+        return None
+    return job_result(job, "failed", worker, error=f"{problem}; {PRUNE_HINT}")
 
 
 def _failed(job: WarmJob, worker: int, exc: BaseException, seconds: float) -> JobResult:
@@ -139,7 +158,7 @@ def _loaded_result(job: WarmJob, loaded: LoadResult, store: CacheStore, worker: 
         return job_result(job, "hit", worker, path=str(loaded.path), seconds=seconds, proxy_error=loaded.proxy_error)
     size = loaded.path.stat().st_size if loaded.path is not None and loaded.path.exists() else 0
     status = "encoded" if (loaded.path is not None or store.mode != "readwrite") else "failed"
-    error = "" if status == "encoded" else _PUBLISH_FAILED
+    error = "" if status == "encoded" else _publish_failed(loaded.error)
     return job_result(job, status, worker, path=str(loaded.path) if loaded.path else None, seconds=seconds,
                    bytes_=size, proxy_error=loaded.proxy_error, error=error)
 
@@ -267,15 +286,20 @@ class _Pipeline:
         start = time.perf_counter()
         try:
             hit = store.cached(job.key)
+            blocked = None if hit is not None else _blocked(job, store, worker)
         except Exception as exc:
             return _failed(job, worker, exc, time.perf_counter() - start)
         if hit is not None:
             return _loaded_result(job, hit, store, worker, time.perf_counter() - start)
+        if blocked is not None:
+            return blocked
         claimed: Optional[Claim] = None
+        unavailable: Optional[str] = None
         try:
             got = store.claim(job.key, cross_thread=True)
         except (Timeout, OSError) as exc:  # encode without the cache, as load_or_encode does
             store.note_unavailable(job.key, exc)
+            unavailable = store.unpublished_reason(job.path, exc)
         else:
             if isinstance(got, LoadResult):  # another process published it meanwhile
                 return _loaded_result(job, got, store, worker, time.perf_counter() - start)
@@ -296,7 +320,7 @@ class _Pipeline:
             raise
         if claimed is None:
             return job_result(job, "failed", worker, seconds=time.perf_counter() - start,
-                           proxy_error=encoded.proxy_error, error=_PUBLISH_FAILED)
+                           proxy_error=encoded.proxy_error, error=_publish_failed(unavailable))
         encode_seconds = time.perf_counter() - start
         while sum(not f.done() for _, f in self.pending) >= self.MAX_PUBLISHES:
             next(f for _, f in self.pending if not f.done()).result()
@@ -316,7 +340,7 @@ class _Pipeline:
         except BaseException as exc:  # e.g. releasing the lock failed; the claim is released either way
             claimed.release()
             return job_result(job, "failed", self.worker, seconds=encode_seconds + time.perf_counter() - start,
-                           proxy_error=encoded.proxy_error, error=f"{_PUBLISH_FAILED} ({describe(exc)})")
+                           proxy_error=encoded.proxy_error, error=_publish_failed(describe(exc)))
 
 
 def _done(result: JobResult) -> Future:

@@ -1,16 +1,20 @@
 """A warm's plan: one job per (layer, TP size, TP rank) with its cache key, entry path and state.
 
-Planning costs only look-ups (hit, miss, invalid, skipped), so ``--dry-run`` is cheap; ``share_jobs`` splits the
-pending jobs between workers the same way on every process.
+Planning costs only look-ups (hit, miss, invalid, skipped): headers, plus our checksum of every hit hashed from
+the file (no encode, no weights read), so ``--dry-run`` shows exactly what the run will do. ``share_jobs`` splits
+the pending jobs between workers the same way on every process.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
 from exl3tool.cache import CacheKey, CacheStore, entry_path
+from exl3tool.cache.store import PRUNE_HINT
 from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
 
 __all__ = ["WarmJob", "WarmPlan", "build_plan", "share_jobs"]
@@ -67,6 +71,18 @@ class WarmPlan:
 
 
 
+def _state(store: CacheStore, key: CacheKey, check_hits: bool) -> tuple[str, str]:
+    """(state, reason) of one job's entry: a look-up with our checksum, and what would stop a publish."""
+    if store.mode == "off":
+        return "miss", ""
+    found = store.lookup(key, quick=True, checksum=check_hits)  # the trellis is hashed from the file, not loaded
+    if found.status == "miss" and store.mode == "readwrite":
+        problem = store.obstacle(key)
+        if problem:
+            return "invalid", f"{problem}; {PRUNE_HINT}"
+    return found.status, found.reason or ""
+
+
 def build_plan(
     checkpoint: Checkpoint,
     layer_plan: LayerPlan,
@@ -77,11 +93,20 @@ def build_plan(
     encoder_identity: str,
     store: CacheStore,
     tp_ranks: Optional[Iterable[int]] = None,
+    check_hits: bool = True,
+    threads: Optional[int] = None,
 ) -> WarmPlan:
-    """One job per (layer, TP size, rank), each looked up in the store (read-only) to learn its state."""
+    """One job per (layer, TP size, rank), each looked up in the store (read-only) to learn its state.
+
+    ``check_hits`` (default) hashes every present entry's tensor bytes against its ``exl3tool_sha256``, so an
+    entry whose bytes changed after publishing is ``invalid`` and gets re-encoded; entries without that
+    checksum (server-written) are hits the server would load. The look-ups run on ``threads`` threads
+    (default: up to 8, one per core), since hashing releases the GIL. ``check_hits=False`` is the server's
+    check alone (headers and scales; what workers other than 0 use under torchrun, where worker 0's plan rules).
+    """
     tp_sizes = tuple(sorted(set(int(t) for t in tp_sizes)))
-    jobs: list[WarmJob] = []
     wanted = None if tp_ranks is None else set(tp_ranks)
+    rows: list[tuple[RankJob, int, CacheKey, str]] = []
     for tp in tp_sizes:
         reasons = {(prefix, rank): reason for prefix, rank, reason in layer_plan.skipped(tp)}
         for rj in layer_plan.for_tp(tp, include_skipped=True):
@@ -92,16 +117,21 @@ def build_plan(
                 bits=bits, tp_world_size=tp, tp_rank=rj.tp_rank, input_size=rj.input_size,
                 output_size=rj.output_size,
             )
-            reason = reasons.get((rj.prefix, rj.tp_rank), "")
-            if not rj.aligned:
-                state = "skipped"
-            elif store.mode == "off":
-                state = "miss"
-            else:
-                found = store.lookup(key, quick=True)  # headers and scales, not the trellis bytes
-                state, reason = found.status, found.reason or ""
-            jobs.append(WarmJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key,
-                                entry_path(key, store.root), state, reason, rj))
+            rows.append((rj, tp, key, reasons.get((rj.prefix, rj.tp_rank), "")))
+    present = [key for rj, _, key, _ in rows if rj.aligned]
+    workers = threads or max(1, min(8, os.cpu_count() or 1))
+    if workers > 1 and len(present) > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="exl3tool-plan") as pool:
+            states = dict(zip((k.digest() for k in present), pool.map(lambda k: _state(store, k, check_hits), present)))
+    else:
+        states = {k.digest(): _state(store, k, check_hits) for k in present}
+    jobs: list[WarmJob] = []
+    for rj, tp, key, reason in rows:
+        state = "skipped"
+        if rj.aligned:
+            state, reason = states[key.digest()]
+        jobs.append(WarmJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key,
+                            entry_path(key, store.root), state, reason, rj))
     return WarmPlan(
         model=checkpoint.model, model_identity=model_identity, encoder_identity=encoder_identity, bits=bits,
         tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs), layer_plan=layer_plan,

@@ -21,7 +21,25 @@ from exl3tool.warm.pipeline import run_plan
 from exl3tool.warm.plan import WarmJob, WarmPlan, build_plan
 from exl3tool.warm.results import JobResult, WarmSummary, summarize
 
-__all__ = ["WarmRequest", "prepare", "resolve_device", "warm"]
+__all__ = ["SERVING_DTYPES", "WarmRequest", "prepare", "resolve_device", "serving_torch_dtype", "warm"]
+
+# vLLM's --dtype values a server can run with; "auto" is the checkpoint's config dtype, float32 served as bfloat16
+SERVING_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def serving_torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """The torch dtype the server casts weights to for ``--dtype name``; None for ``auto`` (the checkpoint's rule).
+
+    >>> serving_torch_dtype("float16"), serving_torch_dtype("auto")
+    (torch.float16, None)
+    """
+    if name is None or name == "auto":
+        return None
+    if name not in SERVING_DTYPES:
+        from exl3tool.errors import ConfigError
+
+        raise ConfigError(f"--dtype {name!r}: must be one of {', '.join(SERVING_DTYPES)} (the server's --dtype)")
+    return getattr(torch, name)
 
 
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
@@ -71,23 +89,28 @@ class WarmRequest:
     encoder_revision: Optional[str] = None
     encoder_source: Optional[str] = None  # local copy of the encoder whose .py files are hashed (files mode)
     server_path: Optional[str] = None
-    dtype: Optional[str] = None
+    dtype: Optional[str] = None  # one of SERVING_DTYPES; None is "auto"
     file_mode: int = 0o600
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
 
 
-def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
+def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
     """Open the checkpoint, resolve both identities, plan the layers and look every job up.
 
-    Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix.
+    Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix. ``check_hits``
+    hashes present entries against our checksum (see ``build_plan``).
     """
     from exl3tool.cache import cache_root, server_identities
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch
     from exl3tool.errors import ConfigError
 
-    if not 1 <= request.bits <= 8:
-        raise ConfigError(f"--bits {request.bits}: must be from 1 to 8 (the server accepts 3 to 8)")
+    from exl3tool.cache.settings import BITS_RANGE
+
+    lo, hi = BITS_RANGE
+    if not lo <= request.bits <= hi:
+        raise ConfigError(f"--bits {request.bits}: must be from {lo} to {hi} (what the server accepts)")
+    serving_torch_dtype(request.dtype)  # a ConfigError for anything the server cannot run with
     if any(t < 1 for t in request.tp_sizes):
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
     overlay = resolve_overlay(request.quantization_config, shared_experts=request.shared_experts)
@@ -113,7 +136,8 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None):
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
-                      model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks)
+                      model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,
+                      check_hits=check_hits)
     if identity_warnings:
         plan = replace(plan, identity_warnings=identity_warnings)
     return checkpoint, plan, store
@@ -139,11 +163,11 @@ def warm(
     threads = host_threads(ctx.initialised)
     if threads is not None:
         torch.set_num_threads(threads)
-    checkpoint, plan, store = prepare(request, environ=environ)
+    checkpoint, plan, store = prepare(request, environ=environ, check_hits=ctx.worker == 0)  # worker 0's plan rules
     device = resolve_device(request.device, ctx.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
-    dtype = getattr(torch, request.dtype) if request.dtype else None
+    dtype = serving_torch_dtype(request.dtype)
     todo = agreed_todo(ctx, plan)
     if todo and store.mode == "readwrite":
         store.check_writable()  # fail in a second, not after encoding every layer

@@ -1,0 +1,57 @@
+"""The same weight gives the same entry bytes whatever torch's CPU thread count (one process vs torchrun).
+
+Under torchrun each process gets ``cpu_count // LOCAL_WORLD_SIZE`` threads (often 1); a plain run keeps
+torch's default. torch's CPU sum of a large tensor to one value splits it per thread, so the proxy error
+(and, through the scale search's MSEs, g and the trellis) used to change with the thread count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3tool.cache import CacheKey, write_entry
+from exl3tool.encode import encode_linear
+
+from _cache_util import ENCODER_ID, MODEL_ID
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_fixed_sum_does_not_depend_on_the_thread_count(threads):
+    from exl3tool.encode.online import _fixed_sum, _mean
+
+    gen = torch.Generator().manual_seed(1)
+    x64 = torch.randn(1_000_003, generator=gen, dtype=torch.float64)
+    x32 = torch.randn(700_001, generator=gen)
+    got = set()
+    for n in (1, 2, 3, 7):
+        threads(n)
+        got.add((repr(_fixed_sum(x64).item()), repr(_fixed_sum(x32).item()), repr(_mean(x32).item())))
+    assert len(got) == 1
+    small = torch.randn(3000, generator=gen)
+    assert _mean(small).item() == small.mean().item()  # below one chunk it is torch's own mean
+
+
+@pytest.mark.parametrize("k, n, seed", [(512, 256, 12345), (384, 768, 1152)])
+def test_entry_bytes_do_not_depend_on_the_thread_count(threads, tmp_path, k, n, seed):
+    """One layer encoded with 1 and 3 threads: same trellis, scales, proxy error and file bytes.
+
+    Before the fix the first case differed in the proxy error's last digit, the second also in g and the trellis.
+    """
+    gen = torch.Generator().manual_seed(k * 100003 + n)
+    weight = (torch.randn(k, n, generator=gen) * 0.02).to(torch.bfloat16).to(torch.float32)
+    key = CacheKey.for_layer(MODEL_ID, ENCODER_ID, "model.layers.0.mlp.down_proj", 6, 1, 0, k, n)
+    blobs, proxies = [], []
+    for count in (1, 3):
+        threads(count)
+        enc = encode_linear(weight, bits=6, seed=seed)
+        proxies.append(repr(enc.proxy_error))
+        blobs.append(write_entry(tmp_path / f"t{count}" / "e.safetensors", key, enc.tensors(), enc.proxy_error).read_bytes())
+    assert proxies[0] == proxies[1]
+    assert blobs[0] == blobs[1]
