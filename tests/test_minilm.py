@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from exl3tool.cache import CacheStore
 from exl3tool.quality import SENTENCES, embedding_agreement, minilm_model_dir
 from exl3tool.verify import verify_plan
 from exl3tool.warm import WarmRequest, prepare

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3tool.cache import CacheStore
 from exl3tool.cache.entry import write_entry
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.verify import default_quant_err, verify_plan
