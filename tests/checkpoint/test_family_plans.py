@@ -85,6 +85,12 @@ def test_mla_without_q_lora(tmp_path):
 
 # GLM-5 (GlmMoeDsaForCausalLM -> vllm/models/deepseek_v32): the DSA indexer's wq_b is a ReplicatedLinear built with
 # the quant config (q_lora 128 -> 2 heads x 64); wk_weights_proj never (quant_config=None).
+def _mlp_expected(p: str, *, dense: bool) -> dict:
+    """Layer ``p``'s MLP rows: the dense MLP below first_k_dense_replace (= 1 here), else the shared experts."""
+    mlp = f"{p}.mlp" if dense else f"{p}.mlp.shared_experts"
+    return {f"{mlp}.gate_up_proj": ("merged_column", 128, 256, "job"), f"{mlp}.down_proj": ("row", 128, 128, "job")}
+
+
 def _glm5_expected(indexer_layers, fused="skip"):
     out = {}
     for i in range(4):
@@ -95,12 +101,7 @@ def _glm5_expected(indexer_layers, fused="skip"):
         out[f"{p}.self_attn.o_proj"] = ("row", 128, 128, "job")
         if i in indexer_layers:
             out[f"{p}.self_attn.indexer.wq_b"] = ("replicated", 128, 128, "job")
-        if i == 0:
-            out[f"{p}.mlp.gate_up_proj"] = ("merged_column", 128, 256, "job")
-            out[f"{p}.mlp.down_proj"] = ("row", 128, 128, "job")
-        else:
-            out[f"{p}.mlp.shared_experts.gate_up_proj"] = ("merged_column", 128, 256, "job")
-            out[f"{p}.mlp.shared_experts.down_proj"] = ("row", 128, 128, "job")
+        out.update(_mlp_expected(p, dense=(i == 0)))
     return out
 
 
@@ -192,12 +193,7 @@ def _glm53_expected():
             out[f"{p}.self_attn.g_a_proj"] = ("replicated", 128, 128, "job")
             out[f"{p}.self_attn.g_b_proj"] = ("column", 128, 128, "job")
             out[f"{p}.self_attn.o_proj"] = ("row", 128, 128, "job")
-        if i == 0:
-            out[f"{p}.mlp.gate_up_proj"] = ("merged_column", 128, 256, "job")
-            out[f"{p}.mlp.down_proj"] = ("row", 128, 128, "job")
-        else:
-            out[f"{p}.mlp.shared_experts.gate_up_proj"] = ("merged_column", 128, 256, "job")
-            out[f"{p}.mlp.shared_experts.down_proj"] = ("row", 128, 128, "job")
+        out.update(_mlp_expected(p, dense=(i == 0)))
     return out
 
 

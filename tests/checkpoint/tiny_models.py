@@ -103,6 +103,21 @@ def mla_attention(b: Builder, p: str, cfg: dict, *, stored_q_b: bool = False, in
         b.bf16(f"{p}.self_attn.indexer.k_norm.weight", idim)
 
 
+def _mla_mlp(b: Builder, p: str, *, dense: bool) -> None:
+    """Layer ``p``'s MLP tensors in the MLA models: a dense MLP, or routed experts plus the shared experts."""
+    m = MLA
+    if dense:
+        b.linear(f"{p}.mlp.gate_proj", m["inter"], m["hidden"])
+        b.linear(f"{p}.mlp.up_proj", m["inter"], m["hidden"])
+        b.linear(f"{p}.mlp.down_proj", m["hidden"], m["inter"])
+        return
+    _experts(b, p, m["experts"], m["hidden"], m["moe_inter"])
+    s = m["moe_inter"] * m["n_shared"]
+    b.linear(f"{p}.mlp.shared_experts.gate_proj", s, m["hidden"])
+    b.linear(f"{p}.mlp.shared_experts.up_proj", s, m["hidden"])
+    b.linear(f"{p}.mlp.shared_experts.down_proj", m["hidden"], s)
+
+
 def write_mla(path: Path, *, q_lora: bool = True, seed: int = 0, **extra) -> Path:
     """DeepSeek-V3-style: layer 0 dense MLP, layer 1 MoE (EXL3 routed experts, BF16 shared experts), layer 1's
     q_b_proj stored as EXL3, MTP layer 2 present in the checkpoint (the draft's, never the served model's)."""
@@ -114,16 +129,7 @@ def write_mla(path: Path, *, q_lora: bool = True, seed: int = 0, **extra) -> Pat
         b.bf16(f"{p}.input_layernorm", m["hidden"])
         mla_attention(b, p, cfg, stored_q_b=(i == 1 and q_lora))
         b.bf16(f"{p}.post_attention_layernorm", m["hidden"])
-        if i < cfg["first_k_dense_replace"]:
-            b.linear(f"{p}.mlp.gate_proj", m["inter"], m["hidden"])
-            b.linear(f"{p}.mlp.up_proj", m["inter"], m["hidden"])
-            b.linear(f"{p}.mlp.down_proj", m["hidden"], m["inter"])
-        else:
-            _experts(b, p, m["experts"], m["hidden"], m["moe_inter"])
-            s = m["moe_inter"] * m["n_shared"]
-            b.linear(f"{p}.mlp.shared_experts.gate_proj", s, m["hidden"])
-            b.linear(f"{p}.mlp.shared_experts.up_proj", s, m["hidden"])
-            b.linear(f"{p}.mlp.shared_experts.down_proj", m["hidden"], s)
+        _mla_mlp(b, p, dense=i < cfg["first_k_dense_replace"])
         if i == cfg["num_hidden_layers"]:
             b.linear(f"{p}.eh_proj", m["hidden"], 2 * m["hidden"])
     b.bf16("model.norm", m["hidden"])
@@ -143,16 +149,7 @@ def write_glm5(path: Path, *, layers: int = 4, **extra) -> Path:
     for i in range(layers):
         p = f"model.layers.{i}"
         mla_attention(b, p, cfg, indexer=True)  # GLM-5 ships indexer weights for every layer
-        if i < cfg["first_k_dense_replace"]:
-            b.linear(f"{p}.mlp.gate_proj", m["inter"], m["hidden"])
-            b.linear(f"{p}.mlp.up_proj", m["inter"], m["hidden"])
-            b.linear(f"{p}.mlp.down_proj", m["hidden"], m["inter"])
-        else:
-            _experts(b, p, m["experts"], m["hidden"], m["moe_inter"])
-            s = m["moe_inter"] * m["n_shared"]
-            b.linear(f"{p}.mlp.shared_experts.gate_proj", s, m["hidden"])
-            b.linear(f"{p}.mlp.shared_experts.up_proj", s, m["hidden"])
-            b.linear(f"{p}.mlp.shared_experts.down_proj", m["hidden"], s)
+        _mla_mlp(b, p, dense=i < cfg["first_k_dense_replace"])
     b.linear("lm_head", 64, m["hidden"])
     return b.write(path, cfg)
 
