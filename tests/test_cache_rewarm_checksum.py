@@ -148,3 +148,5 @@ def test_entries_without_our_checksum_are_unchecked_not_valid(model, tmp_path, m
     for e in server_written:
         found = store.lookup(next(j.key for j in plan.jobs if j.digest == e.digest))
         assert found.hit and found.checked is False
+    again = fake_warm(_request(model, cache), monkeypatch)  # the summary counts them apart
+    assert again.counts["hit"] == 24 and again.unchecked_hits == 5

@@ -29,7 +29,7 @@ from exl3tool.cache.settings import CACHE_MODES
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.errors import InputError, describe
 
-__all__ = ["CacheStore", "Claim", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "Exl3OnlineNonFiniteError", "PRUNE_HINT",
+__all__ = ["CacheStore", "Claim", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "UNCHECKED_HIT", "Exl3OnlineNonFiniteError", "PRUNE_HINT",
            "entry_obstacle"]
 
 LOCK_TIMEOUT_S = 600.0
@@ -58,6 +58,10 @@ def entry_obstacle(path: Path) -> str | None:
         if test(mode):
             return f"{lock} (the entry's lock path) is {what}, so no writer can take the entry lock"
     return None
+
+
+UNCHECKED_HIT = ("valid for the server; no exl3tool_sha256 (server-written?), so its weights are unchecked: "
+                 "exl3tool verify MODEL checks them")
 
 
 @dataclass(frozen=True)
@@ -167,9 +171,7 @@ class CacheStore:
         verify = self.verify_checksum and checksum
         contents = validate_entry(path, key, verify_checksum=verify, load_trellis=not quick)
         checked = verify and "exl3tool_sha256" in contents.metadata
-        reason = "valid entry" if checked or not verify else (
-            "valid for the server; no exl3tool_sha256 (server-written?), so its weights are unchecked: "
-            "exl3tool verify MODEL checks them")
+        reason = "valid entry" if checked or not verify else UNCHECKED_HIT
         return Lookup("hit", reason, path, contents.tensors, contents.proxy_error, checked)
 
     def lookup(self, key: CacheKey, *, quick: bool = False, checksum: bool = True) -> Lookup:

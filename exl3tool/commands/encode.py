@@ -126,6 +126,9 @@ def render_summary(out: Output, summary: WarmSummary) -> None:
     out.line(f"{c['hit']} hit, {c['encoded']} encoded, {c['skipped']} skipped, {c['failed']} failed; "
              f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
+    if summary.unchecked_hits:
+        out.warn(f"{summary.unchecked_hits} hit(s) carry no exl3tool checksum (written by the server?): kept as the "
+                 "server would load them; `exl3tool verify MODEL` checks their weights")
     out.data(summary)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from exl3tool.cache.store import UNCHECKED_HIT
 from exl3tool.warm.plan import WarmJob, WarmPlan
 
 __all__ = ["JobResult", "WarmSummary", "job_result", "summarize"]
@@ -46,6 +47,7 @@ class WarmSummary:
     seconds: float
     entries: list[JobResult]
     worker_stats: list[dict] = field(default_factory=list)
+    unchecked_hits: int = 0  # hits without exl3tool_sha256 (server-written): kept, weights checked only by verify
 
     @property
     def ok(self) -> bool:
@@ -67,4 +69,5 @@ def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers:
         bits=plan.bits, tp_sizes=list(plan.tp_sizes), cache_root=str(plan.cache_root), device=device,
         workers=workers, counts=counts, bytes_written=sum(r.bytes for r in results if r.status == "encoded"),
         seconds=round(seconds, 3), entries=results,
+        unchecked_hits=sum(1 for j in plan.jobs if j.state == "hit" and j.reason == UNCHECKED_HIT),
     )
