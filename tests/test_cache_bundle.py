@@ -342,3 +342,15 @@ def test_an_entry_the_cache_cannot_take_is_refused_and_the_rest_imported(cache, 
     assert "is a directory" in next(e["reason"] for e in doc["entries"] if e["status"] == "refused")
     assert blocked.is_dir() and not list(server.rglob("*.tmp"))
 
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "a-directory"])
+def test_export_to_an_unwritable_place_names_the_bundle_and_leaves_nothing(cache, tmp_path, where):
+    root = cache
+    out = tmp_path / "no-such-folder" / "b.tar" if where == "missing-folder" else tmp_path
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = cli("cache", "export", str(out), "--cache-dir", str(root))
+    assert code == 2
+    assert f"cannot write the bundle {out}" in err
+    assert ".tmp" not in err  # the user's path, not our temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -13,11 +13,14 @@ the server's checks (``validate_entry``) in its temp file before ``CacheStore.im
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import struct
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ from exl3tool.cache.store import PRUNE_HINT, CacheStore
 from exl3tool.errors import InputError, describe
 
 __all__ = [
+    "write_bundle_file",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -177,6 +181,37 @@ def _header(name: str, size: int) -> bytes:
     info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = size, 0, 0o644, 0, 0, "", ""
     info.type = tarfile.REGTYPE
     return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+
+
+def write_bundle_file(plan: ExportPlan, path: str | Path) -> int:
+    """Write ``plan``'s bundle to the file ``path`` atomically; returns its size.
+
+    A temp file in the same folder is written, fsynced and renamed over ``path`` (mode 0644), so a failed export
+    never leaves a partial bundle there. InputError naming ``path`` if its folder is missing or not writable.
+    """
+    target = Path(path)
+    folder = target.parent
+    if not folder.is_dir():
+        raise InputError(f"cannot write the bundle {target}: its folder {folder} does not exist")
+    if target.is_dir():
+        raise InputError(f"cannot write the bundle {target}: it is a directory; name a file")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise InputError(f"cannot write the bundle {target}: {describe(exc)}") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            size = write_bundle(plan, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise InputError(f"cannot write the bundle {target}: {describe(exc)}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return size
 
 
 def write_bundle(plan: ExportPlan, out: BinaryIO) -> int:

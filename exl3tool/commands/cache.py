@@ -335,11 +335,9 @@ def export(
     2 nothing to export, usage or I/O error.
     """
     import contextlib
-    import os
     import sys
-    import tempfile
 
-    from exl3tool.cache.bundle import plan_export, write_bundle
+    from exl3tool.cache.bundle import plan_export, write_bundle, write_bundle_file
 
     root = existing_cache_dir(cache_dir)
     if out_path == "-" and sys.stdout.isatty():
@@ -355,19 +353,8 @@ def export(
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the bundle: the report goes to stderr
             _export_report(Output(json=json, quiet=quiet), plan, "-", size)
     else:
-        target = Path(out_path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                size = write_bundle(plan, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)  # a failed export never leaves a partial bundle under OUT
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        _export_report(Output(json=json, quiet=quiet), plan, str(target), size)
+        size = write_bundle_file(plan, out_path)  # atomic: a failed export never leaves a partial bundle
+        _export_report(Output(json=json, quiet=quiet), plan, out_path, size)
     if plan.left_out:
         raise FindingsError(f"{len(plan.left_out)} invalid entr{'y' if len(plan.left_out) == 1 else 'ies'} left out of "
                             "the bundle; see them with: exl3tool cache verify")
