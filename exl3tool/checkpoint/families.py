@@ -430,6 +430,117 @@ _VL_MAPPER: tuple[tuple[str, Optional[str]], ...] = (
     ("model.language_model.", "language_model.model."),
 )
 
+# ------------------------------------------------------------------------------------------------------------
+# Qwen3-Next (models/qwen3_next.py): the same gated-delta-net layer class as Qwen3.5, built with the interleaved GQA
+# layout. Its checkpoint keeps in_proj_qkvz and in_proj_ba as one tensor each, grouped per key head (q, k, v, z of a
+# group side by side; b, a likewise), and the server builds each as a merged column layer of ONE output part: a rank
+# takes a contiguous run of whole key-head groups, not a slice of every q/k/v/z part as in Qwen3.5.
+
+def qwen3_next_moe_layer(cfg: Config, i: int) -> bool:
+    """Qwen3NextDecoderLayer: sparse MoE unless ``i in mlp_only_layers``; needs ``num_experts > 0`` and
+    ``(i + 1) % decoder_sparse_step == 0``. Defaults are HF ``Qwen3NextConfig``'s."""
+    return (i not in (_get(cfg, "mlp_only_layers", []) or []) and _get(cfg, "num_experts", 512) > 0
+            and (i + 1) % _get(cfg, "decoder_sparse_step", 1) == 0)
+
+
+def qwen3_next_dense_layer(cfg: Config, i: int) -> bool:
+    return not qwen3_next_moe_layer(cfg, i)
+
+
+def qwen3_next_shared_expert(cfg: Config, i: int) -> bool:
+    """``mlp.shared_expert`` in MoE layers when ``shared_expert_intermediate_size > 0`` (ROCm AITER shared-expert
+    fusion, which would fold it into the routed experts, is not modelled)."""
+    return qwen3_next_moe_layer(cfg, i) and _get(cfg, "shared_expert_intermediate_size", 512) > 0
+
+
+def _qwen3_next_check(cfg: Config) -> None:
+    bad = [t for t in _layer_types(cfg) if t not in ("linear_attention", "full_attention")]
+    if bad:
+        raise ConfigError(f"Invalid layer_type {bad[0]!r} (the server expects linear_attention / full_attention)")
+    nk, nv, _, _ = _gdn(cfg) if any(t == "linear_attention" for t in _layer_types(cfg)) else (1, 1, 0, 0)
+    if nv % nk:
+        raise ConfigError(f"config.json: {nv} linear value heads are not a multiple of {nk} linear key heads "
+                          "(the interleaved in_proj_qkvz groups value heads per key head)")
+
+
+def _qwen3_next_tp(cfg: Config, w: int) -> Optional[str]:
+    why = _qwen35_tp(cfg, w)
+    if why:
+        return why
+    n = _int(cfg, "num_hidden_layers")
+    experts = _get(cfg, "num_experts", 512)
+    if any(qwen3_next_moe_layer(cfg, i) for i in range(n)) and w > experts:
+        return f"Tensor parallel size {w} is greater than the number of experts {experts}"
+    return None
+
+
+def _qwen3_next_qkvz_rows(cfg: Config) -> tuple[int, ...]:
+    nk, nv, hk, hv = _gdn(cfg)
+    return (2 * nk * hk + 2 * nv * hv,)
+
+
+_QWEN3_NEXT = (
+    ModuleTemplate("linear_attn.in_proj_qkvz", "merged_column", ("linear_attn.in_proj_qkvz",),
+                   when=linear_attention_layer, parts=_qwen3_next_qkvz_rows),
+    ModuleTemplate("linear_attn.in_proj_ba", "merged_column", ("linear_attn.in_proj_ba",),
+                   when=linear_attention_layer, parts=lambda cfg: (2 * _gdn(cfg)[1],)),
+    ModuleTemplate("linear_attn.out_proj", "row", ("linear_attn.out_proj",), when=linear_attention_layer),
+    ModuleTemplate("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                   when=full_attention_layer),
+    ModuleTemplate("self_attn.o_proj", "row", ("self_attn.o_proj",), when=full_attention_layer),
+    ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=qwen3_next_dense_layer,
+                   parts=lambda cfg: (_int(cfg, "intermediate_size"),) * 2),
+    ModuleTemplate("mlp.down_proj", "row", ("mlp.down_proj",), when=qwen3_next_dense_layer),
+    ModuleTemplate("mlp.shared_expert.gate_up_proj", "merged_column",
+                   ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), when=qwen3_next_shared_expert,
+                   parts=lambda cfg: (_get(cfg, "shared_expert_intermediate_size", 512),) * 2),
+    ModuleTemplate("mlp.shared_expert.down_proj", "row", ("mlp.shared_expert.down_proj",),
+                   when=qwen3_next_shared_expert),
+)
+_QWEN3_NEXT_PACKED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvz": ("in_proj_qkvz",),
+    "in_proj_ba": ("in_proj_ba",),
+}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GLM-4.5 / 4.6 / 4.7 MoE (models/glm4_moe.py): plain GQA attention, a dense MLP below first_k_dense_replace, then
+# routed experts with shared experts. The router is a torch nn.Linear (not a vLLM linear): never encoded.
+
+def glm4_moe_layer(cfg: Config, i: int) -> bool:
+    """Glm4MoeDecoderLayer: MoE when ``n_routed_experts`` is set and ``i >= first_k_dense_replace`` (no freq step)."""
+    return cfg.get("n_routed_experts") is not None and i >= _get(cfg, "first_k_dense_replace", 0)
+
+
+def glm4_dense_layer(cfg: Config, i: int) -> bool:
+    return not glm4_moe_layer(cfg, i)
+
+
+def glm4_shared_experts(cfg: Config, i: int) -> bool:
+    """``mlp.shared_experts`` (``moe_intermediate_size * n_shared_experts``) in MoE layers when ``n_shared_experts``
+    is set (ROCm AITER shared-expert fusion is not modelled)."""
+    return glm4_moe_layer(cfg, i) and cfg.get("n_shared_experts") is not None
+
+
+def _glm4_moe_check(cfg: Config) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"Unsupported activation: {act}. Only silu is supported (the server refuses it too)")
+
+
+_GLM4_MOE = _ATTN + (
+    ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=glm4_dense_layer,
+                   parts=lambda cfg: (_int(cfg, "intermediate_size"),) * 2),
+    ModuleTemplate("mlp.down_proj", "row", ("mlp.down_proj",), when=glm4_dense_layer),
+    ModuleTemplate("mlp.shared_experts.gate_up_proj", "merged_column",
+                   ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), when=glm4_shared_experts,
+                   parts=lambda cfg: (_int(cfg, "moe_intermediate_size") * _int(cfg, "n_shared_experts"),) * 2),
+    ModuleTemplate("mlp.shared_experts.down_proj", "row", ("mlp.shared_experts.down_proj",), when=glm4_shared_experts),
+)
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("Llama / Mistral / Qwen2 / Qwen3",
            ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), _ATTN + _DENSE_MLP,
@@ -457,6 +568,11 @@ FAMILIES: tuple[Family, ...] = (
            checkpoint_layers=("model.language_model.layers", "language_model.model.layers", "model.layers"),
            packed=lambda cfg: _QWEN35_PACKED, storage_mapper=_VL_MAPPER + (("mtp.", None),), heads=_qwen35_heads,
            check=_qwen35_check, tp_check=_qwen35_tp, source="models/qwen3_5.py @ 1af6ac9a"),
+    Family("Qwen3-Next", ("Qwen3NextForCausalLM",), _QWEN3_NEXT, packed=lambda cfg: _QWEN3_NEXT_PACKED,
+           storage_mapper=(("mtp.", None),), heads=_qwen35_heads, check=_qwen3_next_check, tp_check=_qwen3_next_tp,
+           source="models/qwen3_next.py @ 786228a7 (and 58cfbebb), qwen_gdn_linear_attn.py @ 1d6d7dc9"),
+    Family("GLM-4.5 / 4.6 MoE", ("Glm4MoeForCausalLM",), _GLM4_MOE, check=_glm4_moe_check,
+           source="models/glm4_moe.py @ 5626e3a7"),
     Family("Qwen3.5 / Qwen3.8 hybrid (text)", ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"), _QWEN35,
            checkpoint_layers=("model.layers", "model.language_model.layers"), packed=lambda cfg: _QWEN35_PACKED,
            storage_mapper=(("model.language_model.", "model."), ("mtp.", None)), heads=_qwen35_heads,

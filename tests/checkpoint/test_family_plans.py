@@ -16,7 +16,8 @@ from exl3tool.checkpoint import open_checkpoint, plan_layers, storage_candidates
 from exl3tool.checkpoint.synthetic import exl3_record
 from exl3tool.errors import ConfigError
 
-from tiny_models import QWEN38_OVERLAY, glm53_text, write_glm5, write_glm53, write_mla, write_qwen35
+from tiny_models import (QWEN38_OVERLAY, glm53_text, write_glm4_moe, write_glm5, write_glm53, write_mla, write_qwen3_next,
+                         write_qwen35)
 
 BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 GLM52_RECIPE = ('{"linear": "mxfp8", "shared_experts": "mxfp8", "ignore": ["re:.*q_a_proj$", '
@@ -272,3 +273,138 @@ def test_llama_variant_spellings_first_record_decides_and_no_trellis_test(tiny_h
     assert got["model.layers.0.self_attn.qkv_proj"] == ("stored_exl3",)
     assert got["model.layers.1.mlp.down_proj"] == ("row", 256, 256, "job")
     assert got["model.layers.1.self_attn.o_proj"] == ("row", 128, 256, "job")
+
+
+# Qwen3-Next (models/qwen3_next.py, qwen_gdn_linear_attn.py with gqa_interleaved_layout=True): in_proj_qkvz is ONE
+# part of 2 x key 128 + 2 x value 256 = 768 rows (interleaved per key-head group), in_proj_ba ONE part of 2 x 4 value
+# heads = 8 rows (never aligned); out_proj row over value 256. Layer 3: QKVParallelLinear(4 heads x 2 (gate), 2 KV
+# heads, 64) = 512 + 128 + 128. Layer 0 is in mlp_only_layers: dense MLP (256); 1-3 MoE: shared expert (256); the
+# router and shared_expert_gate are built with quant_config=None. Layer 1's GDN projections are stored as EXL3.
+N = "model.layers"
+QWEN3_NEXT_TP1 = {
+    f"{N}.0.linear_attn.in_proj_qkvz": ("merged_column", 128, 768, "job"),
+    f"{N}.0.linear_attn.in_proj_ba": ("merged_column", 128, 8, "skip"),
+    f"{N}.0.linear_attn.out_proj": ("row", 256, 128, "job"),
+    f"{N}.0.mlp.gate_up_proj": ("merged_column", 128, 512, "job"),
+    f"{N}.0.mlp.down_proj": ("row", 256, 128, "job"),
+    f"{N}.1.linear_attn.in_proj_qkvz": ("stored_exl3",),
+    f"{N}.1.linear_attn.in_proj_ba": ("merged_column", 128, 8, "skip"),
+    f"{N}.1.linear_attn.out_proj": ("stored_exl3",),
+    f"{N}.1.mlp.shared_expert.gate_up_proj": ("merged_column", 128, 512, "job"),
+    f"{N}.1.mlp.shared_expert.down_proj": ("row", 256, 128, "job"),
+    f"{N}.2.linear_attn.in_proj_qkvz": ("merged_column", 128, 768, "job"),
+    f"{N}.2.linear_attn.in_proj_ba": ("merged_column", 128, 8, "skip"),
+    f"{N}.2.linear_attn.out_proj": ("row", 256, 128, "job"),
+    f"{N}.2.mlp.shared_expert.gate_up_proj": ("merged_column", 128, 512, "job"),
+    f"{N}.2.mlp.shared_expert.down_proj": ("row", 256, 128, "job"),
+    f"{N}.3.self_attn.qkv_proj": ("qkv", 128, 768, "job"),
+    f"{N}.3.self_attn.o_proj": ("row", 256, 128, "job"),
+    f"{N}.3.mlp.shared_expert.gate_up_proj": ("merged_column", 128, 512, "job"),
+    f"{N}.3.mlp.shared_expert.down_proj": ("row", 256, 128, "job"),
+}
+QWEN3_NEXT_TP2 = {
+    f"{N}.0.linear_attn.in_proj_qkvz": ("merged_column", 128, 384, "job"),
+    f"{N}.0.linear_attn.in_proj_ba": ("merged_column", 128, 4, "skip"),
+    f"{N}.0.linear_attn.out_proj": ("row", 128, 128, "job"),
+    f"{N}.0.mlp.gate_up_proj": ("merged_column", 128, 256, "job"),
+    f"{N}.0.mlp.down_proj": ("row", 128, 128, "job"),
+    f"{N}.1.linear_attn.in_proj_qkvz": ("stored_exl3",),
+    f"{N}.1.linear_attn.in_proj_ba": ("merged_column", 128, 4, "skip"),
+    f"{N}.1.linear_attn.out_proj": ("stored_exl3",),
+    f"{N}.1.mlp.shared_expert.gate_up_proj": ("merged_column", 128, 256, "job"),
+    f"{N}.1.mlp.shared_expert.down_proj": ("row", 128, 128, "job"),
+    f"{N}.2.linear_attn.in_proj_qkvz": ("merged_column", 128, 384, "job"),
+    f"{N}.2.linear_attn.in_proj_ba": ("merged_column", 128, 4, "skip"),
+    f"{N}.2.linear_attn.out_proj": ("row", 128, 128, "job"),
+    f"{N}.2.mlp.shared_expert.gate_up_proj": ("merged_column", 128, 256, "job"),
+    f"{N}.2.mlp.shared_expert.down_proj": ("row", 128, 128, "job"),
+    f"{N}.3.self_attn.qkv_proj": ("qkv", 128, 384, "job"),
+    f"{N}.3.self_attn.o_proj": ("row", 128, 128, "job"),
+    f"{N}.3.mlp.shared_expert.gate_up_proj": ("merged_column", 128, 256, "job"),
+    f"{N}.3.mlp.shared_expert.down_proj": ("row", 128, 128, "job"),
+}
+
+
+def test_qwen3_next_family(tmp_path):
+    d = write_qwen3_next(tmp_path / "q")
+    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH)
+    assert table(plan, 1) == QWEN3_NEXT_TP1
+    assert table(plan, 2) == QWEN3_NEXT_TP2
+    qkvz = next(x for x in plan.layers if x.prefix == f"{N}.0.linear_attn.in_proj_qkvz")
+    assert qkvz.sources == ("model.layers.0.linear_attn.in_proj_qkvz.weight",) and qkvz.part_sizes == (768,)
+    assert not any("mtp" in x.prefix or x.prefix.endswith(("mlp.gate", "shared_expert_gate")) for x in plan.layers)
+    # the recipe's ignore list matches in_proj_ba by its own name (packed_modules_mapping maps it to itself)
+    ignored = table(plan_layers(open_checkpoint(str(d)), overlay=QWEN38_OVERLAY))
+    assert ignored[f"{N}.2.linear_attn.in_proj_ba"] == ("ignored",)
+    assert ignored[f"{N}.2.mlp.shared_expert.down_proj"] == ("no_spec",)  # no shared_experts spec in the recipe
+    assert ignored[f"{N}.2.linear_attn.in_proj_qkvz"] == ("merged_column", 128, 384, "job")
+    # 2 linear key heads: the interleaved layout cannot be cut into 4 groups
+    with pytest.raises(ConfigError, match="2 linear key heads are not divisible by tensor-parallel size 4"):
+        plan.for_tp(4)
+
+
+def test_qwen3_next_sparse_step_and_no_experts(tmp_path):
+    # decoder_sparse_step 2, no mlp_only_layers: MoE on (i + 1) % 2 == 0 -> layers 1, 3; dense MLP on 0, 2
+    got = table(plan_layers(open_checkpoint(str(write_qwen3_next(tmp_path / "s", mlp_only_layers=[0, 2]))),
+                            overlay=BOTH))
+    assert {k for k in got if ".mlp." in k} == {f"{N}.{i}.mlp.{m}" for i in (0, 2) for m in ("gate_up_proj", "down_proj")} | {
+        f"{N}.{i}.mlp.shared_expert.{m}" for i in (1, 3) for m in ("gate_up_proj", "down_proj")}
+    d = tmp_path / "s"
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(decoder_sparse_step=2, mlp_only_layers=[])
+    (d / "config.json").write_text(json.dumps(cfg))
+    got = table(plan_layers(open_checkpoint(str(d)), overlay=BOTH))
+    assert {k for k in got if ".mlp." in k} == {f"{N}.{i}.mlp.{m}" for i in (0, 2) for m in ("gate_up_proj", "down_proj")} | {
+        f"{N}.{i}.mlp.shared_expert.{m}" for i in (1, 3) for m in ("gate_up_proj", "down_proj")}
+
+
+# GLM-4.5 / 4.6 MoE (models/glm4_moe.py): QKVParallelLinear(4 heads, 2 KV heads, 64) = 256 + 64 + 64 at TP 2; layer 0
+# dense below first_k_dense_replace = 1 (256); layers 1-2 shared experts (128 x 2 = 256); the router is a torch
+# nn.Linear (never a job); layer 2's attention is stored as EXL3; nextn layer 3 is the draft's.
+GLM4_MOE_TP1 = {
+    "model.layers.0.self_attn.qkv_proj": ("qkv", 128, 512, "job"),
+    "model.layers.0.self_attn.o_proj": ("row", 256, 128, "job"),
+    "model.layers.0.mlp.gate_up_proj": ("merged_column", 128, 512, "job"),
+    "model.layers.0.mlp.down_proj": ("row", 256, 128, "job"),
+    "model.layers.1.self_attn.qkv_proj": ("qkv", 128, 512, "job"),
+    "model.layers.1.self_attn.o_proj": ("row", 256, 128, "job"),
+    "model.layers.1.mlp.shared_experts.gate_up_proj": ("merged_column", 128, 512, "job"),
+    "model.layers.1.mlp.shared_experts.down_proj": ("row", 256, 128, "job"),
+    "model.layers.2.self_attn.qkv_proj": ("stored_exl3",),
+    "model.layers.2.self_attn.o_proj": ("stored_exl3",),
+    "model.layers.2.mlp.shared_experts.gate_up_proj": ("merged_column", 128, 512, "job"),
+    "model.layers.2.mlp.shared_experts.down_proj": ("row", 256, 128, "job"),
+}
+GLM4_MOE_TP2 = {
+    "model.layers.0.self_attn.qkv_proj": ("qkv", 128, 256, "job"),
+    "model.layers.0.self_attn.o_proj": ("row", 128, 128, "job"),
+    "model.layers.0.mlp.gate_up_proj": ("merged_column", 128, 256, "job"),
+    "model.layers.0.mlp.down_proj": ("row", 128, 128, "job"),
+    "model.layers.1.self_attn.qkv_proj": ("qkv", 128, 256, "job"),
+    "model.layers.1.self_attn.o_proj": ("row", 128, 128, "job"),
+    "model.layers.1.mlp.shared_experts.gate_up_proj": ("merged_column", 128, 256, "job"),
+    "model.layers.1.mlp.shared_experts.down_proj": ("row", 128, 128, "job"),
+    "model.layers.2.self_attn.qkv_proj": ("stored_exl3",),
+    "model.layers.2.self_attn.o_proj": ("stored_exl3",),
+    "model.layers.2.mlp.shared_experts.gate_up_proj": ("merged_column", 128, 256, "job"),
+    "model.layers.2.mlp.shared_experts.down_proj": ("row", 128, 128, "job"),
+}
+
+
+def test_glm4_moe_family(tmp_path):
+    d = write_glm4_moe(tmp_path / "g")
+    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH)
+    assert table(plan, 1) == GLM4_MOE_TP1
+    assert table(plan, 2) == GLM4_MOE_TP2
+    assert not any(x.prefix.endswith("mlp.gate") or ".layers.3." in x.prefix for x in plan.layers)
+    # the default overlay has no shared_experts spec
+    assert table(plan_layers(open_checkpoint(str(d))))["model.layers.1.mlp.shared_experts.down_proj"] == ("no_spec",)
+    # TP 4: 2 KV heads replicated twice, 1 head of q per rank (64 rows: unaligned); TP 8 cannot split 4 heads
+    assert table(plan, 4)["model.layers.0.self_attn.qkv_proj"] == ("qkv", 128, 192, "skip")
+    with pytest.raises(ConfigError, match="4 attention heads are not divisible by tensor-parallel size 8"):
+        plan.for_tp(8)
+
+
+def test_glm4_moe_refuses_other_activations(tmp_path):
+    with pytest.raises(ConfigError, match="Unsupported activation: gelu"):
+        plan_layers(open_checkpoint(str(write_glm4_moe(tmp_path / "g", hidden_act="gelu"))), overlay=BOTH)

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from exl3tool.checkpoint import open_checkpoint, plan_layers, rank_local_weight
 
-from tiny_models import write_glm53, write_mla, write_qwen35
+from tiny_models import QWEN3_NEXT, write_glm4_moe, write_glm53, write_mla, write_qwen3_next, write_qwen35
 
 BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 
@@ -61,4 +61,39 @@ def test_mla_fused_qkv_a_is_replicated(tmp_path):
                       t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]])
     assert [j.tp_rank for j in jobs] == [0, 1]
     for job in jobs:
+        assert torch.equal(rank_local_weight(ckpt, job), want)
+
+
+def test_qwen3_next_interleaved_in_proj_takes_whole_key_groups(tmp_path):
+    """One interleaved part: rank r holds key-head groups [r * nk/W, (r+1) * nk/W), each group q|k|v|z side by side
+    (64 + 64 + 2 x 64 + 2 x 64 = 384 rows), not a slice of each of q, k, v, z as in Qwen3.5."""
+    q = QWEN3_NEXT
+    d = write_qwen3_next(tmp_path / "q", seed=7)
+    t = _tensors(d)
+    per_group = 2 * q["hk"] + 2 * (q["nv"] // q["nk"]) * q["hv"]
+    qkvz = t["model.layers.2.linear_attn.in_proj_qkvz.weight"]
+    groups = [qkvz[g * per_group:(g + 1) * per_group] for g in range(q["nk"])]
+    ckpt, jobs = _jobs(d, "model.layers.2.linear_attn.in_proj_qkvz")
+    assert [j.tp_rank for j in jobs] == [0, 1]
+    for job in jobs:  # nk = 2 groups, TP 2: one group per rank
+        assert torch.equal(rank_local_weight(ckpt, job), groups[job.tp_rank])
+    ba = t["model.layers.2.linear_attn.in_proj_ba.weight"]  # [b_g0 (2), a_g0 (2), b_g1, a_g1]
+    ckpt, jobs = _jobs(d, "model.layers.2.linear_attn.in_proj_ba")
+    for job in jobs:
+        r = job.tp_rank
+        assert torch.equal(rank_local_weight(ckpt, job), ba[4 * r:4 * (r + 1)])
+
+
+def test_glm4_moe_qkv_with_replicated_kv_heads(tmp_path):
+    """TP 4 with 2 KV heads: rank r holds q head r and KV head r // 2 (vLLM replicates each KV head on 2 ranks)."""
+    d = write_glm4_moe(tmp_path / "g", seed=9)
+    t = _tensors(d)
+    q, k, v = (t[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv")
+    ckpt = open_checkpoint(str(d))
+    plan = plan_layers(ckpt, overlay=BOTH)
+    jobs = [j for j in plan.for_tp(4, include_skipped=True) if j.prefix == "model.layers.1.self_attn.qkv_proj"]
+    assert [j.tp_rank for j in jobs] == [0, 1, 2, 3]
+    for job in jobs:
+        r, kr = job.tp_rank, job.tp_rank // 2
+        want = torch.cat([q[r * 64:(r + 1) * 64], k[kr * 64:(kr + 1) * 64], v[kr * 64:(kr + 1) * 64]])
         assert torch.equal(rank_local_weight(ckpt, job), want)

@@ -297,3 +297,119 @@ def write_mla_from_config(path: Path, config: dict, *, header_only: bool = True,
                 for proj, (o, k) in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
                     b.storage[f"{p}.mlp.experts.{e}.{proj}"] = exl3_record(f"{p}.mlp.experts.{e}.{proj}", k, o)
     return b.write(path, cfg, shards=shards, header_only=header_only)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen3-Next (Qwen3NextForCausalLM, models/qwen3_next.py): 4 layers, 3 gated-delta-net + 1 gated full attention;
+# layer 0 a dense MLP (mlp_only_layers), 1-3 sparse MoE with a shared expert. The GDN input projections ship as
+# one interleaved in_proj_qkvz and one in_proj_ba per layer, as the HF Qwen3-Next checkpoints do.
+
+QWEN3_NEXT = dict(hidden=128, nk=2, nv=4, hk=64, hv=64, heads=4, kv=2, hd=64, inter=256, moe_inter=128,
+                  shared=256, experts=4)
+
+
+def qwen3_next_config(**extra) -> dict:
+    q = QWEN3_NEXT
+    cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": q["hidden"],
+           "num_hidden_layers": 4, "full_attention_interval": 4, "linear_num_key_heads": q["nk"],
+           "linear_num_value_heads": q["nv"], "linear_key_head_dim": q["hk"], "linear_value_head_dim": q["hv"],
+           "linear_conv_kernel_dim": 4, "num_attention_heads": q["heads"], "num_key_value_heads": q["kv"],
+           "head_dim": q["hd"], "intermediate_size": q["inter"], "num_experts": q["experts"],
+           "num_experts_per_tok": 2, "moe_intermediate_size": q["moe_inter"],
+           "shared_expert_intermediate_size": q["shared"], "decoder_sparse_step": 1, "mlp_only_layers": [0],
+           "norm_topk_prob": True, "hidden_act": "silu", "vocab_size": 64, "rms_norm_eps": 1e-6,
+           "partial_rotary_factor": 0.25, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+           "quantization_config": dict(EXL3_SUMMARY)}
+    cfg.update(extra)
+    return cfg
+
+
+def write_qwen3_next(path: Path, *, exl3_linear_layers: tuple[int, ...] = (1,), seed: int = 0, **extra) -> Path:
+    """Routed experts EXL3; the GDN projections of ``exl3_linear_layers`` EXL3; everything else BF16. The MTP
+    layer ships under ``mtp.`` (the draft's, dropped by the model's mapper)."""
+    cfg = qwen3_next_config(**extra)
+    q, b = QWEN3_NEXT, Builder()
+    key, value, h = q["nk"] * q["hk"], q["nv"] * q["hv"], q["hidden"]
+    b.bf16("model.embed_tokens", 64, h)
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
+    for i, kind in enumerate(types):
+        p = f"model.layers.{i}"
+        if kind == "linear_attention":
+            exl3 = i in exl3_linear_layers
+            b.linear(f"{p}.linear_attn.in_proj_qkvz", 2 * key + 2 * value, h, exl3=exl3)
+            b.linear(f"{p}.linear_attn.in_proj_ba", 2 * q["nv"], h)
+            b.linear(f"{p}.linear_attn.out_proj", h, value, exl3=exl3)
+            b.bf16(f"{p}.linear_attn.A_log", q["nv"])
+        else:
+            b.linear(f"{p}.self_attn.q_proj", 2 * q["heads"] * q["hd"], h)  # q and its gate, per head
+            b.linear(f"{p}.self_attn.k_proj", q["kv"] * q["hd"], h)
+            b.linear(f"{p}.self_attn.v_proj", q["kv"] * q["hd"], h)
+            b.linear(f"{p}.self_attn.o_proj", h, q["heads"] * q["hd"])
+        if i in cfg["mlp_only_layers"]:
+            b.linear(f"{p}.mlp.gate_proj", q["inter"], h)
+            b.linear(f"{p}.mlp.up_proj", q["inter"], h)
+            b.linear(f"{p}.mlp.down_proj", h, q["inter"])
+        else:
+            _experts(b, p, q["experts"], h, q["moe_inter"])
+            b.linear(f"{p}.mlp.shared_expert_gate", 1, h)
+            b.linear(f"{p}.mlp.shared_expert.gate_proj", q["shared"], h)
+            b.linear(f"{p}.mlp.shared_expert.up_proj", q["shared"], h)
+            b.linear(f"{p}.mlp.shared_expert.down_proj", h, q["shared"])
+    b.linear("mtp.fc", h, 2 * h)
+    b.linear("mtp.layers.0.self_attn.o_proj", h, q["heads"] * q["hd"])
+    b.bf16("model.norm", h)
+    b.linear("lm_head", 64, h)
+    return b.write(path, cfg, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GLM-4.5 / 4.6 MoE (Glm4MoeForCausalLM, models/glm4_moe.py): 3 layers, layer 0 dense (first_k_dense_replace 1),
+# 1-2 MoE with 2 shared experts; q/k/v with biases (attention_bias); the nextn/MTP layer 3 in the checkpoint.
+
+GLM4_MOE = dict(hidden=128, heads=4, kv=2, hd=64, inter=256, moe_inter=128, n_shared=2, experts=4)
+
+
+def glm4_moe_config(**extra) -> dict:
+    g = GLM4_MOE
+    cfg = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": g["hidden"],
+           "num_hidden_layers": 3, "num_attention_heads": g["heads"], "num_key_value_heads": g["kv"],
+           "head_dim": g["hd"], "attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
+           "intermediate_size": g["inter"], "moe_intermediate_size": g["moe_inter"], "n_routed_experts": g["experts"],
+           "n_shared_experts": g["n_shared"], "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1,
+           "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1,
+           "hidden_act": "silu", "vocab_size": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+           "torch_dtype": "bfloat16", "tie_word_embeddings": False, "quantization_config": dict(EXL3_SUMMARY)}
+    cfg.update(extra)
+    return cfg
+
+
+def write_glm4_moe(path: Path, *, exl3_attn_layers: tuple[int, ...] = (2,), seed: int = 0, **extra) -> Path:
+    """Routed experts EXL3, the attention of ``exl3_attn_layers`` EXL3, everything else BF16."""
+    cfg = glm4_moe_config(**extra)
+    g, b = GLM4_MOE, Builder()
+    h, qn, kvn = g["hidden"], g["heads"] * g["hd"], g["kv"] * g["hd"]
+    b.bf16("model.embed_tokens", 64, h)
+    for i in range(cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]):
+        p = f"model.layers.{i}"
+        exl3 = i in exl3_attn_layers
+        for proj, n in (("q_proj", qn), ("k_proj", kvn), ("v_proj", kvn)):
+            b.linear(f"{p}.self_attn.{proj}", n, h, exl3=exl3)
+            b.bf16(f"{p}.self_attn.{proj}.bias", n)
+        b.linear(f"{p}.self_attn.o_proj", h, qn, exl3=exl3)
+        if i < cfg["first_k_dense_replace"]:
+            b.linear(f"{p}.mlp.gate_proj", g["inter"], h)
+            b.linear(f"{p}.mlp.up_proj", g["inter"], h)
+            b.linear(f"{p}.mlp.down_proj", h, g["inter"])
+        else:
+            _experts(b, p, g["experts"], h, g["moe_inter"])
+            b.bf16(f"{p}.mlp.gate.e_score_correction_bias", g["experts"])
+            s = g["moe_inter"] * g["n_shared"]
+            b.linear(f"{p}.mlp.shared_experts.gate_proj", s, h)
+            b.linear(f"{p}.mlp.shared_experts.up_proj", s, h)
+            b.linear(f"{p}.mlp.shared_experts.down_proj", h, s)
+        if i == cfg["num_hidden_layers"]:  # the nextn layer (the draft's)
+            b.linear(f"{p}.eh_proj", h, 2 * h)
+    b.bf16("model.norm", h)
+    b.linear("lm_head", 64, h)
+    return b.write(path, cfg, seed=seed)
