@@ -13,7 +13,8 @@ a fused module up through it), ``storage_mapper`` the model's ``hf_to_vllm_mappe
 keeps the layers. Fork files read (GitHub local-inference-lab/vllm): ``models/deepseek_v2.py`` @ 23a5fc76,
 ``vllm/models/deepseek_v32/{nvidia/model.py,attention.py}`` (registry @ 0b33c223 serves ``GlmMoeDsaForCausalLM``
 from there), ``vllm/models/glm5next/nvidia/model.py`` @ 00e81699 with ``layers/mamba/gdn/kimi_gdn_linear_attn.py``,
-``models/qwen3_5.py`` @ 1af6ac9a with ``layers/mamba/gdn/qwen_gdn_linear_attn.py`` @ 1d6d7dc9 and ``qwen3_next.py``.
+``models/qwen3_5.py`` @ 1af6ac9a with ``layers/mamba/gdn/qwen_gdn_linear_attn.py`` @ 1d6d7dc9, ``models/qwen3_next.py``
+@ 786228a7 (and the stored 58cfbebb), ``models/glm4_moe.py`` @ 5626e3a7.
 """
 
 from __future__ import annotations
