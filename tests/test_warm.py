@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -473,3 +474,49 @@ def test_bare_cuda_device_names_one_gpu(monkeypatch):
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     with pytest.raises(ValueError, match="has 2 GPU"):
         resolve_device("cuda:2")
+
+
+class _RacingFuture:
+    """A publish that finishes between two looks: ``done()`` is False the first time it is asked, True after."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def done(self) -> bool:
+        self.asked += 1
+        return self.asked > 1
+
+    def result(self):
+        return None
+
+
+def test_publish_slot_wait_survives_publishes_finishing_while_it_looks():
+    """Two publishes finish while the throttle looks at them: it returns instead of raising StopIteration."""
+    from exl3tool.warm.pipeline import _Pipeline
+
+    pipeline = _Pipeline.__new__(_Pipeline)
+    pipeline.pending = deque((object(), _RacingFuture()) for _ in range(_Pipeline.MAX_PUBLISHES))
+    pipeline.results, pipeline.on_done = [], None
+    pipeline._finish_ready = lambda wait=False: None
+    pipeline._wait_for_publish_slot()
+    assert all(f.asked >= 2 for _, f in pipeline.pending)
+
+
+def test_interrupt_while_waiting_to_publish_releases_the_claim(offline, tmp_path, monkeypatch):
+    """An interrupt between encode and publish (the throttle) releases the entry lock it claimed."""
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.warm import run_plan
+    from exl3tool.warm.pipeline import _Pipeline
+
+    checkpoint = open_checkpoint(REPO)
+    request = WarmRequest(model=REPO, tp_sizes=(1,), layers=("*.o_proj",), cache_dir=str(tmp_path), **ENC)
+    _, plan, store = prepare(request)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_Pipeline, "_wait_for_publish_slot", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=fake_encode)
+    assert not list(tmp_path.rglob("*.safetensors"))
+    _no_leftovers(store, plan)  # every entry lock that exists can be taken at once

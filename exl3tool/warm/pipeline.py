@@ -322,14 +322,25 @@ class _Pipeline:
             return job_result(job, "failed", worker, seconds=time.perf_counter() - start,
                            proxy_error=encoded.proxy_error, error=_publish_failed(unavailable))
         encode_seconds = time.perf_counter() - start
-        while sum(not f.done() for _, f in self.pending) >= self.MAX_PUBLISHES:
-            next(f for _, f in self.pending if not f.done()).result()
-            self._finish_ready()
         try:
+            self._wait_for_publish_slot()
             return publisher.submit(self._publish, job, claimed, encoded, encode_seconds)
-        except BaseException:
+        except BaseException:  # an on_done callback or an interrupt: the entry lock is never left held
             claimed.release()
             raise
+
+    def _wait_for_publish_slot(self) -> None:
+        """Block until fewer than ``MAX_PUBLISHES`` publishes are in flight.
+
+        Each pass takes one snapshot of the unfinished futures: a publish may finish on its own thread at any
+        moment, so counting and then searching in two passes could find none left to wait on.
+        """
+        while True:
+            waiting = [f for _, f in self.pending if not f.done()]
+            if len(waiting) < self.MAX_PUBLISHES:
+                return
+            waiting[0].result()
+            self._finish_ready()
 
     def _publish(self, job: WarmJob, claimed: Claim, encoded: EncodedLinear, encode_seconds: float) -> JobResult:
         """On the publishing thread: write and release; never raises."""
