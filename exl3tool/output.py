@@ -1,6 +1,8 @@
 """One object decides how command results are shown: Rich tables for people, JSON for machines.
 
 Data goes to stdout; progress, notes and warnings go to stderr, so ``--json`` output stays parseable.
+Every string we print is data (paths, layer names, reasons read from cache files), never Rich markup: a
+``[/x]`` in a file name must print as itself, not crash the command. Styles come only from ``Text`` objects.
 """
 
 from __future__ import annotations
@@ -36,19 +38,32 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def _plain(cell: Any) -> str:
-    """A cell's text without Rich markup or styles."""
-    if isinstance(cell, Text):
-        return cell.plain
-    return Text.from_markup(str(cell)).plain if isinstance(cell, str) else str(cell)
+    """A cell's text without styles (a ``str`` cell is literal text)."""
+    return cell.plain if isinstance(cell, Text) else str(cell)
+
+
+def _literal(cell: Any) -> Any:
+    """A ``str`` as literal ``Text`` (Rich would parse it as markup); anything else unchanged."""
+    return Text(cell) if isinstance(cell, str) else cell
+
+
+def literal_table(table: Table) -> Table:
+    """``table`` with its title and every ``str`` cell made literal text, in place."""
+    table.title = _literal(table.title)
+    for column in table.columns:
+        column._cells = [_literal(c) for c in column._cells]
+    return table
 
 
 def plain_table(table: Table) -> str:
     """``table`` as text: the title, a header row and one line per row, columns padded to their widest cell.
 
-    >>> t = Table("layer", "error"); t.add_row("model.layers.0.mlp.down_proj", "[red]failed[/red]")
+    >>> t = Table("layer", "error"); t.add_row("model.layers.0.mlp.down_proj", Text("failed", style="red"))
+    >>> t.add_row("model.layers.1.[x]", "[/red] a bracket")
     >>> print(plain_table(t), end="")
     layer                         error
     model.layers.0.mlp.down_proj  failed
+    model.layers.1.[x]            [/red] a bracket
     """
     headers = [_plain(c.header) for c in table.columns]
     columns = [[_plain(cell) for cell in c._cells] for c in table.columns]
@@ -81,11 +96,11 @@ class Output:
     def note(self, message: str) -> None:
         """A diagnostic line on stderr (suppressed by --quiet)."""
         if not self.quiet:
-            self.stderr.print(message, highlight=False)
+            self.stderr.print(message, highlight=False, markup=False)
 
     def warn(self, message: str) -> None:
         """A warning on stderr, shown even with --quiet."""
-        self.stderr.print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+        self.stderr.print(Text.assemble(("warning:", "yellow"), f" {message}"), highlight=False)
 
     def table(self, table: Table) -> None:
         """A table for people; skipped in JSON mode (the caller emits ``data`` instead).
@@ -96,7 +111,7 @@ class Output:
         if self.json:
             return
         if self.stdout.is_terminal:
-            self.stdout.print(table)
+            self.stdout.print(literal_table(table))
         else:
             sys.stdout.write(plain_table(table))
             sys.stdout.flush()
@@ -104,7 +119,7 @@ class Output:
     def line(self, message: str) -> None:
         """A result line on stdout for people; skipped in JSON mode."""
         if not self.json:
-            self.stdout.print(message, highlight=False)
+            self.stdout.print(message, highlight=False, markup=False)
 
     def data(self, obj: Any) -> None:
         """The machine-readable result: printed as JSON on stdout in JSON mode."""

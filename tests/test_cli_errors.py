@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.table import Table
+from rich.text import Text
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
@@ -164,7 +165,7 @@ def test_plain_table_never_cuts_names_or_numbers():
         table.add_column(col)
     names = [f"model.language_model.layers.{i}.self_attn.indexer.wq_b" for i in (10, 11, 12)]
     for name in names:
-        table.add_row(name, "3840x12288", "[green]2.1034e-04[/green]")
+        table.add_row(name, "3840x12288", Text("2.1034e-04", style="green"))
     text = plain_table(table)
     assert "…" not in text
     for name in names:

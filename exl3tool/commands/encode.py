@@ -85,7 +85,7 @@ def render_plan(out: Output, plan: WarmPlan) -> None:
     for j in plan.jobs:
         style = {"hit": "green", "miss": "yellow", "invalid": "red", "skipped": "dim"}.get(j.state, "")
         table.add_row(j.prefix, str(j.tp_size), str(j.tp_rank), f"{j.input_size} x {j.output_size}", str(j.tiles),
-                      f"[{style}]{j.state}[/{style}]", j.reason)
+                      Text(j.state, style=style), j.reason)
     out.table(table)
     excluded = lp.excluded if lp is not None else ()
     if excluded and not out.json:
@@ -150,7 +150,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
         out.note(f"{plan.model}: {len(plan.jobs)} jobs, {plan.count('hit')} already cached, "
                  f"{len(todo)} to encode here ({sum(j.tiles for j in todo)} tiles)")
         if out.show_progress and todo:
-            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("tiles"), _RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=out.stderr, transient=True)
             progress.start()
             task = progress.add_task("encoding", total=sum(j.tiles for j in todo))

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt,
@@ -62,7 +63,7 @@ def render(out: Output, report: VerifyReport) -> None:
     for col in ("layer", "rank", "shape", "rows", "kernel err", "quant err", "proxy err", "weight MSE", "status"):
         table.add_column(col, justify="left" if col in ("layer", "status", "shape") else "right")
     for c in report.layers:
-        status = "[green]pass[/green]" if c.status == "pass" else f"[red]FAIL[/red] {c.reason}"
+        status = Text("pass", style="green") if c.status == "pass" else Text.assemble(("FAIL", "red"), f" {c.reason}")
         table.add_row(c.prefix, str(c.tp_rank), f"{c.input_size}x{c.output_size}", ",".join(str(r.rows) for r in c.rows) or "-",
                       _fmt(c.kernel_err), _fmt(c.quant_err, ".4f"), _fmt(c.proxy_error), _fmt(c.weight_mse), status)
     out.table(table)
