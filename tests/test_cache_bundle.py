@@ -3,6 +3,7 @@ refusal (built here byte by byte; each must leave the cache as it was and write 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -247,6 +248,11 @@ def _hostile(case: str, tmp_path) -> tuple[bytes, str]:
     elif case == "size":
         return _tar([("manifest.json", _manifest([rg, dict(ro, size=len(other) + 512)]), {}), (rg["path"], good, {}),
                      (ro["path"], other, {})]), "but the manifest says"
+    elif case in UNPRODUCIBLE:  # consistent in manifest and file, but a key the server never builds
+        key = dataclasses.replace(OTHER, **UNPRODUCIBLE[case])
+        evil = _entry_bytes(key)
+        return _tar([("manifest.json", _manifest([rg, _record(key, evil)]), {}), (rg["path"], good, {}),
+                     (_record(key, evil)["path"], evil, {})]), "the server never builds this key"
     elif case == "missing":
         return _tar([("manifest.json", _manifest([rg, ro]), {}), (rg["path"], good, {})]), "missing from the bundle"
     else:
@@ -254,8 +260,11 @@ def _hostile(case: str, tmp_path) -> tuple[bytes, str]:
     return _tar([("manifest.json", _manifest([rg, ro]), {}), (rg["path"], good, {}), *members]), why
 
 
+UNPRODUCIBLE = {"seed": dict(seed=12345), "rank": dict(tp_rank=2, tp_world_size=2),
+                "identity": dict(model_identity="../" + "a" * 61), "codebook": dict(codebook="3inst"),
+                "schema": dict(schema=2), "bits": dict(bits=12)}
 CASES = ["absolute", "dotdot", "symlink", "hardlink", "device", "fifo", "unlisted", "duplicate", "wrong-path",
-         "key-in-file", "oversize-header", "pax", "sha", "non-finite", "size", "missing"]
+         "key-in-file", "oversize-header", "pax", "sha", "non-finite", "size", "missing", *UNPRODUCIBLE]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -107,3 +107,20 @@ def test_cache_root_rules():
     assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": "   ", "VLLM_CACHE_ROOT": "/v"}) == Path("/v/exl3_online")
     assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": "rel/dir"}) == Path("rel/dir")  # not resolved
     assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": " /c "}) == Path(" /c ")  # not stripped
+
+
+def test_keys_the_server_builds_are_producible_and_altered_ones_are_not():
+    import dataclasses
+    import random
+
+    rng = random.SystemRandom()
+    hexid = lambda: "".join(rng.choice("0123456789abcdef") for _ in range(64))  # noqa: E731
+    for _ in range(50):
+        world = rng.choice((1, 2, 4, 8))
+        key = CacheKey.for_layer(hexid(), hexid(), f"model.layers.{rng.randrange(99)}.mlp.down_proj", rng.randrange(3, 9),
+                                 world, rng.randrange(world), 128 * rng.randrange(1, 64), 128 * rng.randrange(1, 64))
+        assert key.unproducible_reason() is None
+        for change in (dict(seed=key.seed ^ 1), dict(tp_rank=world), dict(model_identity=key.model_identity.upper()),
+                       dict(encoder_identity=key.encoder_identity[:63]), dict(input_size=key.input_size + 16),
+                       dict(apply_out_scales=False), dict(bits=9)):
+            assert dataclasses.replace(key, **change).unproducible_reason(), change

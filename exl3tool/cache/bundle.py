@@ -362,6 +362,9 @@ def _check_record(rec: object) -> tuple[BundleEntry, CacheKey]:
         raise ValueError(f"key is not a cache key ({exc})") from None
     if key.canonical_json() != key_json:
         raise ValueError("key is not in canonical form; the server never matches it")
+    unproducible = key.unproducible_reason()
+    if unproducible:
+        raise ValueError(f"the server never builds this key: {unproducible}")
     if key.digest() != digest:
         raise ValueError("digest is not the SHA-256 of the key")
     if path != _relative(key):

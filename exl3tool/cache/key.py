@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -14,6 +15,7 @@ KEY_SCHEMA = 1
 CACHE_DISABLED = "cache-disabled"
 _INT_FIELDS = ("bits", "seed", "tp_world_size", "tp_rank", "input_size", "output_size", "schema")
 _STR_FIELDS = ("model_identity", "encoder_identity", "prefix", "codebook")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def layer_seed(prefix: str) -> int:
@@ -98,6 +100,31 @@ class CacheKey:
         if set(obj) != names:
             raise ValueError(f"cache_key members differ: missing {sorted(names - set(obj))}, extra {sorted(set(obj) - names)}")
         return cls(**obj)
+
+    def unproducible_reason(self) -> str | None:
+        """Why the server could never build this key (so never look it up), or None.
+
+        A key read from a file someone handed us (a bundle) is checked with this: its fields must be ones the
+        server's online encode produces, not merely well-typed JSON.
+        """
+        for name in ("model_identity", "encoder_identity"):
+            if not _HEX64.fullmatch(getattr(self, name)):
+                return f"{name} is not 64 lower-case hex digits"
+        if self.schema != KEY_SCHEMA:
+            return f"schema {self.schema} (the server writes {KEY_SCHEMA})"
+        if self.codebook != "mcg" or self.apply_out_scales is not True:
+            return "codebook/apply_out_scales differ from the server's (mcg, true)"
+        if not self.prefix:
+            return "the prefix is empty"
+        if self.seed != layer_seed(self.prefix):
+            return f"seed {self.seed} is not the prefix's ({layer_seed(self.prefix)})"
+        if not 3 <= self.bits <= 8:
+            return f"bits {self.bits} is outside 3..8"
+        if not 0 <= self.tp_rank < self.tp_world_size:
+            return f"tp_rank {self.tp_rank} is outside 0..{self.tp_world_size - 1}"
+        if min(self.input_size, self.output_size) <= 0 or self.input_size % 128 or self.output_size % 128:
+            return f"size {self.input_size} x {self.output_size} is not a positive multiple of 128 both ways"
+        return None
 
     def as_dict(self) -> dict[str, Any]:
         """The 12 members as a plain dict."""
