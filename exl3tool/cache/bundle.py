@@ -33,6 +33,7 @@ from exl3tool.cache.paths import entry_path
 from exl3tool.cache.scan import EntryInfo, matches_model, scan
 from exl3tool.cache.store import PRUNE_HINT, CacheStore
 from exl3tool.errors import InputError, describe
+from exl3tool.jsontext import loads_json
 
 __all__ = [
     "write_bundle_file",
@@ -429,7 +430,7 @@ def import_bundle(stream: BinaryIO, store: CacheStore) -> ImportReport:
     if first.size > MANIFEST_LIMIT:
         raise BundleError(f"{MANIFEST_NAME} is {first.size} bytes, over the {MANIFEST_LIMIT}-byte limit")
     try:
-        doc = json.loads(first.read(first.size).decode("utf-8"))
+        doc = loads_json(first.read(first.size).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise BundleError(f"{MANIFEST_NAME} is not JSON ({exc})") from None
     wanted, items = _manifest_entries(doc)

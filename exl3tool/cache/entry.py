@@ -25,6 +25,7 @@ from safetensors.torch import save as _st_save
 
 from exl3tool import __version__
 from exl3tool.cache.key import CacheKey
+from exl3tool.jsontext import loads_json
 
 __all__ = [
     "Exl3OnlineNonFiniteError",
@@ -98,7 +99,7 @@ def _read_header(fh) -> tuple[int, dict]:
     n = struct.unpack("<Q", head)[0]
     if n > _MAX_HEADER:
         raise ValueError(f"header length {n} is implausible")
-    return n, json.loads(fh.read(n))
+    return n, loads_json(fh.read(n))
 
 
 def file_tensor_sha256(path: str | Path) -> str:
@@ -142,7 +143,7 @@ def describe_unreadable(path: str | Path, exc: BaseException) -> str:
             if 8 + n > size:
                 return f"file is {size} bytes, shorter than its header promises ({8 + n} bytes for the header alone; truncated)"
             try:
-                header = json.loads(fh.read(n))
+                header = loads_json(fh.read(n))
                 end = max((int(r["data_offsets"][1]) for k, r in header.items() if k != "__metadata__"), default=0)
             except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 return f"not a safetensors file (its header is not valid safetensors JSON: {exc})"

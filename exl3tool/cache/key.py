@@ -9,6 +9,8 @@ import zlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from exl3tool.jsontext import loads_json
+
 __all__ = ["CacheKey", "layer_seed", "canonical_dumps", "KEY_SCHEMA", "CACHE_DISABLED"]
 
 KEY_SCHEMA = 1
@@ -93,7 +95,7 @@ class CacheKey:
     @classmethod
     def from_json(cls, text: str) -> "CacheKey":
         """Parse a stored ``cache_key``; exactly the 12 members with the right JSON types, else ValueError."""
-        obj = json.loads(text)
+        obj = loads_json(text)
         if not isinstance(obj, dict):
             raise ValueError("cache_key is not a JSON object")
         names = {f.name for f in fields(cls)}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from exl3tool.errors import ConfigError
+from exl3tool.jsontext import loads_json
 
 __all__ = [
     "QUANT_KEY_NAMES", "DEFAULT_OVERLAY_JSON", "QuantSpec", "Overlay", "parse_overlay", "resolve_overlay",
@@ -138,7 +139,7 @@ def parse_overlay(text: str, *, default: bool = False) -> Overlay:
     activation override. Example: ``parse_overlay('{"linear": "mxfp8"}').linear.weight == "mxfp8"``.
     """
     try:
-        raw = json.loads(text)
+        raw = loads_json(text)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--quantization-config is not valid JSON ({e}); pass the exact string the server is "
                           "started with, e.g. '{\"linear\": {\"weight\": \"mxfp8\"}}'") from None

@@ -16,7 +16,6 @@ Routing (``get_quant_method`` then ``_get_bf16_online_linear_method``), in the s
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -24,6 +23,7 @@ from typing import Any, Iterable, Mapping, Optional
 from exl3tool.checkpoint.families import Family, ModuleTemplate, text_config
 from exl3tool.checkpoint.overlay import Overlay
 from exl3tool.errors import ConfigError, InputError
+from exl3tool.jsontext import loads_json
 
 __all__ = [
     "NotServable", "CheckpointKind", "Route", "serving_kind", "storage_candidates", "StorageMap", "route_family",
@@ -53,7 +53,7 @@ def read_json(path: Path) -> Optional[dict]:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise InputError(f"{path}: cannot parse ({e})") from None
     if not isinstance(data, dict):

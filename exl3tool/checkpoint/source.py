@@ -8,7 +8,6 @@ yields the 40-hex commit hash that the server's ``model_identity`` uses (spec 2.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -20,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from exl3tool.errors import InputError
+from exl3tool.jsontext import loads_json
 
 __all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype",
            "HUB_PATTERNS", "QUANT_CONFIG", "Selector"]
@@ -93,7 +93,7 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = loads_json(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
         out: dict[str, TensorInfo] = {}
@@ -314,7 +314,7 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
 
 def _load_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = loads_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"{path}: config.json not found; the checkpoint directory needs one") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -328,7 +328,7 @@ def _index_files(root: Path) -> dict[str, list[str]]:
     """Shard file -> tensor names it should hold, from model.safetensors.index.json."""
     path = root / INDEX_NAME
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        index = loads_json(path.read_text(encoding="utf-8"))
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise ValueError("weight_map is not an object")
@@ -362,7 +362,7 @@ def _collect(files: list[tuple[Path, list[str] | None]]) -> dict[str, TensorInfo
 
 def _index_total(root: Path) -> Optional[int]:
     try:
-        total = json.loads((root / INDEX_NAME).read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
+        total = loads_json((root / INDEX_NAME).read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
     except (OSError, ValueError, AttributeError):
         return None
     return int(total) if isinstance(total, (int, float)) else None
