@@ -157,6 +157,13 @@ def parse_overlay(text: str, *, default: bool = False) -> Overlay:
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         raise ConfigError("--quantization-config ignore: expected a list of strings (exact module names or "
                           "'re:' patterns); the server refuses this overlay")
+    for target in ignore:
+        if target.startswith("re:"):
+            try:
+                re.compile(target[3:])
+            except (re.error, RecursionError, OverflowError) as e:
+                raise ConfigError(f"--quantization-config ignore: {target!r} is not a valid regular expression ({e}); "
+                                  "the server would fail on it while loading the model") from None
     # The EXL3 checkpoint overlay rule (_is_checkpoint_online_overlay with quantization='exl3').
     specs = [s for s in (linear, shared) if s is not None]
     why = None

@@ -52,6 +52,8 @@ def test_spec_forms():
     ('{"linear": "mxfp8", "ignore": "lm_head"}', "expected a list of strings"),
     ('["linear"]', "must be a JSON object"),
     ("{'linear': 'mxfp8'}", "not valid JSON"),
+    ('{"linear": "mxfp8", "ignore": ["re:.*visual\\\\.(", "lm_head"]}', "not a valid regular expression"),
+    ('{"linear": "mxfp8", "ignore": ["re:[z-a]"]}', "'re:\\[z-a\\]' is not a valid regular expression"),
 ])
 def test_refused_overlays(text, why):
     with pytest.raises(ConfigError, match=why):
@@ -92,6 +94,9 @@ def test_cli_refusals_exit_2(tmp_path, capsys):
     assert code == 2 and "unknown key 'lienar'" in err
     code, _, err = _cli(["identity", str(plain), "--quantization-config", '{"moe": "mxfp8"}', *ENC], capsys)
     assert code == 2 and "a 'moe' spec is not allowed" in err
+    code, _, err = _cli(["encode", str(plain), "--layers", "*.o_proj", "--quantization-config",
+                         '{"linear": "mxfp8", "ignore": ["re:(unclosed"]}', "--dry-run", *cache], capsys)
+    assert code == 2 and "'re:(unclosed' is not a valid regular expression" in err and "Traceback" not in err
     mixed = write_mla(tmp_path / "mixed")
     quant = json.loads((mixed / "quantization_config.json").read_text())
     quant["tensor_storage"]["model.layers.0.self_attn.q_a_proj"] = quant["tensor_storage"][
