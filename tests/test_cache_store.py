@@ -420,3 +420,46 @@ def test_prune_plan_keeps_live_locks(tmp_path):
     execute_prune(plan)
     assert lock_path(entry_path(good, tmp_path)).exists() and entry_path(good, tmp_path).exists()
     assert not entry_path(bad, tmp_path).exists()
+
+
+def test_a_fifo_lock_path_is_a_usable_lock_for_scan_store_and_prune(tmp_path):
+    """filelock locks a FIFO like a file: scan must not call it invalid, the store publishes through it."""
+    key = key_for("fifo")
+    path = entry_path(key, tmp_path)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(lock_path(path))
+    res = CacheStore(tmp_path).load_or_encode(key, Counter())
+    assert res.path == path and stat.S_ISFIFO(os.lstat(lock_path(path)).st_mode)
+    lock = [i for i in scan(tmp_path) if i.kind == "lock"][0]
+    assert lock.status != "invalid" and not lock.reason
+    assert not plan_prune(scan(tmp_path), invalid=True, temp=True).items
+
+
+def test_prune_keeps_an_entry_republished_after_the_plan(tmp_path):
+    """Plan: the entry is invalid. Before the deletion a writer publishes a valid one: it stays."""
+    store = CacheStore(tmp_path)
+    key = key_for("republished")
+    store.load_or_encode(key, Counter())
+    path = entry_path(key, tmp_path)
+    path.write_bytes(b"junk")
+    plan = plan_prune(scan(tmp_path), invalid=True)
+    assert [i.path for i, _ in plan.items if i.kind == "entry"] == [path]
+    store.load_or_encode(key, Counter())  # invalid -> re-encoded and published over it
+    done = execute_prune(plan)
+    assert done.freed == 0 and not done.errors and len(done.kept) == 2  # the entry and its lock
+    assert "changed since the plan" in done.kept[0]
+    assert CacheStore(tmp_path, "readonly").lookup(key).hit
+
+
+def test_prune_keeps_a_lock_taken_after_the_plan(tmp_path):
+    from filelock import FileLock
+
+    orphan = entry_path(key_for("orphan"), tmp_path)
+    orphan.parent.mkdir(parents=True)
+    lock_path(orphan).touch()
+    plan = plan_prune(scan(tmp_path), temp=True)
+    assert [i.path for i, _ in plan.items] == [lock_path(orphan)]
+    with FileLock(str(lock_path(orphan)), timeout=0):
+        done = execute_prune(plan)
+    assert done.kept and "held" in done.kept[0] and lock_path(orphan).exists()
+    assert execute_prune(plan).freed == 0 and not lock_path(orphan).exists()  # free again: removed

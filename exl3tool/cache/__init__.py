@@ -19,7 +19,7 @@ from exl3tool.cache.identity import (
 )
 from exl3tool.cache.key import CACHE_DISABLED, CacheKey, layer_seed
 from exl3tool.cache.paths import entry_path, lock_path
-from exl3tool.cache.scan import EntryInfo, PrunePlan, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.cache.scan import EntryInfo, PrunePlan, PruneResult, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.cache.settings import CACHE_MODES, cache_mode, cache_root
 from exl3tool.cache.store import LOCK_TIMEOUT_S, CacheStore, Claim, LoadResult, Lookup
 
@@ -46,6 +46,7 @@ __all__ = [
     "encoder_settings",
     "entry_path",
     "execute_prune",
+    "PruneResult",
     "inspect_entry",
     "layer_seed",
     "lock_path",

@@ -9,16 +9,40 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
 from filelock import Timeout
 
-__all__ = ["lock_holders", "acquire_with_notice", "NOTICE_AFTER_S"]
+__all__ = ["lock_holders", "acquire_with_notice", "lock_path_unusable", "NOTICE_AFTER_S"]
 
 log = logging.getLogger(__name__)
 
 NOTICE_AFTER_S = 2.0  # wait this long quietly before saying which entry we wait for
+
+
+def lock_path_unusable(lock: str | Path) -> str | None:
+    """What ``lock`` is when no writer can lock it ("a directory", "a symlink (to X)", "a socket"), or None.
+
+    None also when nothing is there (the lock is created on first use). filelock opens the path ``O_RDWR``
+    without following a link and then ``flock``s it: that works on regular files, FIFOs and devices, and fails
+    on directories, symlinks and sockets. One rule for the store (before encoding) and for ``cache verify``.
+    """
+    try:
+        mode = os.lstat(lock).st_mode
+    except OSError:
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symlink (to {os.readlink(lock)})"
+        except OSError:
+            return "a symlink"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return None
 
 
 def _command(pid: int) -> str:

@@ -23,9 +23,10 @@ from safetensors import safe_open
 
 from exl3tool.cache.entry import describe_unreadable, parse_proxy_error, tensor_sha256, validate_entry
 from exl3tool.cache.key import CacheKey
+from exl3tool.cache.locks import lock_path_unusable
 from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE
 
-__all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "lock_is_held", "matches_model"]
+__all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "PruneResult", "lock_is_held", "matches_model"]
 
 
 @dataclass(frozen=True)
@@ -148,17 +149,9 @@ def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | No
 
 
 def _lock_problem(path: Path) -> str | None:
-    """Why the lock path ``path`` cannot serve as a lock (not a regular file), or None; never follows a link."""
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return None
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISLNK(mode):
-        return f"the lock path is a symlink (to {os.readlink(path)}); no writer can take this entry's lock"
-    what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-    return f"the lock path is {what}; no writer can take this entry's lock"
+    """Why the lock path ``path`` cannot serve as a lock, or None (the store's rule: ``lock_path_unusable``)."""
+    what = lock_path_unusable(path)
+    return f"the lock path is {what}; no writer can take this entry's lock" if what else None
 
 
 def inspect_entry(path: str | Path, *, deep: bool = True) -> EntryInfo:
@@ -314,10 +307,48 @@ def plan_prune(
     return PrunePlan(tuple(chosen), tuple(skipped))
 
 
-def execute_prune(plan: PrunePlan) -> tuple[int, list[str]]:
-    """Delete the plan's files; returns (bytes freed, one error line per file that could not be removed)."""
-    freed, errors = 0, []
-    for info, _ in plan.items:
+@dataclass(frozen=True)
+class PruneResult:
+    """What ``execute_prune`` did: bytes freed, one line per file it could not remove, and per file it kept
+    because it changed since the plan (a writer published over it, e.g. while the user read the prompt)."""
+
+    freed: int
+    errors: tuple[str, ...]
+    kept: tuple[str, ...]
+
+
+def _changed_since_plan(info: EntryInfo) -> str | None:
+    """Why ``info``'s file must stay: a writer holds its entry lock, or its size/mtime differ from the scan."""
+    if info.kind in ("entry", "temp") and info.digest:
+        if lock_is_held(info.path.parent / f"{info.digest}.safetensors.lock"):
+            return "a writer holds its entry lock now"
+    if info.kind == "lock" and not info.status == "invalid" and lock_is_held(info.path):
+        return "the lock is held now"
+    try:
+        st = os.lstat(info.path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None  # the removal reports it
+    if info.kind != "stray" and not stat.S_ISDIR(st.st_mode) and (st.st_size, st.st_mtime) != (info.size, info.mtime):
+        return "it changed since the plan was made"
+    return None
+
+
+def execute_prune(plan: PrunePlan) -> PruneResult:
+    """Delete the plan's files, re-checking each just before: one a writer holds or replaced since the scan
+    stays (``kept``); ``errors`` has one line per file that could not be removed."""
+    freed, errors, kept = 0, [], []
+    kept_entries: set[Path] = set()
+    for info, _ in plan.items:  # entries come before locks in a plan
+        why = _changed_since_plan(info)
+        if why is None and info.kind == "lock" and info.path.with_suffix("") in kept_entries:
+            why = "its entry was kept"
+        if why:
+            kept.append(f"{info.path}: {why}; left in place")
+            if info.kind == "entry":
+                kept_entries.add(info.path)
+            continue
         try:
             if info.path.is_dir() and not info.path.is_symlink():
                 shutil.rmtree(info.path)
@@ -326,4 +357,4 @@ def execute_prune(plan: PrunePlan) -> tuple[int, list[str]]:
             freed += info.size
         except OSError as exc:
             errors.append(f"{info.path}: {exc.strerror or exc}")
-    return freed, errors
+    return PruneResult(freed, tuple(errors), tuple(kept))

@@ -23,7 +23,7 @@ from exl3tool.cache.entry import (
     Exl3OnlineNonFiniteError, atomic_write, check_fresh_encode, validate_entry, write_entry,
 )
 from exl3tool.cache.key import CacheKey
-from exl3tool.cache.locks import acquire_with_notice
+from exl3tool.cache.locks import acquire_with_notice, lock_path_unusable
 from exl3tool.cache.paths import TEMP_RE, entry_path, lock_path
 from exl3tool.cache.settings import CACHE_MODES
 from exl3tool.encode.encoded import EncodedLinear
@@ -50,14 +50,8 @@ def entry_obstacle(path: Path) -> str | None:
     except OSError:
         pass
     lock = lock_path(path)
-    try:
-        mode = os.lstat(lock).st_mode
-    except OSError:
-        return None
-    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return f"{lock} (the entry's lock path) is {what}, so no writer can take the entry lock"
-    return None
+    what = lock_path_unusable(lock)
+    return f"{lock} (the entry's lock path) is {what}, so no writer can take the entry lock" if what else None
 
 
 UNCHECKED_HIT = ("valid for the server; no exl3tool_sha256 (server-written?), so its weights are unchecked: "

@@ -268,17 +268,20 @@ def prune(
         "bytes_planned": plan.bytes_freed,
     }
     if dry_run or not plan.items:
-        out.data({**result, "bytes_freed": 0, "errors": []})
+        out.data({**result, "bytes_freed": 0, "errors": [], "kept": []})
         return
     if not yes:
         if json:
             raise ConfigError("prune with --json needs --yes (or --dry-run): there is no prompt in JSON mode")
         typer.confirm(f"Delete {len(plan.items)} file(s)?", abort=True)
-    freed, errors = execute_prune(plan)
+    done = execute_prune(plan)
+    errors = list(done.errors)
+    for line in done.kept:
+        out.note(line)
     for line in errors:
         out.warn(line)
-    out.line(f"freed {decimal(freed)}")
-    out.data({**result, "bytes_freed": freed, "errors": errors})
+    out.line(f"freed {decimal(done.freed)}" + (f"; {len(done.kept)} file(s) changed since the plan, kept" if done.kept else ""))
+    out.data({**result, "bytes_freed": done.freed, "errors": errors, "kept": list(done.kept)})
     if errors:
         raise InputError(f"{len(errors)} file(s) could not be removed (see warnings); check permissions under {root}")
 
