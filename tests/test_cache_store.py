@@ -463,3 +463,31 @@ def test_prune_keeps_a_lock_taken_after_the_plan(tmp_path):
         done = execute_prune(plan)
     assert done.kept and "held" in done.kept[0] and lock_path(orphan).exists()
     assert execute_prune(plan).freed == 0 and not lock_path(orphan).exists()  # free again: removed
+
+
+@pytest.mark.parametrize("failure", [MemoryError(), OSError(5, "Input/output error")])
+def test_claim_keeps_an_entry_it_could_not_read(tmp_path, monkeypatch, failure):
+    """Out of memory or EIO while re-checking under the lock says nothing about the file: it stays."""
+    store = CacheStore(tmp_path)
+    key = key_for("unreadable-now")
+    store.load_or_encode(key, Counter())
+    path = entry_path(key, tmp_path)
+    before = path.read_bytes()
+
+    def broken(*a, **k):
+        raise failure
+
+    monkeypatch.setattr(store, "_load", broken)
+    with pytest.raises(type(failure)):
+        store.claim(key)
+    assert path.read_bytes() == before
+    monkeypatch.undo()
+    assert CacheStore(tmp_path, "readonly").lookup(key).hit
+    _assert_lock_free(path)
+
+
+def _assert_lock_free(path: Path) -> None:
+    from filelock import FileLock
+
+    with FileLock(str(lock_path(path)), timeout=0):
+        pass

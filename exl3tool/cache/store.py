@@ -7,6 +7,7 @@ file. The lock only saves duplicate work.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -52,6 +53,14 @@ def entry_obstacle(path: Path) -> str | None:
     lock = lock_path(path)
     what = lock_path_unusable(lock)
     return f"{lock} (the entry's lock path) is {what}, so no writer can take the entry lock" if what else None
+
+
+def _not_about_the_file(exc: BaseException) -> bool:
+    """A failure to load an entry that is this host's, not the file's: out of memory, an I/O error, no file
+    descriptors. ``claim`` then leaves the entry alone (and raises) instead of deleting a file it could not read."""
+    if isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN)
 
 
 UNCHECKED_HIT = ("valid for the server; no exl3tool_sha256 (server-written?), so its weights are unchecked: "
@@ -288,6 +297,8 @@ class CacheStore:
                 try:
                     hit = self._from_hit(self._load(path, key))
                 except Exception as exc:
+                    if _not_about_the_file(exc):  # we could not read it; that says nothing against its bytes
+                        raise
                     log.warning("Replacing invalid online EXL3 cache entry %s: %s", path, exc)
                     path.unlink(missing_ok=True)
                 else:
