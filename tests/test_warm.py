@@ -446,6 +446,20 @@ def test_host_threads_under_torchrun():
         host_threads(True, {"EXL3TOOL_THREADS": "zero"})
 
 
+def test_group_timeout_outlasts_gloos_default():
+    """Worker 0 waits in the gather for the slowest worker: far longer than gloo's 30 minutes by default."""
+    from datetime import timedelta
+
+    from exl3tool.errors import ConfigError
+    from exl3tool.warm.distributed import group_timeout
+
+    assert group_timeout({}) >= timedelta(hours=12)
+    assert group_timeout({"EXL3TOOL_DIST_TIMEOUT_S": "90"}) == timedelta(seconds=90)
+    for bad in ("0", "-5", "soon", "nan", "inf"):
+        with pytest.raises(ConfigError, match="EXL3TOOL_DIST_TIMEOUT_S"):
+            group_timeout({"EXL3TOOL_DIST_TIMEOUT_S": bad})
+
+
 @pytest.mark.parametrize("command", [["cache", "warm"], ["encode"]])
 def test_overlap_flag_reaches_the_request(command, monkeypatch):
     from typer.testing import CliRunner

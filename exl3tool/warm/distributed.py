@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -11,7 +12,8 @@ import torch
 from exl3tool.warm.plan import WarmJob, WarmPlan
 from exl3tool.warm.results import JobResult
 
-__all__ = ["DistributedContext", "distributed_context", "worker_stats", "gather_results", "agreed_todo", "host_threads"]
+__all__ = ["DistributedContext", "distributed_context", "worker_stats", "gather_results", "agreed_todo", "host_threads",
+           "group_timeout"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,31 @@ class DistributedContext:
     initialised: bool
 
 
+DEFAULT_GROUP_TIMEOUT_S = 24 * 3600
+
+
+def group_timeout(environ: Optional[dict] = None) -> timedelta:
+    """How long a worker waits in a collective: ``EXL3TOOL_DIST_TIMEOUT_S`` seconds, by default 24 hours.
+
+    Worker 0 gathers results when its own share is done and then waits for the slowest worker; gloo's
+    default (30 minutes) would abort a long warm whose shares finish far apart (mixed GPUs, a busy host).
+    A worker that dies is noticed sooner anyway: torchrun stops the whole group.
+    """
+    env = os.environ if environ is None else environ
+    text = env.get("EXL3TOOL_DIST_TIMEOUT_S", "").strip()
+    if not text:
+        return timedelta(seconds=DEFAULT_GROUP_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        from exl3tool.errors import ConfigError
+
+        raise ConfigError(f"EXL3TOOL_DIST_TIMEOUT_S={text!r}: must be a positive number of seconds")
+    return timedelta(seconds=seconds)
+
+
 def distributed_context() -> DistributedContext:
     """Join the torchrun group if launched by torchrun (gloo: only small objects are exchanged)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -32,7 +59,7 @@ def distributed_context() -> DistributedContext:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=group_timeout())
     return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), True)
 
 
@@ -81,7 +108,6 @@ def agreed_todo(ctx: DistributedContext, plan: WarmPlan) -> list[WarmJob]:
         raise ConfigError(f"worker {ctx.worker} planned different jobs than worker 0 ({len(missing)} unknown); "
                           "every worker must see the same checkpoint, options and cache directory")
     return [by_digest[d] for d in box[0]]
-
 
 
 def host_threads(initialised: bool, environ: Optional[dict] = None) -> Optional[int]:
