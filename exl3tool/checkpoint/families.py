@@ -399,6 +399,24 @@ def _qwen35_tp(cfg: Config, w: int) -> Optional[str]:
     return None
 
 
+def _hybrid_attention_and_mlps(dense: When, shared: When,
+                               shared_size: Callable[[Config], int]) -> tuple[ModuleTemplate, ...]:
+    """What the Qwen3.5 and Qwen3-Next decoder layers share beside their gated-delta-net projections: full
+    attention (on ``full_attention`` layers), a dense MLP where ``dense``, a shared expert where ``shared``."""
+    return (
+        ModuleTemplate("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                       when=full_attention_layer),
+        ModuleTemplate("self_attn.o_proj", "row", ("self_attn.o_proj",), when=full_attention_layer),
+        ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=dense,
+                       parts=lambda cfg: (_int(cfg, "intermediate_size"),) * 2),
+        ModuleTemplate("mlp.down_proj", "row", ("mlp.down_proj",), when=dense),
+        ModuleTemplate("mlp.shared_expert.gate_up_proj", "merged_column",
+                       ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), when=shared,
+                       parts=lambda cfg: (shared_size(cfg),) * 2),
+        ModuleTemplate("mlp.shared_expert.down_proj", "row", ("mlp.shared_expert.down_proj",), when=shared),
+    )
+
+
 _QWEN35 = (
     # in_proj_qkvz = MergedColumnParallelLinear([key_dim, key_dim, value_dim, value_dim]): the checkpoint's
     # in_proj_qkv holds the first three parts, in_proj_z the fourth; each part is sliced per rank.
@@ -408,16 +426,8 @@ _QWEN35 = (
     ModuleTemplate("linear_attn.in_proj_ba", "merged_column", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
                    when=linear_attention_layer, parts=lambda cfg: (_gdn(cfg)[1],) * 2),
     ModuleTemplate("linear_attn.out_proj", "row", ("linear_attn.out_proj",), when=linear_attention_layer),
-    ModuleTemplate("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                   when=full_attention_layer),
-    ModuleTemplate("self_attn.o_proj", "row", ("self_attn.o_proj",), when=full_attention_layer),
-    ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=qwen35_dense_mlp,
-                   parts=lambda cfg: (_int(cfg, "intermediate_size"),) * 2),
-    ModuleTemplate("mlp.down_proj", "row", ("mlp.down_proj",), when=qwen35_dense_mlp),
-    ModuleTemplate("mlp.shared_expert.gate_up_proj", "merged_column",
-                   ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), when=qwen35_shared_expert,
-                   parts=lambda cfg: (_int(cfg, "shared_expert_intermediate_size"),) * 2),
-    ModuleTemplate("mlp.shared_expert.down_proj", "row", ("mlp.shared_expert.down_proj",), when=qwen35_shared_expert),
+    *_hybrid_attention_and_mlps(qwen35_dense_mlp, qwen35_shared_expert,
+                                lambda cfg: _int(cfg, "shared_expert_intermediate_size")),
 )
 _QWEN35_PACKED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -486,17 +496,8 @@ _QWEN3_NEXT = (
     ModuleTemplate("linear_attn.in_proj_ba", "merged_column", ("linear_attn.in_proj_ba",),
                    when=linear_attention_layer, parts=lambda cfg: (2 * _gdn(cfg)[1],)),
     ModuleTemplate("linear_attn.out_proj", "row", ("linear_attn.out_proj",), when=linear_attention_layer),
-    ModuleTemplate("self_attn.qkv_proj", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                   when=full_attention_layer),
-    ModuleTemplate("self_attn.o_proj", "row", ("self_attn.o_proj",), when=full_attention_layer),
-    ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=qwen3_next_dense_layer,
-                   parts=lambda cfg: (_int(cfg, "intermediate_size"),) * 2),
-    ModuleTemplate("mlp.down_proj", "row", ("mlp.down_proj",), when=qwen3_next_dense_layer),
-    ModuleTemplate("mlp.shared_expert.gate_up_proj", "merged_column",
-                   ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), when=qwen3_next_shared_expert,
-                   parts=lambda cfg: (_get(cfg, "shared_expert_intermediate_size", 512),) * 2),
-    ModuleTemplate("mlp.shared_expert.down_proj", "row", ("mlp.shared_expert.down_proj",),
-                   when=qwen3_next_shared_expert),
+    *_hybrid_attention_and_mlps(qwen3_next_dense_layer, qwen3_next_shared_expert,
+                                lambda cfg: _get(cfg, "shared_expert_intermediate_size", 512)),
 )
 _QWEN3_NEXT_PACKED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
