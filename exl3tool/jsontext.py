@@ -7,9 +7,12 @@ would escape every ``except ValueError`` and crash the command. ``loads_json`` t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-__all__ = ["loads_json"]
+from exl3tool.errors import InputError
+
+__all__ = ["loads_json", "read_json_object"]
 
 
 def loads_json(data: str | bytes | bytearray) -> Any:
@@ -25,3 +28,17 @@ def loads_json(data: str | bytes | bytearray) -> Any:
         return json.loads(data)
     except RecursionError:
         raise ValueError("JSON nested too deeply to parse") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A small JSON file of a checkpoint as a dict: InputError naming ``path`` when it cannot be read, is not
+    JSON or is not an object. FileNotFoundError propagates: whether a missing file is an error is the caller's."""
+    try:
+        data = loads_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{path}: cannot parse ({e})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a JSON object")
+    return data

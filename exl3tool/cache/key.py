@@ -29,6 +29,15 @@ def layer_seed(prefix: str) -> int:
     return zlib.crc32(prefix.encode("utf-8")) & 0x7FFFFFFF
 
 
+def _bits_or_rank_problem(bits: int, tp_world_size: int, tp_rank: int) -> str | None:
+    """Why the server never builds a key with these bits and TP rank, or None."""
+    if not 3 <= bits <= 8:
+        return f"bits must be from 3 to 8, got {bits}"
+    if not 0 <= tp_rank < tp_world_size:
+        return f"tp_rank {tp_rank} is outside 0..{tp_world_size - 1}"
+    return None
+
+
 def canonical_dumps(obj: Any) -> str:
     """Sorted keys, compact separators, ASCII escaping: the server's canonical form."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -76,10 +85,9 @@ class CacheKey:
         output_size: int,
     ) -> "CacheKey":
         """The key the server builds for one layer on one TP rank (seed from the prefix, constants fixed)."""
-        if not 3 <= bits <= 8:
-            raise ValueError(f"{prefix}: bits must be from 3 to 8, got {bits}")
-        if not 0 <= tp_rank < tp_world_size:
-            raise ValueError(f"{prefix}: tp_rank {tp_rank} is outside 0..{tp_world_size - 1}")
+        problem = _bits_or_rank_problem(bits, tp_world_size, tp_rank)
+        if problem:
+            raise ValueError(f"{prefix}: {problem}")
         return cls(
             model_identity=model_identity,
             encoder_identity=encoder_identity,
@@ -120,10 +128,9 @@ class CacheKey:
             return "the prefix is empty"
         if self.seed != layer_seed(self.prefix):
             return f"seed {self.seed} is not the prefix's ({layer_seed(self.prefix)})"
-        if not 3 <= self.bits <= 8:
-            return f"bits {self.bits} is outside 3..8"
-        if not 0 <= self.tp_rank < self.tp_world_size:
-            return f"tp_rank {self.tp_rank} is outside 0..{self.tp_world_size - 1}"
+        problem = _bits_or_rank_problem(self.bits, self.tp_world_size, self.tp_rank)
+        if problem:
+            return problem
         if min(self.input_size, self.output_size) <= 0 or self.input_size % 128 or self.output_size % 128:
             return f"size {self.input_size} x {self.output_size} is not a positive multiple of 128 both ways"
         return None

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from exl3tool.cache.entry import describe_unreadable, parse_proxy_error, tensor_sha256, validate_entry
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import lock_path_unusable
-from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE
+from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE, lock_path
 
 __all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "PruneResult", "lock_is_held", "matches_model"]
 
@@ -254,6 +254,11 @@ class PrunePlan:
         return sum(info.size for info, _ in self.items)
 
 
+def _entry_file(info: EntryInfo) -> Path:
+    """The entry file a scanned entry, temp or lock file belongs to (by its digest, in its directory)."""
+    return info.path.parent / f"{info.digest}.safetensors"
+
+
 def plan_prune(
     infos: list[EntryInfo],
     *,
@@ -286,7 +291,7 @@ def plan_prune(
                 chosen.append((info, f"older than {older_than_days:g} days"))
                 removed_entries.add(info.path)
         elif info.kind == "temp" and temp and (cutoff is None or old):
-            entry_lock = info.path.parent / f"{info.digest}.safetensors.lock"
+            entry_lock = lock_path(_entry_file(info))
             if lock_is_held(entry_lock):
                 skipped.append((info, "a writer holds the entry lock"))
             else:
@@ -298,7 +303,7 @@ def plan_prune(
             if invalid:
                 chosen.append((info, f"invalid: {info.reason}"))
             continue
-        entry = info.path.parent / f"{info.digest}.safetensors"
+        entry = _entry_file(info)
         if (info.orphan and temp) or entry in removed_entries:
             if lock_is_held(info.path):
                 skipped.append((info, "lock is held"))
@@ -320,7 +325,7 @@ class PruneResult:
 def _changed_since_plan(info: EntryInfo) -> str | None:
     """Why ``info``'s file must stay: a writer holds its entry lock, or its size/mtime differ from the scan."""
     if info.kind in ("entry", "temp") and info.digest:
-        if lock_is_held(info.path.parent / f"{info.digest}.safetensors.lock"):
+        if lock_is_held(lock_path(_entry_file(info))):
             return "a writer holds its entry lock now"
     if info.kind == "lock" and not info.status == "invalid" and lock_is_held(info.path):
         return "the lock is held now"
@@ -342,7 +347,7 @@ def execute_prune(plan: PrunePlan) -> PruneResult:
     kept_entries: set[Path] = set()
     for info, _ in plan.items:  # entries come before locks in a plan
         why = _changed_since_plan(info)
-        if why is None and info.kind == "lock" and info.path.with_suffix("") in kept_entries:
+        if why is None and info.kind == "lock" and _entry_file(info) in kept_entries:
             why = "its entry was kept"
         if why:
             kept.append(f"{info.path}: {why}; left in place")

@@ -232,15 +232,21 @@ def _indexer(when: When) -> ModuleTemplate:
                           parts=lambda cfg: (_int(cfg, "index_n_heads") * _int(cfg, "index_head_dim"),))
 
 
-_DS_MLP = (
-    ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=ds_dense_layer,
-                   parts=lambda cfg: (_int(cfg, "intermediate_size"),) * 2),
-    ModuleTemplate("mlp.down_proj", "row", ("mlp.down_proj",), when=ds_dense_layer),
-    ModuleTemplate("mlp.shared_experts.gate_up_proj", "merged_column",
-                   ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), when=ds_shared_experts,
-                   parts=lambda cfg: (_int(cfg, "moe_intermediate_size") * _int(cfg, "n_shared_experts"),) * 2),
-    ModuleTemplate("mlp.shared_experts.down_proj", "row", ("mlp.shared_experts.down_proj",), when=ds_shared_experts),
-)
+def _dense_and_shared_experts(dense: When, shared: When) -> tuple[ModuleTemplate, ...]:
+    """The DeepSeek-style MLPs (DeepSeek-V2/V3, GLM-4.5 MoE): a dense MLP where ``dense``, and where ``shared``
+    ``n_shared_experts`` experts of ``moe_intermediate_size`` fused into one ``mlp.shared_experts`` MLP."""
+    return (
+        ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=dense,
+                       parts=lambda cfg: (_int(cfg, "intermediate_size"),) * 2),
+        ModuleTemplate("mlp.down_proj", "row", ("mlp.down_proj",), when=dense),
+        ModuleTemplate("mlp.shared_experts.gate_up_proj", "merged_column",
+                       ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), when=shared,
+                       parts=lambda cfg: (_int(cfg, "moe_intermediate_size") * _int(cfg, "n_shared_experts"),) * 2),
+        ModuleTemplate("mlp.shared_experts.down_proj", "row", ("mlp.shared_experts.down_proj",), when=shared),
+    )
+
+
+_DS_MLP = _dense_and_shared_experts(ds_dense_layer, ds_shared_experts)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -532,15 +538,7 @@ def _glm4_moe_check(cfg: Config) -> None:
         raise ConfigError(f"Unsupported activation: {act}. Only silu is supported (the server refuses it too)")
 
 
-_GLM4_MOE = _ATTN + (
-    ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=glm4_dense_layer,
-                   parts=lambda cfg: (_int(cfg, "intermediate_size"),) * 2),
-    ModuleTemplate("mlp.down_proj", "row", ("mlp.down_proj",), when=glm4_dense_layer),
-    ModuleTemplate("mlp.shared_experts.gate_up_proj", "merged_column",
-                   ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), when=glm4_shared_experts,
-                   parts=lambda cfg: (_int(cfg, "moe_intermediate_size") * _int(cfg, "n_shared_experts"),) * 2),
-    ModuleTemplate("mlp.shared_experts.down_proj", "row", ("mlp.shared_experts.down_proj",), when=glm4_shared_experts),
-)
+_GLM4_MOE = _ATTN + _dense_and_shared_experts(glm4_dense_layer, glm4_shared_experts)
 
 
 FAMILIES: tuple[Family, ...] = (

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Optional
 from exl3tool.checkpoint.families import Family, ModuleTemplate, text_config
 from exl3tool.checkpoint.overlay import Overlay
 from exl3tool.errors import ConfigError, InputError
-from exl3tool.jsontext import loads_json
+from exl3tool.jsontext import read_json_object
 
 __all__ = [
     "NotServable", "CheckpointKind", "Route", "serving_kind", "storage_candidates", "StorageMap", "route_family",
@@ -52,13 +52,7 @@ def read_json(path: Path) -> Optional[dict]:
     """A small JSON file of the checkpoint, None when absent; InputError naming the file when unreadable."""
     if not path.is_file():
         return None
-    try:
-        data = loads_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise InputError(f"{path}: cannot parse ({e})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: not a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def storage_candidates(prefix: str) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from exl3tool.errors import InputError
-from exl3tool.jsontext import loads_json
+from exl3tool.jsontext import loads_json, read_json_object
 
 __all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype",
            "HUB_PATTERNS", "QUANT_CONFIG", "Selector"]
@@ -314,14 +314,9 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
 
 def _load_config(path: Path) -> dict[str, Any]:
     try:
-        config = loads_json(path.read_text(encoding="utf-8"))
+        return read_json_object(path)
     except FileNotFoundError:
         raise InputError(f"{path}: config.json not found; the checkpoint directory needs one") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise InputError(f"{path}: cannot parse config.json ({e})") from None
-    if not isinstance(config, dict):
-        raise InputError(f"{path}: config.json is not a JSON object")
-    return config
 
 
 def _index_files(root: Path) -> dict[str, list[str]]:

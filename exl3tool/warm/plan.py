@@ -70,7 +70,6 @@ class WarmPlan:
         return sorted(pending, key=lambda j: (-j.tiles, j.digest))
 
 
-
 def _state(store: CacheStore, key: CacheKey, check_hits: bool) -> tuple[str, str]:
     """(state, reason) of one job's entry: a look-up with our checksum, and what would stop a publish."""
     if store.mode == "off":
