@@ -27,8 +27,10 @@ from exl3tool.kernels.gemm import trellis_matmul_reference
 
 REPO = Path(__file__).resolve().parent.parent
 FP16_BOUND = 1e-3
-BF16_BOUND_GPU = 2e-3
-BF16_BOUND_INTERP = 4e-3
+# A bf16 output alone is off by about 1.6e-3 (rms relative rounding of random values, 8 significant bits); at
+# m = 1 and n = 128 the relative norm of that rounding reaches 2.1e-3 (180 draws). One bound for the GPU and the
+# interpreter, whose fp32->bf16 casts the interpreter child rounds to nearest as the GPU does.
+BF16_BOUND = 3e-3
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -122,6 +124,18 @@ _CHILD = textwrap.dedent(r"""
 
     _orig_dot = ti.InterpreterBuilder.create_dot
     ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _orig_dot(self, _f32(a), _f32(b), d, *rest)
+
+    # The stock interpreter casts fp32 to bf16 by truncation (toward zero, up to 2^-8 relative); the GPU rounds to
+    # nearest even. Round as the GPU does, so that bf16 cases meet the GPU's error bound here too.
+    _orig_cast = ti.InterpreterBuilder.cast_impl
+
+    def _cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return ti.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return _orig_cast(self, src, dst_type)
+
+    ti.InterpreterBuilder.cast_impl = _cast
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     cases = json.loads(sys.argv[2])
     out = []
@@ -259,7 +273,7 @@ def test_interpreter_accuracy_and_corruption(interp_results):
             continue
         if r.get("dispatch") and r["path"] != r["dispatch"]:
             failures.append(dict(r, why="trellis_matmul took another path"))
-        bound = BF16_BOUND_INTERP if r["dtype"] == "bfloat16" else FP16_BOUND
+        bound = BF16_BOUND if r["dtype"] == "bfloat16" else FP16_BOUND
         if not r["finite"] or not r["err"] < bound:
             failures.append(r)
         if r.get("corrupt") and not r["err_corrupt"] > 20 * bound:
@@ -401,7 +415,7 @@ def _gpu_case(k: int, n: int, m: int, bits: int, cb: str, dt: torch.dtype, gen: 
 def test_gpu_accuracy_matrix(kn, m, dt):
     gen = torch.Generator().manual_seed(hash((kn, m, str(dt))) & 0xFFFF ^ int.from_bytes(os.urandom(2), "little"))
     err = _gpu_case(kn[0], kn[1], m, 6, "mcg", dt, gen)
-    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND_GPU), err
+    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND), err
 
 
 @pytest.mark.gpu
@@ -488,7 +502,7 @@ def test_gpu_explicit_configs(name, m, dt):
     cfg = ReconConfig(**c) if "fold" in c else GemmConfig(**c)
     gen = torch.Generator().manual_seed(hash((name, m, str(dt))) & 0xFFFF)
     err = _gpu_case(640, 384, m, 6, "mcg", dt, gen, config=cfg)
-    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND_GPU), err
+    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND), err
 
 
 @pytest.mark.gpu
@@ -502,7 +516,7 @@ def test_gpu_fma_one_row(bk, split, l2, dt):
                      l2_prefetch=l2, fma=True)
     gen = torch.Generator().manual_seed(bk + split)
     err = _gpu_case(640, 384, 1, 6, "mcg", dt, gen, config=cfg)
-    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND_GPU), err
+    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND), err
     tr, suh, svh = _random_encode(640, 384, 6, gen, "cuda")
     with pytest.raises(ValueError):
         trellis_matmul(torch.randn(2, 640, device="cuda").half(), tr, suh, svh, bits=6, config=cfg)
