@@ -213,6 +213,13 @@ def _hostile(case: str, tmp_path) -> tuple[bytes, str]:
         members, why = [(ro["path"], None, {"type": tarfile.CHRTYPE, "devmajor": 1, "devminor": 3})], "character device"
     elif case == "fifo":
         members, why = [(ro["path"], None, {"type": tarfile.FIFOTYPE})], "a FIFO"
+    elif case == "directory":  # a directory where the entry should be: the server would find no file there
+        members, why = [(ro["path"], None, {"type": tarfile.DIRTYPE})], "a directory"
+    elif case == "gnu-longname":  # the GNU header that renames the next member (the entry path is over 100 bytes)
+        members, why = [(ro["path"], other, {"_format": tarfile.GNU_FORMAT})], "a GNU long-name header"
+    elif case == "gnu-longlink":
+        members, why = [(ro["path"][:90], None, {"type": tarfile.SYMTYPE, "linkname": "/" + "x" * 120,
+                                                 "_format": tarfile.GNU_FORMAT})], "a GNU long-link header"
     elif case == "unlisted":
         return _tar([("manifest.json", _manifest([rg]), {}), (rg["path"], good, {}), (ro["path"], other, {})]), \
             "not in the manifest"
@@ -263,7 +270,8 @@ def _hostile(case: str, tmp_path) -> tuple[bytes, str]:
 UNPRODUCIBLE = {"seed": dict(seed=12345), "rank": dict(tp_rank=2, tp_world_size=2),
                 "identity": dict(model_identity="../" + "a" * 61), "codebook": dict(codebook="3inst"),
                 "schema": dict(schema=2), "bits": dict(bits=12)}
-CASES = ["absolute", "dotdot", "symlink", "hardlink", "device", "fifo", "unlisted", "duplicate", "wrong-path",
+CASES = ["absolute", "dotdot", "symlink", "hardlink", "device", "fifo", "directory", "gnu-longname", "gnu-longlink",
+         "unlisted", "duplicate", "wrong-path",
          "key-in-file", "oversize-header", "pax", "sha", "non-finite", "size", "missing", *UNPRODUCIBLE]
 
 
