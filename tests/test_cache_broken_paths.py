@@ -14,7 +14,7 @@ import json
 import os
 
 import pytest
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import CacheKey, CacheStore, lock_path, scan
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint

@@ -15,7 +15,7 @@ import sys
 import tarfile
 
 import pytest
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cache.bundle import BundleError, import_bundle, manifest_bytes, plan_export, write_bundle

@@ -7,7 +7,7 @@ import os
 import time
 
 import pytest
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import CacheKey, CacheStore, entry_path, lock_path
 from exl3tool.cli import _register, app

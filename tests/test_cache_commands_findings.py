@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cli import _register, app

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import CacheKey, CacheStore, entry_path, scan
 from exl3tool.cli import _register, app

@@ -16,7 +16,7 @@ import struct
 
 import pytest
 from safetensors.torch import save_file
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import CacheStore
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
@@ -138,7 +138,7 @@ def test_entries_without_our_checksum_are_unchecked_not_valid(model, tmp_path, m
     assert {u["digest"] for u in doc["unchecked"]} == {e.digest for e in server_written}
     assert all(u["status"] == "unchecked" and u["server_loads"] is True and u["sha256_ok"] is None for u in doc["unchecked"])
     human = CliRunner().invoke(app, ["cache", "verify", "--cache-dir", str(cache)])
-    text = " ".join(human.output.split())
+    text = " ".join((human.stdout + human.stderr).split())  # the hint may go to either stream
     assert "19 valid, 5 unchecked, 0 invalid" in text and "exl3tool verify MODEL" in text
 
     _, plan, _ = prepare(_request(model, cache))

@@ -3,7 +3,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 import exl3tool
 from exl3tool.cli import _register, app

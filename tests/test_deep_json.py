@@ -11,7 +11,7 @@ import struct
 import tarfile
 
 import pytest
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cache.bundle import BundleError, import_bundle

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import resolve_encoder_identity, server_identities
 from exl3tool.checkpoint import write_llama_checkpoint

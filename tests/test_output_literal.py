@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-from typer.testing import CliRunner
+from cli_runner import CliRunner
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cli import _register, app
