@@ -13,8 +13,8 @@ import pytest
 
 from exl3tool.checkpoint.serving import NO_STORAGE_REASON, NotServable, serving_kind
 from exl3tool.checkpoint.synthetic import exl3_record
-from exl3tool.cli import main
 
+from test_overlay import _cli
 from tiny_models import EXL3_SUMMARY, write_mla
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "kinds-test"]
@@ -117,16 +117,6 @@ def test_rank_sliced_refusals_are_the_servers(changes, why):
     with pytest.raises(NotServable) as err:
         serving_kind(dict(TEXT, hybrid_tr3_tail=_hybrid(**changes)), None)
     assert why in str(err.value)
-
-
-def _cli(args, capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_rank_sliced_checkpoint_plans_at_its_tp_only(tmp_path, capsys):
