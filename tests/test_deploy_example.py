@@ -27,17 +27,18 @@ SCRIPTS = ("common.sh", "identity-key.sh", "warm.sh", "export.sh", "import.sh", 
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 HD = 64  # head dim of TINY
 TP_SIZES = (1, 2)
-LAYERS = "model.layers.0.self_attn.*"  # qkv_proj and o_proj of layer 0: 1,536 tiles over TP 1 and 2
+LAYERS = "model.layers.0.self_attn.*"  # qkv_proj and o_proj of layer 0
+QUANT_CONFIG = '{"linear": {"weight": "mxfp8"}, "ignore": ["re:.*o_proj$"]}'  # the server's: o_proj stays BF16
 
 
 def expected_jobs():
-    """(prefix, W, R, K_r, N_r) of layer 0's attention at each TP size, from the spec's slicing rules (§6.4)."""
+    """(prefix, W, R, K_r, N_r) of layer 0's qkv_proj at each TP size, from the spec's slicing rules (§6.4);
+    o_proj is ignored by QUANT_CONFIG, as the server started with it would."""
     heads, kv, hidden = TINY["heads"], TINY["kv_heads"], TINY["hidden"]
     for w in TP_SIZES:
         kv_r = max(1, kv // w)
         for r in range(w):
             yield "model.layers.0.self_attn.qkv_proj", w, r, hidden, (heads // w + 2 * kv_r) * HD
-            yield "model.layers.0.self_attn.o_proj", w, r, hidden // w, hidden
 
 
 def _run(script: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
@@ -61,7 +62,7 @@ def test_scripts_warm_export_import_and_every_entry_hits(tmp_path):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                MODEL=str(model), SERVER_MODEL_PATH=str(srv / "models" / "tiny"),
                ENCODER_ROOT=str(srv / "opt" / "exllamav3"), ENCODER_SOURCE=str(encoder),
-               TP_SIZES=",".join(map(str, TP_SIZES)), BITS="6", LAYERS=LAYERS, DEVICE="cpu",
+               TP_SIZES=",".join(map(str, TP_SIZES)), BITS="6", LAYERS=LAYERS, QUANT_CONFIG=QUANT_CONFIG, DEVICE="cpu",
                CACHE_DIR=str(ci / "cache"), BUNDLE=str(ci / "exl3-bundle.tar"), IDENTITY_JSON=str(ci / "identity.json"))
     for name in ("VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION", "REVISION", "ENCODER_REVISION", "NPROC"):
         env.pop(name, None)
@@ -69,7 +70,8 @@ def test_scripts_warm_export_import_and_every_entry_hits(tmp_path):
     key = _run("identity-key.sh", env, ci).stdout.strip()
     _run("warm.sh", env, ci)
     warm = json.loads((ci / "warm.json").read_text())
-    assert warm["counts"] == {"hit": 0, "encoded": 6, "skipped": 0, "failed": 0}
+    assert warm["counts"] == {"hit": 0, "encoded": 3, "skipped": 0, "failed": 0}
+    assert warm["quantization_config"]["ignore"] == ["re:.*o_proj$"] and warm["server_lookup"] is True
     _run("export.sh", env, ci)
 
     node = dict(env, CACHE_DIR=str(srv / "cache"))  # the node needs only BUNDLE and CACHE_DIR
@@ -82,7 +84,11 @@ def test_scripts_warm_export_import_and_every_entry_hits(tmp_path):
         hit = server_lookup(srv / "cache", model_id, encoder_id, prefix, 6, w, r, k, n)
         assert hit is not None, f"{prefix} tp{w}-rank{r} ({k} x {n}) misses on the server"
     files = [p for p in (srv / "cache").rglob("*.safetensors")]
-    assert len(files) == 6 and all(p.stat().st_mode & 0o777 == 0o644 for p in files)
+    assert len(files) == 3 and all(p.stat().st_mode & 0o777 == 0o644 for p in files)
+    o_proj = [h for w in TP_SIZES for r in range(w) for h in [server_lookup(
+        srv / "cache", model_id, encoder_id, "model.layers.0.self_attn.o_proj", 6, w, r, TINY["hidden"] // w,
+        TINY["hidden"])] if h is not None]
+    assert not o_proj, "o_proj is ignored by the server's overlay and must not be warmed"
 
 
 def _doc_blocks() -> dict[str, str]:
@@ -105,6 +111,7 @@ def test_workflow_runs_the_scripts_and_keys_the_artifact():
     wf = yaml.safe_load((CI / "warm-and-bundle.yml").read_text())
     job = wf["jobs"]["warm"]
     assert job["env"]["TP_SIZES"] == "1,2,4,8"
+    assert job["env"]["QUANT_CONFIG"] == "${{ inputs.quantization_config }}"
     runs = "\n".join(step.get("run", "") for step in job["steps"])
     for script in ("identity-key.sh", "warm.sh", "export.sh"):
         assert f"bash examples/ci/{script}" in runs

@@ -8,6 +8,7 @@ run=(exl3tool)
 if [ "${NPROC:-1}" -gt 1 ]; then run=(torchrun --nproc-per-node "$NPROC" -m exl3tool); fi
 layers=()
 if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
-"${run[@]}" cache warm "$MODEL" "${ids[@]}" --tp-sizes "$TP_SIZES" --bits "$BITS" --cache-dir "$CACHE_DIR" \
-    --file-mode "$FILE_MODE" --device "${DEVICE:-auto}" "${layers[@]}" --json > "${WARM_JSON:-warm.json}"
+"${run[@]}" cache warm "$MODEL" "${ids[@]}" "${plan[@]}" --tp-sizes "$TP_SIZES" --bits "$BITS" \
+    --cache-dir "$CACHE_DIR" --file-mode "$FILE_MODE" --device "${DEVICE:-auto}" "${layers[@]}" --json \
+    > "${WARM_JSON:-warm.json}"
 if [ -n "${CACHE_OWNER:-}" ]; then chown -R "$CACHE_OWNER" "$CACHE_DIR"; fi

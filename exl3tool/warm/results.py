@@ -48,6 +48,8 @@ class WarmSummary:
     entries: list[JobResult]
     worker_stats: list[dict] = field(default_factory=list)
     unchecked_hits: int = 0  # hits without exl3tool_sha256 (server-written): kept, weights checked only by verify
+    quantization_config: Optional[dict] = None  # the resolved overlay the plan was made with
+    server_lookup: bool = True  # False: generic --layers mode, entries the server never looks up
 
     @property
     def ok(self) -> bool:
@@ -64,10 +66,13 @@ def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers:
     order = {(j.prefix, j.tp_size, j.tp_rank): i for i, j in enumerate(plan.jobs)}
     results = sorted(results, key=lambda r: order.get((r.prefix, r.tp_size, r.tp_rank), 0))
     counts = {s: sum(1 for r in results if r.status == s) for s in ("hit", "encoded", "skipped", "failed")}
+    lp = plan.layer_plan
     return WarmSummary(
         model=plan.model, model_identity=plan.model_identity, encoder_identity=plan.encoder_identity,
         bits=plan.bits, tp_sizes=list(plan.tp_sizes), cache_root=str(plan.cache_root), device=device,
         workers=workers, counts=counts, bytes_written=sum(r.bytes for r in results if r.status == "encoded"),
         seconds=round(seconds, 3), entries=results,
         unchecked_hits=sum(1 for j in plan.jobs if j.state == "hit" and j.reason == UNCHECKED_HIT),
+        quantization_config=lp.overlay.as_json() if lp is not None and lp.overlay is not None else None,
+        server_lookup=lp.server_lookup if lp is not None else True,
     )
