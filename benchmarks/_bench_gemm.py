@@ -119,6 +119,14 @@ def candidates(m: int, k: int, n: int) -> list:
             for bk, w, l2 in ((32, 4, False), (32, 4, True), (64, 4, True)):
                 out.append(GemmConfig(bm=16, bk=bk, split=split, fuse_in=False, num_warps=w, num_stages=1, asm=2,
                                       prefetch=False, l2_prefetch=l2, fma=True))
+    if m <= 16:  # balanced split-K: every split gets the same number of 128-row chunks (c per split)
+        for split in sorted({-(-ch // c) for c in range(1, 9)}):
+            if m == 1:
+                out.append(GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=2,
+                                      prefetch=False, l2_prefetch=True, fma=True))
+            for l2 in (False, True):
+                out.append(GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=2,
+                                      prefetch=False, l2_prefetch=l2))
     if m >= 64:
         out.append(ReconConfig(fold=FOLD_NONE, br=32, num_warps=4, asm=2))
         out.append(ReconConfig(fold=FOLD_NONE, br=64, num_warps=4, asm=2))

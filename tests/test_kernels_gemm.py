@@ -294,6 +294,26 @@ def test_interpreter_fold_weight_bit_exact(interp_results):
             assert r["mismatches"] == 0, r
 
 
+def test_balanced_split_leaves_no_split_empty():
+    """Every split the kernel runs holds ceil(chunks / split) chunks but the last, which holds at least one."""
+    pytest.importorskip("triton")
+    from exl3tool.kernels.gemm import balanced_split, choose_config
+
+    for chunks in range(1, 130):
+        for target in range(1, 140):
+            for least in (1, 2, 3):
+                split = balanced_split(chunks, target, min_chunks=least)
+                per = -(-chunks // split)
+                assert 1 <= split <= min(chunks, target) or split == 1, (chunks, target, split)
+                assert (split - 1) * per < chunks, (chunks, target, split)  # the last split is not empty
+                assert split <= -(-chunks // least)
+    cuda_like = torch.device("cpu")
+    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (640, 384)):
+        for m in (1, 4, 16):
+            split, chunks = choose_config(m, k, n, cuda_like).split, k // 128
+            assert (split - 1) * -(-chunks // split) < chunks, (k, n, m, split)
+
+
 def test_choose_config_dispatch():
     """Below RECON_MIN_M rows the fused kernel, from there on the reconstruct path with the cheapest fold."""
     pytest.importorskip("triton")

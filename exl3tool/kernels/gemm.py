@@ -648,15 +648,27 @@ def recon_cost(fold: int, m: int, k: int, n: int, dtype: torch.dtype = torch.flo
                    + sum(RECON_COST_US[p] * size[p] for p in _FOLD_PASSES[fold]))
 
 
+def balanced_split(chunks: int, target: int, *, min_chunks: int = 1) -> int:
+    """Split-K count near ``target`` whose splits all hold the same number of 128-row chunks, give or take one.
+
+    The kernel gives each split ceil(chunks / split) chunks, so a split count that does not divide evenly leaves
+    the last splits empty (32 chunks in 19 splits: 16 of 2 and 3 empty programs). ``min_chunks`` caps the count
+    at ceil(chunks / min_chunks) (m = 1: 2, measured 3-4 % faster than one chunk per split on the H200 at
+    K = 4096).
+    """
+    per = max(min(min_chunks, chunks), -(-chunks // max(1, min(chunks, target))))
+    return -(-chunks // per)
+
+
 def choose_config(m: int, k: int, n: int, device: torch.device,
                   dtype: torch.dtype = torch.float16) -> GemmConfig | ReconConfig:
     """Heuristic per regime, from the H200 sweep (benchmarks/NOTES_gemm.md; ``EXL3_BENCH_SWEEP=1``).
 
     m == 1: the fused kernel's FMA form (no tensor cores, so no shared-memory staging and no barrier per
-    step: 20-30 % faster than tl.dot at one row), split-K to about sixteen programs per SM (as many as there
-    are 128-row chunks), the words prefetched into L2.
-    2 <= m <= 16: the fused kernel, BM=16 and split-K to about four programs per SM, so that enough loads are in
-    flight; the input side by the prep kernel (the fused form was never faster), one pipeline stage
+    step: 20-30 % faster than tl.dot at one row), split-K to at most about sixteen programs per SM with at least
+    two 128-row chunks per split (``balanced_split``), the words prefetched into L2.
+    2 <= m <= 16: the fused kernel, BM=16 and balanced split-K to about four programs per SM, so that enough
+    loads are in flight; the input side by the prep kernel (the fused form was never faster), one pipeline stage
     (Triton's shared-memory stages cost 2-3x here) and no register prefetch (its registers cost more
     occupancy than it hides).
     16 < m < RECON_MIN_M: the fused kernel with BM=64, BK=64, split-K to about four programs per SM and the
@@ -672,11 +684,11 @@ def choose_config(m: int, k: int, n: int, device: torch.device,
         fold = min(_FOLDS, key=lambda f: recon_cost(f, m, k, n, dtype))
         return ReconConfig(fold=fold, br=32 if fold == FOLD_NONE else 64, num_warps=4, asm=asm)
     if m == 1:
-        split = max(1, min(chunks, -(-16 * sms // n_blocks)))
+        split = balanced_split(chunks, -(-16 * sms // n_blocks), min_chunks=2)
         return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
                           prefetch=False, l2_prefetch=True, fma=True)
     if m <= 16:
-        split = max(1, min(chunks, -(-4 * sms // n_blocks)))
+        split = balanced_split(chunks, -(-4 * sms // n_blocks))
         return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
                           prefetch=False)
     m_blocks = -(-m // 64)
