@@ -96,8 +96,29 @@ class Excluded:
     """A module the model builds with the quant config that the server does not encode online, and why."""
 
     prefix: str
-    reason: str  # "stored_exl3" | "no_spec" | "ignored" | "excluded"
+    reason: str  # "stored_exl3" | "no_spec" | "ignored" | "excluded" | "not_modelled"
     detail: str = ""
+
+
+def _unplanned_vision_tower(checkpoint: Checkpoint, arch: str, family: Family, cfg: dict, storage: StorageMap,
+                            overlay: Overlay) -> str:
+    """Why the server will encode a vision tower exl3tool does not plan, or "" when it will not.
+
+    Qwen3.5/3.8 ``*ForConditionalGeneration`` builds its vision tower (``qwen3_vl.py``: blocks and merger) with the
+    quant config, so an overlay with a ``linear`` spec that does not ignore ``visual.*`` has the server encode those
+    linears online. exl3tool has no table for the tower: each of them is a miss, encoded by the server at start-up.
+    """
+    if not (arch.startswith("Qwen3_5") and arch.endswith("ForConditionalGeneration")) or overlay.linear is None:
+        return ""
+    probe = "visual.blocks.0.attn.qkv"
+    if overlay.ignores(probe, family.packed(cfg)) or storage.is_exl3(probe):
+        return ""
+    if not any(name.startswith(("model.visual.", "visual.")) for name in checkpoint.index_names()):
+        return ""
+    return ("the vision tower (visual.*) is built with the quant config and this overlay does not ignore it, so "
+            "the server encodes its linears online at start-up; exl3tool has no plan for them, so those look-ups "
+            "miss. Add \"re:.*visual\\\\..*\" to the overlay's ignore list, as the deployed Qwen3.8 recipe does, "
+            "or accept the server's online encode of the vision layers")
 
 
 def _check_tp(tp_size: int) -> None:
@@ -454,6 +475,10 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
         raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers "
                           f"{' '.join(repr(g) for g in layers)}; globs match vLLM prefixes such as "
                           f"'{family.layers_prefix}.0.self_attn.o_proj'")
+    vision = _unplanned_vision_tower(checkpoint, arch or "", family, cfg, view.storage, overlay)
+    if vision and not layers:
+        excluded.append(Excluded("visual.*", "not_modelled", vision))
+        notes.append(vision)
     return LayerPlan(tuple(planned), arch, tuple(serialized), tuple(excluded), overlay, view.kind,
                      view.refusal is None, family, tuple(notes), cfg)
 

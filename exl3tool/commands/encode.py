@@ -60,8 +60,9 @@ def plan_notes(out: Output, plan: WarmPlan) -> None:
         return
     if lp.overlay is not None:
         out.note(f"quantization config: {lp.overlay.text}" + (" (default)" if lp.overlay.default else ""))
+    gaps = {e.detail for e in lp.excluded if e.reason == "not_modelled"}  # layers the server encodes, we do not
     for note in lp.notes:
-        (out.note if lp.server_lookup else out.warn)(note)
+        (out.note if lp.server_lookup and note not in gaps else out.warn)(note)
     if plan.fetch is not None:
         out.note(plan.fetch.line())
 

@@ -175,6 +175,22 @@ def test_qwen38_hybrid_with_the_recipe(tmp_path):
         plan.for_tp(4)
 
 
+def test_qwen38_vision_tower_without_an_ignore_is_named_not_silently_missed(tmp_path):
+    """qwen3_5.py builds Qwen3_VisionTransformer with the quant config: an overlay that does not ignore visual.*
+    has the server encode the tower online; exl3tool has no table for it and must say so (note + not_planned)."""
+    ckpt = open_checkpoint(str(write_qwen35(tmp_path / "q")))
+    plain = plan_layers(ckpt)  # the default overlay: linear spec, no ignore list
+    assert [(e.prefix, e.reason) for e in plain.excluded if e.prefix.startswith("visual")] == [
+        ("visual.*", "not_modelled")]
+    assert any("vision tower (visual.*)" in n and "re:.*visual" in n for n in plain.notes)
+    assert not any(x.prefix.startswith("visual") for x in plain.layers)
+    recipe = plan_layers(ckpt, overlay=QWEN38_OVERLAY)
+    assert not any(e.prefix.startswith("visual") for e in recipe.excluded)
+    assert not any("vision tower" in n for n in recipe.notes)
+    only_text = plan_layers(ckpt, overlay=r'{"linear": "mxfp8", "ignore": ["re:visual\\..*"]}')
+    assert not any("vision tower" in n for n in only_text.notes)
+
+
 def test_qwen38_mixed_in_proj_sources_refused(tmp_path):
     ckpt = open_checkpoint(str(write_qwen35(tmp_path / "q", mixed_in_proj=True)))
     with pytest.raises(ConfigError, match="in_proj_qkvz' mixes EXL3 and BF16 source shards"):
