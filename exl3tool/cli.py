@@ -83,6 +83,12 @@ def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None) -> 
     sys.exit(exit_code)
 
 
+def _interrupted(json_mode: bool) -> None:
+    """Ctrl-C: exit 130 (128 + SIGINT, as shells report it), saying that the cache is consistent."""
+    _fail("interrupted: entries published so far are complete (a publish is atomic); run the same command again "
+          "to resume", 130, json_mode)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turning every error into one line and an exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -91,14 +97,20 @@ def main(argv: list[str] | None = None) -> None:
     _register()
     try:
         rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
+        if rc == 130:  # typer turns Ctrl-C into Exit(130), which non-standalone Click returns (no command does)
+            _interrupted(json_mode)
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except Exl3ToolError as exc:
         _fail(describe(exc), exc.exit_code, json_mode)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except typer.Abort as exc:
+        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):  # Click < 8.2 / older typer
+            _interrupted(json_mode)
         _fail("aborted", 2, json_mode)
+    except KeyboardInterrupt:
+        _interrupted(json_mode)
     except ClickException as exc:  # usage errors: Click's own usage line, "Try ... --help" and the message
         _fail(exc.format_message(), exc.exit_code, json_mode, show_usage=exc.show)
     except (ValueError, OSError) as exc:  # bad values and I/O problems raised below the commands

@@ -251,3 +251,51 @@ def test_waiting_for_a_held_lock_names_the_entry_and_the_holder(tmp_path, caplog
     if Path("/proc/locks").exists():
         assert f"pid {holder.pid}" in notes[0]
     assert waited > 2.0
+
+
+@pytest.mark.parametrize("mode, why", [("0000", "lacks owner read"), ("0200", "lacks owner read"),
+                                       ("04755", "bits beyond the permissions"), ("0777", "group/world-writable"),
+                                       ("0620", "group/world-writable"), ("9", "must be octal")])
+def test_file_mode_the_server_cannot_read_or_trust_is_a_usage_error(mode, why, model, tmp_path, capsys, no_encode):
+    """One rule for every command that writes entries: exit 2 before anything is created."""
+    cache = tmp_path / "cache"
+    for argv in (["cache", "warm", str(model), "--layers", "*.o_proj", "--cache-dir", str(cache), *ENC],
+                 ["encode", str(model), "--layers", "*.o_proj", "--cache-dir", str(cache), *ENC],
+                 ["cache", "import", str(tmp_path / "none.tar"), "--cache-dir", str(cache)]):
+        code, _, err = run([*argv, "--file-mode", mode], capsys)
+        assert code == 2 and why in err and "--file-mode" in err, (argv, err)
+        assert "Traceback" not in err and not cache.exists()
+    assert CacheStore(cache, file_mode=0o644).file_mode == 0o644
+    with pytest.raises(ValueError, match="lacks owner read"):
+        CacheStore(cache, file_mode=0o044)
+
+
+def test_verify_usage_and_io_errors_exit_2_before_any_check(model, tmp_path, capsys):
+    """A rank outside the TP size, a missing or non-directory cache, a report folder that does not exist and a
+    non-positive threshold are usage or I/O errors (2), not N failed layers (1)."""
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "file").write_text("x")
+    base = ["verify", str(model), *ENC]
+    cases = [
+        (["--tp-size", "2", "--tp-rank", "5", "--cache-dir", str(tmp_path / "cache")], "--tp-rank 5 is outside 0..1"),
+        (["--cache-dir", str(tmp_path / "missing")], "does not exist"),
+        (["--cache-dir", str(tmp_path / "file")], "is not a directory"),
+        (["--cache-dir", str(tmp_path / "cache"), "--report", str(tmp_path / "no" / "r.md")], "does not exist"),
+        (["--cache-dir", str(tmp_path / "cache"), "--max-kernel-err", "-1"], "must be positive"),
+    ]
+    for extra, why in cases:
+        code, _, err = run([*base, *extra], capsys)
+        assert code == 2 and why in err and "Traceback" not in err, (extra, err)
+
+
+def test_ctrl_c_says_the_cache_is_consistent_and_how_to_resume(model, tmp_path, capsys, monkeypatch):
+    import exl3tool.commands.verify as verify_cmd
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify_cmd, "prepare", interrupted)
+    (tmp_path / "cache").mkdir()
+    code, out, err = run(["verify", str(model), "--cache-dir", str(tmp_path / "cache"), "--json", *ENC], capsys)
+    assert code == 130 and "interrupted" in err and "run the same command again to resume" in err
+    assert json.loads(out)["exit_code"] == 130 and "Traceback" not in err

@@ -117,3 +117,28 @@ def test_workflow_runs_the_scripts_and_keys_the_artifact():
         assert f"bash examples/ci/{script}" in runs
     upload = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
     assert upload["with"]["name"] == "${{ steps.key.outputs.key }}"
+
+
+def test_export_refuses_a_key_written_for_another_model_and_a_failed_identity_keeps_the_key(tmp_path):
+    """identity-key.sh's IDENTITY_JSON names the bundle; export.sh must not write another model's entries under it,
+    and an identity that fails must not leave an error document where the key was."""
+    a = write_llama_checkpoint(tmp_path / "a", **TINY, seed=1, shards=1)
+    b = write_llama_checkpoint(tmp_path / "b", **TINY, seed=2, shards=1)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", MODEL=str(a),
+               ENCODER_ROOT="/opt/exllamav3", ENCODER_REVISION="v-test", CACHE_DIR=str(tmp_path / "cache"),
+               BUNDLE=str(tmp_path / "b.tar"), IDENTITY_JSON=str(tmp_path / "identity.json"))
+    for name in ("VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION", "REVISION", "ENCODER_SOURCE",
+                 "SERVER_MODEL_PATH", "QUANT_CONFIG"):
+        env.pop(name, None)
+    (tmp_path / "cache").mkdir()
+    _run("identity-key.sh", env, tmp_path)
+    key = (tmp_path / "identity.json").read_text()
+    bad = subprocess.run(["bash", str(CI / "identity-key.sh")], env=dict(env, MODEL=str(tmp_path / "missing")),
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode != 0 and (tmp_path / "identity.json").read_text() == key
+    other = subprocess.run(["bash", str(CI / "export.sh")], env=dict(env, MODEL=str(b)), cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert other.returncode == 2 and "rerun identity-key.sh" in other.stderr, other.stderr
+    assert not (tmp_path / "b.tar").exists()
+    same = subprocess.run(["bash", str(CI / "export.sh")], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert "rerun identity-key.sh" not in same.stderr  # same model: past the check (an empty cache exports nothing)

@@ -4,7 +4,8 @@
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/common.sh"
 IDENTITY_JSON=${IDENTITY_JSON:-identity.json}
-exl3tool identity "$MODEL" "${ids[@]}" --json > "$IDENTITY_JSON"
+exl3tool identity "$MODEL" "${ids[@]}" --json > "$IDENTITY_JSON.tmp"  # a failed run leaves no stale key
+mv "$IDENTITY_JSON.tmp" "$IDENTITY_JSON"
 python3 - "$IDENTITY_JSON" "$BITS" <<'PY'
 import json, sys
 

@@ -123,6 +123,18 @@ class Claim:
             self._lock.__exit__(None, None, None)
 
 
+def file_mode_problem(file_mode: int) -> str:
+    """Why ``file_mode`` cannot be an entry's permissions, or "": the server must read the file (owner read at
+    least), the cache must stay trusted (no group/world write), and only permission bits apply (no setuid etc.)."""
+    if not 0 <= file_mode <= 0o777:
+        return "has bits beyond the permissions 0000-0777 (setuid, setgid, sticky)"
+    if not file_mode & 0o400:
+        return "lacks owner read; no server could load such an entry"
+    if file_mode & 0o022:
+        return "is group/world-writable; the cache must stay trusted"
+    return ""
+
+
 class CacheStore:
     """One cache root in one mode (``off``, ``readonly``, ``readwrite``).
 
@@ -141,8 +153,9 @@ class CacheStore:
     ) -> None:
         if mode not in CACHE_MODES:
             raise ValueError(f"cache mode must be off, readonly, or readwrite; got {mode!r}")
-        if file_mode & 0o022:
-            raise ValueError(f"file_mode {oct(file_mode)} is group/world-writable; the cache must stay trusted")
+        problem = file_mode_problem(file_mode)
+        if problem:
+            raise ValueError(f"file_mode {oct(file_mode)} {problem}")
         self.root = Path(root)
         self.mode = mode
         self.file_mode = file_mode

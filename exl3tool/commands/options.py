@@ -154,11 +154,17 @@ def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
 
 
 def parse_file_mode(text: str) -> int:
-    """Parse ``--file-mode`` (octal such as 0600 or 0644); BadParameter otherwise."""
+    """Parse ``--file-mode`` (octal such as 0600 or 0644) and check it as the store does; BadParameter otherwise."""
+    from exl3tool.cache.store import file_mode_problem
+
     try:
-        return int(text, 8)
+        mode = int(text, 8)
     except ValueError:
         raise typer.BadParameter(f"--file-mode must be octal like 0600 or 0644, got {text!r}") from None
+    problem = file_mode_problem(mode)
+    if problem:
+        raise typer.BadParameter(f"--file-mode {text} {problem}; use 0600, or 0644 for a server of another user")
+    return mode
 
 
 def existing_cache_dir(cache_dir: Path | None) -> Path:

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt,
-    QuietOpt, RevisionOpt, ServerPathOpt, parse_positive_ints,
+    QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError, InputError
 from exl3tool.output import Output, to_jsonable
@@ -107,7 +107,14 @@ def verify(
     """
     if report is not None and report.suffix.lower() not in (".json", ".md"):
         raise typer.BadParameter(f"--report must end in .json or .md, got {report}")
+    if report is not None and not report.resolve().parent.is_dir():
+        raise typer.BadParameter(f"--report {report}: folder {report.resolve().parent} does not exist")
+    if tp_rank is not None and not 0 <= tp_rank < tp_size:
+        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{tp_size - 1}")
+    if not max_kernel_err > 0 or (max_quant_err is not None and not max_quant_err > 0):
+        raise typer.BadParameter("--max-kernel-err and --max-quant-err must be positive")
     row_counts = parse_positive_ints(rows, "--rows")
+    existing_cache_dir(cache_dir)  # verify only reads: a missing cache is an I/O error, not N failed layers
     out = Output(json=json_out, quiet=quiet)
     request = WarmRequest(
         model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
