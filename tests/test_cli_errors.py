@@ -299,3 +299,13 @@ def test_ctrl_c_says_the_cache_is_consistent_and_how_to_resume(model, tmp_path, 
     code, out, err = run(["verify", str(model), "--cache-dir", str(tmp_path / "cache"), "--json", *ENC], capsys)
     assert code == 130 and "interrupted" in err and "run the same command again to resume" in err
     assert json.loads(out)["exit_code"] == 130 and "Traceback" not in err
+
+
+def test_identity_names_a_missing_path_and_warns_on_a_folder_without_config(tmp_path, capsys):
+    """identity says what encode says for a path that does not exist; a folder without config.json gets an identity
+    (the server would compute one) and a warning that no server can load it."""
+    code, _, err = run(["identity", str(tmp_path / "missing" / "model"), *ENC], capsys)
+    assert code == 2 and "no such local path, and not a valid Hub repo id" in err and "HFValidationError" not in err
+    (tmp_path / "empty").mkdir()
+    code, out, err = run(["identity", str(tmp_path / "empty"), "--json", *ENC], capsys)
+    assert code == 0 and any("has no config.json" in w for w in json.loads(out)["warnings"])

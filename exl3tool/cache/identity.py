@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
 from exl3tool.cache.hub import resolve_hub_revision
 from exl3tool.errors import ConfigError, InputError
 
@@ -264,6 +266,10 @@ def resolve_model_identity(
     if not os.path.exists(p):
         if server_path is not None:
             raise ConfigError(f"{model}: --server-path applies to a local checkpoint, but {model!r} does not exist here")
+        try:
+            validate_repo_id(model)
+        except HFValidationError:
+            raise InputError(f"{model!r}: no such local path, and not a valid Hub repo id (expected 'org/name')") from None
         return _hub_identity(model, revision, commit_hash)
     real = os.path.realpath(p)
     if server_path is not None:
@@ -441,5 +447,9 @@ def server_identities(
     settings = encoder_settings(encoder_root, encoder_revision, environ, source_dir=encoder_source)
     eid = resolve_encoder_identity(settings.root, settings.revision, source=settings.source_dir)
     server_rev, note, rev_warnings = _revision_advice(mid, revision)
+    if local and os.path.isdir(os.path.expanduser(model)) and not os.path.isfile(
+            os.path.join(os.path.expanduser(model), "config.json")):
+        rev_warnings = (*rev_warnings, f"{model} has no config.json: the server cannot load it as a model (is this "
+                                       "the checkpoint folder?)")
     return ServerIdentities(mid, eid, settings, server_rev, note,
                             mid.warnings + rev_warnings + _encoder_warnings(eid, settings))
