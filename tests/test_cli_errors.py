@@ -309,3 +309,30 @@ def test_identity_names_a_missing_path_and_warns_on_a_folder_without_config(tmp_
     (tmp_path / "empty").mkdir()
     code, out, err = run(["identity", str(tmp_path / "empty"), "--json", *ENC], capsys)
     assert code == 0 and any("has no config.json" in w for w in json.loads(out)["warnings"])
+
+
+def test_option_values_a_server_would_not_take_are_usage_errors(model, tmp_path, capsys, no_encode):
+    """An empty item in --tp-sizes, an empty --quantization-config (the server would run with no overlay at all)
+    and --tp-size 0 are exit 2 with the option named; --layers matching only modules the server does not encode
+    says why instead of 'no eligible layer'."""
+    import sys as _sys
+    _sys.path.insert(0, str(Path(__file__).resolve().parent / "checkpoint"))
+    from tiny_models import write_mla
+
+    cache = ["--cache-dir", str(tmp_path / "cache"), *ENC]
+    for argv, why in ((["cache", "warm", str(model), "--tp-sizes", "1,,2", "--layers", "*.o_proj"], "empty item"),
+                      (["cache", "warm", str(model), "--quantization-config", " "], "--quantization-config is empty"),
+                      (["encode", str(model), "--tp-size", "0"], "--tp-size")):
+        code, _, err = run([*argv, "--dry-run", *cache], capsys)
+        assert code == 2 and why in err and "Traceback" not in err, (argv, err)
+    mla = write_mla(tmp_path / "mla")
+    code, _, err = run(["encode", str(mla), "--layers", "model.layers.1.self_attn.q_b_proj", "--dry-run", *cache],
+                       capsys)
+    assert code == 2 and "matches only modules the server does not encode online" in err
+    assert "stored as EXL3 in the checkpoint" in err
+
+
+def test_shared_experts_flag_is_not_labelled_the_default_overlay():
+    from exl3tool.checkpoint import resolve_overlay
+
+    assert resolve_overlay(None).default and not resolve_overlay(None, shared_experts=True).default

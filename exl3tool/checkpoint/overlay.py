@@ -190,11 +190,14 @@ def resolve_overlay(text: Optional[str], *, shared_experts: bool = False) -> Ove
     ``shared_experts`` is the older ``--shared-experts`` flag: it adds a ``shared_experts`` spec to the default
     overlay; with an explicit ``--quantization-config`` put the spec in that string instead.
     """
-    if text is None or not text.strip():
+    if text is None:
         base = json.loads(DEFAULT_OVERLAY_JSON)
         if shared_experts:
             base["shared_experts"] = {"weight": "mxfp8"}
-        return parse_overlay(json.dumps(base), default=True)
+        return parse_overlay(json.dumps(base), default=not shared_experts)  # "default": exactly the default
+    if not text.strip():
+        raise ConfigError("--quantization-config is empty: omit the option for the default overlay, or pass the "
+                          "server's exact JSON string")
     overlay = parse_overlay(text)
     if shared_experts and overlay.shared_experts is None:
         raise ConfigError("--shared-experts conflicts with --quantization-config, which has no 'shared_experts' "

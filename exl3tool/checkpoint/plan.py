@@ -472,9 +472,14 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
         if layer is not None:
             planned.append(layer)
     if layers and not planned:
-        raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers "
-                          f"{' '.join(repr(g) for g in layers)}; globs match vLLM prefixes such as "
-                          f"'{family.layers_prefix}.0.self_attn.o_proj'")
+        globs = " ".join(repr(g) for g in layers)
+        if excluded:  # the globs matched modules, but none the server encodes: say why for the first few
+            why = "; ".join(f"{e.prefix}: {e.detail or e.reason}" for e in excluded[:3])
+            more = f" (and {len(excluded) - 3} more)" if len(excluded) > 3 else ""
+            raise ConfigError(f"{checkpoint.model}: --layers {globs} matches only modules the server does not "
+                              f"encode online: {why}{more}")
+        raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers {globs}; globs match vLLM "
+                          f"prefixes such as '{family.layers_prefix}.0.self_attn.o_proj'")
     vision = _unplanned_vision_tower(checkpoint, arch or "", family, cfg, view.storage, overlay)
     if vision and not layers:
         excluded.append(Excluded("visual.*", "not_modelled", vision))

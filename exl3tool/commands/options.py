@@ -144,8 +144,10 @@ def resolve_cache_dir(cache_dir: Path | None) -> Path:
 
 def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
     """Parse a comma-separated option such as ``--tp-sizes 1,2,4`` or ``--rows 1,16``; BadParameter if not positive ints."""
+    if any(not part.strip() for part in text.split(",")):
+        raise typer.BadParameter(f"{option} has an empty item: comma-separated integers like 1,2,4, got {text!r}")
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise typer.BadParameter(f"{option} must be comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):

@@ -77,7 +77,7 @@ def render(out: Output, report: VerifyReport) -> None:
 def verify(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")],
     revision: RevisionOpt = None,
-    tp_size: Annotated[int, typer.Option("--tp-size", help="Tensor-parallel world size of the server.")] = 1,
+    tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
     bits: BitsOpt = None,
     layers: Annotated[list[str], typer.Option("--layers", help="Only layers matching this glob; repeatable.")] = [],
