@@ -124,3 +124,20 @@ def test_every_json_field_is_documented(cache):
     fields = set(ls_doc) | set(ls_doc["groups"][0]) | set(verify_doc) | set(show_doc) | set(prune_doc)
     missing = sorted(f for f in fields if f not in documented)
     assert not missing, f"fields missing from docs/cache.md: {missing}"
+
+
+def test_model_filter_must_be_hex_and_a_declined_prune_removes_nothing(cache):
+    """--model that no identity can start with is a usage error, not a silent 0 entries; answering no at the prune
+    prompt removes nothing and is not an error."""
+    root, paths = cache
+    res = cli("cache", "ls", "--cache-dir", str(root), "--model", "zzzz")
+    assert res.exit_code == 2 and "--model" in res.output
+    res = cli("cache", "ls", "--cache-dir", str(root), "--model", MODEL_ID[:8].upper(), "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["entries"] == len(paths)
+    entry = next(iter(paths.values()))
+    temp = entry.with_name(f".{entry.stem}.safetensors.12345.tmp")  # a killed writer's leftover
+    temp.write_bytes(b"partial")
+    res = CliRunner().invoke(app, ["cache", "prune", "--cache-dir", str(root), "--temp"], input="n\n")
+    assert res.exit_code == 0 and "nothing removed" in res.output and temp.exists()
+    res = CliRunner().invoke(app, ["cache", "prune", "--cache-dir", str(root), "--temp"], input="y\n")
+    assert res.exit_code == 0 and not temp.exists()

@@ -273,7 +273,10 @@ def prune(
     if not yes:
         if json:
             raise ConfigError("prune with --json needs --yes (or --dry-run): there is no prompt in JSON mode")
-        typer.confirm(f"Delete {len(plan.items)} file(s)?", abort=True)
+        if not typer.confirm(f"Delete {len(plan.items)} file(s)?"):
+            out.line("nothing removed")
+            out.data({**result, "bytes_freed": 0, "errors": [], "kept": []})
+            return
     done = execute_prune(plan)
     errors = list(done.errors)
     for line in done.kept:

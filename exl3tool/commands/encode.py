@@ -183,7 +183,8 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
         return
     render_summary(out, summary)
     if not summary.ok:
-        raise FindingsError(f"{summary.counts['failed']} layer job(s) failed; see the list above")
+        where = "the entries with status 'failed'" if out.json else "the list above"
+        raise FindingsError(f"{summary.counts['failed']} layer job(s) failed; see {where}")
 
 
 def encode(

@@ -90,8 +90,20 @@ QuantizationConfigOpt = Annotated[
         "turns online Trellis on.",
     ),
 ]
+def _model_id(value: Optional[str]) -> Optional[str]:
+    """``--model`` of the cache commands: a model identity or a hex prefix of one (as ``cache ls`` shows them)."""
+    if value is None:
+        return None
+    text = value.strip().lower()
+    if not text or len(text) > 64 or any(c not in "0123456789abcdef" for c in text):
+        raise typer.BadParameter(f"takes a model identity or a hex prefix of one (as `exl3tool cache ls` and "
+                                 f"`exl3tool identity MODEL` print them), got {value!r}")
+    return text
+
+
 ModelIdOpt = Annotated[
-    Optional[str], typer.Option("--model", help="Only entries of this model identity (full or hex prefix).")
+    Optional[str],
+    typer.Option("--model", callback=_model_id, help="Only entries of this model identity (full or hex prefix)."),
 ]
 
 
