@@ -90,6 +90,8 @@ QuantizationConfigOpt = Annotated[
         "turns online Trellis on.",
     ),
 ]
+
+
 def _model_id(value: Optional[str]) -> Optional[str]:
     """``--model`` of the cache commands: a model identity or a hex prefix of one (as ``cache ls`` shows them)."""
     if value is None:

@@ -653,8 +653,8 @@ def balanced_split(chunks: int, target: int, *, min_chunks: int = 1) -> int:
 
     The kernel gives each split ceil(chunks / split) chunks, so a split count that does not divide evenly leaves
     the last splits empty (32 chunks in 19 splits: 16 of 2 and 3 empty programs). ``min_chunks`` caps the count
-    at ceil(chunks / min_chunks) (m = 1: 2, measured 3-4 % faster than one chunk per split on the H200 at
-    K = 4096).
+    at ceil(chunks / min_chunks) (m = 1: 2, the H200 sweep's best at K = 4096; the gain is within run-to-run
+    noise, benchmarks/NOTES_gemm.md).
     """
     per = max(min(min_chunks, chunks), -(-chunks // max(1, min(chunks, target))))
     return -(-chunks // per)
