@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import struct
 import tarfile
 import tempfile
@@ -28,7 +27,7 @@ from typing import BinaryIO
 
 from exl3tool import __version__
 from exl3tool.cache.entry import validate_entry
-from exl3tool.cache.key import CacheKey
+from exl3tool.cache.key import HEX64, CacheKey
 from exl3tool.cache.paths import entry_path
 from exl3tool.cache.scan import EntryInfo, matches_model, scan
 from exl3tool.cache.store import PRUNE_HINT, CacheStore
@@ -59,7 +58,6 @@ HEADER_LIMIT = 1024 * 1024  # an entry's safetensors header (ours and the server
 _BLOCK = 512
 _RECORD = 20 * _BLOCK  # archives end on a whole record, as tar writes them
 _CHUNK = 1 << 20
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _EXTENDED = {tarfile.XHDTYPE: "a pax extended header", tarfile.XGLTYPE: "a pax global header",
              tarfile.GNUTYPE_LONGNAME: "a GNU long-name header", tarfile.GNUTYPE_LONGLINK: "a GNU long-link header"}
 _KINDS = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link", tarfile.CHRTYPE: "a character device",
@@ -370,7 +368,7 @@ def _check_record(rec: object) -> tuple[BundleEntry, CacheKey]:
         raise ValueError("digest is not the SHA-256 of the key")
     if path != _relative(key):
         raise ValueError(f"path does not match its key (the key's entry is {_relative(key)})")
-    if not _HEX64.match(sha):
+    if not HEX64.fullmatch(sha):
         raise ValueError("sha256 is not 64 hex digits")
     data = 2 * (key.input_size // 16) * (key.output_size // 16) * 16 * key.bits + 2 * key.input_size + 2 * key.output_size
     if not 8 < size <= 8 + HEADER_LIMIT + data:

@@ -11,13 +11,13 @@ from typing import Any
 
 from exl3tool.jsontext import loads_json
 
-__all__ = ["CacheKey", "layer_seed", "canonical_dumps", "KEY_SCHEMA", "CACHE_DISABLED"]
+__all__ = ["CacheKey", "layer_seed", "canonical_dumps", "KEY_SCHEMA", "CACHE_DISABLED", "HEX64"]
 
 KEY_SCHEMA = 1
 CACHE_DISABLED = "cache-disabled"
 _INT_FIELDS = ("bits", "seed", "tp_world_size", "tp_rank", "input_size", "output_size", "schema")
 _STR_FIELDS = ("model_identity", "encoder_identity", "prefix", "codebook")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+HEX64 = re.compile(r"[0-9a-f]{64}")  # identities, digests, SHA-256s (fullmatch)
 
 
 def layer_seed(prefix: str) -> int:
@@ -118,7 +118,7 @@ class CacheKey:
         server's online encode produces, not merely well-typed JSON.
         """
         for name in ("model_identity", "encoder_identity"):
-            if not _HEX64.fullmatch(getattr(self, name)):
+            if not HEX64.fullmatch(getattr(self, name)):
                 return f"{name} is not 64 lower-case hex digits"
         if self.schema != KEY_SCHEMA:
             return f"schema {self.schema} (the server writes {KEY_SCHEMA})"

@@ -75,6 +75,9 @@ class Family:
     tp_check: Optional[Callable[[Config, int], Optional[str]]] = None  # why vLLM cannot shard it at TP W
     aliases: tuple[tuple[str, str], ...] = ()  # (source, alternative checkpoint path) tried when a source is absent
     source: str = ""  # the fork file that builds it
+    # vLLM prefix of one linear of a vision tower the model builds with the quant config and exl3tool does not plan
+    # (the server encodes the tower online unless the overlay ignores it); "" when there is none
+    unplanned_vision: str = ""
 
 
 def _int(cfg: Config, name: str, arch: str = "") -> int:
@@ -567,7 +570,8 @@ FAMILIES: tuple[Family, ...] = (
            _QWEN35, layers_prefix="language_model.model.layers",
            checkpoint_layers=("model.language_model.layers", "language_model.model.layers", "model.layers"),
            packed=lambda cfg: _QWEN35_PACKED, storage_mapper=_VL_MAPPER + (("mtp.", None),), heads=_qwen35_heads,
-           check=_qwen35_check, tp_check=_qwen35_tp, source="models/qwen3_5.py @ 1af6ac9a"),
+           check=_qwen35_check, tp_check=_qwen35_tp, source="models/qwen3_5.py @ 1af6ac9a",
+           unplanned_vision="visual.blocks.0.attn.qkv"),  # Qwen3_VisionTransformer (qwen3_vl.py), quant config on
     Family("Qwen3-Next", ("Qwen3NextForCausalLM",), _QWEN3_NEXT, packed=lambda cfg: _QWEN3_NEXT_PACKED,
            storage_mapper=(("mtp.", None),), heads=_qwen35_heads, check=_qwen3_next_check, tp_check=_qwen3_next_tp,
            source="models/qwen3_next.py @ 786228a7 (and 58cfbebb), qwen_gdn_linear_attn.py @ 1d6d7dc9"),

@@ -100,17 +100,17 @@ class Excluded:
     detail: str = ""
 
 
-def _unplanned_vision_tower(checkpoint: Checkpoint, arch: str, family: Family, cfg: dict, storage: StorageMap,
+def _unplanned_vision_tower(checkpoint: Checkpoint, family: Family, cfg: dict, storage: StorageMap,
                             overlay: Overlay) -> str:
     """Why the server will encode a vision tower exl3tool does not plan, or "" when it will not.
 
-    Qwen3.5/3.8 ``*ForConditionalGeneration`` builds its vision tower (``qwen3_vl.py``: blocks and merger) with the
-    quant config, so an overlay with a ``linear`` spec that does not ignore ``visual.*`` has the server encode those
-    linears online. exl3tool has no table for the tower: each of them is a miss, encoded by the server at start-up.
+    A family with ``unplanned_vision`` (Qwen3.5/3.8 ``*ForConditionalGeneration``: ``qwen3_vl.py``'s blocks and
+    merger) builds its vision tower with the quant config, so an overlay with a ``linear`` spec that does not
+    ignore it has the server encode those linears online. exl3tool has no table for the tower: each is a miss.
     """
-    if not (arch.startswith("Qwen3_5") and arch.endswith("ForConditionalGeneration")) or overlay.linear is None:
+    probe = family.unplanned_vision
+    if not probe or overlay.linear is None:
         return ""
-    probe = "visual.blocks.0.attn.qkv"
     if overlay.ignores(probe, family.packed(cfg)) or storage.is_exl3(probe):
         return ""
     if not any(name.startswith(("model.visual.", "visual.")) for name in checkpoint.index_names()):
@@ -480,7 +480,7 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
                               f"encode online: {why}{more}")
         raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers {globs}; globs match vLLM "
                           f"prefixes such as '{family.layers_prefix}.0.self_attn.o_proj'")
-    vision = _unplanned_vision_tower(checkpoint, arch or "", family, cfg, view.storage, overlay)
+    vision = _unplanned_vision_tower(checkpoint, family, cfg, view.storage, overlay)
     if vision and not layers:
         excluded.append(Excluded("visual.*", "not_modelled", vision))
         notes.append(vision)
