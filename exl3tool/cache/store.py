@@ -64,7 +64,7 @@ def _not_about_the_file(exc: BaseException) -> bool:
 
 
 UNCHECKED_HIT = ("valid for the server; no exl3tool_sha256 (server-written?), so its weights are unchecked: "
-                 "exl3tool verify MODEL checks them")
+                 "exl3tool verify MODEL --exact (or cache warm --check-unchecked) checks them")
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ class Lookup:
     tensors: dict[str, torch.Tensor] | None = None
     proxy_error: float | None = None
     checked: bool | None = None
+    metadata: dict[str, str] | None = None  # hits: the entry's metadata (e.g. its platform record)
 
     @property
     def hit(self) -> bool:
@@ -188,7 +189,7 @@ class CacheStore:
         contents = validate_entry(path, key, verify_checksum=verify, load_trellis=not quick)
         checked = verify and "exl3tool_sha256" in contents.metadata
         reason = "valid entry" if checked or not verify else UNCHECKED_HIT
-        return Lookup("hit", reason, path, contents.tensors, contents.proxy_error, checked)
+        return Lookup("hit", reason, path, contents.tensors, contents.proxy_error, checked, contents.metadata)
 
     def lookup(self, key: CacheKey, *, quick: bool = False, checksum: bool = True) -> Lookup:
         """The server's unlocked fast path, read-only: hit, miss (no regular file) or invalid (with reason).
@@ -256,7 +257,8 @@ class CacheStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock(path):
             self._remove_stale_temps(path)
-            return write_entry(path, key, tensors, encoded.proxy_error, file_mode=self.file_mode)
+            return write_entry(path, key, tensors, encoded.proxy_error, file_mode=self.file_mode,
+                               platform=encoded.platform)
 
     def _encode(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> EncodedLinear:
         encoded = encode_fn()
@@ -333,7 +335,7 @@ class CacheStore:
         try:
             try:
                 published = write_entry(claimed.path, claimed.key, encoded.tensors(), encoded.proxy_error,
-                                        file_mode=self.file_mode)
+                                        file_mode=self.file_mode, platform=encoded.platform)
             except Exception as exc:
                 log.warning("Could not publish online EXL3 cache entry %s: %s", claimed.path, exc)
                 return replace(self._fresh(encoded, None), error=self.unpublished_reason(claimed.path, exc))
@@ -397,6 +399,31 @@ class CacheStore:
         except Exl3OnlineNonFiniteError as exc:
             log.warning("Retrying %s once after a non-finite encode: %s", key.prefix, exc)
             return self.load_or_encode(key, encode_fn)
+
+    def replace_unless(self, key: CacheKey, keep: Callable[[Lookup], bool], encoded: EncodedLinear) -> str:
+        """Under ``key``'s entry lock, re-read the entry and publish ``encoded`` over it unless ``keep(found)``.
+
+        For re-checking entries already there (``cache warm --check-unchecked``): the encode happens before the
+        lock is taken, the decision on the entry as it is under the lock (another writer may have replaced it).
+        Returns ``kept`` or ``replaced`` (``published`` when no valid entry was there any more); publishing is the
+        same atomic write as ``publish``. Raises ``filelock.Timeout`` or ``OSError`` when the cache cannot be written.
+        """
+        if self.mode != "readwrite":
+            raise ValueError(f"replace_unless needs a readwrite cache, not {self.mode!r}")
+        check_fresh_encode(key, encoded.tensors(), encoded.proxy_error)
+        path = self.path(key)
+        lock = self._lock(path)
+        acquire_with_notice(lock, self.lock_timeout, path)
+        try:
+            self._remove_stale_temps(path)
+            found = self.lookup(key)
+            if found.hit and keep(found):
+                return "kept"
+            write_entry(path, key, encoded.tensors(), encoded.proxy_error, file_mode=self.file_mode,
+                        platform=encoded.platform)
+            return "replaced" if found.hit else "published"
+        finally:
+            lock.__exit__(None, None, None)
 
     def import_entry(self, key: CacheKey, write: Callable[[BinaryIO], None], check: Callable[[Path], None]) -> str:
         """Publish bytes made elsewhere (a bundle's entry) as ``key``'s entry, through the same protocol as ``publish``.

@@ -127,10 +127,26 @@ def render_summary(out: Output, summary: WarmSummary) -> None:
     out.line(f"{c['hit']} hit, {c['encoded']} encoded, {c['skipped']} skipped, {c['failed']} failed; "
              f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
-    if summary.unchecked_hits:
-        out.warn(f"{summary.unchecked_hits} hit(s) carry no exl3tool checksum (written by the server?): kept as the "
-                 "server would load them; `exl3tool verify MODEL` checks their weights")
+    render_unchecked(out, summary)
     out.data(summary)
+
+
+def render_unchecked(out: Output, summary: WarmSummary) -> None:
+    """Name every hit without exl3tool's checksum (prefix, TP layout and path), with what --check-unchecked did."""
+    if not summary.unchecked:
+        return
+    checked = any(u.verdict is not None for u in summary.unchecked)
+    n = len(summary.unchecked)
+    if checked:
+        replaced = sum(u.action == "replaced" for u in summary.unchecked)
+        out.warn(f"{n} hit(s) carried no exl3tool checksum (written by the server?); checked against a fresh encode: "
+                 f"{replaced} replaced, {n - replaced} kept")
+    else:
+        out.warn(f"{n} hit(s) carry no exl3tool checksum (written by the server?): kept as the server would load them; "
+                 "`cache warm --check-unchecked` or `exl3tool verify MODEL --exact` checks their weights")
+    for u in summary.unchecked:
+        what = f"  {u.verdict}, {u.action or 'kept'}: {u.detail}" if u.verdict is not None else ""
+        out.warn(f"unchecked {u.prefix} tp{u.tp_size}-rank{u.tp_rank} {u.path}{what}")
 
 
 def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
@@ -174,8 +190,12 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
             out.note(f"{result.status:8s} {job.prefix} tp{job.tp_size}-rank{job.tp_rank} {result.seconds:.1f}s"
                      + (f"  {result.error}" if result.error else ""))
 
+    def on_checked(u) -> None:
+        out.note(f"checked  {u.prefix} tp{u.tp_size}-rank{u.tp_rank} {u.verdict} ({u.action or 'kept'}) {u.seconds:.1f}s")
+
     try:
-        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan, on_tiles=on_tiles)
+        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan, on_tiles=on_tiles,
+                       on_checked=on_checked)
     finally:
         if progress is not None:
             progress.stop()
@@ -250,13 +270,16 @@ def cache_warm(
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
+    check_unchecked: Annotated[bool, typer.Option("--check-unchecked", help="Re-encode every hit without exl3tool's checksum (e.g. server-written), compare it exactly and replace it if it differs.")] = False,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Leave the cache as the server would after starting MODEL at each TP size: every layer, every rank.
 
-    Idempotent (a second run is all hits) and resumable (a killed run leaves only complete entries).
+    Idempotent (a second run is all hits) and resumable (a killed run leaves only complete entries). Hits without
+    exl3tool's checksum (server-written) are kept and named; --check-unchecked re-encodes each, compares it with
+    `verify --exact`'s rule and replaces (entry lock, atomic publish) the ones that differ.
     Under `torchrun --nproc-per-node N -m exl3tool cache warm ...` each process takes a balanced share.
     Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
 
@@ -267,7 +290,7 @@ def cache_warm(
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config,
+        overlap=overlap, quantization_config=quantization_config, check_unchecked=check_unchecked,
     )
     _run(Output(json=json_out, quiet=quiet), request, dry_run)
 

@@ -31,8 +31,8 @@ from exl3tool.encode.signs import reference_signs
 from exl3tool.encode.trellis import check_bits, pack_trellis
 
 __all__ = [
-    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "encode_linear", "quantize_regularized", "regularize",
-    "sample_scale_tiles", "scale_mse", "search_global_scale",
+    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "encode_linear", "encode_linear_with_input",
+    "encoder_platform", "quantize_regularized", "regularize", "sample_scale_tiles", "scale_mse", "search_global_scale",
 ]
 
 CODEBOOK_SCALE = 1.24371088  # RMS of the 3inst codebook; the reference uses it (negated) for every codebook
@@ -375,11 +375,33 @@ def encode_linear(
     lives; on CUDA everything stays on the GPU and the Triton Viterbi does the tiles. ``g_scale``
     skips the scale search (conformance tests); ``name`` prefixes error messages (e.g. the layer key);
     ``progress(n)`` hears of every n tiles quantized (the k/16 * n/16 tiles of the weight, not the scale search).
+    The result records the ``platform`` it was computed on (``encoder_platform``).
 
     >>> w = torch.randn(128, 128) * 0.02
     >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
     >>> tuple(enc.trellis.shape), enc.suh.dtype
     ((8, 8, 32), torch.float16)
+    """
+    return encode_linear_with_input(weight, bits=bits, seed=seed, codebook=codebook, sign_vectors=sign_vectors,
+                                    device=device, g_scale=g_scale, name=name, progress=progress)[0]
+
+
+def encode_linear_with_input(
+    weight: torch.Tensor,
+    *,
+    bits: int = 6,
+    seed: int | None,
+    codebook: str = "mcg",
+    sign_vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    g_scale: float | None = None,
+    name: str | None = None,
+    progress: Optional[ProgressFn] = None,
+) -> tuple[EncodedLinear, torch.Tensor]:
+    """``encode_linear`` plus the g-scaled rotated weight W_r (k, n) f32 whose tiles were quantized.
+
+    What an exact comparison needs: an entry written on another device may differ from this device's encode in
+    tiles where the two W_r round differently, and W_r tells whether each such tile is as good as this one's.
     """
     check_bits(bits)
     check_codebook(codebook)
@@ -400,7 +422,7 @@ def encode_linear(
     w_r = reg.weight * _f32(g)
     su = _div_scalar(reg.su, g)
     states, _, proxy_error = quantize_regularized(w_r, bits, codebook, progress)
-    return EncodedLinear(
+    encoded = EncodedLinear(
         trellis=pack_trellis(states, bits),
         suh=su.to(torch.float16),
         svh=reg.sv.to(torch.float16),
@@ -408,4 +430,23 @@ def encode_linear(
         g_scale=g,
         bits=bits,
         codebook=codebook,
+        platform=encoder_platform(dev),
     )
+    return encoded, w_r
+
+
+def encoder_platform(device: torch.device | str) -> str:
+    """Where an encode ran, as far as its bytes depend on it: device kind and model, CPU vector ISA, torch version.
+
+    Two encodes of the same key agree byte for byte when this string (and the exl3tool version) agree; across
+    platforms the Hadamard summation order differs (README "Conformance"), so some tiles may differ.
+
+    >>> encoder_platform("cpu")  # doctest: +SKIP
+    'cpu AVX512; torch 2.13.0'
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        where = f"cuda {torch.cuda.get_device_name(dev)}"
+    else:
+        where = f"{dev.type} {torch.backends.cpu.get_cpu_capability()}"
+    return f"{where}; torch {torch.__version__}"

@@ -19,7 +19,8 @@ from exl3tool.warm.distributed import (
 )
 from exl3tool.warm.pipeline import run_plan
 from exl3tool.warm.plan import WarmJob, WarmPlan, build_plan
-from exl3tool.warm.results import JobResult, WarmSummary, summarize
+from exl3tool.warm.results import JobResult, WarmSummary, job_result, summarize
+from exl3tool.warm.unchecked import UncheckedHit, check_unchecked
 
 __all__ = ["SERVING_DTYPES", "WarmRequest", "prepare", "resolve_device", "serving_torch_dtype", "warm"]
 
@@ -93,6 +94,7 @@ class WarmRequest:
     file_mode: int = 0o600
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
+    check_unchecked: bool = False  # re-encode hits without exl3tool's checksum, replace those that differ
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -152,8 +154,13 @@ def warm(
     on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
     on_plan: Optional[Callable[[WarmPlan, DistributedContext, list[WarmJob]], None]] = None,
     on_tiles: Optional[Callable[[WarmJob, int], None]] = None,
+    on_checked: Optional[Callable[[UncheckedHit], None]] = None,
 ) -> Optional[WarmSummary]:
     """Plan and run a warm; under torchrun each process runs its share and worker 0 returns the summary.
+
+    With ``request.check_unchecked`` worker 0 then checks every hit without exl3tool's checksum exactly and
+    replaces those that differ (``check_unchecked``; ``on_checked`` hears of each); a replaced one is reported
+    ``encoded``.
 
     Under torchrun, which sets OMP_NUM_THREADS=1, host-side torch ops get cpu_count / LOCAL_WORLD_SIZE threads
     per process; EXL3TOOL_THREADS=N sets the count (see ``host_threads``).
@@ -176,6 +183,10 @@ def warm(
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
                        dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
                        on_tiles=on_tiles)
+    unchecked = None
+    if request.check_unchecked and ctx.worker == 0 and store.mode == "readwrite":
+        unchecked = check_unchecked(plan, checkpoint, store, device=device, dtype=dtype, on_done=on_checked)
+        results = _with_replaced(results, plan, unchecked)
     gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
     if ctx.initialised:
         import torch.distributed as dist
@@ -184,5 +195,25 @@ def warm(
     if gathered is None:
         return None
     everything, stats = gathered
-    summary = summarize(plan, everything, device=str(device), workers=ctx.workers, seconds=time.perf_counter() - start)
+    summary = summarize(plan, everything, device=str(device), workers=ctx.workers, seconds=time.perf_counter() - start,
+                        unchecked=unchecked)
     return replace(summary, worker_stats=stats)
+
+
+def _with_replaced(results: list[JobResult], plan: WarmPlan, checked: list[UncheckedHit]) -> list[JobResult]:
+    """``results`` with each replaced unchecked hit reported ``encoded`` (its new file's size, the time taken) and
+    each hit whose check could not run ``failed`` (the entry is kept; the error says why)."""
+    by_digest = {c.digest: c for c in checked if c.action == "replaced" or c.verdict == "error"}
+    jobs = {j.digest: j for j in plan.jobs}
+    out = []
+    for r in results:
+        c = by_digest.get(r.digest)
+        if c is None or r.status != "hit":
+            out.append(r)
+        elif c.verdict == "error":
+            out.append(job_result(jobs[r.digest], "failed", r.worker, path=c.path, seconds=c.seconds,
+                                  error=f"--check-unchecked could not check this entry (kept): {c.detail}"))
+        else:
+            size = Path(c.path).stat().st_size if Path(c.path).exists() else 0
+            out.append(job_result(jobs[r.digest], "encoded", r.worker, path=c.path, seconds=c.seconds, bytes_=size))
+    return out
