@@ -3,7 +3,9 @@
 The platform rule: an entry recording this platform must be byte-identical; one written elsewhere (or without a
 record, as the server's) may differ only where another Hadamard summation order makes tiles differ. "Another
 platform" is simulated on the CPU by an encode whose Hadamard products are summed in float64 (rounded once), which
-moves W_r by an ulp as cuBLAS does; golden case0 (the reference's encode on an H200) is the real one.
+moves W_r by an ulp as cuBLAS does, and whose global scale is 1.1e-5 off (golden case0's CPU/H200 difference): 20-35
+of 128 tiles then differ, each within 1 % of this platform's tile error (6 draws). Golden case0 (the reference's
+encode on an H200) is the real other platform.
 """
 
 from __future__ import annotations
@@ -65,15 +67,15 @@ def _other_platform(monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def layer():
-    """A fresh recipe-like weight (256 x 256) with its key, this platform's encode and another platform's."""
+    """A fresh recipe-like weight (128 x 256) with its key, this platform's encode and another platform's."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
-    w = (torch.randn(256, 256, generator=g) * 0.02 * torch.exp(0.5 * torch.randn(256, 1, generator=g))).float()
-    key = CacheKey.for_layer("m" * 64, "e" * 64, "model.layers.0.mlp.down_proj", 8, 1, 0, 256, 256)
+    w = (torch.randn(128, 256, generator=g) * 0.02 * torch.exp(0.5 * torch.randn(128, 1, generator=g))).float()
+    key = CacheKey.for_layer("m" * 64, "e" * 64, "model.layers.0.mlp.down_proj", 8, 1, 0, 128, 256)
     fresh, w_r = fresh_encode(w, key, torch.device("cpu"))
     mp = pytest.MonkeyPatch()
     _other_platform(mp)
-    try:
-        other, _ = fresh_encode(w, key, torch.device("cpu"))
+    try:  # and a scale search that lands 1.1e-5 away, as the CPU's did from the H200's on golden case0
+        other, _ = online.encode_linear_with_input(w, bits=8, seed=key.seed, g_scale=fresh.g_scale * (1 + 1.1e-5))
     finally:
         mp.undo()
     return fresh, w_r, other
@@ -89,7 +91,7 @@ def test_same_platform_must_be_byte_identical(layer):
     assert compare_exact(_entry(fresh), fresh.proxy_error, here, fresh, w_r).verdict == "identical"
     flipped = dict(_entry(fresh), trellis=_flip_bit(fresh.trellis, 1))
     check = compare_exact(flipped, fresh.proxy_error, here, fresh, w_r)
-    assert check.verdict == "differs" and "1 of 256 tiles differ" in check.detail and "this platform" in check.detail
+    assert check.verdict == "differs" and "1 of 128 tiles differ" in check.detail and "this platform" in check.detail
     check = compare_exact(_entry(fresh), fresh.proxy_error * (1 + 1e-12), here, fresh, w_r)
     assert check.verdict == "differs" and "proxy_error" in check.detail
 
@@ -97,7 +99,7 @@ def test_same_platform_must_be_byte_identical(layer):
 def test_another_platform_is_equivalent_and_a_flipped_bit_still_differs(layer):
     fresh, w_r, other = layer
     differing = int((other.trellis != fresh.trellis).any(-1).sum())
-    assert differing > 0  # the simulation does move some tiles (K=8: about 15 % of them)
+    assert differing > 0  # the simulation moves some tiles (measured 22-36 of 128)
     for meta in ({}, {"exl3tool_platform": "cuda NVIDIA H200; torch 2.13.0", "exl3tool_version": __version__}):
         check = compare_exact(_entry(other), other.proxy_error, meta, fresh, w_r)
         assert check.verdict == "equivalent" and check.tiles_differing == differing, check
@@ -108,14 +110,16 @@ def test_another_platform_is_equivalent_and_a_flipped_bit_still_differs(layer):
 
 
 def test_golden_reference_encode_is_not_called_different(golden):
-    """The reference's own H200 bytes (no platform record, like the server's) pass; one flipped bit does not."""
+    """The reference's own H200 bytes (no platform record, like the server's) pass; one flipped bit does not.
+
+    The reference's global scale is given (the CPU's search finds it to 1e-5; skipping it halves the time)."""
     tag = "case0"
     with safe_open(str(golden / "encode_e2e.safetensors"), "pt") as f:
         gold = {k[len(tag) + 1:]: f.get_tensor(k) for k in f.keys() if k.startswith(tag + ".")}
         meta = f.metadata()
     key = CacheKey.for_layer("m" * 64, "e" * 64, meta[f"{tag}.prefix"], 6, 1, 0, *gold["weight"].shape)
     assert key.seed == int(meta[f"{tag}.seed"])
-    fresh, w_r = online.encode_linear_with_input(gold["weight"], bits=6, seed=key.seed)
+    fresh, w_r = online.encode_linear_with_input(gold["weight"], bits=6, seed=key.seed, g_scale=float(gold["g_scale"]))
     entry = {"trellis": gold["trellis"], "suh": gold["suh"], "svh": gold["svh"]}
     proxy = float(meta[f"{tag}.proxy_error"])
     assert compare_exact(entry, proxy, {}, fresh, w_r).verdict in ("identical", "equivalent")
@@ -157,32 +161,26 @@ def _request(model, cache, **kw):
     return WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), device="cpu", **ENC, **kw)
 
 
-def test_verify_exact_names_the_flipped_bit_the_tolerance_check_passes(tampered):
+def test_verify_exact_names_the_flipped_bit_the_tolerance_check_passes(tampered, tmp_path):
     model, cache, jobs, _ = tampered
     checkpoint, plan, store = prepare(_request(model, cache, mode="readonly"))
     loose = verify_plan(plan, checkpoint, store, rows=(1, 16), device=torch.device("cpu"))
     assert loose.ok, [c.reason for c in loose.layers]  # within the bound: only exactness can tell
-    strict = verify_plan(plan, checkpoint, store, rows=(1, 16), device=torch.device("cpu"), exact=True)
-    verdicts = {c.tp_rank: c.exact.verdict for c in strict.layers}
-    assert verdicts == {0: "differs", 1: "identical"}, [c.exact for c in strict.layers]
-    assert [(c.prefix, c.tp_rank) for c in strict.failed] == [(LAYER, 0)]
-    assert "differs from a fresh encode" in strict.failed[0].reason and "trellis tile" in strict.failed[0].reason
-
-
-def test_verify_exact_cli_exit_code_table_and_json(tampered):
-    model, cache, jobs, _ = tampered
-    base = [sys.executable, "-m", "exl3tool", "verify", str(model), "--tp-size", "2", "--layers", LAYER,
-            "--cache-dir", str(cache), "--rows", "1", "--device", "cpu", "--encoder-root", ENC["encoder_root"],
-            "--encoder-revision", ENC["encoder_revision"], "--exact"]
-    r = subprocess.run([*base, "--json"], capture_output=True, text=True)
+    report = tmp_path / "r.md"
+    r = subprocess.run([sys.executable, "-m", "exl3tool", "verify", str(model), "--tp-size", "2", "--layers", LAYER,
+                        "--cache-dir", str(cache), "--rows", "1", "--device", "cpu", "--encoder-root",
+                        ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"], "--exact", "--json",
+                        "--report", str(report)], capture_output=True, text=True)
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)
     assert doc["counts"]["exact"] == {"identical": 1, "equivalent": 0, "differs": 1, "unproved": 0}
     assert [(d["prefix"], d["tp_rank"], d["path"]) for d in doc["differs"]] == [(LAYER, 0, str(jobs[0].path))]
+    assert "trellis tile" in doc["differs"][0]["detail"]
     assert {layer["tp_rank"]: layer["exact"]["verdict"] for layer in doc["layers"]} == {0: "differs", 1: "identical"}
+    assert [layer["status"] for layer in sorted(doc["layers"], key=lambda x: x["tp_rank"])] == ["fail", "pass"]
     assert f"differ from a fresh encode: {LAYER} rank 0" in r.stderr
-    r = subprocess.run(base, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
-    assert r.returncode == 1 and "differs" in r.stdout and "identical" in r.stdout
+    rows = [line for line in report.read_text().splitlines() if line.startswith(f"| {LAYER} |")]
+    assert len(rows) == 2 and "| differs | FAIL" in rows[0] + rows[1] and "| identical | pass |" in rows[0] + rows[1]
 
 
 def test_warm_names_unchecked_hits_and_check_unchecked_replaces_only_the_wrong_one(tampered):
