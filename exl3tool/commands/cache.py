@@ -168,7 +168,7 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
     Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
-    and `exl3tool verify MODEL` checks their weights. A lock path that is not a regular file is invalid too.
+    and `exl3tool verify MODEL --exact` checks their weights. A lock path that is not a regular file is invalid too.
     """
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
@@ -201,7 +201,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     )
     if unchecked:
         out.note(f"{len(unchecked)} entr{'y has' if len(unchecked) == 1 else 'ies have'} no exl3tool checksum "
-                 "(written by the server?): the server would load them; check their weights with: exl3tool verify MODEL")
+                 "(written by the server?): the server would load them; check their weights with: exl3tool verify MODEL --exact "
+                 "(or replace the wrong ones with: exl3tool cache warm MODEL --check-unchecked)")
     if temps:
         out.note("remove leftovers with: exl3tool cache prune --temp")
 
