@@ -35,7 +35,8 @@ from exl3tool.jsontext import loads_json
 __all__ = [
     "RECORDS_DIR", "RECORD_FORMAT", "RECORD_VERSION", "RECORD_LIMIT", "RECORD_NAME_RE", "RecordEntry",
     "RecordSettings", "ProvenanceRecord", "StoredRecord", "parse_record", "record_bytes", "write_record",
-    "read_records", "records_dir", "overlay_digest", "now_utc", "printable", "new_record",
+    "read_records", "records_dir", "overlay_digest", "now_utc", "printable", "new_record", "ORIGINS",
+    "entry_origin", "entry_file", "group_by_identity", "RecordPrune", "plan_record_prune", "execute_record_prune",
 ]
 
 RECORDS_DIR = "exl3tool-records"
@@ -159,6 +160,17 @@ class ProvenanceRecord:
     @property
     def digests(self) -> frozenset[str]:
         return frozenset(e.digest for e in self.entries)
+
+
+ORIGINS = ("record", "exl3tool", "server")
+
+
+def entry_origin(has_checksum: bool, recorded: bool) -> str:
+    """Who wrote an entry: ``server`` (no ``exl3tool_sha256``: the server writes none, even when a warm found and
+    recorded it), ``record`` (exl3tool, with a provenance record) or ``exl3tool`` (no record: older, or lost)."""
+    if not has_checksum:
+        return "server"
+    return "record" if recorded else "exl3tool"
 
 
 def records_dir(root: str | Path) -> Path:
@@ -378,3 +390,91 @@ def new_record(*, command: str, model_name: str, model_identity: str, model_payl
                             model_payload=model_payload, encoder_identity=encoder_identity,
                             encoder_payload=encoder_payload, settings=settings, entries=tuple(entries))
 
+
+
+# --- what `cache ls` and `cache prune` do with records -------------------------------------------------------------
+
+
+def entry_file(root: str | Path, record: ProvenanceRecord, entry: RecordEntry) -> Path:
+    """The entry file a record's entry names (its key's path: the record's model identity, TP size and rank)."""
+    return Path(root) / "v1" / record.model_identity[:20] / f"tp{entry.tp_size}-rank{entry.tp_rank}" / (
+        f"{entry.digest}.safetensors")
+
+
+def group_by_identity(root: str | Path, infos: list, records: list[StoredRecord]) -> list[dict[str, Any]]:
+    """Entries (``scan`` infos) grouped by (model identity, encoder identity), each group with who wrote its
+    entries (``origins``: a recorded warm, exl3tool without a record, the server) and the records that explain it."""
+    recorded: dict[str, StoredRecord] = {}
+    for sr in records:
+        if sr.record is not None:
+            for d in sr.record.digests:
+                recorded[d] = sr
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for info in infos:
+        if info.kind != "entry" or info.key is None:
+            continue
+        k = info.key
+        g = groups.setdefault((k.model_identity, k.encoder_identity), {
+            "model_identity": k.model_identity, "encoder_identity": k.encoder_identity, "entries": 0, "bytes": 0,
+            "tp_sizes": set(), "bits": set(), "origins": {o: 0 for o in ORIGINS}, "records": {}})
+        sr = recorded.get(info.digest or "")
+        if sr is not None and sr.record.model_identity != k.model_identity:
+            sr = None
+        g["origins"][entry_origin("exl3tool_sha256" in info.metadata, sr is not None)] += 1
+        g["entries"] += 1
+        g["bytes"] += info.size
+        g["tp_sizes"].add(k.tp_world_size)
+        g["bits"].add(k.bits)
+        if sr is not None:
+            g["records"][str(sr.path)] = sr
+    out = []
+    for g in sorted(groups.values(), key=lambda g: (g["model_identity"], g["encoder_identity"])):
+        rows = []
+        for sr in sorted(g["records"].values(), key=lambda sr: sr.record.time):
+            r = sr.record
+            rows.append({"path": str(sr.path), "command": r.command, "host": r.host, "time": r.time,
+                         "tool_version": r.tool_version, "model": r.model_name, "bits": r.settings.bits,
+                         "dtype": r.settings.dtype, "tp_sizes": list(r.settings.tp_sizes),
+                         "entries": len(r.entries), "imported": r.imported})
+        out.append({**g, "tp_sizes": sorted(g["tp_sizes"]), "bits": sorted(g["bits"]), "records": rows})
+    return out
+
+
+@dataclass(frozen=True)
+class RecordPrune:
+    """Record files a prune removes (every entry they name is gone, or is being removed), and unreadable ones."""
+
+    items: tuple[tuple[StoredRecord, str], ...]
+
+
+def plan_record_prune(root: str | Path, records: list[StoredRecord], *, removing: set[Path] = frozenset(),
+                      invalid: bool = False) -> RecordPrune:
+    """Records whose entries are all gone once ``removing`` (entry paths a prune deletes) is gone; with
+    ``invalid`` also record files that cannot be read as records."""
+    items = []
+    for sr in records:
+        if sr.record is None:
+            if invalid:
+                items.append((sr, f"invalid record: {sr.error}"))
+            continue
+        alive = [e for e in sr.record.entries
+                 if (p := entry_file(root, sr.record, e)) not in removing and (p.is_file() or p.is_symlink())]
+        if not alive:
+            items.append((sr, "every entry it records is gone"))
+    return RecordPrune(tuple(items))
+
+
+def execute_record_prune(root: str | Path, plan: RecordPrune) -> tuple[int, list[str], list[str]]:
+    """Remove the planned records, re-checking each first: ``(removed, errors, kept)``; a record one of whose
+    entries is back (a warm published it meanwhile) stays."""
+    removed, errors, kept = 0, [], []
+    for sr, _ in plan.items:
+        if sr.record is not None and any(entry_file(root, sr.record, e).is_file() for e in sr.record.entries):
+            kept.append(f"{sr.path}: an entry it records exists again; left in place")
+            continue
+        try:
+            sr.path.unlink(missing_ok=True)
+            removed += 1
+        except OSError as exc:
+            errors.append(f"{sr.path}: {exc.strerror or exc}")
+    return removed, errors, kept

@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from exl3tool.cache.key import CacheKey
-from exl3tool.cache.records import StoredRecord, overlay_digest, printable, read_records
+from exl3tool.cache.records import ORIGINS, StoredRecord, entry_origin, overlay_digest, printable, read_records
 from exl3tool.warm.plan import WarmJob, WarmPlan
 from exl3tool.warm.request import WarmRequest, prepare
 
 __all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "model_differences", "encoder_differences"]
 
-ORIGINS = ("record", "exl3tool", "server")  # preference when two present entries are as near
 _SHOWN = 3  # items named per line before "and N more"
 
 
@@ -263,10 +262,9 @@ class _Cache:
             if info.kind != "entry" or info.key is None or info.status == "invalid":
                 continue
             sr = self.by_digest.get(info.digest or "")
-            if sr is not None and sr.record.model_identity == info.key.model_identity:
-                origin = "record"
-            else:
-                origin, sr = ("exl3tool" if "exl3tool_sha256" in info.metadata else "server"), None
+            if sr is not None and sr.record.model_identity != info.key.model_identity:
+                sr = None
+            origin = entry_origin("exl3tool_sha256" in info.metadata, sr is not None)
             self.present.append(Present(info.key, info.path, info.mtime, origin, sr))
         self.slot: dict[tuple[str, int, int], list[Present]] = defaultdict(list)
         self.prefix: dict[str, list[Present]] = defaultdict(list)
@@ -376,15 +374,13 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
     recorded = {d for sr in records if sr.record is not None and sr.record.model_identity == plan.model_identity
                 for d in sr.record.digests}
     hit_origins = {o: 0 for o in ORIGINS}
-    unexplained_hits = [j for j in lookups if j.state == "hit" and j.digest not in recorded]
-    hit_origins["record"] = sum(1 for j in lookups if j.state == "hit" and j.digest in recorded)
     server_hits = []
-    for j in unexplained_hits:
-        if _has_checksum(j.path):
-            hit_origins["exl3tool"] += 1
-        else:
-            hit_origins["server"] += 1
-            server_hits.append(j)
+    for j in lookups:
+        if j.state == "hit":
+            origin = entry_origin(_has_checksum(j.path), j.digest in recorded)
+            hit_origins[origin] += 1
+            if origin == "server":
+                server_hits.append(j)
     misses = [j for j in lookups if j.state == "miss"]
     invalid = [j for j in lookups if j.state == "invalid"]
     causes: list[Cause] = []
