@@ -357,7 +357,7 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
              f"{len(plan.left_out)} invalid left out; cache {plan.root}")
     out.data({
         "bundle": bundle, "root": str(plan.root), "entries": len(plan.entries), "bytes": plan.bytes,
-        "bundle_bytes": size,
+        "bundle_bytes": size, "records": [r.path for r in plan.records],
         "exported": [{"path": e.path, "digest": e.digest, "size": e.size, "sha256": e.sha256} for e in plan.entries],
         "left_out": [{"path": p, "reason": why} for p, why in plan.left_out],
     })
@@ -438,14 +438,14 @@ def import_(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--file-mode") from None
     if bundle == "-":
-        report = import_bundle(sys.stdin.buffer, store)
+        report = import_bundle(sys.stdin.buffer, store, source="-")
     else:
         try:
             fh = open(bundle, "rb")
         except OSError as exc:
             raise InputError(f"cannot read the bundle {bundle}: {exc.strerror}") from None
         with fh:
-            report = import_bundle(fh, store)
+            report = import_bundle(fh, store, source=str(Path(bundle).resolve()))
     refused = [i for i in report.items if i.status == "refused"]
     if refused:
         table = Table(title="refused")
@@ -456,12 +456,16 @@ def import_(
         out.table(table)
     out.line(f"{report.count('imported')} imported, {report.count('replaced')} replaced (were invalid), "
              f"{report.count('present')} already present, {len(refused)} refused; "
-             f"{decimal(report.bytes_written)} written; cache {root}")
+             f"{decimal(report.bytes_written)} written; {report.count('imported', 'record')} provenance record(s) "
+             f"imported, {report.count('present', 'record')} already there; cache {root}")
     out.data({
         "bundle": bundle, "root": str(root), "tool_version": report.tool_version,
         "imported": report.count("imported"), "replaced": report.count("replaced"),
         "present": report.count("present"), "refused": len(refused), "bytes_written": report.bytes_written,
-        "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items],
+        "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items
+                    if i.kind == "entry"],
+        "records": [{"path": i.path, "status": i.status, "reason": i.reason} for i in report.items
+                    if i.kind == "record"],
     })
     if refused:
         raise FindingsError(f"{len(refused)} bundle member(s) refused (nothing of them was written); the rest were "

@@ -398,8 +398,7 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
             "the server deletes and re-encodes it at start-up (readwrite) or encodes without the cache: remove it "
             "with `exl3tool cache prune --invalid`, then warm again"),)))
     notes += _dtype_notes(lookups, records, plan, dtype)
-    if cache is not None:
-        notes += _unplanned_notes(lookups, plan, cache)
+    notes += _unplanned_notes(plan, cache, records)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4))
 
@@ -508,12 +507,19 @@ def _dtype_notes(lookups: list[WarmJob], records: list[StoredRecord], plan: Warm
                     "encode itself") for (d, t), n in sorted(other.items())]
 
 
-def _unplanned_notes(lookups: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[Finding]:
-    """The other way round: layers warmed for these identities and TP sizes that this launch does not plan."""
+def _unplanned_notes(plan: WarmPlan, cache: Optional[_Cache], records: list[StoredRecord]) -> list[Finding]:
+    """The other way round: layers warmed for these identities, bits and TP sizes that this launch does not plan
+    (from the entries present when the cache was indexed, else from the records)."""
     planned = {j.prefix for j in plan.jobs}
-    extra = sorted({p.key.prefix for p in cache.present
-                    if p.key.model_identity == plan.model_identity and p.key.encoder_identity == plan.encoder_identity
-                    and p.key.bits == plan.bits and p.key.tp_world_size in plan.tp_sizes and p.key.prefix not in planned})
+    if cache is not None:
+        found = {(p.key.prefix, p.key.model_identity, p.key.encoder_identity, p.key.bits, p.key.tp_world_size)
+                 for p in cache.present}
+    else:
+        found = {(e.prefix, sr.record.model_identity, sr.record.encoder_identity, sr.record.settings.bits, e.tp_size)
+                 for sr in records if sr.record is not None for e in sr.record.entries}
+    extra = sorted({prefix for prefix, mid, eid, bits, tp in found
+                    if (mid, eid, bits) == (plan.model_identity, plan.encoder_identity, plan.bits)
+                    and tp in plan.tp_sizes and prefix not in planned})
     if not extra:
         return []
     return [Finding("overlay", f"{len(extra)} layer(s) warmed that this launch does not plan (e.g. {_more(extra)})",
