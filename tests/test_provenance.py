@@ -101,7 +101,41 @@ def test_a_warm_records_the_payloads_as_hashed_and_a_rewarm_adds_nothing(warmed,
     assert len(read_records(request.cache_dir)) == 1  # deduplicated: the first warm's time stays
 
 
+def test_encode_records_itself_as_encode(warmed, monkeypatch, tmp_path):
+    """`encode` passes its name to warm(): the record says which command wrote the entries."""
+    import exl3tool.warm.request as req
+    from _warm_util import fake_encode
+
+    request, _, _ = warmed
+    real = getattr(req.run_plan, "__wrapped__", req.run_plan)
+    monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
+    summary = req.warm(replace(request, tp_sizes=(2,), cache_dir=str(tmp_path / "other")), command="encode")
+    [stored] = read_records(tmp_path / "other")
+    assert summary.record == str(stored.path) and stored.record.command == "encode"
+    assert stored.record.settings.tp_sizes == (2,)
+
+
+def test_no_record_without_a_writable_cache(warmed, monkeypatch, tmp_path):
+    """A readonly encode writes nothing into the cache, so no record either."""
+    import exl3tool.warm.request as req
+    from _warm_util import fake_encode
+
+    request, _, _ = warmed
+    real = getattr(req.run_plan, "__wrapped__", req.run_plan)
+    monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
+    summary = req.warm(replace(request, mode="readonly", cache_dir=str(tmp_path / "ro")), command="encode")
+    assert summary.record is None and not (tmp_path / "ro").exists()
+
+
 # --- cache check: hits and every cause, each produced for real ----------------------------------------------------
+
+
+def test_check_of_a_missing_cache_root_says_so(warmed, tmp_path):
+    request, _, _ = warmed
+    code, doc, _ = check_cli(replace(request, cache_dir=str(tmp_path / "nowhere")))
+    assert code == 1 and doc["miss"] == doc["lookups"]
+    [f] = findings(doc, "absent")
+    assert "does not exist here" in f["text"] and not (tmp_path / "nowhere").exists()
 
 
 def test_check_all_hit_exits_0(warmed):

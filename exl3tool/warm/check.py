@@ -326,6 +326,10 @@ def _identity_findings(fields: tuple[str, ...], key: CacheKey, near: Present, pl
 def _overlay_findings(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache, ours: Optional[str]) -> list[Finding]:
     """Layers this launch plans that no entry in the cache has at any TP size (the warm's overlay left them out)."""
     prefixes = sorted({j.prefix for j in jobs})
+    if not plan.cache_root.is_dir():
+        return [Finding("absent", f"the cache root {_s(str(plan.cache_root))} does not exist here",
+                        "pass the server's cache root (--cache-dir, VLLM_EXL3_ONLINE_CACHE_DIR), or import or warm "
+                        "the entries into it")]
     mine = [sr for sr in cache.by_digest.values() if plan.identities is not None
             and sr.record.model_identity == plan.model_identity]
     ref = max(mine or list(cache.by_model.values()) or [None],
