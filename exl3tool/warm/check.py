@@ -486,8 +486,9 @@ def _server_causes(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
             findings = [Finding("server_written", f"the server wrote these entries itself (newest {when} UTC): their "
                                                   f"keys differ from {when_warm} in "
                                                   f"{', '.join(f.replace('_', ' ') for f in fields) or 'nothing'}",
-                                "the server missed the warm's entries and encoded these; fix the cause below and "
-                                "warm again (`exl3tool cache prune` can then drop the duplicates)")]
+                                "the server missed the warm's entries and encoded these; fix the cause below (or "
+                                "warm with the server's settings), then the warm's unused entries can go: "
+                                f"exl3tool cache prune --model {warm.key.model_identity[:20]} --older-than 0")]
             findings += _identity_findings(fields, server.key, warm, plan, cache, here="in the server's entries",
                                            there="in the warm's")
         causes.append(Cause("server_written", ("server_written",) + fields, tuple(j for j, _, _ in items),
