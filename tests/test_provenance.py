@@ -130,6 +130,22 @@ def test_no_record_without_a_writable_cache(warmed, monkeypatch, tmp_path):
 # --- cache check: hits and every cause, each produced for real ----------------------------------------------------
 
 
+def test_check_takes_the_options_of_cache_warm():
+    """Every option of `cache warm` that can change a look-up is an option of `cache check`, spelled the same (the
+    rest only change how a warm runs); both build their request with `warm_request`."""
+    import inspect
+
+    from exl3tool.commands.check import cache_check
+    from exl3tool.commands.encode import cache_warm
+
+    run_only = {"device", "file_mode", "overlap", "dry_run"}
+    warm_params = inspect.signature(cache_warm).parameters
+    check_params = inspect.signature(cache_check).parameters
+    assert set(check_params) == set(warm_params) - run_only
+    for name in check_params:
+        assert check_params[name].annotation == warm_params[name].annotation, name
+
+
 def test_check_of_a_missing_cache_root_says_so(warmed, tmp_path):
     request, _, _ = warmed
     code, doc, _ = check_cli(replace(request, cache_dir=str(tmp_path / "nowhere")))
