@@ -197,6 +197,46 @@ def test_encoder_revision_string(warmed):
     assert "'v0.0.19' here, 'v0.0.18' when warmed" in f["text"] and "VLLM_EXL3_ENCODER_REVISION" in f["fix"]
 
 
+def test_revision_string_of_a_local_folder(warmed):
+    request, _, _ = warmed
+    code, doc, _ = check_cli(request, "--revision", "main")
+    assert code == 1
+    [f] = findings(doc, "model_identity")
+    assert f["text"] == "revision 'main' here, none when warmed" and "no --revision" not in f["fix"]
+
+
+def test_hub_revision_resolved_differently():
+    from exl3tool.cache.identity import resolve_model_identity
+    from exl3tool.warm.check import model_differences
+
+    a = resolve_model_identity("org/name", commit_hash="a" * 40).payload
+    b = resolve_model_identity("org/name", commit_hash="b" * 40).payload
+    [f] = model_differences(a, b)
+    assert f"resolved to {'a' * 40} here, {'b' * 40} when warmed" in f.text and f"--revision {'a' * 40}" in f.fix
+
+
+def test_encoder_source_files_that_changed_are_named(tmp_path, monkeypatch):
+    """Files mode (no revision): the warm hashed every .py file; one changed since, one was added."""
+    for name in ("VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION", "VLLM_EXL3_ONLINE_TRELLIS_BITS"):
+        monkeypatch.delenv(name, raising=False)
+    root = tmp_path / "exllamav3"
+    (root / "modules" / "quant" / "exl3_lib").mkdir(parents=True)
+    (root / "__init__.py").write_text("__version__ = '1'\n")
+    quantize = root / "modules" / "quant" / "exl3_lib" / "quantize.py"
+    quantize.write_text("def quantize_exl3(): ...\n")
+    model = write_mla(tmp_path / "m")
+    request = WarmRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "cache"), encoder_root=str(root))
+    fake_warm(request, monkeypatch)
+    quantize.write_text("def quantize_exl3(): return 2\n")
+    (root / "extra.py").write_text("")
+    code, out, _ = run("cache", "check", str(model), "--cache-dir", request.cache_dir, "--encoder-root", str(root),
+                       "--json")
+    doc = json.loads(out)
+    assert code == 1
+    [f] = findings(doc, "encoder_identity")
+    assert f["text"] == ("encoder source files differ: modules/quant/exl3_lib/quantize.py changed; extra.py here only")
+
+
 def test_another_tp_size(warmed):
     request, _, _ = warmed
     code, doc, _ = check_cli(replace(request, tp_sizes=(2,)))

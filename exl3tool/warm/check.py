@@ -143,7 +143,10 @@ def model_differences(here: str, there: str) -> list[Finding]:
                                    "copy with cp -p / rsync -t (mtimes kept), or warm again here"))
         return out
     if a.get("revision") != b.get("revision"):
-        out.append(Finding(f, f"revision {_s(a.get('revision'))} here, {_s(b.get('revision'))} when warmed",
+        def rev(x: Any) -> str:
+            return "none" if x is None else repr(_s(x))
+
+        out.append(Finding(f, f"revision {rev(a.get('revision'))} here, {rev(b.get('revision'))} when warmed",
                            "start the server with the --revision the warm used (a local folder hashes the string as "
                            f"given), or warm with {'no --revision' if a.get('revision') is None else '--revision ' + _s(a.get('revision'))}"))
     ma = {m[0]: m[1] for m in a.get("markers", []) if isinstance(m, list) and len(m) == 2}
