@@ -9,6 +9,7 @@ entry that ``differs``; ``identical``, ``equivalent`` (another platform's encode
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -55,8 +56,6 @@ def unchecked_hits(plan: WarmPlan) -> list[UncheckedHit]:
 
 def _check_one(job: WarmJob, checkpoint: Checkpoint, store: CacheStore, device: torch.device,
                dtype: Optional[torch.dtype]) -> UncheckedHit:
-    import time
-
     start = time.perf_counter()
     base = dict(prefix=job.prefix, tp_size=job.tp_size, tp_rank=job.tp_rank, digest=job.digest, path=str(job.path))
     try:
