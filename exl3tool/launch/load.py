@@ -36,10 +36,11 @@ def _reader(paths: PathMap):
 def _server(words: list[str], start: ServerStart, form: str, env: dict[str, EnvValue], paths: PathMap,
             workdir: Optional[str], ignored: tuple[str, ...], notes: tuple[str, ...], *,
             process_env: bool = True, pid: Optional[int] = None) -> ServerLaunch:
+    words = list(start.words) if start.words else words
     args = parse_server_args(words[start.index:], entry=start.entry, serve=start.kind == "vllm",
                              read_text=_reader(paths))
     for name, value in start.env:
-        env.setdefault(name, EnvValue(value, "launch env", f"{name}=... before the server's command"))
+        env.setdefault(name, EnvValue(value, "launch env", f"{name}=... before {start.entry}"))
     wrappers = tuple(w for w in start.prefix if not ASSIGNMENT.match(w))
     if wrappers:
         ignored = (*ignored, f"{' '.join(wrappers)} (wrapper words before {start.entry})")
@@ -55,16 +56,13 @@ def _container(words: list[str], start: ServerStart, environ: Mapping[str, str],
     inner = find_server(command)
     if inner is None and command[:1] == ["serve"]:
         inner = ServerStart("vllm", 1, "vllm serve (the image's entrypoint: vllm)")
-    if inner is None and (not command or command[0].startswith("-") or run.entrypoint is None):
-        if run.entrypoint is not None:
-            raise ConfigError(f"the launch's --entrypoint {run.entrypoint!r} does not start a vllm server; "
-                              + _NOT_FOUND)
+    if inner is None and run.entrypoint is not None:
+        raise ConfigError(f"the launch's --entrypoint {run.entrypoint!r} does not start a vllm server; " + _NOT_FOUND)
+    if inner is None:
         command = ["vllm", "serve", *command]
         inner = ServerStart("vllm", 2, "vllm serve (taken as the image's entrypoint)")
         notes.append(f"the words after the image {run.image} are read as the arguments of an entrypoint "
                      "`vllm serve` (as in vLLM's images); give --entrypoint to say otherwise")
-    if inner is None:
-        raise ConfigError(_NOT_FOUND)
     env = dict(run.env)
     if run.env_host:
         env = {**{k: EnvValue(v, "launch env", "podman --env-host") for k, v in environ.items()}, **env}
@@ -82,7 +80,7 @@ def launch_from_words(words: Sequence[str], *, environ: Optional[Mapping[str, st
     if start is None:
         raise ConfigError(_NOT_FOUND)
     if start.kind in ("docker", "podman"):
-        return _container(words, start, environ, cwd)
+        return _container(list(start.words) or words, start, environ, cwd)
     env = dict(exports or {})
     return _server(words, start, "command", env, PathMap(), None, (), ())
 
@@ -108,7 +106,7 @@ def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = N
         env = {k: EnvValue(v, "launch env", f"/proc/{proc_launch.pid}/environ") for k, v in proc_launch.environ.items()}
         paths = PathMap(root=proc_launch.root)
         if start.kind in ("docker", "podman"):
-            launch = _container(words, start, proc_launch.environ, proc_launch.cwd or "/")
+            launch = _container(list(start.words) or words, start, proc_launch.environ, proc_launch.cwd or "/")
         else:
             launch = _server(words, start, "pid", env, paths, proc_launch.cwd, (), (), process_env=False,
                              pid=proc_launch.pid)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from exl3tool.errors import ConfigError
@@ -65,6 +65,7 @@ class ServerStart:
     entry: str  # how it is started, for people ("vllm serve", "python -m vllm.entrypoints.openai.api_server")
     prefix: tuple[str, ...] = ()  # wrapper words before it (setsid, ./launcher, env ...), ignored
     env: tuple[tuple[str, str], ...] = ()  # NAME=VALUE words before it (env A=1, a shell assignment)
+    words: tuple[str, ...] = ()  # the command it was found in, when that is inside one word (bash -c '...')
 
 
 def _is_python(word: str) -> bool:
@@ -111,7 +112,7 @@ def find_server(words: list[str]) -> Optional[ServerStart]:
             for inner in split_commands(word):
                 found = find_server(inner)
                 if found is not None:
-                    return found
+                    return found if found.words else replace(found, words=tuple(inner))
     return None
 
 

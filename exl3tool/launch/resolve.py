@@ -176,7 +176,7 @@ class _Builder:
         return self.layers.get(var)
 
     def put_env(self, name: str, var: str, item: EnvValue) -> str:
-        detail = f"{var}" + (f" ({item.detail})" if item.detail else "")
+        detail = item.detail if var in item.detail else f"{var}" + (f" ({item.detail})" if item.detail else "")
         if item.source == "process env" and self.launch.form in ("docker", "podman"):
             self.notes.append(f"{var} came from this environment, which the container does not inherit: make sure "
                               "the image sets it the same, or pass it with -e in the launch")
