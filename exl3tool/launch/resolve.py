@@ -222,7 +222,7 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
     paths = launch.paths
     local_here: Optional[str] = None
     server: Optional[str] = None
-    if _looks_like_path(name) or launch.form == "command" or launch.paths.root is not None:
+    if _looks_like_path(name) or launch.form in ("command", "pid") or launch.paths.root is not None:
         try:
             server = _server_path(name, launch, "model")
         except ConfigError:
