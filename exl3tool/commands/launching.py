@@ -80,7 +80,8 @@ def launch_json(settings) -> dict:
 
 
 def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str], pid: Optional[int],
-                  env_files: list[str], params: dict[str, str], *, add_tp_sizes: bool = False):
+                  env_files: list[str], params: dict[str, str], *, add_tp_sizes: bool = False,
+                  need_cache: bool = True):
     """Fill ``request`` from the launch (the given options win) and say on stderr where each setting came from.
 
     Returns ``(request, settings or None, the server's environment or None)``; a command without MODEL and without
@@ -92,7 +93,8 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
     if not li.launch_given and not request.model:
         raise typer.BadParameter("give MODEL, or the server's launch with --launch COMMAND, --pid PID or -- ARGV",
                                  param_hint="'MODEL'")
-    request, settings, environ = apply_launch(request, given_fields(ctx, params), li, add_tp_sizes=add_tp_sizes)
+    request, settings, environ = apply_launch(request, given_fields(ctx, params), li, add_tp_sizes=add_tp_sizes,
+                                              need_cache=need_cache)
     if settings is not None:
         out.note(f"launch ({settings.launch.form}, {settings.launch.entry}): the look-up's settings and where each "
                  "came from:")

@@ -8,10 +8,15 @@ from typing import Annotated, Optional
 import typer
 
 from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS, trellis_bits
+from exl3tool.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt  # the launch options, shared
 from exl3tool.errors import ConfigError
 from exl3tool.warm.request import SERVING_DTYPES
 
 __all__ = [
+    "LaunchOpt",
+    "PidOpt",
+    "EnvFileOpt",
+    "LaunchCommand",
     "RevisionOpt",
     "ServerPathOpt",
     "EncoderRootOpt",

@@ -50,14 +50,14 @@ def _env_only(request: WarmRequest, given: Collection[str], files: tuple[str, ..
 
 
 def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInput, *, add_tp_sizes: bool = False,
-                 environ: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                 environ: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, need_cache: bool = True,
                  ) -> tuple[WarmRequest, Optional[LaunchSettings], Optional[dict[str, str]]]:
     """``request`` with the launch's settings where the command's own flags (``given``: WarmRequest field names set
     on the command line) did not set them; also the settings with their sources and the server's environment.
 
     ``add_tp_sizes`` (``cache warm``): the launch's TP size comes first and ``--tp-sizes``, when given, adds more;
     otherwise a given ``--tp-size`` wins over the launch's. Without a launch the request is returned as is (with
-    ``--env-file`` variables applied).
+    ``--env-file`` variables applied). ``need_cache`` False: a command that writes and reads no cache (``identity``).
     """
     environ = os.environ if environ is None else environ
     if not launch.launch_given:
@@ -70,7 +70,7 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
     assert loaded is not None
     server, layers = loaded
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})
-    settings = resolve_launch(server, layers, explicit)
+    settings = resolve_launch(server, layers, explicit, need_cache=need_cache)
     tp_sizes: tuple[int, ...]
     if add_tp_sizes:
         extra = tuple(request.tp_sizes) if "tp_sizes" in given else ()
@@ -86,7 +86,7 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
         request, model=settings.model, server_path=settings.server_path, revision=settings.revision,
         tp_sizes=tp_sizes, bits=settings.bits, dtype=settings.dtype, quantization_config=settings.quantization_config,
         encoder_root=settings.encoder_root, encoder_revision=settings.encoder_revision,
-        encoder_source=settings.encoder_source, cache_dir=settings.cache_dir,
+        encoder_source=settings.encoder_source, cache_dir=settings.cache_dir or request.cache_dir,
         language_model_only=settings.language_model_only,
     )
     return out, settings, settings.environ

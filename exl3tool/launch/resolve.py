@@ -238,6 +238,10 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
                  else f"it does not exist here at {paths.to_host(server)}")
         raise ConfigError(f"the launch's model {name}: {where}; pass MODEL, a copy here with mtimes kept (cp -a, "
                           "rsync -a), and its identity is computed with the launch's path")
+    if server is None and explicit.model is not None and explicit.model != name:
+        raise ConfigError(f"the launch serves the Hub repo {name}, whose identity is its commit, but MODEL is "
+                          f"{explicit.model}: drop MODEL (exl3tool reads {name} from the Hub or its cache), or make "
+                          "the launch serve the folder")
     if explicit.model is not None:
         b.put("model_here", explicit.model, "flag", "MODEL")
     elif local_here is not None:
@@ -256,8 +260,9 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
     return model_here, server
 
 
-def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> str:
-    """The server's cache root (setting ``cache_dir``) and where exl3tool writes it (``cache_dir_here``)."""
+def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache: bool = True) -> str:
+    """The server's cache root (setting ``cache_dir``) and where exl3tool writes it (``cache_dir_here``); without
+    ``need_cache`` (``identity``) a root exl3tool cannot reach is a warning, not an error, and ``""`` returned."""
     item = b.env("VLLM_EXL3_ONLINE_CACHE_DIR")
     server: Optional[str] = None
     if item is not None and item.value.strip():
@@ -276,6 +281,9 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> str:
         elif home is not None:
             server = posixpath.join(home.value, ".cache", "vllm", "exl3_online")
             b.put("cache_dir", server, "default", f"~/.cache/vllm/exl3_online with HOME={home.value}")
+        elif explicit.cache_dir is None and not need_cache:
+            b.warnings.append("the server's cache root is under the container's HOME, which the launch does not give")
+            return ""
         elif explicit.cache_dir is None:
             raise ConfigError("the server's cache root is ~/.cache/vllm/exl3_online of the container's HOME, which "
                               "the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
@@ -295,6 +303,10 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> str:
     assert server is not None
     server = _server_path(server, launch, "cache root")
     here = launch.paths.to_host(server)
+    if here is None and not need_cache:
+        b.warnings.append(f"the server's cache root {server} is not on a bind mount of the launch: entries written "
+                          "here would not reach it")
+        return ""
     if here is None:
         raise ConfigError(f"the server's cache root {server} is not on a bind mount of the launch, so entries "
                           "written here would never reach it: mount it (-v HOST_DIR:" + server + ") or pass --cache-dir")
@@ -371,9 +383,11 @@ def _parallel(b: _Builder, args: ServerArgs) -> None:
         b.arg("enable_expert_parallel", True, args.values["enable_expert_parallel"][1])
 
 
-def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit) -> LaunchSettings:
+def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, *,
+                   need_cache: bool = True) -> LaunchSettings:
     """The settings of every look-up the launched server makes, with sources; ConfigError (exit 2) naming the flag
-    or variable for what the server would refuse or exl3tool cannot reproduce."""
+    or variable for what the server would refuse or exl3tool cannot reproduce. ``need_cache`` False (``identity``)
+    lets a cache root exl3tool cannot reach be a warning."""
     from exl3tool.cache.settings import cache_mode, trellis_bits
     from exl3tool.checkpoint import resolve_overlay
 
@@ -480,7 +494,10 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit) 
         bits = b.put("bits", explicit.bits, "flag", "--bits")
     else:
         item = b.env("VLLM_EXL3_ONLINE_TRELLIS_BITS")
-        parsed = trellis_bits({"VLLM_EXL3_ONLINE_TRELLIS_BITS": item.value}) if item is not None else None
+        try:
+            parsed = trellis_bits({"VLLM_EXL3_ONLINE_TRELLIS_BITS": item.value}) if item is not None else None
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from {item.source}: {item.detail or 'VLLM_EXL3_ONLINE_TRELLIS_BITS'})") from None
         if parsed is not None:
             b.put_env("bits", "VLLM_EXL3_ONLINE_TRELLIS_BITS", item)  # type: ignore[arg-type]
             bits = b.put("bits", parsed, b.settings["bits"].source, b.settings["bits"].detail)
@@ -489,7 +506,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit) 
             b.defaulted.append("VLLM_EXL3_ONLINE_TRELLIS_BITS was not given: without it the server runs no online "
                                "Trellis and looks nothing up; exl3tool plans 6 bits; " + _HOW_TO_PASS)
     enc_root, enc_rev, enc_src = _encoder(b, launch, explicit)
-    cache_dir = _cache_dir(b, launch, explicit)
+    cache_dir = _cache_dir(b, launch, explicit, need_cache)
     mode_item = b.env("VLLM_EXL3_ONLINE_CACHE_MODE")
     if mode_item is not None:
         mode = cache_mode({"VLLM_EXL3_ONLINE_CACHE_MODE": mode_item.value})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from exl3tool.checkpoint.families import FAMILIES
 
 from tiny_models import QWEN38_OVERLAY, write_glm4_moe, write_glm5, write_glm53, write_mla, write_qwen3_next, write_qwen35
 from test_checkpoint_plan import _write_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _warm_util
 
 BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 ENC = ("/opt/exllamav3", "v0.0.18")
@@ -215,3 +218,51 @@ def test_verify_reads_the_launch(tmp_path, cli):
     doc = json.loads(out)
     assert code == 1 and doc["tp_size"] == 2 and doc["settings"]["tp_size"]["value"] == 2
     assert doc["counts"]["fail"] == len(doc["layers"]) > 0  # nothing warmed yet: every entry missing
+
+
+def test_env_file_without_a_launch(tmp_path, cli):
+    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+    envfile = tmp_path / "server.env"
+    envfile.write_text(f"VLLM_EXL3_ENCODER_SOURCE=/e\nVLLM_EXL3_ENCODER_REVISION=r\nVLLM_EXL3_ONLINE_TRELLIS_BITS=3\n"
+                       f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c\n")
+    code, out, err = cli("cache", "warm", model, "--dry-run", "--json", "--env-file", envfile)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["bits"] == 3 and doc["cache_root"] == f"{tmp_path}/c" and "settings" not in doc
+    code, out, _ = cli("cache", "warm", model, "--dry-run", "--json", "--bits", "6", "--encoder-root", "/e",
+                       "--encoder-revision", "r", "--cache-dir", f"{tmp_path}/c")
+    assert json.loads(out)["encoder_identity"] == doc["encoder_identity"]
+
+
+def test_identity_needs_no_cache_volume_and_hub_launches_keep_their_kind(tmp_path, cli):
+    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+    code, out, err = cli("identity", "--json", "--launch",
+                         f"docker run -v {model}:/models/M -e VLLM_EXL3_ENCODER_SOURCE=/e "
+                         "-e VLLM_EXL3_ENCODER_REVISION=r IMAGE serve /models/M")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert json.loads(doc["model"]["payload"])["path"] == "/models/M"
+    assert any("container's HOME" in w for w in doc["launch"]["warnings"])
+    code, _, err = cli("identity", model, "--launch", "VLLM_EXL3_ENCODER_SOURCE=/e vllm serve org/name")
+    assert code == 2 and "Hub repo org/name" in err
+
+
+def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, cli, monkeypatch):
+    import exl3tool.warm.request as req
+    from _warm_util import fake_encode
+
+    real = req.run_plan
+    monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
+    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+    launch = (f"docker run -v {model}:/models/M:ro -v {tmp_path}/cache:/cache/exl3-online "
+              "-e VLLM_EXL3_ENCODER_SOURCE=/e -e VLLM_EXL3_ENCODER_REVISION=r -e VLLM_EXL3_ONLINE_TRELLIS_BITS=3 "
+              f"-e VLLM_EXL3_ONLINE_CACHE_DIR=/cache/exl3-online IMAGE serve /models/M -tp 2 "
+              f"--quantization-config '{BOTH}'")
+    code, out, err = cli("cache", "warm", "--json", "--device", "cpu", "--launch", launch)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["counts"]["encoded"] == len(doc["entries"]) > 0 and doc["bits"] == 3
+    assert all(e["path"].startswith(f"{tmp_path}/cache/v1/") for e in doc["entries"])
+    assert doc["settings"]["cache_dir"]["value"] == "/cache/exl3-online"
+    code, out, _ = cli("cache", "warm", "--json", "--device", "cpu", "--launch", launch)
+    assert code == 0 and json.loads(out)["counts"]["hit"] == len(doc["entries"])
