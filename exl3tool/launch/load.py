@@ -82,7 +82,23 @@ def launch_from_words(words: Sequence[str], *, environ: Optional[Mapping[str, st
     if start.kind in ("docker", "podman"):
         return _container(list(start.words) or words, start, environ, cwd)
     env = dict(exports or {})
-    return _server(words, start, "command", env, PathMap(), None, (), ())
+    wrappers = list(start.prefix)
+    cleared = _clears_environment(wrappers)
+    notes = (f"{cleared}: the server does not get exl3tool's environment",) if cleared else ()
+    return _server(words, start, "command", env, PathMap(), None, (), notes, process_env=not cleared)
+
+
+def _clears_environment(prefix: list[str]) -> str:
+    """Why the server gets none of the launching shell's environment (``env -i``, ``sudo`` without ``-E``), or ""."""
+    for i, word in enumerate(prefix):
+        base = word.rsplit("/", 1)[-1]
+        rest = prefix[i + 1:]
+        if base == "env" and any(w in ("-i", "--ignore-environment", "-") for w in rest):
+            return "env -i clears the environment"
+        if base == "sudo" and not any(w in ("-E", "--preserve-env") or w.startswith("--preserve-env=")
+                                      for w in rest):
+            return "sudo resets the environment (no -E)"
+    return ""
 
 
 def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = None, pid: Optional[int] = None,
@@ -128,4 +144,4 @@ def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = N
         if launch is None:
             raise ConfigError(_NOT_FOUND)
     container = launch.form in ("docker", "podman")
-    return launch, EnvLayers(launch.env, files, environ, container=container)
+    return launch, EnvLayers(launch.env, files, environ if launch.process_env else None, container=container)

@@ -233,6 +233,11 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
             local_here = host
         elif not _looks_like_path(name):
             server = None  # a Hub repo id
+    elif launch.workdir and paths.container:  # a relative folder under the container's working directory?
+        candidate = posixpath.join(launch.workdir, name)
+        host = paths.to_host(candidate)
+        if host is not None and os.path.exists(host):
+            server, local_here = posixpath.normpath(candidate), host
     if server is not None and local_here is None and explicit.model is None:
         where = ("it is not on a bind mount of the launch" if paths.container and paths.to_host(server) is None
                  else f"it does not exist here at {paths.to_host(server)}")

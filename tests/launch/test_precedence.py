@@ -4,6 +4,7 @@ source recorded for every setting, what was defaulted, and the refusals (one lin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,22 @@ def test_settings_json_block(model):
     assert data["form"] == "command" and data["settings"]["encoder_root"] == {
         "value": "/e", "source": "process env", "detail": "VLLM_EXL3_ENCODER_SOURCE"}
     assert data["ignored"] == ["--port 1"] and data["unknown"] == ["--weird"]
+
+
+def test_wrappers_that_clear_the_environment(model, tmp_path):
+    env = {"VLLM_EXL3_ENCODER_SOURCE": "/e", "VLLM_EXL3_ENCODER_REVISION": "r", "HOME": "/h"}
+    with pytest.raises(ConfigError, match="VLLM_EXL3_ENCODER_SOURCE was not given"):
+        resolved(f"env -i HOME=/h vllm serve {model}", environ=env)
+    s = resolved(f"env -i HOME=/h VLLM_EXL3_ENCODER_SOURCE=/x vllm serve {model}", environ=env)
+    assert s.encoder_root == "/x" and s.settings["encoder_revision"].source == "default"
+    assert any("env -i" in n for n in s.notes)
+    assert resolved(f"sudo -E vllm serve {model}", environ=env).encoder_root == "/e"
+    with pytest.raises(ConfigError, match="VLLM_EXL3_ENCODER_SOURCE was not given"):
+        resolved(f"sudo -u svc vllm serve {model}", environ=env)
+
+
+def test_relative_model_under_the_container_workdir(model, tmp_path):
+    parent = str(Path(model).parent)
+    s = resolved(f"docker run -v {parent}:/work -w /work -v {tmp_path}:/c -e VLLM_EXL3_ENCODER_SOURCE=/e "
+                 "-e VLLM_EXL3_ENCODER_REVISION=r -e VLLM_EXL3_ONLINE_CACHE_DIR=/c IMAGE serve M")
+    assert (s.model, s.server_path) == (model, "/work/M")
