@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from exl3tool.errors import ConfigError
-from exl3tool.launch.flags import SERVER_FLAGS, VLLM_BOOLEANS, VLLM_FLAGS, VLLM_SHORT, server_flag
+from exl3tool.launch.flags import VLLM_BOOLEANS, VLLM_FLAGS, VLLM_SHORT, server_flag
 
 __all__ = ["ServerArgs", "ServerStart", "split_commands", "find_server", "parse_server_args", "API_SERVER_MODULE",
            "ASSIGNMENT"]
@@ -153,8 +153,9 @@ def _yaml_args(path: str, read_text: Callable[[str], str]) -> list[str]:
     try:
         data = yaml.safe_load(read_text(path))
     except OSError as exc:
-        raise ConfigError(f"the launch's --config {path}: cannot read it ({exc.strerror or exc}); pass the file "
-                          "where exl3tool can read it (a container path is read through the launch's volumes)") from None
+        raise ConfigError(f"the launch's --config {path}: cannot read it ({exc.strerror or exc}); put the file "
+                          "where exl3tool can read it (a container path is read through the launch's volumes)"
+                          ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"the launch's --config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if data is None:
@@ -341,7 +342,3 @@ def parse_server_args(args: list[str], *, entry: str, serve: bool,
     for word in positional:
         ignored.append(f"{word} (a positional argument the server does not use)")
     return ServerArgs(entry, values, tuple(ignored), tuple(unknown), tuple(refused), config_file)
-
-
-# names for the docs and tests: every flag with a setting
-SETTING_FLAGS = {f.setting: f.name for f in SERVER_FLAGS if f.setting}

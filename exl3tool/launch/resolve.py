@@ -126,7 +126,7 @@ def _arg(args: ServerArgs, name: str) -> Optional[tuple[str, str]]:
     return args.values.get(name)
 
 
-def _int_arg(args: ServerArgs, name: str, flag: str, default: int) -> tuple[int, Optional[str]]:
+def _int_arg(args: ServerArgs, name: str, default: int) -> tuple[int, Optional[str]]:
     raw = _arg(args, name)
     if raw is None:
         return default, None
@@ -314,7 +314,7 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         return ""
     if here is None:
         raise ConfigError(f"the server's cache root {server} is not on a bind mount of the launch, so entries "
-                          "written here would never reach it: mount it (-v HOST_DIR:" + server + ") or pass --cache-dir")
+                          f"written here would never reach it: mount it (-v HOST_DIR:{server}) or pass --cache-dir")
     mount = launch.paths.mount_for(server)
     if mount is not None and mount.readonly:
         b.warnings.append(f"the server's cache root {server} is mounted read-only ({mount.spec}): the server can "
@@ -343,7 +343,8 @@ def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str
         if item is not None:
             revision = b.put_env("encoder_revision", "VLLM_EXL3_ENCODER_REVISION", item)
         else:
-            revision = b.put("encoder_revision", None, "default", "not given: the server hashes the encoder's .py files")
+            revision = b.put("encoder_revision", None, "default",
+                             "not given: the server hashes the encoder's .py files")
             b.defaulted.append("VLLM_EXL3_ENCODER_REVISION was not given: the encoder identity hashes the .py files "
                                f"under {root} as the server sees them; " + _HOW_TO_PASS)
     source: Optional[str] = None
@@ -368,16 +369,16 @@ def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str
 
 def _parallel(b: _Builder, args: ServerArgs) -> None:
     """Parallel sizes the fork shards by: honoured when they leave every key as at the TP size, else refused."""
-    pp, how = _int_arg(args, "pipeline_parallel_size", "--pipeline-parallel-size", 1)
+    pp, how = _int_arg(args, "pipeline_parallel_size", 1)
     if how:
         b.arg("pipeline_parallel_size", pp, how)
         if pp > 1:
             b.notes.append(f"{how} {pp}: each stage builds its own share of the layers with the same prefixes and "
                            "TP ranks, and the key holds no stage, so the warm of the TP size covers every stage")
-    dp, dp_how = _int_arg(args, "data_parallel_size", "--data-parallel-size", 1)
+    dp, dp_how = _int_arg(args, "data_parallel_size", 1)
     if dp_how:
         b.arg("data_parallel_size", dp, dp_how)
-    pcp, pcp_how = _int_arg(args, "prefill_context_parallel_size", "--prefill-context-parallel-size", 1)
+    pcp, pcp_how = _int_arg(args, "prefill_context_parallel_size", 1)
     if pcp_how:
         b.arg("prefill_context_parallel_size", pcp, pcp_how)
         if pcp > 1:
@@ -417,7 +418,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         revision = b.arg("revision", rev[0], rev[1])
     else:
         revision = b.put("revision", None, "default", "not given")
-    tp_launch, tp_how = _int_arg(args, "tp_size", "--tensor-parallel-size", 1)
+    tp_launch, tp_how = _int_arg(args, "tp_size", 1)
     if tp_how:
         b.arg("tp_size", tp_launch, tp_how)
     else:

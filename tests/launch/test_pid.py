@@ -8,13 +8,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
-from exl3tool.launch import load_launch, resolve_launch, Explicit
+from exl3tool.launch import Explicit, load_launch, resolve_launch
 from exl3tool.launch.proc import read_process
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
