@@ -226,8 +226,9 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         try:
             server = _server_path(name, launch, "model")
         except ConfigError:
-            if explicit.model is None or not _looks_like_path(name):
+            if _looks_like_path(name):
                 raise
+            server = None  # a relative name with no known working directory: a Hub repo id
         host = paths.to_host(server) if server else None
         if host is not None and os.path.exists(os.path.expanduser(host)):
             local_here = host
