@@ -22,12 +22,15 @@ from exl3tool.errors import FindingsError
 from exl3tool.output import Output
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
 
-__all__ = ["register", "encode", "cache_warm"]
+__all__ = ["register", "encode", "cache_warm", "warm_request", "LayersOpt", "ExcludeOpt", "SharedOpt", "ModelArg",
+           "TpSizesOpt", "LAUNCH_PARAMS"]
 
 LayersOpt = Annotated[list[str], typer.Option("--layers", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
+ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
+TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
 
 
@@ -131,6 +134,10 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
     out.line(f"{c['hit']} hit, {c['encoded']} encoded, {c['skipped']} skipped, {c['failed']} failed; "
              f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
+    if summary.record_error:
+        out.warn(summary.record_error)
+    elif summary.record:
+        out.note(f"provenance record {summary.record}" + ("" if summary.record_written else " (already there)"))
     if summary.unchecked_hits:
         out.warn(f"{summary.unchecked_hits} hit(s) carry no exl3tool checksum (written by the server?): kept as the "
                  "server would load them; `exl3tool verify MODEL` checks their weights")
@@ -142,8 +149,8 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
         out.data(summary)
 
 
-def _run(out: Output, request: WarmRequest, dry_run: bool, environ: Optional[dict] = None,
-         extra: Optional[dict] = None) -> None:
+def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm",
+         environ: Optional[dict] = None, extra: Optional[dict] = None) -> None:
     if dry_run:
         _, plan, _ = prepare(request, environ=environ)
         render_plan(out, plan, extra)
@@ -186,7 +193,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, environ: Optional[dic
 
     try:
         summary = warm(request, environ=environ, on_start=on_start, on_done=on_done, on_plan=on_plan,
-                       on_tiles=on_tiles)
+                       on_tiles=on_tiles, command=command)
     finally:
         if progress is not None:
             progress.stop()
@@ -199,14 +206,15 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, environ: Optional[dic
 
 
 # command parameter -> WarmRequest field, for the flags that win over a launch
-_PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path", "bits": "bits", "dtype": "dtype",
-           "quantization_config": "quantization_config", "encoder_root": "encoder_root",
-           "encoder_revision": "encoder_revision", "encoder_source": "encoder_source", "cache_dir": "cache_dir"}
+LAUNCH_PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path", "bits": "bits",
+                 "dtype": "dtype", "quantization_config": "quantization_config", "encoder_root": "encoder_root",
+                 "encoder_revision": "encoder_revision", "encoder_source": "encoder_source", "cache_dir": "cache_dir",
+                 "tp_sizes": "tp_sizes", "tp_size": "tp_sizes"}
 
 
 def encode(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", help=MODEL_HELP)] = None,
+    model: ModelArg = None,
     revision: RevisionOpt = None,
     tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
@@ -251,18 +259,17 @@ def encode(
         overlap=overlap, quantization_config=quantization_config,
     )
     out = Output(json=json_out, quiet=quiet)
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file,
-                                               {**_PARAMS, "tp_size": "tp_sizes"})
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS)
     if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
-    _run(out, request, dry_run, environ, launch_json(settings))
+    _run(out, request, dry_run, "encode", environ, launch_json(settings))
 
 
 def cache_warm(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", help=MODEL_HELP)] = None,
+    model: ModelArg = None,
     revision: RevisionOpt = None,
-    tp_sizes: Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")] = "1",
+    tp_sizes: TpSizesOpt = "1",
     bits: BitsOpt = None,
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
@@ -295,21 +302,38 @@ def cache_warm(
     From the server's launch (its TP size; --tp-sizes adds more): exl3tool cache warm --launch "docker run -v
     /srv/m:/models/m -v /srv/cache:/cache/exl3-online --env-file server.env IMAGE vllm serve /models/m -tp 2 ..."
     """
-    request = WarmRequest(
+    request = warm_request(
+        model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
+        cache_dir=cache_dir, device=device, shared_experts=shared_experts, quantization_config=quantization_config,
+        dtype=dtype, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
+        server_path=server_path, file_mode=file_mode, overlap=overlap,
+    )
+    out = Output(json=json_out, quiet=quiet)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
+                                               add_tp_sizes=True)
+    _run(out, request, dry_run, "cache warm", environ, launch_json(settings))
+
+
+def warm_request(*, model: Optional[str], revision: Optional[str], tp_sizes: str, bits: int, layers: list[str],
+                 exclude: list[str], cache_dir, shared_experts: bool, quantization_config: Optional[str], dtype: str,
+                 encoder_root: Optional[str], encoder_revision: Optional[str], encoder_source: Optional[str],
+                 server_path: Optional[str], device: str = "auto", file_mode: str = "0600",
+                 overlap: bool = True) -> WarmRequest:
+    """The request of `cache warm` from its options: also what `cache check` plans with, so both always agree."""
+    return WarmRequest(
         model=model or "", tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
         overlap=overlap, quantization_config=quantization_config,
     )
-    out = Output(json=json_out, quiet=quiet)
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file,
-                                               {**_PARAMS, "tp_sizes": "tp_sizes"}, add_tp_sizes=True)
-    _run(out, request, dry_run, environ, launch_json(settings))
 
 
 def register(app: typer.Typer) -> None:
     from exl3tool.commands.cache import cache_app
 
+    from exl3tool.commands.check import cache_check
+
     app.command("encode", cls=LaunchCommand)(encode)
     cache_app.command("warm", cls=LaunchCommand)(cache_warm)
+    cache_app.command("check", cls=LaunchCommand)(cache_check)

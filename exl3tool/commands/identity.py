@@ -28,7 +28,7 @@ __all__ = ["register", "identity"]
 
 def identity(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", help=MODEL_HELP)] = None,
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
     revision: RevisionOpt = None,
     server_path: ServerPathOpt = None,
     encoder_root: EncoderRootOpt = None,

@@ -86,7 +86,7 @@ _PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path
 
 def verify(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", help=MODEL_HELP)] = None,
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
     revision: RevisionOpt = None,
     tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,

@@ -266,3 +266,29 @@ def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, cli, m
     assert doc["settings"]["cache_dir"]["value"] == "/cache/exl3-online"
     code, out, _ = cli("cache", "warm", "--json", "--device", "cpu", "--launch", launch)
     assert code == 0 and json.loads(out)["counts"]["hit"] == len(doc["entries"])
+
+
+def test_cache_check_takes_the_launch(tmp_path, cli, monkeypatch):
+    import exl3tool.warm.request as req
+    from _warm_util import fake_encode
+
+    real = req.run_plan
+    monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
+    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+    launch = (f"docker run -v {model}:/models/M:ro -v {tmp_path}/cache:/cache/exl3-online "
+              "-e VLLM_EXL3_ENCODER_SOURCE=/e -e VLLM_EXL3_ENCODER_REVISION=r -e VLLM_EXL3_ONLINE_TRELLIS_BITS=6 "
+              f"-e VLLM_EXL3_ONLINE_CACHE_DIR=/cache/exl3-online IMAGE serve /models/M -tp 2 "
+              f"--quantization-config '{BOTH}'")
+    code, out, err = cli("cache", "check", "--json", "--launch", launch)
+    doc = json.loads(out)
+    assert code == 1 and doc["miss"] == doc["lookups"] > 0 and doc["settings"]["tp_size"]["value"] == 2
+    assert cli("cache", "warm", "--json", "--device", "cpu", "--launch", launch)[0] == 0
+    code, out, err = cli("cache", "check", "--json", "--", *shlex.split(launch))
+    doc = json.loads(out)
+    assert code == 0 and doc["hit"] == doc["lookups"] and doc["tp_sizes"] == [2], err
+    # the same look-ups as the flags plan them
+    code, out, _ = cli("cache", "check", "--json", model, "--server-path", "/models/M", "--tp-sizes", "2", "--bits", "6",
+                       "--encoder-root", "/e", "--encoder-revision", "r", "--cache-dir", f"{tmp_path}/cache",
+                       "--quantization-config", BOTH)
+    flags = json.loads(out)
+    assert code == 0 and [e["digest"] for e in flags["entries"]] == [e["digest"] for e in doc["entries"]]
