@@ -316,8 +316,23 @@ def quantize_regularized(
     tk, tn, _ = tiles.shape
     values, states = _quantize_batched(tiles.reshape(tk * tn, 256), bits, codebook, progress)
     q_r = tiles_to_matrix(values.reshape(tk, tn, 256))
-    err = _fixed_sum((w_r - q_r).square().to(torch.float64))
-    return states.reshape(tk, tn, 256), q_r, float(err) / w_r.numel()
+    return states.reshape(tk, tn, 256), q_r, _proxy_error(w_r, q_r)
+
+
+def _proxy_error(w_r: torch.Tensor, q_r: torch.Tensor) -> float:
+    """sum((W_r - Q_r)^2) / (k n): fp32 differences and squares, summed in float64.
+
+    On CUDA in the reference's order (``fallback_quant``): one float64 ``torch.sum`` per 16-row block, added
+    into a float64 accumulator from the last block to the first, so the proxy error (an entry's metadata) is
+    the reference's bit for bit on the same GPU, and no float64 copy of the matrix is made. Elsewhere
+    ``_fixed_sum``, which does not depend on the thread count.
+    """
+    if w_r.device.type != "cuda":
+        return float(_fixed_sum((w_r - q_r).square().to(torch.float64))) / w_r.numel()
+    acc = torch.zeros((), dtype=torch.float64, device=w_r.device)
+    for i in range(w_r.shape[0] - 16, -1, -16):
+        acc += torch.sum((w_r[i : i + 16] - q_r[i : i + 16]).pow(2), dtype=torch.float64)
+    return (acc / w_r.numel()).item()
 
 
 def _fail(name: str | None, message: str) -> ValueError:
@@ -408,4 +423,5 @@ def encode_linear(
         g_scale=g,
         bits=bits,
         codebook=codebook,
+        zeros=reg.zeros,
     )
