@@ -73,12 +73,17 @@ def cpu_pair(tmp_path_factory):
     weight = _layer_weight(128, 256, seed=int.from_bytes(os.urandom(4), "little"))
     got = fork_call(fn, weight, 4, fork_seed(prefix), "cpu")
     want = encode_linear(weight.t().float().contiguous(), bits=4, seed=fork_seed(prefix), codebook="mcg")
+    # the same call made directly, with the reference's spellings of 'same result' arguments
+    qa = {"K": 4, "seed": fork_seed(prefix), "devices": [torch.device("cpu")], "apply_out_scales": None, "mcg": True,
+          "sigma_reg": 0.1, "device_ratios": None, "buf_size_k": 64}
+    direct = fn(weight.t().float().contiguous(), {"H": torch.empty(256, 256, device="meta"), "device": "cpu"}, qa,
+                False, progress_str="<step>", verbose=True)
     unload()
-    return got, want
+    return got, want, direct, fn
 
 
 def test_fork_loads_the_export_and_gets_encode_linear_bytes(cpu_pair):
-    (tensors, proxy, quant_args, h_data), want = cpu_pair
+    (tensors, proxy, quant_args, h_data), want, _, _ = cpu_pair
     assert tensors["trellis"].dtype == torch.int16 and tuple(tensors["trellis"].shape) == (16, 8, 64)
     assert torch.equal(tensors["trellis"], want.trellis)
     assert torch.equal(tensors["suh"], want.suh) and torch.equal(tensors["svh"], want.svh)
@@ -90,22 +95,38 @@ def test_fork_loads_the_export_and_gets_encode_linear_bytes(cpu_pair):
     assert torch.equal(h_data["su"].flatten(), -torch.sign(want.suh.float()))
 
 
-def test_return_convention_and_marker(export):
-    fn = load_quantize_exl3(export)
+def test_return_convention_and_arguments_that_change_nothing(cpu_pair):
+    _, want, (weight_q, proxy, tensors), fn = cpu_pair
     assert fn is quantize_exl3  # the generated file re-exports the library function
-    weight = torch.randn(128, 128) * 0.02
-    qa = {"K": 2, "seed": 5, "devices": ["cpu"], "apply_out_scales": None, "mul1": True, "sigma_reg": 0.1}
-    h_data = {"H": torch.empty(128, 128, device="meta"), "count": 0, "device": "cpu"}
-    weight_q, proxy, tensors = fn(weight, h_data, qa, False)
-    assert weight_q is None and isinstance(proxy, float)
-    assert list(tensors) == ["suh", "svh", "trellis", "mul1"]
-    assert tensors["mul1"].dtype == torch.int32 and tensors["mul1"].dim() == 0
-    assert int(tensors["mul1"]) == -2082680531
-    ref = encode_linear(weight, bits=2, seed=5, codebook="mul1")
-    assert torch.equal(tensors["trellis"], ref.trellis) and proxy == ref.proxy_error
-    _, _, plain = fn(weight, {"H": torch.empty(128, 128, device="meta"), "device": "cpu"},
-                     {"K": 2, "seed": 5, "devices": ["cpu"], "apply_out_scales": True}, False)
-    assert list(plain) == ["suh", "svh", "trellis"]  # 3inst: no marker, as the reference
+    assert weight_q is None and isinstance(proxy, float) and proxy == want.proxy_error
+    assert list(tensors) == ["suh", "svh", "trellis", "mcg"]
+    assert tensors["mcg"].dtype == torch.int32 and tensors["mcg"].dim() == 0 and int(tensors["mcg"]) == -877912083
+    assert all(torch.equal(tensors[n], getattr(want, n)) for n in ("trellis", "suh", "svh"))
+
+
+@pytest.mark.parametrize("flags, codebook, markers", [({"mul1": True}, "mul1", {"mul1": -2082680531}),
+                                                      ({}, "3inst", {}), ({"mcg": False}, "3inst", {})])
+def test_codebook_flags_select_the_codebook_and_marker(monkeypatch, flags, codebook, markers):
+    """The flags reach the encoder as the reference reads them; the marker tensor follows the codebook."""
+    import exl3tool.encode.online as online
+    from exl3tool.encode.encoded import EncodedLinear
+
+    seen = {}
+
+    def fake(weight, *, bits, seed, codebook, sign_vectors, device):
+        seen.update(bits=bits, seed=seed, codebook=codebook, su=sign_vectors[0])
+        k, n = weight.shape
+        return EncodedLinear(torch.zeros(k // 16, n // 16, 16 * bits, dtype=torch.int16),
+                             torch.ones(k, dtype=torch.float16), torch.ones(n, dtype=torch.float16), 0.5, 1.0, bits,
+                             codebook)
+
+    monkeypatch.setattr(online, "encode_linear", fake)
+    qa = {"K": 3, "seed": 77, "devices": ["cpu"], "apply_out_scales": True, **flags}
+    _, proxy, tensors = quantize_exl3(torch.randn(128, 256), {"H": torch.empty(128, 128, device="meta"),
+                                                              "device": "cpu"}, qa, False)
+    assert seen["codebook"] == codebook and seen["bits"] == 3 and seen["seed"] == 77 and proxy == 0.5
+    assert list(tensors) == ["suh", "svh", "trellis", *markers]
+    assert {name: int(tensors[name]) for name in markers} == markers
 
 
 def _call(weight=None, h=None, qa=None, **kw):
@@ -159,11 +180,11 @@ def test_calls_the_reference_fails_too_raise_value_errors(kwargs, words):
 
 
 def test_calls_from_threads_give_the_sequential_bytes():
-    """Four threads call at once (the CPU path serialises; numba's pool is not re-entrant): same bytes as one by one."""
-    weights = [torch.randn(128, 128) * (0.01 + 0.01 * i) for i in range(4)]
+    """Three threads call at once (the CPU path serialises; numba's pool is not re-entrant): same bytes as one by one."""
+    weights = [torch.randn(128, 128) * (0.01 + 0.01 * i) for i in range(3)]
 
     def one(i):
-        qa = {"K": 2, "seed": 100 + i, "devices": ["cpu"], "apply_out_scales": True, "mcg": True}
+        qa = {"K": 4, "seed": 100 + i, "devices": ["cpu"], "apply_out_scales": True, "mcg": True}
         _, proxy, t = quantize_exl3(weights[i], {"H": torch.empty(128, 128, device="meta"), "device": "cpu"}, qa,
                                     False)
         return proxy, t["trellis"], t["suh"], t["svh"]
@@ -177,13 +198,13 @@ def test_calls_from_threads_give_the_sequential_bytes():
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors
-    for i in range(4):
+    for i in range(3):
         again = one(i)
         assert results[i][0] == again[0] and all(torch.equal(a, b) for a, b in zip(results[i][1:], again[1:]))
 
