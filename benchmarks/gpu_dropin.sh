@@ -8,6 +8,12 @@
 # Logs and the JSON land in $OUT; the stripped extension comes back in 15 MiB parts when it fits.
 # Measured 2026-12-02: the compile had built 147 of 202 objects after 211 s (16 cores, torch 2.11, CUDA 13.0), so
 # the defaults leave it 400 s and the benchmark 180 s: run with timeout_s 600 (or carry a built extension).
+# $WHL (here, then carried): the exllamav3 wheel plus what its quantize.py imports that the device image lacks:
+#   mkdir -p W && cp exllamav3-1.6.5-py3-none-any.whl W/ && python3 -m pip download --no-deps --only-binary=:all: \
+#     --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 -d W \
+#     pydantic pydantic-core annotated-types typing-inspection typing_extensions
+# Example (from the repository root, with W at .wt/dropin_whl and the tree at .wt/dropin):
+#   cd .wt/dropin && WHL=../dropin_whl bash benchmarks/gpu_dropin.sh
 set -u
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 OUT=${OUT:-/tmp/exl3tool-dropin}; mkdir -p "$OUT"
