@@ -5,18 +5,16 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import (
-    BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
-)
 from rich.table import Table
 from rich.text import Text
 
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
-    OverlapOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
+    LockTimeoutOpt, OverlapOpt, ProgressOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
 from exl3tool.output import Output
+from exl3tool.progress import make_progress, progress_mode
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
 
 __all__ = ["register", "encode", "cache_warm"]
@@ -26,13 +24,6 @@ ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out laye
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
-
-
-class _RateColumn(ProgressColumn):
-    """Encoding rate in tiles per second."""
-
-    def render(self, task) -> Text:
-        return Text(f"{task.speed:,.0f} tiles/s" if task.speed else "", style="cyan")
 
 
 def plan_header(plan: WarmPlan) -> dict:
@@ -133,16 +124,15 @@ def render_summary(out: Output, summary: WarmSummary) -> None:
     out.data(summary)
 
 
-def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
+def _run(out: Output, request: WarmRequest, dry_run: bool, progress_choice: str = "auto") -> None:
     if dry_run:
         _, plan, _ = prepare(request)
         render_plan(out, plan)
         return
-    progress: Optional[Progress] = None
-    task = None
+    mode = progress_mode(progress_choice, terminal=out.stderr.is_terminal, quiet=out.quiet)
+    display = make_progress(mode, out.stderr)
 
     def on_plan(plan: WarmPlan, ctx, todo) -> None:
-        nonlocal progress, task
         if ctx.workers > 1:
             from exl3tool.warm import share_jobs
 
@@ -150,35 +140,13 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
         plan_notes(out, plan)
         out.note(f"{plan.model}: {len(plan.jobs)} jobs, {plan.count('hit')} already cached, "
                  f"{len(todo)} to encode here ({sum(j.tiles for j in todo)} tiles)")
-        if out.show_progress and todo:
-            progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("tiles"), _RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=out.stderr, transient=True)
-            progress.start()
-            task = progress.add_task("encoding", total=sum(j.tiles for j in todo))
-
-    counted: dict[str, int] = {}  # tiles shown so far per job (digest)
-
-    def on_start(job) -> None:
-        if progress is not None:
-            progress.update(task, description=f"{job.prefix} tp{job.tp_size}-rank{job.tp_rank}")
-
-    def on_tiles(job, n: int) -> None:  # tiles quantized inside the encode: the bar moves within a layer
-        if progress is not None:
-            counted[job.digest] = counted.get(job.digest, 0) + n
-            progress.advance(task, n)
-
-    def on_done(job, result) -> None:
-        if progress is not None:
-            progress.advance(task, max(0, job.tiles - counted.pop(job.digest, 0)))  # hits, failures: the rest
-        elif not out.show_progress and not out.quiet and not out.json:
-            out.note(f"{result.status:8s} {job.prefix} tp{job.tp_size}-rank{job.tp_rank} {result.seconds:.1f}s"
-                     + (f"  {result.error}" if result.error else ""))
+        display.begin(todo)
 
     try:
-        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan, on_tiles=on_tiles)
+        summary = warm(request, on_start=display.started, on_done=display.done, on_plan=on_plan,
+                       on_tiles=display.tiles)
     finally:
-        if progress is not None:
-            progress.stop()
+        display.end()
     if summary is None:  # a torchrun worker other than 0: worker 0 reports for everyone
         return
     render_summary(out, summary)
@@ -207,6 +175,8 @@ def encode(
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
+    lock_timeout: LockTimeoutOpt = None,
+    progress: ProgressOpt = "auto",
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -227,9 +197,9 @@ def encode(
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
         cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config,
+        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout,
     )
-    _run(Output(json=json_out, quiet=quiet), request, dry_run)
+    _run(Output(json=json_out, quiet=quiet), request, dry_run, progress)
 
 
 def cache_warm(
@@ -250,6 +220,8 @@ def cache_warm(
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
+    lock_timeout: LockTimeoutOpt = None,
+    progress: ProgressOpt = "auto",
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -267,9 +239,9 @@ def cache_warm(
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config,
+        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout,
     )
-    _run(Output(json=json_out, quiet=quiet), request, dry_run)
+    _run(Output(json=json_out, quiet=quiet), request, dry_run, progress)
 
 
 def register(app: typer.Typer) -> None:
