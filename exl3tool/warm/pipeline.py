@@ -88,8 +88,8 @@ def run_plan(
 
     ``overlap`` (default) keeps the device busy: a background thread reads and checks the next jobs' weights
     (at most two ahead) and another publishes (hash, write, fsync, rename) while the calling thread encodes
-    the next job. Encodes still run one at a time, in job order, on the calling thread, and so do the
-    callbacks; results and published bytes are the same as without overlap.
+    the next job. Encodes still run one at a time, in job order (a deferred job after the others), on the calling
+    thread, and so do the callbacks; results and published bytes are the same as without overlap.
 
     ``on_tiles(job, n)`` (on the calling thread) hears of every n tiles quantized inside a job's encode, for
     progress bars that move during a long layer; ``encode`` must then take a ``progress`` keyword.
