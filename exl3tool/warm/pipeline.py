@@ -137,7 +137,7 @@ def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Call
 
 
 def _publish_failed(reason: Optional[str]) -> str:
-    return f"encoded, but publishing failed ({reason or 'lock timeout or OS error on the cache'}); nothing was written"
+    return f"encoded, but publishing failed ({reason or 'an OS error on the cache'}); nothing was written"
 
 
 def _blocked(job: WarmJob, store: CacheStore, worker: int) -> Optional[JobResult]:
