@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from exl3tool.cache import CacheStore
+from exl3tool.cache.entry import entry_bytes
 from exl3tool.warm.distributed import (
     DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
 )
@@ -93,6 +94,7 @@ class WarmRequest:
     file_mode: int = 0o600
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
+    lock_timeout: Optional[float] = None  # give up on an entry lock held this long (None: wait while its holder lives)
     language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
 
 
@@ -177,11 +179,12 @@ def warm(
     todo = agreed_todo(ctx, plan)
     if todo and store.mode == "readwrite":
         store.check_writable()  # fail in a second, not after encoding every layer
+        store.check_free_space(sum(entry_bytes(j.key) for j in todo), len(todo))  # all workers' share: one disk
     if on_plan:
         on_plan(plan, ctx, todo)
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
                        dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
-                       on_tiles=on_tiles)
+                       on_tiles=on_tiles, lock_timeout=request.lock_timeout)
     gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
     if ctx.initialised:
         import torch.distributed as dist
