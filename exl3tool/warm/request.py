@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from exl3tool.cache import CacheStore
+from exl3tool.cache.entry import entry_bytes
 from exl3tool.warm.distributed import (
     DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
 )
@@ -95,6 +96,8 @@ class WarmRequest:
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
     check_unchecked: bool = False  # re-encode hits without exl3tool's checksum, replace those that differ
+    lock_timeout: Optional[float] = None  # give up on an entry lock held this long (None: wait while its holder lives)
+    language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -131,7 +134,8 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
             encoder_source=request.encoder_source, hub_commit=checkpoint.commit_hash, environ=environ,
         )
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
-    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude)
+    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
+                             language_model_only=request.language_model_only)
     if request.exclude and not layer_plan.layers:
         raise ConfigError(f"{checkpoint.model}: --exclude {' '.join(repr(g) for g in request.exclude)} leaves no layer "
                           "to encode; nothing to do (narrow the globs)")
@@ -182,11 +186,12 @@ def warm(
     todo = agreed_todo(ctx, plan)
     if todo and store.mode == "readwrite":
         store.check_writable()  # fail in a second, not after encoding every layer
+        store.check_free_space(sum(entry_bytes(j.key) for j in todo), len(todo))  # all workers' share: one disk
     if on_plan:
         on_plan(plan, ctx, todo)
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
                        dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
-                       on_tiles=on_tiles)
+                       on_tiles=on_tiles, lock_timeout=request.lock_timeout)
     unchecked = None
     if request.check_unchecked and ctx.worker == 0 and store.mode == "readwrite":
         unchecked = check_unchecked(plan, checkpoint, store, device=device, dtype=dtype, on_done=on_checked)
