@@ -107,3 +107,47 @@ def test_plan_peak_never_exceeds_any_budget_it_accepts():
                 assert exc.needed_bytes > budget
                 continue
             assert plan.peak_bytes <= budget and 1 <= plan.chunk_tiles <= (k // 16) * (n // 16)
+
+
+@pytest.mark.parametrize("command", [["cache", "warm"], ["encode"]])
+def test_gpu_memory_option_reaches_the_request(command, monkeypatch):
+    from cli_runner import CliRunner
+
+    import exl3tool.commands.encode as encode_cmd
+    from exl3tool.cli import _register, app
+
+    _register()
+    seen = []
+    monkeypatch.setattr(encode_cmd, "warm", lambda request, **kw: seen.append(request.gpu_memory_gib))
+    for flag in ([], ["--gpu-memory", "24"], ["--gpu-memory", "7.5"]):
+        r = CliRunner().invoke(app, [*command, "test-org/x", "--cache-dir", "/nonexistent", *flag])
+        assert r.exit_code == 0, r.output
+    assert seen == [None, 24.0, 7.5]
+
+
+def test_gpu_memory_on_a_cpu_warm_is_a_config_error():
+    from exl3tool.errors import ConfigError
+    from exl3tool.warm.request import _memory_budget
+
+    assert _memory_budget(torch.device("cpu"), None) is None
+    with pytest.raises(ConfigError, match="--gpu-memory 4.0: this warm runs on cpu"):
+        _memory_budget(torch.device("cpu"), 4.0)
+
+
+def test_warm_job_over_its_budget_fails_by_name_with_the_figure(tmp_path, monkeypatch):
+    """run_plan with a 1 MiB budget: every job fails, each result naming its layer and the MiB it needed."""
+    from exl3tool.cache import CacheStore
+    from exl3tool.checkpoint import write_llama_checkpoint
+    from exl3tool.warm import WarmRequest, prepare
+    from exl3tool.warm.pipeline import run_plan
+
+    write_llama_checkpoint(tmp_path / "ckpt", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=1, vocab=256,
+                           seed=int(torch.randint(0, 2**31, (1,))))
+    request = WarmRequest(model=str(tmp_path / "ckpt"), layers=("*.o_proj",), cache_dir=str(tmp_path / "c"),
+                          device="cpu", encoder_root="/encoders/exllamav3", encoder_revision="r")
+    checkpoint, plan, store = prepare(request)
+    results = run_plan(plan, checkpoint, store, device=torch.device("cpu"), memory_budget=1 << 20)
+    assert results and all(r.status == "failed" for r in results)
+    for r in results:
+        assert "o_proj" in r.prefix and "MiB" in r.error and "(128, 128)" in r.error and "budget is 1 MiB" in r.error
+    assert not list((tmp_path / "c").rglob("*.safetensors"))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES", "EncodeMemoryError", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "REFERENCE_FACTOR",
-    "default_budget", "plan_encode_memory", "reference_peak_bytes", "viterbi_bytes_per_tile",
+    "default_budget", "device_budget", "plan_encode_memory", "reference_peak_bytes", "viterbi_bytes_per_tile",
 ]
 
 REFERENCE_FACTOR = 5.5  # exllamav3 1.6.5 quantize_exl3 peak / fp32 weight, uncalibrated K6 on an H200 (issue 24)
@@ -32,6 +32,8 @@ _TILE_BYTES = 1024  # 256 fp32 values
 _GPU_TILE_EXTRA = 8 * 1024  # per tile in flight besides the scratch: tiles, values, states, indices, packing
 _CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile)
 _SLACK = 4 << 20  # small tensors: sign vectors, scales, codebook table, per-launch bookkeeping
+GPU_MARGIN_BYTES = 1 << 30  # left free by the default device budget (allocator fragmentation, CUDA context)
+GPU_MARGIN_FRACTION = 0.05  # ... or this share of the device, whichever is larger
 
 
 class EncodeMemoryError(ValueError):
@@ -139,3 +141,24 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     peak = max(fixed, during + chunk * per_tile)
     return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=peak, fixed_bytes=fixed,
                             tile_bytes=per_tile)
+
+
+def device_budget(device, gib: float | None = None) -> int:
+    """What a warm may allocate on the CUDA ``device``: ``gib`` GiB, or what is free now less a margin.
+
+    The margin (GPU_MARGIN_BYTES or GPU_MARGIN_FRACTION of the device, the larger) covers the caching
+    allocator's fragmentation and what other processes allocate meanwhile. Raises ConfigError for a figure
+    that is not positive or exceeds the device.
+    """
+    import torch
+
+    from exl3tool.errors import ConfigError
+
+    free, total = torch.cuda.mem_get_info(device)
+    if gib is None:
+        return max(1, free - max(GPU_MARGIN_BYTES, int(GPU_MARGIN_FRACTION * total)))
+    if not gib > 0 or gib != gib:
+        raise ConfigError(f"--gpu-memory {gib}: must be a positive number of GiB")
+    if gib * 2**30 > total:
+        raise ConfigError(f"--gpu-memory {gib}: {device} has {total / 2**30:.1f} GiB in all; give at most that")
+    return int(gib * 2**30)
