@@ -91,3 +91,16 @@ def test_encode_under_a_small_budget_gives_the_same_bytes_and_stays_inside_it():
         for name in ("trellis", "suh", "svh"):
             assert torch.equal(getattr(outs[label], name), getattr(outs["default"], name)), (label, name)
         assert outs[label].proxy_error == outs["default"].proxy_error
+
+
+def test_device_budget_defaults_to_free_memory_less_a_margin():
+    from exl3tool.encode.memory import device_budget
+    from exl3tool.errors import ConfigError
+
+    free, total = torch.cuda.mem_get_info()
+    budget = device_budget(torch.device("cuda", torch.cuda.current_device()))
+    assert 0 < budget <= free - max(1 << 30, total // 20) + (64 << 20)  # free may move a little meanwhile
+    assert device_budget(torch.device("cuda", torch.cuda.current_device()), 2.5) == int(2.5 * 2**30)
+    for bad in (0.0, -1.0, total / 2**30 + 1):
+        with pytest.raises(ConfigError, match="--gpu-memory"):
+            device_budget(torch.device("cuda", torch.cuda.current_device()), bad)

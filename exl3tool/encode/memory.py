@@ -4,7 +4,8 @@ An encode of a (k, n) weight (W = 4 k n bytes in fp32) runs in phases whose peak
 are known in closed form (``encode_linear`` frees every intermediate as soon as it is used):
 
 * regularize: 2 W (one scaled copy and its Hadamard product; the RMS reductions run in slabs);
-* scale search: 2 W (the regularised weight, its tiles squared for the per-tile mean square);
+* scale search: 2 W (the regularised weight, its tiles squared for the per-tile mean square), then the weight and
+  the sample's batch of five scales (with its values and states) while it goes through the quantizer in chunks;
 * tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
   error, plus the packed trellis) and one chunk of tiles in flight, each with its Viterbi scratch (on a GPU
   256 * 2^(16-K) bytes of back-pointers, 256 KiB at K = 6);
@@ -85,9 +86,10 @@ def _fixed_bytes(k: int, n: int, bits: int, sample_tiles: int) -> tuple[int, int
     w = weight_bytes(k, n)
     trellis = _trellis_bytes(k, n, bits)
     regularize = 2 * w + w // 4  # the copy, its product, one reduction slab
-    scale = 2 * w + 2 * sample_tiles * _TILE_BYTES  # weight, squared tiles; the sample batch and its values
+    search = w + sample_tiles * (_TILE_BYTES // 5 + _TILE_BYTES + _TILE_BYTES + _TILE_BYTES // 2)
+    scale = max(2 * w, search)  # weight and its squared tiles; or the sample, the batch, its values and states
     error = w + trellis + 2 * w
-    during_quantize = max(w + trellis, w + 2 * sample_tiles * _TILE_BYTES)
+    during_quantize = max(w + trellis, search)
     return max(regularize, scale, error) + _SLACK, during_quantize + _SLACK
 
 

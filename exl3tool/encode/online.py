@@ -100,18 +100,22 @@ def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
     (the plain CPU sums give ~1 ulp). Every block is reduced at once (a few whole-tensor ops, not a few
     per block: on a GPU the per-block form was thousands of tiny launches per layer).
     """
-    if dim == 1 and w.shape[0] >= 4 * _ROW_SLABS:
-        # rows are independent: in slabs, the squares and the halving tree take a quarter of the memory
-        return torch.cat([_block_sum_squares(part, 1) for part in w.tensor_split(_ROW_SLABS)])
-    sq = w.square()
+    k, n = w.shape
     if dim == 0:
-        k, n = sq.shape
+        sq = w.square()
         rows = sq.reshape(k // 32, 8, 4, n)  # [block, i, j] = row 32 block + 4 i + j
         acc = _sequential_sum(rows.transpose(0, 1))  # (blocks, 4, n): accumulator j walks rows j, j + 4, ...
+        del sq, rows
         blocks = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]  # (blocks, n)
     else:
-        k, n = sq.shape
-        blocks = _halving_sum_to(sq.reshape(k, n // 32, 32).permute(2, 1, 0), 1)[0]  # (blocks, k)
+        # Rows are independent, so the squares and the halving tree run on row slabs (a quarter of the memory
+        # of the whole), and the block sums of all slabs go through one sequential pass (n/32 adds, not 4x)
+        parts = []
+        for part in w.tensor_split(_ROW_SLABS if k >= _ROW_SLABS else 1):
+            sq = part.square()
+            parts.append(_halving_sum_to(sq.reshape(part.shape[0], n // 32, 32).permute(2, 1, 0), 1)[0])
+            del sq
+        blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (blocks, k)
     return _sequential_sum(blocks)
 
 
@@ -261,16 +265,21 @@ def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
     from exl3tool.encode.viterbi import quantize_tiles
 
     step = _step(tiles.device, chunk_tiles, progress)
-    values, states = [], []
+    if tiles.shape[0] <= step:
+        values, states = quantize_tiles(tiles.contiguous(), bits, codebook)
+        if progress is not None:
+            progress(values.shape[0])
+        return values, states
+    values = torch.empty(tiles.shape, dtype=torch.float32, device=tiles.device)  # filled chunk by chunk: no
+    states = torch.empty(tiles.shape, dtype=torch.int16, device=tiles.device)  # list of parts and concatenation
     for start in range(0, tiles.shape[0], step):
         v, s = quantize_tiles(tiles[start : start + step].contiguous(), bits, codebook)
-        values.append(v)
-        states.append(s)
+        values[start : start + step] = v
+        states[start : start + step] = s
+        del v, s
         if progress is not None:
-            progress(v.shape[0])
-    if len(values) == 1:
-        return values[0], states[0]
-    return torch.cat(values), torch.cat(states)
+            progress(min(step, tiles.shape[0] - start))
+    return values, states
 
 
 def _step(device: torch.device, chunk_tiles: Optional[int], progress: Optional[ProgressFn]) -> int:
