@@ -33,6 +33,7 @@ __all__ = [
     "EntryContents",
     "TENSOR_NAMES",
     "expected_layout",
+    "entry_bytes",
     "tensor_sha256",
     "file_tensor_sha256",
     "describe_unreadable",
@@ -74,6 +75,30 @@ def expected_layout(key: CacheKey) -> dict[str, tuple[str, tuple[int, ...]]]:
         "suh": ("F16", (k,)),
         "svh": ("F16", (n,)),
     }
+
+
+_ITEM_BYTES = {"I16": 2, "F16": 2}
+_LONGEST_PROXY_ERROR = repr(-2.2250738585072014e-308)  # no float's repr is longer
+
+
+def entry_bytes(key: CacheKey) -> int:
+    """The size of ``key``'s entry as ``write_entry`` writes it, at most (the proxy error's text may be shorter).
+
+    What a warm checks free space against before its first encode: the tensors' bytes plus the header, built as
+    ``write_entry`` builds it with the longest proxy error text.
+    """
+    layout = expected_layout(key)
+    header: dict = {"__metadata__": {
+        "cache_key": key.canonical_json(), "proxy_error": _LONGEST_PROXY_ERROR, "exl3tool_version": __version__,
+        "exl3tool_sha256": "0" * 64}}
+    offset = 0
+    for name in sorted(layout):
+        dtype, shape = layout[name]
+        size = math.prod(shape) * _ITEM_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return 8 + len(text) + (-len(text) % 8) + offset
 
 
 def _sha_line(name: str, dtype: str, shape: list[int]) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -36,6 +37,15 @@ __all__ = ["CacheStore", "Claim", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "UNC
 LOCK_TIMEOUT_S = 600.0
 PRUNE_HINT = "remove it with: exl3tool cache prune --invalid"
 log = logging.getLogger(__name__)
+
+
+def _mib(n: int) -> str:
+    """``n`` bytes for people, exact below 1 MiB.
+
+    >>> _mib(1536), _mib(5 * 2**20 + 1)
+    ('1536 bytes', '5.0 MiB')
+    """
+    return f"{n} bytes" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
 def entry_obstacle(path: Path) -> str | None:
@@ -91,7 +101,8 @@ class Lookup:
 class LoadResult:
     """The layer's weights: from the cache (``hit``) or a fresh encode (``encoded`` set, ``path`` None if unpublished).
 
-    ``error`` says why a fresh encode was not published (lock or write failure), for people.
+    ``error`` says why a fresh encode was not published (lock or write failure), for people; ``errno`` is the
+    OS error number of a failed write (ENOSPC: the cache's filesystem is full).
     """
 
     hit: bool
@@ -100,6 +111,7 @@ class LoadResult:
     proxy_error: float | None
     encoded: EncodedLinear | None
     error: str | None = None
+    errno: int | None = None
 
 
 class Claim:
@@ -178,6 +190,18 @@ class CacheStore:
         except OSError as exc:
             raise InputError(f"cache directory {self.root} is not writable ({describe(exc)}); pass a writable "
                              "--cache-dir or fix its permissions") from None
+
+    def check_free_space(self, needed: int, entries: int) -> None:
+        """InputError (exit 2) when the cache's filesystem has fewer free bytes than ``needed`` (the ``entries``
+        a warm will write, see ``entry_bytes``): a full disk costs a second, not every layer's encode."""
+        try:
+            free = shutil.disk_usage(self.root).free  # what this user may write (statvfs f_bavail)
+        except OSError as exc:
+            raise InputError(f"cache directory {self.root}: cannot read its free space ({describe(exc)})") from None
+        if free < needed:
+            raise InputError(
+                f"cache directory {self.root}: {_mib(free)} free on its filesystem, but the plan writes {_mib(needed)} "
+                f"({entries} entr{'y' if entries == 1 else 'ies'}); free space or pass another --cache-dir")
 
     def path(self, key: CacheKey) -> Path:
         """Where ``key``'s entry lives under this root."""
@@ -297,12 +321,35 @@ class CacheStore:
         thread release it (filelock's ``thread_local=False``), for publishing on a background thread.
         Raises ``filelock.Timeout`` or ``OSError`` (then encode without the cache, see ``note_unavailable``).
         """
+        path, lock = self._claim_lock(key, cross_thread)
+        acquire_with_notice(lock, self.lock_timeout, path)
+        return self._recheck(key, path, lock)
+
+    def try_claim(self, key: CacheKey, *, cross_thread: bool = False, wait: float = 0.0) -> Claim | LoadResult | None:
+        """``claim`` without waiting longer than ``wait`` seconds: None when another process holds the entry lock.
+
+        What a warm uses: it never blocks on one entry while others are waiting (see ``exl3tool.warm.lockwait``).
+        Raises ``OSError`` when the lock cannot be opened at all.
+        """
+        path, lock = self._claim_lock(key, cross_thread)
+        if not hasattr(lock, "acquire"):  # a plain context manager (tests swap in a no-op lock)
+            lock.__enter__()
+        else:
+            try:
+                lock.acquire(timeout=max(0.0, wait))
+            except Timeout:
+                return None
+        return self._recheck(key, path, lock)
+
+    def _claim_lock(self, key: CacheKey, cross_thread: bool) -> tuple[Path, FileLock]:
         if self.mode != "readwrite":
             raise ValueError(f"claim needs a readwrite cache, not {self.mode!r}")
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = self._lock(path, cross_thread)
-        acquire_with_notice(lock, self.lock_timeout, path)
+        return path, self._lock(path, cross_thread)
+
+    def _recheck(self, key: CacheKey, path: Path, lock) -> Claim | LoadResult:
+        """With ``lock`` just taken: a valid entry is a hit (lock released), an invalid one is removed, else a Claim."""
         claimed = Claim(key, path, lock)
         try:
             self._remove_stale_temps(path)
@@ -336,7 +383,8 @@ class CacheStore:
                                         file_mode=self.file_mode)
             except Exception as exc:
                 log.warning("Could not publish online EXL3 cache entry %s: %s", claimed.path, exc)
-                return replace(self._fresh(encoded, None), error=self.unpublished_reason(claimed.path, exc))
+                return replace(self._fresh(encoded, None), error=self.unpublished_reason(claimed.path, exc),
+                               errno=getattr(exc, "errno", None))
             return self._fresh(encoded, published)
         finally:
             claimed.release()

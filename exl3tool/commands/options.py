@@ -8,10 +8,15 @@ from typing import Annotated, Optional
 import typer
 
 from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS, trellis_bits
+from exl3tool.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt  # the launch options, shared
 from exl3tool.errors import ConfigError
 from exl3tool.warm.request import SERVING_DTYPES
 
 __all__ = [
+    "LaunchOpt",
+    "PidOpt",
+    "EnvFileOpt",
+    "LaunchCommand",
     "RevisionOpt",
     "ServerPathOpt",
     "EncoderRootOpt",
@@ -23,6 +28,8 @@ __all__ = [
     "QuietOpt",
     "ModelIdOpt",
     "OverlapOpt",
+    "LockTimeoutOpt",
+    "ProgressOpt",
     "BitsOpt",
     "DtypeOpt",
     "QuantizationConfigOpt",
@@ -78,6 +85,38 @@ OverlapOpt = Annotated[
     typer.Option(
         "--overlap/--no-overlap",
         help="Read the next weights and publish finished entries on background threads while encoding (same results).",
+    ),
+]
+LockTimeoutOpt = Annotated[
+    Optional[float],
+    typer.Option(
+        "--lock-timeout",
+        metavar="SECONDS",
+        min=0,
+        help="Give up on an entry whose lock another process has held this long (the job fails, nothing encoded). "
+        "Default: wait while the holder runs; give up only on a stopped holder, or an unidentifiable one with no "
+        "progress for 600 s.",
+    ),
+]
+
+
+def _progress_mode(value: str) -> str:
+    from exl3tool.progress import PROGRESS_MODES
+
+    text = value.strip().lower()
+    if text not in PROGRESS_MODES:
+        raise typer.BadParameter(f"must be one of {', '.join(PROGRESS_MODES)}, got {value!r}")
+    return text
+
+
+ProgressOpt = Annotated[
+    str,
+    typer.Option(
+        "--progress",
+        metavar="auto|bar|lines|none",
+        callback=_progress_mode,
+        help="Progress on stderr: a bar, or log lines (one per job done and a status line every 30 s, with tiles "
+        "done/total, rate and ETA). auto: a bar on a terminal, lines otherwise (a pipe, a CI log); none with --quiet.",
     ),
 ]
 QuantizationConfigOpt = Annotated[
@@ -183,11 +222,13 @@ def parse_file_mode(text: str) -> int:
     return mode
 
 
-def existing_cache_dir(cache_dir: Path | None) -> Path:
-    """``resolve_cache_dir``, which must be an existing directory (InputError otherwise, exit 2)."""
+def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None) -> Path:
+    """``resolve_cache_dir`` (with ``environ``: the server's environment), which must be an existing directory
+    (InputError otherwise, exit 2)."""
+    from exl3tool.cache import cache_root
     from exl3tool.errors import InputError
 
-    root = resolve_cache_dir(cache_dir)
+    root = cache_dir if cache_dir is not None else cache_root(environ)
     if not root.exists():
         raise InputError(f"cache directory {root} does not exist (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
     if not root.is_dir():

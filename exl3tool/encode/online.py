@@ -390,8 +390,23 @@ def quantize_regularized(
         q_flat[index] = values
 
     _quantize_matrix(w32, err, bits, codebook, chunk_tiles, progress, keep)
-    total = _fixed_sum(err.to(torch.float64))
-    return states.reshape(tk, tn, 256), q_r, float(total) / w32.numel()
+    return states.reshape(tk, tn, 256), q_r, _proxy_error_of_squares(err)
+
+
+def _proxy_error_of_squares(sq: torch.Tensor) -> float:
+    """sum(sq) / (k n) in float64, for the (k, n) fp32 squared errors ``sq`` = (W_r - Q_r)^2.
+
+    On CUDA in the reference's order (``fallback_quant``): one float64 ``torch.sum`` per contiguous 16-row block,
+    added into a float64 accumulator from the last block to the first, so the proxy error (an entry's metadata)
+    is the reference's bit for bit on the same GPU, and no float64 copy of the matrix is made. Elsewhere
+    ``_fixed_sum``, which does not depend on the thread count.
+    """
+    if sq.device.type != "cuda":
+        return float(_fixed_sum(sq.to(torch.float64))) / sq.numel()
+    acc = torch.zeros((), dtype=torch.float64, device=sq.device)
+    for i in range(sq.shape[0] - 16, -1, -16):
+        acc += torch.sum(sq[i : i + 16], dtype=torch.float64)
+    return (acc / sq.numel()).item()
 
 
 def _fail(name: str | None, message: str) -> ValueError:
@@ -476,7 +491,7 @@ def encode_linear(
     w = weight.to(dev)  # the caller's tensor when it is already there: never written
     reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
     del w  # a copy made here is no longer needed
-    w_r, su, sv = reg.weight, reg.su, reg.sv
+    w_r, su, sv, zeros = reg.weight, reg.su, reg.sv, reg.zeros
     del reg
     g = float(g_scale) if g_scale is not None else search_global_scale(w_r, bits, codebook, plan.chunk_tiles)
     w_r.mul_(_f32(g))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
@@ -488,7 +503,7 @@ def encode_linear(
         trellis[lo:hi] = pack_trellis(states, bits)
 
     _quantize_matrix(w_r, w_r, bits, codebook, plan.chunk_tiles, progress, pack)  # w_r becomes (W_r - Q_r)^2
-    proxy_error = float(_fixed_sum(w_r.to(torch.float64))) / w_r.numel()
+    proxy_error = _proxy_error_of_squares(w_r)
     del w_r
     return EncodedLinear(
         trellis=trellis.reshape(tk, tn, 16 * bits),
@@ -498,6 +513,7 @@ def encode_linear(
         g_scale=g,
         bits=bits,
         codebook=codebook,
+        zeros=zeros,
     )
 
 

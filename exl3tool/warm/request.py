@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from exl3tool.cache import CacheStore
+from exl3tool.cache.entry import entry_bytes
 from exl3tool.warm.distributed import (
     DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
 )
@@ -94,6 +95,8 @@ class WarmRequest:
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
     gpu_memory_gib: Optional[float] = None  # GPU memory budget per worker (None: what is free less a margin)
+    lock_timeout: Optional[float] = None  # give up on an entry lock held this long (None: wait while its holder lives)
+    language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -130,7 +133,8 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
             encoder_source=request.encoder_source, hub_commit=checkpoint.commit_hash, environ=environ,
         )
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
-    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude)
+    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
+                             language_model_only=request.language_model_only)
     if request.exclude and not layer_plan.layers:
         raise ConfigError(f"{checkpoint.model}: --exclude {' '.join(repr(g) for g in request.exclude)} leaves no layer "
                           "to encode; nothing to do (narrow the globs)")
@@ -190,11 +194,12 @@ def warm(
     todo = agreed_todo(ctx, plan)
     if todo and store.mode == "readwrite":
         store.check_writable()  # fail in a second, not after encoding every layer
+        store.check_free_space(sum(entry_bytes(j.key) for j in todo), len(todo))  # all workers' share: one disk
     if on_plan:
         on_plan(plan, ctx, todo)
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
                        dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
-                       on_tiles=on_tiles, memory_budget=budget)
+                       on_tiles=on_tiles, lock_timeout=request.lock_timeout, memory_budget=budget)
     stats = worker_stats(ctx, device, time.perf_counter() - start)
     if budget is not None:
         stats["gpu_budget_mib"] = round(budget / 2**20, 1)
