@@ -48,10 +48,20 @@ def _weight(k: int, n: int, device: str) -> torch.Tensor:
     return w.to(device)
 
 
-def _reference():
-    """exllamav3's quantize_exl3, or None where it is not importable."""
+def _reference(root: str | None = None):
+    """exllamav3's quantize_exl3, or None where it is not importable.
+
+    With ``root`` (an exllamav3 package directory) it is loaded as the serving fork loads its encoder source
+    (synthetic namespace packages, no package ``__init__``: ``tests/_fork_loader.py``), else imported normally.
+    """
     try:
-        from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3
+        if root:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+            from _fork_loader import load_quantize_exl3
+
+            quantize_exl3 = load_quantize_exl3(root, package="_exllamav3_reference")
+        else:
+            from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3
     except Exception as exc:  # not installed, or its CUDA extension does not build here
         print(f"reference not importable ({type(exc).__name__}: {exc}); exl3tool only", file=sys.stderr)
         return None
@@ -77,12 +87,12 @@ def _run_reference(quantize_exl3, w: torch.Tensor):
     return tensors
 
 
-def bench_cuda(shapes, unbounded: bool, with_reference: bool) -> list[dict]:
+def bench_cuda(shapes, unbounded: bool, with_reference: bool, reference_root: str | None = None) -> list[dict]:
     from exl3tool.encode.memory import default_budget, reference_peak_bytes
     from exl3tool.encode.online import encode_linear, encode_memory_plan
 
     encode_linear(_weight(256, 512, "cuda"), bits=6, seed=1)  # compile the kernels outside the timings
-    ref = _reference() if with_reference else None
+    ref = _reference(reference_root) if with_reference else None
     if ref is not None:
         _run_reference(ref, _weight(256, 512, "cuda"))
     rows = []
@@ -182,6 +192,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--shapes", help="comma-separated KxN (default: the issue's and the deployed models' shapes)")
     ap.add_argument("--unbounded", action="store_true", help="also time each shape at a budget that never binds")
+    ap.add_argument("--reference", help="exllamav3 package directory, loaded as the fork loads its encoder source")
     ap.add_argument("--no-reference", action="store_true", help="skip exllamav3 even where it is importable")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -191,7 +202,7 @@ def main() -> None:
         _child(k, n)
         return
     shapes = _parse_shapes(a.shapes)
-    rows = bench_cuda(shapes, a.unbounded, not a.no_reference) if a.device == "cuda" else bench_cpu(shapes)
+    rows = bench_cuda(shapes, a.unbounded, not a.no_reference, a.reference) if a.device == "cuda" else bench_cpu(shapes)
     print(_table(rows))
     if a.json:
         with open(a.json, "w") as f:
