@@ -28,6 +28,7 @@ LayersOpt = Annotated[list[str], typer.Option("--layers", help="Only layers whos
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
+GpuMemoryOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GiB", help="GPU memory budget per worker in GiB (default: what the device has free, less 5% or 1 GiB); the encoder sizes its chunks to it and a layer that cannot fit fails with the memory it needed.")]
 ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
 TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
@@ -126,6 +127,10 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
     out.line(f"{c['hit']} hit, {c['encoded']} encoded, {c['skipped']} skipped, {c['failed']} failed; "
              f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
+    for st in summary.worker_stats:
+        if "gpu_budget_mib" in st:
+            out.note(f"worker {st.get('worker', 0)} on {st.get('device')}: GPU memory budget "
+                     f"{st['gpu_budget_mib'] / 1024:.1f} GiB, peak {st.get('peak_cuda_mib', 0) / 1024:.1f} GiB")
     if summary.record_error:
         out.warn(summary.record_error)
     elif summary.record:
@@ -220,6 +225,7 @@ def encode(
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
+    gpu_memory: GpuMemoryOpt = None,
     lock_timeout: LockTimeoutOpt = None,
     progress: ProgressOpt = "auto",
     launch: LaunchOpt = None,
@@ -245,7 +251,7 @@ def encode(
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
         cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout,
+        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout, gpu_memory_gib=gpu_memory,
     )
     out = Output(json=json_out, quiet=quiet)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS)
@@ -274,6 +280,7 @@ def cache_warm(
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
     check_unchecked: Annotated[bool, typer.Option("--check-unchecked", help="Re-encode every hit without exl3tool's checksum (e.g. server-written), compare it exactly and replace it if it differs.")] = False,
+    gpu_memory: GpuMemoryOpt = None,
     lock_timeout: LockTimeoutOpt = None,
     progress: ProgressOpt = "auto",
     launch: LaunchOpt = None,
@@ -300,7 +307,7 @@ def cache_warm(
         model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
         cache_dir=cache_dir, device=device, shared_experts=shared_experts, quantization_config=quantization_config,
         dtype=dtype, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
-        server_path=server_path, file_mode=file_mode, overlap=overlap, lock_timeout=lock_timeout,
+        server_path=server_path, file_mode=file_mode, overlap=overlap, lock_timeout=lock_timeout, gpu_memory=gpu_memory,
     )
     out = Output(json=json_out, quiet=quiet)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
@@ -313,14 +320,15 @@ def warm_request(*, model: Optional[str], revision: Optional[str], tp_sizes: str
                  exclude: list[str], cache_dir, shared_experts: bool, quantization_config: Optional[str], dtype: str,
                  encoder_root: Optional[str], encoder_revision: Optional[str], encoder_source: Optional[str],
                  server_path: Optional[str], device: str = "auto", file_mode: str = "0600",
-                 overlap: bool = True, lock_timeout: Optional[float] = None) -> WarmRequest:
+                 overlap: bool = True, lock_timeout: Optional[float] = None,
+                 gpu_memory: Optional[float] = None) -> WarmRequest:
     """The request of `cache warm` from its options: also what `cache check` plans with, so both always agree."""
     return WarmRequest(
         model=model or "", tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout,
+        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout, gpu_memory_gib=gpu_memory,
     )
 
 

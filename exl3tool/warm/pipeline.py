@@ -12,6 +12,7 @@ once with one message, and what was published stays.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import queue
 import threading
@@ -47,10 +48,16 @@ _BUSY = object()  # an attempt found the entry lock held by another process
 
 
 def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device,
-                    progress: Optional[Callable[[int], None]] = None) -> EncodedLinear:
+                    progress: Optional[Callable[[int], None]] = None, *,
+                    memory_budget: Optional[int] = None) -> EncodedLinear:
+    """``encode_linear`` on ``device``; ``memory_budget`` bounds the weight's copy there plus the encode's peak."""
     from exl3tool.encode import encode_linear
 
-    return encode_linear(weight.to(device), bits=bits, seed=seed, device=device, progress=progress)
+    w = weight.to(device)
+    budget = None
+    if memory_budget is not None:  # the weight on the device is part of the job's footprint
+        budget = max(1, memory_budget - w.numel() * w.element_size())
+    return encode_linear(w, bits=bits, seed=seed, device=device, progress=progress, memory_budget_bytes=budget)
 
 
 def _call_encode(encode: EncodeFn, job: WarmJob, weight: torch.Tensor, bits: int, device: torch.device,
@@ -76,6 +83,7 @@ def run_plan(
     encode: EncodeFn = _default_encode,
     overlap: bool = True,
     on_tiles: Optional[TilesFn] = None,
+    memory_budget: Optional[int] = None,
     lock_timeout: Optional[float] = None,
     waits: Optional[LockWaits] = None,
 ) -> list[JobResult]:
@@ -94,9 +102,14 @@ def run_plan(
     ``on_tiles(job, n)`` (on the calling thread) hears of every n tiles quantized inside a job's encode, for
     progress bars that move during a long layer; ``encode`` must then take a ``progress`` keyword.
 
+    ``memory_budget`` (bytes, the default encoder only) bounds what one job allocates on the device: its weight
+    there and the encode's chunks. One job is on the device at a time (the next job's weight is read ahead on
+    the host), so the budget is the worker's; a job that cannot fit fails with the figure it needed.
     A job whose entry lock another process holds waits in ``waits`` (default ``LockWaits(lock_timeout)``: no
     bound while the holder lives) while the others run; it ends as a hit, an encode, or a failure naming the holder.
     """
+    if memory_budget is not None and encode is _default_encode:
+        encode = functools.partial(_default_encode, memory_budget=memory_budget)
     todo = plan.todo if todo is None else todo
     pending = {j.digest for j in todo}
     results: list[JobResult] = []

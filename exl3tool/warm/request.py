@@ -96,6 +96,7 @@ class WarmRequest:
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
     check_unchecked: bool = False  # re-encode hits without exl3tool's checksum, replace those that differ
+    gpu_memory_gib: Optional[float] = None  # GPU memory budget per worker (None: what is free less a margin)
     lock_timeout: Optional[float] = None  # give up on an entry lock held this long (None: wait while its holder lives)
     language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
 
@@ -152,6 +153,19 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
 
 
 
+def _memory_budget(device: torch.device, gib: Optional[float]) -> Optional[int]:
+    """This worker's GPU memory budget in bytes (``device_budget``); None on the CPU."""
+    if device.type != "cuda":
+        if gib is not None:
+            from exl3tool.errors import ConfigError
+
+            raise ConfigError(f"--gpu-memory {gib}: this warm runs on {device}; drop the option or use a CUDA device")
+        return None
+    from exl3tool.encode.memory import device_budget
+
+    return device_budget(device, gib)
+
+
 def warm(
     request: WarmRequest,
     *,
@@ -183,6 +197,7 @@ def warm(
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
     dtype = serving_torch_dtype(request.dtype)
+    budget = _memory_budget(device, request.gpu_memory_gib)
     todo = agreed_todo(ctx, plan)
     if todo and store.mode == "readwrite":
         store.check_writable()  # fail in a second, not after encoding every layer
@@ -191,12 +206,15 @@ def warm(
         on_plan(plan, ctx, todo)
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
                        dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
-                       on_tiles=on_tiles, lock_timeout=request.lock_timeout)
+                       on_tiles=on_tiles, lock_timeout=request.lock_timeout, memory_budget=budget)
     unchecked = None
     if request.check_unchecked and ctx.worker == 0 and store.mode == "readwrite":
         unchecked = check_unchecked(plan, checkpoint, store, device=device, dtype=dtype, on_done=on_checked)
         results = _with_replaced(results, plan, unchecked)
-    gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
+    stats = worker_stats(ctx, device, time.perf_counter() - start)
+    if budget is not None:
+        stats["gpu_budget_mib"] = round(budget / 2**20, 1)
+    gathered = gather_results(ctx, results, stats)
     if ctx.initialised:
         import torch.distributed as dist
 
