@@ -24,8 +24,9 @@ from exl3tool.cache.entry import check_fresh_encode
 from exl3tool.checkpoint import Checkpoint, encoder_input, rank_local_weight
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.errors import describe
-from exl3tool.warm.plan import WarmJob, WarmPlan, share_jobs
+from exl3tool.warm.plan import WarmJob, WarmPlan
 from exl3tool.warm.results import JobResult, job_result
+from exl3tool.warm.sharing import ShareGroup, SharedEncode, group_jobs, share_jobs
 
 __all__ = ["EncodeFn", "TilesFn", "run_plan"]
 
@@ -79,6 +80,10 @@ def run_plan(
 
     ``on_tiles(job, n)`` (on the calling thread) hears of every n tiles quantized inside a job's encode, for
     progress bars that move during a long layer; ``encode`` must then take a ``progress`` keyword.
+
+    Jobs whose entries one encode fills (``sharing``: a replicated layer on every rank and TP size) run as a group
+    on one worker: the weight is read and encoded once, for the first member that needs it, and published under
+    each member's key; the others' results carry ``reused_from``.
     """
     todo = plan.todo if todo is None else todo
     pending = {j.digest for j in todo}
@@ -89,19 +94,30 @@ def run_plan(
                 results.append(job_result(job, "skipped", worker, error=job.reason))
             elif job.digest not in pending:
                 results.append(job_result(job, "hit", worker, path=str(job.path)))
-    mine = share_jobs(todo, worker, workers)
-    if overlap and mine:
+    groups = group_jobs(share_jobs(todo, worker, workers))
+    if overlap and groups:
         pipeline = _Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles)
-        results.extend(pipeline.run(mine))
+        results.extend(pipeline.run(groups))
         return results
-    for job in mine:
-        if on_start:
-            on_start(job)
-        result = _run_job(job, plan, checkpoint, store, device, worker, dtype, encode, on_tiles)
-        results.append(result)
-        if on_done:
-            on_done(job, result)
+    for group in groups:
+        shared = SharedEncode(lambda job: _call_encode(encode, job, _prepare_input(job, checkpoint, dtype), plan.bits,
+                                                       device, on_tiles))
+        for job in group.jobs:
+            if on_start:
+                on_start(job)
+            result = _reused(_through_store(job, store, worker, lambda: shared(job)), shared, job)
+            results.append(result)
+            if on_done:
+                on_done(job, result)
     return results
+
+
+def _reused(result: JobResult, shared: SharedEncode, job: WarmJob) -> JobResult:
+    """``result`` with ``reused_from`` set when ``job``'s tensors came from another member's encode."""
+    if result.status not in ("encoded", "failed"):
+        return result
+    source = shared.reused_by(job)
+    return result if source is None else replace(result, reused_from=source)
 
 
 def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.dtype]) -> torch.Tensor:
@@ -111,11 +127,6 @@ def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.d
         bad = int((~torch.isfinite(weight)).sum())
         raise ValueError(f"{bad} non-finite weight values in the rank-local weight; nothing was published")
     return weight
-
-
-def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode, on_tiles=None) -> JobResult:
-    return _through_store(job, store, worker, lambda: _call_encode(
-        encode, job, _prepare_input(job, checkpoint, dtype), plan.bits, device, on_tiles))
 
 
 def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Callable[[], EncodedLinear]) -> JobResult:
@@ -236,25 +247,30 @@ class _Pipeline:
         self.pending: deque[tuple[WarmJob, Future]] = deque()
         self.results: list[JobResult] = []
 
-    def run(self, jobs: list[WarmJob]) -> list[JobResult]:
-        prefetch = _Prefetcher(jobs, lambda job: _prepare_input(job, self.checkpoint, self.dtype))
+    def run(self, groups: list[ShareGroup]) -> list[JobResult]:
+        """Each group's weight is read once (its leader's: every member's is the same) and encoded at most once."""
+        prefetch = _Prefetcher([g.leader for g in groups], lambda job: _prepare_input(job, self.checkpoint, self.dtype))
         publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exl3tool-publish")
         try:
-            for job in jobs:
+            for group in groups:
                 got, weight, error = prefetch.next()
-                assert got is job, "prefetch out of order"
-                self._finish_ready()
-                if self.on_start:
-                    self.on_start(job)
-                if self.store.mode == "readwrite":
-                    outcome = self._claim_and_encode(job, weight, error, publisher)
-                else:
-                    outcome = self._load_or_encode(job, weight, error)
+                assert got is group.leader, "prefetch out of order"
+                shared = SharedEncode(lambda job, weight=weight, error=error: self._encode_on_cpu(job, weight, error))
                 del weight
-                if not isinstance(outcome, Future):
-                    outcome = _done(outcome)
-                self.pending.append((job, outcome))
-                self._finish_ready()
+                for job in group.jobs:
+                    self._finish_ready()
+                    if self.on_start:
+                        self.on_start(job)
+                    if self.store.mode == "readwrite":
+                        outcome = self._claim_and_encode(job, shared, publisher)
+                    else:
+                        outcome = _reused(self._load_or_encode(job, shared), shared, job)
+                    if not isinstance(outcome, Future):
+                        outcome = _done(outcome)
+                    self.pending.append((job, outcome))
+                    self._finish_ready()
+                shared.release()  # in-flight publishes hold their own reference
+                del shared
             self._finish_ready(wait=True)
         finally:
             prefetch.close()
@@ -270,18 +286,17 @@ class _Pipeline:
             if self.on_done:
                 self.on_done(job, result)
 
-    def _encode(self, job: WarmJob, weight: torch.Tensor) -> EncodedLinear:
-        return _call_encode(self.encode, job, weight, self.plan.bits, self.device, self.on_tiles)
+    def _encode_on_cpu(self, job: WarmJob, weight: Optional[torch.Tensor], error: Optional[BaseException]) -> EncodedLinear:
+        """The group's encode (or the error preparing its weight), copied to the CPU: publishing never touches the device."""
+        if error is not None:
+            raise error
+        encoded = _call_encode(self.encode, job, weight, self.plan.bits, self.device, self.on_tiles)
+        return replace(encoded, **encoded.tensors())
 
-    def _load_or_encode(self, job, weight, error) -> JobResult:
-        def encode_fn():
-            if error is not None:
-                raise error
-            return self._encode(job, weight)
+    def _load_or_encode(self, job: WarmJob, shared: SharedEncode) -> JobResult:
+        return _through_store(job, self.store, self.worker, lambda: shared(job))
 
-        return _through_store(job, self.store, self.worker, encode_fn)
-
-    def _claim_and_encode(self, job, weight, error, publisher: ThreadPoolExecutor):
+    def _claim_and_encode(self, job: WarmJob, shared: SharedEncode, publisher: ThreadPoolExecutor):
         store, worker = self.store, self.worker
         start = time.perf_counter()
         try:
@@ -305,10 +320,7 @@ class _Pipeline:
                 return _loaded_result(job, got, store, worker, time.perf_counter() - start)
             claimed = got
         try:
-            if error is not None:
-                raise error
-            encoded = self._encode(job, weight)
-            encoded = replace(encoded, **encoded.tensors())  # copied to the CPU here: publishing never touches the device
+            encoded = shared(job)
             check_fresh_encode(job.key, encoded.tensors(), encoded.proxy_error)
         except Exception as exc:
             if claimed is not None:
@@ -318,13 +330,14 @@ class _Pipeline:
             if claimed is not None:
                 claimed.release()
             raise
+        reuse = shared.reused_by(job)
         if claimed is None:
             return job_result(job, "failed", worker, seconds=time.perf_counter() - start,
-                           proxy_error=encoded.proxy_error, error=_publish_failed(unavailable))
+                           proxy_error=encoded.proxy_error, error=_publish_failed(unavailable), reused_from=reuse)
         encode_seconds = time.perf_counter() - start
         try:
             self._wait_for_publish_slot()
-            return publisher.submit(self._publish, job, claimed, encoded, encode_seconds)
+            return publisher.submit(self._publish, job, claimed, encoded, encode_seconds, reuse)
         except BaseException:  # an on_done callback or an interrupt: the entry lock is never left held
             claimed.release()
             raise
@@ -342,16 +355,18 @@ class _Pipeline:
             waiting[0].result()
             self._finish_ready()
 
-    def _publish(self, job: WarmJob, claimed: Claim, encoded: EncodedLinear, encode_seconds: float) -> JobResult:
+    def _publish(self, job: WarmJob, claimed: Claim, encoded: EncodedLinear, encode_seconds: float,
+                 reuse: Optional[str] = None) -> JobResult:
         """On the publishing thread: write and release; never raises."""
         start = time.perf_counter()
         try:
             loaded = self.store.publish_claimed(claimed, encoded)
-            return _loaded_result(job, loaded, self.store, self.worker, encode_seconds + time.perf_counter() - start)
+            result = _loaded_result(job, loaded, self.store, self.worker, encode_seconds + time.perf_counter() - start)
         except BaseException as exc:  # e.g. releasing the lock failed; the claim is released either way
             claimed.release()
-            return job_result(job, "failed", self.worker, seconds=encode_seconds + time.perf_counter() - start,
-                           proxy_error=encoded.proxy_error, error=_publish_failed(describe(exc)))
+            result = job_result(job, "failed", self.worker, seconds=encode_seconds + time.perf_counter() - start,
+                                proxy_error=encoded.proxy_error, error=_publish_failed(describe(exc)))
+        return result if reuse is None or result.status == "hit" else replace(result, reused_from=reuse)
 
 
 def _done(result: JobResult) -> Future:
