@@ -29,9 +29,11 @@ from exl3tool.encode.hadamard import hadamard_left, hadamard_right
 from exl3tool.encode.layout import matrix_to_tiles, tiles_to_matrix
 from exl3tool.encode.signs import reference_signs
 from exl3tool.encode.trellis import check_bits, pack_trellis
+from exl3tool.timing import StageTimer, stage
 
 __all__ = [
-    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "encode_linear", "quantize_regularized", "regularize",
+    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "ScaledWeight", "encode_linear", "finish_encode",
+    "prepare_encode", "quantize_regularized", "regularize",
     "sample_scale_tiles", "scale_mse", "search_global_scale",
 ]
 
@@ -355,7 +357,29 @@ def _check_signs(sign_vectors: tuple[torch.Tensor, torch.Tensor], k: int, n: int
             raise _fail(name, f"{label} must hold only +1 and -1")
 
 
-def encode_linear(
+@dataclass(frozen=True)
+class ScaledWeight:
+    """``encode_linear``'s first half: the regularised weight times the searched global scale, with its scales.
+
+    ``w_r`` f32 (k, n) goes to the tile quantizer (``finish_encode``); ``su`` f32 (k,) is already divided by ``g``.
+    Splitting here lets a warm run the first half of the next layer (on another CUDA stream) while the Viterbi of
+    this one runs: the bytes are those of ``encode_linear``, which is the two halves one after the other.
+    """
+
+    w_r: torch.Tensor
+    su: torch.Tensor
+    sv: torch.Tensor
+    g: float
+    bits: int
+    codebook: str
+
+    def record_stream(self, stream) -> None:
+        """Mark the tensors as used on CUDA ``stream`` (they were made on another; see torch's ``record_stream``)."""
+        for t in (self.w_r, self.su, self.sv):
+            t.record_stream(stream)
+
+
+def prepare_encode(
     weight: torch.Tensor,
     *,
     bits: int = 6,
@@ -365,22 +389,9 @@ def encode_linear(
     device: torch.device | str | None = None,
     g_scale: float | None = None,
     name: str | None = None,
-    progress: Optional[ProgressFn] = None,
-) -> EncodedLinear:
-    """Encode one float32 (in_features, out_features) weight as the reference's online path does.
-
-    The sign vectors are ``reference_signs(seed, k, n)``: the reference's CUDA draws, computed on the
-    CPU, so an encode on any device gets the signs a server's own encode would (pass ``sign_vectors``
-    to inject others; ``seed`` is then unused and may be None). ``device=None`` works where the weight
-    lives; on CUDA everything stays on the GPU and the Triton Viterbi does the tiles. ``g_scale``
-    skips the scale search (conformance tests); ``name`` prefixes error messages (e.g. the layer key);
-    ``progress(n)`` hears of every n tiles quantized (the k/16 * n/16 tiles of the weight, not the scale search).
-
-    >>> w = torch.randn(128, 128) * 0.02
-    >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
-    >>> tuple(enc.trellis.shape), enc.suh.dtype
-    ((8, 8, 32), torch.float16)
-    """
+    timer: Optional[StageTimer] = None,
+) -> ScaledWeight:
+    """Checks, signs (7.2), regularisation (7.3) and the global-scale search (7.4); see ``encode_linear``."""
     check_bits(bits)
     check_codebook(codebook)
     _check_weight(weight, name)
@@ -393,19 +404,60 @@ def encode_linear(
     if g_scale is not None and not (np.isfinite(g_scale) and g_scale > 0):
         raise _fail(name, f"g_scale must be a positive finite number, got {g_scale!r}")
     dev = torch.device(device) if device is not None else weight.device
-    w = weight.to(dev)
+    if weight.device != dev:
+        with stage(timer, "h2d", dev):
+            weight = weight.to(dev)
+    w = weight
+    with stage(timer, "regularize", dev):
+        reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
+    with stage(timer, "scale_search", dev):
+        g = float(g_scale) if g_scale is not None else search_global_scale(reg.weight, bits, codebook)
+        w_r = reg.weight * _f32(g)
+        su = _div_scalar(reg.su, g)
+    return ScaledWeight(w_r=w_r, su=su, sv=reg.sv, g=g, bits=bits, codebook=codebook)
 
-    reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
-    g = float(g_scale) if g_scale is not None else search_global_scale(reg.weight, bits, codebook)
-    w_r = reg.weight * _f32(g)
-    su = _div_scalar(reg.su, g)
-    states, _, proxy_error = quantize_regularized(w_r, bits, codebook, progress)
-    return EncodedLinear(
-        trellis=pack_trellis(states, bits),
-        suh=su.to(torch.float16),
-        svh=reg.sv.to(torch.float16),
-        proxy_error=proxy_error,
-        g_scale=g,
-        bits=bits,
-        codebook=codebook,
-    )
+
+def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = None,
+                  timer: Optional[StageTimer] = None) -> EncodedLinear:
+    """Tile quantization (7.5, 7.6), packing and fp16 scales (7.7, 7.8) of ``prepare_encode``'s result."""
+    dev = prepared.w_r.device
+    with stage(timer, "viterbi", dev):
+        states, _, proxy_error = quantize_regularized(prepared.w_r, prepared.bits, prepared.codebook, progress)
+    with stage(timer, "pack", dev):
+        trellis = pack_trellis(states, prepared.bits)
+        suh, svh = prepared.su.to(torch.float16), prepared.sv.to(torch.float16)
+    return EncodedLinear(trellis=trellis, suh=suh, svh=svh, proxy_error=proxy_error, g_scale=prepared.g,
+                         bits=prepared.bits, codebook=prepared.codebook)
+
+
+def encode_linear(
+    weight: torch.Tensor,
+    *,
+    bits: int = 6,
+    seed: int | None,
+    codebook: str = "mcg",
+    sign_vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    g_scale: float | None = None,
+    name: str | None = None,
+    progress: Optional[ProgressFn] = None,
+    timer: Optional[StageTimer] = None,
+) -> EncodedLinear:
+    """Encode one float32 (in_features, out_features) weight as the reference's online path does.
+
+    The sign vectors are ``reference_signs(seed, k, n)``: the reference's CUDA draws, computed on the
+    CPU, so an encode on any device gets the signs a server's own encode would (pass ``sign_vectors``
+    to inject others; ``seed`` is then unused and may be None). ``device=None`` works where the weight
+    lives; on CUDA everything stays on the GPU and the Triton Viterbi does the tiles. ``g_scale``
+    skips the scale search (conformance tests); ``name`` prefixes error messages (e.g. the layer key);
+    ``progress(n)`` hears of every n tiles quantized (the k/16 * n/16 tiles of the weight, not the scale search);
+    ``timer`` (a ``StageTimer``) gets the seconds of each stage. It is ``prepare_encode`` then ``finish_encode``.
+
+    >>> w = torch.randn(128, 128) * 0.02
+    >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
+    >>> tuple(enc.trellis.shape), enc.suh.dtype
+    ((8, 8, 32), torch.float16)
+    """
+    prepared = prepare_encode(weight, bits=bits, seed=seed, codebook=codebook, sign_vectors=sign_vectors,
+                              device=device, g_scale=g_scale, name=name, timer=timer)
+    return finish_encode(prepared, progress=progress, timer=timer)

@@ -7,6 +7,7 @@ and publishing run on background threads while the calling thread encodes (``run
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ from exl3tool.cache.entry import check_fresh_encode
 from exl3tool.checkpoint import Checkpoint, encoder_input, rank_local_weight
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.errors import describe
+from exl3tool.timing import StageTimer, stage
 from exl3tool.warm.plan import WarmJob, WarmPlan
 from exl3tool.warm.results import JobResult, job_result
 from exl3tool.warm.sharing import ShareGroup, SharedEncode, group_jobs, share_jobs
@@ -36,10 +38,12 @@ TilesFn = Callable[[WarmJob, int], None]
 
 
 def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device,
-                    progress: Optional[Callable[[int], None]] = None) -> EncodedLinear:
+                    progress: Optional[Callable[[int], None]] = None, timer: Optional[StageTimer] = None) -> EncodedLinear:
     from exl3tool.encode import encode_linear
 
-    return encode_linear(weight.to(device), bits=bits, seed=seed, device=device, progress=progress)
+    with stage(timer, "h2d", device):
+        weight = weight.to(device)
+    return encode_linear(weight, bits=bits, seed=seed, device=device, progress=progress, timer=timer)
 
 
 def _call_encode(encode: EncodeFn, job: WarmJob, weight: torch.Tensor, bits: int, device: torch.device,
@@ -65,6 +69,7 @@ def run_plan(
     encode: EncodeFn = _default_encode,
     overlap: bool = True,
     on_tiles: Optional[TilesFn] = None,
+    timer: Optional[StageTimer] = None,
 ) -> list[JobResult]:
     """Encode this worker's share of the pending jobs; worker 0 also reports every other job once.
 
@@ -84,6 +89,10 @@ def run_plan(
     Jobs whose entries one encode fills (``sharing``: a replicated layer on every rank and TP size) run as a group
     on one worker: the weight is read and encoded once, for the first member that needs it, and published under
     each member's key; the others' results carry ``reused_from``.
+
+    ``timer`` collects the seconds of each stage (``worker_stats``' ``stages``). With the default encoder on a CUDA
+    device and ``overlap``, the prefetch thread also runs the first half of the encode (regularisation and scale
+    search, ``prepare_encode``) on its own CUDA stream, so the calling thread keeps the GPU on the Viterbi.
     """
     todo = plan.todo if todo is None else todo
     pending = {j.digest for j in todo}
@@ -95,8 +104,12 @@ def run_plan(
             elif job.digest not in pending:
                 results.append(job_result(job, "hit", worker, path=str(job.path)))
     groups = group_jobs(share_jobs(todo, worker, workers))
+    split = encode is _default_encode and device.type == "cuda"
+    if encode is _default_encode and timer is not None:
+        encode = functools.partial(_default_encode, timer=timer)
     if overlap and groups:
-        pipeline = _Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles)
+        pipeline = _Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles,
+                             timer=timer, split=split)
         results.extend(pipeline.run(groups))
         return results
     for group in groups:
@@ -240,20 +253,40 @@ class _Pipeline:
 
     MAX_PUBLISHES = 2  # claimed entries in flight (being written or waiting): bounds held locks and memory
 
-    def __init__(self, plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles=None) -> None:
+    def __init__(self, plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles=None,
+                 *, timer: Optional[StageTimer] = None, split: bool = False) -> None:
         self.plan, self.checkpoint, self.store, self.device = plan, checkpoint, store, device
         self.worker, self.dtype, self.encode = worker, dtype, encode
         self.on_start, self.on_done, self.on_tiles = on_start, on_done, on_tiles
         self.pending: deque[tuple[WarmJob, Future]] = deque()
         self.results: list[JobResult] = []
+        self.timer, self.split = timer, split
+        self._side = torch.cuda.Stream(device) if split else None  # the prefetch thread's stream
+
+    def _prepare(self, job: WarmJob):
+        """On the prefetch thread: the encoder input, and with ``split`` the first half of the encode on the GPU."""
+        with stage(self.timer, "read"):
+            weight = _prepare_input(job, self.checkpoint, self.dtype)
+        if not self.split:
+            return weight
+        from exl3tool.encode.online import prepare_encode
+
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+            with stage(self.timer, "h2d", self.device):
+                weight = weight.to(self.device)  # checked on the GPU, as the encode on the calling thread did
+            prepared = prepare_encode(weight, bits=self.plan.bits, seed=job.key.seed, device=self.device,
+                                      timer=self.timer)
+            self._side.synchronize()
+        return prepared
 
     def run(self, groups: list[ShareGroup]) -> list[JobResult]:
         """Each group's weight is read once (its leader's: every member's is the same) and encoded at most once."""
-        prefetch = _Prefetcher([g.leader for g in groups], lambda job: _prepare_input(job, self.checkpoint, self.dtype))
+        prefetch = _Prefetcher([g.leader for g in groups], self._prepare)
         publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exl3tool-publish")
         try:
             for group in groups:
-                got, weight, error = prefetch.next()
+                with stage(self.timer, "wait_for_input"):
+                    got, weight, error = prefetch.next()
                 assert got is group.leader, "prefetch out of order"
                 shared = SharedEncode(lambda job, weight=weight, error=error: self._encode_on_cpu(job, weight, error))
                 del weight
@@ -286,12 +319,23 @@ class _Pipeline:
             if self.on_done:
                 self.on_done(job, result)
 
-    def _encode_on_cpu(self, job: WarmJob, weight: Optional[torch.Tensor], error: Optional[BaseException]) -> EncodedLinear:
-        """The group's encode (or the error preparing its weight), copied to the CPU: publishing never touches the device."""
+    def _encode_on_cpu(self, job: WarmJob, weight, error: Optional[BaseException]) -> EncodedLinear:
+        """The group's encode (or the error preparing its weight), copied to the CPU: publishing never touches the device.
+
+        With ``split`` the prefetch thread has done the first half (``weight`` is its ``ScaledWeight``).
+        """
         if error is not None:
             raise error
-        encoded = _call_encode(self.encode, job, weight, self.plan.bits, self.device, self.on_tiles)
-        return replace(encoded, **encoded.tensors())
+        if self.split:
+            from exl3tool.encode.online import finish_encode
+
+            weight.record_stream(torch.cuda.current_stream(self.device))
+            progress = None if self.on_tiles is None else (lambda n: self.on_tiles(job, n))
+            encoded = finish_encode(weight, progress=progress, timer=self.timer)
+        else:
+            encoded = _call_encode(self.encode, job, weight, self.plan.bits, self.device, self.on_tiles)
+        with stage(self.timer, "to_cpu"):
+            return replace(encoded, **encoded.tensors())
 
     def _load_or_encode(self, job: WarmJob, shared: SharedEncode) -> JobResult:
         return _through_store(job, self.store, self.worker, lambda: shared(job))
@@ -360,7 +404,8 @@ class _Pipeline:
         """On the publishing thread: write and release; never raises."""
         start = time.perf_counter()
         try:
-            loaded = self.store.publish_claimed(claimed, encoded)
+            with stage(self.timer, "publish"):
+                loaded = self.store.publish_claimed(claimed, encoded)
             result = _loaded_result(job, loaded, self.store, self.worker, encode_seconds + time.perf_counter() - start)
         except BaseException as exc:  # e.g. releasing the lock failed; the claim is released either way
             claimed.release()

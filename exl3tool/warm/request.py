@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from exl3tool.cache import CacheStore
+from exl3tool.timing import StageTimer
 from exl3tool.warm.distributed import (
     DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
 )
@@ -173,10 +174,14 @@ def warm(
         store.check_writable()  # fail in a second, not after encoding every layer
     if on_plan:
         on_plan(plan, ctx, todo)
+    timer = StageTimer()
+    run_start = time.perf_counter()
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
                        dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
-                       on_tiles=on_tiles)
-    gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
+                       on_tiles=on_tiles, timer=timer)
+    stats = worker_stats(ctx, device, time.perf_counter() - start, stages=timer.as_dict(),
+                         run_seconds=time.perf_counter() - run_start)
+    gathered = gather_results(ctx, results, stats)
     if ctx.initialised:
         import torch.distributed as dist
 

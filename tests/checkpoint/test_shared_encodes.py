@@ -151,3 +151,21 @@ def test_torchrun_workers_keep_a_share_group_together(glm5, tmp_path):
     assert len({e["worker"] for e in wq}) == 1 and sum("reused_from" in e for e in wq) == 2
     assert {e["worker"] for e in doc["entries"]} == {0, 1}
     assert len(_files(cache)) == 6
+
+
+@pytest.mark.gpu
+def test_split_encode_on_two_streams_writes_the_same_bytes(glm5, tmp_path):
+    """On CUDA the overlapped warm runs regularisation and scale search of the next job on the prefetch thread's
+    stream: its entries are byte for byte those of a warm without overlap (one stream, one thread)."""
+    layers = ("model.layers.0.*", "model.layers.1.*")
+    runs = {}
+    for overlap in (True, False):
+        cache = tmp_path / f"overlap{overlap}"
+        summary = warm(WarmRequest(model=str(glm5), tp_sizes=(1, 2), layers=layers, cache_dir=str(cache),
+                                   device="cuda", overlap=overlap, **ENC))
+        assert summary.counts["failed"] == 0 and summary.counts["encoded"] > 10
+        stages = summary.worker_stats[0]["stages"]
+        assert {"viterbi", "pack"} <= set(stages) and (("scale_search" in stages) or not overlap)
+        runs[overlap] = _files(cache)
+    assert runs[True].keys() == runs[False].keys()
+    assert [k for k in runs[True] if runs[True][k] != runs[False][k]] == []
