@@ -135,7 +135,10 @@ def _reused(result: JobResult, shared: SharedEncode, job: WarmJob) -> JobResult:
 
 def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.dtype]) -> torch.Tensor:
     """The encoder's input for ``job``: the rank-local weight, transposed to float32 and checked finite."""
-    weight = encoder_input(rank_local_weight(checkpoint, job.rank_job, dtype=dtype))
+    return _checked_finite(encoder_input(rank_local_weight(checkpoint, job.rank_job, dtype=dtype)))
+
+
+def _checked_finite(weight: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(weight).all():
         bad = int((~torch.isfinite(weight)).sum())
         raise ValueError(f"{bad} non-finite weight values in the rank-local weight; nothing was published")
@@ -263,17 +266,25 @@ class _Pipeline:
         self.timer, self.split = timer, split
         self._side = torch.cuda.Stream(device) if split else None  # the prefetch thread's stream
 
-    def _prepare(self, job: WarmJob):
-        """On the prefetch thread: the encoder input, and with ``split`` the first half of the encode on the GPU."""
+    def _prepare(self, job: WarmJob) -> torch.Tensor:
+        """On the prefetch thread: the encoder input (without ``split``)."""
         with stage(self.timer, "read"):
-            weight = _prepare_input(job, self.checkpoint, self.dtype)
-        if not self.split:
-            return weight
+            return _prepare_input(job, self.checkpoint, self.dtype)
+
+    def _read(self, job: WarmJob) -> torch.Tensor:
+        """On the reading thread (``split``): the rank-local weight in the serving dtype, as read from the shards."""
+        with stage(self.timer, "read"):
+            return rank_local_weight(self.checkpoint, job.rank_job, dtype=self.dtype)
+
+    def _prepare_on_gpu(self, job: WarmJob, weight: torch.Tensor):
+        """On the GPU thread (``split``), on its own stream: copy the serving-dtype weight (half the bytes of float32),
+        transpose and widen it to float32 there (exact: the same values as on the host), check it finite, then the
+        first half of the encode (``prepare_encode``)."""
         from exl3tool.encode.online import prepare_encode
 
         with torch.cuda.device(self.device), torch.cuda.stream(self._side):
             with stage(self.timer, "h2d", self.device):
-                weight = weight.to(self.device)  # checked on the GPU, as the encode on the calling thread did
+                weight = _checked_finite(encoder_input(weight.to(self.device)))
             prepared = prepare_encode(weight, bits=self.plan.bits, seed=job.key.seed, device=self.device,
                                       timer=self.timer)
             self._side.synchronize()
@@ -281,7 +292,13 @@ class _Pipeline:
 
     def run(self, groups: list[ShareGroup]) -> list[JobResult]:
         """Each group's weight is read once (its leader's: every member's is the same) and encoded at most once."""
-        prefetch = _Prefetcher([g.leader for g in groups], self._prepare)
+        leaders = [g.leader for g in groups]
+        reader: Optional[_Prefetcher] = None
+        if self.split:  # two stages: the host reads the next weights while the GPU thread prepares the next encode
+            reader = _Prefetcher(leaders, self._read)
+            prefetch = _Prefetcher(leaders, lambda job: self._prepare_on_gpu(job, _next_input(reader, job)))
+        else:
+            prefetch = _Prefetcher(leaders, self._prepare)
         publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exl3tool-publish")
         try:
             for group in groups:
@@ -307,6 +324,8 @@ class _Pipeline:
             self._finish_ready(wait=True)
         finally:
             prefetch.close()
+            if reader is not None:
+                reader.close()
             publisher.shutdown(wait=True)  # in-flight publishes complete and release their locks
         return self.results
 
@@ -412,6 +431,15 @@ class _Pipeline:
             result = job_result(job, "failed", self.worker, seconds=encode_seconds + time.perf_counter() - start,
                                 proxy_error=encoded.proxy_error, error=_publish_failed(describe(exc)))
         return result if reuse is None or result.status == "hit" else replace(result, reused_from=reuse)
+
+
+def _next_input(reader: "_Prefetcher", job: WarmJob) -> torch.Tensor:
+    """The reading stage's weight for ``job`` (its error re-raised: it becomes that job's failure)."""
+    got, weight, error = reader.next()
+    assert got is job, "read ahead out of order"
+    if error is not None:
+        raise error
+    return weight
 
 
 def _done(result: JobResult) -> Future:
