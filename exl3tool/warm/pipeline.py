@@ -91,8 +91,10 @@ def run_plan(
     each member's key; the others' results carry ``reused_from``.
 
     ``timer`` collects the seconds of each stage (``worker_stats``' ``stages``). With the default encoder on a CUDA
-    device and ``overlap``, the prefetch thread also runs the first half of the encode (regularisation and scale
-    search, ``prepare_encode``) on its own CUDA stream, so the calling thread keeps the GPU on the Viterbi.
+    device and ``overlap``, reading ahead has two stages: one thread reads the next weights (serving dtype), another
+    copies them to the GPU, widens and transposes them there and runs the first half of the encode (regularisation
+    and scale search, ``prepare_encode``) on its own CUDA stream; the calling thread runs the Viterbi
+    (``finish_encode``), so the GPU always has the next encode's input ready. Same bytes as one thread and stream.
     """
     todo = plan.todo if todo is None else todo
     pending = {j.digest for j in todo}
