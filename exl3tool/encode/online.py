@@ -318,8 +318,23 @@ def quantize_regularized(
     tk, tn, _ = tiles.shape
     values, states = _quantize_batched(tiles.reshape(tk * tn, 256), bits, codebook, progress)
     q_r = tiles_to_matrix(values.reshape(tk, tn, 256))
-    err = _fixed_sum((w_r - q_r).square().to(torch.float64))
-    return states.reshape(tk, tn, 256), q_r, float(err) / w_r.numel()
+    return states.reshape(tk, tn, 256), q_r, _proxy_error_of_squares((w_r - q_r).square())
+
+
+def _proxy_error_of_squares(sq: torch.Tensor) -> float:
+    """sum(sq) / (k n) in float64, for the (k, n) fp32 squared errors ``sq`` = (W_r - Q_r)^2.
+
+    On CUDA in the reference's order (``fallback_quant``): one float64 ``torch.sum`` per contiguous 16-row block,
+    added into a float64 accumulator from the last block to the first, so the proxy error (an entry's metadata)
+    is the reference's bit for bit on the same GPU, and no float64 copy of the matrix is made. Elsewhere
+    ``_fixed_sum``, which does not depend on the thread count.
+    """
+    if sq.device.type != "cuda":
+        return float(_fixed_sum(sq.to(torch.float64))) / sq.numel()
+    acc = torch.zeros((), dtype=torch.float64, device=sq.device)
+    for i in range(sq.shape[0] - 16, -1, -16):
+        acc += torch.sum(sq[i : i + 16], dtype=torch.float64)
+    return (acc / sq.numel()).item()
 
 
 def _fail(name: str | None, message: str) -> ValueError:
@@ -372,6 +387,7 @@ class ScaledWeight:
     g: float
     bits: int
     codebook: str
+    zeros: bool = False  # the weight's column RMS averages to zero (``Regularized.zeros``)
 
     def record_stream(self, stream) -> None:
         """Mark the tensors as used on CUDA ``stream`` (they were made on another; see torch's ``record_stream``)."""
@@ -414,7 +430,7 @@ def prepare_encode(
         g = float(g_scale) if g_scale is not None else search_global_scale(reg.weight, bits, codebook)
         w_r = reg.weight * _f32(g)
         su = _div_scalar(reg.su, g)
-    return ScaledWeight(w_r=w_r, su=su, sv=reg.sv, g=g, bits=bits, codebook=codebook)
+    return ScaledWeight(w_r=w_r, su=su, sv=reg.sv, g=g, bits=bits, codebook=codebook, zeros=reg.zeros)
 
 
 def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = None,
@@ -427,7 +443,7 @@ def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = No
         trellis = pack_trellis(states, prepared.bits)
         suh, svh = prepared.su.to(torch.float16), prepared.sv.to(torch.float16)
     return EncodedLinear(trellis=trellis, suh=suh, svh=svh, proxy_error=proxy_error, g_scale=prepared.g,
-                         bits=prepared.bits, codebook=prepared.codebook)
+                         bits=prepared.bits, codebook=prepared.codebook, zeros=prepared.zeros)
 
 
 def encode_linear(

@@ -94,6 +94,7 @@ class WarmRequest:
     file_mode: int = 0o600
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
+    language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -130,7 +131,8 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
             encoder_source=request.encoder_source, hub_commit=checkpoint.commit_hash, environ=environ,
         )
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
-    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude)
+    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
+                             language_model_only=request.language_model_only)
     if request.exclude and not layer_plan.layers:
         raise ConfigError(f"{checkpoint.model}: --exclude {' '.join(repr(g) for g in request.exclude)} leaves no layer "
                           "to encode; nothing to do (narrow the globs)")
