@@ -24,7 +24,7 @@ from exl3tool.checkpoint.plan import (
     tensors_to_fetch,
 )
 from exl3tool.checkpoint.serving import CheckpointKind, NotServable, StorageMap, serving_kind, storage_candidates
-from exl3tool.checkpoint.sharding import encoder_input, rank_local_weight, rank_row_ranges
+from exl3tool.checkpoint.sharding import RankReads, encoder_input, rank_local_weight, rank_reads, rank_row_ranges
 from exl3tool.checkpoint.source import (
     Checkpoint,
     FetchInfo,
@@ -52,9 +52,11 @@ __all__ = [
     "PlannedLayer",
     "QuantSpec",
     "RankJob",
+    "RankReads",
     "StorageMap",
     "TensorInfo",
     "encoder_input",
+    "rank_reads",
     "family_for",
     "hub_cache_dir",
     "is_shared_expert_projection",

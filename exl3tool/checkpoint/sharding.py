@@ -15,7 +15,11 @@ import torch
 from exl3tool.checkpoint.plan import RankJob, qkv_partition, rank_sizes
 from exl3tool.checkpoint.source import Checkpoint
 
-__all__ = ["rank_local_weight", "encoder_input", "rank_row_ranges"]
+__all__ = ["rank_local_weight", "encoder_input", "rank_row_ranges", "rank_reads", "RankReads"]
+
+# What a rank reads: ``((source tensor, first row, end row), ...)`` in output order, and the input-column range
+# (None: every column). Two jobs with equal reads hold the same rank-local weight, whatever the floats are.
+RankReads = tuple[tuple[tuple[str, int, int], ...], "tuple[int, int] | None"]
 
 
 def rank_row_ranges(job: RankJob) -> list[tuple[int, int, int]]:
@@ -42,6 +46,32 @@ def rank_row_ranges(job: RankJob) -> list[tuple[int, int, int]]:
     return [(j, 0, n) for j, n in enumerate(layer.part_sizes)]
 
 
+def rank_reads(job: RankJob) -> RankReads:
+    """The slices of the checkpoint that make up ``job``'s rank-local weight: the sharding plan, no tensor read.
+
+    Row ranges that continue each other in the same source tensor are merged (reading them as one range gives the
+    same matrix), so the reads are a canonical description of the weight: a replicated layer reads the same on
+    every rank and TP size, and so does any other shard the plan makes equal. The encode's other inputs (bits,
+    serving dtype, the prefix's seed) are the same for every job of a warm with the same prefix.
+    """
+    layer = job.layer
+    cols = None
+    if layer.parallel == "row":
+        w, r, k = job.tp_size, job.tp_rank, layer.in_features
+        cols = None if w == 1 else (r * k // w, (r + 1) * k // w)  # every column: the same read as no slice
+    pieces: list[tuple[str, int, int]] = []
+    for part, start, stop in rank_row_ranges(job):
+        source, base = layer.part_location(part)  # which tensor holds the part, and where it starts in it
+        name, lo, hi = layer.sources[source], base + start, base + stop
+        if hi == lo:
+            continue
+        if pieces and pieces[-1][0] == name and pieces[-1][2] == lo:
+            pieces[-1] = (name, pieces[-1][1], hi)
+        else:
+            pieces.append((name, lo, hi))
+    return tuple(pieces), cols
+
+
 def rank_local_weight(checkpoint: Checkpoint, job: RankJob, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The ``[N_r, K_r]`` weight rank ``job.tp_rank`` holds, in ``dtype`` (default: the checkpoint's serving dtype).
 
@@ -57,15 +87,9 @@ def rank_local_weight(checkpoint: Checkpoint, job: RankJob, dtype: torch.dtype |
     if not 0 <= job.tp_rank < job.tp_size:
         raise ValueError(f"{layer.prefix}: tp_rank {job.tp_rank} outside 0..{job.tp_size - 1}")
 
-    cols = None
-    if layer.parallel == "row":
-        w, r, k = job.tp_size, job.tp_rank, layer.in_features
-        cols = (r * k // w, (r + 1) * k // w)
-    pieces: list[torch.Tensor] = []
-    for part, start, stop in rank_row_ranges(job):
-        source, base = layer.part_location(part)  # which tensor holds the part, and where it starts in it
-        pieces.append(checkpoint.read(layer.sources[source], rows=(base + start, base + stop), cols=cols).to(dtype))
-    weight = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    pieces, cols = rank_reads(job)
+    weight_pieces = [checkpoint.read(name, rows=(start, stop), cols=cols).to(dtype) for name, start, stop in pieces]
+    weight = weight_pieces[0] if len(weight_pieces) == 1 else torch.cat(weight_pieces, dim=0)
     weight = weight.contiguous()
     if tuple(weight.shape) != (n_r, k_r):
         raise ValueError(f"{layer.prefix}: rank {job.tp_rank} weight has shape {list(weight.shape)}, "

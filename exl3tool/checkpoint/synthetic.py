@@ -14,6 +14,7 @@ import shutil
 import struct
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -94,12 +95,16 @@ def _chunks(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
 
 
 def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], torch.dtype]], seed: int,
-                       digest: bool, header_only: bool = False) -> str:
+                       digest: bool, header_only: "bool | Callable[[str], bool]" = False) -> str:
     """Stream a safetensors file (header first, then tensors in order); return its sha256 if ``digest``.
 
     ``header_only`` writes the header and extends the file to its full size without data (a sparse file: zeros,
-    no disk used), enough for planning a checkpoint of a real model's size from its headers.
+    no disk used), enough for planning a checkpoint of a real model's size from its headers. A callable
+    ``header_only(name)`` leaves only the tensors it is True for as holes (zeros) and writes the others' data.
     """
+    holes = header_only if callable(header_only) else None
+    if holes is not None and digest:
+        raise ValueError("a Hub-cache layout needs every tensor's bytes; header_only cannot be a selection there")
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in tensors:
@@ -114,14 +119,19 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], tor
             f.write(piece)
             if sha is not None:
                 sha.update(piece)
-        if header_only:
+        if header_only and holes is None:
             f.truncate(8 + len(raw) + offset)
             return ""
         for name, shape, dtype in tensors:
+            if holes is not None and holes(name):
+                f.seek(_numel(shape) * torch.empty((), dtype=dtype).element_size(), os.SEEK_CUR)
+                continue
             for arr in _chunks(name, shape, dtype, seed):
                 f.write(arr.data)
                 if sha is not None:  # only for a Hub-cache layout (blob names); ~20% of the write time
                     sha.update(arr.data)
+        if holes is not None:
+            f.truncate(8 + len(raw) + offset)  # the trailing holes
     return sha.hexdigest() if sha is not None else ""
 
 
@@ -151,14 +161,16 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def write_checkpoint(path: str | Path, config: dict, tensors: list[TensorSpec], *,
                      dtype: torch.dtype = torch.bfloat16, seed: int = 0, shards: int = 1,
-                     quantization_config: dict | None = None, header_only: bool = False,
+                     quantization_config: dict | None = None, header_only: "bool | Callable[[str], bool]" = False,
                      hub_cache: Path | None = None, repo_id: str = "test-org/tiny-model",
                      revision_tags: tuple[str, ...] = ("main",)) -> Path:
     """Write any checkpoint: ``config`` as config.json, ``tensors`` (name, shape[, dtype]) in ``shards`` files.
 
     ``quantization_config`` is written as quantization_config.json (an EXL3 checkpoint's ``tensor_storage``).
     Each tensor's values depend only on ``seed`` and its name. ``shards > 1`` adds model.safetensors.index.json;
-    ``hub_cache`` also lays the files out as a Hub cache and returns the snapshot folder.
+    ``hub_cache`` also lays the files out as a Hub cache and returns the snapshot folder. ``header_only`` writes
+    headers and sparse holes (zeros) instead of data: for every tensor, or those a callable ``header_only(name)``
+    picks (a benchmark writes real data for the layers it encodes and plans the rest of a full-size model).
     Example: ``write_checkpoint(tmp, {"architectures": ["LlamaForCausalLM"], ...}, [("w", (128, 128))])``.
     """
     if dtype not in _CODES:

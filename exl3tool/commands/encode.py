@@ -20,6 +20,7 @@ from exl3tool.errors import FindingsError
 from exl3tool.output import Output
 from exl3tool.progress import make_progress, progress_mode
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
+from exl3tool.warm.sharing import reused_from, sharing_figures
 
 __all__ = ["register", "encode", "cache_warm", "warm_request", "LayersOpt", "ExcludeOpt", "SharedOpt", "ModelArg",
            "TpSizesOpt", "LAUNCH_PARAMS"]
@@ -96,10 +97,13 @@ def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> No
             ex.add_row(e.prefix, e.detail or e.reason)
         out.table(ex)
     plan_notes(out, plan)
+    todo = plan.todo
+    shares, sharing = reused_from(todo), sharing_figures(todo)
     out.line(f"{len(plan.jobs)} jobs: {plan.count('hit')} hit, {plan.count('miss')} miss, "
              f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; {len(excluded)} modules not "
              f"encoded by the server; {sum(j.tiles for j in plan.jobs if j.state != 'skipped')} tiles; "
              f"cache {plan.cache_root}")
+    out.line(_sharing_line(sharing))
     out.data({
         "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
         "bits": plan.bits, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root), "mode": plan.mode,
@@ -107,10 +111,19 @@ def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> No
         "jobs": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
                   "output_size": j.output_size, "tiles": j.tiles, "state": j.state, "reason": j.reason,
                   "why": _why(j), "planned_by": j.rank_job.layer.spec if j.rank_job is not None else None,
-                  "digest": j.digest, "path": str(j.path)} for j in plan.jobs],
+                  "digest": j.digest, "path": str(j.path),
+                  **({"reused_from": shares[j.digest]} if j.digest in shares else {})} for j in plan.jobs],
         "not_planned": [{"prefix": e.prefix, "reason": e.reason, "why": e.detail} for e in excluded],
+        "encodes": sharing["encodes"], "sharing": sharing,
         **(extra or {}),
     })
+
+
+def _sharing_line(f: dict) -> str:
+    """How many encodes the pending entries need, and how many one shared encode saves (same rank-local shard)."""
+    share = f"{100 * f['tiles_saved'] / f['tiles']:.1f}%" if f["tiles"] else "0%"
+    return (f"{f['entries']} entries to encode need {f['encodes']} encodes: {f['encodes_saved']} saved by encoding "
+            f"each distinct shard once ({f['tiles_saved']} of {f['tiles']} tiles, {share})")
 
 
 def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = None) -> None:
@@ -124,7 +137,8 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
         for e in failed:
             table.add_row(e.prefix, str(e.tp_size), str(e.tp_rank), e.error)
         out.table(table)
-    out.line(f"{c['hit']} hit, {c['encoded']} encoded, {c['skipped']} skipped, {c['failed']} failed; "
+    saved = f" ({summary.encodes} encodes, {summary.encodes_saved} saved by sharing)" if summary.encodes_saved else ""
+    out.line(f"{c['hit']} hit, {c['encoded']} encoded{saved}, {c['skipped']} skipped, {c['failed']} failed; "
              f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
     for st in summary.worker_stats:
@@ -177,8 +191,10 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
 
             todo = share_jobs(todo, ctx.worker, ctx.workers)
         plan_notes(out, plan)
+        f = sharing_figures(todo)
         out.note(f"{plan.model}: {len(plan.jobs)} jobs, {plan.count('hit')} already cached, "
-                 f"{len(todo)} to encode here ({sum(j.tiles for j in todo)} tiles)")
+                 f"{len(todo)} to encode here ({f['tiles']} tiles)"
+                 + (f"; {f['encodes']} encodes ({f['encodes_saved']} saved: same shard)" if f["encodes_saved"] else ""))
         display.begin(todo)
 
     def on_checked(u) -> None:

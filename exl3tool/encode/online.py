@@ -30,10 +30,11 @@ from exl3tool.encode.layout import matrix_to_tiles, tile_element_index
 from exl3tool.encode.memory import EncodeMemoryPlan, plan_encode_memory
 from exl3tool.encode.signs import reference_signs
 from exl3tool.encode.trellis import check_bits, pack_trellis
+from exl3tool.timing import StageTimer, stage
 
 __all__ = [
-    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "encode_linear", "encode_linear_with_input",
-    "encode_memory_plan", "encoder_platform",
+    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "ScaledWeight", "encode_linear",
+    "encode_linear_with_input", "encode_memory_plan", "encoder_platform", "finish_encode", "prepare_encode",
     "quantize_regularized", "regularize",
     "sample_scale_tiles", "scale_mse", "search_global_scale",
 ]
@@ -445,7 +446,32 @@ def _check_signs(sign_vectors: tuple[torch.Tensor, torch.Tensor], k: int, n: int
             raise _fail(name, f"{label} must hold only +1 and -1")
 
 
-def encode_linear(
+@dataclass(frozen=True)
+class ScaledWeight:
+    """``encode_linear``'s first half: the regularised weight times the searched global scale, with its scales.
+
+    ``w_r`` f32 (k, n) goes to the tile quantizer (``finish_encode``), which overwrites it; ``su`` f32 (k,) is
+    already divided by ``g``; ``plan`` is the chunking chosen for the memory budget. Splitting here lets a warm run
+    the first half of the next layer (on another CUDA stream) while the Viterbi of this one runs: the bytes are
+    those of ``encode_linear``, which is the two halves one after the other.
+    """
+
+    w_r: torch.Tensor
+    su: torch.Tensor
+    sv: torch.Tensor
+    g: float
+    bits: int
+    codebook: str
+    plan: EncodeMemoryPlan
+    zeros: bool = False  # the weight's column RMS averages to zero (``Regularized.zeros``)
+
+    def record_stream(self, stream) -> None:
+        """Mark the tensors as used on CUDA ``stream`` (they were made on another; see torch's ``record_stream``)."""
+        for t in (self.w_r, self.su, self.sv):
+            t.record_stream(stream)
+
+
+def prepare_encode(
     weight: torch.Tensor,
     *,
     bits: int = 6,
@@ -455,27 +481,12 @@ def encode_linear(
     device: torch.device | str | None = None,
     g_scale: float | None = None,
     name: str | None = None,
-    progress: Optional[ProgressFn] = None,
     memory_budget_bytes: int | None = None,
-) -> EncodedLinear:
-    """Encode one float32 (in_features, out_features) weight as the reference's online path does.
+    timer: Optional[StageTimer] = None,
+) -> ScaledWeight:
+    """Checks, the memory plan, signs (7.2), regularisation (7.3) and the global-scale search (7.4).
 
-    The sign vectors are ``reference_signs(seed, k, n)``: the reference's CUDA draws, computed on the
-    CPU, so an encode on any device gets the signs a server's own encode would (pass ``sign_vectors``
-    to inject others; ``seed`` is then unused and may be None). ``device=None`` works where the weight
-    lives; on CUDA everything stays on the GPU and the Triton Viterbi does the tiles. ``g_scale``
-    skips the scale search (conformance tests); ``name`` prefixes error messages (e.g. the layer key);
-    ``progress(n)`` hears of every n tiles quantized (the k/16 * n/16 tiles of the weight, not the scale search).
-    ``memory_budget_bytes`` bounds what the encode allocates on ``device`` besides the weight (None: what the
-    reference encoder needs for this layer, ``exl3tool.encode.memory.default_budget``); the tiles go through
-    the quantizer in chunks sized to it, with the same bytes for any budget. A budget too small even for the
-    smallest chunk raises EncodeMemoryError (a ValueError) naming ``name`` and the bytes needed.
-    The result records the ``platform`` it was computed on (``encoder_platform``).
-
-    >>> w = torch.randn(128, 128) * 0.02
-    >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
-    >>> tuple(enc.trellis.shape), enc.suh.dtype
-    ((8, 8, 32), torch.float16)
+    See ``encode_linear`` for the arguments.
     """
     check_bits(bits)
     check_codebook(codebook)
@@ -490,34 +501,91 @@ def encode_linear(
         raise _fail(name, f"g_scale must be a positive finite number, got {g_scale!r}")
     dev = torch.device(device) if device is not None else weight.device
     plan = encode_memory_plan(k, n, bits, dev, memory_budget_bytes, codebook=codebook, name=name)
-    w = weight.to(dev)  # the caller's tensor when it is already there: never written
-    reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
+    with stage(timer, "h2d", dev):
+        w = weight.to(dev)  # the caller's tensor when it is already there: never written
+    with stage(timer, "regularize", dev):
+        reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
     del w  # a copy made here is no longer needed
     w_r, su, sv, zeros = reg.weight, reg.su, reg.sv, reg.zeros
     del reg
-    g = float(g_scale) if g_scale is not None else search_global_scale(w_r, bits, codebook, plan.chunk_tiles)
-    w_r.mul_(_f32(g))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
-    su = _div_scalar(su, g)
+    with stage(timer, "scale_search", dev):
+        g = float(g_scale) if g_scale is not None else search_global_scale(w_r, bits, codebook, plan.chunk_tiles)
+        w_r.mul_(_f32(g))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
+        su = _div_scalar(su, g)
+    return ScaledWeight(w_r=w_r, su=su, sv=sv, g=g, bits=bits, codebook=codebook, plan=plan, zeros=zeros)
+
+
+def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = None,
+                  timer: Optional[StageTimer] = None) -> EncodedLinear:
+    """Tile quantization (7.5, 7.6) in the plan's chunks, packing and fp16 scales (7.7, 7.8).
+
+    Consumes ``prepared.w_r``: it becomes the squared error (W_r - Q_r)^2 the proxy error is summed from.
+    """
+    w_r, bits = prepared.w_r, prepared.bits
+    dev = w_r.device
+    k, n = w_r.shape
     tk, tn = k // 16, n // 16
     trellis = torch.empty((tk * tn, 16 * bits), dtype=torch.int16, device=dev)
 
     def pack(lo: int, hi: int, index: torch.Tensor, values: torch.Tensor, states: torch.Tensor) -> None:
         trellis[lo:hi] = pack_trellis(states, bits)
 
-    _quantize_matrix(w_r, w_r, bits, codebook, plan.chunk_tiles, progress, pack)  # w_r becomes (W_r - Q_r)^2
-    proxy_error = _proxy_error_of_squares(w_r)
-    del w_r
+    with stage(timer, "viterbi", dev):
+        _quantize_matrix(w_r, w_r, bits, prepared.codebook, prepared.plan.chunk_tiles, progress, pack)
+    with stage(timer, "pack", dev):
+        proxy_error = _proxy_error_of_squares(w_r)
+        suh, svh = prepared.su.to(torch.float16), prepared.sv.to(torch.float16)
     return EncodedLinear(
         trellis=trellis.reshape(tk, tn, 16 * bits),
-        suh=su.to(torch.float16),
-        svh=sv.to(torch.float16),
+        suh=suh,
+        svh=svh,
         proxy_error=proxy_error,
-        g_scale=g,
+        g_scale=prepared.g,
         bits=bits,
-        codebook=codebook,
-        zeros=zeros,
+        codebook=prepared.codebook,
+        zeros=prepared.zeros,
         platform=encoder_platform(dev),
     )
+
+
+def encode_linear(
+    weight: torch.Tensor,
+    *,
+    bits: int = 6,
+    seed: int | None,
+    codebook: str = "mcg",
+    sign_vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    g_scale: float | None = None,
+    name: str | None = None,
+    progress: Optional[ProgressFn] = None,
+    memory_budget_bytes: int | None = None,
+    timer: Optional[StageTimer] = None,
+) -> EncodedLinear:
+    """Encode one float32 (in_features, out_features) weight as the reference's online path does.
+
+    The sign vectors are ``reference_signs(seed, k, n)``: the reference's CUDA draws, computed on the
+    CPU, so an encode on any device gets the signs a server's own encode would (pass ``sign_vectors``
+    to inject others; ``seed`` is then unused and may be None). ``device=None`` works where the weight
+    lives; on CUDA everything stays on the GPU and the Triton Viterbi does the tiles. ``g_scale``
+    skips the scale search (conformance tests); ``name`` prefixes error messages (e.g. the layer key);
+    ``progress(n)`` hears of every n tiles quantized (the k/16 * n/16 tiles of the weight, not the scale search).
+    ``memory_budget_bytes`` bounds what the encode allocates on ``device`` besides the weight (None: what the
+    reference encoder needs for this layer, ``exl3tool.encode.memory.default_budget``); the tiles go through
+    the quantizer in chunks sized to it, with the same bytes for any budget. A budget too small even for the
+    smallest chunk raises EncodeMemoryError (a ValueError) naming ``name`` and the bytes needed.
+    ``timer`` (a ``StageTimer``) gets the seconds of each stage. It is ``prepare_encode`` then
+    ``finish_encode``. The result records the ``platform`` it was computed on (``encoder_platform``).
+
+    >>> w = torch.randn(128, 128) * 0.02
+    >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
+    >>> tuple(enc.trellis.shape), enc.suh.dtype
+    ((8, 8, 32), torch.float16)
+    """
+    prepared = prepare_encode(weight, bits=bits, seed=seed, codebook=codebook, sign_vectors=sign_vectors,
+                              device=device, g_scale=g_scale, name=name, memory_budget_bytes=memory_budget_bytes,
+                              timer=timer)
+    return finish_encode(prepared, progress=progress, timer=timer)
 
 
 def encode_memory_plan(k: int, n: int, bits: int, device: torch.device | str,

@@ -63,8 +63,14 @@ def distributed_context() -> DistributedContext:
     return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), True)
 
 
-def worker_stats(ctx: DistributedContext, device: torch.device, seconds: float) -> dict:
-    """This process's peak host memory (RSS) and peak device memory, for the summary."""
+def worker_stats(ctx: DistributedContext, device: torch.device, seconds: float, *,
+                 stages: Optional[dict] = None, run_seconds: Optional[float] = None) -> dict:
+    """This process's peak host memory (RSS) and peak device memory, for the summary.
+
+    ``stages`` (``StageTimer.as_dict``) are the seconds per pipeline stage, summed over jobs; ``run_seconds`` the
+    wall time of encoding and publishing (without planning). Stages on the prefetch and publishing threads overlap
+    the calling thread's (``wait_for_input``, ``viterbi``, ``pack``, ``to_cpu``).
+    """
     import resource
     import socket
 
@@ -72,6 +78,10 @@ def worker_stats(ctx: DistributedContext, device: torch.device, seconds: float) 
              "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     if device.type == "cuda":
         stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    if run_seconds is not None:
+        stats["run_seconds"] = round(run_seconds, 3)
+    if stages is not None:
+        stats["stages"] = stages
     return stats
 
 

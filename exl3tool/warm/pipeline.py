@@ -33,8 +33,10 @@ from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.cache.paths import lock_path
 from exl3tool.errors import describe
 from exl3tool.warm.lockwait import LockWaits
-from exl3tool.warm.plan import WarmJob, WarmPlan, share_jobs
+from exl3tool.timing import StageTimer, stage
+from exl3tool.warm.plan import WarmJob, WarmPlan
 from exl3tool.warm.results import JobResult, job_result
+from exl3tool.warm.sharing import SharedEncode, group_jobs, share_jobs
 
 __all__ = ["EncodeFn", "TilesFn", "run_plan"]
 
@@ -49,15 +51,17 @@ _BUSY = object()  # an attempt found the entry lock held by another process
 
 def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device,
                     progress: Optional[Callable[[int], None]] = None, *,
-                    memory_budget: Optional[int] = None) -> EncodedLinear:
+                    memory_budget: Optional[int] = None, timer: Optional[StageTimer] = None) -> EncodedLinear:
     """``encode_linear`` on ``device``; ``memory_budget`` bounds the weight's copy there plus the encode's peak."""
     from exl3tool.encode import encode_linear
 
-    w = weight.to(device)
+    with stage(timer, "h2d", device):
+        w = weight.to(device)
     budget = None
     if memory_budget is not None:  # the weight on the device is part of the job's footprint
         budget = max(1, memory_budget - w.numel() * w.element_size())
-    return encode_linear(w, bits=bits, seed=seed, device=device, progress=progress, memory_budget_bytes=budget)
+    return encode_linear(w, bits=bits, seed=seed, device=device, progress=progress, memory_budget_bytes=budget,
+                         timer=timer)
 
 
 def _call_encode(encode: EncodeFn, job: WarmJob, weight: torch.Tensor, bits: int, device: torch.device,
@@ -86,6 +90,7 @@ def run_plan(
     memory_budget: Optional[int] = None,
     lock_timeout: Optional[float] = None,
     waits: Optional[LockWaits] = None,
+    timer: Optional[StageTimer] = None,
 ) -> list[JobResult]:
     """Encode this worker's share of the pending jobs; worker 0 also reports every other job once.
 
@@ -107,9 +112,14 @@ def run_plan(
     the host), so the budget is the worker's; a job that cannot fit fails with the figure it needed.
     A job whose entry lock another process holds waits in ``waits`` (default ``LockWaits(lock_timeout)``: no
     bound while the holder lives) while the others run; it ends as a hit, an encode, or a failure naming the holder.
+
+    Jobs whose entries one encode fills (``sharing``: a replicated layer on every rank and TP size) are a share
+    group, kept on one worker and run one after another: the first member that needs the encode runs it, the others
+    publish its tensors under their own keys (each file with its own key and checksum) and report ``reused_from``.
+    ``timer`` collects the seconds of each stage (``worker_stats``' ``stages``).
     """
-    if memory_budget is not None and encode is _default_encode:
-        encode = functools.partial(_default_encode, memory_budget=memory_budget)
+    if encode is _default_encode and (memory_budget is not None or timer is not None):
+        encode = functools.partial(_default_encode, memory_budget=memory_budget, timer=timer)
     todo = plan.todo if todo is None else todo
     pending = {j.digest for j in todo}
     results: list[JobResult] = []
@@ -122,7 +132,8 @@ def run_plan(
     mine = share_jobs(todo, worker, workers)
     if mine:
         pipeline = _Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles,
-                             overlap=overlap, waits=waits if waits is not None else LockWaits(lock_timeout))
+                             overlap=overlap, waits=waits if waits is not None else LockWaits(lock_timeout),
+                             timer=timer)
         results.extend(pipeline.run(mine))
     return results
 
@@ -274,7 +285,8 @@ class _Pipeline:
     MAX_PUBLISHES = 2  # claimed entries in flight (being written or waiting): bounds held locks and memory
 
     def __init__(self, plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles=None,
-                 *, overlap: bool = True, waits: Optional[LockWaits] = None) -> None:
+                 *, overlap: bool = True, waits: Optional[LockWaits] = None,
+                 timer: Optional[StageTimer] = None) -> None:
         self.plan, self.checkpoint, self.store, self.device = plan, checkpoint, store, device
         self.worker, self.dtype, self.encode = worker, dtype, encode
         self.on_start, self.on_done, self.on_tiles = on_start, on_done, on_tiles
@@ -284,11 +296,24 @@ class _Pipeline:
         self.results: list[JobResult] = []
         self.started: set[str] = set()
         self.disk_full: Optional[str] = None  # set (from any thread) at the first ENOSPC: no further encode
+        self.timer = timer
+        self.shared: dict[str, SharedEncode] = {}  # job digest -> its share group's encode
+        self.members_left: dict[int, int] = {}  # id(SharedEncode) -> members not yet reported
 
-    def _prepare(self, job: WarmJob) -> torch.Tensor:
-        return _prepare_input(job, self.checkpoint, self.dtype)
+    def _prepare(self, job: WarmJob) -> Optional[torch.Tensor]:
+        """The job's encoder input; None when its share group's encode already ran (nothing to read)."""
+        shared = self.shared.get(job.digest)
+        if shared is not None and shared.done:
+            return None
+        with stage(self.timer, "read"):
+            return _prepare_input(job, self.checkpoint, self.dtype)
 
     def run(self, jobs: list[WarmJob]) -> list[JobResult]:
+        for group in group_jobs(jobs):
+            shared: SharedEncode = SharedEncode(None)
+            self.members_left[id(shared)] = len(group.jobs)
+            for member in group.jobs:
+                self.shared[member.digest] = shared
         if self.overlap:
             prefetch = _Prefetcher(jobs, self._prepare)
             publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exl3tool-publish")
@@ -299,7 +324,8 @@ class _Pipeline:
                 if self.disk_full is not None:  # fails at once: no weight read, no encode
                     self._attempt(job, _given(None, None), publisher)
                     continue
-                got, weight, error = prefetch.next()
+                with stage(self.timer, "wait_for_input"):
+                    got, weight, error = prefetch.next()
                 assert got is job, "prefetch out of order"
                 self._finish_ready()
                 self._attempt(job, _given(weight, error), publisher)
@@ -350,16 +376,31 @@ class _Pipeline:
         """Report finished jobs in order (results, ``on_done``), on this thread; ``wait`` for all of them."""
         while self.pending and (wait or self.pending[0][1].done()):
             job, fut = self.pending.popleft()
-            result = fut.result()
+            result = self._reported(job, fut.result())
             self.results.append(result)
             if self.on_done:
                 self.on_done(job, result)
 
-    def _encode(self, job: WarmJob, weight: torch.Tensor) -> EncodedLinear:
-        return _call_encode(self.encode, job, weight, self.plan.bits, self.device, self.on_tiles)
+    def _reported(self, job: WarmJob, result: JobResult) -> JobResult:
+        """``result`` with ``reused_from`` when another member's encode filled it; the group's tensors are dropped
+        once its last member is reported, so memory stays bounded by the groups in flight."""
+        shared = self.shared[job.digest]
+        source = shared.reused_by(job) if result.status in ("encoded", "failed") else None
+        self.members_left[id(shared)] -= 1
+        if self.members_left[id(shared)] == 0:
+            shared.release()
+        return result if source is None else replace(result, reused_from=source)
+
+    def _encode(self, job: WarmJob, weight_fn: Callable[[], Optional[torch.Tensor]]) -> EncodedLinear:
+        """The job's share-group encode (run here for ``job`` if no member ran it yet), on the CPU."""
+        def run(job: WarmJob) -> EncodedLinear:
+            encoded = _call_encode(self.encode, job, weight_fn(), self.plan.bits, self.device, self.on_tiles)
+            with stage(self.timer, "to_cpu"):
+                return replace(encoded, **encoded.tensors())  # publishing and sharing never touch the device
+        return self.shared[job.digest](job, run)
 
     def _load_or_encode(self, job, weight_fn) -> JobResult:
-        return _through_store(job, self.store, self.worker, lambda: self._encode(job, weight_fn()))
+        return _through_store(job, self.store, self.worker, lambda: self._encode(job, weight_fn))
 
     def _note_disk_full(self, exc_errno: Optional[int], detail: str) -> None:
         if exc_errno in DISK_FULL and self.disk_full is None:
@@ -393,8 +434,7 @@ class _Pipeline:
             return _loaded_result(job, got, store, worker, time.perf_counter() - start)
         claimed: Claim = got
         try:
-            encoded = self._encode(job, weight_fn())
-            encoded = replace(encoded, **encoded.tensors())  # copied to the CPU here: publishing never touches the device
+            encoded = self._encode(job, weight_fn)
             check_fresh_encode(job.key, encoded.tensors(), encoded.proxy_error)
         except Exception as exc:
             claimed.release()
@@ -427,7 +467,8 @@ class _Pipeline:
         """On the publishing thread: write and release; never raises."""
         start = time.perf_counter()
         try:
-            loaded = self.store.publish_claimed(claimed, encoded)
+            with stage(self.timer, "publish"):
+                loaded = self.store.publish_claimed(claimed, encoded)
             if loaded.path is None:
                 self._note_disk_full(loaded.errno, loaded.error or "")
             return _loaded_result(job, loaded, self.store, self.worker, encode_seconds + time.perf_counter() - start)

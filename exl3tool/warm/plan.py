@@ -1,8 +1,8 @@
 """A warm's plan: one job per (layer, TP size, TP rank) with its cache key, entry path and state.
 
 Planning costs only look-ups (hit, miss, invalid, skipped): headers, plus our checksum of every hit hashed from
-the file (no encode, no weights read), so ``--dry-run`` shows exactly what the run will do. ``share_jobs`` splits
-the pending jobs between workers the same way on every process.
+the file (no encode, no weights read), so ``--dry-run`` shows exactly what the run will do. ``share_jobs``
+(``sharing``) splits the pending jobs between workers the same way on every process, a share group at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 from exl3tool.cache import CacheKey, CacheStore, ServerIdentities, entry_path
 from exl3tool.cache.store import PRUNE_HINT
 from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
+from exl3tool.warm.sharing import share_jobs  # whole share groups per worker
 
 __all__ = ["WarmJob", "WarmPlan", "build_plan", "share_jobs"]
 
@@ -138,21 +139,3 @@ def build_plan(
         tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs), layer_plan=layer_plan,
         fetch=checkpoint.fetch,
     )
-
-
-def share_jobs(jobs: list[WarmJob], worker: int, workers: int) -> list[WarmJob]:
-    """This worker's share: longest-processing-time-first over tile counts, deterministic on every process.
-
-    Jobs are taken largest first (ties by digest) and each goes to the least-loaded worker (ties to the
-    lowest worker index), so every process computes the same assignment without talking to the others.
-    """
-    if workers <= 1:
-        return list(jobs)
-    load = [0] * workers
-    mine: list[WarmJob] = []
-    for job in sorted(jobs, key=lambda j: (-j.tiles, j.digest)):
-        target = min(range(workers), key=lambda w: (load[w], w))
-        load[target] += job.tiles
-        if target == worker:
-            mine.append(job)
-    return mine

@@ -15,6 +15,7 @@ import torch
 
 from exl3tool.cache import CacheStore
 from exl3tool.cache.entry import entry_bytes
+from exl3tool.timing import StageTimer
 from exl3tool.warm.distributed import (
     DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
 )
@@ -204,14 +205,17 @@ def warm(
         store.check_free_space(sum(entry_bytes(j.key) for j in todo), len(todo))  # all workers' share: one disk
     if on_plan:
         on_plan(plan, ctx, todo)
+    timer = StageTimer()
+    run_start = time.perf_counter()
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
                        dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
-                       on_tiles=on_tiles, lock_timeout=request.lock_timeout, memory_budget=budget)
+                       on_tiles=on_tiles, lock_timeout=request.lock_timeout, memory_budget=budget, timer=timer)
+    run_seconds = time.perf_counter() - run_start
     unchecked = None
     if request.check_unchecked and ctx.worker == 0 and store.mode == "readwrite":
         unchecked = check_unchecked(plan, checkpoint, store, device=device, dtype=dtype, on_done=on_checked)
         results = _with_replaced(results, plan, unchecked)
-    stats = worker_stats(ctx, device, time.perf_counter() - start)
+    stats = worker_stats(ctx, device, time.perf_counter() - start, stages=timer.as_dict(), run_seconds=run_seconds)
     if budget is not None:
         stats["gpu_budget_mib"] = round(budget / 2**20, 1)
     gathered = gather_results(ctx, results, stats)

@@ -28,6 +28,8 @@ class JobResult:
     proxy_error: Optional[float] = None
     error: str = ""
     worker: int = 0
+    # the digest of the entry whose encode this one's tensors came from (a share group); absent when encoded itself
+    reused_from: Optional[str] = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class WarmSummary:
     device: str
     workers: int
     counts: dict[str, int]
+    encodes: int  # encoder runs: entries encoded minus those filled by another job's encode (``reused_from``)
     bytes_written: int
     seconds: float
     entries: list[JobResult]
@@ -56,13 +59,19 @@ class WarmSummary:
     record_error: str = ""  # why no record could be written (the entries are complete without one)
 
     @property
+    def encodes_saved(self) -> int:
+        """Entries published from another job's encode (a share group) instead of an encode of their own."""
+        return sum(1 for r in self.entries if r.reused_from is not None)
+
+    @property
     def ok(self) -> bool:
         return self.counts.get("failed", 0) == 0
 
 
-def job_result(job: WarmJob, status: str, worker: int, *, path=None, seconds=0.0, bytes_=0, proxy_error=None, error="") -> JobResult:
+def job_result(job: WarmJob, status: str, worker: int, *, path=None, seconds=0.0, bytes_=0, proxy_error=None, error="",
+               reused_from: Optional[str] = None) -> JobResult:
     return JobResult(job.prefix, job.tp_size, job.tp_rank, job.input_size, job.output_size, status, job.digest,
-                     path, round(seconds, 4), bytes_, proxy_error, error, worker)
+                     path, round(seconds, 4), bytes_, proxy_error, error, worker, reused_from)
 
 
 def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers: int, seconds: float,
@@ -76,7 +85,9 @@ def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers:
     return WarmSummary(
         model=plan.model, model_identity=plan.model_identity, encoder_identity=plan.encoder_identity,
         bits=plan.bits, tp_sizes=list(plan.tp_sizes), cache_root=str(plan.cache_root), device=device,
-        workers=workers, counts=counts, bytes_written=sum(r.bytes for r in results if r.status == "encoded"),
+        workers=workers, counts=counts,
+        encodes=sum(1 for r in results if r.status == "encoded" and r.reused_from is None),
+        bytes_written=sum(r.bytes for r in results if r.status == "encoded"),
         seconds=round(seconds, 3), entries=results,
         unchecked_hits=len(unchecked if unchecked is not None else unchecked_hits(plan)),
         quantization_config=lp.overlay.as_json() if lp is not None and lp.overlay is not None else None,

@@ -61,3 +61,22 @@ def test_hub_cache_layout(tiny_hub):
         blob = link.resolve()
         assert blob.parent == (repo / "blobs").resolve()
         assert blob.name == hashlib.sha256(blob.read_bytes()).hexdigest()
+
+
+def test_header_only_selection_writes_holes_for_the_chosen_tensors(tmp_path, seed):
+    """A callable header_only: the tensors it picks are zeros (sparse holes), the others exactly a full write's."""
+    from exl3tool.checkpoint import write_checkpoint
+    from exl3tool.checkpoint.synthetic import llama_tensor_shapes
+
+    config = {"architectures": ["LlamaForCausalLM"]}
+    tensors = llama_tensor_shapes(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=64)
+    full = _all(write_checkpoint(tmp_path / "full", config, tensors, seed=seed, shards=2))
+    holes = lambda name: ".layers.1." in name  # noqa: E731
+    part = _all(write_checkpoint(tmp_path / "part", config, tensors, seed=seed, shards=2, header_only=holes))
+    assert part.keys() == full.keys()
+    for name in full:
+        if holes(name):
+            assert part[name].eq(0).all(), name
+        else:
+            assert torch.equal(part[name], full[name]), name
+    assert any(holes(n) for n in full) and any(not holes(n) for n in full)

@@ -282,7 +282,7 @@ def write_mla_from_config(path: Path, config: dict, *, header_only: bool = True,
     h = cfg["hidden_size"]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        mla_attention(b, p, cfg)
+        mla_attention(b, p, cfg, indexer=bool(cfg.get("index_topk")))  # DSA models (GLM-5): the indexer's tensors
         if i < cfg["first_k_dense_replace"]:
             for proj, shape in (("gate_proj", (cfg["intermediate_size"], h)), ("up_proj", (cfg["intermediate_size"], h)),
                                 ("down_proj", (h, cfg["intermediate_size"]))):
