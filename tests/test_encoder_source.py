@@ -325,6 +325,32 @@ def test_cli_refuses_a_foreign_directory_unless_forced(tmp_path, run_cli):
         write_encoder_source(afile)
 
 
+def test_unwritable_places_are_named_as_the_user_gave_them(tmp_path, monkeypatch, run_cli):
+    """A DIR under a file names that file (not errno 17 'File exists'); a failed write names DIR and its parent,
+    never the hidden staging folder beside it."""
+    import errno
+
+    import exl3tool.serving.encoder_source as es
+
+    afile = tmp_path / "file"
+    afile.write_text("")
+    res = run_cli(["encoder-source", str(afile / "enc"), "--json"])
+    assert res.exit_code == 2
+    msg = json.loads(res.stdout)["error"]
+    assert msg == f"{afile / 'enc'}: {afile} is a file, not a directory; name a directory under directories only"
+
+    def read_only(path, **_):
+        raise OSError(errno.EROFS, "Read-only file system", str(Path(path) / "modules"))
+
+    monkeypatch.setattr(es, "_write_tree", read_only)
+    root = tmp_path / "ro" / "enc"
+    with pytest.raises(ConfigError) as err:
+        write_encoder_source(root)
+    assert str(err.value) == (f"{root}: cannot write the encoder source in {root.parent} (Read-only file system); "
+                              "check the path and its permissions")
+    assert not [p for p in root.parent.iterdir() if p.name.startswith(".enc.")]  # the staging folder is gone
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tag", ["case0", "case1", "case2"])
 def test_drop_in_on_cuda_is_the_reference_bytes(golden, export, tag):
