@@ -458,7 +458,7 @@ def _miss_causes(misses: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
         if group[0] == "tp":
             sizes = group[2]
             findings.append(Finding("tp_layout", f"these layers were warmed at TP {','.join(map(str, sizes))} only; "
-                                                 f"this launch is TP {first.tp_size}",
+                                                 f"these look-ups are at TP {first.tp_size}",
                                     f"warm with --tp-sizes {first.tp_size} (add it to the warm's list)"))
         findings += _identity_findings(fields, first.key, near, plan, cache)
         if not fields:  # same key, yet the look-up missed: a file the server's is_file() does not see
