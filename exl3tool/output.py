@@ -16,7 +16,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Output", "to_jsonable", "plain_table", "json_document_written", "forget_json_document"]
+__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "KEY_HEADERS", "json_document_written",
+           "forget_json_document"]
+
+KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
+LAST_DROPPED = ("status", "state", "error", "tp", "rank")  # left out only after every other column
+LONG_WORD = 16  # a word longer than this (a path) may be folded across lines; shorter ones (numbers) never
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -79,6 +84,64 @@ def plain_table(table: Table) -> str:
     return title + fmt(headers) + "".join(fmt(r) for r in rows)
 
 
+def _overhead(table: Table, columns: int) -> int:
+    """The characters a Rich table adds around its cells: padding, and the borders when it has a box."""
+    pad = table.padding[1] + table.padding[3] if isinstance(table.padding, tuple) and len(table.padding) == 4 else 2
+    lines = (columns - 1 + (2 if table.show_edge else 0)) if table.box is not None else 0
+    return columns * pad + lines
+
+
+def fit_table(table: Table, width: int) -> Table | None:
+    """``table`` made to fit ``width`` columns without ever cutting a key column (``KEY_HEADERS``), or None.
+
+    A key column keeps its widest cell's width. The other columns may wrap at spaces down to their longest word
+    (a word longer than ``LONG_WORD``, such as a path, may fold); if that is still too wide, columns are left out,
+    from the right, ``LAST_DROPPED`` ones last, and the caption names them. Every column gets a fixed width, so
+    Rich never shortens one. None when the key columns alone do not fit (print ``plain_table`` instead: the
+    terminal wraps the line, nothing is cut). Tables without a key column come back unchanged.
+    """
+    cols = list(table.columns)
+    keys = [c for c in cols if _plain(c.header) in KEY_HEADERS]
+    if not keys:
+        return table
+    texts = {id(c): [_plain(c.header)] + [_plain(cell) for cell in c._cells] for c in cols}
+
+    def natural(c) -> int:
+        return max(len(line) for text in texts[id(c)] for line in (text.splitlines() or [""]))
+
+    def least(c) -> int:
+        if c in keys or c.no_wrap:
+            return natural(c)
+        words = [len(w) for text in texts[id(c)] for w in text.split()] or [1]
+        return max(1, min(max(words), LONG_WORD))
+
+    kept, dropped = list(cols), []
+    order = [c for c in reversed(cols) if c not in keys and _plain(c.header) not in LAST_DROPPED]
+    order += [c for c in reversed(cols) if c not in keys and _plain(c.header) in LAST_DROPPED]
+    while sum(least(c) for c in kept) + _overhead(table, len(kept)) > width:
+        if not order:
+            return None
+        gone = order.pop(0)
+        kept.remove(gone)
+        dropped.append(gone)
+    widths = {id(c): natural(c) for c in kept}
+    room = width - _overhead(table, len(kept))
+    while sum(widths.values()) > room:  # narrow the column with the most slack above its longest word, by one
+        c = max((c for c in kept if widths[id(c)] > least(c)), key=lambda c: widths[id(c)] - least(c))
+        widths[id(c)] -= 1
+    for c in kept:
+        c.width = widths[id(c)]
+        if c in keys:
+            c.no_wrap = True
+        else:
+            c.overflow = "fold"
+    table.columns[:] = kept
+    if dropped:
+        names = ", ".join(_plain(c.header) for c in cols if c in dropped)
+        table.caption = Text(f"left out at this width: {names} (widen the terminal, pipe the output, or use --json)")
+    return table
+
+
 @dataclass
 class Output:
     """Renders results: ``json`` prints only machine output, ``quiet`` drops notes and progress."""
@@ -87,11 +150,6 @@ class Output:
     quiet: bool = False
     stdout: Console = field(default_factory=lambda: Console(file=sys.stdout, soft_wrap=True))
     stderr: Console = field(default_factory=lambda: Console(file=sys.stderr, soft_wrap=True))
-
-    @property
-    def show_progress(self) -> bool:
-        """Progress bars only for a person at a terminal."""
-        return not self.quiet and not self.json and self.stderr.is_terminal
 
     def note(self, message: str) -> None:
         """A diagnostic line on stderr (suppressed by --quiet)."""
@@ -105,13 +163,15 @@ class Output:
     def table(self, table: Table) -> None:
         """A table for people; skipped in JSON mode (the caller emits ``data`` instead).
 
-        At a terminal Rich draws it to the window's width; piped or in a CI log it becomes plain aligned rows
-        that are never cut or folded (a log has no width, and ``encod…`` or ``2.10e…`` would hide the data).
+        At a terminal Rich draws it to the window's width, never cutting a layer name (``fit_table``: other
+        columns wrap, then are left out); piped or in a CI log it becomes plain aligned rows that are never cut or
+        folded (a log has no width, and ``encod…`` or ``2.10e…`` would hide the data).
         """
         if self.json:
             return
-        if self.stdout.is_terminal:
-            self.stdout.print(literal_table(table))
+        fitted = fit_table(literal_table(table), self.stdout.width) if self.stdout.is_terminal else None
+        if fitted is not None:
+            self.stdout.print(fitted)
         else:
             sys.stdout.write(plain_table(table))
             sys.stdout.flush()

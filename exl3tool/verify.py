@@ -26,6 +26,7 @@ from exl3tool.cache import CacheStore
 from exl3tool.checkpoint import encoder_input, rank_local_weight
 from exl3tool.encode import dequantize_tensors
 from exl3tool.errors import describe
+from exl3tool.exact import ExactCheck, compare_exact, fresh_encode
 
 __all__ = [
     "QUANT_ERR_GOLDEN", "DEFAULT_KERNEL_ERR", "default_quant_err", "LayerCheck", "VerifyReport",
@@ -72,6 +73,7 @@ class LayerCheck:
     weight_rel_err: Optional[float] = None  # fresh ||W_deq - W|| / ||W||
     weight_mse: Optional[float] = None  # fresh mean((W_deq - W)^2)
     seconds: float = 0.0
+    exact: Optional[ExactCheck] = None  # with --exact: the entry against a fresh encode (exl3tool.exact)
 
     @property
     def kernel_err(self) -> Optional[float]:
@@ -97,6 +99,12 @@ class VerifyReport:
     max_kernel_err: float
     max_quant_err: float
     layers: tuple[LayerCheck, ...] = field(default_factory=tuple)
+    exact: bool = False  # every entry was also compared with a fresh encode
+
+    @property
+    def unproved(self) -> list[LayerCheck]:
+        """Layers the exact check could not decide (another platform's global scale; see ``exl3tool.exact``)."""
+        return [c for c in self.layers if c.exact is not None and c.exact.verdict == "unproved"]
 
     @property
     def failed(self) -> list[LayerCheck]:
@@ -159,9 +167,14 @@ def verify_plan(
     plan, checkpoint, store: CacheStore, *, rows: tuple[int, ...] = (1, 16, 256), seed: int = 0,
     device: torch.device = torch.device("cpu"), max_kernel_err: float = DEFAULT_KERNEL_ERR,
     max_quant_err: Optional[float] = None, dtype: Optional[torch.dtype] = None,
-    on_done: Optional[Callable[[LayerCheck], None]] = None,
+    on_done: Optional[Callable[[LayerCheck], None]] = None, exact: bool = False,
 ) -> VerifyReport:
-    """Check every non-skipped job of a warm plan (one TP size) against its cache entry. Never writes."""
+    """Check every non-skipped job of a warm plan (one TP size) against its cache entry. Never writes.
+
+    ``exact`` also re-encodes each layer from the same weight (same key, so the same seed and bits) on ``device``
+    and compares the entry with it (``exl3tool.exact.compare_exact``): a layer whose entry ``differs`` fails even
+    when its errors are within the thresholds (e.g. one flipped trellis bit).
+    """
     gemm, gemm_name = pick_gemm(device)
     quant_limit = default_quant_err(plan.bits) if max_quant_err is None else max_quant_err
     checks: list[LayerCheck] = []
@@ -181,6 +194,10 @@ def verify_plan(
                 weight = encoder_input(rank_local_weight(checkpoint, job.rank_job, dtype=dtype))
                 row_checks, rel, mse = verify_entry(found.tensors, weight, bits=plan.bits, rows=rows, seed=seed,
                                                     device=device, gemm=gemm)
+                exact_check = None
+                if exact:
+                    fresh, w_r = fresh_encode(weight, job.key, device)
+                    exact_check = compare_exact(found.tensors, found.proxy_error, found.metadata or {}, fresh, w_r)
             except Exception as exc:
                 check = LayerCheck(**base, status="fail", reason=describe(exc), path=str(job.path),
                                    seconds=time.perf_counter() - start)
@@ -193,12 +210,15 @@ def verify_plan(
                 if not q_err <= quant_limit:
                     problems.append(f"quantization error {q_err:.3g} > {quant_limit:.3g}"
                                     " (entry does not match this checkpoint's weights or slice)")
+                if exact_check is not None and not exact_check.ok:
+                    problems.append(f"differs from a fresh encode: {exact_check.detail}")
                 check = LayerCheck(**base, status="fail" if problems else "pass", reason="; ".join(problems),
                                    path=str(found.path), rows=row_checks, proxy_error=found.proxy_error,
-                                   weight_rel_err=rel, weight_mse=mse, seconds=time.perf_counter() - start)
+                                   weight_rel_err=rel, weight_mse=mse, seconds=time.perf_counter() - start,
+                                   exact=exact_check)
         checks.append(check)
         if on_done:
             on_done(check)
     return VerifyReport(model=plan.model, model_identity=plan.model_identity, bits=plan.bits, tp_size=tp,
                         device=str(device), gemm=gemm_name, seed=seed, rows=tuple(rows), max_kernel_err=max_kernel_err,
-                        max_quant_err=quant_limit, layers=tuple(checks))
+                        max_quant_err=quant_limit, layers=tuple(checks), exact=exact)

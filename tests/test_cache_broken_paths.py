@@ -164,3 +164,24 @@ def test_store_removes_stale_temps_under_the_lock_only(tmp_path):
     assert store.lookup(key).status == "miss" and temp.exists()  # look-ups take no lock: they leave it
     store.load_or_encode(key, make_encoded)
     assert not temp.exists() and store.lookup(key).hit
+
+
+def test_dry_run_names_a_broken_lock_path_when_the_entry_is_also_invalid(model, tmp_path, monkeypatch):
+    """An invalid entry beside a directory at its lock path: the plan shows the lock path (what the warm fails
+    the job on), not a plain re-encode."""
+    cache = tmp_path / "cache"
+    _, plan, _ = prepare(_request(model, cache))
+    job = plan.jobs[0]
+    job.path.parent.mkdir(parents=True, exist_ok=True)
+    job.path.write_bytes(os.urandom(64))  # an invalid entry
+    lock_path(job.path).mkdir()
+    res = cli("cache", "warm", str(model), "--tp-sizes", "2", "--layers", "*.o_proj", "--cache-dir", str(cache),
+              "--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"], "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    row = next(j for j in json.loads(res.stdout)["jobs"] if j["digest"] == job.digest)
+    assert row["state"] == "invalid"
+    assert f"{lock_path(job.path)} (the entry's lock path) is a directory" in row["reason"]
+    assert "also invalid" in row["reason"] and "cache prune --invalid" in row["reason"]
+    summary = fake_warm(_request(model, cache), monkeypatch)
+    failed = next(e for e in summary.entries if e.digest == job.digest)
+    assert failed.status == "failed" and row["reason"].split(" (the entry is also")[0] in failed.error

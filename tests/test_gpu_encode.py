@@ -62,3 +62,45 @@ def test_trellis_gemm_on_a_fresh_encode():
         y = trellis_matmul(x.cuda(), enc.trellis, enc.suh, enc.svh, bits=6).cpu().double()
         ref = x.double() @ w_deq
         assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_encode_under_a_small_budget_gives_the_same_bytes_and_stays_inside_it():
+    from exl3tool.encode.memory import EncodeMemoryError, default_budget, plan_encode_memory, reference_peak_bytes
+    from exl3tool.encode.online import encode_memory_plan
+
+    k, n, seed = 4096, 4096, 17  # 65,536 tiles; the default budget is the reference's 5.5x the weight here
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(k, n, generator=gen) * torch.empty(1, n).uniform_(0.005, 0.05, generator=gen)).cuda()
+    with pytest.raises(EncodeMemoryError) as info:
+        plan_encode_memory(k, n, 6, "cuda", 1)
+    small = info.value.needed_bytes  # the smallest chunk
+    peaks = {}
+    outs = {}
+    for label, budget in (("small", small), ("default", None), ("large", 32 << 30)):
+        plan = encode_memory_plan(k, n, 6, "cuda", budget)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        outs[label] = encode_linear(w, bits=6, seed=seed, memory_budget_bytes=budget)
+        torch.cuda.synchronize()
+        peaks[label] = torch.cuda.max_memory_allocated() - base
+        assert peaks[label] <= plan.budget_bytes, (label, peaks[label], plan)
+    print({k_: round(v / 2**20) for k_, v in peaks.items()}, "MiB above the weight")
+    assert default_budget(k, n) == reference_peak_bytes(k, n) and peaks["default"] <= reference_peak_bytes(k, n)
+    for label in ("small", "large"):
+        for name in ("trellis", "suh", "svh"):
+            assert torch.equal(getattr(outs[label], name), getattr(outs["default"], name)), (label, name)
+        assert outs[label].proxy_error == outs["default"].proxy_error
+
+
+def test_device_budget_defaults_to_free_memory_less_a_margin():
+    from exl3tool.encode.memory import device_budget
+    from exl3tool.errors import ConfigError
+
+    free, total = torch.cuda.mem_get_info()
+    budget = device_budget(torch.device("cuda", torch.cuda.current_device()))
+    assert 0 < budget <= free - max(1 << 30, total // 20) + (64 << 20)  # free may move a little meanwhile
+    assert device_budget(torch.device("cuda", torch.cuda.current_device()), 2.5) == int(2.5 * 2**30)
+    for bad in (0.0, -1.0, total / 2**30 + 1):
+        with pytest.raises(ConfigError, match="--gpu-memory"):
+            device_budget(torch.device("cuda", torch.cuda.current_device()), bad)

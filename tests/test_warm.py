@@ -312,8 +312,8 @@ def test_overlap_failed_read_and_failed_publish_are_per_layer(offline, tmp_path,
     real_write = store_mod.write_entry
 
     def write_entry(path, key, *a, **k):
-        if key.digest() == doomed.digest:
-            raise OSError(28, "No space left on device")
+        if key.digest() == doomed.digest:  # an I/O error on one file (a full disk stops the warm, see below)
+            raise OSError(5, "Input/output error")
         return real_write(path, key, *a, **k)
 
     monkeypatch.setattr(store_mod, "write_entry", write_entry)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from exl3tool import __version__
-from exl3tool.cache.entry import validate_entry
+from exl3tool.cache.entry import EntryContents, validate_entry
 from exl3tool.cache.key import HEX64, CacheKey
 from exl3tool.cache.paths import entry_path
 from exl3tool.cache.records import (
@@ -532,12 +532,17 @@ def _copy(member: _Member, first: bytes, sha: "hashlib._Hash") -> Callable[[Bina
     return write
 
 
-def import_bundle(stream: BinaryIO, store: CacheStore, *, source: str = "") -> ImportReport:
+EntryCheck = Callable[[CacheKey, EntryContents], None]  # raises ValueError(reason) to refuse an entry
+
+
+def import_bundle(stream: BinaryIO, store: CacheStore, *, source: str = "", check: EntryCheck | None = None) -> ImportReport:
     """Read a bundle from ``stream`` (a file or a pipe, in one pass) and publish its entries into ``store``.
 
     Provenance records the bundle carries are checked as untrusted input (``parse_record``, and every digest an
     entry of this bundle with matching key fields) and written beside ``v1/`` with ``imported`` set (``source``:
-    the bundle's name, for people).
+    the bundle's name, for people). ``check(key, contents)`` runs on every entry that passed the bundle's own
+    checks, before it is renamed into place; a ValueError refuses it with its message (e.g. ``--against MODEL``:
+    not that model's weights).
 
     Raises BundleError when the stream is not a bundle (nothing written) or breaks off (entries published
     before that stay: each is complete). Raises InputError when the cache cannot be written.
@@ -591,7 +596,7 @@ def import_bundle(stream: BinaryIO, store: CacheStore, *, source: str = "") -> I
                 items.append(ImportItem(member.name, "refused", why))
                 continue
             done.add(member.name)
-            items.append(_import_one(member, *record, store))
+            items.append(_import_one(member, *record, store, check))
     except BundleError as exc:
         raise BundleError(f"{exc}; {_progress(items)} before that") from None
     except OSError as exc:
@@ -608,7 +613,8 @@ def _progress(items: list[ImportItem]) -> str:
     return f"{n} entr{'y' if n == 1 else 'ies'} imported"
 
 
-def _import_one(member: _Member, entry: BundleEntry, key: CacheKey, store: CacheStore) -> ImportItem:
+def _import_one(member: _Member, entry: BundleEntry, key: CacheKey, store: CacheStore,
+                extra: EntryCheck | None = None) -> ImportItem:
     first = member.read(8)
     (header_len,) = struct.unpack("<Q", first)
     if header_len > HEADER_LIMIT or 8 + header_len > entry.size:
@@ -620,9 +626,14 @@ def _import_one(member: _Member, entry: BundleEntry, key: CacheKey, store: Cache
         if sha.hexdigest() != entry.sha256:
             raise _Refused("its bytes differ from the manifest's sha256")
         try:
-            validate_entry(temp, key)
+            contents = validate_entry(temp, key)
         except Exception as exc:
             raise _Refused(f"the server would not load it: {describe(exc)}") from None
+        if extra is not None:
+            try:
+                extra(key, contents)
+            except ValueError as exc:
+                raise _Refused(str(exc)) from None
 
     try:
         status = store.import_entry(key, _copy(member, first, sha), check)

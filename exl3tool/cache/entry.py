@@ -33,8 +33,11 @@ __all__ = [
     "EntryContents",
     "TENSOR_NAMES",
     "expected_layout",
+    "entry_bytes",
     "tensor_sha256",
     "file_tensor_sha256",
+    "key_sha256",
+    "checksum_problem",
     "describe_unreadable",
     "read_entry",
     "validate_entry",
@@ -76,6 +79,30 @@ def expected_layout(key: CacheKey) -> dict[str, tuple[str, tuple[int, ...]]]:
     }
 
 
+_ITEM_BYTES = {"I16": 2, "F16": 2}
+_LONGEST_PROXY_ERROR = repr(-2.2250738585072014e-308)  # no float's repr is longer
+
+
+def entry_bytes(key: CacheKey) -> int:
+    """The size of ``key``'s entry as ``write_entry`` writes it, at most (the proxy error's text may be shorter).
+
+    What a warm checks free space against before its first encode: the tensors' bytes plus the header, built as
+    ``write_entry`` builds it with the longest proxy error text.
+    """
+    layout = expected_layout(key)
+    header: dict = {"__metadata__": {
+        "cache_key": key.canonical_json(), "proxy_error": _LONGEST_PROXY_ERROR, "exl3tool_version": __version__,
+        "exl3tool_sha256": "0" * 64}}
+    offset = 0
+    for name in sorted(layout):
+        dtype, shape = layout[name]
+        size = math.prod(shape) * _ITEM_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return 8 + len(text) + (-len(text) % 8) + offset
+
+
 def _sha_line(name: str, dtype: str, shape: list[int]) -> bytes:
     return f"{name}:{dtype}:{shape}\n".encode()
 
@@ -89,6 +116,35 @@ def tensor_sha256(tensors: dict[str, torch.Tensor]) -> str:
         if t.numel():
             h.update(t.view(torch.uint8).numpy().data)  # the buffer itself, no copy
     return h.hexdigest()
+
+
+def key_sha256(cache_key_json: str, tensors_digest: str) -> str:
+    """``exl3tool_key_sha256``: SHA-256 of the entry's canonical ``cache_key`` and its ``exl3tool_sha256``.
+
+    Binds the key to the tensors, so that another entry's file (tensors and checksum) under this key's
+    ``cache_key`` is refused. One hash of a few hundred bytes: the tensor bytes are hashed once, for both.
+    Not a signature: whoever writes a file can compute both (``docs/deploy.md`` says what an import proves).
+    """
+    return hashlib.sha256(f"cache_key:{cache_key_json}\nexl3tool_sha256:{tensors_digest}\n".encode()).hexdigest()
+
+
+def checksum_problem(metadata: dict[str, str], tensors_digest: str) -> str | None:
+    """Why an entry's checksums do not hold, given the digest of its tensors (``tensor_sha256``); None if they hold.
+
+    ``exl3tool_sha256`` must match the tensors; ``exl3tool_key_sha256`` (on entries written since the
+    key binding) must match the stored ``cache_key`` and that digest. Entries written before the key binding carry
+    ``exl3tool_sha256`` alone and are still accepted: their tensors are checked, their key is not bound.
+    """
+    want = metadata.get("exl3tool_sha256")
+    bound = metadata.get("exl3tool_key_sha256")
+    if want is None:
+        return "exl3tool_key_sha256 without exl3tool_sha256" if bound is not None else None
+    if tensors_digest != want:
+        return "tensor bytes differ from exl3tool_sha256 (changed after publish)"
+    if bound is not None and bound != key_sha256(metadata.get("cache_key", ""), want):
+        return ("exl3tool_key_sha256 does not match the cache_key and tensors (another entry's file under this key, "
+                "or a cache_key edited after publish)")
+    return None
 
 
 def _read_header(fh) -> tuple[int, dict]:
@@ -186,8 +242,9 @@ def validate_entry(
 ) -> EntryContents:
     """Load ``path`` for ``key`` with the server's checks (§5.3); raises on the first failure.
 
-    ``verify_checksum`` adds our ``exl3tool_sha256`` check when the entry has one: stricter than the
-    server, which would load e.g. a flipped trellis byte as long as shapes and finiteness hold.
+    ``verify_checksum`` adds our ``exl3tool_sha256`` check when the entry has one, and the key binding
+    ``exl3tool_key_sha256`` when it has that (``checksum_problem``): stricter than the server, which would load
+    e.g. a flipped trellis byte, or another layer's tensors under this key, as long as shapes and finiteness hold.
     ``load_trellis=False`` is the form for planning: every check the server makes that can fail (key, tensor
     set, dtypes, shapes, a file that covers its header, finite suh/svh, proxy_error) without loading the
     trellis into a tensor; with ``verify_checksum`` the checksum is then hashed straight from the file
@@ -221,11 +278,11 @@ def validate_entry(
     _check_finite("suh", tensors["suh"])
     _check_finite("svh", tensors["svh"])
     proxy_error = parse_proxy_error(metadata.get("proxy_error"))
-    want = metadata.get("exl3tool_sha256")
-    if verify_checksum and want is not None:
+    if verify_checksum and ("exl3tool_sha256" in metadata or "exl3tool_key_sha256" in metadata):
         got = tensor_sha256(tensors) if load_trellis else file_tensor_sha256(path)
-        if got != want:
-            raise InvalidEntryError("tensor bytes differ from exl3tool_sha256 (changed after publish)")
+        problem = checksum_problem(metadata, got)
+        if problem:
+            raise InvalidEntryError(problem)
     return EntryContents(tensors, proxy_error, metadata)
 
 
@@ -263,22 +320,29 @@ def _serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tu
 
 
 def write_entry(
-    path: str | Path, key: CacheKey, tensors: dict[str, torch.Tensor], proxy_error: float | None, *, file_mode: int = 0o600
+    path: str | Path, key: CacheKey, tensors: dict[str, torch.Tensor], proxy_error: float | None, *,
+    file_mode: int = 0o600, platform: str = "",
 ) -> Path:
     """Publish atomically (§4.3): mkstemp ``.<digest>.safetensors.<random>.tmp``, write, fsync, ``os.replace``.
 
     The temporary file is unlinked in every case. ``file_mode`` 0o600 matches the server; pass 0o644 when
-    the server runs as another user.
+    the server runs as another user. Metadata beyond the server's two keys (which it ignores, spec §5.2):
+    ``exl3tool_version``, ``exl3tool_sha256`` (the tensors), ``exl3tool_key_sha256`` (key and tensors, see
+    ``key_sha256``) and, when given, ``exl3tool_platform`` (where the encode ran; what an exact re-check needs).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    digest = tensor_sha256(cpu)
     metadata = {
         "cache_key": key.canonical_json(),
         "proxy_error": "" if proxy_error is None else repr(float(proxy_error)),
         "exl3tool_version": __version__,
-        "exl3tool_sha256": tensor_sha256(cpu),
+        "exl3tool_sha256": digest,
+        "exl3tool_key_sha256": key_sha256(key.canonical_json(), digest),
     }  # no timestamp: the same inputs must give the same bytes (the file's mtime records when)
+    if platform:
+        metadata["exl3tool_platform"] = platform
     head, data = _serialize(cpu, metadata)
 
     def write(fh) -> None:

@@ -11,11 +11,13 @@ import logging
 import os
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import Timeout
 
-__all__ = ["lock_holders", "acquire_with_notice", "lock_path_unusable", "NOTICE_AFTER_S"]
+__all__ = ["Holder", "lock_holders", "lock_holder_processes", "process_state", "one_line", "acquire_with_notice",
+           "lock_path_unusable", "NOTICE_AFTER_S"]
 
 log = logging.getLogger(__name__)
 
@@ -45,29 +47,60 @@ def lock_path_unusable(lock: str | Path) -> str | None:
     return None
 
 
+COMMAND_CHARS = 100  # a holder's command line is shortened to this many characters
+
+
+def one_line(text: str, limit: int = COMMAND_CHARS) -> str:
+    """``text`` on one line: NULs, newlines and other control characters become spaces, runs of spaces one, and
+    the result is cut to ``limit`` characters (ending in "...").
+
+    >>> one_line("python\\0-c\\0import x\\nx.run()\\0")
+    'python -c import x x.run()'
+    """
+    flat = "".join(c if c.isprintable() and not c.isspace() else " " for c in text)
+    flat = " ".join(flat.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
 def _command(pid: int) -> str:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return ""
-    words = [w.decode(errors="replace") for w in raw.split(b"\0") if w]
-    text = " ".join(words)
-    return text if len(text) <= 120 else text[:117] + "..."
+    return one_line(raw.decode(errors="replace"))
 
 
-def lock_holders(path: str | Path, proc_locks: str = "/proc/locks") -> list[str]:
-    """``pid N (command)`` for each local process holding a lock on ``path``; empty if unknown.
+def process_state(pid: int) -> str | None:
+    """The one-letter state of process ``pid`` from ``/proc/PID/stat`` (R, S, D, T, t, Z...), None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # the command name in (...) may hold spaces
+    return fields[0] if fields else None
 
-    >>> lock_holders("/nonexistent/entry.lock")
-    []
-    """
+
+@dataclass(frozen=True)
+class Holder:
+    """A local process holding an entry lock: its pid and its command line on one line."""
+
+    pid: int
+    command: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid}" + (f" ({self.command})" if self.command else "")
+
+
+def lock_holder_processes(path: str | Path, proc_locks: str = "/proc/locks") -> list[Holder]:
+    """Each local process ``/proc/locks`` lists as holding a lock on ``path`` (this process included); empty
+    when the holder is not on this host, in another PID namespace (listed as pid 0), or ``/proc`` is absent."""
     try:
         st = os.stat(path)
         lines = Path(proc_locks).read_text().splitlines()
     except OSError:
         return []
     want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    holders = []
+    pids = set()
     for line in lines:
         fields = line.split()
         if "->" in fields:  # a process blocked waiting for the lock, not a holder
@@ -78,10 +111,18 @@ def lock_holders(path: str | Path, proc_locks: str = "/proc/locks") -> list[str]
             key = (int(major, 16), int(minor, 16), int(inode))
         except (IndexError, ValueError):
             continue
-        if key == want and pid != os.getpid():
-            cmd = _command(pid)
-            holders.append(f"pid {pid}" + (f" ({cmd})" if cmd else ""))
-    return sorted(set(holders))
+        if key == want and pid > 0:
+            pids.add(pid)
+    return [Holder(pid, _command(pid)) for pid in sorted(pids)]
+
+
+def lock_holders(path: str | Path, proc_locks: str = "/proc/locks") -> list[str]:
+    """``pid N (command)`` for each other local process holding a lock on ``path``; empty if unknown.
+
+    >>> lock_holders("/nonexistent/entry.lock")
+    []
+    """
+    return [str(h) for h in lock_holder_processes(path, proc_locks) if h.pid != os.getpid()]
 
 
 def acquire_with_notice(lock, timeout: float, entry: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from exl3tool.cache.entry import describe_unreadable, parse_proxy_error, tensor_sha256, validate_entry
+from exl3tool.cache.entry import checksum_problem, describe_unreadable, parse_proxy_error, tensor_sha256, validate_entry
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import lock_path_unusable
 from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE, lock_path
@@ -136,12 +136,12 @@ def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | No
     if want is None:
         out["status"] = "unchecked"
         out["reason"] = ("the server would load it, but it has no exl3tool_sha256 (written by the server?), so its "
-                         "weights are unchecked: exl3tool verify MODEL checks them" + link)
+                         "weights are unchecked: exl3tool verify MODEL --exact checks them" + link)
         return out
-    out["sha256_ok"] = tensor_sha256(contents.tensors) == want
-    if not out["sha256_ok"]:
-        out["reason"] = ("tensor bytes differ from exl3tool_sha256: the server would load it, but the bytes changed "
-                         "after exl3tool published them")
+    problem = checksum_problem(metadata, tensor_sha256(contents.tensors))
+    out["sha256_ok"] = problem is None
+    if problem:
+        out["reason"] = f"{problem}: the server would load it, but these are not the bytes exl3tool published for this key"
         return out
     out["status"] = "valid"
     out["reason"] = link.removeprefix("; ")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -38,6 +39,15 @@ PRUNE_HINT = "remove it with: exl3tool cache prune --invalid"
 log = logging.getLogger(__name__)
 
 
+def _mib(n: int) -> str:
+    """``n`` bytes for people, exact below 1 MiB.
+
+    >>> _mib(1536), _mib(5 * 2**20 + 1)
+    ('1536 bytes', '5.0 MiB')
+    """
+    return f"{n} bytes" if n < 2**20 else f"{n / 2**20:.1f} MiB"
+
+
 def entry_obstacle(path: Path) -> str | None:
     """What at ``path`` (an entry file) or its lock path makes every publish fail, or None; never follows a link.
 
@@ -64,7 +74,7 @@ def _not_about_the_file(exc: BaseException) -> bool:
 
 
 UNCHECKED_HIT = ("valid for the server; no exl3tool_sha256 (server-written?), so its weights are unchecked: "
-                 "exl3tool verify MODEL checks them")
+                 "exl3tool verify MODEL --exact (or cache warm --check-unchecked) checks them")
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class Lookup:
     tensors: dict[str, torch.Tensor] | None = None
     proxy_error: float | None = None
     checked: bool | None = None
+    metadata: dict[str, str] | None = None  # hits: the entry's metadata (e.g. its platform record)
 
     @property
     def hit(self) -> bool:
@@ -91,7 +102,8 @@ class Lookup:
 class LoadResult:
     """The layer's weights: from the cache (``hit``) or a fresh encode (``encoded`` set, ``path`` None if unpublished).
 
-    ``error`` says why a fresh encode was not published (lock or write failure), for people.
+    ``error`` says why a fresh encode was not published (lock or write failure), for people; ``errno`` is the
+    OS error number of a failed write (ENOSPC: the cache's filesystem is full).
     """
 
     hit: bool
@@ -100,6 +112,7 @@ class LoadResult:
     proxy_error: float | None
     encoded: EncodedLinear | None
     error: str | None = None
+    errno: int | None = None
 
 
 class Claim:
@@ -179,6 +192,18 @@ class CacheStore:
             raise InputError(f"cache directory {self.root} is not writable ({describe(exc)}); pass a writable "
                              "--cache-dir or fix its permissions") from None
 
+    def check_free_space(self, needed: int, entries: int) -> None:
+        """InputError (exit 2) when the cache's filesystem has fewer free bytes than ``needed`` (the ``entries``
+        a warm will write, see ``entry_bytes``): a full disk costs a second, not every layer's encode."""
+        try:
+            free = shutil.disk_usage(self.root).free  # what this user may write (statvfs f_bavail)
+        except OSError as exc:
+            raise InputError(f"cache directory {self.root}: cannot read its free space ({describe(exc)})") from None
+        if free < needed:
+            raise InputError(
+                f"cache directory {self.root}: {_mib(free)} free on its filesystem, but the plan writes {_mib(needed)} "
+                f"({entries} entr{'y' if entries == 1 else 'ies'}); free space or pass another --cache-dir")
+
     def path(self, key: CacheKey) -> Path:
         """Where ``key``'s entry lives under this root."""
         return entry_path(key, self.root)
@@ -188,7 +213,7 @@ class CacheStore:
         contents = validate_entry(path, key, verify_checksum=verify, load_trellis=not quick)
         checked = verify and "exl3tool_sha256" in contents.metadata
         reason = "valid entry" if checked or not verify else UNCHECKED_HIT
-        return Lookup("hit", reason, path, contents.tensors, contents.proxy_error, checked)
+        return Lookup("hit", reason, path, contents.tensors, contents.proxy_error, checked, contents.metadata)
 
     def lookup(self, key: CacheKey, *, quick: bool = False, checksum: bool = True) -> Lookup:
         """The server's unlocked fast path, read-only: hit, miss (no regular file) or invalid (with reason).
@@ -256,7 +281,8 @@ class CacheStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock(path):
             self._remove_stale_temps(path)
-            return write_entry(path, key, tensors, encoded.proxy_error, file_mode=self.file_mode)
+            return write_entry(path, key, tensors, encoded.proxy_error, file_mode=self.file_mode,
+                               platform=encoded.platform)
 
     def _encode(self, key: CacheKey, encode_fn: Callable[[], EncodedLinear]) -> EncodedLinear:
         encoded = encode_fn()
@@ -297,12 +323,35 @@ class CacheStore:
         thread release it (filelock's ``thread_local=False``), for publishing on a background thread.
         Raises ``filelock.Timeout`` or ``OSError`` (then encode without the cache, see ``note_unavailable``).
         """
+        path, lock = self._claim_lock(key, cross_thread)
+        acquire_with_notice(lock, self.lock_timeout, path)
+        return self._recheck(key, path, lock)
+
+    def try_claim(self, key: CacheKey, *, cross_thread: bool = False, wait: float = 0.0) -> Claim | LoadResult | None:
+        """``claim`` without waiting longer than ``wait`` seconds: None when another process holds the entry lock.
+
+        What a warm uses: it never blocks on one entry while others are waiting (see ``exl3tool.warm.lockwait``).
+        Raises ``OSError`` when the lock cannot be opened at all.
+        """
+        path, lock = self._claim_lock(key, cross_thread)
+        if not hasattr(lock, "acquire"):  # a plain context manager (tests swap in a no-op lock)
+            lock.__enter__()
+        else:
+            try:
+                lock.acquire(timeout=max(0.0, wait))
+            except Timeout:
+                return None
+        return self._recheck(key, path, lock)
+
+    def _claim_lock(self, key: CacheKey, cross_thread: bool) -> tuple[Path, FileLock]:
         if self.mode != "readwrite":
             raise ValueError(f"claim needs a readwrite cache, not {self.mode!r}")
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = self._lock(path, cross_thread)
-        acquire_with_notice(lock, self.lock_timeout, path)
+        return path, self._lock(path, cross_thread)
+
+    def _recheck(self, key: CacheKey, path: Path, lock) -> Claim | LoadResult:
+        """With ``lock`` just taken: a valid entry is a hit (lock released), an invalid one is removed, else a Claim."""
         claimed = Claim(key, path, lock)
         try:
             self._remove_stale_temps(path)
@@ -333,10 +382,11 @@ class CacheStore:
         try:
             try:
                 published = write_entry(claimed.path, claimed.key, encoded.tensors(), encoded.proxy_error,
-                                        file_mode=self.file_mode)
+                                        file_mode=self.file_mode, platform=encoded.platform)
             except Exception as exc:
                 log.warning("Could not publish online EXL3 cache entry %s: %s", claimed.path, exc)
-                return replace(self._fresh(encoded, None), error=self.unpublished_reason(claimed.path, exc))
+                return replace(self._fresh(encoded, None), error=self.unpublished_reason(claimed.path, exc),
+                               errno=getattr(exc, "errno", None))
             return self._fresh(encoded, published)
         finally:
             claimed.release()
@@ -397,6 +447,31 @@ class CacheStore:
         except Exl3OnlineNonFiniteError as exc:
             log.warning("Retrying %s once after a non-finite encode: %s", key.prefix, exc)
             return self.load_or_encode(key, encode_fn)
+
+    def replace_unless(self, key: CacheKey, keep: Callable[[Lookup], bool], encoded: EncodedLinear) -> str:
+        """Under ``key``'s entry lock, re-read the entry and publish ``encoded`` over it unless ``keep(found)``.
+
+        For re-checking entries already there (``cache warm --check-unchecked``): the encode happens before the
+        lock is taken, the decision on the entry as it is under the lock (another writer may have replaced it).
+        Returns ``kept`` or ``replaced`` (``published`` when no valid entry was there any more); publishing is the
+        same atomic write as ``publish``. Raises ``filelock.Timeout`` or ``OSError`` when the cache cannot be written.
+        """
+        if self.mode != "readwrite":
+            raise ValueError(f"replace_unless needs a readwrite cache, not {self.mode!r}")
+        check_fresh_encode(key, encoded.tensors(), encoded.proxy_error)
+        path = self.path(key)
+        lock = self._lock(path)
+        acquire_with_notice(lock, self.lock_timeout, path)
+        try:
+            self._remove_stale_temps(path)
+            found = self.lookup(key)
+            if found.hit and keep(found):
+                return "kept"
+            write_entry(path, key, encoded.tensors(), encoded.proxy_error, file_mode=self.file_mode,
+                        platform=encoded.platform)
+            return "replaced" if found.hit else "published"
+        finally:
+            lock.__exit__(None, None, None)
 
     def import_entry(self, key: CacheKey, write: Callable[[BinaryIO], None], check: Callable[[Path], None]) -> str:
         """Publish bytes made elsewhere (a bundle's entry) as ``key``'s entry, through the same protocol as ``publish``.

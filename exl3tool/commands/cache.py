@@ -15,8 +15,10 @@ from rich.table import Table
 
 from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.commands.group import Exl3Group
+from exl3tool.commands.encode import DeviceOpt, ExcludeOpt, LayersOpt, SharedOpt
 from exl3tool.commands.options import (
-    CacheDirOpt, FileModeOpt, JsonOpt, ModelIdOpt, QuietOpt, existing_cache_dir, resolve_cache_dir,
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
+    ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, resolve_cache_dir,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.output import Output
@@ -194,7 +196,7 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
     Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
-    and `exl3tool verify MODEL` checks their weights. A lock path that is not a regular file is invalid too.
+    and `exl3tool verify MODEL --exact` checks their weights. A lock path that is not a regular file is invalid too.
     """
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
@@ -227,7 +229,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     )
     if unchecked:
         out.note(f"{len(unchecked)} entr{'y has' if len(unchecked) == 1 else 'ies have'} no exl3tool checksum "
-                 "(written by the server?): the server would load them; check their weights with: exl3tool verify MODEL")
+                 "(written by the server?): the server would load them; check their weights with: exl3tool verify MODEL --exact "
+                 "(or replace the wrong ones with: exl3tool cache warm MODEL --check-unchecked)")
     if temps:
         out.note("remove leftovers with: exl3tool cache prune --temp")
 
@@ -413,6 +416,20 @@ def import_(
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="Bundle file to read, or - for stdin.")],
     cache_dir: CacheDirOpt = None,
     file_mode: FileModeOpt = "0600",
+    against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
+    exact: Annotated[bool, typer.Option("--exact", help="With --against: compare each entry with a fresh encode (verify --exact's rule) instead of the verify bound.")] = False,
+    revision: RevisionOpt = None,
+    bits: BitsOpt = None,
+    layers: LayersOpt = [],
+    exclude: ExcludeOpt = [],
+    shared_experts: SharedOpt = False,
+    quantization_config: QuantizationConfigOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
+    server_path: ServerPathOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -422,6 +439,9 @@ def import_(
     place (temp file, fsync, atomic rename, entry lock). Links, devices, absolute or '..' paths, extended headers,
     members not in the manifest, duplicates, paths that do not match their key and oversize headers are refused.
     A valid entry already present is kept; an invalid one is replaced. Importing a bundle twice changes nothing.
+    With --against MODEL (and the options a warm of MODEL takes) every entry's key must be in MODEL's plan and its
+    weights MODEL's: within the verify bound, or with --exact as `verify --exact` compares; others are refused.
+    docs/deploy.md says what each mode proves.
     Exit codes: 0 all imported or present, 1 some refused (the rest imported), 2 unreadable bundle or I/O error.
     Example: exl3tool cache import exl3-cache.tar --cache-dir /srv/exl3-cache --file-mode 0644
     """
@@ -433,19 +453,39 @@ def import_(
 
     out = Output(json=json, quiet=quiet)
     root = resolve_cache_dir(cache_dir)
+    if against is None:
+        given = [name for name, value in (
+            ("--exact", exact), ("--revision", revision), ("--layers", layers), ("--exclude", exclude),
+            ("--shared-experts", shared_experts), ("--quantization-config", quantization_config),
+            ("--encoder-root", encoder_root), ("--encoder-revision", encoder_revision),
+            ("--encoder-source", encoder_source), ("--server-path", server_path), ("--dtype", dtype != "auto"),
+            ("--device", device != "auto")) if value]
+        if given:
+            raise typer.BadParameter(f"{', '.join(given)} only apply with --against MODEL (the checkpoint the entries "
+                                     "are checked against)", param_hint=given[0])
     try:
         store = CacheStore(root, "readwrite", file_mode=parse_file_mode(file_mode))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--file-mode") from None
+    check = None
+    if against is not None:
+        from exl3tool.against import AgainstModel
+        from exl3tool.warm import WarmRequest
+
+        check = AgainstModel.from_request(WarmRequest(
+            model=against, bits=bits, revision=revision, layers=tuple(layers), exclude=tuple(exclude),
+            shared_experts=shared_experts, cache_dir=str(root), device=device, encoder_root=encoder_root,
+            encoder_revision=encoder_revision, encoder_source=encoder_source, server_path=server_path, dtype=dtype,
+            quantization_config=quantization_config), exact=exact)
     if bundle == "-":
-        report = import_bundle(sys.stdin.buffer, store, source="-")
+        report = import_bundle(sys.stdin.buffer, store, source="-", check=check)
     else:
         try:
             fh = open(bundle, "rb")
         except OSError as exc:
             raise InputError(f"cannot read the bundle {bundle}: {exc.strerror}") from None
         with fh:
-            report = import_bundle(fh, store, source=str(Path(bundle).resolve()))
+            report = import_bundle(fh, store, source=str(Path(bundle).resolve()), check=check)
     refused = [i for i in report.items if i.status == "refused"]
     if refused:
         table = Table(title="refused")
@@ -460,6 +500,7 @@ def import_(
              f"imported, {report.count('present', 'record')} already there; cache {root}")
     out.data({
         "bundle": bundle, "root": str(root), "tool_version": report.tool_version,
+        "against": None if against is None else {"model": against, "exact": exact},
         "imported": report.count("imported"), "replaced": report.count("replaced"),
         "present": report.count("present"), "refused": len(refused), "bytes_written": report.bytes_written,
         "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import (
-    BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
-)
 from rich.table import Table
 from rich.text import Text
 
@@ -16,10 +14,11 @@ from exl3tool.commands.launching import (
 )
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
-    OverlapOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
+    LockTimeoutOpt, OverlapOpt, ProgressOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
 from exl3tool.output import Output
+from exl3tool.progress import make_progress, progress_mode
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
 
 __all__ = ["register", "encode", "cache_warm", "warm_request", "LayersOpt", "ExcludeOpt", "SharedOpt", "ModelArg",
@@ -29,16 +28,10 @@ LayersOpt = Annotated[list[str], typer.Option("--layers", help="Only layers whos
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
+GpuMemoryOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GiB", help="GPU memory budget per worker in GiB (default: what the device has free, less 5% or 1 GiB); the encoder sizes its chunks to it and a layer that cannot fit fails with the memory it needed.")]
 ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
 TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
-
-
-class _RateColumn(ProgressColumn):
-    """Encoding rate in tiles per second."""
-
-    def render(self, task) -> Text:
-        return Text(f"{task.speed:,.0f} tiles/s" if task.speed else "", style="cyan")
 
 
 def plan_header(plan: WarmPlan) -> dict:
@@ -134,13 +127,15 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
     out.line(f"{c['hit']} hit, {c['encoded']} encoded, {c['skipped']} skipped, {c['failed']} failed; "
              f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
+    for st in summary.worker_stats:
+        if "gpu_budget_mib" in st:
+            out.note(f"worker {st.get('worker', 0)} on {st.get('device')}: GPU memory budget "
+                     f"{st['gpu_budget_mib'] / 1024:.1f} GiB, peak {st.get('peak_cuda_mib', 0) / 1024:.1f} GiB")
     if summary.record_error:
         out.warn(summary.record_error)
     elif summary.record:
         out.note(f"provenance record {summary.record}" + ("" if summary.record_written else " (already there)"))
-    if summary.unchecked_hits:
-        out.warn(f"{summary.unchecked_hits} hit(s) carry no exl3tool checksum (written by the server?): kept as the "
-                 "server would load them; `exl3tool verify MODEL` checks their weights")
+    render_unchecked(out, summary)
     if extra:
         from exl3tool.output import to_jsonable
 
@@ -149,17 +144,34 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
         out.data(summary)
 
 
+def render_unchecked(out: Output, summary: WarmSummary) -> None:
+    """Name every hit without exl3tool's checksum (prefix, TP layout and path), with what --check-unchecked did."""
+    if not summary.unchecked:
+        return
+    checked = any(u.verdict is not None for u in summary.unchecked)
+    n = len(summary.unchecked)
+    if checked:
+        replaced = sum(u.action == "replaced" for u in summary.unchecked)
+        out.warn(f"{n} hit(s) carried no exl3tool checksum (written by the server?); checked against a fresh encode: "
+                 f"{replaced} replaced, {n - replaced} kept")
+    else:
+        out.warn(f"{n} hit(s) carry no exl3tool checksum (written by the server?): kept as the server would load them; "
+                 "`cache warm --check-unchecked` or `exl3tool verify MODEL --exact` checks their weights")
+    for u in summary.unchecked:
+        what = f"  {u.verdict}, {u.action or 'kept'}: {u.detail}" if u.verdict is not None else ""
+        out.warn(f"unchecked {u.prefix} tp{u.tp_size}-rank{u.tp_rank} {u.path}{what}")
+
+
 def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm",
-         environ: Optional[dict] = None, extra: Optional[dict] = None) -> None:
+         environ: Optional[dict] = None, extra: Optional[dict] = None, progress_choice: str = "auto") -> None:
     if dry_run:
         _, plan, _ = prepare(request, environ=environ)
         render_plan(out, plan, extra)
         return
-    progress: Optional[Progress] = None
-    task = None
+    mode = progress_mode(progress_choice, terminal=out.stderr.is_terminal, quiet=out.quiet)
+    display = make_progress(mode, out.stderr)
 
     def on_plan(plan: WarmPlan, ctx, todo) -> None:
-        nonlocal progress, task
         if ctx.workers > 1:
             from exl3tool.warm import share_jobs
 
@@ -167,36 +179,16 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
         plan_notes(out, plan)
         out.note(f"{plan.model}: {len(plan.jobs)} jobs, {plan.count('hit')} already cached, "
                  f"{len(todo)} to encode here ({sum(j.tiles for j in todo)} tiles)")
-        if out.show_progress and todo:
-            progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("tiles"), _RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=out.stderr, transient=True)
-            progress.start()
-            task = progress.add_task("encoding", total=sum(j.tiles for j in todo))
+        display.begin(todo)
 
-    counted: dict[str, int] = {}  # tiles shown so far per job (digest)
-
-    def on_start(job) -> None:
-        if progress is not None:
-            progress.update(task, description=f"{job.prefix} tp{job.tp_size}-rank{job.tp_rank}")
-
-    def on_tiles(job, n: int) -> None:  # tiles quantized inside the encode: the bar moves within a layer
-        if progress is not None:
-            counted[job.digest] = counted.get(job.digest, 0) + n
-            progress.advance(task, n)
-
-    def on_done(job, result) -> None:
-        if progress is not None:
-            progress.advance(task, max(0, job.tiles - counted.pop(job.digest, 0)))  # hits, failures: the rest
-        elif not out.show_progress and not out.quiet and not out.json:
-            out.note(f"{result.status:8s} {job.prefix} tp{job.tp_size}-rank{job.tp_rank} {result.seconds:.1f}s"
-                     + (f"  {result.error}" if result.error else ""))
+    def on_checked(u) -> None:
+        out.note(f"checked  {u.prefix} tp{u.tp_size}-rank{u.tp_rank} {u.verdict} ({u.action or 'kept'}) {u.seconds:.1f}s")
 
     try:
-        summary = warm(request, environ=environ, on_start=on_start, on_done=on_done, on_plan=on_plan,
-                       on_tiles=on_tiles, command=command)
+        summary = warm(request, environ=environ, on_start=display.started, on_done=display.done, on_plan=on_plan,
+                       on_tiles=display.tiles, command=command, on_checked=on_checked)
     finally:
-        if progress is not None:
-            progress.stop()
+        display.end()
     if summary is None:  # a torchrun worker other than 0: worker 0 reports for everyone
         return
     render_summary(out, summary, extra)
@@ -233,6 +225,9 @@ def encode(
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
+    gpu_memory: GpuMemoryOpt = None,
+    lock_timeout: LockTimeoutOpt = None,
+    progress: ProgressOpt = "auto",
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
@@ -256,13 +251,13 @@ def encode(
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
         cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config,
+        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout, gpu_memory_gib=gpu_memory,
     )
     out = Output(json=json_out, quiet=quiet)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS)
     if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
-    _run(out, request, dry_run, "encode", environ, launch_json(settings))
+    _run(out, request, dry_run, "encode", environ, launch_json(settings), progress_choice=progress)
 
 
 def cache_warm(
@@ -284,6 +279,10 @@ def cache_warm(
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
+    check_unchecked: Annotated[bool, typer.Option("--check-unchecked", help="Re-encode every hit without exl3tool's checksum (e.g. server-written), compare it exactly and replace it if it differs.")] = False,
+    gpu_memory: GpuMemoryOpt = None,
+    lock_timeout: LockTimeoutOpt = None,
+    progress: ProgressOpt = "auto",
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
@@ -293,7 +292,9 @@ def cache_warm(
 ) -> None:
     """Leave the cache as the server would after starting MODEL at each TP size: every layer, every rank.
 
-    Idempotent (a second run is all hits) and resumable (a killed run leaves only complete entries).
+    Idempotent (a second run is all hits) and resumable (a killed run leaves only complete entries). Hits without
+    exl3tool's checksum (server-written) are kept and named; --check-unchecked re-encodes each, compares it with
+    `verify --exact`'s rule and replaces (entry lock, atomic publish) the ones that differ.
     Under `torchrun --nproc-per-node N -m exl3tool cache warm ...` each process takes a balanced share.
     Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
 
@@ -306,26 +307,28 @@ def cache_warm(
         model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
         cache_dir=cache_dir, device=device, shared_experts=shared_experts, quantization_config=quantization_config,
         dtype=dtype, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
-        server_path=server_path, file_mode=file_mode, overlap=overlap,
+        server_path=server_path, file_mode=file_mode, overlap=overlap, lock_timeout=lock_timeout, gpu_memory=gpu_memory,
     )
     out = Output(json=json_out, quiet=quiet)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
                                                add_tp_sizes=True)
-    _run(out, request, dry_run, "cache warm", environ, launch_json(settings))
+    request = replace(request, check_unchecked=check_unchecked)
+    _run(out, request, dry_run, "cache warm", environ, launch_json(settings), progress_choice=progress)
 
 
 def warm_request(*, model: Optional[str], revision: Optional[str], tp_sizes: str, bits: int, layers: list[str],
                  exclude: list[str], cache_dir, shared_experts: bool, quantization_config: Optional[str], dtype: str,
                  encoder_root: Optional[str], encoder_revision: Optional[str], encoder_source: Optional[str],
                  server_path: Optional[str], device: str = "auto", file_mode: str = "0600",
-                 overlap: bool = True) -> WarmRequest:
+                 overlap: bool = True, lock_timeout: Optional[float] = None,
+                 gpu_memory: Optional[float] = None) -> WarmRequest:
     """The request of `cache warm` from its options: also what `cache check` plans with, so both always agree."""
     return WarmRequest(
         model=model or "", tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config,
+        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout, gpu_memory_gib=gpu_memory,
     )
 
 

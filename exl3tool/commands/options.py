@@ -28,6 +28,8 @@ __all__ = [
     "QuietOpt",
     "ModelIdOpt",
     "OverlapOpt",
+    "LockTimeoutOpt",
+    "ProgressOpt",
     "BitsOpt",
     "DtypeOpt",
     "QuantizationConfigOpt",
@@ -83,6 +85,38 @@ OverlapOpt = Annotated[
     typer.Option(
         "--overlap/--no-overlap",
         help="Read the next weights and publish finished entries on background threads while encoding (same results).",
+    ),
+]
+LockTimeoutOpt = Annotated[
+    Optional[float],
+    typer.Option(
+        "--lock-timeout",
+        metavar="SECONDS",
+        min=0,
+        help="Give up on an entry whose lock another process has held this long (the job fails, nothing encoded). "
+        "Default: wait while the holder runs; give up only on a stopped holder, or an unidentifiable one with no "
+        "progress for 600 s.",
+    ),
+]
+
+
+def _progress_mode(value: str) -> str:
+    from exl3tool.progress import PROGRESS_MODES
+
+    text = value.strip().lower()
+    if text not in PROGRESS_MODES:
+        raise typer.BadParameter(f"must be one of {', '.join(PROGRESS_MODES)}, got {value!r}")
+    return text
+
+
+ProgressOpt = Annotated[
+    str,
+    typer.Option(
+        "--progress",
+        metavar="auto|bar|lines|none",
+        callback=_progress_mode,
+        help="Progress on stderr: a bar, or log lines (one per job done and a status line every 30 s, with tiles "
+        "done/total, rate and ETA). auto: a bar on a terminal, lines otherwise (a pipe, a CI log); none with --quiet.",
     ),
 ]
 QuantizationConfigOpt = Annotated[

@@ -38,7 +38,20 @@ def report_dict(report: VerifyReport) -> dict:
     for entry, check in zip(data["layers"], report.layers):
         entry["kernel_err"] = check.kernel_err
         entry["quant_err"] = check.quant_err
+    if report.exact:
+        verdicts = [c.exact.verdict for c in report.layers if c.exact is not None]
+        data["counts"]["exact"] = {v: verdicts.count(v) for v in ("identical", "equivalent", "differs", "unproved")}
+        data["differs"] = [{"prefix": c.prefix, "tp_rank": c.tp_rank, "path": c.path, "detail": c.exact.detail}
+                           for c in _differing(report)]
     return data
+
+
+def _differing(report: VerifyReport) -> list:
+    return [c for c in report.layers if c.exact is not None and c.exact.verdict == "differs"]
+
+
+def _exact_cell(c) -> str:
+    return "-" if c.exact is None else c.exact.verdict
 
 
 def report_markdown(report: VerifyReport) -> str:
@@ -49,29 +62,35 @@ def report_markdown(report: VerifyReport) -> str:
         f"- model identity `{report.model_identity}`, {report.bits} bits, TP {report.tp_size}",
         f"- GEMM: {report.gemm} on {report.device}; activations seed {report.seed}, rows {list(report.rows)}",
         f"- thresholds: kernel error <= {report.max_kernel_err:.1e}, quantization error <= {report.max_quant_err:.3g}",
+        f"- exact: {'every entry compared with a fresh encode (identical, equivalent, differs or unproved)' if report.exact else 'not run (--exact)'}",
         f"- result: **{'PASS' if report.ok else 'FAIL'}** ({len(report.layers) - len(report.failed)} pass, {len(report.failed)} fail)",
         "",
-        "| layer | rank | shape | kernel err | quant err | proxy err | weight MSE | status |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layer | rank | shape | kernel err | quant err | proxy err | weight MSE | exact | status |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report.layers:
         status = "pass" if c.status == "pass" else f"FAIL: {c.reason}"
         lines.append(f"| {c.prefix} | {c.tp_rank} | {c.input_size}x{c.output_size} | {_fmt(c.kernel_err)} | "
-                     f"{_fmt(c.quant_err, '.4f')} | {_fmt(c.proxy_error)} | {_fmt(c.weight_mse)} | {status} |")
+                     f"{_fmt(c.quant_err, '.4f')} | {_fmt(c.proxy_error)} | {_fmt(c.weight_mse)} | {_exact_cell(c)} | {status} |")
     return "\n".join(lines) + "\n"
 
 
 def render(out: Output, report: VerifyReport, extra: Optional[dict] = None) -> None:
     table = Table(title=f"verify {report.model} ({report.bits} bits, TP {report.tp_size}, GEMM: {report.gemm})")
-    for col in ("layer", "rank", "shape", "rows", "kernel err", "quant err", "proxy err", "weight MSE", "status"):
-        table.add_column(col, justify="left" if col in ("layer", "status", "shape") else "right")
+    columns = ["layer", "rank", "shape", "rows", "kernel err", "quant err", "proxy err", "weight MSE"]
+    columns += ["exact", "status"] if report.exact else ["status"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("layer", "status", "shape", "exact") else "right")
     for c in report.layers:
         status = Text("pass", style="green") if c.status == "pass" else Text.assemble(("FAIL", "red"), f" {c.reason}")
-        table.add_row(c.prefix, str(c.tp_rank), f"{c.input_size}x{c.output_size}", ",".join(str(r.rows) for r in c.rows) or "-",
-                      _fmt(c.kernel_err), _fmt(c.quant_err, ".4f"), _fmt(c.proxy_error), _fmt(c.weight_mse), status)
+        cells = [c.prefix, str(c.tp_rank), f"{c.input_size}x{c.output_size}", ",".join(str(r.rows) for r in c.rows) or "-",
+                 _fmt(c.kernel_err), _fmt(c.quant_err, ".4f"), _fmt(c.proxy_error), _fmt(c.weight_mse)]
+        table.add_row(*cells, *([_exact_cell(c)] if report.exact else []), status)
     out.table(table)
     if report.gemm != "triton":
         out.warn(f"GEMM: {report.gemm}")
+    for c in report.unproved:
+        out.warn(f"{c.prefix} rank {c.tp_rank}: exact check unproved: {c.exact.detail}")
     out.line(f"{len(report.layers) - len(report.failed)} pass, {len(report.failed)} fail; thresholds kernel "
              f"{report.max_kernel_err:.1e}, quantization {report.max_quant_err:.3g}; activations seed {report.seed}")
     out.data({**report_dict(report), **(extra or {})})
@@ -105,6 +124,7 @@ def verify(
     encoder_revision: EncoderRevisionOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
+    exact: Annotated[bool, typer.Option("--exact", help="Also re-encode every layer and compare the entry with it (bytes on the platform that wrote it; tile by tile elsewhere): catches a single flipped bit.")] = False,
     report: Annotated[Optional[Path], typer.Option("--report", help="Also write the report to FILE (.json or .md).")] = None,
     launch: LaunchOpt = None,
     pid: PidOpt = None,
@@ -114,8 +134,12 @@ def verify(
 ) -> None:
     """Verify MODEL's cache entries: trellis GEMM vs FP32 references, layer by layer. Reads the cache only.
 
-    Exit codes: 0 every layer passes, 1 any failure (missing, invalid or wrong entry; error over threshold),
-    2 usage or I/O error.
+    With --exact each layer is also re-encoded (as a warm would) and compared with its entry: byte for byte when the
+    entry records this platform, tile by tile (each within 1.25x of the fresh tile's error) when another platform or
+    the server wrote it; a layer that differs fails. Costs one encode per layer.
+
+    Exit codes: 0 every layer passes, 1 any failure (missing, invalid or wrong entry; error over threshold; with
+    --exact an entry that differs from a fresh encode), 2 usage or I/O error.
 
     Example: exl3tool verify ./my-model --tp-size 2 --rows 1,16,256 --report verify.md
     """
@@ -143,7 +167,7 @@ def verify(
     torch_dtype = serving_torch_dtype(request.dtype)
     result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
                          max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
-                         on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"))
+                         on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"), exact=exact)
     render(out, result, launch_json(settings))
     if report is not None:
         try:
@@ -154,7 +178,9 @@ def verify(
     if not result.layers:
         raise FindingsError("no layers to verify (check --layers / --exclude and the TP size)")
     if not result.ok:
-        raise FindingsError(f"{len(result.failed)} of {len(result.layers)} layer checks failed")
+        differing = _differing(result)
+        named = f"; differ from a fresh encode: {', '.join(f'{c.prefix} rank {c.tp_rank}' for c in differing)}" if differing else ""
+        raise FindingsError(f"{len(result.failed)} of {len(result.layers)} layer checks failed{named}")
 
 
 def register(app: typer.Typer) -> None:

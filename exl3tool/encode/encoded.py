@@ -16,7 +16,8 @@ class EncodedLinear:
     ``trellis`` int16 (k/16, n/16, 16*bits), ``suh`` fp16 (k,), ``svh`` fp16 (n,) are exactly the
     tensors of a cache entry; ``proxy_error`` is the encoder's MSE in the regularised domain and
     ``g_scale`` the global scale the search chose; ``zeros`` is True for a weight whose column RMS averages
-    to zero (the reference reports it as ``quant_args["zeros"]``).
+    to zero (the reference reports it as ``quant_args["zeros"]``); ``platform`` where it was computed
+    (``encoder_platform``; "" when unknown), recorded in the entry so an exact re-check knows whether bytes must agree.
     """
 
     trellis: torch.Tensor
@@ -27,6 +28,7 @@ class EncodedLinear:
     bits: int
     codebook: str = "mcg"
     zeros: bool = False
+    platform: str = ""
 
     @property
     def in_features(self) -> int:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TENSOR_CORE_PERM", "TENSOR_CORE_PERM_INV", "tile_position", "matrix_to_tiles", "tiles_to_matrix"]
+__all__ = [
+    "TENSOR_CORE_PERM", "TENSOR_CORE_PERM_INV", "tile_element_index", "tile_position", "matrix_to_tiles",
+    "tiles_to_matrix",
+]
 
 
 def _perm() -> torch.Tensor:
@@ -38,11 +41,27 @@ def _check_matrix(m: torch.Tensor, name: str = "matrix") -> None:
 
 
 def matrix_to_tiles(m: torch.Tensor) -> torch.Tensor:
-    """(k, n) matrix -> (k/16, n/16, 256) tiles, each in trellis-position order."""
+    """(k, n) matrix -> (k/16, n/16, 256) tiles, each in trellis-position order.
+
+    One gather from a strided view of ``m``: no intermediate copy, so the only new memory is the result.
+    """
     _check_matrix(m)
     k, n = m.shape
-    tiles = m.reshape(k // 16, 16, n // 16, 16).permute(0, 2, 1, 3).reshape(k // 16, n // 16, 256)
-    return tiles[..., TENSOR_CORE_PERM.to(m.device)]
+    blocks = m.reshape(k // 16, 16, n // 16, 16).permute(0, 2, 1, 3)  # (tk, tn, 16, 16) view
+    perm = TENSOR_CORE_PERM.to(m.device)
+    return blocks[:, :, perm // 16, perm % 16]
+
+
+def tile_element_index(n: int, tiles: torch.Tensor) -> torch.Tensor:
+    """Flat row-major index, in a (k, n) matrix, of every element of the given tiles in trellis order.
+
+    ``tiles`` holds flat tile numbers (tile row * n/16 + tile column); the result is (len(tiles), 256) int64,
+    so ``m.reshape(-1)[idx]`` equals ``matrix_to_tiles(m).reshape(-1, 256)[tiles]`` without building every tile.
+    """
+    tn = n // 16
+    perm = TENSOR_CORE_PERM.to(tiles.device)
+    base = (tiles // tn) * (16 * n) + (tiles % tn) * 16
+    return base[:, None] + ((perm // 16) * n + perm % 16)[None, :]
 
 
 def tiles_to_matrix(tiles: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,15 @@ import torch
 from exl3tool.encode.codebook import check_codebook
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.encode.hadamard import hadamard_left, hadamard_right
-from exl3tool.encode.layout import matrix_to_tiles, tiles_to_matrix
+from exl3tool.encode.layout import matrix_to_tiles, tile_element_index
+from exl3tool.encode.memory import EncodeMemoryPlan, plan_encode_memory
 from exl3tool.encode.signs import reference_signs
 from exl3tool.encode.trellis import check_bits, pack_trellis
 
 __all__ = [
-    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "encode_linear", "quantize_regularized", "regularize",
+    "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "encode_linear", "encode_linear_with_input",
+    "encode_memory_plan", "encoder_platform",
+    "quantize_regularized", "regularize",
     "sample_scale_tiles", "scale_mse", "search_global_scale",
 ]
 
@@ -86,6 +89,9 @@ def _sequential_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_ROW_SLABS = 4  # row-RMS reductions run on this many row slabs (identical sums: every op is per row)
+
+
 def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum of squares along ``dim`` in 32-long blocks, block sums accumulated in block order (fp32).
 
@@ -95,15 +101,22 @@ def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
     (the plain CPU sums give ~1 ulp). Every block is reduced at once (a few whole-tensor ops, not a few
     per block: on a GPU the per-block form was thousands of tiny launches per layer).
     """
-    sq = w.square()
+    k, n = w.shape
     if dim == 0:
-        k, n = sq.shape
+        sq = w.square()
         rows = sq.reshape(k // 32, 8, 4, n)  # [block, i, j] = row 32 block + 4 i + j
         acc = _sequential_sum(rows.transpose(0, 1))  # (blocks, 4, n): accumulator j walks rows j, j + 4, ...
+        del sq, rows
         blocks = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]  # (blocks, n)
     else:
-        k, n = sq.shape
-        blocks = _halving_sum_to(sq.reshape(k, n // 32, 32).permute(2, 1, 0), 1)[0]  # (blocks, k)
+        # Rows are independent, so the squares and the halving tree run on row slabs (a quarter of the memory
+        # of the whole), and the block sums of all slabs go through one sequential pass (n/32 adds, not 4x)
+        parts = []
+        for part in w.tensor_split(_ROW_SLABS if k >= _ROW_SLABS else 1):
+            sq = part.square()
+            parts.append(_halving_sum_to(sq.reshape(part.shape[0], n // 32, 32).permute(2, 1, 0), 1)[0])
+            del sq
+        blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (blocks, k)
     return _sequential_sum(blocks)
 
 
@@ -200,15 +213,18 @@ def regularize(weight: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tenso
     zero_cols = ocs.abs() < _ZERO
     ocs = torch.where(zero_cols, torch.full_like(ocs, _f32(0.1)), ocs)
     sv = sv_sign * ocs + _f32(_EPS)
-    w = w / sv  # true division, column-wise
+    # Each step below drops its input as soon as the output exists: never more than two (k, n) matrices
+    # besides the caller's weight (hadamard_left's transposes are spelled out for that reason)
+    w = hadamard_right(w / sv)  # true division, column-wise
     sv = torch.where(zero_cols, torch.zeros_like(sv), sv)
-    w = hadamard_right(w)
 
     ics = _block_rms(w, 1)  # (k,) row RMS over the output dimension
     ics = torch.where(ics.abs() < _ZERO, torch.full_like(ics, _f32(0.1)), ics)
     su = (su_sign * ics) * _recip32(-CODEBOOK_SCALE) + _f32(_EPS)  # ÷s (-codebook_scale): su flips sign
     w = w / su[:, None]  # true division, row-wise
-    w = hadamard_left(w)
+    w = w.t().contiguous()  # hadamard_left(w) = hadamard_right(w^T)^T, one matrix at a time
+    w = hadamard_right(w)
+    w = w.t().contiguous()
     return Regularized(weight=w, su=su, sv=sv, zeros=zeros)
 
 
@@ -217,19 +233,19 @@ def sample_scale_tiles(w_rot: torch.Tensor, bits: int, width: int = 3) -> torch.
 
     Returns (3D + 2 num_x, 256) f32 in trellis-position order (spec 7.4); duplicates are kept.
     """
-    tiles = matrix_to_tiles(w_rot)  # (tk, tn, 256)
-    tk, tn, _ = tiles.shape
+    tk, tn = w_rot.shape[0] // 16, w_rot.shape[1] // 16
     d = max(tk, tn)
     a = torch.arange(d).repeat_interleave(width)
     off = torch.arange(width).repeat(d)
     diag_k, diag_n = a % tk, (a + off) % tn
-    flat = tiles.reshape(tk * tn, 256)
-    ms = flat.square().mean(dim=1)  # per-tile mean square, flat index tk * tn_total + tn
+    squares = matrix_to_tiles(w_rot).reshape(tk * tn, 256).square_()  # one (k, n) buffer, squared in place
+    ms = squares.mean(dim=1)  # per-tile mean square, flat index tk * tn_total + tn
+    del squares
     num_x = min(max(8, (width * d) // 16), (tk * tn + 1) // 2)
     top = torch.topk(ms, num_x, largest=True, sorted=True).indices  # descending
     bottom = torch.topk(ms, num_x, largest=False, sorted=True).indices  # ascending
     index = torch.cat([(diag_k * tn + diag_n).to(ms.device), top, bottom])
-    sample = flat[index]
+    sample = w_rot.reshape(-1)[tile_element_index(w_rot.shape[1], index)]  # only the sampled tiles
     drift = _DRIFT.get(bits, 1.0)
     return sample * _f32(drift) if drift != 1.0 else sample.clone()
 
@@ -239,38 +255,85 @@ CPU_PROGRESS_TILES = 512  # with a progress callback, CPU calls of this many til
 
 
 def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
-                      progress: Optional[ProgressFn] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_tiles over (N, 256) tiles in calls of at most MAX_TILES_PER_CALL (results do not depend on it).
+                      progress: Optional[ProgressFn] = None,
+                      chunk_tiles: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_tiles over (N, 256) tiles in calls of at most ``chunk_tiles`` (results do not depend on it).
 
-    ``progress(n)`` is called after every call with the number of tiles it quantized; on the CPU the calls are
-    then CPU_PROGRESS_TILES long, so a progress bar moves inside a large layer.
+    ``chunk_tiles`` defaults to MAX_TILES_PER_CALL; ``progress(n)`` is called after every call with the number of
+    tiles it quantized; on the CPU the calls are then CPU_PROGRESS_TILES long, so a progress bar moves inside a
+    large layer.
     """
     from exl3tool.encode.viterbi import quantize_tiles
 
-    step = MAX_TILES_PER_CALL
-    if progress is not None and tiles.device.type == "cpu":
-        step = CPU_PROGRESS_TILES
-    values, states = [], []
+    step = _step(tiles.device, chunk_tiles, progress)
+    if tiles.shape[0] <= step:
+        values, states = quantize_tiles(tiles.contiguous(), bits, codebook)
+        if progress is not None:
+            progress(values.shape[0])
+        return values, states
+    values = torch.empty(tiles.shape, dtype=torch.float32, device=tiles.device)  # filled chunk by chunk: no
+    states = torch.empty(tiles.shape, dtype=torch.int16, device=tiles.device)  # list of parts and concatenation
     for start in range(0, tiles.shape[0], step):
         v, s = quantize_tiles(tiles[start : start + step].contiguous(), bits, codebook)
-        values.append(v)
-        states.append(s)
+        values[start : start + step] = v
+        states[start : start + step] = s
+        del v, s
         if progress is not None:
-            progress(v.shape[0])
-    if len(values) == 1:
-        return values[0], states[0]
-    return torch.cat(values), torch.cat(states)
+            progress(min(step, tiles.shape[0] - start))
+    return values, states
 
 
-def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str = "mcg") -> list[float]:
+def _step(device: torch.device, chunk_tiles: Optional[int], progress: Optional[ProgressFn]) -> int:
+    step = min(MAX_TILES_PER_CALL, chunk_tiles or MAX_TILES_PER_CALL)
+    if progress is not None and device.type == "cpu":
+        step = min(step, CPU_PROGRESS_TILES)
+    if step < 1:
+        raise ValueError(f"chunk_tiles must be positive, got {chunk_tiles!r}")
+    return step
+
+
+ChunkFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _quantize_matrix(w_r: torch.Tensor, err: torch.Tensor, bits: int, codebook: str, chunk_tiles: Optional[int],
+                     progress: Optional[ProgressFn], on_chunk: ChunkFn) -> None:
+    """Quantize every tile of the (k, n) matrix ``w_r`` in chunks of ``chunk_tiles``, never all tiles at once.
+
+    Each chunk's tiles are gathered from ``w_r``, quantized, and their squared error (W_r - Q_r)^2 scattered
+    into ``err`` at the same places; ``err`` may be ``w_r`` itself (each chunk reads its tiles before it
+    writes them). ``on_chunk(lo, hi, index, values, states)`` gets flat tiles lo..hi-1, their element index
+    (``tile_element_index``), values and int16 states. Every value is that of the whole-matrix computation.
+    """
+    from exl3tool.encode.viterbi import quantize_tiles
+
+    k, n = w_r.shape
+    total = (k // 16) * (n // 16)
+    src, dst = w_r.reshape(-1), err.reshape(-1)
+    step = _step(w_r.device, chunk_tiles, progress)
+    for lo in range(0, total, step):
+        hi = min(total, lo + step)
+        index = tile_element_index(n, torch.arange(lo, hi, device=w_r.device))
+        tiles = src[index]
+        values, states = quantize_tiles(tiles, bits, codebook)
+        on_chunk(lo, hi, index, values, states)
+        dst[index] = tiles.sub_(values).square_()
+        del tiles, values, states, index
+        if progress is not None:
+            progress(hi - lo)
+
+
+def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str = "mcg",
+              chunk_tiles: Optional[int] = None) -> list[float]:
     """mse(s) of spec 7.4 for each scale: mean((f32(q ÷s s) - T)^2) with q = quantize(f32(T * f32(s))).
 
-    All scales go through the quantizer together (batched); each mse is an fp32 mean (``_mean``).
+    All scales go through the quantizer together (batched, ``chunk_tiles`` tiles per call); each mse is an
+    fp32 mean (``_mean``).
     """
     if not scales:
         return []
     batch = torch.cat([tiles * _f32(s) for s in scales])
-    values, _ = _quantize_batched(batch, bits, codebook)
+    values, _ = _quantize_batched(batch, bits, codebook, chunk_tiles=chunk_tiles)
+    del batch
     values = values.reshape(len(scales), *tiles.shape)
     return [float(_mean((_div_scalar(values[i], s) - tiles).square())) for i, s in enumerate(scales)]
 
@@ -283,15 +346,16 @@ def _first_argmin(values: list[float]) -> int:
     return best
 
 
-def search_global_scale(w_rot: torch.Tensor, bits: int, codebook: str = "mcg") -> float:
+def search_global_scale(w_rot: torch.Tensor, bits: int, codebook: str = "mcg",
+                        chunk_tiles: Optional[int] = None) -> float:
     """Spec 7.4: coarse grid on every third sample tile, fine grid on all, parabola; returns g (double)."""
     check_bits(bits)
     check_codebook(codebook)
     sample = sample_scale_tiles(w_rot, bits)
-    coarse = scale_mse(sample[0::3], _COARSE, bits, codebook)
+    coarse = scale_mse(sample[0::3], _COARSE, bits, codebook, chunk_tiles)
     center = _COARSE[_first_argmin(coarse)]
     fine_scales = [center + _FINE_STEP * (i - 2) for i in range(5)]
-    fine = scale_mse(sample, fine_scales, bits, codebook)
+    fine = scale_mse(sample, fine_scales, bits, codebook, chunk_tiles)
     b = _first_argmin(fine)
     off = 0.0
     if 0 < b < 4:
@@ -303,20 +367,31 @@ def search_global_scale(w_rot: torch.Tensor, bits: int, codebook: str = "mcg") -
 
 
 def quantize_regularized(
-    w_r: torch.Tensor, bits: int, codebook: str = "mcg", progress: Optional[ProgressFn] = None
+    w_r: torch.Tensor, bits: int, codebook: str = "mcg", progress: Optional[ProgressFn] = None,
+    chunk_tiles: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Spec 7.5-7.6: quantize every tile of the g-scaled matrix (no error feedback).
 
     Returns (states (k/16, n/16, 256) int16 in trellis order, Q_r f32 (k, n), proxy_error), where
     proxy_error = sum((W_r - Q_r)^2) / (k n) with fp32 differences and squares summed in float64.
+    ``chunk_tiles`` tiles go through the quantizer at a time (results do not depend on it).
     """
     check_bits(bits)
     check_codebook(codebook)
-    tiles = matrix_to_tiles(w_r.to(torch.float32))  # (tk, tn, 256)
-    tk, tn, _ = tiles.shape
-    values, states = _quantize_batched(tiles.reshape(tk * tn, 256), bits, codebook, progress)
-    q_r = tiles_to_matrix(values.reshape(tk, tn, 256))
-    return states.reshape(tk, tn, 256), q_r, _proxy_error_of_squares((w_r - q_r).square())
+    w32 = w_r.to(torch.float32)
+    k, n = w32.shape
+    tk, tn = k // 16, n // 16
+    states = torch.empty((tk * tn, 256), dtype=torch.int16, device=w32.device)
+    q_r = torch.empty_like(w32)
+    err = torch.empty_like(w32)
+    q_flat = q_r.reshape(-1)
+
+    def keep(lo: int, hi: int, index: torch.Tensor, values: torch.Tensor, st: torch.Tensor) -> None:
+        states[lo:hi] = st
+        q_flat[index] = values
+
+    _quantize_matrix(w32, err, bits, codebook, chunk_tiles, progress, keep)
+    return states.reshape(tk, tn, 256), q_r, _proxy_error_of_squares(err)
 
 
 def _proxy_error_of_squares(sq: torch.Tensor) -> float:
@@ -381,6 +456,7 @@ def encode_linear(
     g_scale: float | None = None,
     name: str | None = None,
     progress: Optional[ProgressFn] = None,
+    memory_budget_bytes: int | None = None,
 ) -> EncodedLinear:
     """Encode one float32 (in_features, out_features) weight as the reference's online path does.
 
@@ -390,6 +466,11 @@ def encode_linear(
     lives; on CUDA everything stays on the GPU and the Triton Viterbi does the tiles. ``g_scale``
     skips the scale search (conformance tests); ``name`` prefixes error messages (e.g. the layer key);
     ``progress(n)`` hears of every n tiles quantized (the k/16 * n/16 tiles of the weight, not the scale search).
+    ``memory_budget_bytes`` bounds what the encode allocates on ``device`` besides the weight (None: what the
+    reference encoder needs for this layer, ``exl3tool.encode.memory.default_budget``); the tiles go through
+    the quantizer in chunks sized to it, with the same bytes for any budget. A budget too small even for the
+    smallest chunk raises EncodeMemoryError (a ValueError) naming ``name`` and the bytes needed.
+    The result records the ``platform`` it was computed on (``encoder_platform``).
 
     >>> w = torch.randn(128, 128) * 0.02
     >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
@@ -408,20 +489,89 @@ def encode_linear(
     if g_scale is not None and not (np.isfinite(g_scale) and g_scale > 0):
         raise _fail(name, f"g_scale must be a positive finite number, got {g_scale!r}")
     dev = torch.device(device) if device is not None else weight.device
-    w = weight.to(dev)
-
+    plan = encode_memory_plan(k, n, bits, dev, memory_budget_bytes, codebook=codebook, name=name)
+    w = weight.to(dev)  # the caller's tensor when it is already there: never written
     reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
-    g = float(g_scale) if g_scale is not None else search_global_scale(reg.weight, bits, codebook)
-    w_r = reg.weight * _f32(g)
-    su = _div_scalar(reg.su, g)
-    states, _, proxy_error = quantize_regularized(w_r, bits, codebook, progress)
+    del w  # a copy made here is no longer needed
+    w_r, su, sv, zeros = reg.weight, reg.su, reg.sv, reg.zeros
+    del reg
+    g = float(g_scale) if g_scale is not None else search_global_scale(w_r, bits, codebook, plan.chunk_tiles)
+    w_r.mul_(_f32(g))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
+    su = _div_scalar(su, g)
+    tk, tn = k // 16, n // 16
+    trellis = torch.empty((tk * tn, 16 * bits), dtype=torch.int16, device=dev)
+
+    def pack(lo: int, hi: int, index: torch.Tensor, values: torch.Tensor, states: torch.Tensor) -> None:
+        trellis[lo:hi] = pack_trellis(states, bits)
+
+    _quantize_matrix(w_r, w_r, bits, codebook, plan.chunk_tiles, progress, pack)  # w_r becomes (W_r - Q_r)^2
+    proxy_error = _proxy_error_of_squares(w_r)
+    del w_r
     return EncodedLinear(
-        trellis=pack_trellis(states, bits),
+        trellis=trellis.reshape(tk, tn, 16 * bits),
         suh=su.to(torch.float16),
-        svh=reg.sv.to(torch.float16),
+        svh=sv.to(torch.float16),
         proxy_error=proxy_error,
         g_scale=g,
         bits=bits,
         codebook=codebook,
-        zeros=reg.zeros,
+        zeros=zeros,
+        platform=encoder_platform(dev),
     )
+
+
+def encode_memory_plan(k: int, n: int, bits: int, device: torch.device | str,
+                       memory_budget_bytes: int | None = None, *, codebook: str = "mcg",
+                       name: str | None = None) -> EncodeMemoryPlan:
+    """The chunking ``encode_linear`` uses for a (k, n) weight on ``device`` within ``memory_budget_bytes``.
+
+    On CUDA the chunks are whole waves of the Viterbi kernel (tiles the GPU keeps resident at once), which
+    compiles the kernel if it was not yet. Raises EncodeMemoryError (a ValueError naming ``name``) when the
+    budget cannot hold even the smallest chunk.
+    """
+    dev = torch.device(device)
+    wave = None
+    if dev.type == "cuda":
+        from exl3tool.kernels.viterbi import resident_tiles
+
+        wave = resident_tiles(dev, bits, codebook)
+    return plan_encode_memory(k, n, bits, dev.type, memory_budget_bytes, wave=wave, name=name)
+
+
+def encode_linear_with_input(
+    weight: torch.Tensor, *, bits: int = 6, seed: int | None, codebook: str = "mcg",
+    sign_vectors: tuple[torch.Tensor, torch.Tensor] | None = None, device: torch.device | str | None = None,
+    g_scale: float | None = None, name: str | None = None, progress: Optional[ProgressFn] = None,
+) -> tuple[EncodedLinear, torch.Tensor]:
+    """``encode_linear`` plus the g-scaled rotated weight W_r (k, n) f32 whose tiles were quantized.
+
+    What an exact comparison needs (``exl3tool.exact``): an entry written on another platform may differ from this
+    one's encode in tiles where the two W_r round differently, and W_r tells whether each such tile is as good as
+    this one's. The encode works on W_r in place, so W_r is computed again here: the same operations on the same
+    device (``regularize``, then the product with f32(g)) give the same values.
+    """
+    encoded = encode_linear(weight, bits=bits, seed=seed, codebook=codebook, sign_vectors=sign_vectors,
+                            device=device, g_scale=g_scale, name=name, progress=progress)
+    k, n = weight.shape
+    if sign_vectors is None:
+        sign_vectors = reference_signs(seed, k, n)
+    dev = torch.device(device) if device is not None else weight.device
+    reg = regularize(weight.to(dev), sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
+    return encoded, reg.weight.mul_(_f32(encoded.g_scale))
+
+
+def encoder_platform(device: torch.device | str) -> str:
+    """Where an encode ran, as far as its bytes depend on it: device kind and model, CPU vector ISA, torch version.
+
+    Two encodes of the same key agree byte for byte when this string (and the exl3tool version) agree; across
+    platforms the Hadamard summation order differs (README "Conformance"), so some tiles may differ.
+
+    >>> encoder_platform("cpu")  # doctest: +SKIP
+    'cpu AVX512; torch 2.13.0'
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        where = f"cuda {torch.cuda.get_device_name(dev)}"
+    else:
+        where = f"{dev.type} {torch.backends.cpu.get_cpu_capability()}"
+    return f"{where}; torch {torch.__version__}"

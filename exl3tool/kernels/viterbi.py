@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["viterbi_tiles", "interpreter_active", "selfcheck_results", "MODES", "DEFAULT_MODE"]
+__all__ = ["viterbi_tiles", "interpreter_active", "resident_tiles", "selfcheck_results", "MODES", "DEFAULT_MODE"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
 #   0: exact float64 emulation (interpreter; also runs on GPU, slowly)
@@ -352,6 +352,43 @@ def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_wa
             mode = 1
     _CHECKED[key] = mode
     return mode
+
+
+_RESIDENT: dict[tuple[str, int], int | None] = {}
+
+
+def resident_tiles(device: torch.device, bits: int, codebook: str = "mcg") -> int | None:
+    """Tiles the GPU runs at once (CTAs per SM from the kernel's registers, threads and shared memory, times
+    the SM count): a chunk of whole waves wastes no partial wave. None where it cannot be told (no CUDA)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not _HAVE_TRITON or interpreter_active():
+        return None
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (str(dev), bits)
+    if key not in _RESIDENT:
+        viterbi_tiles(torch.randn(8, 256, device=dev), bits, codebook)  # compiles (and self-checks) the kernel
+        _RESIDENT[key] = _occupancy(LAST_COMPILED, torch.cuda.get_device_properties(dev))
+    return _RESIDENT[key]
+
+
+def _occupancy(compiled, props) -> int | None:
+    """CTAs per SM x SMs for one compiled kernel (one tile per CTA), or None if Triton hides the figures."""
+    regs = getattr(compiled, "n_regs", None)
+    meta = getattr(compiled, "metadata", None)
+    warps = getattr(meta, "num_warps", None)
+    if not regs or not warps:
+        return None
+    shared = int(getattr(meta, "shared", 0) or 0)
+    threads_sm = int(getattr(props, "max_threads_per_multi_processor", 2048))
+    regs_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
+    smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+    regs_per_warp = -(-int(regs) * 32 // 256) * 256  # allocated per warp in units of 256 registers
+    by_regs = (regs_sm // regs_per_warp) // int(warps)
+    by_threads = threads_sm // (32 * int(warps))
+    by_smem = smem_sm // (shared + 1024) if shared else 32  # 1 KiB reserved per CTA on sm_80+
+    per_sm = max(1, min(32, by_regs, by_threads, by_smem))
+    return per_sm * int(props.multi_processor_count)
 
 
 def _geometry(bits: int, block_edges: int | None) -> tuple[int, int, int]:

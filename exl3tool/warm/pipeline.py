@@ -3,10 +3,17 @@
 Misses are encoded in order of decreasing tile count and published through the cache store, which makes
 concurrent writers (other processes, other hosts on a shared cache) safe. By default reading the next weights
 and publishing run on background threads while the calling thread encodes (``run_plan(overlap=True)``).
+
+A job whose entry lock another process holds is never encoded here: it is deferred and retried after the other
+jobs (``exl3tool.warm.lockwait``). The first "no space left" on the cache stops encoding: the jobs left fail at
+once with one message, and what was published stays.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import logging
 import queue
 import threading
 import time
@@ -23,7 +30,9 @@ from exl3tool.cache.store import PRUNE_HINT
 from exl3tool.cache.entry import check_fresh_encode
 from exl3tool.checkpoint import Checkpoint, encoder_input, rank_local_weight
 from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.cache.paths import lock_path
 from exl3tool.errors import describe
+from exl3tool.warm.lockwait import LockWaits
 from exl3tool.warm.plan import WarmJob, WarmPlan, share_jobs
 from exl3tool.warm.results import JobResult, job_result
 
@@ -33,12 +42,22 @@ __all__ = ["EncodeFn", "TilesFn", "run_plan"]
 EncodeFn = Callable[..., EncodedLinear]  # (weight, bits, seed, device) [, progress=callable(tiles)]
 TilesFn = Callable[[WarmJob, int], None]
 
+log = logging.getLogger(__name__)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_BUSY = object()  # an attempt found the entry lock held by another process
+
 
 def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.device,
-                    progress: Optional[Callable[[int], None]] = None) -> EncodedLinear:
+                    progress: Optional[Callable[[int], None]] = None, *,
+                    memory_budget: Optional[int] = None) -> EncodedLinear:
+    """``encode_linear`` on ``device``; ``memory_budget`` bounds the weight's copy there plus the encode's peak."""
     from exl3tool.encode import encode_linear
 
-    return encode_linear(weight.to(device), bits=bits, seed=seed, device=device, progress=progress)
+    w = weight.to(device)
+    budget = None
+    if memory_budget is not None:  # the weight on the device is part of the job's footprint
+        budget = max(1, memory_budget - w.numel() * w.element_size())
+    return encode_linear(w, bits=bits, seed=seed, device=device, progress=progress, memory_budget_bytes=budget)
 
 
 def _call_encode(encode: EncodeFn, job: WarmJob, weight: torch.Tensor, bits: int, device: torch.device,
@@ -64,6 +83,9 @@ def run_plan(
     encode: EncodeFn = _default_encode,
     overlap: bool = True,
     on_tiles: Optional[TilesFn] = None,
+    memory_budget: Optional[int] = None,
+    lock_timeout: Optional[float] = None,
+    waits: Optional[LockWaits] = None,
 ) -> list[JobResult]:
     """Encode this worker's share of the pending jobs; worker 0 also reports every other job once.
 
@@ -74,12 +96,20 @@ def run_plan(
 
     ``overlap`` (default) keeps the device busy: a background thread reads and checks the next jobs' weights
     (at most two ahead) and another publishes (hash, write, fsync, rename) while the calling thread encodes
-    the next job. Encodes still run one at a time, in job order, on the calling thread, and so do the
-    callbacks; results and published bytes are the same as without overlap.
+    the next job. Encodes still run one at a time, in job order (a deferred job after the others), on the calling
+    thread, and so do the callbacks; results and published bytes are the same as without overlap.
 
     ``on_tiles(job, n)`` (on the calling thread) hears of every n tiles quantized inside a job's encode, for
     progress bars that move during a long layer; ``encode`` must then take a ``progress`` keyword.
+
+    ``memory_budget`` (bytes, the default encoder only) bounds what one job allocates on the device: its weight
+    there and the encode's chunks. One job is on the device at a time (the next job's weight is read ahead on
+    the host), so the budget is the worker's; a job that cannot fit fails with the figure it needed.
+    A job whose entry lock another process holds waits in ``waits`` (default ``LockWaits(lock_timeout)``: no
+    bound while the holder lives) while the others run; it ends as a hit, an encode, or a failure naming the holder.
     """
+    if memory_budget is not None and encode is _default_encode:
+        encode = functools.partial(_default_encode, memory_budget=memory_budget)
     todo = plan.todo if todo is None else todo
     pending = {j.digest for j in todo}
     results: list[JobResult] = []
@@ -90,17 +120,10 @@ def run_plan(
             elif job.digest not in pending:
                 results.append(job_result(job, "hit", worker, path=str(job.path)))
     mine = share_jobs(todo, worker, workers)
-    if overlap and mine:
-        pipeline = _Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles)
+    if mine:
+        pipeline = _Pipeline(plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles,
+                             overlap=overlap, waits=waits if waits is not None else LockWaits(lock_timeout))
         results.extend(pipeline.run(mine))
-        return results
-    for job in mine:
-        if on_start:
-            on_start(job)
-        result = _run_job(job, plan, checkpoint, store, device, worker, dtype, encode, on_tiles)
-        results.append(result)
-        if on_done:
-            on_done(job, result)
     return results
 
 
@@ -111,11 +134,6 @@ def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.d
         bad = int((~torch.isfinite(weight)).sum())
         raise ValueError(f"{bad} non-finite weight values in the rank-local weight; nothing was published")
     return weight
-
-
-def _run_job(job, plan, checkpoint, store, device, worker, dtype, encode, on_tiles=None) -> JobResult:
-    return _through_store(job, store, worker, lambda: _call_encode(
-        encode, job, _prepare_input(job, checkpoint, dtype), plan.bits, device, on_tiles))
 
 
 def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Callable[[], EncodedLinear]) -> JobResult:
@@ -132,7 +150,7 @@ def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Call
 
 
 def _publish_failed(reason: Optional[str]) -> str:
-    return f"encoded, but publishing failed ({reason or 'lock timeout or OS error on the cache'}); nothing was written"
+    return f"encoded, but publishing failed ({reason or 'an OS error on the cache'}); nothing was written"
 
 
 def _blocked(job: WarmJob, store: CacheStore, worker: int) -> Optional[JobResult]:
@@ -218,48 +236,115 @@ class _Prefetcher:
             pass
 
 
+class _Inline:
+    """Without overlap: the prefetcher and the publisher, done on the calling thread when asked."""
+
+    def __init__(self, jobs: list[WarmJob], prepare: Callable[[WarmJob], torch.Tensor]) -> None:
+        self._jobs, self._prepare = iter(jobs), prepare
+
+    def next(self) -> tuple[WarmJob, Optional[torch.Tensor], Optional[BaseException]]:
+        job = next(self._jobs)
+        try:
+            return job, self._prepare(job), None
+        except BaseException as exc:  # e.g. an unreadable weight: that job's failure
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return job, None, exc
+
+    def submit(self, fn, *args) -> Future:
+        return _done(fn(*args))
+
+    def close(self) -> None:
+        pass
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 class _Pipeline:
-    """``run_plan`` with overlap: prefetch thread, encodes on the calling thread, one publishing thread.
+    """``run_plan``'s loop: with overlap a prefetch thread, encodes on the calling thread, one publishing thread.
 
     In readwrite mode each job follows ``CacheStore.load_or_encode``'s protocol step by step: the unlocked
-    look-up (``cached``), the entry lock and the re-check under it (``claim``), the encode, then
-    ``publish_claimed`` on the publishing thread, which writes and releases the lock. Other modes call
-    ``load_or_encode`` itself. Results and callbacks stay in job order on the calling thread.
+    look-up (``cached``), the entry lock and the re-check under it (``try_claim``), the encode, then
+    ``publish_claimed`` on the publishing thread, which writes and releases the lock. A lock another process
+    holds defers the job (``LockWaits``); it is retried between the next jobs and after the last one. Other modes
+    call ``load_or_encode`` itself. Results and callbacks stay on the calling thread.
     """
 
     MAX_PUBLISHES = 2  # claimed entries in flight (being written or waiting): bounds held locks and memory
 
-    def __init__(self, plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles=None) -> None:
+    def __init__(self, plan, checkpoint, store, device, worker, dtype, encode, on_start, on_done, on_tiles=None,
+                 *, overlap: bool = True, waits: Optional[LockWaits] = None) -> None:
         self.plan, self.checkpoint, self.store, self.device = plan, checkpoint, store, device
         self.worker, self.dtype, self.encode = worker, dtype, encode
         self.on_start, self.on_done, self.on_tiles = on_start, on_done, on_tiles
+        self.overlap = overlap
+        self.waits = waits if waits is not None else LockWaits()
         self.pending: deque[tuple[WarmJob, Future]] = deque()
         self.results: list[JobResult] = []
+        self.started: set[str] = set()
+        self.disk_full: Optional[str] = None  # set (from any thread) at the first ENOSPC: no further encode
+
+    def _prepare(self, job: WarmJob) -> torch.Tensor:
+        return _prepare_input(job, self.checkpoint, self.dtype)
 
     def run(self, jobs: list[WarmJob]) -> list[JobResult]:
-        prefetch = _Prefetcher(jobs, lambda job: _prepare_input(job, self.checkpoint, self.dtype))
-        publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exl3tool-publish")
+        if self.overlap:
+            prefetch = _Prefetcher(jobs, self._prepare)
+            publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exl3tool-publish")
+        else:
+            prefetch = publisher = _Inline(jobs, self._prepare)
         try:
             for job in jobs:
+                if self.disk_full is not None:  # fails at once: no weight read, no encode
+                    self._attempt(job, _given(None, None), publisher)
+                    continue
                 got, weight, error = prefetch.next()
                 assert got is job, "prefetch out of order"
                 self._finish_ready()
-                if self.on_start:
-                    self.on_start(job)
-                if self.store.mode == "readwrite":
-                    outcome = self._claim_and_encode(job, weight, error, publisher)
-                else:
-                    outcome = self._load_or_encode(job, weight, error)
+                self._attempt(job, _given(weight, error), publisher)
                 del weight
-                if not isinstance(outcome, Future):
-                    outcome = _done(outcome)
-                self.pending.append((job, outcome))
                 self._finish_ready()
+                self._revisit(publisher)
+            while self.waits:
+                self._finish_ready()
+                self.waits.idle_wait()
+                self._revisit(publisher)
             self._finish_ready(wait=True)
         finally:
             prefetch.close()
             publisher.shutdown(wait=True)  # in-flight publishes complete and release their locks
         return self.results
+
+    def _attempt(self, job: WarmJob, weight_fn: Callable[[], torch.Tensor], publisher) -> None:
+        """One try at ``job``: its outcome is queued, or (lock held elsewhere) it waits in ``self.waits``."""
+        if job.digest not in self.started:
+            self.started.add(job.digest)
+            if self.on_start:
+                self.on_start(job)
+        if self.disk_full is not None:
+            outcome = job_result(job, "failed", self.worker, error=self.disk_full)
+        elif self.store.mode == "readwrite":
+            outcome = self._claim_and_encode(job, weight_fn, publisher)
+        else:
+            outcome = self._load_or_encode(job, weight_fn)
+        if outcome is _BUSY:
+            if job not in self.waits:
+                log.warning("%s", self.waits.defer(job, lock_path(job.path)))
+                return
+            reason = self.waits.held_again(job)  # drops the job when it gives up
+            if reason is None:
+                return
+            outcome = job_result(job, "failed", self.worker, error=reason)
+        else:
+            self.waits.done(job)
+        self.pending.append((job, outcome if isinstance(outcome, Future) else _done(outcome)))
+
+    def _revisit(self, publisher) -> None:
+        """Retry the deferred jobs that are due; each weight is read again only once its lock is ours."""
+        for job in self.waits.due():
+            self._attempt(job, lambda job=job: self._prepare(job), publisher)
+            self._finish_ready()
 
     def _finish_ready(self, wait: bool = False) -> None:
         """Report finished jobs in order (results, ``on_done``), on this thread; ``wait`` for all of them."""
@@ -273,15 +358,17 @@ class _Pipeline:
     def _encode(self, job: WarmJob, weight: torch.Tensor) -> EncodedLinear:
         return _call_encode(self.encode, job, weight, self.plan.bits, self.device, self.on_tiles)
 
-    def _load_or_encode(self, job, weight, error) -> JobResult:
-        def encode_fn():
-            if error is not None:
-                raise error
-            return self._encode(job, weight)
+    def _load_or_encode(self, job, weight_fn) -> JobResult:
+        return _through_store(job, self.store, self.worker, lambda: self._encode(job, weight_fn()))
 
-        return _through_store(job, self.store, self.worker, encode_fn)
+    def _note_disk_full(self, exc_errno: Optional[int], detail: str) -> None:
+        if exc_errno in DISK_FULL and self.disk_full is None:
+            self.disk_full = (f"not encoded: the cache's filesystem is full ({detail}); free space under "
+                              f"{self.store.root} and re-run the warm (published entries are kept)")
+            log.warning("The cache's filesystem is full (%s): no further layer is encoded; the jobs left fail", detail)
 
-    def _claim_and_encode(self, job, weight, error, publisher: ThreadPoolExecutor):
+    def _claim_and_encode(self, job, weight_fn, publisher):
+        """Hit, blocked, ``_BUSY`` (lock held elsewhere), a failure, or the publish's future after the encode."""
         store, worker = self.store, self.worker
         start = time.perf_counter()
         try:
@@ -293,34 +380,28 @@ class _Pipeline:
             return _loaded_result(job, hit, store, worker, time.perf_counter() - start)
         if blocked is not None:
             return blocked
-        claimed: Optional[Claim] = None
-        unavailable: Optional[str] = None
         try:
-            got = store.claim(job.key, cross_thread=True)
-        except (Timeout, OSError) as exc:  # encode without the cache, as load_or_encode does
-            store.note_unavailable(job.key, exc)
-            unavailable = store.unpublished_reason(job.path, exc)
-        else:
-            if isinstance(got, LoadResult):  # another process published it meanwhile
-                return _loaded_result(job, got, store, worker, time.perf_counter() - start)
-            claimed = got
+            got = store.try_claim(job.key, cross_thread=True)
+        except OSError as exc:  # no lock, so no publish: encoding would be wasted
+            self._note_disk_full(exc.errno, describe(exc))
+            return job_result(job, "failed", worker, seconds=time.perf_counter() - start,
+                              error=f"not encoded: the entry lock cannot be taken "
+                                    f"({store.unpublished_reason(job.path, exc)})")
+        if got is None:
+            return _BUSY
+        if isinstance(got, LoadResult):  # another process published it meanwhile
+            return _loaded_result(job, got, store, worker, time.perf_counter() - start)
+        claimed: Claim = got
         try:
-            if error is not None:
-                raise error
-            encoded = self._encode(job, weight)
+            encoded = self._encode(job, weight_fn())
             encoded = replace(encoded, **encoded.tensors())  # copied to the CPU here: publishing never touches the device
             check_fresh_encode(job.key, encoded.tensors(), encoded.proxy_error)
         except Exception as exc:
-            if claimed is not None:
-                claimed.release()
+            claimed.release()
             return _failed(job, worker, exc, time.perf_counter() - start)
         except BaseException:
-            if claimed is not None:
-                claimed.release()
+            claimed.release()
             raise
-        if claimed is None:
-            return job_result(job, "failed", worker, seconds=time.perf_counter() - start,
-                           proxy_error=encoded.proxy_error, error=_publish_failed(unavailable))
         encode_seconds = time.perf_counter() - start
         try:
             self._wait_for_publish_slot()
@@ -347,11 +428,22 @@ class _Pipeline:
         start = time.perf_counter()
         try:
             loaded = self.store.publish_claimed(claimed, encoded)
+            if loaded.path is None:
+                self._note_disk_full(loaded.errno, loaded.error or "")
             return _loaded_result(job, loaded, self.store, self.worker, encode_seconds + time.perf_counter() - start)
         except BaseException as exc:  # e.g. releasing the lock failed; the claim is released either way
             claimed.release()
             return job_result(job, "failed", self.worker, seconds=encode_seconds + time.perf_counter() - start,
                            proxy_error=encoded.proxy_error, error=_publish_failed(describe(exc)))
+
+
+def _given(weight: Optional[torch.Tensor], error: Optional[BaseException]) -> Callable[[], torch.Tensor]:
+    """The prefetched weight as a call that gives it, or raises the error met while reading it."""
+    def get() -> torch.Tensor:
+        if error is not None:
+            raise error
+        return weight
+    return get
 
 
 def _done(result: JobResult) -> Future:

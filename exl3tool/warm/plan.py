@@ -76,10 +76,11 @@ def _state(store: CacheStore, key: CacheKey, check_hits: bool) -> tuple[str, str
     if store.mode == "off":
         return "miss", ""
     found = store.lookup(key, quick=True, checksum=check_hits)  # the trellis is hashed from the file, not loaded
-    if found.status == "miss" and store.mode == "readwrite":
-        problem = store.obstacle(key)
+    if found.status != "hit" and store.mode == "readwrite":
+        problem = store.obstacle(key)  # what the warm will fail the job on, not the re-encode it cannot do
         if problem:
-            return "invalid", f"{problem}; {PRUNE_HINT}"
+            also = f" (the entry is also invalid: {found.reason})" if found.status == "invalid" else ""
+            return "invalid", f"{problem}{also}; {PRUNE_HINT}"
     return found.status, found.reason or ""
 
 

@@ -14,12 +14,14 @@ from typing import Callable, Optional
 import torch
 
 from exl3tool.cache import CacheStore
+from exl3tool.cache.entry import entry_bytes
 from exl3tool.warm.distributed import (
     DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
 )
 from exl3tool.warm.pipeline import run_plan
 from exl3tool.warm.plan import WarmJob, WarmPlan, build_plan
-from exl3tool.warm.results import JobResult, WarmSummary, summarize
+from exl3tool.warm.results import JobResult, WarmSummary, job_result, summarize
+from exl3tool.warm.unchecked import UncheckedHit, check_unchecked
 
 __all__ = ["SERVING_DTYPES", "WarmRequest", "prepare", "resolve_device", "serving_torch_dtype", "warm"]
 
@@ -93,6 +95,9 @@ class WarmRequest:
     file_mode: int = 0o600
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
+    check_unchecked: bool = False  # re-encode hits without exl3tool's checksum, replace those that differ
+    gpu_memory_gib: Optional[float] = None  # GPU memory budget per worker (None: what is free less a margin)
+    lock_timeout: Optional[float] = None  # give up on an entry lock held this long (None: wait while its holder lives)
     language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
 
 
@@ -148,6 +153,19 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
 
 
 
+def _memory_budget(device: torch.device, gib: Optional[float]) -> Optional[int]:
+    """This worker's GPU memory budget in bytes (``device_budget``); None on the CPU."""
+    if device.type != "cuda":
+        if gib is not None:
+            from exl3tool.errors import ConfigError
+
+            raise ConfigError(f"--gpu-memory {gib}: this warm runs on {device}; drop the option or use a CUDA device")
+        return None
+    from exl3tool.encode.memory import device_budget
+
+    return device_budget(device, gib)
+
+
 def warm(
     request: WarmRequest,
     *,
@@ -156,9 +174,14 @@ def warm(
     on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
     on_plan: Optional[Callable[[WarmPlan, DistributedContext, list[WarmJob]], None]] = None,
     on_tiles: Optional[Callable[[WarmJob, int], None]] = None,
+    on_checked: Optional[Callable[[UncheckedHit], None]] = None,
     command: str = "cache warm",
 ) -> Optional[WarmSummary]:
     """Plan and run a warm; under torchrun each process runs its share and worker 0 returns the summary.
+
+    With ``request.check_unchecked`` worker 0 then checks every hit without exl3tool's checksum exactly and
+    replaces those that differ (``check_unchecked``; ``on_checked`` hears of each); a replaced one is reported
+    ``encoded``.
 
     Under torchrun, which sets OMP_NUM_THREADS=1, host-side torch ops get cpu_count / LOCAL_WORLD_SIZE threads
     per process; EXL3TOOL_THREADS=N sets the count (see ``host_threads``). In readwrite mode the entries written or
@@ -174,15 +197,24 @@ def warm(
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
     dtype = serving_torch_dtype(request.dtype)
+    budget = _memory_budget(device, request.gpu_memory_gib)
     todo = agreed_todo(ctx, plan)
     if todo and store.mode == "readwrite":
         store.check_writable()  # fail in a second, not after encoding every layer
+        store.check_free_space(sum(entry_bytes(j.key) for j in todo), len(todo))  # all workers' share: one disk
     if on_plan:
         on_plan(plan, ctx, todo)
     results = run_plan(plan, checkpoint, store, device=device, worker=ctx.worker, workers=ctx.workers, todo=todo,
                        dtype=dtype, on_start=on_start, on_done=on_done, overlap=request.overlap,
-                       on_tiles=on_tiles)
-    gathered = gather_results(ctx, results, worker_stats(ctx, device, time.perf_counter() - start))
+                       on_tiles=on_tiles, lock_timeout=request.lock_timeout, memory_budget=budget)
+    unchecked = None
+    if request.check_unchecked and ctx.worker == 0 and store.mode == "readwrite":
+        unchecked = check_unchecked(plan, checkpoint, store, device=device, dtype=dtype, on_done=on_checked)
+        results = _with_replaced(results, plan, unchecked)
+    stats = worker_stats(ctx, device, time.perf_counter() - start)
+    if budget is not None:
+        stats["gpu_budget_mib"] = round(budget / 2**20, 1)
+    gathered = gather_results(ctx, results, stats)
     if ctx.initialised:
         import torch.distributed as dist
 
@@ -190,10 +222,30 @@ def warm(
     if gathered is None:
         return None
     everything, stats = gathered
-    summary = summarize(plan, everything, device=str(device), workers=ctx.workers, seconds=time.perf_counter() - start)
+    summary = summarize(plan, everything, device=str(device), workers=ctx.workers, seconds=time.perf_counter() - start,
+                        unchecked=unchecked)
     summary = replace(summary, worker_stats=stats)
     if store.mode == "readwrite":  # provenance of what this warm wrote or found, beside the entries (``command``)
         from exl3tool.warm.provenance import record_warm
 
         summary = record_warm(summary, plan, checkpoint, request, store, command=command)
     return summary
+
+
+def _with_replaced(results: list[JobResult], plan: WarmPlan, checked: list[UncheckedHit]) -> list[JobResult]:
+    """``results`` with each replaced unchecked hit reported ``encoded`` (its new file's size, the time taken) and
+    each hit whose check could not run ``failed`` (the entry is kept; the error says why)."""
+    by_digest = {c.digest: c for c in checked if c.action == "replaced" or c.verdict == "error"}
+    jobs = {j.digest: j for j in plan.jobs}
+    out = []
+    for r in results:
+        c = by_digest.get(r.digest)
+        if c is None or r.status != "hit":
+            out.append(r)
+        elif c.verdict == "error":
+            out.append(job_result(jobs[r.digest], "failed", r.worker, path=c.path, seconds=c.seconds,
+                                  error=f"--check-unchecked could not check this entry (kept): {c.detail}"))
+        else:
+            size = Path(c.path).stat().st_size if Path(c.path).exists() else 0
+            out.append(job_result(jobs[r.digest], "encoded", r.worker, path=c.path, seconds=c.seconds, bytes_=size))
+    return out

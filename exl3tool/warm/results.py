@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from exl3tool.cache.store import UNCHECKED_HIT
 from exl3tool.warm.plan import WarmJob, WarmPlan
+from exl3tool.warm.unchecked import UncheckedHit, unchecked_hits
 
 __all__ = ["JobResult", "WarmSummary", "job_result", "summarize"]
 
@@ -47,9 +47,10 @@ class WarmSummary:
     seconds: float
     entries: list[JobResult]
     worker_stats: list[dict] = field(default_factory=list)
-    unchecked_hits: int = 0  # hits without exl3tool_sha256 (server-written): kept, weights checked only by verify
+    unchecked_hits: int = 0  # how many hits carry no exl3tool_sha256 (server-written); named in ``unchecked``
     quantization_config: Optional[dict] = None  # the resolved overlay the plan was made with
     server_lookup: bool = True  # False: generic --layers mode, entries the server never looks up
+    unchecked: list[UncheckedHit] = field(default_factory=list)  # those hits by name; checked with --check-unchecked
     record: Optional[str] = None  # the provenance record of this warm's entries (exl3tool.cache.records)
     record_written: bool = False  # False: the same record was already there (or none was written)
     record_error: str = ""  # why no record could be written (the entries are complete without one)
@@ -64,8 +65,10 @@ def job_result(job: WarmJob, status: str, worker: int, *, path=None, seconds=0.0
                      path, round(seconds, 4), bytes_, proxy_error, error, worker)
 
 
-def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers: int, seconds: float) -> WarmSummary:
-    """Counts, bytes and per-entry results in plan order."""
+def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers: int, seconds: float,
+              unchecked: Optional[list[UncheckedHit]] = None) -> WarmSummary:
+    """Counts, bytes and per-entry results in plan order; ``unchecked`` (default: the plan's, not checked) names
+    the hits without exl3tool's checksum."""
     order = {(j.prefix, j.tp_size, j.tp_rank): i for i, j in enumerate(plan.jobs)}
     results = sorted(results, key=lambda r: order.get((r.prefix, r.tp_size, r.tp_rank), 0))
     counts = {s: sum(1 for r in results if r.status == s) for s in ("hit", "encoded", "skipped", "failed")}
@@ -75,7 +78,8 @@ def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers:
         bits=plan.bits, tp_sizes=list(plan.tp_sizes), cache_root=str(plan.cache_root), device=device,
         workers=workers, counts=counts, bytes_written=sum(r.bytes for r in results if r.status == "encoded"),
         seconds=round(seconds, 3), entries=results,
-        unchecked_hits=sum(1 for j in plan.jobs if j.state == "hit" and j.reason == UNCHECKED_HIT),
+        unchecked_hits=len(unchecked if unchecked is not None else unchecked_hits(plan)),
         quantization_config=lp.overlay.as_json() if lp is not None and lp.overlay is not None else None,
         server_lookup=lp.server_lookup if lp is not None else True,
+        unchecked=list(unchecked if unchecked is not None else unchecked_hits(plan)),
     )

@@ -1,0 +1,213 @@
+"""Peak memory and time of one uncalibrated K6 encode per layer shape: exl3tool, and exllamav3 where importable.
+
+GPU (``--device cuda``): peak is ``torch.cuda.max_memory_allocated`` above the fp32 weight already on the device,
+for exl3tool at its default budget (the reference's 5.5x the weight) and, with ``--unbounded``, at a budget that
+never binds (the pre-budget speed); the reference is called as the serving fork calls it (fp32 (k, n) weight on
+the GPU, meta Hessian, K/seed/devices/apply_out_scales/mcg, ``return_weight_q=False``) and its bytes are compared.
+CPU (``--device cpu``): each shape runs in a fresh process; peak is the host's resident high-water mark (VmHWM,
+reset through /proc/self/clear_refs) above the resident size with the weight allocated.
+
+    python benchmarks/bench_encode_memory.py --device cuda --unbounded --json benchmarks/results/bench_encode_memory_h200.json
+    python benchmarks/bench_encode_memory.py --device cpu --shapes 512x1024,1024x1024,1024x2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+# (k, n) and where the shape comes from (the issue's table; the deployed models' planned jobs)
+SHAPES = [
+    ((5120, 6144), "issue 24"),
+    ((16384, 7168), "DeepSeek-V3 o_proj TP1"),
+    ((18432, 7168), "DeepSeek-V3 dense down_proj TP1"),
+    ((7168, 36864), "DeepSeek-V3 dense gate_up_proj TP1"),
+    ((1536, 24576), "DeepSeek-V3 q_b_proj TP1"),
+    ((512, 32768), "DeepSeek-V3 kv_b_proj TP1"),
+    ((7168, 4608), "DeepSeek-V3 dense gate_up_proj TP8"),
+    ((2048, 7168), "DeepSeek-V3 o_proj TP8"),
+    ((4096, 12288), "GLM-5.3-Flash dense gate_up_proj TP2"),
+    ((6144, 4096), "GLM-5.3-Flash dense down_proj TP2"),
+    ((4096, 4096), "GLM-5.3-Flash o_proj TP2"),
+    ((5120, 34816), "Qwen3.8-27B gate_up_proj TP1"),
+    ((17408, 5120), "Qwen3.8-27B down_proj TP1"),
+    ((4096, 14336), "Llama-3.1-8B gate_proj"),
+]
+SEED = 1234
+
+
+def _weight(k: int, n: int, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(k * 131 + n)
+    w = torch.randn(k, n, generator=gen) * torch.empty(1, n).uniform_(0.005, 0.05, generator=gen)
+    return w.to(device)
+
+
+def _reference(root: str | None = None):
+    """exllamav3's quantize_exl3, or None where it is not importable.
+
+    With ``root`` (an exllamav3 package directory) it is loaded as the serving fork loads its encoder source
+    (synthetic namespace packages, no package ``__init__``: ``tests/_fork_loader.py``), else imported normally.
+    """
+    try:
+        if root:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+            from _fork_loader import load_quantize_exl3
+
+            quantize_exl3 = load_quantize_exl3(root, package="_exllamav3_reference")
+        else:
+            from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3
+    except Exception as exc:  # not installed, or its CUDA extension does not build here
+        print(f"reference not importable ({type(exc).__name__}: {exc}); exl3tool only", file=sys.stderr)
+        return None
+    return quantize_exl3
+
+
+def _measure_cuda(fn, w: torch.Tensor) -> tuple[float, int, object]:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    out = fn(w)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base, out
+
+
+def _run_reference(quantize_exl3, w: torch.Tensor):
+    k = w.shape[0]
+    h_data = {"H": torch.empty(k, k, device="meta"), "L": None, "device": w.device, "count": 0, "finalized": False}
+    args = {"K": 6, "seed": SEED, "devices": [str(w.device)], "apply_out_scales": True, "mcg": True}
+    _, _, tensors = quantize_exl3(w, h_data, args, return_weight_q=False, verbose=False)
+    return tensors
+
+
+def bench_cuda(shapes, unbounded: bool, with_reference: bool, reference_root: str | None = None) -> list[dict]:
+    from exl3tool.encode.memory import default_budget, reference_peak_bytes
+    from exl3tool.encode.online import encode_linear, encode_memory_plan
+
+    encode_linear(_weight(256, 512, "cuda"), bits=6, seed=1)  # compile the kernels outside the timings
+    ref = _reference(reference_root) if with_reference else None
+    if ref is not None:
+        _run_reference(ref, _weight(256, 512, "cuda"))
+    rows = []
+    for (k, n), where in shapes:
+        w = _weight(k, n, "cuda")
+        mib = 4 * k * n / 2**20
+        plan = encode_memory_plan(k, n, 6, "cuda")
+        row = {"k": k, "n": n, "source": where, "weight_mib": round(mib, 1), "budget_mib": round(plan.budget_bytes / 2**20, 1),
+               "predicted_peak_mib": round(plan.peak_bytes / 2**20, 1), "chunk_tiles": plan.chunk_tiles,
+               "reference_estimate_mib": round(reference_peak_bytes(k, n) / 2**20, 1)}
+        sec, peak, enc = _measure_cuda(lambda x: encode_linear(x, bits=6, seed=SEED), w)
+        row.update(tool_s=round(sec, 3), tool_peak_mib=round(peak / 2**20, 1), tool_peak_x=round(peak / 2**20 / mib, 2))
+        if unbounded:
+            sec_u, peak_u, enc_u = _measure_cuda(lambda x: encode_linear(x, bits=6, seed=SEED, memory_budget_bytes=64 << 30), w)
+            same = all(torch.equal(getattr(enc, t), getattr(enc_u, t)) for t in ("trellis", "suh", "svh"))
+            row.update(unbounded_s=round(sec_u, 3), unbounded_peak_mib=round(peak_u / 2**20, 1),
+                       unbounded_same_bytes=same and enc.proxy_error == enc_u.proxy_error)
+            del enc_u
+        if ref is not None:
+            w_ref = w.clone()  # the reference regularises its input in place
+            sec_r, peak_r, tensors = _measure_cuda(lambda x: _run_reference(ref, x), w_ref)
+            del w_ref
+            same = all(torch.equal(getattr(enc, t).cpu().reshape(-1), tensors[t].cpu().reshape(-1).view(getattr(enc, t).dtype))
+                       for t in ("trellis", "suh", "svh"))
+            row.update(ref_s=round(sec_r, 3), ref_peak_mib=round(peak_r / 2**20, 1), ref_peak_x=round(peak_r / 2**20 / mib, 2),
+                       peak_ratio=round(peak / peak_r, 3), speedup=round(sec_r / sec, 2), same_bytes_as_ref=same)
+        del enc, w
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    assert all(r["budget_mib"] >= default_budget(r["k"], r["n"]) / 2**20 - 0.1 for r in rows)
+    return rows
+
+
+def _child(k: int, n: int) -> None:
+    """One CPU encode in this fresh process; prints its host peak (VmHWM above the RSS with the weight) and time."""
+    from exl3tool.encode.online import encode_linear
+
+    encode_linear(_weight(128, 256, "cpu"), bits=6, seed=1)  # numba compile and thread start outside the figure
+    w = _weight(k, n, "cpu")
+
+    def status(field: str) -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(field)
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    rss0 = status("VmRSS:")
+    t0 = time.perf_counter()
+    encode_linear(w, bits=6, seed=SEED)
+    sec = time.perf_counter() - t0
+    peak = status("VmHWM:") - rss0
+    mib = 4 * k * n / 2**20
+    print(json.dumps({"k": k, "n": n, "weight_mib": round(mib, 1), "host_peak_mib": round(peak / 2**20, 1),
+                      "host_peak_x": round(peak / 2**20 / mib, 2), "reference_estimate_mib":
+                      round(5.5 * mib, 1), "seconds": round(sec, 2)}))
+
+
+def bench_cpu(shapes) -> list[dict]:
+    rows = []
+    for (k, n), where in shapes:
+        out = subprocess.run([sys.executable, __file__, "--child", f"{k}x{n}"], capture_output=True, text=True,
+                             env=dict(os.environ))
+        if out.returncode != 0:
+            raise SystemExit(f"{k}x{n}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row["source"] = where
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    keys = [c for c in ("k", "n", "weight_mib", "budget_mib", "chunk_tiles", "tool_peak_mib", "tool_peak_x", "tool_s",
+                        "unbounded_s", "unbounded_peak_mib", "ref_peak_mib", "ref_s", "peak_ratio", "speedup",
+                        "same_bytes_as_ref", "host_peak_mib", "host_peak_x", "reference_estimate_mib", "seconds",
+                        "source") if any(c in r for r in rows)]
+    lines = [" | ".join(keys)]
+    for r in rows:
+        lines.append(" | ".join(str(r.get(c, "")) for c in keys))
+    return "\n".join(lines)
+
+
+def _parse_shapes(text: str | None):
+    if not text:
+        return SHAPES
+    out = []
+    for part in text.split(","):
+        k, n = part.lower().split("x")
+        out.append(((int(k), int(n)), "command line"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--shapes", help="comma-separated KxN (default: the issue's and the deployed models' shapes)")
+    ap.add_argument("--unbounded", action="store_true", help="also time each shape at a budget that never binds")
+    ap.add_argument("--reference", help="exllamav3 package directory, loaded as the fork loads its encoder source")
+    ap.add_argument("--no-reference", action="store_true", help="skip exllamav3 even where it is importable")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        k, n = (int(x) for x in a.child.split("x"))
+        _child(k, n)
+        return
+    shapes = _parse_shapes(a.shapes)
+    rows = bench_cuda(shapes, a.unbounded, not a.no_reference, a.reference) if a.device == "cuda" else bench_cpu(shapes)
+    print(_table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

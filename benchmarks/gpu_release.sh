@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call on nvidia-h200 (under 10 minutes): the whole merged tree against the reference, in one run.
+#   1. install the exllamav3 1.6.5 wheel (+ what its quantize.py imports) from ./.whl into /tmp/site and start
+#      JIT-compiling its CUDA extension in the background (about 5 minutes on 16 cores);
+#   2. meanwhile every GPU-marked test (goldens from ./golden);
+#   3. once the extension is built: bench_dropin.py (the fork's call convention, drop-in vs exllamav3: time, peak
+#      GPU memory, byte identity) and bench_encode_memory.py (peak memory and time per shape, with the reference);
+#      if the compile did not finish by $T_COMPILE s, both run without the reference and say so.
+# Carry ./golden and ./.whl (see benchmarks/gpu_dropin.sh for how .whl is filled). Logs and JSON land in $OUT.
+set -u
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+OUT=${OUT:-/tmp/exl3tool-release}; mkdir -p "$OUT"
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext EXL3TOOL_GOLDEN=${EXL3TOOL_GOLDEN:-$PWD/golden}
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 - > "$OUT/compile.log" 2>&1 <<'EOF' &
+import sys, time
+sys.path.insert(0, "tests")
+start = time.perf_counter()
+from _fork_loader import load_quantize_exl3
+load_quantize_exl3("/tmp/site/exllamav3", package="_exllamav3_reference")
+print(f"compile+import ok {time.perf_counter() - start:.1f} s")
+EOF
+CPID=$!
+timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 -rs tests > "$OUT/tests.log" 2>&1
+echo "== GPU tests ($(( $(date +%s) - T0 )) s): $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
+while kill -0 $CPID 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "${T_COMPILE:-380}" ]; do sleep 2; done
+echo "== reference compile: $(tail -1 "$OUT/compile.log") ($(( $(date +%s) - T0 )) s since start)"
+if kill -0 $CPID 2>/dev/null || ! grep -q "compile+import ok" "$OUT/compile.log"; then
+  kill $CPID 2>/dev/null; REF=(); MREF=(--no-reference); echo "== the reference is NOT measured in this run"
+else
+  REF=(--reference /tmp/site/exllamav3); MREF=("${REF[@]}")
+fi
+timeout "${T_DROPIN:-100}" python3 benchmarks/bench_dropin.py "${REF[@]}" --json "$OUT/bench_dropin.json" > "$OUT/bench_dropin.log" 2>&1
+echo "== bench_dropin ($(( $(date +%s) - T0 )) s)"; cat "$OUT/bench_dropin.log" | tail -28
+timeout "${T_MEMORY:-80}" python3 benchmarks/bench_encode_memory.py --device cuda --shapes "${SHAPES:-5120x6144,16384x7168,18432x7168,7168x36864}" "${MREF[@]}" \
+  --json "$OUT/bench_encode_memory.json" > "$OUT/bench_encode_memory.log" 2>&1
+echo "== bench_encode_memory ($(( $(date +%s) - T0 )) s)"; tail -24 "$OUT/bench_encode_memory.log"

@@ -1,0 +1,153 @@
+"""An encode within a memory budget: chunked quantization gives the same bytes as one pass, the plan keeps its
+predicted peak inside the budget, and a budget too small fails naming the layer and the bytes it needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3tool.encode.layout import matrix_to_tiles, tile_element_index, tile_position
+from exl3tool.encode.memory import (
+    MIN_CHUNK_TILES, EncodeMemoryError, default_budget, plan_encode_memory, reference_peak_bytes,
+)
+from exl3tool.encode.online import encode_linear, quantize_regularized, scale_mse
+from exl3tool.encode.trellis import pack_trellis
+from exl3tool.encode.viterbi import quantize_tiles
+
+
+def _weight(k: int, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(k, n, generator=gen) * torch.empty(1, n).uniform_(0.005, 0.05, generator=gen)
+
+
+def _smallest_budget(k: int, n: int, bits: int = 6) -> int:
+    with pytest.raises(EncodeMemoryError) as info:
+        plan_encode_memory(k, n, bits, "cpu", 1)
+    return info.value.needed_bytes
+
+
+def test_tile_element_index_gathers_the_tiles_of_matrix_to_tiles():
+    w = torch.randn(64, 96)
+    tiles = matrix_to_tiles(w).reshape(-1, 256)
+    pick = torch.randperm(tiles.shape[0])[:7]
+    assert torch.equal(w.reshape(-1)[tile_element_index(96, pick)], tiles[pick])
+    full = matrix_to_tiles(w)
+    for r, c in ((0, 0), (1, 0), (0, 1), (7, 9), (15, 15), (8, 3)):  # the spec's position formula, element by element
+        assert torch.equal(full[:, :, tile_position(r, c)], w[r::16, c::16])
+
+
+def test_encode_under_the_smallest_budget_gives_the_same_bytes():
+    k, n, seed = 128, 512, 41  # 256 tiles: chunks of MIN_CHUNK_TILES (the search's chunking: test below)
+    w = _weight(k, n, seed)
+    budget = _smallest_budget(k, n)
+    assert plan_encode_memory(k, n, 6, "cpu", budget).chunk_tiles == MIN_CHUNK_TILES
+    seen: list[int] = []
+    small = encode_linear(w, bits=6, seed=seed, memory_budget_bytes=budget, progress=seen.append, g_scale=0.83)
+    whole = encode_linear(w, bits=6, seed=seed, memory_budget_bytes=1 << 40, g_scale=0.83)
+    assert sum(seen) == (k // 16) * (n // 16) and max(seen) <= MIN_CHUNK_TILES
+    for name in ("trellis", "suh", "svh"):
+        assert torch.equal(getattr(small, name), getattr(whole, name)), name
+    assert small.proxy_error == whole.proxy_error and small.g_scale == whole.g_scale
+    assert torch.equal(w, _weight(k, n, seed))  # the caller's weight is never written
+
+
+def test_chunked_quantize_regularized_equals_one_pass_over_all_tiles():
+    w_r = _weight(64, 384, 7) * 60.0
+    states, q_r, proxy = quantize_regularized(w_r, 6, chunk_tiles=37)  # chunks cut tile rows anywhere
+    tiles = matrix_to_tiles(w_r).reshape(-1, 256)
+    values, ref_states = quantize_tiles(tiles, 6)  # an independent whole-matrix pass
+    assert torch.equal(states.reshape(-1, 256), ref_states)
+    assert torch.equal(matrix_to_tiles(q_r).reshape(-1, 256), values)
+    plain = float((w_r - q_r).square().to(torch.float64).sum()) / w_r.numel()
+    assert abs(proxy - plain) <= 1e-12 * plain
+    _, _, proxy_whole = quantize_regularized(w_r, 6)
+    assert proxy == proxy_whole
+    assert torch.equal(pack_trellis(states, 6), pack_trellis(ref_states.reshape(states.shape), 6))
+
+
+def test_scale_mse_does_not_depend_on_the_chunk():
+    tiles = torch.randn(50, 256) * torch.empty(50, 1).uniform_(0.5, 2.0)
+    assert scale_mse(tiles, [0.7, 1.1], 4, chunk_tiles=13) == scale_mse(tiles, [0.7, 1.1], 4)
+
+
+def test_a_budget_too_small_fails_naming_the_layer_and_the_bytes_needed():
+    w = _weight(128, 256, 3)
+    with pytest.raises(EncodeMemoryError) as info:
+        encode_linear(w, bits=6, seed=1, name="model.layers.0.mlp.down_proj", memory_budget_bytes=1 << 20)
+    text = str(info.value)
+    assert text.startswith("model.layers.0.mlp.down_proj: ") and "MiB" in text and "(128, 256)" in text
+    assert info.value.needed_bytes > info.value.budget_bytes == 1 << 20
+    assert isinstance(info.value, ValueError)
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="memory_budget_bytes"):
+            plan_encode_memory(128, 256, 6, "cuda", bad)
+
+
+@pytest.mark.parametrize("shape", [(5120, 6144), (16384, 7168), (18432, 7168), (7168, 36864), (4096, 4096)])
+def test_default_gpu_plan_stays_within_the_reference(shape):
+    k, n = shape
+    plan = plan_encode_memory(k, n, 6, "cuda", wave=1584)
+    assert plan.budget_bytes == default_budget(k, n) == reference_peak_bytes(k, n)
+    assert plan.peak_bytes <= plan.budget_bytes
+    tiles = (k // 16) * (n // 16)
+    if MIN_CHUNK_TILES < plan.chunk_tiles < tiles and plan.chunk_tiles >= 1584:
+        assert plan.chunk_tiles % 1584 == 0  # whole waves
+
+
+def test_plan_peak_never_exceeds_any_budget_it_accepts():
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        k = 128 * int(torch.randint(1, 160, (1,), generator=gen))
+        n = 128 * int(torch.randint(1, 300, (1,), generator=gen))
+        budget = int(torch.randint(1, 1 << 36, (1,), generator=gen))
+        for device in ("cuda", "cpu"):
+            try:
+                plan = plan_encode_memory(k, n, 6, device, budget, wave=1584)
+            except EncodeMemoryError as exc:
+                assert exc.needed_bytes > budget
+                continue
+            assert plan.peak_bytes <= budget and 1 <= plan.chunk_tiles <= (k // 16) * (n // 16)
+
+
+@pytest.mark.parametrize("command", [["cache", "warm"], ["encode"]])
+def test_gpu_memory_option_reaches_the_request(command, monkeypatch):
+    from cli_runner import CliRunner
+
+    import exl3tool.commands.encode as encode_cmd
+    from exl3tool.cli import _register, app
+
+    _register()
+    seen = []
+    monkeypatch.setattr(encode_cmd, "warm", lambda request, **kw: seen.append(request.gpu_memory_gib))
+    for flag in ([], ["--gpu-memory", "24"], ["--gpu-memory", "7.5"]):
+        r = CliRunner().invoke(app, [*command, "test-org/x", "--cache-dir", "/nonexistent", *flag])
+        assert r.exit_code == 0, r.output
+    assert seen == [None, 24.0, 7.5]
+
+
+def test_gpu_memory_on_a_cpu_warm_is_a_config_error():
+    from exl3tool.errors import ConfigError
+    from exl3tool.warm.request import _memory_budget
+
+    assert _memory_budget(torch.device("cpu"), None) is None
+    with pytest.raises(ConfigError, match="--gpu-memory 4.0: this warm runs on cpu"):
+        _memory_budget(torch.device("cpu"), 4.0)
+
+
+def test_warm_job_over_its_budget_fails_by_name_with_the_figure(tmp_path, monkeypatch):
+    """run_plan with a 1 MiB budget: every job fails, each result naming its layer and the MiB it needed."""
+    from exl3tool.cache import CacheStore
+    from exl3tool.checkpoint import write_llama_checkpoint
+    from exl3tool.warm import WarmRequest, prepare
+    from exl3tool.warm.pipeline import run_plan
+
+    write_llama_checkpoint(tmp_path / "ckpt", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=1, vocab=256,
+                           seed=int(torch.randint(0, 2**31, (1,))))
+    request = WarmRequest(model=str(tmp_path / "ckpt"), layers=("*.o_proj",), cache_dir=str(tmp_path / "c"),
+                          device="cpu", encoder_root="/encoders/exllamav3", encoder_revision="r")
+    checkpoint, plan, store = prepare(request)
+    results = run_plan(plan, checkpoint, store, device=torch.device("cpu"), memory_budget=1 << 20)
+    assert results and all(r.status == "failed" for r in results)
+    for r in results:
+        assert "o_proj" in r.prefix and "MiB" in r.error and "(128, 128)" in r.error and "budget is 1 MiB" in r.error
+    assert not list((tmp_path / "c").rglob("*.safetensors"))
