@@ -285,6 +285,25 @@ def test_cli_export_identity_and_rewrites(tmp_path, run_cli):
     assert not [p for p in root.parent.iterdir() if p.name.startswith(".exl3tool-encoder.")]
 
 
+def test_identity_of_an_encoder_source_needs_no_model(tmp_path, run_cli):
+    """`exl3tool identity --encoder-root DIR` alone: the encoder identity the server computes, no model needed."""
+    root = tmp_path / "enc"
+    assert run_cli(["encoder-source", str(root)]).exit_code == 0
+    (root / "modules" / "extra.py").write_text(f"x = {os.urandom(4).hex()!r}\n")  # hashed too, as the server does
+    res = run_cli(["identity", "--encoder-root", str(root), "--json"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["model"] is None and doc["encoder"]["identity"] == _fork_identity(root)
+    assert doc["encoder"]["mode"] == "files" and doc["encoder"]["root"] == str(root)
+    shown = run_cli(["identity", "--encoder-root", str(root)])
+    assert shown.exit_code == 0 and doc["encoder"]["identity"] in shown.stdout and "model: none given" in shown.stdout
+    rev = json.loads(run_cli(["identity", "--encoder-root", str(root), "--encoder-revision", "r1", "--json"]).stdout)
+    assert rev["encoder"]["mode"] == "revision" and rev["encoder"]["identity"] != doc["encoder"]["identity"]
+    # without MODEL, launch or encoder root it is still a usage error
+    bare = run_cli(["identity", "--json"])
+    assert bare.exit_code == 2 and "give MODEL" in json.loads(bare.stdout)["error"]
+
+
 def test_cli_refuses_a_foreign_directory_unless_forced(tmp_path, run_cli):
     foreign = tmp_path / "exllamav3"
     (foreign / "modules").mkdir(parents=True)
@@ -304,6 +323,32 @@ def test_cli_refuses_a_foreign_directory_unless_forced(tmp_path, run_cli):
     afile.write_text("")
     with pytest.raises(ConfigError, match="is not a directory"):
         write_encoder_source(afile)
+
+
+def test_unwritable_places_are_named_as_the_user_gave_them(tmp_path, monkeypatch, run_cli):
+    """A DIR under a file names that file (not errno 17 'File exists'); a failed write names DIR and its parent,
+    never the hidden staging folder beside it."""
+    import errno
+
+    import exl3tool.serving.encoder_source as es
+
+    afile = tmp_path / "file"
+    afile.write_text("")
+    res = run_cli(["encoder-source", str(afile / "enc"), "--json"])
+    assert res.exit_code == 2
+    msg = json.loads(res.stdout)["error"]
+    assert msg == f"{afile / 'enc'}: {afile} is a file, not a directory; name a directory under directories only"
+
+    def read_only(path, **_):
+        raise OSError(errno.EROFS, "Read-only file system", str(Path(path) / "modules"))
+
+    monkeypatch.setattr(es, "_write_tree", read_only)
+    root = tmp_path / "ro" / "enc"
+    with pytest.raises(ConfigError) as err:
+        write_encoder_source(root)
+    assert str(err.value) == (f"{root}: cannot write the encoder source in {root.parent} (Read-only file system); "
+                              "check the path and its permissions")
+    assert not [p for p in root.parent.iterdir() if p.name.startswith(".enc.")]  # the staging folder is gone
 
 
 @pytest.mark.gpu

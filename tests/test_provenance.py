@@ -152,6 +152,25 @@ def test_check_of_a_missing_cache_root_says_so(warmed, tmp_path):
     assert code == 1 and doc["miss"] == doc["lookups"]
     [f] = findings(doc, "absent")
     assert "does not exist here" in f["text"] and not (tmp_path / "nowhere").exists()
+    assert [c["fields"] for c in doc["causes"]] == [["absent"]]
+
+
+def test_check_of_a_file_as_cache_root_says_it_is_not_a_directory(warmed, tmp_path):
+    request, _, _ = warmed
+    (tmp_path / "a-file").write_text("not a cache")
+    code, doc, _ = check_cli(replace(request, cache_dir=str(tmp_path / "a-file")))
+    assert code == 1 and doc["miss"] == doc["lookups"]
+    [f] = findings(doc, "absent")
+    assert f["text"].endswith("a-file is not a directory") and "does not exist" not in f["text"]
+
+
+def test_other_model_path_is_one_finding_not_a_second_about_shard_links(warmed):
+    """A server mounting the checkpoint elsewhere: the path differs, and the shards' resolved paths only by it."""
+    request, model, _ = warmed
+    code, doc, _ = check_cli(request, "--server-path", "/models/m")
+    assert code == 1 and doc["miss"] == len(TP1)
+    [f] = findings(doc, "model_identity")
+    assert f"model path /models/m here, {model} when warmed" in f["text"] and "--server-path /models/m" in f["fix"]
 
 
 def test_check_all_hit_exits_0(warmed):
@@ -242,7 +261,7 @@ def test_another_tp_size(warmed):
     code, doc, _ = check_cli(replace(request, tp_sizes=(2,)))
     assert code == 1 and doc["miss"] == doc["lookups"] > 0
     [f] = findings(doc, "tp_layout")
-    assert "warmed at TP 1 only; this launch is TP 2" in f["text"] and "--tp-sizes 2" in f["fix"]
+    assert "warmed at TP 1 only; these look-ups are at TP 2" in f["text"] and "--tp-sizes 2" in f["fix"]
     assert [c["fields"] for c in doc["causes"]] == [["tp_layout"]]  # same identities, bits: TP is the only cause
 
 

@@ -15,6 +15,7 @@ from exl3tool.cache.identity import (
     encoder_settings,
     resolve_encoder_identity,
     resolve_model_identity,
+    server_encoder_identity,
     server_identities,
 )
 from exl3tool.cache.key import CACHE_DISABLED, CacheKey, layer_seed
@@ -55,6 +56,7 @@ __all__ = [
     "resolve_hub_revision",
     "resolve_model_identity",
     "scan",
+    "server_encoder_identity",
     "server_identities",
     "tensor_sha256",
     "validate_entry",

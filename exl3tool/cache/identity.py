@@ -410,6 +410,21 @@ def _revision_advice(mid: ModelIdentity, given: str | None) -> tuple[str | None,
     return None, "start the server without --revision (a local folder's identity then has revision null)", ()
 
 
+def server_encoder_identity(
+    encoder_root: str | None = None,
+    encoder_revision: str | None = None,
+    encoder_source: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[EncoderIdentity, EncoderSettings, tuple[str, ...]]:
+    """The encoder identity alone, as ``server_identities`` derives it: (identity, settings, warnings).
+
+    For an encoder source directory checked before any model is chosen (``exl3tool identity --encoder-root DIR``).
+    """
+    settings = encoder_settings(encoder_root, encoder_revision, environ, source_dir=encoder_source)
+    eid = resolve_encoder_identity(settings.root, settings.revision, source=settings.source_dir)
+    return eid, settings, _encoder_warnings(eid, settings)
+
+
 def _encoder_warnings(eid: EncoderIdentity, settings: EncoderSettings) -> tuple[str, ...]:
     if eid.mode == "revision":
         if settings.source_dir is not None:

@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from exl3tool.cache import server_identities
+from exl3tool.cache import server_encoder_identity, server_identities
 from exl3tool.commands.launching import (
-    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
+    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
 )
 from exl3tool.commands.options import (
     EncoderRevisionOpt,
@@ -47,7 +47,8 @@ def identity(
     always safe). With --encoder-source the local copy's .py files are hashed under the --encoder-root string.
 
     The identities do not depend on --quantization-config; it is validated as the server does and shown, so one
-    command line can be checked before a warm.
+    command line can be checked before a warm. Without MODEL and launch, --encoder-root (or --encoder-source) prints
+    the encoder identity alone, e.g. of an `exl3tool encoder-source DIR` export.
 
     Example: exl3tool identity org/model --encoder-root /encoders/exllamav3 --encoder-revision 1a2b3c
     """
@@ -56,6 +57,10 @@ def identity(
     from exl3tool.warm import WarmRequest
 
     out = Output(json=json, quiet=quiet)
+    if not model and not launch_input(ctx, launch, pid, env_file).launch_given and given_fields(
+            ctx, {"encoder_root": "encoder_root", "encoder_source": "encoder_source"}):
+        _encoder_only(out, encoder_root, encoder_revision, encoder_source, quantization_config, env_file)
+        return
     request = WarmRequest(model=model or "", revision=revision, server_path=server_path, encoder_root=encoder_root,
                           encoder_revision=encoder_revision, encoder_source=encoder_source,
                           quantization_config=quantization_config)
@@ -74,13 +79,7 @@ def identity(
     table.add_column("identity", overflow="fold", min_width=64)
     table.add_column("derivation", overflow="fold")
     table.add_row("model", mid.identity, f"{mid.kind}: {mid.derivation}")
-    if eid.mode == "revision":
-        how = f"revision mode: root {eid.root} + revision {settings.revision.strip()!r}"
-    elif eid.files_from != eid.root:
-        how = f"files mode: every *.py of the local copy {eid.files_from} hashed, keyed with the server's root {eid.root}"
-    else:
-        how = f"files mode: every *.py under {eid.root} hashed"
-    table.add_row("encoder", eid.identity, f"{how} (from {settings.source})")
+    table.add_row("encoder", eid.identity, _encoder_derivation(eid, settings))
     out.table(table)
     out.line(f"revision: {mid.revision or '(none)'}")
     out.line(f"server --revision: {ids.server_revision or '(none)'}: {ids.revision_note}")
@@ -104,19 +103,55 @@ def identity(
                 "payload": mid.payload,
                 "derivation": mid.derivation,
             },
-            "encoder": {
-                "identity": eid.identity,
-                "mode": eid.mode,
-                "root": eid.root,
-                "files_from": eid.files_from,
-                "payload": eid.payload,
-                "source": settings.source,
-            },
+            "encoder": _encoder_json(eid, settings),
             "quantization_config": overlay.as_json(),
             "warnings": list(ids.warnings),
             **launch_json(launched),
         }
     )
+
+
+def _encoder_derivation(eid, settings) -> str:
+    if eid.mode == "revision":
+        how = f"revision mode: root {eid.root} + revision {settings.revision.strip()!r}"
+    elif eid.files_from != eid.root:
+        how = f"files mode: every *.py of the local copy {eid.files_from} hashed, keyed with the server's root {eid.root}"
+    else:
+        how = f"files mode: every *.py under {eid.root} hashed"
+    return f"{how} (from {settings.source})"
+
+
+def _encoder_json(eid, settings) -> dict:
+    return {"identity": eid.identity, "mode": eid.mode, "root": eid.root, "files_from": eid.files_from,
+            "payload": eid.payload, "source": settings.source}
+
+
+def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Optional[str],
+                  encoder_source: Optional[str], quantization_config: Optional[str], env_files: list[str]) -> None:
+    """The encoder identity alone: no model to derive one for (``model`` is null in --json)."""
+    import os
+
+    from exl3tool.checkpoint import resolve_overlay
+
+    if env_files:
+        raise typer.BadParameter("--env-file needs a launch (--launch, --pid or -- ARGV); without MODEL and launch "
+                                 "give the encoder with --encoder-root and --encoder-revision", param_hint="'--env-file'")
+    overlay = resolve_overlay(quantization_config) if quantization_config else None
+    eid, settings, warnings = server_encoder_identity(encoder_root, encoder_revision, encoder_source, os.environ)
+    table = Table(title="Identities", show_header=True)
+    table.add_column("")
+    table.add_column("identity", overflow="fold", min_width=64)
+    table.add_column("derivation", overflow="fold")
+    table.add_row("encoder", eid.identity, _encoder_derivation(eid, settings))
+    out.table(table)
+    out.line(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
+    if eid.mode == "files":
+        out.line(f"encoder files hashed from: {eid.files_from}")
+    out.line("model: none given (pass MODEL or the server's launch for the model identity and the cache dir)")
+    for warning in warnings:
+        out.warn(warning)
+    out.data({"model": None, "encoder": _encoder_json(eid, settings),
+              "quantization_config": overlay.as_json() if overlay is not None else None, "warnings": list(warnings)})
 
 
 def register(app: typer.Typer) -> None:

@@ -153,7 +153,16 @@ def write_encoder_source(path: str | os.PathLike, *, force: bool = False) -> Exp
             shutil.rmtree(staging, ignore_errors=True)
             raise
     except OSError as exc:
-        where = exc.filename or root
-        raise ConfigError(f"{where}: cannot write the encoder source ({exc.strerror or exc}); check the path and "
-                          "its permissions") from None
+        existing = next((p for p in root.parents if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ConfigError(f"{root}: {existing} is a file, not a directory; name a directory under directories "
+                              "only") from None
+        # a failure in the staging folder beside DIR (.DIR.new-*) is a failure to write DIR's parent
+        where = Path(os.fspath(exc.filename)) if exc.filename else root
+        staged = where.parts[len(root.parent.parts):len(root.parent.parts) + 1]
+        if where.parts[:len(root.parent.parts)] == root.parent.parts and staged and staged[0].startswith(
+                f".{root.name}."):
+            where = root.parent
+        raise ConfigError(f"{root}: cannot write the encoder source in {where} ({exc.strerror or exc}); check the "
+                          "path and its permissions") from None
     return ExportResult(str(root), __version__, files, replaced, previous)

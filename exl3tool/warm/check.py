@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import posixpath
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -172,7 +173,8 @@ def model_differences(here: str, there: str) -> list[Finding]:
     moved, resized, touched = [], [], []
     for name in sorted(set(sa) & set(sb)):
         x, y = sa[name], sb[name]
-        if x[1] != y[1]:
+        if x[1] != y[1] and not (x[1] == posixpath.join(str(a.get("path")), name)
+                                 and y[1] == posixpath.join(str(b.get("path")), name)):  # the path finding says it
             moved.append(f"{_s(name)} resolves to {_s(x[1])} here, {_s(y[1])} when warmed")
         if x[2] != y[2]:
             resized.append(f"{_s(name)} size {_s(x[2])} here, {_s(y[2])} when warmed")
@@ -330,7 +332,8 @@ def _overlay_findings(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache, ours: 
     """Layers this launch plans that no entry in the cache has at any TP size (the warm's overlay left them out)."""
     prefixes = sorted({j.prefix for j in jobs})
     if not plan.cache_root.is_dir():
-        return [Finding("absent", f"the cache root {_s(str(plan.cache_root))} does not exist here",
+        what = "is not a directory" if plan.cache_root.exists() else "does not exist here"
+        return [Finding("absent", f"the cache root {_s(str(plan.cache_root))} {what}",
                         "pass the server's cache root (--cache-dir, VLLM_EXL3_ONLINE_CACHE_DIR), or import or warm "
                         "the entries into it")]
     mine = [sr for sr in cache.by_digest.values() if plan.identities is not None
@@ -447,14 +450,15 @@ def _miss_causes(misses: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
         jobs = [j for j, _ in items]
         first, near = items[0]
         if group[0] == "layers":
-            causes.append(Cause("miss", ("overlay",), tuple(jobs), tuple(_overlay_findings(jobs, plan, cache, digest))))
+            found = _overlay_findings(jobs, plan, cache, digest)
+            causes.append(Cause("miss", tuple(dict.fromkeys(f.field for f in found)), tuple(jobs), tuple(found)))
             continue
         fields = group[1]
         findings = []
         if group[0] == "tp":
             sizes = group[2]
             findings.append(Finding("tp_layout", f"these layers were warmed at TP {','.join(map(str, sizes))} only; "
-                                                 f"this launch is TP {first.tp_size}",
+                                                 f"these look-ups are at TP {first.tp_size}",
                                     f"warm with --tp-sizes {first.tp_size} (add it to the warm's list)"))
         findings += _identity_findings(fields, first.key, near, plan, cache)
         if not fields:  # same key, yet the look-up missed: a file the server's is_file() does not see
