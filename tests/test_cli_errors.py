@@ -317,7 +317,7 @@ def test_option_values_a_server_would_not_take_are_usage_errors(model, tmp_path,
     says why instead of 'no eligible layer'."""
     import sys as _sys
     _sys.path.insert(0, str(Path(__file__).resolve().parent / "checkpoint"))
-    from tiny_models import write_mla
+    from exl3tool.checkpoint.tiny import write_mla
 
     cache = ["--cache-dir", str(tmp_path / "cache"), *ENC]
     for argv, why in ((["cache", "warm", str(model), "--tp-sizes", "1,,2", "--layers", "*.o_proj"], "empty item"),

@@ -18,7 +18,7 @@ from exl3tool.verify import verify_plan
 from exl3tool.warm import WarmRequest, prepare, warm
 
 from _cache_util import server_lookup
-from tiny_models import write_mla
+from exl3tool.checkpoint.tiny import write_mla
 
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="mla-test")
 OVERLAY = '{"linear": {"weight": "mxfp8"}, "shared_experts": "mxfp8"}'

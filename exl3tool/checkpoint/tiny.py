@@ -1,17 +1,27 @@
-"""Tiny EXL3 checkpoints of the families the fork serves, written by the tests with realistic config.json names.
+"""Tiny EXL3 checkpoints of the families the fork serves, with realistic config.json and tensor names.
 
+The tests build their checkpoints here, and ``exl3tool synth DIR --family F`` writes the same ones for a person
+who wants to see the served flow (overlay, families, TP) on their own machine without downloading a model.
 Each builder returns the checkpoint directory. Routed experts (and whatever else the builder says) are stored as
 EXL3: trellis/suh/svh/mcg tensors plus a ``tensor_storage`` record; everything else ships BF16 under the official
-HF names. Sizes are chosen so most planned layers are 128-aligned at TP 2 with few tiles.
+HF names. Sizes are chosen so most planned layers are 128-aligned at TP 2 with few tiles. Weights are random
+(``seed``): the entries are real EXL3 encodes of them, the model says nothing.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
-from exl3tool.checkpoint import write_checkpoint
-from exl3tool.checkpoint.synthetic import exl3_record, exl3_tensors
+from exl3tool.checkpoint.synthetic import exl3_record, exl3_tensors, write_checkpoint, write_llama_checkpoint
+from exl3tool.errors import ConfigError, InputError
+
+__all__ = ["TinyFamily", "TINY_FAMILIES", "write_tiny", "QWEN38_OVERLAY", "EXL3_SUMMARY", "Builder",
+           "write_mla", "write_glm5", "write_qwen35", "write_glm53", "write_qwen3_next", "write_glm4_moe",
+           "write_mla_from_config", "mla_config", "mla_attention", "qwen35_config", "glm53_text",
+           "qwen3_next_config", "glm4_moe_config"]
 
 EXL3_SUMMARY = {"quant_method": "exl3", "version": "0.0.43", "bits": 4.0, "head_bits": 16, "codebook": "mcg"}
 
@@ -140,7 +150,7 @@ def write_mla(path: Path, *, q_lora: bool = True, seed: int = 0, **extra) -> Pat
 # ---------------------------------------------------------------------------------------------------------------
 # GLM-5 / 5.2 (GlmMoeDsaForCausalLM, vllm/models/deepseek_v32): MLA + DSA indexer
 
-def write_glm5(path: Path, *, layers: int = 4, **extra) -> Path:
+def write_glm5(path: Path, *, layers: int = 4, seed: int = 0, **extra) -> Path:
     cfg = mla_config(arch="GlmMoeDsaForCausalLM", layers=layers, model_type="glm_moe_dsa", index_topk=64,
                      index_n_heads=2, index_head_dim=64, first_k_dense_replace=1, num_nextn_predict_layers=0)
     cfg.update(extra)
@@ -151,7 +161,7 @@ def write_glm5(path: Path, *, layers: int = 4, **extra) -> Path:
         mla_attention(b, p, cfg, indexer=True)  # GLM-5 ships indexer weights for every layer
         _mla_mlp(b, p, dense=i < cfg["first_k_dense_replace"])
     b.linear("lm_head", 64, m["hidden"])
-    return b.write(path, cfg)
+    return b.write(path, cfg, seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,7 +186,7 @@ def qwen35_config(**extra) -> dict:
 
 
 def write_qwen35(path: Path, *, bf16_linear_layers: tuple[int, ...] = (2,), bf16_mlp_layers: tuple[int, ...] = (0,),
-                 mixed_in_proj: bool = False, **extra) -> Path:
+                 mixed_in_proj: bool = False, seed: int = 0, **extra) -> Path:
     """An EXL3 K5 build whose full attention ships BF16 (as in the fork's Qwen3.8-27B deployments); the GDN
     projections of ``bf16_linear_layers`` and the MLPs of ``bf16_mlp_layers`` ship BF16 too, the rest is EXL3."""
     cfg = qwen35_config(**extra)
@@ -207,7 +217,7 @@ def write_qwen35(path: Path, *, bf16_linear_layers: tuple[int, ...] = (2,), bf16
     b.linear("model.visual.blocks.0.mlp.linear_fc1", 256, 128)
     b.linear("mtp.fc", q["hidden"], 2 * q["hidden"])
     b.linear("lm_head", 64, q["hidden"])
-    return b.write(path, cfg)
+    return b.write(path, cfg, seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,3 +423,55 @@ def write_glm4_moe(path: Path, *, exl3_attn_layers: tuple[int, ...] = (2,), seed
     b.bf16("model.norm", h)
     b.linear("lm_head", 64, h)
     return b.write(path, cfg, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `exl3tool synth`: the builders above as named families, each with the overlay the server would be started with
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """One family ``exl3tool synth`` writes: the builder, the architecture it declares, the overlay to serve it."""
+
+    name: str
+    architecture: str
+    write: Callable[[Path, int], Path]  # (directory, seed) -> the checkpoint directory
+    overlay: Optional[str]  # the --quantization-config its deployments use; None: exl3tool's default overlay
+    about: str
+
+
+TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
+    TinyFamily("qwen3.5", "Qwen3_5ForConditionalGeneration", lambda p, s: write_qwen35(p, seed=s), QWEN38_OVERLAY,
+               "Qwen3.5/3.8 hybrid: 3 gated-delta-net layers and 1 gated full-attention layer, EXL3 K5 build "
+               "whose full attention and some projections ship BF16, a vision tower and an MTP layer"),
+    TinyFamily("glm5.3", "Glm5NextForConditionalGeneration", lambda p, s: write_glm53(p, seed=s), None,
+               "GLM-5.3: 3 KDA layers and 1 MLA layer, dense MLP on layer 0, MoE with EXL3 routed experts"),
+    TinyFamily("deepseek-v3", "DeepseekV3ForCausalLM", lambda p, s: write_mla(p, seed=s), None,
+               "DeepSeek-V3 MLA: layer 0 dense, layer 1 MoE (EXL3 routed experts), an MTP layer in the checkpoint"),
+    TinyFamily("glm5", "GlmMoeDsaForCausalLM", lambda p, s: write_glm5(p, seed=s), None,
+               "GLM-5 / 5.2 DSA: MLA with the sparse-attention indexer on every layer, MoE from layer 1"),
+    TinyFamily("qwen3-next", "Qwen3NextForCausalLM", lambda p, s: write_qwen3_next(p, seed=s), None,
+               "Qwen3-Next: 3 gated-delta-net layers and 1 full-attention layer, MoE with a shared expert"),
+    TinyFamily("glm4.5", "Glm4MoeForCausalLM", lambda p, s: write_glm4_moe(p, seed=s), None,
+               "GLM-4.5/4.6 MoE: layer 0 dense, layers 1-2 MoE with 2 shared experts, a nextn layer"),
+    TinyFamily("llama", "LlamaForCausalLM",
+               lambda p, s: write_llama_checkpoint(p, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256, layers=2,
+                                                   vocab=64, seed=s, shards=1), None,
+               "Llama: 2 decoder layers, every linear BF16, lm_head stored as EXL3"),
+)}
+
+
+def write_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:
+    """Write the tiny EXL3 checkpoint of ``family`` (a ``TINY_FAMILIES`` name) into the new or empty ``path``.
+
+    Refuses a non-empty directory (a checkpoint written over another would mix their shards) and an unknown
+    family (ConfigError naming the known ones). The same family and seed give the same bytes.
+    Example: ``write_tiny("./tiny-qwen3.5", "qwen3.5")``, then ``exl3tool cache warm ./tiny-qwen3.5 ...``.
+    """
+    if family not in TINY_FAMILIES:
+        raise ConfigError(f"--family {family!r}: not one of {', '.join(TINY_FAMILIES)}")
+    root = Path(path)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise InputError(f"{root}: exists and is not an empty directory; give a new folder (a checkpoint written "
+                         "over another would mix their files)")
+    return TINY_FAMILIES[family].write(root, seed)
