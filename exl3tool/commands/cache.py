@@ -19,12 +19,12 @@ from exl3tool.commands.options import (
     CacheDirOpt, FileModeOpt, JsonOpt, ModelIdOpt, QuietOpt, existing_cache_dir, resolve_cache_dir,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
-from exl3tool.output import Output
+from exl3tool.output import Output, plural
 
 __all__ = ["cache_app", "register"]
 
-cache_app = typer.Typer(name="cache", help="Inspect, verify and prune the online EXL3 cache.", no_args_is_help=True,
-                        cls=Exl3Group)
+cache_app = typer.Typer(name="cache", help="Warm, list, show, verify, prune, export and import the online EXL3 cache.",
+                        no_args_is_help=True, cls=Exl3Group)
 
 
 def _when(ts: float) -> str:
@@ -88,7 +88,7 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
                       str(g["malformed"]), decimal(g["bytes"]), _when(g["newest"]))
         rows.append({**g, "ranks": ranks})
     out.table(table)
-    out.line(f"{len(infos)} entries, {decimal(sum(i.size for i in infos))}")
+    out.line(f"{plural(len(infos), 'entry', 'entries')}, {decimal(sum(i.size for i in infos))}")
     out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos)})
 
 
@@ -194,8 +194,9 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
         if i.is_symlink and i.status == "valid":
             out.warn(f"{i.path}: a symlink; the server follows it and loads the target")
     out.line(
-        f"{len(entries)} entries: {len(valid)} valid, {len(unchecked)} unchecked, {len(invalid)} invalid; "
-        f"{len(bad_locks)} broken lock path(s), {len(temps)} leftover temp file(s), {len(orphans)} orphan lock(s)"
+        f"{plural(len(entries), 'entry', 'entries')}: {len(valid)} valid, {len(unchecked)} unchecked, "
+        f"{len(invalid)} invalid; {plural(len(bad_locks), 'broken lock path')}, "
+        f"{plural(len(temps), 'leftover temp file')}, {plural(len(orphans), 'orphan lock')}"
     )
     if unchecked:
         out.note(f"{len(unchecked)} entr{'y has' if len(unchecked) == 1 else 'ies have'} no exl3tool checksum "
@@ -259,7 +260,7 @@ def prune(
     out.table(table)
     for info, why in plan.skipped:
         out.note(f"skipping {info.path}: {why}")
-    out.line(f"{len(plan.items)} file(s), {decimal(plan.bytes_freed)} to free")
+    out.line(f"{plural(len(plan.items), 'file')}, {decimal(plan.bytes_freed)} to free")
     result: dict[str, Any] = {
         "root": str(root),
         "dry_run": dry_run,
@@ -273,7 +274,13 @@ def prune(
     if not yes:
         if json:
             raise ConfigError("prune with --json needs --yes (or --dry-run): there is no prompt in JSON mode")
-        if not typer.confirm(f"Delete {len(plan.items)} file(s)?"):
+        try:
+            agreed = typer.confirm(f"Delete {plural(len(plan.items), 'file')}?")
+        except typer.Abort:  # no answer: stdin closed or not a terminal (a script, CI)
+            typer.echo()  # end the prompt's line
+            raise ConfigError("no answer to the prompt (stdin is not interactive): pass --yes to prune without a "
+                              "prompt, or --dry-run to see the plan") from None
+        if not agreed:
             out.line("nothing removed")
             out.data({**result, "bytes_freed": 0, "errors": [], "kept": []})
             return
@@ -283,10 +290,10 @@ def prune(
         out.note(line)
     for line in errors:
         out.warn(line)
-    out.line(f"freed {decimal(done.freed)}" + (f"; {len(done.kept)} file(s) changed since the plan, kept" if done.kept else ""))
+    out.line(f"freed {decimal(done.freed)}" + (f"; {plural(len(done.kept), 'file')} changed since the plan, kept" if done.kept else ""))
     out.data({**result, "bytes_freed": done.freed, "errors": errors, "kept": list(done.kept)})
     if errors:
-        raise InputError(f"{len(errors)} file(s) could not be removed (see warnings); check permissions under {root}")
+        raise InputError(f"{plural(len(errors), 'file')} could not be removed (see warnings); check permissions under {root}")
 
 
 def register(app: typer.Typer) -> None:
@@ -311,7 +318,7 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
         for path, why in plan.left_out:
             table.add_row(path, why)
         out.table(table)
-    out.line(f"exported {len(plan.entries)} entries ({decimal(plan.bytes)}) to {bundle}: a {decimal(size)} bundle; "
+    out.line(f"exported {plural(len(plan.entries), 'entry', 'entries')} ({decimal(plan.bytes)}) to {bundle}: a {decimal(size)} bundle; "
              f"{len(plan.left_out)} invalid left out; cache {plan.root}")
     out.data({
         "bundle": bundle, "root": str(plan.root), "entries": len(plan.entries), "bytes": plan.bytes,
@@ -422,5 +429,5 @@ def import_(
         "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items],
     })
     if refused:
-        raise FindingsError(f"{len(refused)} bundle member(s) refused (nothing of them was written); the rest were "
+        raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); the rest were "
                             "imported")

@@ -16,13 +16,13 @@ from exl3tool.commands.options import (
     OverlapOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
-from exl3tool.output import Output
+from exl3tool.output import Output, plural
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
 
 __all__ = ["register", "encode", "cache_warm"]
 
-LayersOpt = Annotated[list[str], typer.Option("--layers", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
-ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")]
+LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
+ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
@@ -65,6 +65,11 @@ def plan_notes(out: Output, plan: WarmPlan) -> None:
         (out.note if lp.server_lookup and note not in gaps else out.warn)(note)
     if plan.fetch is not None:
         out.note(plan.fetch.line())
+    if plan.mode != "readwrite":  # say before encoding that the work will be thrown away
+        what = ("the cache is neither read nor written: every planned layer" if plan.mode == "off" else
+                "the cache is read, never written: every layer missing from it")
+        out.note(f"mode {plan.mode}: {what} is encoded ({plural(len(plan.todo), 'job')}) and the result discarded "
+                 "(a timing or a dry check); --mode readwrite publishes the entries")
 
 
 def _why(j) -> str:
@@ -97,14 +102,17 @@ def render_plan(out: Output, plan: WarmPlan) -> None:
             ex.add_row(e.prefix, e.detail or e.reason)
         out.table(ex)
     plan_notes(out, plan)
-    out.line(f"{len(plan.jobs)} jobs: {plan.count('hit')} hit, {plan.count('miss')} miss, "
-             f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; {len(excluded)} modules not "
-             f"encoded by the server; {sum(j.tiles for j in plan.jobs if j.state != 'skipped')} tiles; "
-             f"cache {plan.cache_root}")
+    looked_up = [j for j in plan.jobs if j.state != "skipped"]
+    todo = plan.todo
+    out.line(f"{plural(len(plan.jobs), 'job')}: {plan.count('hit')} hit, {plan.count('miss')} miss, "
+             f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; "
+             f"{plural(len(excluded), 'module')} not encoded by the server; {plural(sum(j.tiles for j in looked_up), 'tile')} "
+             f"in all, {plural(sum(j.tiles for j in todo), 'tile')} to encode; cache {plan.cache_root}")
     out.data({
         "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
         "bits": plan.bits, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root), "mode": plan.mode,
         **plan_header(plan),
+        "tiles": {"total": sum(j.tiles for j in looked_up), "to_encode": sum(j.tiles for j in todo)},
         "jobs": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
                   "output_size": j.output_size, "tiles": j.tiles, "state": j.state, "reason": j.reason,
                   "why": _why(j), "planned_by": j.rank_job.layer.spec if j.rank_job is not None else None,
@@ -128,7 +136,7 @@ def render_summary(out: Output, summary: WarmSummary) -> None:
              f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
     if summary.unchecked_hits:
-        out.warn(f"{summary.unchecked_hits} hit(s) carry no exl3tool checksum (written by the server?): kept as the "
+        out.warn(f"{plural(summary.unchecked_hits, 'hit')} without an exl3tool checksum (written by the server?): kept as the "
                  "server would load them; `exl3tool verify MODEL` checks their weights")
     out.data(summary)
 
@@ -148,8 +156,8 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
 
             todo = share_jobs(todo, ctx.worker, ctx.workers)
         plan_notes(out, plan)
-        out.note(f"{plan.model}: {len(plan.jobs)} jobs, {plan.count('hit')} already cached, "
-                 f"{len(todo)} to encode here ({sum(j.tiles for j in todo)} tiles)")
+        out.note(f"{plan.model}: {plural(len(plan.jobs), 'job')}, {plan.count('hit')} already cached, "
+                 f"{len(todo)} to encode here ({plural(sum(j.tiles for j in todo), 'tile')})")
         if out.show_progress and todo:
             progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("tiles"), _RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=out.stderr, transient=True)
@@ -184,7 +192,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
     render_summary(out, summary)
     if not summary.ok:
         where = "the entries with status 'failed'" if out.json else "the list above"
-        raise FindingsError(f"{summary.counts['failed']} layer job(s) failed; see {where}")
+        raise FindingsError(f"{plural(summary.counts['failed'], 'layer job')} failed; see {where}")
 
 
 def encode(
