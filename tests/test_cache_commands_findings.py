@@ -106,7 +106,8 @@ def test_ls_shows_one_row_per_model_and_tp_size_with_an_unreadable_entry(cache):
     assert "bad" not in tp2 and set(tp2) == {"model_identity", "tp_world_size", "ranks", "entries", "malformed", "bytes",
                                              "newest"}
     human = cli("cache", "ls", "--cache-dir", str(root))
-    assert human.exit_code == 0 and human.output.count(MODEL_ID[:20]) == 2
+    # two rows by TP size, and one in the table by model and encoder identity
+    assert human.exit_code == 0 and human.output.count(MODEL_ID[:20]) == 3
 
 
 def _documented(section: str) -> set[str]:

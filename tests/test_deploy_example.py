@@ -23,7 +23,7 @@ from _cache_util import server_encoder_identity, server_lookup, server_model_ide
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CI = REPO_ROOT / "examples" / "ci"
 DOC = REPO_ROOT / "docs" / "deploy.md"
-SCRIPTS = ("common.sh", "identity-key.sh", "warm.sh", "export.sh", "import.sh", "warm-and-bundle.yml")
+SCRIPTS = ("common.sh", "identity-key.sh", "warm.sh", "export.sh", "import.sh", "check.sh", "warm-and-bundle.yml")
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 HD = 64  # head dim of TINY
 TP_SIZES = (1, 2)
@@ -83,6 +83,17 @@ def test_scripts_warm_export_import_and_every_entry_hits(tmp_path):
     for prefix, w, r, k, n in expected_jobs():
         hit = server_lookup(srv / "cache", model_id, encoder_id, prefix, 6, w, r, k, n)
         assert hit is not None, f"{prefix} tp{w}-rank{r} ({k} x {n}) misses on the server"
+    # check.sh on the node, with the server's view (its paths; no SERVER_MODEL_PATH, no ENCODER_SOURCE): all hit
+    view = dict(node, MODEL=str(srv / "models" / "tiny"))
+    for name in ("SERVER_MODEL_PATH", "ENCODER_SOURCE"):
+        view.pop(name)
+    _run("check.sh", view, srv)
+    shard = sorted((srv / "models" / "tiny").glob("*.safetensors"))[0]
+    before = shard.stat()
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns + 2_000_000_000))  # as a copy without -p would
+    r = subprocess.run(["bash", str(CI / "check.sh")], env=view, cwd=srv, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 1 and f"{shard.name} mtime" in r.stdout and "cp -p" in r.stdout, r.stdout + r.stderr
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
     files = [p for p in (srv / "cache").rglob("*.safetensors")]
     assert len(files) == 3 and all(p.stat().st_mode & 0o777 == 0o644 for p in files)
     o_proj = [h for w in TP_SIZES for r in range(w) for h in [server_lookup(
@@ -104,7 +115,7 @@ def test_docs_show_the_scripts_verbatim_and_run_only_tested_ones():
     for name, body in blocks.items():
         assert body == (CI / name).read_text(), f"docs/deploy.md's copy of examples/ci/{name} is out of date"
     invoked = set(re.findall(r"bash examples/ci/([\w-]+\.sh)", DOC.read_text()))
-    assert invoked == {"identity-key.sh", "warm.sh", "export.sh", "import.sh"}  # each run by the test above
+    assert invoked == {"identity-key.sh", "warm.sh", "export.sh", "import.sh", "check.sh"}  # each run by the test above
 
 
 def test_workflow_runs_the_scripts_and_keys_the_artifact():

@@ -55,6 +55,10 @@ CLAIMS = [
     ("help: cache warm", "Exit codes: 0 all present, 1 some layers failed", "warm"),
     ("help: verify", "Exit codes: 0 every layer passes", "verify_model"),
     ("help: exl3tool", "Exit codes: 0 ok; 1 findings", "general"),
+    ("README.md", "with the fix; exit 1 on any miss", "cache_check"),
+    ("docs/cache.md", "Exit 0 when every look-up hits, 1 when", "cache_check"),
+    ("docs/deploy.md", "exits 0 when every look-up hits, 1 when any misses", "cache_check"),
+    ("help: cache check", "Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error", "cache_check"),
 ]
 
 
@@ -270,6 +274,13 @@ def scenario_verify_model(m, tmp, monkeypatch):
     missing = "model.layers.1.self_attn.o_proj"  # never warmed
     assert run(["verify", m["good"], "--layers", missing, "--cache-dir", m["cache"], "--quiet", *ENC]) == 1
     assert run(["verify", m["good"], "--cache-dir", tmp / "nope", *ENC]) == 2
+
+
+def scenario_cache_check(m, tmp, monkeypatch):
+    argv = ["cache", "check", m["good"], "--cache-dir", m["cache"], *ENC]
+    assert run([*argv, "--layers", LAYER]) == 0
+    assert run([*argv, "--layers", "model.layers.1.self_attn.o_proj"]) == 1  # never warmed: the server would miss
+    assert run([*argv, "--tp-sizes", "two"]) == 2
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}

@@ -47,6 +47,7 @@ def test_the_flow_runs_as_written(tmp_path):
     assert re.search(r"^12 jobs: 0 hit, 12 miss, 0 invalid, 0 skipped; 13 modules", warms[0], re.M), warms[0]
     assert "0 hit, 2 encoded, 0 skipped, 0 failed" in warms[1] and "2 hit, 0 encoded" in warms[2]
     assert "2 pass, 0 fail" in out_of("exl3tool verify")
+    assert re.search(r"^2 look-ups: 2 hit .*0 miss, 0 invalid", out_of("exl3tool cache check"), re.M)
     assert "2 entries: 2 valid, 0 unchecked, 0 invalid" in out_of("exl3tool cache verify")
     rows = [r for r in out_of("exl3tool cache ls").splitlines() if re.match(r"^[0-9a-f]{20}\s", r)]
     assert len(rows) == 1 and re.search(r"\s2\s+0,1\s+2\s", rows[0]), rows

@@ -89,7 +89,7 @@ def test_root_help_states_every_exit_code_and_cache_help_every_command(capsys):
         assert code in text
     _, cache_help, _ = run(["cache", "--help"], capsys)
     summary = " ".join(cache_help.replace("│", " ").split()).split("Options")[0].lower()
-    for command in ("warm", "list", "show", "verify", "prune", "export", "import"):
+    for command in ("warm", "check", "list", "show", "verify", "prune", "export", "import"):
         assert command in summary, (command, summary)
 
 

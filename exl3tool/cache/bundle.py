@@ -21,7 +21,7 @@ import struct
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -29,6 +29,10 @@ from exl3tool import __version__
 from exl3tool.cache.entry import validate_entry
 from exl3tool.cache.key import HEX64, CacheKey
 from exl3tool.cache.paths import entry_path
+from exl3tool.cache.records import (
+    RECORD_LIMIT, RECORD_NAME_RE, RECORDS_DIR, ProvenanceRecord, parse_record, printable, read_records, record_bytes,
+    write_record,
+)
 from exl3tool.cache.scan import EntryInfo, matches_model, scan
 from exl3tool.cache.store import PRUNE_HINT, CacheStore
 from exl3tool.errors import InputError, describe
@@ -40,6 +44,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "BundleEntry",
+    "BundleRecord",
     "ExportPlan",
     "ImportItem",
     "ImportReport",
@@ -84,12 +89,32 @@ class BundleEntry:
 
 
 @dataclass(frozen=True)
+class BundleRecord:
+    """A provenance record a bundle carries (member ``exl3tool-records/...``): its bytes, held in memory (small)."""
+
+    path: str
+    data: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    def as_json(self) -> dict:
+        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
 class ExportPlan:
     """What an export writes (valid entries, sorted by path) and what it leaves out, with why."""
 
     root: Path
     entries: tuple[BundleEntry, ...]
     left_out: tuple[tuple[str, str], ...]  # (path under the root, reason)
+    records: tuple[BundleRecord, ...] = ()  # the provenance of the entries, trimmed to them, sorted by path
 
     @property
     def bytes(self) -> int:
@@ -104,6 +129,7 @@ class ImportItem:
     status: str
     reason: str = ""
     size: int = 0
+    kind: str = "entry"  # entry | record (a provenance record the bundle carries)
 
 
 @dataclass(frozen=True)
@@ -114,12 +140,12 @@ class ImportReport:
     tool_version: str
     items: tuple[ImportItem, ...]
 
-    def count(self, status: str) -> int:
-        return sum(1 for i in self.items if i.status == status)
+    def count(self, status: str, kind: str = "entry") -> int:
+        return sum(1 for i in self.items if i.status == status and i.kind == kind)
 
     @property
     def bytes_written(self) -> int:
-        return sum(i.size for i in self.items if i.status in ("imported", "replaced"))
+        return sum(i.size for i in self.items if i.status in ("imported", "replaced") and i.kind == "entry")
 
     @property
     def ok(self) -> bool:
@@ -165,13 +191,33 @@ def plan_export(root: str | Path, *, model: str | None = None, tp_sizes: tuple[i
         chosen.append(BundleEntry(rel, info.key.digest(), info.key.canonical_json(), size, sha))
     chosen.sort(key=lambda e: e.path)
     left_out.sort()
-    return ExportPlan(root, tuple(chosen), tuple(left_out))
+    return ExportPlan(root, tuple(chosen), tuple(left_out), _export_records(root, chosen))
 
 
-def manifest_bytes(entries: tuple[BundleEntry, ...]) -> bytes:
+def _export_records(root: Path, chosen: list[BundleEntry]) -> tuple[BundleRecord, ...]:
+    """The records naming exported entries, each trimmed to those entries (so every digest it carries is in the
+    bundle, as an import requires); unreadable records are left out."""
+    exported = {e.digest for e in chosen}
+    out: dict[str, BundleRecord] = {}
+    for sr in read_records(root):
+        r = sr.record
+        if r is None:
+            continue
+        keep = tuple(e for e in r.entries if e.digest in exported)
+        if not keep:
+            continue
+        trimmed = replace(r, entries=keep)
+        path = f"{RECORDS_DIR}/{trimmed.relative_path}"
+        out[path] = BundleRecord(path, record_bytes(trimmed))
+    return tuple(out[p] for p in sorted(out))
+
+
+def manifest_bytes(entries: tuple[BundleEntry, ...], records: tuple[BundleRecord, ...] = ()) -> bytes:
     """The manifest member's bytes: sorted keys, one entry per line, the tool version (deterministic)."""
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "tool_version": __version__,
            "entries": [e.as_json() for e in entries]}
+    if records:  # optional: a bundle without records is byte for byte what earlier versions wrote
+        doc["records"] = [r.as_json() for r in records]
     return (json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=True) + "\n").encode("ascii")
 
 
@@ -230,7 +276,7 @@ def write_bundle(plan: ExportPlan, out: BinaryIO) -> int:
         if written % _BLOCK:
             put(b"\0" * (_BLOCK - written % _BLOCK))
 
-    manifest = manifest_bytes(plan.entries)
+    manifest = manifest_bytes(plan.entries, plan.records)
     put(_header(MANIFEST_NAME, len(manifest)))
     put(manifest)
     pad()
@@ -250,6 +296,10 @@ def write_bundle(plan: ExportPlan, out: BinaryIO) -> int:
         if left or extra or h.hexdigest() != entry.sha256:
             raise InputError(f"{plan.root / entry.path}: changed while it was being exported (a warm or prune running?); "
                              "the bundle is incomplete, export again")
+        pad()
+    for record in plan.records:  # after the entries they describe
+        put(_header(record.path, record.size))
+        put(record.data)
         pad()
     put(b"\0" * (2 * _BLOCK))
     if written % _RECORD:
@@ -349,6 +399,79 @@ def _manifest_entries(doc: object) -> tuple[dict[str, tuple[BundleEntry, CacheKe
     return usable, refused
 
 
+def _manifest_records(doc: dict) -> tuple[dict[str, tuple[int, str]], list[ImportItem]]:
+    """The manifest's provenance records by member path (size, sha256), and a refusal for each that is not one."""
+    records = doc.get("records", [])
+    if not isinstance(records, list):
+        raise BundleError(f"{MANIFEST_NAME}: records is not a list")
+    usable: dict[str, tuple[int, str]] = {}
+    refused: list[ImportItem] = []
+    for n, rec in enumerate(records):
+        path = rec.get("path") if isinstance(rec, dict) else None
+        where = path if isinstance(path, str) else f"manifest record {n}"
+        why = None
+        if not isinstance(rec, dict) or set(rec) != {"path", "size", "sha256"}:
+            why = "not a record of path, size and sha256"
+        elif not isinstance(path, str) or not path.startswith(RECORDS_DIR + "/") or not RECORD_NAME_RE.fullmatch(
+                path[len(RECORDS_DIR) + 1:]):
+            why = f"path is not {RECORDS_DIR}/<model20>/<encoder20>-<fingerprint24>.json"
+        elif type(rec["size"]) is not int or not 0 < rec["size"] <= RECORD_LIMIT:
+            why = f"size is not from 1 to {RECORD_LIMIT} bytes"
+        elif not isinstance(rec["sha256"], str) or not HEX64.fullmatch(rec["sha256"]):
+            why = "sha256 is not 64 hex digits"
+        elif path in usable:
+            why = "listed twice"
+            usable.pop(path)
+        if why is not None:
+            refused.append(ImportItem(where, "refused", f"manifest: {why}", kind="record"))
+            continue
+        usable[path] = (rec["size"], rec["sha256"])
+    return usable, refused
+
+
+def _record_problem(record: ProvenanceRecord, wanted: dict[str, tuple[BundleEntry, CacheKey]]) -> str | None:
+    """Why a bundle's record does not describe the bundle's entries, or None: every digest must be an entry of the
+    manifest whose key carries the record's identities, bits, layer, TP size and rank."""
+    for e in record.entries:
+        rel = f"v1/{record.model_identity[:20]}/tp{e.tp_size}-rank{e.tp_rank}/{e.digest}.safetensors"
+        found = wanted.get(rel)
+        if found is None:
+            return f"entry {e.digest[:16]} ({printable(e.prefix)}) is not in the bundle's manifest"
+        key = found[1]
+        if (key.model_identity, key.encoder_identity, key.bits, key.prefix) != (
+                record.model_identity, record.encoder_identity, record.settings.bits, e.prefix):
+            return f"entry {e.digest[:16]}'s key does not carry the record's identities, bits and layer"
+    return None
+
+
+def _import_record(member: _Member, size_sha: tuple[int, str], wanted: dict[str, tuple[BundleEntry, CacheKey]],
+                   store: CacheStore, source: str) -> ImportItem:
+    """Check one provenance record member as untrusted input and write it (atomically) into the store's root."""
+    data = member.read(member.size)
+    if hashlib.sha256(data).hexdigest() != size_sha[1]:
+        return ImportItem(member.name, "refused", "its bytes differ from the manifest's sha256", kind="record")
+    try:
+        record = parse_record(data)
+    except ValueError as exc:
+        return ImportItem(member.name, "refused", f"not a valid provenance record: {printable(str(exc))}", kind="record")
+    if f"{RECORDS_DIR}/{record.relative_path}" != member.name:
+        return ImportItem(member.name, "refused", f"its content names it {RECORDS_DIR}/{record.relative_path}",
+                          kind="record")
+    problem = _record_problem(record, wanted)
+    if problem:
+        return ImportItem(member.name, "refused", problem, kind="record")
+    from exl3tool.cache.records import new_record
+
+    here = new_record(command="cache import", model_name="", model_identity=record.model_identity,
+                      model_payload=record.model_payload, encoder_identity=record.encoder_identity,
+                      encoder_payload=record.encoder_payload, settings=record.settings, entries=list(record.entries))
+    record = replace(record, imported={"time": here.time, "host": here.host, "tool_version": here.tool_version,
+                                       "bundle": printable(source)[:4096] or "-"})
+    _, written = write_record(store.root, record, file_mode=store.file_mode)
+    return ImportItem(member.name, "imported" if written else "present",
+                      "" if written else "the same record is already there (kept)", member.size, kind="record")
+
+
 def _check_record(rec: object) -> tuple[BundleEntry, CacheKey]:
     if not isinstance(rec, dict) or set(rec) != {"path", "digest", "key", "size", "sha256"}:
         raise ValueError("not a record of path, digest, key, size and sha256")
@@ -409,8 +532,12 @@ def _copy(member: _Member, first: bytes, sha: "hashlib._Hash") -> Callable[[Bina
     return write
 
 
-def import_bundle(stream: BinaryIO, store: CacheStore) -> ImportReport:
+def import_bundle(stream: BinaryIO, store: CacheStore, *, source: str = "") -> ImportReport:
     """Read a bundle from ``stream`` (a file or a pipe, in one pass) and publish its entries into ``store``.
+
+    Provenance records the bundle carries are checked as untrusted input (``parse_record``, and every digest an
+    entry of this bundle with matching key fields) and written beside ``v1/`` with ``imported`` set (``source``:
+    the bundle's name, for people).
 
     Raises BundleError when the stream is not a bundle (nothing written) or breaks off (entries published
     before that stay: each is complete). Raises InputError when the cache cannot be written.
@@ -432,6 +559,8 @@ def import_bundle(stream: BinaryIO, store: CacheStore) -> ImportReport:
     except (UnicodeDecodeError, ValueError) as exc:
         raise BundleError(f"{MANIFEST_NAME} is not JSON ({exc})") from None
     wanted, items = _manifest_entries(doc)
+    records, record_refusals = _manifest_records(doc)
+    items += record_refusals
     refused_in_manifest = {i.path for i in items}
     done: set[str] = set()
     names: set[str] = {MANIFEST_NAME}
@@ -445,6 +574,14 @@ def import_bundle(stream: BinaryIO, store: CacheStore) -> ImportReport:
             names.add(member.name)
             if why is None and member.name in refused_in_manifest:
                 continue  # already reported with the manifest's reason
+            if why is None and member.name in records:
+                if member.size != records[member.name][0]:
+                    items.append(ImportItem(member.name, "refused", f"{member.size} bytes, but the manifest says "
+                                                                    f"{records[member.name][0]}", kind="record"))
+                else:
+                    items.append(_import_record(member, records[member.name], wanted, store, source))
+                done.add(member.name)
+                continue
             record = wanted.get(member.name)
             if why is None and record is None:
                 why = "not in the manifest"
@@ -461,11 +598,13 @@ def import_bundle(stream: BinaryIO, store: CacheStore) -> ImportReport:
         raise InputError(f"cannot write the cache {store.root}: {describe(exc)}; {_progress(items)} before that") from None
     for path in sorted(set(wanted) - done):
         items.append(ImportItem(path, "refused", "listed in the manifest, missing from the bundle"))
+    for path in sorted(set(records) - done):
+        items.append(ImportItem(path, "refused", "listed in the manifest, missing from the bundle", kind="record"))
     return ImportReport(store.root, str(doc.get("tool_version", "")), tuple(items))
 
 
 def _progress(items: list[ImportItem]) -> str:
-    n = sum(1 for i in items if i.status in ("imported", "replaced"))
+    n = sum(1 for i in items if i.status in ("imported", "replaced") and i.kind == "entry")
     return f"{n} entr{'y' if n == 1 else 'ies'} imported"
 
 

@@ -6,7 +6,7 @@ import hashlib
 import json
 import re
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from exl3tool.jsontext import loads_json
@@ -136,13 +136,24 @@ class CacheKey:
         return None
 
     def as_dict(self) -> dict[str, Any]:
-        """The 12 members as a plain dict."""
-        return asdict(self)
+        """The 12 members as a plain dict (all scalars: no deep copy needed)."""
+        return {name: getattr(self, name) for name in _NAMES}
 
     def canonical_json(self) -> str:
         """The exact string the server hashes and stores as ``cache_key`` metadata."""
-        return canonical_dumps(self.as_dict())
+        cached = self.__dict__.get("_canonical")
+        if cached is None:  # computed once per key: a plan and a check ask for it thousands of times
+            cached = canonical_dumps(self.as_dict())
+            object.__setattr__(self, "_canonical", cached)
+        return cached
 
     def digest(self) -> str:
         """Lower-case hex SHA-256 of the canonical JSON: the entry's file name."""
-        return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            cached = hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
+            object.__setattr__(self, "_digest", cached)
+        return cached
+
+
+_NAMES = tuple(f.name for f in fields(CacheKey))

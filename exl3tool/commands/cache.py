@@ -23,7 +23,7 @@ from exl3tool.output import Output, plural
 
 __all__ = ["cache_app", "register"]
 
-cache_app = typer.Typer(name="cache", help="Warm, list, show, verify, prune, export and import the online EXL3 cache.",
+cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, prune, export and import the online EXL3 cache.",
                         no_args_is_help=True, cls=Exl3Group)
 
 
@@ -88,8 +88,36 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
                       str(g["malformed"]), decimal(g["bytes"]), _when(g["newest"]))
         rows.append({**g, "ranks": ranks})
     out.table(table)
+    from exl3tool.cache.records import group_by_identity, read_records
+
+    records = read_records(root, model_prefix=model)
+    identities = group_by_identity(root, infos, records)
+    _identity_table(out, identities)
+    for sr in records:
+        if sr.record is None:
+            out.warn(f"{sr.path}: not a provenance record ({sr.error}); remove it with: exl3tool cache prune --invalid")
     out.line(f"{plural(len(infos), 'entry', 'entries')}, {decimal(sum(i.size for i in infos))}")
-    out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos)})
+    out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos),
+              "identities": identities,
+              "bad_records": [{"path": str(sr.path), "error": sr.error} for sr in records if sr.record is None]})
+
+
+def _identity_table(out: Output, identities: list[dict[str, Any]]) -> None:
+    """Entries by model and encoder identity, with where they came from: recorded warms, exl3tool, the server."""
+    table = Table(title="by model and encoder identity")
+    for col in ("model identity", "encoder identity", "entries", "TP", "bits", "from"):
+        table.add_column(col, justify="right" if col == "entries" else "left", overflow="fold")
+    for g in identities:
+        o = g["origins"]
+        origin = [f"{r['command']} on {r['host']} at {r['time']}"
+                  + (f" (imported {r['imported']['time']})" if r["imported"] else "") for r in g["records"]]
+        if o["exl3tool"]:
+            origin.append(f"{o['exl3tool']} by exl3tool without a record")
+        if o["server"]:
+            origin.append(f"{o['server']} written by the server itself (no record, no exl3tool checksum)")
+        table.add_row(g["model_identity"][:20], g["encoder_identity"][:20], str(g["entries"]),
+                      ",".join(map(str, g["tp_sizes"])), ",".join(map(str, g["bits"])), "; ".join(origin))
+    out.table(table)
 
 
 def _model_ok(info: EntryInfo, model: str | None) -> bool:
@@ -233,6 +261,7 @@ def prune(
     older_than: Annotated[
         Optional[float], typer.Option("--older-than", metavar="DAYS", help="Entries (and leftovers) older than DAYS.")
     ] = None,
+    records: Annotated[bool, typer.Option("--records", help="Only provenance records whose entries are all gone (every prune drops those too).")] = False,
     model: ModelIdOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
@@ -242,56 +271,70 @@ def prune(
 ) -> None:
     """Delete invalid entries, leftovers or old entries: prints the plan (bytes freed) first.
 
-    Lock files of entries that stay are never touched. Example: exl3tool cache prune --invalid --temp --yes
+    Lock files of entries that stay are never touched. Provenance records whose entries are all gone (after this prune)
+    are removed with them; --invalid also removes record files that cannot be read as records.
+    Example: exl3tool cache prune --invalid --temp --yes
     """
-    if not (invalid or temp or older_than is not None):
-        raise ConfigError("nothing selected: pass --invalid, --temp and/or --older-than DAYS")
+    if not (invalid or temp or records or older_than is not None):
+        raise ConfigError("nothing selected: pass --invalid, --temp, --records and/or --older-than DAYS")
     if older_than is not None and older_than < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--older-than")
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
+    from exl3tool.cache.records import execute_record_prune, plan_record_prune, read_records
+
     plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model)
+    rplan = plan_record_prune(root, read_records(root, model_prefix=model), invalid=invalid,
+                              removing={info.path for info, _ in plan.items if info.kind == "entry"})
     table = Table(title=f"Prune plan for {root}")
     table.add_column("file", overflow="fold")
     table.add_column("size", justify="right", no_wrap=True)
     table.add_column("why", overflow="fold")
     for info, why in plan.items:
         table.add_row(str(info.path.relative_to(root)), decimal(info.size), why)
+    for sr, why in rplan.items:
+        table.add_row(str(sr.path.relative_to(root)), decimal(sr.size), why)
     out.table(table)
     for info, why in plan.skipped:
         out.note(f"skipping {info.path}: {why}")
-    out.line(f"{plural(len(plan.items), 'file')}, {decimal(plan.bytes_freed)} to free")
+    out.line(f"{plural(len(plan.items), 'file')}, {decimal(plan.bytes_freed)} to free"
+             + (f"; {plural(len(rplan.items), 'provenance record')}" if rplan.items else ""))
     result: dict[str, Any] = {
         "root": str(root),
         "dry_run": dry_run,
         "planned": [{**_entry_json(i), "why": why} for i, why in plan.items],
         "skipped": [{**_entry_json(i), "why": why} for i, why in plan.skipped],
         "bytes_planned": plan.bytes_freed,
+        "records_planned": [{"path": str(sr.path), "why": why} for sr, why in rplan.items],
     }
-    if dry_run or not plan.items:
-        out.data({**result, "bytes_freed": 0, "errors": [], "kept": []})
+    if dry_run or not (plan.items or rplan.items):
+        out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
         return
     if not yes:
         if json:
             raise ConfigError("prune with --json needs --yes (or --dry-run): there is no prompt in JSON mode")
         try:
-            agreed = typer.confirm(f"Delete {plural(len(plan.items), 'file')}?")
+            agreed = typer.confirm(f"Delete {plural(len(plan.items) + len(rplan.items), 'file')}?")
         except typer.Abort:  # no answer: stdin closed or not a terminal (a script, CI)
             typer.echo()  # end the prompt's line
             raise ConfigError("no answer to the prompt (stdin is not interactive): pass --yes to prune without a "
                               "prompt, or --dry-run to see the plan") from None
         if not agreed:
             out.line("nothing removed")
-            out.data({**result, "bytes_freed": 0, "errors": [], "kept": []})
+            out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
             return
     done = execute_prune(plan)
-    errors = list(done.errors)
-    for line in done.kept:
+    removed, rerrors, rkept = execute_record_prune(root, rplan)  # after the entries: a record goes with its last entry
+    errors = list(done.errors) + rerrors
+    for line in list(done.kept) + rkept:
         out.note(line)
     for line in errors:
         out.warn(line)
-    out.line(f"freed {decimal(done.freed)}" + (f"; {plural(len(done.kept), 'file')} changed since the plan, kept" if done.kept else ""))
-    out.data({**result, "bytes_freed": done.freed, "errors": errors, "kept": list(done.kept)})
+    out.line(f"freed {decimal(done.freed)}"
+             + (f"; {plural(len(done.kept), 'file')} changed since the plan, kept" if done.kept else "")
+             + (f"; {plural(removed, 'provenance record')} removed" if removed else ""))
+    out.data({**result, "bytes_freed": done.freed, "errors": errors, "kept": list(done.kept) + rkept,
+              "records_removed": removed})
     if errors:
         raise InputError(f"{plural(len(errors), 'file')} could not be removed (see warnings); check permissions under {root}")
 
@@ -322,7 +365,7 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
              f"{len(plan.left_out)} invalid left out; cache {plan.root}")
     out.data({
         "bundle": bundle, "root": str(plan.root), "entries": len(plan.entries), "bytes": plan.bytes,
-        "bundle_bytes": size,
+        "bundle_bytes": size, "records": [r.path for r in plan.records],
         "exported": [{"path": e.path, "digest": e.digest, "size": e.size, "sha256": e.sha256} for e in plan.entries],
         "left_out": [{"path": p, "reason": why} for p, why in plan.left_out],
     })
@@ -403,14 +446,14 @@ def import_(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--file-mode") from None
     if bundle == "-":
-        report = import_bundle(sys.stdin.buffer, store)
+        report = import_bundle(sys.stdin.buffer, store, source="-")
     else:
         try:
             fh = open(bundle, "rb")
         except OSError as exc:
             raise InputError(f"cannot read the bundle {bundle}: {exc.strerror}") from None
         with fh:
-            report = import_bundle(fh, store)
+            report = import_bundle(fh, store, source=str(Path(bundle).resolve()))
     refused = [i for i in report.items if i.status == "refused"]
     if refused:
         table = Table(title="refused")
@@ -421,12 +464,16 @@ def import_(
         out.table(table)
     out.line(f"{report.count('imported')} imported, {report.count('replaced')} replaced (were invalid), "
              f"{report.count('present')} already present, {len(refused)} refused; "
-             f"{decimal(report.bytes_written)} written; cache {root}")
+             f"{decimal(report.bytes_written)} written; {plural(report.count('imported', 'record'), 'provenance record')} "
+             f"imported, {report.count('present', 'record')} already there; cache {root}")
     out.data({
         "bundle": bundle, "root": str(root), "tool_version": report.tool_version,
         "imported": report.count("imported"), "replaced": report.count("replaced"),
         "present": report.count("present"), "refused": len(refused), "bytes_written": report.bytes_written,
-        "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items],
+        "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items
+                    if i.kind == "entry"],
+        "records": [{"path": i.path, "status": i.status, "reason": i.reason} for i in report.items
+                    if i.kind == "record"],
     })
     if refused:
         raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); the rest were "

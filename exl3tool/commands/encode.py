@@ -19,12 +19,15 @@ from exl3tool.errors import FindingsError
 from exl3tool.output import Output, plural
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
 
-__all__ = ["register", "encode", "cache_warm"]
+__all__ = ["register", "encode", "cache_warm", "warm_request", "LayersOpt", "ExcludeOpt", "SharedOpt", "ModelArg",
+           "TpSizesOpt"]
 
 LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
+ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")]
+TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
 
 
@@ -65,7 +68,11 @@ def plan_notes(out: Output, plan: WarmPlan) -> None:
         (out.note if lp.server_lookup and note not in gaps else out.warn)(note)
     if plan.fetch is not None:
         out.note(plan.fetch.line())
-    if plan.mode != "readwrite":  # say before encoding that the work will be thrown away
+
+
+def discard_note(out: Output, plan: WarmPlan) -> None:
+    """`encode --mode readonly|off`: say before the first encode that its results will be thrown away."""
+    if plan.mode != "readwrite":
         what = ("the cache is neither read nor written: every planned layer" if plan.mode == "off" else
                 "the cache is read, never written: every layer missing from it")
         out.note(f"mode {plan.mode}: {what} is encoded ({plural(len(plan.todo), 'job')}) and the result discarded "
@@ -102,6 +109,7 @@ def render_plan(out: Output, plan: WarmPlan) -> None:
             ex.add_row(e.prefix, e.detail or e.reason)
         out.table(ex)
     plan_notes(out, plan)
+    discard_note(out, plan)
     looked_up = [j for j in plan.jobs if j.state != "skipped"]
     todo = plan.todo
     out.line(f"{plural(len(plan.jobs), 'job')}: {plan.count('hit')} hit, {plan.count('miss')} miss, "
@@ -135,13 +143,17 @@ def render_summary(out: Output, summary: WarmSummary) -> None:
     out.line(f"{c['hit']} hit, {c['encoded']} encoded, {c['skipped']} skipped, {c['failed']} failed; "
              f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
+    if summary.record_error:
+        out.warn(summary.record_error)
+    elif summary.record:
+        out.note(f"provenance record {summary.record}" + ("" if summary.record_written else " (already there)"))
     if summary.unchecked_hits:
         out.warn(f"{plural(summary.unchecked_hits, 'hit')} without an exl3tool checksum (written by the server?): kept as the "
                  "server would load them; `exl3tool verify MODEL` checks their weights")
     out.data(summary)
 
 
-def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
+def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm") -> None:
     if dry_run:
         _, plan, _ = prepare(request)
         render_plan(out, plan)
@@ -156,6 +168,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
 
             todo = share_jobs(todo, ctx.worker, ctx.workers)
         plan_notes(out, plan)
+        discard_note(out, plan)
         out.note(f"{plan.model}: {plural(len(plan.jobs), 'job')}, {plan.count('hit')} already cached, "
                  f"{len(todo)} to encode here ({plural(sum(j.tiles for j in todo), 'tile')})")
         if out.show_progress and todo:
@@ -183,7 +196,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool) -> None:
                      + (f"  {result.error}" if result.error else ""))
 
     try:
-        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan, on_tiles=on_tiles)
+        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan, on_tiles=on_tiles, command=command)
     finally:
         if progress is not None:
             progress.stop()
@@ -237,13 +250,13 @@ def encode(
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
         overlap=overlap, quantization_config=quantization_config,
     )
-    _run(Output(json=json_out, quiet=quiet), request, dry_run)
+    _run(Output(json=json_out, quiet=quiet), request, dry_run, command="encode")
 
 
 def cache_warm(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")],
+    model: ModelArg,
     revision: RevisionOpt = None,
-    tp_sizes: Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")] = "1",
+    tp_sizes: TpSizesOpt = "1",
     bits: BitsOpt = None,
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
@@ -270,18 +283,35 @@ def cache_warm(
 
     Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json
     """
-    request = WarmRequest(
+    request = warm_request(
+        model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
+        cache_dir=cache_dir, device=device, shared_experts=shared_experts, quantization_config=quantization_config,
+        dtype=dtype, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
+        server_path=server_path, file_mode=file_mode, overlap=overlap,
+    )
+    _run(Output(json=json_out, quiet=quiet), request, dry_run)
+
+
+def warm_request(*, model: str, revision: Optional[str], tp_sizes: str, bits: int, layers: list[str],
+                 exclude: list[str], cache_dir, shared_experts: bool, quantization_config: Optional[str], dtype: str,
+                 encoder_root: Optional[str], encoder_revision: Optional[str], encoder_source: Optional[str],
+                 server_path: Optional[str], device: str = "auto", file_mode: str = "0600",
+                 overlap: bool = True) -> WarmRequest:
+    """The request of `cache warm` from its options: also what `cache check` plans with, so both always agree."""
+    return WarmRequest(
         model=model, tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
         overlap=overlap, quantization_config=quantization_config,
     )
-    _run(Output(json=json_out, quiet=quiet), request, dry_run)
 
 
 def register(app: typer.Typer) -> None:
     from exl3tool.commands.cache import cache_app
 
+    from exl3tool.commands.check import cache_check
+
     app.command("encode")(encode)
     cache_app.command("warm")(cache_warm)
+    cache_app.command("check")(cache_check)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from exl3tool.cache import CacheKey, CacheStore, entry_path
+from exl3tool.cache import CacheKey, CacheStore, ServerIdentities, entry_path
 from exl3tool.cache.store import PRUNE_HINT
 from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
 
@@ -59,6 +59,7 @@ class WarmPlan:
     layer_plan: Optional[LayerPlan] = field(default=None, compare=False, repr=False)  # overlay, kind, excluded
     fetch: Optional[FetchInfo] = None  # what a selective Hub download fetched
     identity_warnings: tuple[str, ...] = ()  # from server_identities: e.g. a branch revision, an unmappable link
+    identities: Optional[ServerIdentities] = field(default=None, compare=False, repr=False)  # payloads, for records
 
     def count(self, state: str) -> int:
         return sum(1 for j in self.jobs if j.state == state)

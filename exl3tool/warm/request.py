@@ -146,6 +146,8 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
                           "entry up; try another TP size")
     if identity_warnings:
         plan = replace(plan, identity_warnings=identity_warnings)
+    if mode != "off":
+        plan = replace(plan, identities=ids)
     return checkpoint, plan, store
 
 
@@ -180,11 +182,13 @@ def warm(
     on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
     on_plan: Optional[Callable[[WarmPlan, DistributedContext, list[WarmJob]], None]] = None,
     on_tiles: Optional[Callable[[WarmJob, int], None]] = None,
+    command: str = "cache warm",
 ) -> Optional[WarmSummary]:
     """Plan and run a warm; under torchrun each process runs its share and worker 0 returns the summary.
 
     Under torchrun, which sets OMP_NUM_THREADS=1, host-side torch ops get cpu_count / LOCAL_WORLD_SIZE threads
-    per process; EXL3TOOL_THREADS=N sets the count (see ``host_threads``).
+    per process; EXL3TOOL_THREADS=N sets the count (see ``host_threads``). In readwrite mode the entries written or
+    found are recorded with their provenance (``exl3tool.cache.records``), as ``command`` (``cache warm``, ``encode``).
     """
     start = time.perf_counter()
     ctx = distributed_context()
@@ -213,4 +217,9 @@ def warm(
         return None
     everything, stats = gathered
     summary = summarize(plan, everything, device=str(device), workers=ctx.workers, seconds=time.perf_counter() - start)
-    return replace(summary, worker_stats=stats)
+    summary = replace(summary, worker_stats=stats)
+    if store.mode == "readwrite":  # provenance of what this warm wrote or found, beside the entries (``command``)
+        from exl3tool.warm.provenance import record_warm
+
+        summary = record_warm(summary, plan, checkpoint, request, store, command=command)
+    return summary

@@ -50,6 +50,9 @@ class WarmSummary:
     unchecked_hits: int = 0  # hits without exl3tool_sha256 (server-written): kept, weights checked only by verify
     quantization_config: Optional[dict] = None  # the resolved overlay the plan was made with
     server_lookup: bool = True  # False: generic --layers mode, entries the server never looks up
+    record: Optional[str] = None  # the provenance record of this warm's entries (exl3tool.cache.records)
+    record_written: bool = False  # False: the same record was already there (or none was written)
+    record_error: str = ""  # why no record could be written (the entries are complete without one)
 
     @property
     def ok(self) -> bool:
