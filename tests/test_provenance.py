@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 import os
-import sys
 import tarfile
 from dataclasses import replace
 from pathlib import Path
@@ -30,8 +29,7 @@ from exl3tool.warm.check import check
 from _cache_util import server_key_json, server_path
 from _warm_util import fake_warm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "checkpoint"))
-from tiny_models import write_mla  # noqa: E402
+from exl3tool.checkpoint.tiny import write_mla  # noqa: E402
 
 _register()
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="v0.0.18")
