@@ -14,16 +14,15 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cache.paths import lock_path
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.checkpoint.tiny import write_tiny
-from exl3tool.cli import _register, app, main
+from exl3tool.cli import _register, app
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
+from helpers import ENCODER_ID, MODEL_ID, exit_code as run, make_encoded
 
 REPO = Path(__file__).resolve().parents[1]
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
@@ -108,14 +107,6 @@ def test_every_stated_exit_code_has_a_scenario():
 
 
 # --- the scenarios -----------------------------------------------------------------------------------------------
-
-
-def run(argv: list[str]) -> int:
-    """``exl3tool ARGV`` in this process; its exit code."""
-    with pytest.raises(SystemExit) as exited:
-        main([str(a) for a in argv])
-        raise SystemExit(0)
-    return exited.value.code or 0
 
 
 @pytest.fixture(scope="module")

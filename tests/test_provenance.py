@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cli_runner import CliRunner
+from helpers import CliRunner, fake_warm, server_key_json, server_path
 from exl3tool.cache import server_identities
 from exl3tool.cache.bundle import import_bundle, plan_export, write_bundle
 from exl3tool.cache.records import RECORDS_DIR, parse_record, read_records, record_bytes
@@ -26,8 +26,6 @@ from exl3tool.errors import Exl3ToolError
 from exl3tool.warm import WarmRequest
 from exl3tool.warm.check import check
 
-from _cache_util import server_key_json, server_path
-from _warm_util import fake_warm
 
 from exl3tool.checkpoint.tiny import write_mla  # noqa: E402
 
@@ -102,7 +100,7 @@ def test_a_warm_records_the_payloads_as_hashed_and_a_rewarm_adds_nothing(warmed,
 def test_encode_records_itself_as_encode(warmed, monkeypatch, tmp_path):
     """`encode` passes its name to warm(): the record says which command wrote the entries."""
     import exl3tool.warm.request as req
-    from _warm_util import fake_encode
+    from helpers import fake_encode
 
     request, _, _ = warmed
     real = getattr(req.run_plan, "__wrapped__", req.run_plan)
@@ -116,7 +114,7 @@ def test_encode_records_itself_as_encode(warmed, monkeypatch, tmp_path):
 def test_no_record_without_a_writable_cache(warmed, monkeypatch, tmp_path):
     """A readonly encode writes nothing into the cache, so no record either."""
     import exl3tool.warm.request as req
-    from _warm_util import fake_encode
+    from helpers import fake_encode
 
     request, _, _ = warmed
     real = getattr(req.run_plan, "__wrapped__", req.run_plan)

@@ -10,17 +10,10 @@ from pathlib import Path
 import pytest
 
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
-from exl3tool.cli import main
+
+from helpers import run
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exited.value.code or 0, out, err
 
 
 def _digest(folder: Path) -> str:

@@ -14,21 +14,11 @@ import torch
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.checkpoint.tiny import write_tiny
-from exl3tool.cli import main
 from exl3tool.output import plural
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
+from helpers import ENCODER_ID, MODEL_ID, make_encoded, run
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
-
-
-def run(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
-    """``exl3tool ARGV`` in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exited:
-        main([str(a) for a in argv])
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exited.value.code or 0, out, err
 
 
 @pytest.fixture(scope="module")
