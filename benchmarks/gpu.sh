@@ -29,8 +29,9 @@ declare -A ABOUT=(
   [gemm-sweep]="every candidate GEMM config at m = 1 .. 4096 (_bench_gemm.py, EXL3_BENCH_SWEEP=1)"
   [determinism]="the stage-by-stage determinism probe in two processes, then the full-size warm determinism check"
   [warm-torchrun]="the 2-GPU warm scaling run (bench_warm_torchrun.py --nproc 2 --layers 4, TP 1,2); 2 GPUs"
+  [dropin]="the drop-in quantize_exl3 against exllamav3 1.6.5 (gpu_dropin.sh: wheel from \$WHL, JIT compile, bench_dropin.py)"
 )
-PARTS=(env tests gemm-tests verify minilm encode kernels gemm gemm-sweep determinism warm-torchrun)
+PARTS=(env tests gemm-tests verify minilm encode kernels gemm gemm-sweep determinism warm-torchrun dropin)
 declare -A PRESET=(
   [check]="env tests verify encode"                                  # nvidia-h200, about 6 min: after a merge
   [final]="env kernels / tests verify then warm-torchrun"            # nvidia-h200-x2, about 6 min: the figures
@@ -88,6 +89,9 @@ part() {  # one part: its command(s), output to $OUT/<part>.log, then the lines 
     warm-torchrun)
       run timeout "$(lim warm-torchrun 200)" python3 benchmarks/bench_warm_torchrun.py --nproc 2 --layers 4 > "$log" 2>&1
       [ -z "${DRY_RUN:-}" ] && tail -8 "$log" ;;
+    dropin)  # its own steps (install, background compile, tests, benchmark) stay in gpu_dropin.sh; run with timeout_s 600
+      OUT="$OUT/dropin" run bash benchmarks/gpu_dropin.sh > "$log" 2>&1
+      [ -z "${DRY_RUN:-}" ] && tail -30 "$log" ;;
   esac
 }
 

@@ -407,7 +407,7 @@ def _as_overlay(overlay: Overlay | str | None) -> Overlay:
 
 
 def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None, layers: list[str] | None = None,
-                exclude: list[str] | None = None) -> LayerPlan:
+                exclude: list[str] | None = None, language_model_only: bool = False) -> LayerPlan:
     """Plan the server's online-encoded linears for ``checkpoint`` (headers only, no weights read).
 
     ``overlay`` is the server's ``--quantization-config`` (parsed ``Overlay`` or the JSON string; default: the
@@ -415,7 +415,9 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
     ``'model.layers.0.*'``). For an architecture without a table, or a checkpoint the server would refuse with the
     overlay, ``layers`` is required and the plan's ``server_lookup`` is False (unknown architectures: globs match
     checkpoint tensor names without ``.weight``; every matching 2-D floating weight becomes a ``replicated`` layer).
-    Example: ``plan_layers(ckpt, overlay='{"linear": "mxfp8"}').for_tp(2)`` lists the entries a TP=2 server looks up.
+    ``language_model_only`` is the server's ``--language-model-only`` (or image and video limits of 0): the vision
+    tower is not built, so it makes no look-ups. Example: ``plan_layers(ckpt, overlay='{"linear": "mxfp8"}')
+    .for_tp(2)`` lists the entries a TP=2 server looks up.
     """
     overlay = _as_overlay(overlay)
     arch = checkpoint.architecture
@@ -480,7 +482,7 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
                               f"encode online: {why}{more}")
         raise ConfigError(f"{checkpoint.model}: no eligible layer matches --layers {globs}; globs match vLLM "
                           f"prefixes such as '{family.layers_prefix}.0.self_attn.o_proj'")
-    vision = _unplanned_vision_tower(checkpoint, family, cfg, view.storage, overlay)
+    vision = "" if language_model_only else _unplanned_vision_tower(checkpoint, family, cfg, view.storage, overlay)
     if vision and not layers:
         excluded.append(Excluded("visual.*", "not_modelled", vision))
         notes.append(vision)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import typer
 from rich.table import Table
 from rich.text import Text
 
 from exl3tool.commands.encode import (
-    ExcludeOpt, LayersOpt, ModelArg, SharedOpt, TpSizesOpt, plan_header, plan_notes, warm_request,
+    LAUNCH_PARAMS, ExcludeOpt, LayersOpt, ModelArg, SharedOpt, TpSizesOpt, plan_header, plan_notes, warm_request,
 )
+from exl3tool.commands.launching import EnvFileOpt, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt,
     QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt,
@@ -56,7 +58,7 @@ def check_json(report: CheckReport) -> dict[str, Any]:
     }
 
 
-def render_check(out: Output, report: CheckReport) -> None:
+def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
     """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix."""
     plan = report.plan
     plan_notes(out, plan)
@@ -76,11 +78,12 @@ def render_check(out: Output, report: CheckReport) -> None:
              f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
              f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
              f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
-    out.data(check_json(report))
+    out.data({**check_json(report), **(extra or {})})
 
 
 def cache_check(
-    model: ModelArg,
+    ctx: typer.Context,
+    model: ModelArg = None,
     revision: RevisionOpt = None,
     tp_sizes: TpSizesOpt = "1",
     bits: BitsOpt = None,
@@ -94,6 +97,9 @@ def cache_check(
     encoder_revision: EncoderRevisionOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -105,6 +111,9 @@ def cache_check(
     server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error.
 
     Example: exl3tool cache check /models/GLM-5.3 --tp-sizes 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
+
+    From the server's launch (its TP size; --tp-sizes adds more), or a running server: exl3tool cache check
+    --launch "vllm serve /models/GLM-5.3 -tp 2 --quantization-config '{...}'", exl3tool cache check --pid PID
     """
     out = Output(json=json_out, quiet=quiet)
     request = warm_request(
@@ -113,8 +122,10 @@ def cache_check(
         encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
         server_path=server_path,
     )
-    report = check(request)
-    render_check(out, report)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
+                                               add_tp_sizes=True)
+    report = check(request, environ=environ)
+    render_check(out, report, launch_json(settings))
     if not report.ok:
         bad = report.plan.count("miss") + report.plan.count("invalid")
         raise FindingsError(f"{bad} of {len(report.lookups)} look-ups would not hit; see the causes above"

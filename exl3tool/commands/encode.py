@@ -11,6 +11,9 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from exl3tool.commands.launching import (
+    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
+)
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
     OverlapOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
@@ -20,13 +23,13 @@ from exl3tool.output import Output, plural
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
 
 __all__ = ["register", "encode", "cache_warm", "warm_request", "LayersOpt", "ExcludeOpt", "SharedOpt", "ModelArg",
-           "TpSizesOpt"]
+           "TpSizesOpt", "LAUNCH_PARAMS"]
 
 LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
-ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")]
+ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
 TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
 
@@ -86,7 +89,7 @@ def _why(j) -> str:
     return "--layers glob (the server does not look this entry up)" if spec == "generic" else f"planned ({spec} spec)"
 
 
-def render_plan(out: Output, plan: WarmPlan) -> None:
+def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> None:
     """The dry-run table: one row per job, then the modules the server does not encode and why."""
     lp = plan.layer_plan
     overlay = f", quantization config {lp.overlay.text}" if lp is not None and lp.overlay is not None else ""
@@ -126,10 +129,11 @@ def render_plan(out: Output, plan: WarmPlan) -> None:
                   "why": _why(j), "planned_by": j.rank_job.layer.spec if j.rank_job is not None else None,
                   "digest": j.digest, "path": str(j.path)} for j in plan.jobs],
         "not_planned": [{"prefix": e.prefix, "reason": e.reason, "why": e.detail} for e in excluded],
+        **(extra or {}),
     })
 
 
-def render_summary(out: Output, summary: WarmSummary) -> None:
+def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = None) -> None:
     """Counts, failures and the JSON summary."""
     c = summary.counts
     failed = [e for e in summary.entries if e.status == "failed"]
@@ -150,13 +154,19 @@ def render_summary(out: Output, summary: WarmSummary) -> None:
     if summary.unchecked_hits:
         out.warn(f"{plural(summary.unchecked_hits, 'hit')} without an exl3tool checksum (written by the server?): kept as the "
                  "server would load them; `exl3tool verify MODEL` checks their weights")
-    out.data(summary)
+    if extra:
+        from exl3tool.output import to_jsonable
+
+        out.data({**to_jsonable(summary), **extra})
+    else:
+        out.data(summary)
 
 
-def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm") -> None:
+def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm",
+         environ: Optional[dict] = None, extra: Optional[dict] = None) -> None:
     if dry_run:
-        _, plan, _ = prepare(request)
-        render_plan(out, plan)
+        _, plan, _ = prepare(request, environ=environ)
+        render_plan(out, plan, extra)
         return
     progress: Optional[Progress] = None
     task = None
@@ -196,20 +206,29 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
                      + (f"  {result.error}" if result.error else ""))
 
     try:
-        summary = warm(request, on_start=on_start, on_done=on_done, on_plan=on_plan, on_tiles=on_tiles, command=command)
+        summary = warm(request, environ=environ, on_start=on_start, on_done=on_done, on_plan=on_plan,
+                       on_tiles=on_tiles, command=command)
     finally:
         if progress is not None:
             progress.stop()
     if summary is None:  # a torchrun worker other than 0: worker 0 reports for everyone
         return
-    render_summary(out, summary)
+    render_summary(out, summary, extra)
     if not summary.ok:
         where = "the entries with status 'failed'" if out.json else "the list above"
         raise FindingsError(f"{plural(summary.counts['failed'], 'layer job')} failed; see {where}")
 
 
+# command parameter -> WarmRequest field, for the flags that win over a launch
+LAUNCH_PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path", "bits": "bits",
+                 "dtype": "dtype", "quantization_config": "quantization_config", "encoder_root": "encoder_root",
+                 "encoder_revision": "encoder_revision", "encoder_source": "encoder_source", "cache_dir": "cache_dir",
+                 "tp_sizes": "tp_sizes", "tp_size": "tp_sizes"}
+
+
 def encode(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")],
+    ctx: typer.Context,
+    model: ModelArg = None,
     revision: RevisionOpt = None,
     tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
@@ -228,6 +247,9 @@ def encode(
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -235,26 +257,31 @@ def encode(
     """Encode the eligible layers of MODEL for one TP size into the cache.
 
     Example: exl3tool encode Qwen/Qwen3-8B --revision main --tp-size 2 --encoder-root /encoders/exllamav3 --encoder-revision v0.0.18 --dry-run
+
+    From the server's launch: exl3tool encode --dry-run --launch "vllm serve /models/M -tp 2 --quantization-config '{...}'"
     """
     from exl3tool.cache.settings import CACHE_MODES
 
     norm = mode.strip().lower()
     if norm not in CACHE_MODES:
         raise typer.BadParameter(f"--mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
-    if tp_rank is not None and not 0 <= tp_rank < tp_size:
-        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{tp_size - 1}")
     request = WarmRequest(
-        model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
+        model=model or "", tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
         cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
         overlap=overlap, quantization_config=quantization_config,
     )
-    _run(Output(json=json_out, quiet=quiet), request, dry_run, command="encode")
+    out = Output(json=json_out, quiet=quiet)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS)
+    if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
+        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
+    _run(out, request, dry_run, "encode", environ, launch_json(settings))
 
 
 def cache_warm(
-    model: ModelArg,
+    ctx: typer.Context,
+    model: ModelArg = None,
     revision: RevisionOpt = None,
     tp_sizes: TpSizesOpt = "1",
     bits: BitsOpt = None,
@@ -271,6 +298,9 @@ def cache_warm(
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
     overlap: OverlapOpt = True,
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -282,6 +312,9 @@ def cache_warm(
     Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
 
     Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json
+
+    From the server's launch (its TP size; --tp-sizes adds more): exl3tool cache warm --launch "docker run -v
+    /srv/m:/models/m -v /srv/cache:/cache/exl3-online --env-file server.env IMAGE vllm serve /models/m -tp 2 ..."
     """
     request = warm_request(
         model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
@@ -289,17 +322,20 @@ def cache_warm(
         dtype=dtype, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
         server_path=server_path, file_mode=file_mode, overlap=overlap,
     )
-    _run(Output(json=json_out, quiet=quiet), request, dry_run)
+    out = Output(json=json_out, quiet=quiet)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
+                                               add_tp_sizes=True)
+    _run(out, request, dry_run, "cache warm", environ, launch_json(settings))
 
 
-def warm_request(*, model: str, revision: Optional[str], tp_sizes: str, bits: int, layers: list[str],
+def warm_request(*, model: Optional[str], revision: Optional[str], tp_sizes: str, bits: int, layers: list[str],
                  exclude: list[str], cache_dir, shared_experts: bool, quantization_config: Optional[str], dtype: str,
                  encoder_root: Optional[str], encoder_revision: Optional[str], encoder_source: Optional[str],
                  server_path: Optional[str], device: str = "auto", file_mode: str = "0600",
                  overlap: bool = True) -> WarmRequest:
     """The request of `cache warm` from its options: also what `cache check` plans with, so both always agree."""
     return WarmRequest(
-        model=model, tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
+        model=model or "", tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
         layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
         mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
         encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
@@ -312,6 +348,6 @@ def register(app: typer.Typer) -> None:
 
     from exl3tool.commands.check import cache_check
 
-    app.command("encode")(encode)
-    cache_app.command("warm")(cache_warm)
-    cache_app.command("check")(cache_check)
+    app.command("encode", cls=LaunchCommand)(encode)
+    cache_app.command("warm", cls=LaunchCommand)(cache_warm)
+    cache_app.command("check", cls=LaunchCommand)(cache_check)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
 from exl3tool.cache import server_identities
+from exl3tool.commands.launching import (
+    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
+)
 from exl3tool.commands.options import (
     EncoderRevisionOpt,
     EncoderRootOpt,
@@ -24,13 +27,17 @@ __all__ = ["register", "identity"]
 
 
 def identity(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint path, exactly as given to --model.")],
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
     revision: RevisionOpt = None,
     server_path: ServerPathOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
     encoder_source: EncoderSourceOpt = None,
     quantization_config: QuantizationConfigOpt = None,
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -46,10 +53,21 @@ def identity(
     """
     from exl3tool.checkpoint import resolve_overlay
 
+    from exl3tool.warm import WarmRequest
+
     out = Output(json=json, quiet=quiet)
-    overlay = resolve_overlay(quantization_config)
-    ids = server_identities(model, revision=revision, server_path=server_path, encoder_root=encoder_root,
-                            encoder_revision=encoder_revision, encoder_source=encoder_source)
+    request = WarmRequest(model=model or "", revision=revision, server_path=server_path, encoder_root=encoder_root,
+                          encoder_revision=encoder_revision, encoder_source=encoder_source,
+                          quantization_config=quantization_config)
+    request, launched, environ = apply_options(ctx, out, request, launch, pid, env_file, {
+        "model": "model", "revision": "revision", "server_path": "server_path", "encoder_root": "encoder_root",
+        "encoder_revision": "encoder_revision", "encoder_source": "encoder_source",
+        "quantization_config": "quantization_config"}, need_cache=False)
+    model = request.model
+    overlay = resolve_overlay(request.quantization_config)
+    ids = server_identities(model, revision=request.revision, server_path=request.server_path,
+                            encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
+                            encoder_source=request.encoder_source, environ=environ)
     mid, eid, settings = ids.model, ids.encoder, ids.encoder_settings
     table = Table(title="Identities", show_header=True)
     table.add_column("")
@@ -96,10 +114,11 @@ def identity(
             },
             "quantization_config": overlay.as_json(),
             "warnings": list(ids.warnings),
+            **launch_json(launched),
         }
     )
 
 
 def register(app: typer.Typer) -> None:
     """Add the ``identity`` command."""
-    app.command("identity")(identity)
+    app.command("identity", cls=LaunchCommand)(identity)

@@ -8,10 +8,15 @@ from typing import Annotated, Optional
 import typer
 
 from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS, trellis_bits
+from exl3tool.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt  # the launch options, shared
 from exl3tool.errors import ConfigError
 from exl3tool.warm.request import SERVING_DTYPES
 
 __all__ = [
+    "LaunchOpt",
+    "PidOpt",
+    "EnvFileOpt",
+    "LaunchCommand",
     "RevisionOpt",
     "ServerPathOpt",
     "EncoderRootOpt",
@@ -183,11 +188,13 @@ def parse_file_mode(text: str) -> int:
     return mode
 
 
-def existing_cache_dir(cache_dir: Path | None) -> Path:
-    """``resolve_cache_dir``, which must be an existing directory (InputError otherwise, exit 2)."""
+def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None) -> Path:
+    """``resolve_cache_dir`` (with ``environ``: the server's environment), which must be an existing directory
+    (InputError otherwise, exit 2)."""
+    from exl3tool.cache import cache_root
     from exl3tool.errors import InputError
 
-    root = resolve_cache_dir(cache_dir)
+    root = cache_dir if cache_dir is not None else cache_root(environ)
     if not root.exists():
         raise InputError(f"cache directory {root} does not exist (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
     if not root.is_dir():

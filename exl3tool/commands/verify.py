@@ -10,6 +10,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from exl3tool.commands.launching import (
+    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
+)
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt,
     QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, parse_positive_ints,
@@ -58,7 +61,7 @@ def report_markdown(report: VerifyReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(out: Output, report: VerifyReport) -> None:
+def render(out: Output, report: VerifyReport, extra: Optional[dict] = None) -> None:
     table = Table(title=f"verify {report.model} ({report.bits} bits, TP {report.tp_size}, GEMM: {report.gemm})")
     for col in ("layer", "rank", "shape", "rows", "kernel err", "quant err", "proxy err", "weight MSE", "status"):
         table.add_column(col, justify="left" if col in ("layer", "status", "shape") else "right")
@@ -71,11 +74,19 @@ def render(out: Output, report: VerifyReport) -> None:
         out.warn(f"GEMM: {report.gemm}")
     out.line(f"{len(report.layers) - len(report.failed)} pass, {len(report.failed)} fail; thresholds kernel "
              f"{report.max_kernel_err:.1e}, quantization {report.max_quant_err:.3g}; activations seed {report.seed}")
-    out.data(report_dict(report))
+    out.data({**report_dict(report), **(extra or {})})
+
+
+# command parameter -> WarmRequest field, for the flags that win over a launch
+_PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path", "bits": "bits", "dtype": "dtype",
+           "quantization_config": "quantization_config", "encoder_root": "encoder_root",
+           "encoder_revision": "encoder_revision", "encoder_source": "encoder_source", "cache_dir": "cache_dir",
+           "tp_size": "tp_sizes"}
 
 
 def verify(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub repo id or local checkpoint directory.")],
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
     revision: RevisionOpt = None,
     tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
@@ -95,6 +106,9 @@ def verify(
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Also write the report to FILE (.json or .md).")] = None,
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -109,26 +123,28 @@ def verify(
         raise typer.BadParameter(f"--report must end in .json or .md, got {report}")
     if report is not None and not report.resolve().parent.is_dir():
         raise typer.BadParameter(f"--report {report}: folder {report.resolve().parent} does not exist")
-    if tp_rank is not None and not 0 <= tp_rank < tp_size:
-        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{tp_size - 1}")
     if not max_kernel_err > 0 or (max_quant_err is not None and not max_quant_err > 0):
         raise typer.BadParameter("--max-kernel-err and --max-quant-err must be positive")
     row_counts = parse_positive_ints(rows, "--rows")
-    existing_cache_dir(cache_dir)  # verify only reads: a missing cache is an I/O error, not N failed layers
     out = Output(json=json_out, quiet=quiet)
     request = WarmRequest(
-        model=model, tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
+        model=model or "", tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
         revision=revision, layers=tuple(layers), exclude=tuple(exclude), cache_dir=cache_dir, mode="readonly",
         device=device, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
         server_path=server_path, dtype=dtype, quantization_config=quantization_config,
     )
-    checkpoint, plan, store = prepare(request)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, _PARAMS)
+    if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
+        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
+    # verify only reads: a missing cache is an I/O error, not N failed layers
+    existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ)
+    checkpoint, plan, store = prepare(request, environ=environ)
     dev = resolve_device(device)
-    torch_dtype = serving_torch_dtype(dtype)
+    torch_dtype = serving_torch_dtype(request.dtype)
     result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
                          max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
                          on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"))
-    render(out, result)
+    render(out, result, launch_json(settings))
     if report is not None:
         try:
             text = report_markdown(result) if report.suffix.lower() == ".md" else json.dumps(report_dict(result), indent=2, sort_keys=True) + "\n"
@@ -142,4 +158,4 @@ def verify(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify")(verify)
+    app.command("verify", cls=LaunchCommand)(verify)

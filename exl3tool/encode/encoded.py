@@ -15,7 +15,8 @@ class EncodedLinear:
 
     ``trellis`` int16 (k/16, n/16, 16*bits), ``suh`` fp16 (k,), ``svh`` fp16 (n,) are exactly the
     tensors of a cache entry; ``proxy_error`` is the encoder's MSE in the regularised domain and
-    ``g_scale`` the global scale the search chose.
+    ``g_scale`` the global scale the search chose; ``zeros`` is True for a weight whose column RMS averages
+    to zero (the reference reports it as ``quant_args["zeros"]``).
     """
 
     trellis: torch.Tensor
@@ -25,6 +26,7 @@ class EncodedLinear:
     g_scale: float
     bits: int
     codebook: str = "mcg"
+    zeros: bool = False
 
     @property
     def in_features(self) -> int:

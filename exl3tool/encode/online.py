@@ -316,8 +316,23 @@ def quantize_regularized(
     tk, tn, _ = tiles.shape
     values, states = _quantize_batched(tiles.reshape(tk * tn, 256), bits, codebook, progress)
     q_r = tiles_to_matrix(values.reshape(tk, tn, 256))
-    err = _fixed_sum((w_r - q_r).square().to(torch.float64))
-    return states.reshape(tk, tn, 256), q_r, float(err) / w_r.numel()
+    return states.reshape(tk, tn, 256), q_r, _proxy_error_of_squares((w_r - q_r).square())
+
+
+def _proxy_error_of_squares(sq: torch.Tensor) -> float:
+    """sum(sq) / (k n) in float64, for the (k, n) fp32 squared errors ``sq`` = (W_r - Q_r)^2.
+
+    On CUDA in the reference's order (``fallback_quant``): one float64 ``torch.sum`` per contiguous 16-row block,
+    added into a float64 accumulator from the last block to the first, so the proxy error (an entry's metadata)
+    is the reference's bit for bit on the same GPU, and no float64 copy of the matrix is made. Elsewhere
+    ``_fixed_sum``, which does not depend on the thread count.
+    """
+    if sq.device.type != "cuda":
+        return float(_fixed_sum(sq.to(torch.float64))) / sq.numel()
+    acc = torch.zeros((), dtype=torch.float64, device=sq.device)
+    for i in range(sq.shape[0] - 16, -1, -16):
+        acc += torch.sum(sq[i : i + 16], dtype=torch.float64)
+    return (acc / sq.numel()).item()
 
 
 def _fail(name: str | None, message: str) -> ValueError:
@@ -408,4 +423,5 @@ def encode_linear(
         g_scale=g,
         bits=bits,
         codebook=codebook,
+        zeros=reg.zeros,
     )

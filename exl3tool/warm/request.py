@@ -94,6 +94,7 @@ class WarmRequest:
     file_mode: int = 0o600
     overlap: bool = True
     quantization_config: Optional[str] = None  # the server's --quantization-config JSON (None: the default overlay)
+    language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -131,7 +132,8 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
             encoder_source=request.encoder_source, hub_commit=checkpoint.commit_hash, environ=environ,
         )
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
-    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude)
+    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
+                             language_model_only=request.language_model_only)
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)

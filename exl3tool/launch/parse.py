@@ -1,0 +1,344 @@
+"""A launch line read with shell rules, and the server's own flags read as the fork's parser reads them.
+
+``split_commands`` tokenises once (``shlex``: quotes, ``\\``-newline continuations, ``;``/``&&``/``|``/newline
+between commands, ``#`` comments); ``find_server`` finds where the server starts inside wrappers
+(``setsid ./launcher vllm serve``, ``env A=1 vllm serve``, ``bash -c '...'``); ``parse_server_args`` walks the
+server's arguments against the flag tables in ``flags.py`` with the fork's rules (``FlexibleArgumentParser``:
+``--model`` moved to the positional, ``--config FILE`` YAML expanded between the model and the rest, ``_``/``-``
+in names, ``--flag.key value`` dotted JSON, ``-O3``, unique prefixes of long names).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from exl3tool.errors import ConfigError
+from exl3tool.launch.flags import VLLM_BOOLEANS, VLLM_FLAGS, VLLM_SHORT, server_flag
+
+__all__ = ["ServerArgs", "ServerStart", "split_commands", "find_server", "parse_server_args", "API_SERVER_MODULE",
+           "ASSIGNMENT"]
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_CLI_MODULES = ("vllm.entrypoints.cli.main", "vllm")  # `python -m vllm.entrypoints.cli.main serve ...`
+ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+_SEPARATORS = {";", "&&", "||", "|", "&", "\n", ";;", "|&"}
+
+
+def split_commands(text: str) -> list[list[str]]:
+    """Shell words of ``text``, one list per simple command (split at ``;``, ``&&``, ``||``, ``|``, newlines).
+
+    >>> split_commands("cd /x && vllm serve /m --tp 2 # start")
+    [['cd', '/x'], ['vllm', 'serve', '/m', '--tp', '2']]
+    """
+    text = re.sub(r"\\\r?\n", " ", text)  # line continuations
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=";&|\n")
+    lexer.whitespace_split = True
+    lexer.whitespace = " \t\r"
+    lexer.commenters = ""
+    try:
+        words = list(lexer)
+    except ValueError as exc:  # "No closing quotation", "No escaped character"
+        raise ConfigError(f"--launch: cannot read it with shell rules ({exc}); quote it as the shell would") from None
+    commands: list[list[str]] = [[]]
+    comment = False
+    for word in words:
+        if word in _SEPARATORS or (word and set(word) <= set(";&|\n")):
+            commands.append([])
+            comment = False
+        elif comment or word.startswith("#"):
+            comment = True
+        else:
+            commands[-1].append(word)
+    return [c for c in commands if c]
+
+
+@dataclass(frozen=True)
+class ServerStart:
+    """Where the server's command starts in one command's words, and what came before it."""
+
+    kind: str  # "vllm" | "api_server" | "docker" | "podman"
+    index: int  # first word of the server's own arguments (after `serve`, the module, or `run`)
+    entry: str  # how it is started, for people ("vllm serve", "python -m vllm.entrypoints.openai.api_server")
+    prefix: tuple[str, ...] = ()  # wrapper words before it (setsid, ./launcher, env ...), ignored
+    env: tuple[tuple[str, str], ...] = ()  # NAME=VALUE words before it (env A=1, a shell assignment)
+    words: tuple[str, ...] = ()  # the command it was found in, when that is inside one word (bash -c '...')
+
+
+def _is_python(word: str) -> bool:
+    return re.fullmatch(r"python(\d+(\.\d+)?)?", word.rsplit("/", 1)[-1]) is not None
+
+
+def _basename(word: str) -> str:
+    return word.rsplit("/", 1)[-1]
+
+
+def find_server(words: list[str]) -> Optional[ServerStart]:
+    """The server's start in ``words``: ``vllm serve``, ``python -m <api_server>``, ``python .../vllm serve``, a
+    ``docker``/``podman`` ``run``; None when there is none. Words before it are wrappers, ``NAME=VALUE`` words
+    among them the server's environment (``env A=1 vllm serve``, ``A=1 setsid vllm serve``).
+    """
+    for i, word in enumerate(words):
+        base = _basename(word)
+        start: Optional[ServerStart] = None
+        if base == "vllm" and i + 1 < len(words) and words[i + 1] == "serve":
+            start = ServerStart("vllm", i + 2, "vllm serve")
+        elif base in ("docker", "podman", "nvidia-docker"):
+            rest = words[i + 1:]
+            if "run" in rest:
+                start = ServerStart("podman" if base == "podman" else "docker", i + 2 + rest.index("run"),
+                                    f"{base} run")
+        elif _is_python(word):
+            j = i + 1
+            while j < len(words) and words[j].startswith("-") and words[j] != "-m":
+                j += 1  # interpreter options (-u, -X dev); not their values, which are rare before -m
+            if j + 1 < len(words) and words[j] == "-m":
+                module = words[j + 1]
+                if module == API_SERVER_MODULE:
+                    start = ServerStart("api_server", j + 2, f"python -m {API_SERVER_MODULE}")
+                elif module in _CLI_MODULES and j + 2 < len(words) and words[j + 2] == "serve":
+                    start = ServerStart("vllm", j + 3, f"python -m {module} serve")
+            elif j + 1 < len(words) and _basename(words[j]) == "vllm" and words[j + 1] == "serve":
+                start = ServerStart("vllm", j + 2, "vllm serve")  # the console script run by its interpreter
+        if start is not None:
+            prefix = tuple(words[:i])
+            env = tuple((m.group(1), m.group(2)) for w in prefix if (m := ASSIGNMENT.match(w)))
+            return ServerStart(start.kind, start.index, start.entry, prefix, env)
+    for i, word in enumerate(words):  # bash -c 'vllm serve ...', su -c '...': the server inside one word
+        if i > 0 and words[i - 1] == "-c" and " " in word:
+            for inner in split_commands(word):
+                found = find_server(inner)
+                if found is not None:
+                    return found if found.words else replace(found, words=tuple(inner))
+    return None
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The server's flags that matter to a look-up, as the fork's parser leaves them, and the rest listed.
+
+    ``values`` maps a setting name (``model``, ``tp_size``, ...) to ``(raw value, how it was given)``; the last
+    one given wins, as in argparse. ``refused`` holds ``(flag, why)`` for flags exl3tool cannot reproduce.
+    """
+
+    entry: str
+    values: dict[str, tuple[str, str]] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()  # known flags that do not change a look-up (with their values)
+    unknown: tuple[str, ...] = ()  # flags the fork's parser does not know
+    refused: tuple[tuple[str, str], ...] = ()
+    config_file: Optional[str] = None  # --config FILE, as the launch names it
+
+
+def _normalise(arg: str) -> list[str]:
+    """The fork's rewriting of one word: ``_`` -> ``-`` in a long name (up to the first ``.``), ``-O3``."""
+    if arg.startswith("--"):
+        key, eq, value = arg.partition("=")
+        head, dot, tail = key[2:].partition(".")
+        return [f"--{head.replace('_', '-')}{dot}{tail}{eq}{value}"]
+    if arg.startswith("-O") and arg != "-O" and not arg.startswith("-O-"):
+        return ["--optimization-level", arg[3:] if arg[2:3] == "=" else arg[2:]]
+    return [arg]
+
+
+def _yaml_args(path: str, read_text: Callable[[str], str]) -> list[str]:
+    """A ``--config`` YAML file as the flags it stands for (true -> ``--key``, false -> nothing, lists, dicts as
+    JSON), as the fork's ``load_config_file`` expands it."""
+    import yaml
+
+    if path.rsplit(".", 1)[-1] not in ("yaml", "yml"):
+        raise ConfigError(f"the launch's --config {path}: the server takes a .yaml or .yml file only")
+    try:
+        data = yaml.safe_load(read_text(path))
+    except OSError as exc:
+        raise ConfigError(f"the launch's --config {path}: cannot read it ({exc.strerror or exc}); put the file "
+                          "where exl3tool can read it (a container path is read through the launch's volumes)"
+                          ) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"the launch's --config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"the launch's --config {path}: must be a YAML mapping of flag names to values")
+    out: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            out += [f"--{key}"] if value else []
+        elif isinstance(value, list):
+            out += [f"--{key}", *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            out += [f"--{key}", json.dumps(value)]
+        else:
+            out += [f"--{key}", str(value)]
+    return out
+
+
+def _expand_config(args: list[str], serve: bool,
+                   read_text: Callable[[str], str]) -> tuple[list[str], Optional[str], int, int]:
+    """Insert ``--config FILE``'s flags where the fork puts them (after the positional model, before the rest, so
+    the command line wins); returns the words, the file, and where its words start and how many there are."""
+    hits = [i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")]
+    if not hits:
+        return args, None, -1, 0
+    if len(hits) > 1:
+        raise ConfigError("the launch gives --config twice (the server refuses more than one config file)")
+    i = hits[0]
+    if args[i] == "--config":
+        if i + 1 >= len(args):
+            raise ConfigError("the launch's --config has no file (the server refuses it too)")
+        path, rest = args[i + 1], args[:i] + args[i + 2:]
+    else:
+        path, rest = args[i].partition("=")[2], args[:i] + args[i + 1:]
+    extra = _yaml_args(path, read_text)
+    model_first = serve and rest and not rest[0].startswith("-")
+    at = 1 if model_first else 0
+    return rest[:at] + extra + rest[at:], path, at, len(extra)
+
+
+def _long_name(flag: str) -> Optional[str]:
+    """A long name (without --) as argparse matches it: exact, ``no-`` of a boolean, or a unique prefix."""
+    if flag in VLLM_FLAGS or (flag.startswith("no-") and flag[3:] in VLLM_BOOLEANS):
+        return flag
+    matches = [f for f in VLLM_FLAGS if f.startswith(flag)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def parse_server_args(args: list[str], *, entry: str, serve: bool,
+                      read_text: Callable[[str], str] = lambda p: open(p).read()) -> ServerArgs:
+    """Read the server's arguments (after ``serve`` or the module) as the fork's parser does.
+
+    ``serve`` is True for ``vllm serve`` (a positional model, ``--model`` moved to it); the OpenAI api_server
+    module takes ``--model`` only. ``read_text`` reads a ``--config`` file (through the launch's volumes).
+
+    >>> parse_server_args(["/m", "-tp", "2", "--port", "8000"], entry="vllm serve", serve=True).values["tp_size"]
+    ('2', '-tp')
+    """
+    words = [w for a in args for w in _normalise(a)]
+    words, config_file, config_at, config_len = _expand_config(words, serve, read_text)
+    values: dict[str, tuple[str, str]] = {}
+    ignored: list[str] = []
+    unknown: list[str] = []
+    refused: list[tuple[str, str]] = []
+    dotted: dict[str, dict] = {}
+    positional: list[str] = []
+
+    def how(i: int, spelled: str) -> str:
+        in_config = config_file is not None and config_at <= i < config_at + config_len
+        return f"{spelled} in --config {config_file}" if in_config else spelled
+
+    def set_value(setting: str, value: str, spelled: str, i: int) -> None:
+        values[setting] = (value, how(i, spelled))
+
+    i = 0
+    last_flag: Optional[str] = None  # for the extra values of list-typed flags
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            positional.extend(words[i + 1:])
+            break
+        if not word.startswith("-") or word == "-":
+            if serve and not positional and "model" not in values:
+                positional.append(word)
+            elif last_flag is not None:
+                ignored.append(f"{last_flag} ... {word}")  # a further value of a list-typed flag
+            else:
+                positional.append(word)
+            i += 1
+            continue
+        key, eq, inline = word.partition("=")
+        at = i
+        if "." in key and key.lstrip("-"):  # dotted: --quantization-config.ignore+ lm_head, -cc.level=3
+            base, _, path = key.partition(".")
+            if eq:
+                raw = inline
+                i += 1
+            elif i + 1 < len(words):
+                raw = words[i + 1]
+                i += 2
+            else:
+                raw = ""
+                i += 1
+            name = base[2:] if base.startswith("--") else VLLM_SHORT.get(base, base.lstrip("-"))
+            keys = path.split(".")
+            append = keys[-1].endswith("+")
+            if append:
+                keys[-1] = keys[-1][:-1]
+                value: object = raw.split(",")
+            else:
+                try:
+                    value = json.loads(raw)
+                except json.JSONDecodeError:
+                    value = raw
+            node = dotted.setdefault(name, {})
+            for k in keys[:-1]:
+                if not isinstance(node.get(k), dict):
+                    node[k] = {}
+                node = node[k]
+            if append and isinstance(node.get(keys[-1]), list):
+                node[keys[-1]] += value  # type: ignore[operator]
+            else:
+                node[keys[-1]] = value
+            last_flag = None
+            continue
+        if key.startswith("--"):
+            name = _long_name(key[2:])
+            spelled = key
+        else:
+            name = VLLM_SHORT.get(key)
+            spelled = key
+        if name is None:
+            took = ""
+            if not eq and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                took = words[i + 1]
+                i += 1
+            unknown.append(word + (f" {took}" if took else ""))
+            last_flag = None
+            i += 1
+            continue
+        boolean = name in VLLM_BOOLEANS or (name.startswith("no-") and name[3:] in VLLM_BOOLEANS)
+        if boolean:
+            raw = "false" if name.startswith("no-") else "true"
+            name = name[3:] if name.startswith("no-") else name
+            i += 1
+        elif eq:
+            raw = inline
+            i += 1
+        elif i + 1 < len(words):
+            raw = words[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"the launch's {spelled} has no value (the server refuses it too)")
+        last_flag = None if boolean else spelled
+        row = server_flag(name)
+        if row is None:
+            ignored.append(spelled if boolean else f"{spelled} {raw}")
+        elif row.refused:
+            refused.append((spelled, row.why))
+        elif row.setting == "speculative_config" and name != "speculative-config":
+            set_value("speculative_config", json.dumps({name[5:]: raw}), spelled, at)
+        elif row.setting:
+            set_value(row.setting, raw, spelled, at)
+        elif row.name != "config":
+            ignored.append((spelled if boolean else f"{spelled} {raw}") + (f" ({row.why})" if row.why else ""))
+    for name, tree in dotted.items():  # appended after everything, as the fork does: they win
+        row = server_flag(name)
+        spelled = f"--{name}.*"
+        if row is not None and row.refused:
+            refused.append((spelled, row.why))
+        elif row is not None and row.setting:
+            values[row.setting] = (json.dumps(tree), spelled)
+        elif name in VLLM_FLAGS:
+            ignored.append(f"{spelled} {json.dumps(tree)}")
+        else:
+            unknown.append(f"{spelled} {json.dumps(tree)}")
+    if serve and positional:
+        if "model" in values and values["model"][1] == "--model":  # from --config, the positional wins
+            raise ConfigError(f"the launch names the model twice: {positional[0]!r} and --model "
+                              f"{values['model'][0]!r} (the server refuses it too)")
+        values["model"] = (positional[0], "positional")
+        positional = positional[1:]
+    for word in positional:
+        ignored.append(f"{word} (a positional argument the server does not use)")
+    return ServerArgs(entry, values, tuple(ignored), tuple(unknown), tuple(refused), config_file)

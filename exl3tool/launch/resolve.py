@@ -1,0 +1,531 @@
+"""From a launch to the settings of a look-up, each with where it came from.
+
+Precedence, for every setting: exl3tool's own flags, then the launch (its arguments; its environment: ``-e``,
+its env files, ``env A=1``, ``/proc/PID/environ``), then ``--env-file`` files, then exl3tool's environment (not
+for ``--pid``, whose environment is the server's whole one), then the server's default. A setting nothing named
+is listed as defaulted with what that means and how to pass it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from exl3tool.errors import ConfigError
+from exl3tool.launch.container import PathMap
+from exl3tool.launch.env import EnvLayers, EnvValue
+from exl3tool.launch.parse import ServerArgs
+
+__all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_launch", "SEQUENCE_PARALLEL_ALL2ALL"]
+
+# the fork's ParallelConfig.use_sequence_parallel_moe: these all2all backends with EP, TP > 1 and DP > 1
+SEQUENCE_PARALLEL_ALL2ALL = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "mori",
+                             "nixl_ep")
+_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+           "float": "float32"}  # the fork's ModelDType values, to exl3tool's --dtype
+_LOAD_FORMATS = ("auto", "safetensors", "pt", "npcache", "dummy", "fastsafetensors", "instanttensor")
+_HOW_TO_PASS = ("an image may set it in its ENV: pass it with -e NAME=VALUE in the launch or in an --env-file "
+                "FILE, or read a running server with --pid PID")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting's value and where it came from (``source`` a kind, ``detail`` the flag, variable or file)."""
+
+    value: Any
+    source: str  # flag | launch argument | launch env | env file | process env | default
+    detail: str = ""
+
+    def as_json(self) -> dict:
+        return {"value": self.value, "source": self.source, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """A launch as read: how the server starts, its arguments, its own environment and how its paths map here."""
+
+    form: str  # command | docker | podman | pid
+    entry: str  # vllm serve | python -m vllm.entrypoints.openai.api_server
+    args: ServerArgs
+    env: dict[str, EnvValue]
+    paths: PathMap
+    workdir: Optional[str] = None
+    process_env: bool = True  # whether exl3tool's environment is a layer (not for --pid)
+    ignored: tuple[str, ...] = ()  # wrapper words and runner options that change nothing
+    notes: tuple[str, ...] = ()
+    pid: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Explicit:
+    """exl3tool's own flags, None where not given on the command line."""
+
+    model: Optional[str] = None
+    revision: Optional[str] = None
+    server_path: Optional[str] = None
+    tp_sizes: Optional[tuple[int, ...]] = None
+    dtype: Optional[str] = None
+    bits: Optional[int] = None
+    quantization_config: Optional[str] = None
+    encoder_root: Optional[str] = None
+    encoder_revision: Optional[str] = None
+    encoder_source: Optional[str] = None
+    cache_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """The look-up's settings a launch gives (each with its source), and what a WarmRequest takes from them."""
+
+    launch: ServerLaunch
+    settings: dict[str, Setting]
+    model: str  # what exl3tool reads here (a local path or a Hub repo id)
+    server_path: Optional[str]
+    revision: Optional[str]
+    tp_size: int
+    dtype: str
+    bits: int
+    quantization_config: Optional[str]
+    encoder_root: str
+    encoder_revision: Optional[str]
+    encoder_source: Optional[str]
+    cache_dir: str  # here
+    language_model_only: bool
+    environ: dict[str, str] = field(default_factory=dict)
+    defaulted: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def as_json(self) -> dict:
+        """The ``launch`` block of ``--json``: form, settings with sources, defaulted, ignored and unknown flags."""
+        return {
+            "form": self.launch.form, "entry": self.launch.entry, "pid": self.launch.pid,
+            "settings": {k: v.as_json() for k, v in self.settings.items()},
+            "defaulted": list(self.defaulted), "warnings": list(self.warnings), "notes": list(self.notes),
+            "ignored": list(self.launch.ignored) + list(self.launch.args.ignored),
+            "unknown": list(self.launch.args.unknown),
+        }
+
+    def lines(self) -> list[str]:
+        """One line per setting, for stderr: ``name = value (source: detail)``."""
+        out = []
+        for name, s in self.settings.items():
+            value = "(none)" if s.value is None else s.value
+            out.append(f"{name} = {value} ({s.source}{': ' + s.detail if s.detail else ''})")
+        return out
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith(("/", "./", "../", "~")) or text in (".", "..")
+
+
+def _arg(args: ServerArgs, name: str) -> Optional[tuple[str, str]]:
+    return args.values.get(name)
+
+
+def _int_arg(args: ServerArgs, name: str, default: int) -> tuple[int, Optional[str]]:
+    raw = _arg(args, name)
+    if raw is None:
+        return default, None
+    try:
+        value = int(raw[0])
+    except ValueError:
+        raise ConfigError(f"the launch's {raw[1]} {raw[0]!r} is not an integer (the server refuses it too)") from None
+    if value < 1:
+        raise ConfigError(f"the launch's {raw[1]} {value} must be at least 1 (the server refuses it too)")
+    return value, raw[1]
+
+
+def _bool_arg(args: ServerArgs, name: str) -> bool:
+    raw = _arg(args, name)
+    return raw is not None and raw[0].strip().lower() in ("true", "1", "yes")
+
+
+def _json_arg(args: ServerArgs, name: str) -> Optional[Any]:
+    raw = _arg(args, name)
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw[0])
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"the launch's {raw[1]} is not valid JSON ({exc.msg} at column {exc.colno}): "
+                          f"{raw[0][:60]!r}; the server takes it as inline JSON") from None
+
+
+class _Builder:
+    """Collects settings, defaulted sentences, warnings and notes while resolving."""
+
+    def __init__(self, launch: ServerLaunch, layers: EnvLayers) -> None:
+        self.launch, self.layers = launch, layers
+        self.settings: dict[str, Setting] = {}
+        self.defaulted: list[str] = []
+        self.warnings: list[str] = []
+        self.notes: list[str] = []
+
+    def put(self, name: str, value: Any, source: str, detail: str = "") -> Any:
+        self.settings[name] = Setting(value, source, detail)
+        return value
+
+    def arg(self, name: str, value: Any, how: str) -> Any:
+        return self.put(name, value, "launch argument", how)
+
+    def env(self, var: str) -> Optional[EnvValue]:
+        return self.layers.get(var)
+
+    def put_env(self, name: str, var: str, item: EnvValue) -> str:
+        detail = item.detail if var in item.detail else f"{var}" + (f" ({item.detail})" if item.detail else "")
+        if item.source == "process env" and self.launch.form in ("docker", "podman"):
+            self.notes.append(f"{var} came from this environment, which the container does not inherit: make sure "
+                              "the image sets it the same, or pass it with -e in the launch")
+        return self.put(name, item.value, item.source, detail)
+
+
+def _server_path(path: str, launch: ServerLaunch, what: str) -> str:
+    """An absolute server-side path for ``path`` (relative: from the launch's working directory)."""
+    if posixpath.isabs(path):
+        return posixpath.normpath(path)
+    if path.startswith("~"):
+        home = launch.env.get("HOME")
+        if home is None:
+            raise ConfigError(f"the launch's {what} {path!r} starts with ~ and the server's HOME is not known; give "
+                              "an absolute path")
+        return posixpath.normpath(home.value + path[1:])
+    if launch.workdir:
+        return posixpath.normpath(posixpath.join(launch.workdir, path))
+    if launch.form == "command":
+        return os.path.abspath(path)
+    raise ConfigError(f"the launch's {what} {path!r} is relative and the server's working directory is not known "
+                      "(give -w/--workdir in the launch or an absolute path)")
+
+
+def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, Optional[str]]:
+    """(what exl3tool reads, the server's path for --server-path or None) and the model settings."""
+    raw = _arg(launch.args, "model")
+    if raw is None and explicit.model is None:
+        if launch.entry.startswith("python -m"):
+            raise ConfigError("no model in the launch: this entry point takes --model MODEL (without it the server "
+                              "serves vLLM's default model); add it, or pass MODEL to exl3tool")
+        raise ConfigError("no model in the launch (vllm serve MODEL, --model MODEL or model: in its --config file); "
+                          "add it, or pass MODEL to exl3tool"
+                          + (f" (the unknown flag {launch.args.unknown[0]} took a word as its value)"
+                             if launch.args.unknown else ""))
+    if raw is None:
+        b.put("model", explicit.model, "flag", "MODEL")
+        if explicit.server_path:
+            b.put("server_path", explicit.server_path, "flag", "--server-path")
+        return explicit.model, explicit.server_path  # type: ignore[return-value]
+    name, how = raw
+    b.arg("model", name, how)
+    paths = launch.paths
+    local_here: Optional[str] = None
+    server: Optional[str] = None
+    if _looks_like_path(name) or launch.form in ("command", "pid") or launch.paths.root is not None:
+        try:
+            server = _server_path(name, launch, "model")
+        except ConfigError:
+            if _looks_like_path(name):
+                raise
+            server = None  # a relative name with no known working directory: a Hub repo id
+        host = paths.to_host(server) if server else None
+        if host is not None and os.path.exists(os.path.expanduser(host)):
+            local_here = host
+        elif not _looks_like_path(name):
+            server = None  # a Hub repo id
+    elif launch.workdir and paths.container:  # a relative folder under the container's working directory?
+        candidate = posixpath.join(launch.workdir, name)
+        host = paths.to_host(candidate)
+        if host is not None and os.path.exists(host):
+            server, local_here = posixpath.normpath(candidate), host
+    if server is not None and local_here is None and explicit.model is None:
+        where = ("it is not on a bind mount of the launch" if paths.container and paths.to_host(server) is None
+                 else f"it does not exist here at {paths.to_host(server)}")
+        raise ConfigError(f"the launch's model {name}: {where}; pass MODEL, a copy here with mtimes kept (cp -a, "
+                          "rsync -a), and its identity is computed with the launch's path")
+    if server is None and explicit.model is not None and explicit.model != name:
+        raise ConfigError(f"the launch serves the Hub repo {name}, whose identity is its commit, but MODEL is "
+                          f"{explicit.model}: drop MODEL (exl3tool reads {name} from the Hub or its cache), or make "
+                          "the launch serve the folder")
+    if explicit.model is not None:
+        b.put("model_here", explicit.model, "flag", "MODEL")
+    elif local_here is not None:
+        b.put("model_here", local_here, "launch argument",
+              "the launch's path, read here" if local_here == server else f"{name} through the launch's volumes")
+    model_here = explicit.model if explicit.model is not None else (local_here or name)
+    if explicit.server_path is not None:
+        b.put("server_path", explicit.server_path, "flag", "--server-path")
+        return model_here, explicit.server_path
+    if server is None:
+        return model_here, None  # a Hub repo id
+    if explicit.model is None and not paths.container and paths.root is None:
+        # the server's own filesystem: the identity is computed from the path as it resolves here
+        return (name if launch.form == "command" else model_here), None
+    b.put("server_path", server, "launch argument", f"{how}: the identity uses the server's path")
+    return model_here, server
+
+
+def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache: bool = True) -> str:
+    """The server's cache root (setting ``cache_dir``) and where exl3tool writes it (``cache_dir_here``); without
+    ``need_cache`` (``identity``) a root exl3tool cannot reach is a warning, not an error, and ``""`` returned."""
+    item = b.env("VLLM_EXL3_ONLINE_CACHE_DIR")
+    server: Optional[str] = None
+    if item is not None and item.value.strip():
+        server = b.put_env("cache_dir", "VLLM_EXL3_ONLINE_CACHE_DIR", item)
+    else:
+        root = b.env("VLLM_CACHE_ROOT")
+        xdg = b.env("XDG_CACHE_HOME")
+        home = b.env("HOME")
+        if root is not None:
+            base, via = root.value, root
+            server = posixpath.join(base, "exl3_online")
+            b.put("cache_dir", server, via.source, f"VLLM_CACHE_ROOT/exl3_online ({via.detail or via.source})")
+        elif xdg is not None:
+            server = posixpath.join(xdg.value, "vllm", "exl3_online")
+            b.put("cache_dir", server, xdg.source, f"XDG_CACHE_HOME/vllm/exl3_online ({xdg.detail or xdg.source})")
+        elif home is not None:
+            server = posixpath.join(home.value, ".cache", "vllm", "exl3_online")
+            b.put("cache_dir", server, "default", f"~/.cache/vllm/exl3_online with HOME={home.value}")
+        elif explicit.cache_dir is None and not need_cache:
+            b.warnings.append("the server's cache root is under the container's HOME, which the launch does not give")
+            return ""
+        elif explicit.cache_dir is None:
+            raise ConfigError("the server's cache root is ~/.cache/vllm/exl3_online of the container's HOME, which "
+                              "the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
+                              "--env-file) or exl3tool's --cache-dir")
+        if server is not None and root is None:
+            b.defaulted.append("VLLM_EXL3_ONLINE_CACHE_DIR and VLLM_CACHE_ROOT were not given: the server's cache "
+                               f"root is its default {server}; " + _HOW_TO_PASS)
+    if server is not None and server.startswith("~"):
+        home = b.env("HOME")
+        if home is None:
+            raise ConfigError(f"the server's cache root {server} starts with ~ and its HOME is not known; pass an "
+                              "absolute VLLM_EXL3_ONLINE_CACHE_DIR or exl3tool's --cache-dir")
+        server = home.value + server[1:]
+    if explicit.cache_dir is not None:
+        b.put("cache_dir_here", explicit.cache_dir, "flag", "--cache-dir")
+        return explicit.cache_dir
+    assert server is not None
+    server = _server_path(server, launch, "cache root")
+    here = launch.paths.to_host(server)
+    if here is None and not need_cache:
+        b.warnings.append(f"the server's cache root {server} is not on a bind mount of the launch: entries written "
+                          "here would not reach it")
+        return ""
+    if here is None:
+        raise ConfigError(f"the server's cache root {server} is not on a bind mount of the launch, so entries "
+                          f"written here would never reach it: mount it (-v HOST_DIR:{server}) or pass --cache-dir")
+    mount = launch.paths.mount_for(server)
+    if mount is not None and mount.readonly:
+        b.warnings.append(f"the server's cache root {server} is mounted read-only ({mount.spec}): the server can "
+                          "read these entries but not add its own")
+    b.put("cache_dir_here", here, "launch argument",
+          "the server's cache root" if here == server else f"{server} through the launch's volumes")
+    return here
+
+
+def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, Optional[str], Optional[str]]:
+    """The encoder root string, revision and (files mode) the local copy to hash."""
+    if explicit.encoder_root:
+        root = b.put("encoder_root", explicit.encoder_root, "flag", "--encoder-root")
+    else:
+        item = b.env("VLLM_EXL3_ENCODER_SOURCE")
+        if item is None or not item.value.strip():
+            raise ConfigError("VLLM_EXL3_ENCODER_SOURCE was not given (not in the launch, an --env-file or this "
+                              "environment) and the server needs it for every look-up; " + _HOW_TO_PASS
+                              + "; or pass --encoder-root")
+        root = b.put_env("encoder_root", "VLLM_EXL3_ENCODER_SOURCE", item)
+    revision: Optional[str]
+    if explicit.encoder_revision is not None:
+        revision = b.put("encoder_revision", explicit.encoder_revision, "flag", "--encoder-revision")
+    else:
+        item = b.env("VLLM_EXL3_ENCODER_REVISION")
+        if item is not None:
+            revision = b.put_env("encoder_revision", "VLLM_EXL3_ENCODER_REVISION", item)
+        else:
+            revision = b.put("encoder_revision", None, "default",
+                             "not given: the server hashes the encoder's .py files")
+            b.defaulted.append("VLLM_EXL3_ENCODER_REVISION was not given: the encoder identity hashes the .py files "
+                               f"under {root} as the server sees them; " + _HOW_TO_PASS)
+    source: Optional[str] = None
+    if explicit.encoder_source:
+        source = b.put("encoder_source", explicit.encoder_source, "flag", "--encoder-source")
+    elif revision is None or not revision.strip():
+        server_root = _server_path(root, launch, "VLLM_EXL3_ENCODER_SOURCE")
+        here = launch.paths.to_host(server_root)
+        if here is not None and here != server_root:
+            source = b.put("encoder_source", here, "launch argument", f"{server_root} through the launch's volumes")
+        elif here is None:
+            if os.path.isdir(server_root):
+                b.warnings.append(f"the encoder {server_root} is inside the image: its .py files are hashed from "
+                                  f"{server_root} here, which must be the image's copy (else pass --encoder-source "
+                                  "with the files copied out of the image, or set VLLM_EXL3_ENCODER_REVISION)")
+            else:
+                raise ConfigError(f"the server hashes the encoder's .py files under {server_root}, inside the image; "
+                                  "copy them out (docker cp) and pass --encoder-source DIR, or give the server a "
+                                  "VLLM_EXL3_ENCODER_REVISION")
+    return root, revision, source
+
+
+def _parallel(b: _Builder, args: ServerArgs) -> None:
+    """Parallel sizes the fork shards by: honoured when they leave every key as at the TP size, else refused."""
+    pp, how = _int_arg(args, "pipeline_parallel_size", 1)
+    if how:
+        b.arg("pipeline_parallel_size", pp, how)
+        if pp > 1:
+            b.notes.append(f"{how} {pp}: each stage builds its own share of the layers with the same prefixes and "
+                           "TP ranks, and the key holds no stage, so the warm of the TP size covers every stage")
+    dp, dp_how = _int_arg(args, "data_parallel_size", 1)
+    if dp_how:
+        b.arg("data_parallel_size", dp, dp_how)
+    pcp, pcp_how = _int_arg(args, "prefill_context_parallel_size", 1)
+    if pcp_how:
+        b.arg("prefill_context_parallel_size", pcp, pcp_how)
+        if pcp > 1:
+            raise ConfigError(f"the launch's {pcp_how} {pcp}: exl3tool does not model prefill context parallelism's "
+                              "layout; warm without it or check the server's log for its keys")
+    ep = _bool_arg(args, "enable_expert_parallel")
+    if ep:
+        b.arg("enable_expert_parallel", True, args.values["enable_expert_parallel"][1])
+
+
+def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, *,
+                   need_cache: bool = True) -> LaunchSettings:
+    """The settings of every look-up the launched server makes, with sources; ConfigError (exit 2) naming the flag
+    or variable for what the server would refuse or exl3tool cannot reproduce. ``need_cache`` False (``identity``)
+    lets a cache root exl3tool cannot reach be a warning."""
+    from exl3tool.cache.settings import cache_mode, trellis_bits
+    from exl3tool.checkpoint import resolve_overlay
+
+    args = launch.args
+    if args.refused:
+        flag, why = args.refused[0]
+        raise ConfigError(f"the launch's {flag} is not supported by exl3tool: {why}")
+    b = _Builder(launch, layers)
+    quant = _arg(args, "quantization")
+    if quant is not None:
+        b.arg("quantization", quant[0], quant[1])
+        if quant[0].strip().lower() != "exl3":
+            raise ConfigError(f"the launch's {quant[1]} {quant[0]}: the server runs EXL3 online Trellis only with "
+                              "exl3 (or with none, taken from the checkpoint), so it looks nothing up; fix the launch")
+    else:
+        b.put("quantization", None, "default", "not given: the checkpoint's quant_method (exl3)")
+    model, server_path = _model(b, launch, explicit)
+    rev = _arg(args, "revision")
+    if explicit.revision is not None:
+        revision = b.put("revision", explicit.revision, "flag", "--revision")
+    elif rev is not None:
+        revision = b.arg("revision", rev[0], rev[1])
+    else:
+        revision = b.put("revision", None, "default", "not given")
+    tp_launch, tp_how = _int_arg(args, "tp_size", 1)
+    if tp_how:
+        b.arg("tp_size", tp_launch, tp_how)
+    else:
+        b.put("tp_size", 1, "default", "not given: the server runs TP 1")
+    _parallel(b, args)
+    dp = b.settings.get("data_parallel_size")
+    if (b.settings.get("enable_expert_parallel") and dp is not None and dp.value > 1 and tp_launch > 1
+            and (_arg(args, "all2all_backend") or ("allgather_reducescatter", ""))[0] in SEQUENCE_PARALLEL_ALL2ALL):
+        raise ConfigError("the launch's --enable-expert-parallel with --data-parallel-size > 1 and TP > 1 runs "
+                          "sequence-parallel MoE, where the fork replicates the shared experts (and GLM-5's dense "
+                          "MLPs) on every rank instead of sharding them; exl3tool does not model that layout")
+    dtype_arg = _arg(args, "dtype")
+    if explicit.dtype is not None:
+        dtype = b.put("dtype", explicit.dtype, "flag", "--dtype")
+    elif dtype_arg is not None:
+        mapped = _DTYPES.get(dtype_arg[0].strip().lower())
+        if mapped is None:
+            raise ConfigError(f"the launch's {dtype_arg[1]} {dtype_arg[0]!r} is not one of the server's dtypes "
+                              f"({', '.join(_DTYPES)})")
+        dtype = b.arg("dtype", mapped, dtype_arg[1] + (f" {dtype_arg[0]}" if mapped != dtype_arg[0] else ""))
+    else:
+        dtype = b.put("dtype", "auto", "default", "not given: the checkpoint's config dtype")
+    qc_arg = _arg(args, "quantization_config")
+    if explicit.quantization_config is not None:
+        qc: Optional[str] = b.put("quantization_config", explicit.quantization_config, "flag", "--quantization-config")
+    elif qc_arg is not None:
+        _json_arg(args, "quantization_config")
+        try:
+            resolve_overlay(qc_arg[0])
+        except ConfigError as exc:
+            raise ConfigError(f"the launch's {qc_arg[1]}: {exc}") from None
+        qc = b.arg("quantization_config", qc_arg[0], qc_arg[1])
+    else:
+        qc = b.put("quantization_config", None, "default", "not given")
+        b.warnings.append("the launch gives no --quantization-config: without an overlay the server encodes nothing "
+                          "online and looks nothing up; exl3tool plans with its default overlay "
+                          "{\"linear\": {\"weight\": \"mxfp8\"}}")
+    spec = _json_arg(args, "speculative_config")
+    if spec is not None:
+        b.arg("speculative_config", spec, args.values["speculative_config"][1])
+        b.notes.append("the speculative draft (an MTP draft or a draft model) is built with the target's "
+                       "--quantization but not its --quantization-config (the fork's speculative.py), so it encodes "
+                       "nothing online and makes no look-ups")
+    lmo = _bool_arg(args, "language_model_only")
+    if lmo:
+        b.arg("language_model_only", True, args.values["language_model_only"][1])
+    limits = _json_arg(args, "limit_mm_per_prompt")
+    if isinstance(limits, dict):
+        def count(v: Any) -> Any:
+            return v.get("count") if isinstance(v, dict) else v
+        if all(count(limits.get(m)) == 0 for m in ("image", "video")):
+            lmo = True
+            b.arg("language_model_only", True, args.values["limit_mm_per_prompt"][1] + " (image and video 0)")
+    if lmo:
+        b.notes.append("the vision tower is not built (image and video limits 0), so it makes no look-ups")
+    load = _arg(args, "load_format")
+    if load is not None:
+        b.arg("load_format", load[0], load[1])
+        if load[0] not in _LOAD_FORMATS:
+            raise ConfigError(f"the launch's {load[1]} {load[0]} is not supported by exl3tool: the weights (or the "
+                              f"model path the server hashes) come from elsewhere; formats it follows: "
+                              f"{', '.join(_LOAD_FORMATS)}")
+    for name, allowed in (("model_impl", ("auto", "vllm")), ("runner", ("auto", "generate")),
+                          ("convert", ("auto", "none"))):
+        item = _arg(args, name)
+        if item is not None:
+            b.arg(name, item[0], item[1])
+            if item[0] not in allowed:
+                raise ConfigError(f"the launch's {item[1]} {item[0]} is not supported by exl3tool: it builds other "
+                                  f"model classes than the fork's generative ones it plans ({'/'.join(allowed)})")
+    dl = _arg(args, "download_dir")
+    if dl is not None:
+        b.arg("download_dir", dl[0], dl[1] + ": a Hub model's identity does not depend on it")
+    for var in ("HF_HOME", "HF_HUB_CACHE"):
+        item = b.env(var)
+        if item is not None:
+            b.put_env(var.lower(), var, item)
+    if explicit.bits is not None:
+        bits = b.put("bits", explicit.bits, "flag", "--bits")
+    else:
+        item = b.env("VLLM_EXL3_ONLINE_TRELLIS_BITS")
+        try:
+            parsed = trellis_bits({"VLLM_EXL3_ONLINE_TRELLIS_BITS": item.value}) if item is not None else None
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from {item.source}: {item.detail or 'VLLM_EXL3_ONLINE_TRELLIS_BITS'})") from None
+        if parsed is not None:
+            b.put_env("bits", "VLLM_EXL3_ONLINE_TRELLIS_BITS", item)  # type: ignore[arg-type]
+            bits = b.put("bits", parsed, b.settings["bits"].source, b.settings["bits"].detail)
+        else:
+            bits = b.put("bits", 6, "default", "VLLM_EXL3_ONLINE_TRELLIS_BITS not given")
+            b.defaulted.append("VLLM_EXL3_ONLINE_TRELLIS_BITS was not given: without it the server runs no online "
+                               "Trellis and looks nothing up; exl3tool plans 6 bits; " + _HOW_TO_PASS)
+    enc_root, enc_rev, enc_src = _encoder(b, launch, explicit)
+    cache_dir = _cache_dir(b, launch, explicit, need_cache)
+    mode_item = b.env("VLLM_EXL3_ONLINE_CACHE_MODE")
+    if mode_item is not None:
+        mode = cache_mode({"VLLM_EXL3_ONLINE_CACHE_MODE": mode_item.value})
+        b.put_env("cache_mode", "VLLM_EXL3_ONLINE_CACHE_MODE", mode_item)
+        b.settings["cache_mode"] = Setting(mode, b.settings["cache_mode"].source, b.settings["cache_mode"].detail)
+        if mode == "off":
+            b.warnings.append("the server runs with VLLM_EXL3_ONLINE_CACHE_MODE=off: it encodes every layer at "
+                              "start-up and never reads the cache")
+    else:
+        b.put("cache_mode", "readwrite", "default", "VLLM_EXL3_ONLINE_CACHE_MODE not given")
+    if explicit.tp_sizes:
+        b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-sizes / --tp-size")
+    return LaunchSettings(
+        launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,
+        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings), tuple(launch.notes) + tuple(b.notes))
