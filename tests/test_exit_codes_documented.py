@@ -58,6 +58,9 @@ CLAIMS = [
     ("docs/cache.md", "Exit 0 when every look-up hits, 1 when", "cache_check"),
     ("docs/deploy.md", "exits 0 when every look-up hits, 1 when any misses", "cache_check"),
     ("help: cache check", "Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error", "cache_check"),
+    ("README.md", "Refused, naming the flag (exit 2): `--hf-overrides`", "launch_refusals"),
+    ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
+    ("docs/deploy.md", "stops the warm with exit 2 naming it", "launch_refusals"),
 ]
 
 
@@ -272,6 +275,15 @@ def scenario_cache_check(m, tmp, monkeypatch):
     assert run([*argv, "--layers", LAYER]) == 0
     assert run([*argv, "--layers", "model.layers.1.self_attn.o_proj"]) == 1  # never warmed: the server would miss
     assert run([*argv, "--tp-sizes", "two"]) == 2
+
+
+def scenario_launch_refusals(m, tmp, monkeypatch):
+    base = ["cache", "warm", "--cache-dir", tmp / "c", "--dry-run", *ENC]
+    assert run([*base, "--launch", f"vllm serve {m['good']} --hf-overrides '{{}}'"]) == 2
+    assert run([*base, "--launch", f"vllm serve {m['good']} --quantization-config '{{not json'"]) == 2
+    assert run([*base, "--env-file", tmp / "missing.env", "--launch", f"vllm serve {m['good']}"]) == 2
+    assert run([*base, "--launch", "vllm serve"]) == 2  # no model in the launch
+    assert run([*base, "--launch", f"vllm serve {m['good']}"]) == 0  # the same launch without them plans
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}
