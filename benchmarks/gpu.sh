@@ -89,7 +89,8 @@ part() {  # one part: its command(s), output to $OUT/<part>.log, then the lines 
     warm-torchrun)
       run timeout "$(lim warm-torchrun 200)" python3 benchmarks/bench_warm_torchrun.py --nproc 2 --layers 4 > "$log" 2>&1
       [ -z "${DRY_RUN:-}" ] && tail -8 "$log" ;;
-    dropin)  # its own steps (install, background compile, tests, benchmark) stay in gpu_dropin.sh; run with timeout_s 600
+    dropin)
+      # its own steps (install, background compile, tests, benchmark) stay in gpu_dropin.sh; run with timeout_s 600
       OUT="$OUT/dropin" run bash benchmarks/gpu_dropin.sh > "$log" 2>&1
       [ -z "${DRY_RUN:-}" ] && tail -30 "$log" ;;
   esac
