@@ -27,6 +27,9 @@ __all__ = ["app", "main", "debug_enabled"]
 app = typer.Typer(
     name="exl3tool",
     help="Encode dense layers into EXL3 trellis weights offline, into the serving stack's cache.",
+    epilog="Exit codes: 0 ok; 1 findings (failed layers, invalid entries, failed checks); 2 usage, configuration "
+    "or I/O error (inputs that select no work included); 130 interrupted (entries published so far are complete; "
+    "the same command resumes). EXL3TOOL_DEBUG=1 adds tracebacks.",
     cls=Exl3Group,
     no_args_is_help=True,
     pretty_exceptions_enable=False,

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "KEY_HEADERS", "json_document_written",
+__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "plural", "KEY_HEADERS", "json_document_written",
            "forget_json_document"]
 
 KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
@@ -41,6 +41,15 @@ def to_jsonable(obj: Any) -> Any:
     if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
         return obj.item()
     return obj
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun that agrees with it, for every count a person reads.
+
+    >>> plural(1, "job"), plural(3, "job"), plural(0, "entry", "entries")
+    ('1 job', '3 jobs', '0 entries')
+    """
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"
 
 
 def _plain(cell: Any) -> str:

@@ -18,7 +18,10 @@ def golden_dir() -> Path:
     for path in candidates:
         if (path / "tiles_golden.safetensors").is_file():
             return path
-    pytest.skip("golden vectors not found (set EXL3TOOL_GOLDEN or place them at ../shared/golden)")
+    pytest.skip("golden vectors not found: they are the outputs of the exllamav3 1.6.5 reference's CUDA kernels "
+                "(tiles_golden.safetensors etc., provenance in their README.md), kept in the project's shared/golden "
+                "folder; run these tests with EXL3TOOL_GOLDEN=/path/to/golden python -m pytest, or put the folder at "
+                "./golden or ../shared/golden")
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from exl3tool.cli import main
 from exl3tool.errors import ConfigError
 from exl3tool.warm import WarmRequest, prepare
 
-from _warm_util import ENC, ENC_ARGS
+from helpers import ENC, ENC_ARGS
 
 cli._register()
 COMMANDS = (["encode"], ["cache", "warm"], ["verify"])

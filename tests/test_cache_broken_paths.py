@@ -14,15 +14,13 @@ import json
 import os
 
 import pytest
-from cli_runner import CliRunner
+from helpers import ENC, ENCODER_ID, MODEL_ID, TINY, CliRunner, fake_warm, make_encoded
 
 from exl3tool.cache import CacheKey, CacheStore, lock_path, scan
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.warm import WarmRequest, prepare
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
-from _warm_util import ENC, TINY, fake_warm
 
 _register()
 BROKEN = ("directory at entry", "directory at lock", "symlink at lock", "dangling symlink at lock")

@@ -15,7 +15,7 @@ import sys
 import tarfile
 
 import pytest
-from cli_runner import CliRunner
+from helpers import ENCODER_ID, MODEL_ID, CliRunner, make_encoded, server_lookup, tree
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cache.bundle import BundleError, import_bundle, manifest_bytes, plan_export, write_bundle
@@ -23,7 +23,6 @@ from exl3tool.cache.entry import write_entry
 from exl3tool.cli import _register, app
 from exl3tool.errors import Exl3ToolError
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded, server_lookup, tree
 
 _register()
 runner = CliRunner()

@@ -9,7 +9,7 @@ from filelock import FileLock
 
 from exl3tool.cache import CacheKey, CacheStore, Claim, lock_path
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded, server_lookup
+from helpers import ENCODER_ID, MODEL_ID, make_encoded, server_lookup
 
 
 def key_for(prefix="model.layers.0.mlp.down_proj") -> CacheKey:

@@ -7,13 +7,12 @@ import os
 import time
 
 import pytest
-from cli_runner import CliRunner
+from helpers import ENCODER_ID, MODEL_ID, CliRunner, make_encoded
 
 from exl3tool.cache import CacheKey, CacheStore, entry_path, lock_path
 from exl3tool.cli import _register, app
 from exl3tool.errors import ConfigError, InputError
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
 
 _register()
 runner = CliRunner()

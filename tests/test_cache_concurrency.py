@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import CliRunner
+from helpers import ENCODER_ID, MODEL_ID, CliRunner, make_encoded, server_lookup
 
 from exl3tool.cache import CacheKey, CacheStore, entry_path, scan
 from exl3tool.cli import _register, app
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded, server_lookup
 
 CTX = mp.get_context("fork")
 K, N, BITS = 256, 256, 6

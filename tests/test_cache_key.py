@@ -10,7 +10,7 @@ import pytest
 from exl3tool.cache import CacheKey, cache_mode, cache_root, entry_path, layer_seed, lock_path
 from exl3tool.errors import ConfigError
 
-from _cache_util import ENCODER_ID, MODEL_ID
+from helpers import ENCODER_ID, MODEL_ID
 
 EXAMPLE_JSON = (
     '{"apply_out_scales":true,"bits":6,"codebook":"mcg","encoder_identity":"fe5e6fead00d1b22502edfa1da021d26132cb231d96346f10e51ead3eedc8326",'

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from exl3tool.cache import CacheKey, CacheStore
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
+from helpers import ENCODER_ID, MODEL_ID, make_encoded
 
 
 def _key(k=128, n=256):

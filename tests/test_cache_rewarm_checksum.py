@@ -16,14 +16,13 @@ import struct
 
 import pytest
 from safetensors.torch import save_file
-from cli_runner import CliRunner
+from helpers import ENC, TINY, CliRunner, fake_warm
 
 from exl3tool.cache import CacheStore
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.warm import WarmRequest, prepare
 
-from _warm_util import ENC, TINY, fake_warm
 
 _register()
 CORRUPTIONS = ("trellis zeroed", "trellis random", "data bits flipped", "one trellis bit", "other entry's data",

@@ -17,7 +17,7 @@ from exl3tool.cache import CacheKey, CacheStore, Exl3OnlineNonFiniteError, entry
 from exl3tool.cache.entry import write_entry
 from exl3tool.cache.scan import execute_prune, plan_prune
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded, server_lookup, tree
+from helpers import ENCODER_ID, MODEL_ID, make_encoded, server_lookup, tree
 
 K, N, BITS = 128, 256, 6
 

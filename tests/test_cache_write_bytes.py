@@ -8,14 +8,14 @@ from pathlib import Path
 
 from exl3tool.cache import CacheKey, validate_entry, write_entry
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
+from helpers import ENCODER_ID, MODEL_ID, make_encoded
 
 KEY = CacheKey.for_layer(MODEL_ID, ENCODER_ID, "model.layers.0.mlp.down_proj", 6, 1, 0, 128, 256)
 
 _WRITE = """
 import sys
 sys.path.insert(0, {tests!r})
-from _cache_util import make_encoded
+from helpers import make_encoded
 from exl3tool.cache import write_entry
 from test_cache_write_bytes import KEY
 e = make_encoded()

@@ -19,10 +19,12 @@ from rich.text import Text
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
-from exl3tool.cli import debug_enabled, main
+from exl3tool.cli import debug_enabled
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.errors import describe
 from exl3tool.output import plain_table
+
+from helpers import run
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 
@@ -33,16 +35,6 @@ def model(tmp_path_factory) -> Path:
     write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512,
                            seed=random.SystemRandom().randrange(2**31), shards=1)
     return path
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``exl3tool ARGV`` in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-        sys.exit(0)
-    out, err = capsys.readouterr()
-    code = exited.value.code
-    return (0 if code is None else code), out, err
 
 
 @pytest.fixture
@@ -315,9 +307,7 @@ def test_option_values_a_server_would_not_take_are_usage_errors(model, tmp_path,
     """An empty item in --tp-sizes, an empty --quantization-config (the server would run with no overlay at all)
     and --tp-size 0 are exit 2 with the option named; --layers matching only modules the server does not encode
     says why instead of 'no eligible layer'."""
-    import sys as _sys
-    _sys.path.insert(0, str(Path(__file__).resolve().parent / "checkpoint"))
-    from tiny_models import write_mla
+    from exl3tool.checkpoint.tiny import write_mla
 
     cache = ["--cache-dir", str(tmp_path / "cache"), *ENC]
     for argv, why in ((["cache", "warm", str(model), "--tp-sizes", "1,,2", "--layers", "*.o_proj"], "empty item"),

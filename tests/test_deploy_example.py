@@ -18,7 +18,7 @@ import yaml
 
 from exl3tool.checkpoint import write_llama_checkpoint
 
-from _cache_util import server_encoder_identity, server_lookup, server_model_identity
+from helpers import server_encoder_identity, server_lookup, server_model_identity
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CI = REPO_ROOT / "examples" / "ci"

@@ -13,7 +13,7 @@ import torch
 from exl3tool.cache import CacheKey, write_entry
 from exl3tool.encode import encode_linear
 
-from _cache_util import ENCODER_ID, MODEL_ID
+from helpers import ENCODER_ID, MODEL_ID
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Identities as a server elsewhere sees them: --server-path in every command, Hub-cache blob links, --encoder-source,
 and the revision the server must be started with.
 
-Every expected identity comes from the tests' independent re-implementation (``_cache_util``) run on a *server*
+Every expected identity comes from the tests' independent re-implementation (``helpers``) run on a *server*
 tree: a copy of the model made with mtimes (and links) kept at another absolute path.
 """
 
@@ -14,14 +14,13 @@ import subprocess
 import sys
 
 import pytest
-from cli_runner import CliRunner
+from helpers import CliRunner, server_encoder_identity, server_model_identity, transformers_commit_hash
 
 from exl3tool.cache import resolve_encoder_identity, server_identities
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.errors import ConfigError
 
-from _cache_util import server_encoder_identity, server_model_identity, transformers_commit_hash
 
 _register()
 runner = CliRunner()

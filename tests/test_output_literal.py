@@ -7,13 +7,12 @@ import io
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-from cli_runner import CliRunner
+from helpers import ENCODER_ID, MODEL_ID, CliRunner, make_encoded
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cli import _register, app
 from exl3tool.output import Output
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
 
 _register()
 NASTY = "models/[/bold] and [red]x[/]"

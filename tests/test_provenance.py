@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 import os
-import sys
 import tarfile
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cli_runner import CliRunner
+from helpers import CliRunner, fake_warm, server_key_json, server_path
 from exl3tool.cache import server_identities
 from exl3tool.cache.bundle import import_bundle, plan_export, write_bundle
 from exl3tool.cache.records import RECORDS_DIR, parse_record, read_records, record_bytes
@@ -27,11 +26,8 @@ from exl3tool.errors import Exl3ToolError
 from exl3tool.warm import WarmRequest
 from exl3tool.warm.check import check
 
-from _cache_util import server_key_json, server_path
-from _warm_util import fake_warm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "checkpoint"))
-from tiny_models import write_mla  # noqa: E402
+from exl3tool.checkpoint.tiny import write_mla  # noqa: E402
 
 _register()
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="v0.0.18")
@@ -104,7 +100,7 @@ def test_a_warm_records_the_payloads_as_hashed_and_a_rewarm_adds_nothing(warmed,
 def test_encode_records_itself_as_encode(warmed, monkeypatch, tmp_path):
     """`encode` passes its name to warm(): the record says which command wrote the entries."""
     import exl3tool.warm.request as req
-    from _warm_util import fake_encode
+    from helpers import fake_encode
 
     request, _, _ = warmed
     real = getattr(req.run_plan, "__wrapped__", req.run_plan)
@@ -118,7 +114,7 @@ def test_encode_records_itself_as_encode(warmed, monkeypatch, tmp_path):
 def test_no_record_without_a_writable_cache(warmed, monkeypatch, tmp_path):
     """A readonly encode writes nothing into the cache, so no record either."""
     import exl3tool.warm.request as req
-    from _warm_util import fake_encode
+    from helpers import fake_encode
 
     request, _, _ = warmed
     real = getattr(req.run_plan, "__wrapped__", req.run_plan)

@@ -462,7 +462,7 @@ def test_group_timeout_outlasts_gloos_default():
 
 @pytest.mark.parametrize("command", [["cache", "warm"], ["encode"]])
 def test_overlap_flag_reaches_the_request(command, monkeypatch):
-    from cli_runner import CliRunner
+    from helpers import CliRunner
 
     import exl3tool.commands.encode as encode_cmd
     from exl3tool.cli import _register, app

@@ -19,6 +19,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from exl3tool.cache.hub import resolve_hub_revision
 from exl3tool.errors import ConfigError, InputError
+from exl3tool.output import plural
 
 __all__ = [
     "ModelIdentity",
@@ -203,6 +204,25 @@ def _file_identity(real: str, server: str) -> ModelIdentity:
     )
 
 
+def _missing_index_shards(real: str) -> list[str]:
+    """A warning per shard that model.safetensors.index.json names and the folder lacks (the server fails to load).
+
+    The identity is still the server's (it hashes the shards present), but no server starts on this checkpoint;
+    an index that cannot be read is left to the commands that read it.
+    """
+    try:
+        with open(os.path.join(real, "model.safetensors.index.json"), encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(weight_map, dict):
+        return []
+    named = sorted({f for f in weight_map.values() if isinstance(f, str)})
+    return [f"{os.path.join(real, f)}: shard named in model.safetensors.index.json is missing; the server would fail "
+            "to load this checkpoint (and exl3tool cache warm / verify refuse it): download that file"
+            for f in named if not os.path.isfile(os.path.join(real, f))]
+
+
 def _directory_identity(real: str, server: str, rev: str | None, rev_how: str, rev_from: str) -> ModelIdentity:
     markers = []
     for name in MARKER_FILES:
@@ -230,15 +250,16 @@ def _directory_identity(real: str, server: str, rev: str | None, rev_how: str, r
                 if warning:
                     warnings.append(warning)
             shards.append([name, on_server, st.st_size, st.st_mtime_ns])
+    warnings += _missing_index_shards(real)
     payload = _compact_json({"kind": "directory", "path": server, "revision": rev, "markers": markers, "shards": shards})
-    blobs = f"; {mapped} Hub-cache blob link(s) mapped beside the server's snapshots/ folder" if mapped else ""
+    blobs = f"; {plural(mapped, 'Hub-cache blob link')} mapped beside the server's snapshots/ folder" if mapped else ""
     return ModelIdentity(
         model_payload_digest(payload),
         "directory",
         payload,
         rev,
-        f"local directory {server}: {len(markers)} marker file(s) hashed, {len(shards)} shard(s) by path, size and "
-        f"mtime_ns (not content){blobs}; revision {rev!r} ({rev_how}).",
+        f"local directory {server}: {plural(len(markers), 'marker file')} hashed, {plural(len(shards), 'shard')} by path, size and "
+        f"mtime_ns (not content){blobs}; " + (f"revision {rev!r}" if rev is not None else "no revision") + f" ({rev_how}).",
         rev_from,
         tuple(warnings),
     )

@@ -11,7 +11,7 @@ def register(app: typer.Typer) -> None:
     """Register every command module that exists on the app."""
     import importlib
 
-    for name in ("identity", "cache", "encode", "verify", "encoder_source"):  # order matters: encode adds `cache warm`
+    for name in ("identity", "cache", "encode", "verify", "encoder_source", "synth"):  # order matters: encode adds `cache warm`
         try:
             module = importlib.import_module(f"exl3tool.commands.{name}")
         except ModuleNotFoundError as exc:  # a command group not written yet

@@ -21,12 +21,12 @@ from exl3tool.commands.options import (
     ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, resolve_cache_dir,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
-from exl3tool.output import Output
+from exl3tool.output import Output, plural
 
 __all__ = ["cache_app", "register"]
 
-cache_app = typer.Typer(name="cache", help="Inspect, verify and prune the online EXL3 cache.", no_args_is_help=True,
-                        cls=Exl3Group)
+cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, prune, export and import the online EXL3 cache.",
+                        no_args_is_help=True, cls=Exl3Group)
 
 
 def _when(ts: float) -> str:
@@ -98,7 +98,7 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
     for sr in records:
         if sr.record is None:
             out.warn(f"{sr.path}: not a provenance record ({sr.error}); remove it with: exl3tool cache prune --invalid")
-    out.line(f"{len(infos)} entries, {decimal(sum(i.size for i in infos))}")
+    out.line(f"{plural(len(infos), 'entry', 'entries')}, {decimal(sum(i.size for i in infos))}")
     out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos),
               "identities": identities,
               "bad_records": [{"path": str(sr.path), "error": sr.error} for sr in records if sr.record is None]})
@@ -224,8 +224,9 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
         if i.is_symlink and i.status == "valid":
             out.warn(f"{i.path}: a symlink; the server follows it and loads the target")
     out.line(
-        f"{len(entries)} entries: {len(valid)} valid, {len(unchecked)} unchecked, {len(invalid)} invalid; "
-        f"{len(bad_locks)} broken lock path(s), {len(temps)} leftover temp file(s), {len(orphans)} orphan lock(s)"
+        f"{plural(len(entries), 'entry', 'entries')}: {len(valid)} valid, {len(unchecked)} unchecked, "
+        f"{len(invalid)} invalid; {plural(len(bad_locks), 'broken lock path')}, "
+        f"{plural(len(temps), 'leftover temp file')}, {plural(len(orphans), 'orphan lock')}"
     )
     if unchecked:
         out.note(f"{len(unchecked)} entr{'y has' if len(unchecked) == 1 else 'ies have'} no exl3tool checksum "
@@ -299,8 +300,8 @@ def prune(
     out.table(table)
     for info, why in plan.skipped:
         out.note(f"skipping {info.path}: {why}")
-    out.line(f"{len(plan.items)} file(s), {decimal(plan.bytes_freed)} to free"
-             + (f"; {len(rplan.items)} provenance record(s)" if rplan.items else ""))
+    out.line(f"{plural(len(plan.items), 'file')}, {decimal(plan.bytes_freed)} to free"
+             + (f"; {plural(len(rplan.items), 'provenance record')}" if rplan.items else ""))
     result: dict[str, Any] = {
         "root": str(root),
         "dry_run": dry_run,
@@ -315,7 +316,13 @@ def prune(
     if not yes:
         if json:
             raise ConfigError("prune with --json needs --yes (or --dry-run): there is no prompt in JSON mode")
-        if not typer.confirm(f"Delete {len(plan.items) + len(rplan.items)} file(s)?"):
+        try:
+            agreed = typer.confirm(f"Delete {plural(len(plan.items) + len(rplan.items), 'file')}?")
+        except typer.Abort:  # no answer: stdin closed or not a terminal (a script, CI)
+            typer.echo()  # end the prompt's line
+            raise ConfigError("no answer to the prompt (stdin is not interactive): pass --yes to prune without a "
+                              "prompt, or --dry-run to see the plan") from None
+        if not agreed:
             out.line("nothing removed")
             out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
             return
@@ -326,12 +333,13 @@ def prune(
         out.note(line)
     for line in errors:
         out.warn(line)
-    out.line(f"freed {decimal(done.freed)}" + (f"; {len(done.kept)} file(s) changed since the plan, kept" if done.kept else "")
-             + (f"; {removed} provenance record(s) removed" if removed else ""))
+    out.line(f"freed {decimal(done.freed)}"
+             + (f"; {plural(len(done.kept), 'file')} changed since the plan, kept" if done.kept else "")
+             + (f"; {plural(removed, 'provenance record')} removed" if removed else ""))
     out.data({**result, "bytes_freed": done.freed, "errors": errors, "kept": list(done.kept) + rkept,
               "records_removed": removed})
     if errors:
-        raise InputError(f"{len(errors)} file(s) could not be removed (see warnings); check permissions under {root}")
+        raise InputError(f"{plural(len(errors), 'file')} could not be removed (see warnings); check permissions under {root}")
 
 
 def register(app: typer.Typer) -> None:
@@ -356,7 +364,7 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
         for path, why in plan.left_out:
             table.add_row(path, why)
         out.table(table)
-    out.line(f"exported {len(plan.entries)} entries ({decimal(plan.bytes)}) to {bundle}: a {decimal(size)} bundle; "
+    out.line(f"exported {plural(len(plan.entries), 'entry', 'entries')} ({decimal(plan.bytes)}) to {bundle}: a {decimal(size)} bundle; "
              f"{len(plan.left_out)} invalid left out; cache {plan.root}")
     out.data({
         "bundle": bundle, "root": str(plan.root), "entries": len(plan.entries), "bytes": plan.bytes,
@@ -496,7 +504,7 @@ def import_(
         out.table(table)
     out.line(f"{report.count('imported')} imported, {report.count('replaced')} replaced (were invalid), "
              f"{report.count('present')} already present, {len(refused)} refused; "
-             f"{decimal(report.bytes_written)} written; {report.count('imported', 'record')} provenance record(s) "
+             f"{decimal(report.bytes_written)} written; {plural(report.count('imported', 'record'), 'provenance record')} "
              f"imported, {report.count('present', 'record')} already there; cache {root}")
     out.data({
         "bundle": bundle, "root": str(root), "tool_version": report.tool_version,
@@ -509,5 +517,5 @@ def import_(
                     if i.kind == "record"],
     })
     if refused:
-        raise FindingsError(f"{len(refused)} bundle member(s) refused (nothing of them was written); the rest were "
+        raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); the rest were "
                             "imported")

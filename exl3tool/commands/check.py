@@ -17,7 +17,7 @@ from exl3tool.commands.options import (
     QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt,
 )
 from exl3tool.errors import FindingsError
-from exl3tool.output import Output
+from exl3tool.output import Output, plural
 from exl3tool.warm.check import CheckReport, check
 
 __all__ = ["cache_check", "render_check", "check_json"]
@@ -27,7 +27,7 @@ def _where(cause) -> str:
     jobs = cause.lookups
     layouts = sorted({(j.tp_size, j.tp_rank) for j in jobs})
     ranks = ",".join(f"tp{w}-rank{r}" for w, r in layouts[:4]) + (" ..." if len(layouts) > 4 else "")
-    return f"{len(jobs)} look-up(s), e.g. {jobs[0].prefix} ({ranks})"
+    return f"{plural(len(jobs), 'look-up')}, e.g. {jobs[0].prefix} ({ranks})"
 
 
 def check_json(report: CheckReport) -> dict[str, Any]:
@@ -74,9 +74,9 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     for f in report.notes:
         out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
     o = report.hit_origins
-    out.line(f"{len(report.lookups)} look-ups: {plan.count('hit')} hit ({o['record']} recorded warms, "
+    out.line(f"{plural(len(report.lookups), 'look-up')}: {plan.count('hit')} hit ({o['record']} recorded warms, "
              f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
-             f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plan.count('skipped')} layer rank(s) the "
+             f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
              f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
     out.data({**check_json(report), **(extra or {})})
 

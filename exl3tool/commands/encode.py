@@ -17,7 +17,7 @@ from exl3tool.commands.options import (
     LockTimeoutOpt, OverlapOpt, ProgressOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
-from exl3tool.output import Output
+from exl3tool.output import Output, plural
 from exl3tool.progress import make_progress, progress_mode
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
 from exl3tool.warm.sharing import reused_from, sharing_figures
@@ -25,8 +25,8 @@ from exl3tool.warm.sharing import reused_from, sharing_figures
 __all__ = ["register", "encode", "cache_warm", "warm_request", "LayersOpt", "ExcludeOpt", "SharedOpt", "ModelArg",
            "TpSizesOpt", "LAUNCH_PARAMS"]
 
-LayersOpt = Annotated[list[str], typer.Option("--layers", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
-ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")]
+LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
+ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
 GpuMemoryOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GiB", help="GPU memory budget per worker in GiB (default: what the device has free, less 5% or 1 GiB); the encoder sizes its chunks to it and a layer that cannot fit fails with the memory it needed.")]
@@ -67,6 +67,15 @@ def plan_notes(out: Output, plan: WarmPlan) -> None:
         out.note(plan.fetch.line())
 
 
+def discard_note(out: Output, plan: WarmPlan) -> None:
+    """`encode --mode readonly|off`: say before the first encode that its results will be thrown away."""
+    if plan.mode != "readwrite":
+        what = ("the cache is neither read nor written: every planned layer" if plan.mode == "off" else
+                "the cache is read, never written: every layer missing from it")
+        out.note(f"mode {plan.mode}: {what} is encoded ({plural(len(plan.todo), 'job')}) and the result discarded "
+                 "(a timing or a dry check); --mode readwrite publishes the entries")
+
+
 def _why(j) -> str:
     if j.state == "skipped" or j.state == "invalid":
         return j.reason
@@ -97,17 +106,20 @@ def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> No
             ex.add_row(e.prefix, e.detail or e.reason)
         out.table(ex)
     plan_notes(out, plan)
+    discard_note(out, plan)
+    looked_up = [j for j in plan.jobs if j.state != "skipped"]
     todo = plan.todo
     shares, sharing = reused_from(todo), sharing_figures(todo)
-    out.line(f"{len(plan.jobs)} jobs: {plan.count('hit')} hit, {plan.count('miss')} miss, "
-             f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; {len(excluded)} modules not "
-             f"encoded by the server; {sum(j.tiles for j in plan.jobs if j.state != 'skipped')} tiles; "
-             f"cache {plan.cache_root}")
+    out.line(f"{plural(len(plan.jobs), 'job')}: {plan.count('hit')} hit, {plan.count('miss')} miss, "
+             f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; "
+             f"{plural(len(excluded), 'module')} not encoded by the server; {plural(sum(j.tiles for j in looked_up), 'tile')} "
+             f"in all, {plural(sum(j.tiles for j in todo), 'tile')} to encode; cache {plan.cache_root}")
     out.line(_sharing_line(sharing))
     out.data({
         "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
         "bits": plan.bits, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root), "mode": plan.mode,
         **plan_header(plan),
+        "tiles": {"total": sum(j.tiles for j in looked_up), "to_encode": sum(j.tiles for j in todo)},
         "jobs": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
                   "output_size": j.output_size, "tiles": j.tiles, "state": j.state, "reason": j.reason,
                   "why": _why(j), "planned_by": j.rank_job.layer.spec if j.rank_job is not None else None,
@@ -166,10 +178,10 @@ def render_unchecked(out: Output, summary: WarmSummary) -> None:
     n = len(summary.unchecked)
     if checked:
         replaced = sum(u.action == "replaced" for u in summary.unchecked)
-        out.warn(f"{n} hit(s) carried no exl3tool checksum (written by the server?); checked against a fresh encode: "
+        out.warn(f"{plural(n, 'hit')} carried no exl3tool checksum (written by the server?); checked against a fresh encode: "
                  f"{replaced} replaced, {n - replaced} kept")
     else:
-        out.warn(f"{n} hit(s) carry no exl3tool checksum (written by the server?): kept as the server would load them; "
+        out.warn(f"{plural(n, 'hit')} carry no exl3tool checksum (written by the server?): kept as the server would load them; "
                  "`cache warm --check-unchecked` or `exl3tool verify MODEL --exact` checks their weights")
     for u in summary.unchecked:
         what = f"  {u.verdict}, {u.action or 'kept'}: {u.detail}" if u.verdict is not None else ""
@@ -191,9 +203,10 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
 
             todo = share_jobs(todo, ctx.worker, ctx.workers)
         plan_notes(out, plan)
+        discard_note(out, plan)
         f = sharing_figures(todo)
-        out.note(f"{plan.model}: {len(plan.jobs)} jobs, {plan.count('hit')} already cached, "
-                 f"{len(todo)} to encode here ({f['tiles']} tiles)"
+        out.note(f"{plan.model}: {plural(len(plan.jobs), 'job')}, {plan.count('hit')} already cached, "
+                 f"{len(todo)} to encode here ({plural(f['tiles'], 'tile')})"
                  + (f"; {f['encodes']} encodes ({f['encodes_saved']} saved: same shard)" if f["encodes_saved"] else ""))
         display.begin(todo)
 
@@ -210,7 +223,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
     render_summary(out, summary, extra)
     if not summary.ok:
         where = "the entries with status 'failed'" if out.json else "the list above"
-        raise FindingsError(f"{summary.counts['failed']} layer job(s) failed; see {where}")
+        raise FindingsError(f"{plural(summary.counts['failed'], 'layer job')} failed; see {where}")
 
 
 # command parameter -> WarmRequest field, for the flags that win over a launch

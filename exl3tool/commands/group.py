@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperGroup, TyperOption
 
 __all__ = ["Exl3Group", "ClickException", "UsageError"]
 
@@ -15,6 +15,28 @@ def _click_class(name: str) -> type:
 
 ClickException = _click_class("ClickException")
 UsageError = _click_class("UsageError")
+
+_value_type = TyperOption.display_type_rich
+_CLICK_NAMES = {"<str>": "TEXT", "<int>": "INTEGER", "<float>": "FLOAT", "<path>": "PATH", "<list[str]>": "TEXT"}
+
+
+def _help_type(self, ctx):
+    """The type column of an option's help row, as Click writes it: Typer's rich help labels every flag ``<bool>``
+    and a value ``<str>``; a flag takes no value, so it shows none, and a value shows its metavar (``DAYS``,
+    ``JSON``) or Click's ``TEXT``, ``INTEGER``, ``FLOAT``, ``PATH``."""
+    if self.is_flag or self.count:
+        return None
+    label = _value_type(self, ctx)
+    return _CLICK_NAMES.get(label, label) if self.metavar is None else label
+
+
+def _argument_type(self, ctx):
+    """An argument's row already shows its metavar (``MODEL``, ``DIR``): no ``<str>`` beside it."""
+    return None
+
+
+TyperOption.display_type_rich = _help_type
+TyperArgument.display_type_rich = _argument_type
 
 
 class Exl3Group(TyperGroup):

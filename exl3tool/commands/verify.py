@@ -17,7 +17,7 @@ from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt,
     QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, parse_positive_ints,
 )
-from exl3tool.errors import FindingsError, InputError
+from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.output import Output, to_jsonable
 from exl3tool.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_plan
 from exl3tool.warm import WarmRequest, prepare, resolve_device
@@ -110,8 +110,8 @@ def verify(
     tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
     tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
     bits: BitsOpt = None,
-    layers: Annotated[list[str], typer.Option("--layers", help="Only layers matching this glob; repeatable.")] = [],
-    exclude: Annotated[list[str], typer.Option("--exclude", help="Leave out layers matching this glob; repeatable.")] = [],
+    layers: Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers matching this glob; repeatable.")] = [],
+    exclude: Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")] = [],
     quantization_config: QuantizationConfigOpt = None,
     rows: Annotated[str, typer.Option("--rows", help="Comma-separated activation row counts.")] = "1,16,256",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the activations (printed in the report).")] = 0,
@@ -176,7 +176,7 @@ def verify(
         except OSError as exc:
             raise InputError(f"cannot write --report {report}: {exc.strerror}") from exc
     if not result.layers:
-        raise FindingsError("no layers to verify (check --layers / --exclude and the TP size)")
+        raise ConfigError("nothing to do: no layer to verify (check --layers / --exclude and the TP size)")
     if not result.ok:
         differing = _differing(result)
         named = f"; differ from a fresh encode: {', '.join(f'{c.prefix} rank {c.tp_rank}' for c in differing)}" if differing else ""

@@ -628,11 +628,11 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-# m at and above which trellis_matmul takes the reconstruct path (measured on the H200: NOTES_gemm.md)
+# m at and above which trellis_matmul takes the reconstruct path (measured on the H200: benchmarks/README.md, "Trellis GEMM")
 RECON_MIN_M = 128
 
 # The reconstruct path's costs on the H200, in microseconds per million elements (fitted to the sweep in
-# benchmarks/results/, NOTES_gemm.md): the reconstruct kernel per weight for each fold, then the passes over
+# benchmarks/results/, benchmarks/README.md): the reconstruct kernel per weight for each fold, then the passes over
 # the activations that the fold leaves (prep: x's input side, per element of x; post: y's output side, per
 # element of y; to_fp16: bf16 x cast for the folds that hand x to cuBLAS as it is).
 RECON_COST_US = {"recon": {FOLD_NONE: 0.88, FOLD_OUT: 1.72, FOLD_IN: 1.64, FOLD_BOTH: 2.77, FOLD_BOTH16: 2.09},
@@ -654,7 +654,7 @@ def balanced_split(chunks: int, target: int, *, min_chunks: int = 1) -> int:
     The kernel gives each split ceil(chunks / split) chunks, so a split count that does not divide evenly leaves
     the last splits empty (32 chunks in 19 splits: 16 of 2 and 3 empty programs). ``min_chunks`` caps the count
     at ceil(chunks / min_chunks) (m = 1: 2, the H200 sweep's best at K = 4096; the gain is within run-to-run
-    noise, benchmarks/NOTES_gemm.md).
+    noise, benchmarks/README.md).
     """
     per = max(min(min_chunks, chunks), -(-chunks // max(1, min(chunks, target))))
     return -(-chunks // per)
@@ -662,7 +662,7 @@ def balanced_split(chunks: int, target: int, *, min_chunks: int = 1) -> int:
 
 def choose_config(m: int, k: int, n: int, device: torch.device,
                   dtype: torch.dtype = torch.float16) -> GemmConfig | ReconConfig:
-    """Heuristic per regime, from the H200 sweep (benchmarks/NOTES_gemm.md; ``EXL3_BENCH_SWEEP=1``).
+    """Heuristic per regime, from the H200 sweep (benchmarks/README.md, "Trellis GEMM"; ``EXL3_BENCH_SWEEP=1``).
 
     m == 1: the fused kernel's FMA form (no tensor cores, so no shared-memory staging and no barrier per
     step: 20-30 % faster than tl.dot at one row), split-K to at most about sixteen programs per SM with at least

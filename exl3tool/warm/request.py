@@ -16,6 +16,7 @@ import torch
 from exl3tool.cache import CacheStore
 from exl3tool.cache.entry import entry_bytes
 from exl3tool.timing import StageTimer
+from exl3tool.output import plural
 from exl3tool.warm.distributed import (
     DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
 )
@@ -24,7 +25,7 @@ from exl3tool.warm.plan import WarmJob, WarmPlan, build_plan
 from exl3tool.warm.results import JobResult, WarmSummary, job_result, summarize
 from exl3tool.warm.unchecked import UncheckedHit, check_unchecked
 
-__all__ = ["SERVING_DTYPES", "WarmRequest", "prepare", "resolve_device", "serving_torch_dtype", "warm"]
+__all__ = ["SERVING_DTYPES", "WarmRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype", "warm"]
 
 # vLLM's --dtype values a server can run with; "auto" is the checkpoint's config dtype, float32 served as bfloat16
 SERVING_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -114,6 +115,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
 
     from exl3tool.cache.settings import BITS_RANGE
 
+    resolve_device(request.device)  # a bad --device fails before any work, --dry-run included
     lo, hi = BITS_RANGE
     if not lo <= request.bits <= hi:
         raise ConfigError(f"--bits {request.bits}: must be from {lo} to {hi} (what the server accepts)")
@@ -138,19 +140,45 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
     layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
                              language_model_only=request.language_model_only)
-    if request.exclude and not layer_plan.layers:
-        raise ConfigError(f"{checkpoint.model}: --exclude {' '.join(repr(g) for g in request.exclude)} leaves no layer "
-                          "to encode; nothing to do (narrow the globs)")
+    if not layer_plan.layers:
+        raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
                       model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,
                       check_hits=check_hits)
+    if all(j.state == "skipped" for j in plan.jobs):
+        tps = ",".join(map(str, plan.tp_sizes))
+        raise ConfigError(f"{checkpoint.model}: nothing to do at TP {tps}: the server keeps every planned layer MXFP8 "
+                          f"there ({plural(len(plan.jobs), 'rank job')}, rank-local sizes not 128-aligned) and looks no "
+                          "entry up; try another TP size")
     if identity_warnings:
         plan = replace(plan, identity_warnings=identity_warnings)
     if mode != "off":
         plan = replace(plan, identities=ids)
     return checkpoint, plan, store
+
+
+_WHY = {"stored_exl3": "stored as EXL3 in the checkpoint", "no_spec": "without a spec in the overlay",
+        "ignored": "ignored by the overlay", "excluded": "left out by --exclude",
+        "not_modelled": "encoded by the server but not modelled"}
+
+
+def nothing_to_do(model: str, layer_plan, exclude: tuple[str, ...] = ()) -> str:
+    """The one message for a plan without layers: a usage error (exit 2), whatever emptied it, with the counts.
+
+    The rule everywhere: inputs that select no work (no layer planned, no entry to export) exit 2; work that is
+    already done (every entry a hit, nothing to prune) exits 0.
+    """
+    counts: dict[str, int] = {}
+    for e in layer_plan.excluded:
+        counts[e.reason] = counts.get(e.reason, 0) + 1
+    why = ", ".join(f"{n} {_WHY.get(r, r)}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if exclude and set(counts) <= {"excluded", "stored_exl3", "not_modelled"} and counts.get("excluded"):
+        return (f"{model}: --exclude {' '.join(repr(g) for g in exclude)} leaves no layer to encode; nothing to do "
+                f"({why}; narrow the globs)")
+    return (f"{model}: nothing to do: the server encodes no layer of this checkpoint online with this plan"
+            + (f" ({why})" if why else "") + "; check --quantization-config (its ignore list), --layers and --exclude")
 
 
 

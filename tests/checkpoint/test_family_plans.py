@@ -16,7 +16,7 @@ from exl3tool.checkpoint import open_checkpoint, plan_layers, storage_candidates
 from exl3tool.checkpoint.synthetic import exl3_record
 from exl3tool.errors import ConfigError
 
-from tiny_models import (QWEN38_OVERLAY, glm53_text, write_glm4_moe, write_glm5, write_glm53, write_mla, write_qwen3_next,
+from exl3tool.checkpoint.tiny import (QWEN38_OVERLAY, glm53_text, write_glm4_moe, write_glm5, write_glm53, write_mla, write_qwen3_next,
                          write_qwen35)
 
 BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'

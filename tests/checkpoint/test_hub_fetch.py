@@ -8,7 +8,7 @@ import huggingface_hub
 
 from exl3tool.warm import WarmRequest, prepare
 
-from tiny_models import MLA, Builder, _experts, mla_attention, mla_config
+from exl3tool.checkpoint.tiny import MLA, Builder, _experts, mla_attention, mla_config
 
 REPO = "test-org/tiny-mla-exl3"
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="fetch-test")

@@ -17,8 +17,8 @@ from exl3tool.encode import dequantize_tensors
 from exl3tool.verify import verify_plan
 from exl3tool.warm import WarmRequest, prepare, warm
 
-from _cache_util import server_lookup
-from tiny_models import write_mla
+from helpers import server_lookup
+from exl3tool.checkpoint.tiny import write_mla
 
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="mla-test")
 OVERLAY = '{"linear": {"weight": "mxfp8"}, "shared_experts": "mxfp8"}'

@@ -13,7 +13,7 @@ from exl3tool.checkpoint import (
 from exl3tool.cli import main
 from exl3tool.errors import ConfigError
 
-from tiny_models import QWEN38_OVERLAY, write_mla
+from exl3tool.checkpoint.tiny import QWEN38_OVERLAY, write_mla
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "overlay-test"]
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}

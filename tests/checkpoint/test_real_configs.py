@@ -15,7 +15,7 @@ from exl3tool.checkpoint import open_checkpoint, plan_layers
 from exl3tool.warm.sharing import plan_sharing
 
 from test_family_plans import glm53_flash_text
-from tiny_models import write_glm53, write_mla_from_config
+from exl3tool.checkpoint.tiny import write_glm53, write_mla_from_config
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 LINEAR = '{"linear": "mxfp8"}'

@@ -15,7 +15,7 @@ from exl3tool.checkpoint.serving import NO_STORAGE_REASON, NotServable, serving_
 from exl3tool.checkpoint.synthetic import exl3_record
 
 from test_overlay import _cli
-from tiny_models import EXL3_SUMMARY, write_mla
+from exl3tool.checkpoint.tiny import EXL3_SUMMARY, write_mla
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "kinds-test"]
 SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"

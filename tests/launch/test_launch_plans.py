@@ -14,10 +14,10 @@ import pytest
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.checkpoint.families import FAMILIES
 
-from tiny_models import QWEN38_OVERLAY, write_glm4_moe, write_glm5, write_glm53, write_mla, write_qwen3_next, write_qwen35
+from exl3tool.checkpoint.tiny import QWEN38_OVERLAY, write_glm4_moe, write_glm5, write_glm53, write_mla, write_qwen3_next, write_qwen35
 from test_checkpoint_plan import _write_moe
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _warm_util
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
 
 BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 ENC = ("/opt/exllamav3", "v0.0.18")
@@ -249,7 +249,7 @@ def test_identity_needs_no_cache_volume_and_hub_launches_keep_their_kind(tmp_pat
 
 def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, cli, monkeypatch):
     import exl3tool.warm.request as req
-    from _warm_util import fake_encode
+    from helpers import fake_encode
 
     real = req.run_plan
     monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
@@ -270,7 +270,7 @@ def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, cli, m
 
 def test_cache_check_takes_the_launch(tmp_path, cli, monkeypatch):
     import exl3tool.warm.request as req
-    from _warm_util import fake_encode
+    from helpers import fake_encode
 
     real = req.run_plan
     monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))

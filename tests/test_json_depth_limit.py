@@ -11,7 +11,7 @@ import struct
 import tarfile
 
 import pytest
-from cli_runner import CliRunner
+from helpers import ENCODER_ID, MODEL_ID, CliRunner, make_encoded
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cache.bundle import BundleError, import_bundle
@@ -21,7 +21,6 @@ from exl3tool.cli import _register, app
 from exl3tool.errors import ConfigError, Exl3ToolError, InputError
 from exl3tool.jsontext import loads_json
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
 
 _register()
 DEEP = "[" * 200_000 + "]" * 200_000

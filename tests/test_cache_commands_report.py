@@ -8,13 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
-from cli_runner import CliRunner
+from helpers import ENCODER_ID, MODEL_ID, CliRunner, make_encoded
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cli import _register, app
 from exl3tool.errors import FindingsError, InputError
 
-from _cache_util import ENCODER_ID, MODEL_ID, make_encoded
 
 _register()
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cache.md"

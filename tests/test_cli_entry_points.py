@@ -3,7 +3,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from cli_runner import CliRunner
+from helpers import CliRunner
 
 import exl3tool
 from exl3tool.cli import _register, app

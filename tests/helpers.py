@@ -1,12 +1,18 @@
-"""Helpers for the cache tests: synthetic encodes, an independent server look-up, tree snapshots.
+"""What the tests share: running exl3tool, tensors and entries without an encode, and an independent server.
 
-``server_lookup`` is written from the spec (cache-format.md §2.2, §4.1, §5.3) with json, hashlib and
-safetensors' numpy reader only; it must not import exl3tool, so it can catch our library's mistakes.
+* ``CliRunner`` (Typer's, stdout and stderr kept apart on every Click the pyproject allows) and ``run`` /
+  ``exit_code`` (``exl3tool ARGV`` through ``exl3tool.cli.main`` in this process, as the console script runs it);
+* ``make_encoded``, ``fake_encode`` and ``fake_warm``: tensors of the right shapes, deterministic in a seed, and the
+  real ``warm()`` with that fake encoder (plan, pipeline and store are real; a re-encode writes the same bytes);
+* ``server_lookup``, ``server_model_identity``, ``server_encoder_identity``: the server's look-up and identities
+  written from the spec (cache-format.md §2, §4, §5.3) with json, hashlib, pathlib and safetensors' numpy reader
+  only, never exl3tool's code, so they catch our library's mistakes; ``tree`` snapshots a folder.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -14,10 +20,43 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
+from typer.testing import CliRunner as _TyperRunner
 
 from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.warm import WarmRequest, warm
+
+# --- running exl3tool --------------------------------------------------------------------------------------------
+
+# Click 8.2+ always keeps stdout and stderr apart; Click 8.1 (typer 0.15 with an external Click) mixes them unless asked.
+_SEPARATE = {"mix_stderr": False} if "mix_stderr" in inspect.signature(_TyperRunner.__init__).parameters else {}
+
+
+class CliRunner(_TyperRunner):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**{**_SEPARATE, **kwargs})
+
+
+def exit_code(argv: list) -> int:
+    """``exl3tool ARGV`` in this process (``exl3tool.cli.main``, as the console script runs it): its exit code."""
+    from exl3tool.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([str(a) for a in argv])
+        raise SystemExit(0)
+    return exited.value.code or 0
+
+
+def run(argv: list, capsys) -> tuple[int, str, str]:
+    """``exl3tool ARGV`` in this process: (exit code, stdout, stderr), read through pytest's ``capsys``."""
+    code = exit_code(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- the encoder's outputs without an encode ---------------------------------------------------------------------
 
 MODEL_ID = "c9ab4d59bf201df6de4427b12737f002314d556466aa257ac9767010c612fa95"
 ENCODER_ID = "fe5e6fead00d1b22502edfa1da021d26132cb231d96346f10e51ead3eedc8326"
@@ -30,6 +69,43 @@ def make_encoded(k: int = 128, n: int = 256, bits: int = 6, seed: int = 0, proxy
     suh = (torch.rand(k, generator=g) * 2 - 1).to(torch.float16)
     svh = (torch.rand(n, generator=g) * 2 - 1).to(torch.float16)
     return EncodedLinear(trellis=trellis, suh=suh, svh=svh, proxy_error=proxy_error, g_scale=1.0, bits=bits)
+
+
+TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
+ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="test-rev")
+ENC_ARGS = ["--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]
+
+
+def fake_encode(weight, bits, seed, device, progress=None):
+    k, n = weight.shape
+    g = torch.Generator().manual_seed(seed)
+    return EncodedLinear(torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=g,
+                                       dtype=torch.int32).to(torch.int16),
+                         (torch.rand(k, generator=g) + 0.5).half(), (torch.rand(n, generator=g) + 0.5).half(), 0.1, 1.0,
+                         bits)
+
+
+def fake_warm(request: WarmRequest, monkeypatch, calls: list | None = None):
+    """``warm(request)`` with ``fake_encode``; ``calls`` collects the (in, out) shape of every encode."""
+    import exl3tool.warm.request as req
+
+    real = getattr(req.run_plan, "__wrapped__", req.run_plan)  # the real one, also on a second call in one test
+
+    def encode(weight, bits, seed, device, progress=None):
+        if calls is not None:
+            calls.append((seed, tuple(weight.shape)))
+        return fake_encode(weight, bits, seed, device)
+
+    def run_plan(*args, **kwargs):
+        kwargs["encode"] = encode
+        return real(*args, **kwargs)
+
+    run_plan.__wrapped__ = real
+    monkeypatch.setattr(req, "run_plan", run_plan)
+    return warm(request)
+
+
+# --- the server, written from the spec (no exl3tool code) ---------------------------------------------------
 
 
 def server_key_json(model_identity, encoder_identity, prefix, bits, world, rank, k, n) -> str:
