@@ -111,7 +111,7 @@ def test_plan_peak_never_exceeds_any_budget_it_accepts():
 
 @pytest.mark.parametrize("command", [["cache", "warm"], ["encode"]])
 def test_gpu_memory_option_reaches_the_request(command, monkeypatch):
-    from cli_runner import CliRunner
+    from helpers import CliRunner
 
     import exl3tool.commands.encode as encode_cmd
     from exl3tool.cli import _register, app

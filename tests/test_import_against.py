@@ -13,7 +13,7 @@ import os
 import shutil
 
 import pytest
-from cli_runner import CliRunner
+from helpers import CliRunner
 from safetensors.torch import save_file
 
 from exl3tool.cache import CacheKey, CacheStore
@@ -24,7 +24,7 @@ from exl3tool.cli import _register, app
 from exl3tool.errors import Exl3ToolError
 from exl3tool.warm import WarmRequest, prepare, warm
 
-from _cache_util import make_encoded
+from helpers import make_encoded
 
 _register()
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)

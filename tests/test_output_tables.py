@@ -18,7 +18,7 @@ from exl3tool.output import Output
 from exl3tool.warm import WarmRequest, prepare
 from exl3tool.warm.results import job_result, summarize
 
-from _warm_util import ENC
+from helpers import ENC
 
 LONG = [f"model.language_model.layers.{i}.self_attn.indexer.wq_b" for i in (10, 11, 12)]
 

@@ -21,7 +21,7 @@ from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import main
 from exl3tool.warm import WarmRequest, prepare, run_plan
 
-from _warm_util import ENC, ENC_ARGS, fake_encode
+from helpers import ENC, ENC_ARGS, fake_encode
 
 
 @pytest.fixture(scope="module")

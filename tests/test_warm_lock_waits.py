@@ -26,7 +26,7 @@ from exl3tool.cli import main
 from exl3tool.warm import WarmRequest, prepare, run_plan
 from exl3tool.warm.lockwait import LockWaits
 
-from _warm_util import ENC, ENC_ARGS, fake_encode
+from helpers import ENC, ENC_ARGS, fake_encode
 
 CTX = mp.get_context("forkserver")  # a fork after torch started its thread pools can hang the child
 CTX.set_forkserver_preload(["torch", "exl3tool.warm", "exl3tool.checkpoint"])  # each warm starts without imports
@@ -72,7 +72,7 @@ def _holder(entry: Path, go: Path, publish: bool, job_key_json: str | None = Non
         if {publish!r}:
             sys.path[:0] = [{str(REPO_ROOT)!r}, {str(REPO_ROOT / 'tests')!r}]
             from exl3tool.cache import CacheKey, write_entry
-            from _warm_util import fake_encode
+            from helpers import fake_encode
             key = CacheKey.from_json({job_key_json!r})
             import torch
             enc = fake_encode(torch.zeros(key.input_size, key.output_size), key.bits, key.seed, "cpu")

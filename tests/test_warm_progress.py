@@ -20,7 +20,7 @@ from exl3tool.progress import BarProgress, LineProgress, progress_mode
 from exl3tool.warm import WarmRequest, prepare
 from exl3tool.warm.results import job_result
 
-from _warm_util import ENC, ENC_ARGS, fake_encode
+from helpers import ENC, ENC_ARGS, fake_encode
 
 DONE_LINE = re.compile(r"^\[(\d+)/(\d+) jobs\] (encoded|hit|failed) (\S+) tp\d+-rank\d+.*; "
                        r"[\d,]+/[\d,]+ tiles \(\d+%\), ([\d,]+|\?) tiles/s, elapsed .+, ETA .+$")

@@ -16,7 +16,7 @@ def _click_class(name: str) -> type:
 ClickException = _click_class("ClickException")
 UsageError = _click_class("UsageError")
 
-_value_type = TyperOption.display_type_rich
+_value_type = getattr(TyperOption, "display_type_rich", None)  # typer's rich help type column (newer typers)
 _CLICK_NAMES = {"<str>": "TEXT", "<int>": "INTEGER", "<float>": "FLOAT", "<path>": "PATH", "<list[str]>": "TEXT"}
 
 
@@ -35,8 +35,9 @@ def _argument_type(self, ctx):
     return None
 
 
-TyperOption.display_type_rich = _help_type
-TyperArgument.display_type_rich = _argument_type
+if _value_type is not None:  # older typers print Click's own type names: nothing to mend
+    TyperOption.display_type_rich = _help_type
+    TyperArgument.display_type_rich = _argument_type
 
 
 class Exl3Group(TyperGroup):
