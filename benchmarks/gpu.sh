@@ -30,8 +30,10 @@ declare -A ABOUT=(
   [determinism]="the stage-by-stage determinism probe in two processes, then the full-size warm determinism check"
   [warm-torchrun]="the 2-GPU warm scaling run (bench_warm_torchrun.py --nproc 2 --layers 4, TP 1,2); 2 GPUs"
   [dropin]="the drop-in quantize_exl3 against exllamav3 1.6.5 (gpu_dropin.sh: wheel from \$WHL, JIT compile, bench_dropin.py)"
+  [release]="the merged tree against exllamav3 1.6.5 in one call (gpu_release.sh: GPU tests during the JIT compile, bench_dropin, bench_encode_memory; carry golden and .whl)"
+  [fleet]="the deployed models' warm presets and the 8B pipeline stages (gpu_fleet.sh: bench_fleet.py)"
 )
-PARTS=(env tests gemm-tests verify minilm encode kernels gemm gemm-sweep determinism warm-torchrun dropin)
+PARTS=(env tests gemm-tests verify minilm encode kernels gemm gemm-sweep determinism warm-torchrun dropin release fleet)
 declare -A PRESET=(
   [check]="env tests verify encode"                                  # nvidia-h200, about 6 min: after a merge
   [final]="env kernels / tests verify then warm-torchrun"            # nvidia-h200-x2, about 6 min: the figures
@@ -93,6 +95,13 @@ part() {  # one part: its command(s), output to $OUT/<part>.log, then the lines 
       # its own steps (install, background compile, tests, benchmark) stay in gpu_dropin.sh; run with timeout_s 600
       OUT="$OUT/dropin" run bash benchmarks/gpu_dropin.sh > "$log" 2>&1
       [ -z "${DRY_RUN:-}" ] && tail -30 "$log" ;;
+    release)
+      # its own steps stay in gpu_release.sh (about 7 minutes): run with timeout_s 600
+      OUT="$OUT/release" run bash benchmarks/gpu_release.sh > "$log" 2>&1
+      [ -z "${DRY_RUN:-}" ] && tail -40 "$log" ;;
+    fleet)
+      OUT="$OUT/fleet" run bash benchmarks/gpu_fleet.sh > "$log" 2>&1
+      [ -z "${DRY_RUN:-}" ] && tail -40 "$log" ;;
   esac
 }
 
