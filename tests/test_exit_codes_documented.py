@@ -61,6 +61,10 @@ CLAIMS = [
     ("README.md", "Refused, naming the flag (exit 2): `--hf-overrides`", "launch_refusals"),
     ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
     ("docs/deploy.md", "stops the warm with exit 2 naming it", "launch_refusals"),
+    ("README.md", "(exit 2 with both figures) before its first encode", "disk_full"),
+    ("docs/cache.md", "exits 2 with both figures when they do not fit", "disk_full"),
+    ("README.md", "A layer that `differs` fails (exit 1)", "exact"),
+    ("docs/deploy.md", "cache as it was; the rest are imported (exit 1)", "bundles"),
 ]
 
 
@@ -284,6 +288,25 @@ def scenario_launch_refusals(m, tmp, monkeypatch):
     assert run([*base, "--env-file", tmp / "missing.env", "--launch", f"vllm serve {m['good']}"]) == 2
     assert run([*base, "--launch", "vllm serve"]) == 2  # no model in the launch
     assert run([*base, "--launch", f"vllm serve {m['good']}"]) == 0  # the same launch without them plans
+
+
+def scenario_disk_full(m, tmp, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+    assert run(["cache", "warm", m["good"], "--layers", LAYER, "--cache-dir", tmp / "c", "--quiet", *ENC]) == 2
+    assert not list((tmp / "c").rglob("*.safetensors"))  # refused before the first encode
+
+
+def scenario_exact(m, tmp, monkeypatch):
+    shutil_copy = __import__("shutil").copytree
+    cache = shutil_copy(m["cache"], tmp / "c")
+    argv = ["verify", m["good"], "--layers", LAYER, "--cache-dir", cache, "--exact", "--device", "cpu", "--quiet", *ENC]
+    assert run(argv) == 0
+    _flip(next(Path(cache).rglob("*.safetensors")))
+    assert run(argv) == 1
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}

@@ -56,7 +56,11 @@ def _request(model, cache) -> WarmRequest:
 
 def _needed(model, cache) -> int:
     _, plan, _ = prepare(_request(model, cache))
-    return sum(entry_bytes(j.key) for j in plan.todo)
+    from exl3tool.encode.online import encoder_platform
+    from exl3tool.warm.request import resolve_device
+
+    platform = encoder_platform(resolve_device("auto"))  # each entry records where it was encoded
+    return sum(entry_bytes(j.key, platform) for j in plan.todo)
 
 
 def test_too_little_free_space_is_a_usage_error_before_any_encode(model, tmp_path, capsys, monkeypatch, no_encode):

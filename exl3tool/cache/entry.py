@@ -83,16 +83,19 @@ _ITEM_BYTES = {"I16": 2, "F16": 2}
 _LONGEST_PROXY_ERROR = repr(-2.2250738585072014e-308)  # no float's repr is longer
 
 
-def entry_bytes(key: CacheKey) -> int:
+def entry_bytes(key: CacheKey, platform: str | None = None) -> int:
     """The size of ``key``'s entry as ``write_entry`` writes it, at most (the proxy error's text may be shorter).
 
     What a warm checks free space against before its first encode: the tensors' bytes plus the header, built as
-    ``write_entry`` builds it with the longest proxy error text.
+    ``write_entry`` builds it with the longest proxy error text (and ``platform``, the encoder's, when it records one).
     """
     layout = expected_layout(key)
-    header: dict = {"__metadata__": {
+    metadata = {
         "cache_key": key.canonical_json(), "proxy_error": _LONGEST_PROXY_ERROR, "exl3tool_version": __version__,
-        "exl3tool_sha256": "0" * 64}}
+        "exl3tool_sha256": "0" * 64, "exl3tool_key_sha256": "0" * 64}
+    if platform:
+        metadata["exl3tool_platform"] = platform
+    header: dict = {"__metadata__": metadata}
     offset = 0
     for name in sorted(layout):
         dtype, shape = layout[name]

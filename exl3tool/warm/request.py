@@ -147,7 +147,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
                       model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,
                       check_hits=check_hits)
-    if all(j.state == "skipped" for j in plan.jobs):
+    if request.tp_sizes and all(j.state == "skipped" for j in plan.jobs):  # no TP size: a plan of layers only (import --against)
         tps = ",".join(map(str, plan.tp_sizes))
         raise ConfigError(f"{checkpoint.model}: nothing to do at TP {tps}: the server keeps every planned layer MXFP8 "
                           f"there ({plural(len(plan.jobs), 'rank job')}, rank-local sizes not 128-aligned) and looks no "
@@ -230,7 +230,10 @@ def warm(
     todo = agreed_todo(ctx, plan)
     if todo and store.mode == "readwrite":
         store.check_writable()  # fail in a second, not after encoding every layer
-        store.check_free_space(sum(entry_bytes(j.key) for j in todo), len(todo))  # all workers' share: one disk
+        from exl3tool.encode.online import encoder_platform
+
+        platform = encoder_platform(device)  # recorded in each entry's header
+        store.check_free_space(sum(entry_bytes(j.key, platform) for j in todo), len(todo))  # all workers' share: one disk
     if on_plan:
         on_plan(plan, ctx, todo)
     timer = StageTimer()
