@@ -17,7 +17,9 @@ and peak GPU memory are the warm's own. Reported per preset:
 * the reference encoder's rate when ``exllamav3`` is importable in the same run (else null, with the reason).
 
 ``--no-split`` runs the warm without the two-stream split of the encode (regularisation and scale search of the
-next job on the prefetch thread), the pipeline as it was before; the baseline of the GPU-utilisation figures.
+next job on a second CUDA stream), the baseline of ``benchmarks/README.md``'s pipeline rows. The current warm
+pipeline (lock-deferring, ``exl3tool/warm/pipeline.py``) has no split: both halves run on the calling thread, so
+on ``main`` the two modes run the same pipeline.
 """
 
 from __future__ import annotations

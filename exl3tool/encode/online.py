@@ -465,11 +465,6 @@ class ScaledWeight:
     plan: EncodeMemoryPlan
     zeros: bool = False  # the weight's column RMS averages to zero (``Regularized.zeros``)
 
-    def record_stream(self, stream) -> None:
-        """Mark the tensors as used on CUDA ``stream`` (they were made on another; see torch's ``record_stream``)."""
-        for t in (self.w_r, self.su, self.sv):
-            t.record_stream(stream)
-
 
 def prepare_encode(
     weight: torch.Tensor,

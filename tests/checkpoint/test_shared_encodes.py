@@ -155,8 +155,8 @@ def test_torchrun_workers_keep_a_share_group_together(glm5, tmp_path):
 
 @pytest.mark.gpu
 def test_split_encode_on_two_streams_writes_the_same_bytes(glm5, tmp_path):
-    """On CUDA the overlapped warm runs regularisation and scale search of the next job on the prefetch thread's
-    stream: its entries are byte for byte those of a warm without overlap (one stream, one thread)."""
+    """On CUDA the overlapped warm (weights read ahead, publishes on their own thread, share groups encoded once)
+    writes entries byte for byte those of a warm without overlap (one thread)."""
     layers = ("model.layers.0.*", "model.layers.1.*")
     runs = {}
     for overlap in (True, False):
