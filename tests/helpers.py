@@ -1,7 +1,8 @@
 """What the tests share: running exl3tool, tensors and entries without an encode, and an independent server.
 
 * ``CliRunner`` (Typer's, stdout and stderr kept apart on every Click the pyproject allows) and ``run`` /
-  ``exit_code`` (``exl3tool ARGV`` through ``exl3tool.cli.main`` in this process, as the console script runs it);
+  ``exit_code`` / ``completed`` (``exl3tool ARGV`` through ``exl3tool.cli.main`` in this process, as the console
+  script runs it, without a fresh interpreter's torch import: the process boundary has its own tests);
 * ``make_encoded``, ``fake_encode`` and ``fake_warm``: tensors of the right shapes, deterministic in a seed, and the
   real ``warm()`` with that fake encoder (plan, pipeline and store are real; a re-encode writes the same bytes);
 * ``server_lookup``, ``server_model_identity``, ``server_encoder_identity``: the server's look-up and identities
@@ -11,13 +12,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
+import io
 import json
 import math
 import os
 import zlib
 from pathlib import Path
+
+import subprocess
 
 import numpy as np
 import pytest
@@ -54,6 +59,30 @@ def run(argv: list, capsys) -> tuple[int, str, str]:
     code = exit_code(argv)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def completed(argv: list, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``exl3tool ARGV`` in this process, reported as ``subprocess.run(..., capture_output=True, text=True)`` would:
+    exit code, stdout and stderr as text. ``env`` replaces the environment for the call (as ``subprocess.run``'s
+    does); it is restored afterwards."""
+    from exl3tool.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([str(a) for a in argv])
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["exl3tool", *map(str, argv)], code, out.getvalue(), err.getvalue())
 
 
 # --- the encoder's outputs without an encode ---------------------------------------------------------------------

@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
-from helpers import CliRunner, server_encoder_identity, server_model_identity, transformers_commit_hash
+from helpers import CliRunner, completed, server_encoder_identity, server_model_identity, transformers_commit_hash
 
 from exl3tool.cache import resolve_encoder_identity, server_identities
 from exl3tool.checkpoint import write_llama_checkpoint
@@ -30,10 +28,10 @@ SNAP = "c0ffee" + "0" * 34  # a 40-hex snapshots/ folder name
 
 
 def _cli(args, env=None):
-    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    env = dict(os.environ if env is None else env)
     env.pop("VLLM_EXL3_ENCODER_SOURCE", None)
     env.pop("VLLM_EXL3_ENCODER_REVISION", None)
-    return subprocess.run([sys.executable, "-m", "exl3tool", *args], capture_output=True, text=True, env=env)
+    return completed(args, env)
 
 
 def _json(r):
