@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,6 +27,8 @@ from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.exact import compare_exact, fresh_encode
 from exl3tool.verify import verify_plan
 from exl3tool.warm import WarmRequest, prepare, warm
+
+from helpers import completed
 
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 LAYER = "model.layers.1.self_attn.o_proj"
@@ -167,10 +167,9 @@ def test_verify_exact_names_the_flipped_bit_the_tolerance_check_passes(tampered,
     loose = verify_plan(plan, checkpoint, store, rows=(1, 16), device=torch.device("cpu"))
     assert loose.ok, [c.reason for c in loose.layers]  # within the bound: only exactness can tell
     report = tmp_path / "r.md"
-    r = subprocess.run([sys.executable, "-m", "exl3tool", "verify", str(model), "--tp-size", "2", "--layers", LAYER,
-                        "--cache-dir", str(cache), "--rows", "1", "--device", "cpu", "--encoder-root",
-                        ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"], "--exact", "--json",
-                        "--report", str(report)], capture_output=True, text=True)
+    r = completed(["verify", str(model), "--tp-size", "2", "--layers", LAYER, "--cache-dir", str(cache), "--rows", "1",
+                   "--device", "cpu", "--encoder-root", ENC["encoder_root"], "--encoder-revision",
+                   ENC["encoder_revision"], "--exact", "--json", "--report", str(report)])
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)
     assert doc["counts"]["exact"] == {"identical": 1, "equivalent": 0, "differs": 1, "unproved": 0}
@@ -205,9 +204,9 @@ def test_warm_names_unchecked_hits_and_check_unchecked_replaces_only_the_wrong_o
 
 def test_warm_json_lists_unchecked_hits(tampered):
     model, cache, jobs, _ = tampered
-    r = subprocess.run([sys.executable, "-m", "exl3tool", "cache", "warm", str(model), "--tp-sizes", "2", "--layers",
-                        LAYER, "--cache-dir", str(cache), "--device", "cpu", "--encoder-root", ENC["encoder_root"],
-                        "--encoder-revision", ENC["encoder_revision"], "--json"], capture_output=True, text=True)
+    r = completed(["cache", "warm", str(model), "--tp-sizes", "2", "--layers", LAYER, "--cache-dir", str(cache),
+                   "--device", "cpu", "--encoder-root", ENC["encoder_root"], "--encoder-revision",
+                   ENC["encoder_revision"], "--json"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["unchecked_hits"] == 2
