@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,8 @@ from exl3tool.cache.entry import write_entry
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.verify import default_quant_err, verify_plan
 from exl3tool.warm import WarmRequest, prepare, warm
+
+from helpers import completed
 
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 LAYER = "model.layers.1.self_attn.o_proj"
@@ -164,15 +164,15 @@ def test_wrong_decode_is_caught_as_kernel_error(copy, monkeypatch):
 
 def test_cli_exit_codes_json_and_markdown_report(copy, tmp_path):
     model, cache = copy
-    base = [sys.executable, "-m", "exl3tool", "verify", str(model), "--tp-size", "2", "--layers", LAYER,
+    base = ["verify", str(model), "--tp-size", "2", "--layers", LAYER,
             "--cache-dir", str(cache), "--rows", "1,3", "--device", "cpu", "--encoder-root", ENC["encoder_root"],
             "--encoder-revision", ENC["encoder_revision"]]
-    r = subprocess.run([*base, "--json", "--report", str(tmp_path / "r.md")], capture_output=True, text=True)
+    r = completed([*base, "--json", "--report", str(tmp_path / "r.md")])
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["counts"] == {"pass": 2, "fail": 0} and doc["rows"] == [1, 3]
     assert "| model.layers.1.self_attn.o_proj |" in (tmp_path / "r.md").read_text()
-    r = subprocess.run([*base, "--layers", "model.layers.0.mlp.down_proj"], capture_output=True, text=True)
+    r = completed([*base, "--layers", "model.layers.0.mlp.down_proj"])
     assert r.returncode == 1 and "no cache entry" in r.stdout + r.stderr
-    r = subprocess.run([*base, "--rows", "x"], capture_output=True, text=True)
+    r = completed([*base, "--rows", "x"])
     assert r.returncode == 2
