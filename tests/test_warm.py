@@ -26,6 +26,8 @@ from exl3tool.encode import dequantize_tensors
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.warm import WarmRequest, prepare, share_jobs, warm
 
+from helpers import completed
+
 REPO = "test-org/tiny-llama"
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="test-rev")
@@ -52,8 +54,9 @@ def _env(hub) -> dict:
     return dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub[0]), PYTHONUNBUFFERED="1")
 
 
-def _cli(args, env, **kw):
-    return subprocess.run([sys.executable, "-m", "exl3tool", *args], capture_output=True, text=True, env=env, **kw)
+def _cli(args, env):
+    """``exl3tool ARGS`` with ``env`` in this process (the kill, resume and torchrun tests start real processes)."""
+    return completed(args, env)
 
 
 def fake_encode(weight, bits, seed, device):  # shapes right, contents irrelevant here; fast
