@@ -128,9 +128,10 @@ def test_share_jobs_is_a_balanced_partition(offline, tmp_path):
 
 
 def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
-    """o_proj of both layers at TP 1 and 2 (6 entries): kill a warm after its first entry, resume, check slices."""
+    """o_proj of layer 0 at TP 1 and 2 (3 entries): kill a warm after its first entry, resume, check slices."""
     cache = tmp_path / "cache"
-    args = ["cache", "warm", REPO, "--tp-sizes", "1,2", "--layers", "*.o_proj", "--cache-dir", str(cache),
+    layer = "model.layers.0.self_attn.o_proj"
+    args = ["cache", "warm", REPO, "--tp-sizes", "1,2", "--layers", layer, "--cache-dir", str(cache),
             "--device", "cpu", "--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]
     proc = subprocess.Popen([sys.executable, "-m", "exl3tool", *args, "--quiet"], env=_env(hub),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -140,11 +141,11 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     published = {p for p in cache.rglob("*.safetensors") if not p.name.startswith(".")}
-    assert 1 <= len(published) < 6, "the kill should land between the first and the last entry"
+    assert 1 <= len(published) < 3, "the kill should land between the first and the last entry"
 
-    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj",), cache_dir=str(cache), device="cpu", **ENC)
+    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=(layer,), cache_dir=str(cache), device="cpu", **ENC)
     resumed = warm(request)
-    assert resumed.counts == {"hit": len(published), "encoded": 6 - len(published), "skipped": 0, "failed": 0}
+    assert resumed.counts == {"hit": len(published), "encoded": 3 - len(published), "skipped": 0, "failed": 0}
 
     full = _weights(hub[2])
     store = CacheStore(cache, "readonly")
@@ -165,7 +166,7 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
 
     t0 = time.perf_counter()
     again = warm(request)
-    assert again.counts == {"hit": 6, "encoded": 0, "skipped": 0, "failed": 0}
+    assert again.counts == {"hit": 3, "encoded": 0, "skipped": 0, "failed": 0}
     assert time.perf_counter() - t0 < 30
 
 
