@@ -19,6 +19,7 @@ from safetensors import safe_open
 from exl3tool.checkpoint import RankJob, open_checkpoint, plan_layers, rank_local_weight, rank_reads
 from exl3tool.warm import WarmRequest, prepare, warm
 from exl3tool.warm.sharing import group_jobs, share_jobs, sharing_figures
+from helpers import completed
 
 from tiny_models import write_glm5, write_glm53
 
@@ -120,10 +121,10 @@ def _env() -> dict:
 
 
 def test_dry_run_reports_reuse_and_encodes(glm5, tmp_path):
-    args = [sys.executable, "-m", "exl3tool", "cache", "warm", str(glm5), "--tp-sizes", "1,2", "--layers", WQ_B,
+    args = ["cache", "warm", str(glm5), "--tp-sizes", "1,2", "--layers", WQ_B,
             "--layers", KV_B, "--cache-dir", str(tmp_path), "--dry-run", "--encoder-root", ENC["encoder_root"],
             "--encoder-revision", ENC["encoder_revision"]]
-    r = subprocess.run([*args, "--json"], capture_output=True, text=True, env=_env(), timeout=300)
+    r = completed([*args, "--json"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     jobs = {(j["prefix"], j["tp_size"], j["tp_rank"]): j for j in doc["jobs"]}
@@ -132,7 +133,7 @@ def test_dry_run_reports_reuse_and_encodes(glm5, tmp_path):
     assert len(leader) == 1
     assert {j["reused_from"] for k, j in jobs.items() if k[0] == WQ_B and j is not leader[0]} == {leader[0]["digest"]}
     assert all("reused_from" not in j for k, j in jobs.items() if k[0] == KV_B)
-    r = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=300)
+    r = completed(args)
     assert r.returncode == 0 and "need 4 encodes: 2 saved" in r.stdout, r.stdout + r.stderr
 
 
