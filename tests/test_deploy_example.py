@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from exl3tool.checkpoint import write_llama_checkpoint
@@ -47,6 +48,7 @@ def _run(script: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
     return r
 
 
+@pytest.mark.slow
 def test_scripts_warm_export_import_and_every_entry_hits(tmp_path):
     ci, srv = tmp_path / "ci", tmp_path / "server"
     model = write_llama_checkpoint(ci / "models" / "tiny", **TINY, seed=11, shards=2)
@@ -130,6 +132,7 @@ def test_workflow_runs_the_scripts_and_keys_the_artifact():
     assert upload["with"]["name"] == "${{ steps.key.outputs.key }}"
 
 
+@pytest.mark.slow
 def test_export_refuses_a_key_written_for_another_model_and_a_failed_identity_keeps_the_key(tmp_path):
     """identity-key.sh's IDENTITY_JSON names the bundle; export.sh must not write another model's entries under it,
     and an identity that fails must not leave an error document where the key was."""

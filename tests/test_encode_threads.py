@@ -38,6 +38,7 @@ def test_fixed_sum_does_not_depend_on_the_thread_count(threads):
     assert _mean(small).item() == small.mean().item()  # below one chunk it is torch's own mean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k, n, seed", [(512, 256, 12345), (384, 768, 1152)])
 def test_entry_bytes_do_not_depend_on_the_thread_count(threads, tmp_path, k, n, seed):
     """One layer encoded with 1 and 3 threads: same trellis, scales, proxy error and file bytes.

@@ -161,6 +161,7 @@ def _request(model, cache, **kw):
     return WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), device="cpu", **ENC, **kw)
 
 
+@pytest.mark.slow
 def test_verify_exact_names_the_flipped_bit_the_tolerance_check_passes(tampered, tmp_path):
     model, cache, jobs, _ = tampered
     checkpoint, plan, store = prepare(_request(model, cache, mode="readonly"))

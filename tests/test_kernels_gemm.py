@@ -265,6 +265,7 @@ def interp_results() -> list[dict]:
     return _run_interpreter(_interp_cases(), seed=int.from_bytes(os.urandom(4), "little"))
 
 
+@pytest.mark.slow
 def test_interpreter_accuracy_and_corruption(interp_results):
     """Kernels under the interpreter vs the float64 reference; a corrupted tile record must be caught."""
     failures = []
@@ -282,6 +283,7 @@ def test_interpreter_accuracy_and_corruption(interp_results):
     assert sum(r.get("mode") == "bf16split" for r in interp_results) == 5
 
 
+@pytest.mark.slow
 def test_interpreter_fold_weight_bit_exact(interp_results):
     """The reconstruct kernel's fp16 weight equals the plain-torch oracle (reconstruct + exact fp32 Hadamard)
     bit for bit for FOLD_NONE/OUT/IN; FOLD_BOTH (inexact second product) within 1 ulp on a few elements."""
@@ -336,6 +338,7 @@ def test_choose_config_dispatch():
     assert choose_config(4096, 14336, 4096, cpu).fold == FOLD_IN
 
 
+@pytest.mark.slow
 def test_interpreter_golden_m1(interp_results):
     """The kernel (interpreted) on the reference kernel's golden encode and input, m = 1."""
     rows = [r for r in interp_results if r.get("golden")]

@@ -190,6 +190,7 @@ def _find(pairs, bits, mode):
     return next((job, res) for job, res in pairs if job["bits"] == bits and job["mode"] == mode)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [6, 4])
 def test_interpreter_matches_golden(interp_results, golden, bits):
     job, res = _find(interp_results, bits, 0)
@@ -200,6 +201,7 @@ def test_interpreter_matches_golden(interp_results, golden, bits):
     assert torch.equal(torch.tensor(res["values"], dtype=torch.float32), out[job["rows"]]), job["rows"]
 
 
+@pytest.mark.slow
 def test_interpreter_packed_layout_matches_reference(interp_results):
     """Mode 5 (the packed-pair indexing of the GPU default, exact arithmetic) on a fresh tile, K=1."""
     job, res = _find(interp_results, 1, 5)

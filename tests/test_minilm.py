@@ -33,6 +33,7 @@ def warmed(tmp_path_factory):
     return cache, json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_warm_encodes_the_selected_bert_layers(warmed):
     cache, doc = warmed
     assert doc["counts"] == {"hit": 0, "encoded": 2, "skipped": 0, "failed": 0}
@@ -40,6 +41,7 @@ def test_warm_encodes_the_selected_bert_layers(warmed):
     assert all((e["input_size"], e["output_size"]) == (384, 384) for e in doc["entries"])
 
 
+@pytest.mark.slow
 def test_verify_passes_on_bert(warmed):
     cache, _ = warmed
     request = WarmRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
@@ -49,6 +51,7 @@ def test_verify_passes_on_bert(warmed):
     assert report.ok, [(c.prefix, c.reason) for c in report.layers]
 
 
+@pytest.mark.slow
 def test_embeddings_stay_close(warmed):
     cache, _ = warmed
     request = WarmRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from exl3tool.checkpoint.tiny import TINY_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,6 +26,7 @@ def _flow_block() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_the_flow_runs_as_written(tmp_path):
     lines = _flow_block()
     script = ["set -euo pipefail", f"exl3tool() {{ {shlex.quote(sys.executable)} -m exl3tool \"$@\"; }}"]

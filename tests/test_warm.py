@@ -127,6 +127,7 @@ def test_share_jobs_is_a_balanced_partition(offline, tmp_path):
         assert max(loads) - min(loads) <= max(j.tiles for j in todo)
 
 
+@pytest.mark.slow
 def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
     """o_proj of layer 0 at TP 1 and 2 (3 entries): kill a warm after its first entry, resume, check slices."""
     cache = tmp_path / "cache"
@@ -170,6 +171,7 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
     assert time.perf_counter() - t0 < 30
 
 
+@pytest.mark.slow
 def test_torchrun_two_cpu_workers_split_the_plan(hub, tmp_path):
     """layer-1 o_proj at TP 1 and 2 (3 entries), two gloo workers: the union is the plan, nothing twice."""
     cache = tmp_path / "cache"
@@ -271,6 +273,7 @@ def _no_leftovers(store: CacheStore, plan) -> None:
                 pass
 
 
+@pytest.mark.slow
 def test_overlap_on_and_off_publish_identical_trees(offline, tmp_path):
     """Real encodes of layer 1's o_proj at TP 2 (2 entries of 128 x 256), once with overlap and once without."""
     from exl3tool.checkpoint import open_checkpoint

@@ -50,6 +50,7 @@ def warmed(tmp_path_factory):
     return model, base / "cache", summary, tensors
 
 
+@pytest.mark.slow
 def test_every_planned_entry_is_a_server_hit_with_the_right_slice(warmed):
     model, cache, summary, tensors = warmed
     assert summary.counts == {"hit": 0, "encoded": 18, "skipped": 4, "failed": 0}
@@ -74,6 +75,7 @@ def test_every_planned_entry_is_a_server_hit_with_the_right_slice(warmed):
         assert ((got - other).norm() / other.norm()).item() > 0.5, e.prefix
 
 
+@pytest.mark.slow
 def test_verify_passes(warmed):
     model, cache, _, _ = warmed
     checkpoint, plan, store = prepare(WarmRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(cache),

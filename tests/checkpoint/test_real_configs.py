@@ -70,6 +70,7 @@ def share(plan, tps) -> tuple[int, int, float]:
     return f["entries"], f["encodes"], round(100 * f["tiles_saved_share"], 2)
 
 
+@pytest.mark.slow
 def test_encoding_each_shard_once_saves(deepseek_v3, tmp_path):
     """The share of tiles saved by encoding each distinct shard once (README's figures), per TP size and for a warm
     of TP 1,2,4,8 at once. DeepSeek-V3's only replicated layer (fused_qkv_a_proj) is unaligned, so nothing is

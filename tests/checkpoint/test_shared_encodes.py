@@ -137,6 +137,7 @@ def test_dry_run_reports_reuse_and_encodes(glm5, tmp_path):
     assert r.returncode == 0 and "need 4 encodes: 2 saved" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_workers_keep_a_share_group_together(glm5, tmp_path):
     """Two gloo workers on the CPU: wq_b at TP 1 and 2 (3 entries, one encode) goes whole to one worker."""
     cache = tmp_path / "cache"
