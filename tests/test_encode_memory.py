@@ -8,7 +8,8 @@ import torch
 
 from exl3tool.encode.layout import matrix_to_tiles, tile_element_index, tile_position
 from exl3tool.encode.memory import (
-    MIN_CHUNK_TILES, EncodeMemoryError, default_budget, plan_encode_memory, reference_peak_bytes,
+    MIN_CHUNK_TILES, MIN_SLOTS, EncodeMemoryError, default_budget, plan_encode_memory, reference_peak_bytes,
+    viterbi_slot_bytes,
 )
 from exl3tool.encode.online import encode_linear, quantize_regularized, scale_mse
 from exl3tool.encode.trellis import pack_trellis
@@ -83,15 +84,25 @@ def test_a_budget_too_small_fails_naming_the_layer_and_the_bytes_needed():
             plan_encode_memory(128, 256, 6, "cuda", bad)
 
 
-@pytest.mark.parametrize("shape", [(5120, 6144), (16384, 7168), (18432, 7168), (7168, 36864), (4096, 4096)])
-def test_default_gpu_plan_stays_within_the_reference(shape):
+@pytest.mark.parametrize("shape, bits", [((5120, 6144), 6), ((16384, 7168), 6), ((18432, 7168), 6),
+                                         ((7168, 36864), 6), ((4096, 4096), 6), ((1536, 3072), 6), ((256, 7168), 6),
+                                         ((128, 4096), 4), ((4096, 12288), 4)])
+def test_default_gpu_plan_stays_within_the_reference(shape, bits):
     k, n = shape
-    plan = plan_encode_memory(k, n, 6, "cuda", wave=1584)
-    assert plan.budget_bytes == default_budget(k, n) == reference_peak_bytes(k, n)
+    wave = {6: 1188, 4: 528}[bits]  # the kernel's resident tiles on an H200
+    plan = plan_encode_memory(k, n, bits, "cuda", wave=wave)
+    assert plan.budget_bytes == default_budget(k, n, bits) == reference_peak_bytes(k, n, bits)
+    # the reference: 3.5 W per call and its scratch, 4 x 132 programs of 256 x 2^(16-K) bytes
+    assert reference_peak_bytes(k, n, bits) == int(3.5 * 4 * k * n) + 528 * 256 * (1 << (16 - bits))
     assert plan.peak_bytes <= plan.budget_bytes
     tiles = (k // 16) * (n // 16)
-    if MIN_CHUNK_TILES < plan.chunk_tiles < tiles and plan.chunk_tiles >= 1584:
-        assert plan.chunk_tiles % 1584 == 0  # whole waves
+    assert MIN_SLOTS <= plan.slots <= min(wave, plan.chunk_tiles)
+    assert plan.slot_bytes == viterbi_slot_bytes(bits) == 256 * (1 << (16 - bits)) // (2 if bits <= 4 else 1) + (
+        4 << (16 - bits))
+    if plan.slots < plan.chunk_tiles < tiles:
+        assert plan.chunk_tiles % plan.slots == 0  # whole rounds of slots
+    if 4 * k * n >= 100 << 20:  # from a 100 MiB weight on, the kernel runs its whole resident wave
+        assert plan.slots == wave
 
 
 def test_plan_peak_never_exceeds_any_budget_it_accepts():
@@ -107,6 +118,9 @@ def test_plan_peak_never_exceeds_any_budget_it_accepts():
                 assert exc.needed_bytes > budget
                 continue
             assert plan.peak_bytes <= budget and 1 <= plan.chunk_tiles <= (k // 16) * (n // 16)
+            if device == "cuda":
+                assert 1 <= plan.slots <= min(1584, plan.chunk_tiles)
+                assert plan.peak_bytes >= plan.slots * plan.slot_bytes + plan.chunk_tiles * plan.tile_bytes
 
 
 @pytest.mark.parametrize("command", [["cache", "warm"], ["encode"]])

@@ -163,9 +163,10 @@ def _interp_jobs() -> list[list[dict]]:
     return [
         # K=6 mcg, plain path: one Gaussian and one real-weight golden tile
         [{"bits": 6, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 512)), int(rng.integers(512, 576))]}],
-        # K=4 mcg plain path (golden), and the packed-pair layout (mode 5) on a fresh tile at K=1
+        # K=4 mcg plain path (golden), and the packed-pair layout (mode 5) on a fresh tile at K=4, where the
+        # back-pointers are kept two per byte
         [{"bits": 4, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 192))]},
-         {"bits": 1, "cb": "mcg", "mode": 5, "tiles": fresh.tolist()}],
+         {"bits": 4, "cb": "mcg", "mode": 5, "tiles": fresh.tolist()}],
     ]
 
 
@@ -203,11 +204,12 @@ def test_interpreter_matches_golden(interp_results, golden, bits):
 
 @pytest.mark.slow
 def test_interpreter_packed_layout_matches_reference(interp_results):
-    """Mode 5 (the packed-pair indexing of the GPU default, exact arithmetic) on a fresh tile, K=1."""
-    job, res = _find(interp_results, 1, 5)
+    """Mode 5 (the packed-pair indexing of the GPU default, exact arithmetic) on a fresh tile, K=4: the
+    back-pointers two per byte (nibbles), read back by both tracebacks."""
+    job, res = _find(interp_results, 4, 5)
     assert res["interp"]
     x = np.asarray(job["tiles"], dtype=np.float32)
-    ref = reference_tile(x[0], 1, "mcg")
+    ref = reference_tile(x[0], 4, "mcg")
     got = np.asarray(res["states"], dtype=np.int64)[0] & 0xFFFF
     assert np.array_equal(got, ref)
     table = codebook_table_np("mcg").astype(np.float32)
@@ -257,9 +259,14 @@ def test_gpu_chunks_and_variants_agree():
     _gpu_ready()
     x = torch.randn(1000, 256, device="cuda") * 1.2
     vals, states = vmod.viterbi_tiles(x, 6, "mcg")
-    # 300 tiles per chunk: 4 launches, the last one short
-    v2, s2 = vmod.viterbi_tiles(x, 6, "mcg", scratch_bytes=300 * 256 * 1024)
+    # 300 slots: every program quantizes 3 or 4 tiles in its one slot (scratch_bytes, or programs=)
+    v2, s2 = vmod.viterbi_tiles(x, 6, "mcg", scratch_bytes=300 * vmod.slot_bytes(6))
     assert torch.equal(states, s2) and torch.equal(vals, v2)
+    for bits in (4, 6):  # a prime number of programs, one program, and more programs than tiles
+        ref_v, ref_s = vmod.viterbi_tiles(x[:300], bits, "mcg")
+        for programs, count in ((7, 300), (1, 23), (1000, 300)):
+            v3, s3 = vmod.viterbi_tiles(x[:count], bits, "mcg", programs=programs)
+            assert torch.equal(ref_s[:count], s3) and torch.equal(ref_v[:count], v3), (bits, programs)
     for row in np.random.default_rng().choice(1000, size=2, replace=False):
         ref = reference_tile(x[int(row)].cpu().numpy(), 6, "mcg")
         assert np.array_equal(states[int(row)].cpu().numpy().view(np.uint16).astype(np.int64), ref)

@@ -1,19 +1,23 @@
-"""How much memory one encode takes, and how it fits a budget: the sizes of its Viterbi chunks.
+"""How much memory one encode takes, and how it fits a budget: Viterbi slots and chunks of tiles.
 
 An encode of a (k, n) weight (W = 4 k n bytes in fp32) runs in phases whose peaks, above the weight itself,
 are known in closed form (``encode_linear`` frees every intermediate as soon as it is used):
 
 * regularize: 2 W (one scaled copy and its Hadamard product; the RMS reductions run in slabs);
 * scale search: 2 W (the regularised weight, its tiles squared for the per-tile mean square), then the weight and
-  the sample's batch of five scales (with its values and states) while it goes through the quantizer in chunks;
+  the sample's batch of five scales (with its values and states) while it goes through the quantizer;
 * tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
-  error, plus the packed trellis) and one chunk of tiles in flight, each with its Viterbi scratch (on a GPU
-  256 * 2^(16-K) bytes of back-pointers, 256 KiB at K = 6);
+  error, plus the packed trellis), one chunk of tiles gathered (``chunk_tiles``, about 8 KiB each with their
+  index, values and states) and the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
+  positions x 2^(16-K) back-pointers (a byte each, two per byte at K <= 4) and two cost rows. The kernel's
+  programs are persistent, so the scratch is ``slots`` slots whatever the chunk;
 * proxy error: 1 W + the trellis + 2 W (the squared error widened to float64 for the sum).
 
-The budget is shared out so that the chunk gets what the fixed phases leave. The default budget of one encode
-is what exllamav3's ``quantize_exl3`` needs for the same layer (5.5 W, measured on an H200), with a floor for
-small layers, where every encoder needs a few waves of Viterbi scratch whatever the weight's size.
+The default budget of one encode on a GPU is what exllamav3's ``quantize_exl3`` needs for the same layer,
+measured on an H200 against 1.6.5 (issues 21, 24): 3.5 W per call at least (3.5-4.5 W over the deployed shapes),
+plus the Viterbi scratch it keeps allocated between calls, 4 programs per SM with a byte per back-pointer
+(133 MiB at K = 6, 532 MiB at K = 4 on 132 SMs). Within it the slots go up to the kernel's resident wave and
+the chunk to a few rounds of slots.
 """
 
 from __future__ import annotations
@@ -21,16 +25,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_MAX_CHUNK_BYTES", "EncodeMemoryError", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "REFERENCE_FACTOR",
-    "default_budget", "device_budget", "plan_encode_memory", "reference_peak_bytes", "viterbi_bytes_per_tile",
+    "DEFAULT_MAX_CHUNK_TILES", "EncodeMemoryError", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "MIN_SLOTS",
+    "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "plan_encode_memory",
+    "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
 ]
 
-REFERENCE_FACTOR = 5.5  # exllamav3 1.6.5 quantize_exl3 peak / fp32 weight, uncalibrated K6 on an H200 (issue 24)
-MIN_CHUNK_TILES = 128  # the smallest Viterbi chunk: slower than a full wave, but it still finishes
-DEFAULT_FLOOR_TILES = 1024  # a default budget always holds this many tiles of scratch (a small layer's whole)
-DEFAULT_MAX_CHUNK_BYTES = 2 << 30  # more scratch than this does not make the kernel faster (8,192 tiles at K=6)
+REFERENCE_FACTOR = 3.5  # exllamav3 1.6.5 quantize_exl3 per-call peak / fp32 weight, the least measured (H200)
+REFERENCE_PROGRAMS_PER_SM = 4  # tiles in flight per SM of the reference's kernel (its cached scratch, sm_90)
+REFERENCE_SMS = 132  # the H200's SMs: the reference's scratch where the device is not known
+MIN_CHUNK_TILES = 128  # the smallest chunk of tiles gathered at once: slower, but it still finishes
+MIN_SLOTS = 16  # the fewest tiles in flight in the Viterbi kernel
+DEFAULT_MAX_CHUNK_TILES = 65536  # the reference's batch bound for one quantize_tiles call
+CHUNK_ROUNDS = 4  # a chunk holds about this many tiles per slot: the last round of a launch is partial
+DEFAULT_FLOOR_TILES = 1024  # CPU: a default budget always holds this many tiles in flight (a small layer's whole)
+_DEFAULT_MAX_SCRATCH = 2 << 30  # more slots than this does not make the kernel faster (8,192 at K = 6)
 _TILE_BYTES = 1024  # 256 fp32 values
-_GPU_TILE_EXTRA = 8 * 1024  # per tile in flight besides the scratch: tiles, values, states, indices, packing
+_GPU_TILE_EXTRA = 8 * 1024  # per tile of a chunk on a GPU: gathered tile, index, values, states, packing
 _CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile)
 _SLACK = 4 << 20  # small tensors: sign vectors, scales, codebook table, per-launch bookkeeping
 GPU_MARGIN_BYTES = 1 << 30  # left free by the default device budget (allocator fragmentation, CUDA context)
@@ -48,7 +58,8 @@ class EncodeMemoryError(ValueError):
 
 @dataclass(frozen=True)
 class EncodeMemoryPlan:
-    """Chunking of one encode: ``chunk_tiles`` tiles per Viterbi call; ``peak_bytes`` the predicted peak.
+    """Chunking of one encode: ``chunk_tiles`` tiles per quantizer call, ``slots`` of them in flight in the
+    GPU kernel (None on the CPU); ``peak_bytes`` the predicted peak.
 
     Every figure is bytes above the fp32 weight the caller passes in.
     """
@@ -57,24 +68,32 @@ class EncodeMemoryPlan:
     chunk_tiles: int
     peak_bytes: int
     fixed_bytes: int  # the largest phase that does not depend on the chunk
-    tile_bytes: int  # bytes per tile in flight
+    tile_bytes: int  # bytes per tile of a chunk
+    slots: int | None = None
+    slot_bytes: int = 0
 
 
 def weight_bytes(k: int, n: int) -> int:
     return 4 * k * n
 
 
-def reference_peak_bytes(k: int, n: int) -> int:
-    """What the reference's uncalibrated encode of a (k, n) layer takes above its fp32 weight (5.5 W)."""
-    return int(REFERENCE_FACTOR * weight_bytes(k, n))
+def viterbi_slot_bytes(bits: int, packed: bool = True) -> int:
+    """GPU scratch of one tile in flight: back-pointers (256 positions x 2^(16-K) edges, a byte each, or two per
+    byte at K <= 4 when ``packed``, the kernel's default modes) and two fp16 cost rows."""
+    e = 1 << (16 - bits)
+    return 256 * (e // 2 if packed and bits <= 4 else e) + 4 * e
 
 
-def viterbi_bytes_per_tile(bits: int, device_type: str) -> int:
-    """Bytes one tile in flight costs: Viterbi back-pointers and cost scratch on a GPU, buffers on the CPU."""
-    if device_type == "cpu":
-        return _CPU_TILE_BYTES
-    edges = 1 << (16 - bits)
-    return 256 * edges + 4 * edges + _GPU_TILE_EXTRA
+def reference_scratch_bytes(bits: int, sms: int | None = None) -> int:
+    """The Viterbi scratch exllamav3 keeps allocated once it has encoded at K = ``bits``: 4 programs per SM, each
+    256 positions x 2^(16-K) one-byte back-pointers."""
+    return REFERENCE_PROGRAMS_PER_SM * (sms or REFERENCE_SMS) * 256 * (1 << (16 - bits))
+
+
+def reference_peak_bytes(k: int, n: int, bits: int = 6, sms: int | None = None) -> int:
+    """What the reference's uncalibrated encode of a (k, n) layer takes above its fp32 weight: 3.5 W per call
+    plus the scratch it keeps between calls."""
+    return int(REFERENCE_FACTOR * weight_bytes(k, n)) + reference_scratch_bytes(bits, sms)
 
 
 def _trellis_bytes(k: int, n: int, bits: int) -> int:
@@ -82,7 +101,7 @@ def _trellis_bytes(k: int, n: int, bits: int) -> int:
 
 
 def _fixed_bytes(k: int, n: int, bits: int, sample_tiles: int) -> tuple[int, int]:
-    """(the largest chunk-independent phase, what stays allocated while tiles are quantized)."""
+    """(the largest phase without tiles in flight, what stays allocated while tiles are quantized)."""
     w = weight_bytes(k, n)
     trellis = _trellis_bytes(k, n, bits)
     regularize = 2 * w + w // 4  # the copy, its product, one reduction slab
@@ -101,48 +120,65 @@ def sample_tile_count(k: int, n: int, width: int = 3) -> int:
     return 5 * (width * d + 2 * num_x)
 
 
-def default_budget(k: int, n: int, bits: int = 6, device_type: str = "cuda") -> int:
-    """The budget of a single encode when none is given: the reference's figure, or a small layer's floor."""
-    per_tile = viterbi_bytes_per_tile(bits, device_type)
+def default_budget(k: int, n: int, bits: int = 6, device_type: str = "cuda", sms: int | None = None) -> int:
+    """The budget of a single encode when none is given: the reference's figure on a GPU (``sms`` SMs, an
+    H200's 132 if None); on the CPU 3.5 W or a small layer's floor."""
+    if device_type != "cpu":
+        return reference_peak_bytes(k, n, bits, sms)
     fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n))
     tiles = (k // 16) * (n // 16)
-    floor = max(fixed, during + min(tiles, DEFAULT_FLOOR_TILES) * per_tile)
-    return max(reference_peak_bytes(k, n), floor)
+    floor = max(fixed, during + min(tiles, DEFAULT_FLOOR_TILES) * _CPU_TILE_BYTES)
+    return max(int(REFERENCE_FACTOR * weight_bytes(k, n)), floor)
 
 
 def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes: int | None = None,
-                       *, wave: int | None = None, name: str | None = None) -> EncodeMemoryPlan:
-    """Chunk size for a (k, n) encode within ``budget_bytes`` (None: ``default_budget``).
+                       *, wave: int | None = None, slot_bytes: int | None = None, sms: int | None = None,
+                       name: str | None = None) -> EncodeMemoryPlan:
+    """Slots and chunk size for a (k, n) encode within ``budget_bytes`` (None: ``default_budget``).
 
-    ``wave`` is how many tiles the GPU keeps resident at once; a chunk of several waves is rounded down to
-    whole waves (a partial last wave costs as long as a full one). Raises EncodeMemoryError, naming ``name``
-    and the bytes needed, when not even MIN_CHUNK_TILES tiles fit.
+    On a GPU, ``wave`` is how many tiles the kernel keeps resident at once (more slots would only queue) and
+    ``slot_bytes`` the scratch of one (``viterbi_slot_bytes`` if None); the slots are as many as fit beside a
+    chunk of CHUNK_ROUNDS tiles per slot, up to the wave, and the chunk is then as large as the rest allows, in
+    whole rounds of slots. Raises EncodeMemoryError, naming ``name`` and the bytes needed, when not even
+    MIN_SLOTS slots and MIN_CHUNK_TILES tiles fit.
     """
     if budget_bytes is None:
-        budget_bytes = default_budget(k, n, bits, device_type)
+        budget_bytes = default_budget(k, n, bits, device_type, sms)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"memory_budget_bytes must be a positive integer, got {budget_bytes!r}")
     tiles = (k // 16) * (n // 16)
-    per_tile = viterbi_bytes_per_tile(bits, device_type)
+    gpu = device_type != "cpu"
+    per_tile = _GPU_TILE_EXTRA if gpu else _CPU_TILE_BYTES
+    per_slot = (slot_bytes or viterbi_slot_bytes(bits)) if gpu else 0
     fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n))
     smallest = min(tiles, MIN_CHUNK_TILES)
-    needed = max(fixed, during + smallest * per_tile)
+    min_slots = min(tiles, MIN_SLOTS) if gpu else 0
+    needed = max(fixed, during + smallest * per_tile + min_slots * per_slot)
     if needed > budget_bytes:
         where = f"{name}: " if name else ""
         raise EncodeMemoryError(
             f"{where}encoding a ({k}, {n}) weight at K={bits} needs at least {needed / 2**20:,.0f} MiB of "
-            f"{'GPU' if device_type == 'cuda' else 'host'} memory besides the weight, the budget is "
+            f"{'GPU' if gpu else 'host'} memory besides the weight, the budget is "
             f"{budget_bytes / 2**20:,.0f} MiB; raise the budget"
-            f"{' (cache warm --gpu-memory)' if device_type == 'cuda' else ''} or encode on a larger device",
+            f"{' (cache warm --gpu-memory)' if gpu else ''} or encode on a larger device",
             needed, budget_bytes)
-    cap = max(smallest, DEFAULT_MAX_CHUNK_BYTES // per_tile) if device_type != "cpu" else tiles
-    chunk = min(tiles, cap, (budget_bytes - during) // per_tile)
-    if wave and chunk < tiles and chunk >= wave:
-        chunk = (chunk // wave) * wave
+    avail = budget_bytes - during
+    if not gpu:
+        chunk = max(smallest, min(tiles, avail // per_tile))
+        return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=max(fixed, during + chunk
+                                * per_tile), fixed_bytes=fixed, tile_bytes=per_tile)
+    most = min(tiles, wave or max(MIN_SLOTS, _DEFAULT_MAX_SCRATCH // per_slot))
+    rounds = min(CHUNK_ROUNDS, max(1, tiles // max(1, most)))
+    slots = min(most, (avail - smallest * per_tile) // per_slot, avail // (per_slot + rounds * per_tile))
+    slots = max(slots, min_slots)
+    chunk = min(tiles, DEFAULT_MAX_CHUNK_TILES, (avail - slots * per_slot) // per_tile)
+    if slots < chunk < tiles:
+        chunk -= chunk % slots  # whole rounds: every program gets as many tiles as the next
     chunk = max(chunk, smallest)
-    peak = max(fixed, during + chunk * per_tile)
+    slots = min(slots, chunk)
+    peak = max(fixed, during + chunk * per_tile + slots * per_slot)
     return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=peak, fixed_bytes=fixed,
-                            tile_bytes=per_tile)
+                            tile_bytes=per_tile, slots=slots, slot_bytes=per_slot)
 
 
 def device_budget(device, gib: float | None = None) -> int:

@@ -256,9 +256,10 @@ CPU_PROGRESS_TILES = 512  # with a progress callback, CPU calls of this many til
 
 
 def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
-                      progress: Optional[ProgressFn] = None,
-                      chunk_tiles: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_tiles over (N, 256) tiles in calls of at most ``chunk_tiles`` (results do not depend on it).
+                      progress: Optional[ProgressFn] = None, chunk_tiles: Optional[int] = None,
+                      slots: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_tiles over (N, 256) tiles in calls of at most ``chunk_tiles``, ``slots`` in flight in the GPU
+    kernel (results depend on neither).
 
     ``chunk_tiles`` defaults to MAX_TILES_PER_CALL; ``progress(n)`` is called after every call with the number of
     tiles it quantized; on the CPU the calls are then CPU_PROGRESS_TILES long, so a progress bar moves inside a
@@ -268,14 +269,14 @@ def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
 
     step = _step(tiles.device, chunk_tiles, progress)
     if tiles.shape[0] <= step:
-        values, states = quantize_tiles(tiles.contiguous(), bits, codebook)
+        values, states = quantize_tiles(tiles.contiguous(), bits, codebook, programs=slots)
         if progress is not None:
             progress(values.shape[0])
         return values, states
     values = torch.empty(tiles.shape, dtype=torch.float32, device=tiles.device)  # filled chunk by chunk: no
     states = torch.empty(tiles.shape, dtype=torch.int16, device=tiles.device)  # list of parts and concatenation
     for start in range(0, tiles.shape[0], step):
-        v, s = quantize_tiles(tiles[start : start + step].contiguous(), bits, codebook)
+        v, s = quantize_tiles(tiles[start : start + step].contiguous(), bits, codebook, programs=slots)
         values[start : start + step] = v
         states[start : start + step] = s
         del v, s
@@ -297,7 +298,7 @@ ChunkFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def _quantize_matrix(w_r: torch.Tensor, err: torch.Tensor, bits: int, codebook: str, chunk_tiles: Optional[int],
-                     progress: Optional[ProgressFn], on_chunk: ChunkFn) -> None:
+                     progress: Optional[ProgressFn], on_chunk: ChunkFn, slots: Optional[int] = None) -> None:
     """Quantize every tile of the (k, n) matrix ``w_r`` in chunks of ``chunk_tiles``, never all tiles at once.
 
     Each chunk's tiles are gathered from ``w_r``, quantized, and their squared error (W_r - Q_r)^2 scattered
@@ -315,7 +316,7 @@ def _quantize_matrix(w_r: torch.Tensor, err: torch.Tensor, bits: int, codebook: 
         hi = min(total, lo + step)
         index = tile_element_index(n, torch.arange(lo, hi, device=w_r.device))
         tiles = src[index]
-        values, states = quantize_tiles(tiles, bits, codebook)
+        values, states = quantize_tiles(tiles, bits, codebook, programs=slots)
         on_chunk(lo, hi, index, values, states)
         dst[index] = tiles.sub_(values).square_()
         del tiles, values, states, index
@@ -324,7 +325,7 @@ def _quantize_matrix(w_r: torch.Tensor, err: torch.Tensor, bits: int, codebook: 
 
 
 def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str = "mcg",
-              chunk_tiles: Optional[int] = None) -> list[float]:
+              chunk_tiles: Optional[int] = None, slots: Optional[int] = None) -> list[float]:
     """mse(s) of spec 7.4 for each scale: mean((f32(q ÷s s) - T)^2) with q = quantize(f32(T * f32(s))).
 
     All scales go through the quantizer together (batched, ``chunk_tiles`` tiles per call); each mse is an
@@ -333,7 +334,7 @@ def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str
     if not scales:
         return []
     batch = torch.cat([tiles * _f32(s) for s in scales])
-    values, _ = _quantize_batched(batch, bits, codebook, chunk_tiles=chunk_tiles)
+    values, _ = _quantize_batched(batch, bits, codebook, chunk_tiles=chunk_tiles, slots=slots)
     del batch
     values = values.reshape(len(scales), *tiles.shape)
     return [float(_mean((_div_scalar(values[i], s) - tiles).square())) for i, s in enumerate(scales)]
@@ -348,15 +349,15 @@ def _first_argmin(values: list[float]) -> int:
 
 
 def search_global_scale(w_rot: torch.Tensor, bits: int, codebook: str = "mcg",
-                        chunk_tiles: Optional[int] = None) -> float:
+                        chunk_tiles: Optional[int] = None, slots: Optional[int] = None) -> float:
     """Spec 7.4: coarse grid on every third sample tile, fine grid on all, parabola; returns g (double)."""
     check_bits(bits)
     check_codebook(codebook)
     sample = sample_scale_tiles(w_rot, bits)
-    coarse = scale_mse(sample[0::3], _COARSE, bits, codebook, chunk_tiles)
+    coarse = scale_mse(sample[0::3], _COARSE, bits, codebook, chunk_tiles, slots)
     center = _COARSE[_first_argmin(coarse)]
     fine_scales = [center + _FINE_STEP * (i - 2) for i in range(5)]
-    fine = scale_mse(sample, fine_scales, bits, codebook, chunk_tiles)
+    fine = scale_mse(sample, fine_scales, bits, codebook, chunk_tiles, slots)
     b = _first_argmin(fine)
     off = 0.0
     if 0 < b < 4:
@@ -504,7 +505,8 @@ def prepare_encode(
     w_r, su, sv, zeros = reg.weight, reg.su, reg.sv, reg.zeros
     del reg
     with stage(timer, "scale_search", dev):
-        g = float(g_scale) if g_scale is not None else search_global_scale(w_r, bits, codebook, plan.chunk_tiles)
+        g = (float(g_scale) if g_scale is not None
+             else search_global_scale(w_r, bits, codebook, plan.chunk_tiles, plan.slots))
         w_r.mul_(_f32(g))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
         su = _div_scalar(su, g)
     return ScaledWeight(w_r=w_r, su=su, sv=sv, g=g, bits=bits, codebook=codebook, plan=plan, zeros=zeros)
@@ -526,7 +528,8 @@ def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = No
         trellis[lo:hi] = pack_trellis(states, bits)
 
     with stage(timer, "viterbi", dev):
-        _quantize_matrix(w_r, w_r, bits, prepared.codebook, prepared.plan.chunk_tiles, progress, pack)
+        _quantize_matrix(w_r, w_r, bits, prepared.codebook, prepared.plan.chunk_tiles, progress, pack,
+                         prepared.plan.slots)
     with stage(timer, "pack", dev):
         proxy_error = _proxy_error_of_squares(w_r)
         suh, svh = prepared.su.to(torch.float16), prepared.sv.to(torch.float16)
@@ -588,17 +591,20 @@ def encode_memory_plan(k: int, n: int, bits: int, device: torch.device | str,
                        name: str | None = None) -> EncodeMemoryPlan:
     """The chunking ``encode_linear`` uses for a (k, n) weight on ``device`` within ``memory_budget_bytes``.
 
-    On CUDA the chunks are whole waves of the Viterbi kernel (tiles the GPU keeps resident at once), which
-    compiles the kernel if it was not yet. Raises EncodeMemoryError (a ValueError naming ``name``) when the
-    budget cannot hold even the smallest chunk.
+    On CUDA the Viterbi kernel's slots go up to its resident wave (tiles the GPU runs at once, which compiles
+    the kernel if it was not yet) and the default budget is the reference's for this device's SMs. Raises
+    EncodeMemoryError (a ValueError naming ``name``) when the budget cannot hold even the smallest chunk.
     """
     dev = torch.device(device)
-    wave = None
+    wave = slot = sms = None
     if dev.type == "cuda":
-        from exl3tool.kernels.viterbi import resident_tiles
+        from exl3tool.kernels.viterbi import resident_tiles, slot_bytes
 
         wave = resident_tiles(dev, bits, codebook)
-    return plan_encode_memory(k, n, bits, dev.type, memory_budget_bytes, wave=wave, name=name)
+        slot = slot_bytes(bits)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return plan_encode_memory(k, n, bits, dev.type, memory_budget_bytes, wave=wave, slot_bytes=slot, sms=sms,
+                              name=name)
 
 
 def encode_linear_with_input(

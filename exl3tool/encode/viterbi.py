@@ -34,12 +34,13 @@ def _check_tiles(tiles: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_tiles(
-    tiles: torch.Tensor, bits: int, codebook: str = "mcg", backend: str = "auto"
+    tiles: torch.Tensor, bits: int, codebook: str = "mcg", backend: str = "auto", programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) tiles to K-bit trellis states; returns (values float32, states int16 raw bits).
 
     backend: "auto" (numba on CPU, Triton on CUDA with a torch fallback), "numba", "torch" or "triton".
-    Every backend gives the same bits.
+    Every backend gives the same bits. ``programs``: tiles in flight at once in the Triton kernel, each with its
+    scratch slot (None: the kernel's default); the other backends do not use it.
 
     >>> v, s = quantize_tiles(torch.randn(2, 256), 6)
     >>> v.shape, s.dtype
@@ -72,7 +73,7 @@ def quantize_tiles(
                 stacklevel=2,
             )
             return quantize_tiles_torch(tiles, bits, codebook)
-        return viterbi_tiles(tiles, bits, codebook)
+        return viterbi_tiles(tiles, bits, codebook, programs=programs)
     return quantize_tiles_torch(tiles, bits, codebook)
 
 

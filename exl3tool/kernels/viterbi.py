@@ -7,8 +7,11 @@ less-than keeps the first minimum exactly like the reference) and treat all edge
 element-wise as one [NH, 2^K] block, so no cross-thread reduction is needed: per candidate only
 d = dec - w, one fp16 FMA, a compare and two selects. dec[k*E + e] is a contiguous row of the
 codebook table (L1 resident); C_old[k*NH + h] is one value per block row. Costs live in a
-double-buffered per-tile global scratch (L1 resident, one CTA barrier per step); back-pointers are
-stored as the uint8 k per (position, edge); the two tracebacks are scalar loops per tile.
+double-buffered per-slot global scratch (L1 resident, one CTA barrier per step); back-pointers are
+stored as the uint8 k per (position, edge), or two per byte at K <= 4 in the packed modes (half the
+scratch); the two tracebacks are scalar loops per tile. Programs are persistent: G of them (``programs``)
+each own one scratch slot and loop over tiles pid, pid + G, ..., so the scratch is G slots however many
+tiles one launch holds, and a launch never ends in a partial wave of short-lived programs.
 
 Exactness: the fp16 FMA must be rounded once. On the GPU it is PTX ``fma.rn.f16``/``fma.rn.f16x2``
 through inline assembly; under TRITON_INTERPRET=1 (no PTX) it is emulated exactly in float64 with
@@ -23,6 +26,7 @@ import warnings
 import torch
 
 from exl3tool.encode.codebook import check_codebook, codebook_table
+from exl3tool.encode.memory import viterbi_slot_bytes
 
 try:  # triton is optional for the CPU-only parts of the package
     import triton
@@ -34,7 +38,8 @@ except ImportError:  # pragma: no cover - exercised only without triton
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["viterbi_tiles", "interpreter_active", "resident_tiles", "selfcheck_results", "MODES", "DEFAULT_MODE"]
+__all__ = ["viterbi_tiles", "interpreter_active", "resident_tiles", "selfcheck_results", "slot_bytes", "packs_nibbles",
+           "MODES", "DEFAULT_MODE"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
 #   0: exact float64 emulation (interpreter; also runs on GPU, slowly)
@@ -187,7 +192,8 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _forward_pass(x_t, dec_ptr, cs, bp, START: tl.constexpr, K: tl.constexpr, NL: tl.constexpr,
-                      NH: tl.constexpr, BH: tl.constexpr, KC: tl.constexpr, MODE: tl.constexpr):
+                      NH: tl.constexpr, BH: tl.constexpr, KC: tl.constexpr, MODE: tl.constexpr,
+                      PACK4: tl.constexpr):
         """256 Viterbi steps over positions START, START+1, ... (mod 256); costs start in cs[0:E]."""
         E: tl.constexpr = NH * NL
         rows = tl.arange(0, BH)[:, None]
@@ -212,8 +218,11 @@ if _HAVE_TRITON:
                         cold = tl.load(src + k * NH + h)
                         best2, bk2 = _update_packed(dec2, w, cold, best2, bk2, k, MODE)
                     tl.store(dst.to(tl.pointer_type(tl.int32)) + e2, best2)
-                    bp16 = (bp + p * E).to(tl.pointer_type(tl.int16))
-                    tl.store(bp16 + e2, ((bk2 & 0xFF) | ((bk2 >> 8) & 0xFF00)).to(tl.int16))
+                    if PACK4:  # k < 16: the pair's two back-pointers in one byte (even edge in the low nibble)
+                        tl.store(bp + p * (E // 2) + e2, ((bk2 & 0xF) | ((bk2 >> 12) & 0xF0)).to(tl.uint8))
+                    else:
+                        bp16 = (bp + p * E).to(tl.pointer_type(tl.int16))
+                        tl.store(bp16 + e2, ((bk2 & 0xFF) | ((bk2 >> 8) & 0xFF00)).to(tl.int16))
                 elif KC == 1:
                     # k = 0 is the first candidate: taken unconditionally (strict less-than afterwards)
                     best = _cost(tl.load(dec_ptr + e), w, tl.load(src + h), MODE)
@@ -250,61 +259,76 @@ if _HAVE_TRITON:
         return ((x & 1) << 4) | ((x & 2) << 2) | (x & 4) | ((x & 8) >> 2) | ((x & 16) >> 4)
 
     @triton.jit
-    def _viterbi_kernel(x_ptr, dec_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr,
+    def _back_pointer(bp, p, ed, E: tl.constexpr, PACK4: tl.constexpr):
+        """The candidate k stored for edge ``ed`` at position ``p``: a byte, or a nibble when PACK4."""
+        if PACK4:
+            b = tl.load(bp + p * (E // 2) + (ed >> 1)).to(tl.int32)
+            return (b >> ((ed & 1) * 4)) & 15
+        else:
+            return tl.load(bp + p * E + ed).to(tl.int32)
+
+    @triton.jit
+    def _viterbi_kernel(x_ptr, dec_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr, n_tiles,
                         K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr,
-                        KC: tl.constexpr, MODE: tl.constexpr):
-        """One tile per program: pass 1, end-edge choice, traceback, constrained pass 2, traceback."""
+                        KC: tl.constexpr, MODE: tl.constexpr, PACK4: tl.constexpr):
+        """Persistent programs, one scratch slot each, tiles pid, pid + G, ... (G programs): per tile pass 1,
+        end-edge choice, traceback, constrained pass 2, traceback. The scratch is G slots, whatever n_tiles."""
         E: tl.constexpr = NH * NL
-        pid = tl.program_id(0).to(tl.int64)
-        x_t = x_ptr + pid * 256
-        cs = cs_ptr + pid * (2 * E)
-        bp = bp_ptr + pid * (256 * E)
+        SLOT: tl.constexpr = 256 * (E // 2 if PACK4 else E)  # back-pointer bytes per slot
+        pid = tl.program_id(0)
+        cs = cs_ptr + pid.to(tl.int64) * (2 * E)
+        bp = bp_ptr + pid.to(tl.int64) * SLOT
         rows = tl.arange(0, BH)[:, None]
         cols = tl.arange(0, NL)[None, :]
+        zero64 = pid.to(tl.int64) * 0  # 64-bit tile offsets in compiled code and under the interpreter alike
+        for tile in range(pid, n_tiles, tl.num_programs(0)):
+            t64 = tile + zero64
+            x_t = x_ptr + t64 * 256
 
-        # pass 1 (unconstrained): C = 0 makes the first step fma16(d, d, 0) = f16(d*d)
-        for hc in range(NH // BH):
-            e = (hc * BH + rows) * NL + cols
-            tl.store(cs + e, tl.zeros([BH, NL], dtype=tl.float16))
-        tl.debug_barrier()
-        _forward_pass(x_t, dec_ptr, cs, bp, 128, K, NL, NH, BH, KC, MODE)
+            # pass 1 (unconstrained): C = 0 makes the first step fma16(d, d, 0) = f16(d*d)
+            for hc in range(NH // BH):
+                e = (hc * BH + rows) * NL + cols
+                tl.store(cs + e, tl.zeros([BH, NL], dtype=tl.float16))
+            tl.debug_barrier()
+            _forward_pass(x_t, dec_ptr, cs, bp, 128, K, NL, NH, BH, KC, MODE, PACK4)
 
-        # end edge: min over (bits(C[e]), rank(e)); costs are >= +0 so bit order is value order
-        best_key = tl.full([], 0x7FFFFFFF, tl.int32)
-        for hc in range(NH // BH):
-            e = (hc * BH + rows) * NL + cols
-            cb = tl.load(cs + e).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            rank = (_brev5((e >> 5) & 31) << 10) | (_brev5(e & 31) << 5) | (e >> 10)
-            best_key = tl.minimum(best_key, tl.min(tl.min((cb << 16) | rank, axis=1), axis=0))
-        r = best_key & 0xFFFF
-        e_star = ((r & 31) << 10) | (_brev5((r >> 10) & 31) << 5) | _brev5((r >> 5) & 31)
-        e_star = tl.where((best_key >> 16) >= 0x7C00, 0, e_star)
+            # end edge: min over (bits(C[e]), rank(e)); costs are >= +0 so bit order is value order
+            best_key = tl.full([], 0x7FFFFFFF, tl.int32)
+            for hc in range(NH // BH):
+                e = (hc * BH + rows) * NL + cols
+                cb = tl.load(cs + e).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                rank = (_brev5((e >> 5) & 31) << 10) | (_brev5(e & 31) << 5) | (e >> 10)
+                best_key = tl.minimum(best_key, tl.min(tl.min((cb << 16) | rank, axis=1), axis=0))
+            r = best_key & 0xFFFF
+            e_star = ((r & 31) << 10) | (_brev5((r >> 10) & 31) << 5) | _brev5((r >> 5) & 31)
+            e_star = tl.where((best_key >> 16) >= 0x7C00, 0, e_star)
 
-        # partial traceback of pass 1 over positions 127..0 gives E_fix
-        ed = e_star
-        for i in range(128):
-            p = 127 - i
-            k = tl.load(bp + p * E + ed).to(tl.int32)
-            ed = k * NH + (ed >> K)
-        e_fix = ed
-        tl.debug_barrier()
+            # partial traceback of pass 1 over positions 127..0 gives E_fix
+            ed = e_star
+            for i in range(128):
+                p = 127 - i
+                k = _back_pointer(bp, p, ed, E, PACK4)
+                ed = k * NH + (ed >> K)
+            e_fix = ed
+            tl.debug_barrier()
 
-        # pass 2 (constrained): C = 0 at E_fix, +inf elsewhere, so the first step gives f16(d*d) or +inf
-        for hc in range(NH // BH):
-            e = (hc * BH + rows) * NL + cols
-            tl.store(cs + e, tl.where(e == e_fix, 0.0, float("inf")).to(tl.float16))
-        tl.debug_barrier()
-        _forward_pass(x_t, dec_ptr, cs, bp, 0, K, NL, NH, BH, KC, MODE)
+            # pass 2 (constrained): C = 0 at E_fix, +inf elsewhere, so the first step gives f16(d*d) or +inf
+            for hc in range(NH // BH):
+                e = (hc * BH + rows) * NL + cols
+                tl.store(cs + e, tl.where(e == e_fix, 0.0, float("inf")).to(tl.float16))
+            tl.debug_barrier()
+            _forward_pass(x_t, dec_ptr, cs, bp, 0, K, NL, NH, BH, KC, MODE, PACK4)
 
-        # final traceback from E_fix, closing the ring
-        ed = e_fix
-        for i in range(256):
-            p = 255 - i
-            k = tl.load(bp + p * E + ed).to(tl.int32)
-            s = (k << (16 - K)) | ed
-            tl.store(idx_ptr + pid * 256 + p, s.to(tl.int16))
-            tl.store(val_ptr + pid * 256 + p, tl.load(dec_ptr + s).to(tl.float32))
-            ed = k * NH + (ed >> K)
+            # final traceback from E_fix, closing the ring
+            ed = e_fix
+            for i in range(256):
+                p = 255 - i
+                k = _back_pointer(bp, p, ed, E, PACK4)
+                s = (k << (16 - K)) | ed
+                tl.store(idx_ptr + t64 * 256 + p, s.to(tl.int16))
+                tl.store(val_ptr + t64 * 256 + p, tl.load(dec_ptr + s).to(tl.float32))
+                ed = k * NH + (ed >> K)
+            tl.debug_barrier()  # the slot's back-pointers are read to the end before the next tile writes them
 
 
 class _NullContext:
@@ -391,6 +415,19 @@ def _occupancy(compiled, props) -> int | None:
     return per_sm * int(props.multi_processor_count)
 
 
+def packs_nibbles(bits: int, mode: int = DEFAULT_MODE) -> bool:
+    """Whether the kernel keeps two back-pointers per byte: K <= 4 (k < 16) in the packed modes 4 and 5."""
+    return bits <= 4 and mode >= 4
+
+
+def slot_bytes(bits: int, mode: int | None = None) -> int:
+    """GPU scratch of one tile in flight (``viterbi_slot_bytes``) for ``mode``; None: the mode in use on the
+    current device after its self-check, or DEFAULT_MODE before it ran."""
+    if mode is None:
+        mode = next((m for (_, b), m in _CHECKED.items() if b == bits), DEFAULT_MODE)
+    return viterbi_slot_bytes(bits, packs_nibbles(bits, mode))
+
+
 def _geometry(bits: int, block_edges: int | None) -> tuple[int, int, int]:
     """(NL, NH, BH): candidates per edge, edge rows (e >> K) and rows per block chunk."""
     nl = 1 << bits
@@ -410,12 +447,15 @@ def viterbi_tiles(
     block_edges: int | None = None,
     k_chunk: int | None = None,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) float32 tiles (trellis order) to EXL3 states; same contract as quantize_tiles.
 
     Returns (values float32 (n, 256), states int16 (n, 256)) on the input's device. Runs on CUDA
     tensors, or on CPU tensors when the Triton interpreter is active. ``mode``/``num_warps``/
     ``block_edges`` select kernel variants (for benchmarking); results never depend on them.
+    ``programs`` is how many tiles are in flight at once, each with its own scratch slot
+    (``slot_bytes``); None: as many as ``scratch_bytes`` holds. Results never depend on it either.
     """
     if not _HAVE_TRITON:
         raise RuntimeError("viterbi_tiles needs triton")
@@ -445,23 +485,26 @@ def viterbi_tiles(
     tiles = tiles.contiguous()
     dec = codebook_table(codebook, dev)
     nl, nh, bh = _geometry(bits, block_edges if block_edges is not None or not interp else 1 << (16 - bits))
-    if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8
-        num_warps = max(1, min(4, (bh * nl) // 256))
+    if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8; at K = 4
+        # 8 warps (4 edges per thread): +8 % at 4 programs per SM on an H200 (benchmarks/bench_viterbi_slots.py)
+        num_warps = 8 if bits == 4 and not interp else max(1, min(4, (bh * nl) // 256))
     kc = k_chunk if k_chunk is not None else (nl if interp else 1)
     if kc < 1 or kc > nl or kc & (kc - 1):
         raise ValueError(f"k_chunk must be a power of two in 1..{nl}, got {kc}")
     e = nl * nh
-    chunk = max(1, min(n, scratch_bytes // (256 * e)))
-    bp = torch.empty((chunk, 256, e), dtype=torch.uint8, device=dev)
-    cs = torch.empty((chunk, 2, e), dtype=torch.float16, device=dev)
+    pack4 = packs_nibbles(bits, mode)
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be a positive integer, got {programs!r}")
+    per_slot = slot_bytes(bits, mode)
+    g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
+    bp = torch.empty((g, per_slot - 4 * e), dtype=torch.uint8, device=dev)
+    cs = torch.empty((g, 2, e), dtype=torch.float16, device=dev)
     guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
     with guard:  # launch on the tensors' GPU, not whichever is current
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
-            compiled = _viterbi_kernel[(hi - lo,)](
-                tiles[lo:hi], dec, cs, bp, states[lo:hi], values[lo:hi],
-                K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, num_warps=num_warps,
-            )
+        compiled = _viterbi_kernel[(g,)](
+            tiles, dec, cs, bp, states, values, n,
+            K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, num_warps=num_warps,
+        )
     global LAST_COMPILED
     LAST_COMPILED = compiled  # for the benchmark's resource report (registers, spills, PTX)
     return values, states

@@ -1,0 +1,64 @@
+"""Where one encode's time goes, stage by stage (``StageTimer``), on the deployed layer shapes: a profile, not a
+comparison (``bench_dropin.py`` compares with the reference).
+
+    python benchmarks/profile_encode.py --shapes 4096x4096:4,128x4096:4,512x4096:6 --json out.json
+
+Per shape: the median of 3 encodes (after a warm-up) of each stage's seconds (h2d, regularize, scale_search, viterbi,
+pack), the Viterbi tiles of the layer and of the scale search, and the plan's slots and chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exl3tool.encode.memory import sample_tile_count  # noqa: E402
+from exl3tool.encode.online import encode_linear, encode_memory_plan  # noqa: E402
+from exl3tool.timing import StageTimer  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4096x4096:4,128x4096:4,4096x12288:4,512x4096:6,256x7168:6,5120x6144:6")
+    ap.add_argument("--json", dest="json_path", default=None)
+    args = ap.parse_args()
+    rows = []
+    for item in args.shapes.split(","):
+        shape, bits = item.split(":")
+        k, n = (int(v) for v in shape.split("x"))
+        bits = int(bits)
+        gen = torch.Generator().manual_seed(k + n)
+        w = (torch.randn(k, n, generator=gen) * torch.empty(1, n).uniform_(0.005, 0.05, generator=gen)).cuda()
+        encode_linear(w, bits=bits, seed=5)  # warm-up (compile)
+        runs = []
+        for rep in range(3):
+            timer = StageTimer()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            encode_linear(w, bits=bits, seed=5 + rep, timer=timer)
+            torch.cuda.synchronize()
+            stages = {name: v["seconds"] for name, v in timer.as_dict().items()}
+            stages["total"] = time.perf_counter() - t0
+            runs.append(stages)
+        med = {name: statistics.median(r.get(name, 0.0) for r in runs) for name in runs[0]}
+        plan = encode_memory_plan(k, n, bits, "cuda")
+        search = sample_tile_count(k, n)
+        row = {"k": k, "n": n, "bits": bits, "tiles": (k // 16) * (n // 16), "search_tiles": search + 2 * search // 5,
+               "slots": plan.slots, "chunk": plan.chunk_tiles, "seconds": med}
+        rows.append(row)
+        print(f"({k}, {n}) K={bits}: tiles {row['tiles']:,} + search {row['search_tiles']:,}; slots {plan.slots} chunk "
+              f"{plan.chunk_tiles}; " + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in med.items()), flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
