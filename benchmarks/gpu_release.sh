@@ -2,13 +2,14 @@
 # One device call on nvidia-h200 (under 10 minutes): the whole merged tree against the reference, in one run.
 #   1. install the exllamav3 1.6.5 wheel (+ what its quantize.py imports) from ./.whl into /tmp/site and start
 #      JIT-compiling its CUDA extension in the background (about 5 minutes on 16 cores);
-#   2. meanwhile every GPU-marked test (goldens from ./golden);
+#   2. meanwhile every GPU-marked test (goldens from ./golden), then (FLEET=1, the default) the llama-8b warm of
+#      bench_fleet.py and the K=6 slot sweep of bench_viterbi_slots.py on the otherwise idle GPU;
 #   3. once the extension is built: bench_dropin.py (the fork's call convention, drop-in vs exllamav3: time, peak
 #      GPU memory, byte identity) and bench_encode_memory.py (peak memory and time per shape, with the reference);
 #      if the compile did not finish by $T_COMPILE s, both run without the reference and say so.
 # Carry ./golden and ./.whl (see benchmarks/gpu_dropin.sh for how .whl is filled). Logs and JSON land in $OUT.
 set -u
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-14}
 OUT=${OUT:-/tmp/exl3tool-release}; mkdir -p "$OUT"
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -25,7 +26,16 @@ EOF
 CPID=$!
 timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 -rs tests > "$OUT/tests.log" 2>&1
 echo "== GPU tests ($(( $(date +%s) - T0 )) s): $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
-while kill -0 $CPID 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "${T_COMPILE:-380}" ]; do sleep 2; done
+# the GPU is idle while the compile goes on: the 8B warm (issue 20's rate) and the K=6 slot sweep
+if [ -n "${FLEET:-1}" ]; then
+  timeout "${T_FLEET:-120}" python3 benchmarks/bench_fleet.py --preset llama-8b --workdir "$(mktemp -d /tmp/fleet-XXXX)" \
+    --json "$OUT/bench_fleet_8b.json" > "$OUT/bench_fleet_8b.log" 2>&1
+  echo "== bench_fleet llama-8b ($(( $(date +%s) - T0 )) s)"; tail -8 "$OUT/bench_fleet_8b.log"
+  timeout "${T_SLOTS:-60}" python3 benchmarks/bench_viterbi_slots.py --bits 6 --warps 4 --per-sm 4,6,9,12 \
+    --json "$OUT/bench_viterbi_slots.json" > "$OUT/bench_viterbi_slots.log" 2>&1
+  echo "== bench_viterbi_slots ($(( $(date +%s) - T0 )) s)"; grep -E "baseline|edges 1024" "$OUT/bench_viterbi_slots.log"
+fi
+while kill -0 $CPID 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "${T_COMPILE:-400}" ]; do sleep 2; done
 echo "== reference compile: $(tail -1 "$OUT/compile.log") ($(( $(date +%s) - T0 )) s since start)"
 if kill -0 $CPID 2>/dev/null || ! grep -q "compile+import ok" "$OUT/compile.log"; then
   kill $CPID 2>/dev/null; REF=(); MREF=(--no-reference); echo "== the reference is NOT measured in this run"

@@ -89,6 +89,22 @@ def test_pack_roundtrip_every_k(bits):
     assert torch.equal(pack_trellis(unpack_trellis(raw, bits), bits), raw)
 
 
+@pytest.mark.parametrize("bits", [4, 6])
+def test_pack_across_slices_equals_tile_by_tile(bits):
+    """More tiles than one packing slice (PACK_SLICE_TILES): every tile packs as it does alone, across the seams."""
+    from exl3tool.encode import memory, trellis
+
+    assert memory.PACK_SLICE_TILES == trellis.PACK_SLICE_TILES
+    count = 2 * trellis.PACK_SLICE_TILES + 3
+    states = torch.randint(-32768, 32768, (count, 256), dtype=torch.int32).to(torch.int16)
+    packed = pack_trellis(states, bits)
+    for i in sorted({0, trellis.PACK_SLICE_TILES - 1, trellis.PACK_SLICE_TILES, count - 1,
+                     int(torch.randint(0, count, ()))}):
+        assert torch.equal(packed[i], pack_trellis(states[i], bits)), i
+    assert torch.equal(unpack_trellis(packed, bits).to(torch.int64) & ((1 << bits) - 1),
+                       states.to(torch.int64) & ((1 << bits) - 1))
+
+
 @pytest.mark.parametrize("bits", [0, 9, 6.0, "6"])
 def test_bad_bits_rejected(bits):
     with pytest.raises(ValueError, match="bits"):

@@ -8,9 +8,10 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
   the sample's batch of five scales (with its values and states) while it goes through the quantizer;
 * tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
   error, plus the packed trellis), one chunk of tiles gathered (``chunk_tiles``, about 8 KiB each with their
-  index, values and states) and the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
-  positions x 2^(16-K) back-pointers (a byte each, two per byte at K <= 4) and two cost rows. The kernel's
-  programs are persistent, so the scratch is ``slots`` slots whatever the chunk;
+  index, values and states), then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
+  positions x 2^(16-K) back-pointers (a byte each, two per byte at K <= 4) and two cost rows (the kernel's
+  programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the kernel has
+  returned and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
 * proxy error: 1 W + the trellis + 2 W (the squared error widened to float64 for the sum).
 
 The default budget of one encode on a GPU is what exllamav3's ``quantize_exl3`` needs for the same layer,
@@ -40,7 +41,9 @@ CHUNK_ROUNDS = 4  # a chunk holds about this many tiles per slot: the last round
 DEFAULT_FLOOR_TILES = 1024  # CPU: a default budget always holds this many tiles in flight (a small layer's whole)
 _DEFAULT_MAX_SCRATCH = 2 << 30  # more slots than this does not make the kernel faster (8,192 at K = 6)
 _TILE_BYTES = 1024  # 256 fp32 values
-_GPU_TILE_EXTRA = 8 * 1024  # per tile of a chunk on a GPU: gathered tile, index, values, states, packing
+_GPU_TILE_EXTRA = 8 * 1024  # per tile of a chunk on a GPU: gathered tile, its int64 index, values, states
+_PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
+PACK_SLICE_TILES = 2048  # = exl3tool.encode.trellis.PACK_SLICE_TILES (this module imports nothing of the encoder)
 _CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile)
 _SLACK = 4 << 20  # small tensors: sign vectors, scales, codebook table, per-launch bookkeeping
 GPU_MARGIN_BYTES = 1 << 30  # left free by the default device budget (allocator fragmentation, CUDA context)
@@ -112,6 +115,10 @@ def _fixed_bytes(k: int, n: int, bits: int, sample_tiles: int) -> tuple[int, int
     return max(regularize, scale, error) + _SLACK, during_quantize + _SLACK
 
 
+def _pack_bytes(chunk: int) -> int:
+    return min(chunk, PACK_SLICE_TILES) * _PACK_TILE_BYTES
+
+
 def sample_tile_count(k: int, n: int, width: int = 3) -> int:
     """Tiles in the scale search's largest batch (5 scales of the sample, spec 7.4)."""
     tk, tn = k // 16, n // 16
@@ -153,7 +160,8 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n))
     smallest = min(tiles, MIN_CHUNK_TILES)
     min_slots = min(tiles, MIN_SLOTS) if gpu else 0
-    needed = max(fixed, during + smallest * per_tile + min_slots * per_slot)
+    # on the CPU the 48 KiB per tile in flight include the packing
+    needed = max(fixed, during + smallest * per_tile + (max(min_slots * per_slot, _pack_bytes(smallest)) if gpu else 0))
     if needed > budget_bytes:
         where = f"{name}: " if name else ""
         raise EncodeMemoryError(
@@ -171,12 +179,13 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     rounds = min(CHUNK_ROUNDS, max(1, tiles // max(1, most)))
     slots = min(most, (avail - smallest * per_tile) // per_slot, avail // (per_slot + rounds * per_tile))
     slots = max(slots, min_slots)
-    chunk = min(tiles, DEFAULT_MAX_CHUNK_TILES, (avail - slots * per_slot) // per_tile)
+    pack_most = _pack_bytes(tiles)
+    chunk = min(tiles, DEFAULT_MAX_CHUNK_TILES, (avail - max(slots * per_slot, pack_most)) // per_tile)
     if slots < chunk < tiles:
         chunk -= chunk % slots  # whole rounds: every program gets as many tiles as the next
     chunk = max(chunk, smallest)
     slots = min(slots, chunk)
-    peak = max(fixed, during + chunk * per_tile + slots * per_slot)
+    peak = max(fixed, during + chunk * per_tile + max(slots * per_slot, _pack_bytes(chunk)))
     return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=peak, fixed_bytes=fixed,
                             tile_bytes=per_tile, slots=slots, slot_bytes=per_slot)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_bits", "pack_trellis", "unpack_trellis"]
+__all__ = ["PACK_SLICE_TILES", "check_bits", "pack_trellis", "unpack_trellis"]
+
+PACK_SLICE_TILES = 2048  # tiles packed at once: bounds pack_trellis's temporaries (~20 KiB per tile at K = 8)
 
 
 def check_bits(bits: int) -> int:
@@ -30,13 +32,17 @@ def pack_trellis(states: torch.Tensor, bits: int) -> torch.Tensor:
     if states.dim() < 1 or states.shape[-1] != 256:
         raise ValueError(f"states must have last dimension 256, got shape {tuple(states.shape)}")
     lead = states.shape[:-1]
-    v = states.to(torch.int64).reshape(-1, 256) & ((1 << bits) - 1)  # (T, 256) low K bits
-    shifts = torch.arange(bits - 1, -1, -1, device=v.device)
-    stream = ((v.unsqueeze(-1) >> shifts) & 1).reshape(-1, 256 * bits // 16, 16)  # MSB-first bits
-    weights = 1 << torch.arange(15, -1, -1, device=v.device)
-    chunks = (stream * weights).sum(-1)  # (T, 16K) values 0..65535
-    swapped = chunks.reshape(-1, 8 * bits, 2).flip(-1).reshape(-1, 16 * bits)
-    return _to_int16(swapped).reshape(*lead, 16 * bits)
+    flat = states.reshape(-1, 256)
+    out = torch.empty((flat.shape[0], 16 * bits), dtype=torch.int16, device=flat.device)
+    shifts = torch.arange(bits - 1, -1, -1, device=flat.device, dtype=torch.int32)
+    weights = 1 << torch.arange(15, -1, -1, device=flat.device, dtype=torch.int32)
+    for lo in range(0, flat.shape[0], PACK_SLICE_TILES):  # the bit streams take ~20 bytes per state: in slices
+        v = flat[lo : lo + PACK_SLICE_TILES].to(torch.int32) & ((1 << bits) - 1)  # (T, 256) low K bits
+        stream = ((v.unsqueeze(-1) >> shifts) & 1).reshape(-1, 256 * bits // 16, 16)  # MSB-first bits
+        chunks = (stream * weights).sum(-1, dtype=torch.int32)  # (T, 16K) values 0..65535
+        swapped = chunks.reshape(-1, 8 * bits, 2).flip(-1).reshape(-1, 16 * bits)
+        out[lo : lo + PACK_SLICE_TILES] = _to_int16(swapped)
+    return out.reshape(*lead, 16 * bits)
 
 
 def _to_int16(x: torch.Tensor) -> torch.Tensor:
