@@ -96,13 +96,13 @@ def test_default_gpu_plan_stays_within_the_reference(shape, bits):
     assert reference_peak_bytes(k, n, bits) == int(3.5 * 4 * k * n) + 528 * 256 * (1 << (16 - bits))
     assert plan.peak_bytes <= plan.budget_bytes
     tiles = (k // 16) * (n // 16)
-    assert MIN_SLOTS <= plan.slots <= min(wave, plan.chunk_tiles)
+    assert MIN_SLOTS <= plan.slots <= plan.chunk_tiles and plan.slots * plan.slot_bytes <= 2 << 30
     assert plan.slot_bytes == viterbi_slot_bytes(bits) == 256 * (1 << (16 - bits)) // (2 if bits <= 4 else 1) + (
         4 << (16 - bits))
     if plan.slots < plan.chunk_tiles < tiles:
         assert plan.chunk_tiles % plan.slots == 0  # whole rounds of slots
-    if 4 * k * n >= 100 << 20:  # from a 100 MiB weight on, the kernel runs its whole resident wave
-        assert plan.slots == wave
+    if 4 * k * n >= 100 << 20:  # from a 100 MiB weight on, the kernel runs at least its whole resident wave
+        assert plan.slots >= wave
 
 
 def test_plan_peak_never_exceeds_any_budget_it_accepts():
@@ -119,7 +119,7 @@ def test_plan_peak_never_exceeds_any_budget_it_accepts():
                 continue
             assert plan.peak_bytes <= budget and 1 <= plan.chunk_tiles <= (k // 16) * (n // 16)
             if device == "cuda":
-                assert 1 <= plan.slots <= min(1584, plan.chunk_tiles)
+                assert 1 <= plan.slots <= plan.chunk_tiles and plan.slots * plan.slot_bytes <= 2 << 30
                 assert plan.peak_bytes >= plan.slots * plan.slot_bytes + plan.chunk_tiles * plan.tile_bytes
 
 
