@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_MAX_CHUNK_TILES", "EncodeMemoryError", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "MIN_SLOTS",
+    "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "MIN_SLOTS",
     "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "plan_encode_memory",
     "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
 ]
@@ -39,11 +39,11 @@ MIN_SLOTS = 16  # the fewest tiles in flight in the Viterbi kernel
 DEFAULT_MAX_CHUNK_TILES = 65536  # the reference's batch bound for one quantize_tiles call
 CHUNK_ROUNDS = 4  # a chunk holds about this many tiles per slot: the last round of a launch is partial
 DEFAULT_FLOOR_TILES = 1024  # CPU: a default budget always holds this many tiles in flight (a small layer's whole)
-_DEFAULT_MAX_SCRATCH = 2 << 30  # more slots than this does not make the kernel faster (8,192 at K = 6)
+DEFAULT_MAX_SCRATCH = 2 << 30  # Viterbi scratch beyond this does not make the kernel faster (8,064 slots at K = 6)
 _TILE_BYTES = 1024  # 256 fp32 values
 _GPU_TILE_EXTRA = 8 * 1024  # per tile of a chunk on a GPU: gathered tile, its int64 index, values, states
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
-PACK_SLICE_TILES = 2048  # = exl3tool.encode.trellis.PACK_SLICE_TILES (this module imports nothing of the encoder)
+PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
 _CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile)
 _SLACK = 4 << 20  # small tensors: sign vectors, scales, codebook table, per-launch bookkeeping
 GPU_MARGIN_BYTES = 1 << 30  # left free by the default device budget (allocator fragmentation, CUDA context)
@@ -173,12 +173,13 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     avail = budget_bytes - during
     if not gpu:
         chunk = max(smallest, min(tiles, avail // per_tile))
-        return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=max(fixed, during + chunk
-                                * per_tile), fixed_bytes=fixed, tile_bytes=per_tile)
+        peak = max(fixed, during + chunk * per_tile)
+        return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=peak, fixed_bytes=fixed,
+                                tile_bytes=per_tile)
     # more programs than the resident wave still run faster (each queued one starts as one ends: +4 % at K = 6 for
     # 8,064 slots against the 1,188 resident on an H200, bench_viterbi_slots.py), so where the budget allows the
     # slots go up to 2 GiB of scratch; a tight budget (the reference's, for a small layer) gets fewer
-    most = min(tiles, max(wave or 0, MIN_SLOTS, _DEFAULT_MAX_SCRATCH // per_slot))
+    most = min(tiles, max(wave or 0, MIN_SLOTS, DEFAULT_MAX_SCRATCH // per_slot))
     rounds = min(CHUNK_ROUNDS, max(1, tiles // max(1, most)))
     slots = min(most, (avail - smallest * per_tile) // per_slot, avail // (per_slot + rounds * per_tile))
     slots = max(slots, min_slots)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PACK_SLICE_TILES", "check_bits", "pack_trellis", "unpack_trellis"]
+from exl3tool.encode.memory import PACK_SLICE_TILES  # tiles packed at once: bounds the bit streams' temporaries
 
-PACK_SLICE_TILES = 2048  # tiles packed at once: bounds pack_trellis's temporaries (~20 KiB per tile at K = 8)
+__all__ = ["PACK_SLICE_TILES", "check_bits", "pack_trellis", "unpack_trellis"]
 
 
 def check_bits(bits: int) -> int:

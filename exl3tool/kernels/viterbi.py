@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from exl3tool.encode.codebook import check_codebook, codebook_table
-from exl3tool.encode.memory import viterbi_slot_bytes
+from exl3tool.encode.memory import DEFAULT_MAX_SCRATCH, viterbi_slot_bytes
 
 try:  # triton is optional for the CPU-only parts of the package
     import triton
@@ -53,7 +53,7 @@ DEFAULT_MODE = int(os.environ.get("EXL3TOOL_VITERBI_MODE", "4"))
 LAST_COMPILED = None
 # (device, bits) -> mode chosen after the one-time self-check of the default mode against mode 1
 _CHECKED: dict[tuple[str, int], int] = {}
-DEFAULT_SCRATCH_BYTES = 2 << 30  # back-pointer scratch budget per chunk (uint8 per position and edge)
+DEFAULT_SCRATCH_BYTES = DEFAULT_MAX_SCRATCH  # scratch of one call when ``programs`` is not given
 
 if _HAVE_TRITON:
 
@@ -383,7 +383,8 @@ _RESIDENT: dict[tuple[str, int], int | None] = {}
 
 def resident_tiles(device: torch.device, bits: int, codebook: str = "mcg") -> int | None:
     """Tiles the GPU runs at once (CTAs per SM from the kernel's registers, threads and shared memory, times
-    the SM count): a chunk of whole waves wastes no partial wave. None where it cannot be told (no CUDA)."""
+    the SM count): the encoder's memory plan gives at least this many slots where its budget allows. None where it
+    cannot be told (no CUDA)."""
     dev = torch.device(device)
     if dev.type != "cuda" or not _HAVE_TRITON or interpreter_active():
         return None
@@ -497,7 +498,7 @@ def viterbi_tiles(
         raise ValueError(f"programs must be a positive integer, got {programs!r}")
     per_slot = slot_bytes(bits, mode)
     g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
-    bp = torch.empty((g, per_slot - 4 * e), dtype=torch.uint8, device=dev)
+    bp = torch.empty((g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)  # per_slot = bp + cs
     cs = torch.empty((g, 2, e), dtype=torch.float16, device=dev)
     guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
     with guard:  # launch on the tensors' GPU, not whichever is current

@@ -186,6 +186,6 @@ def test_wrappers_that_clear_the_environment(model, tmp_path):
 
 def test_relative_model_under_the_container_workdir(model, tmp_path):
     parent = str(Path(model).parent)
-    s = resolved(f"docker run -v {parent}:/work -w /work -v {tmp_path}:/c -e VLLM_EXL3_ENCODER_SOURCE=/e "
+    s = resolved(f"docker run -v {parent}:/app -w /app -v {tmp_path}:/c -e VLLM_EXL3_ENCODER_SOURCE=/e "
                  "-e VLLM_EXL3_ENCODER_REVISION=r -e VLLM_EXL3_ONLINE_CACHE_DIR=/c IMAGE serve M")
-    assert (s.model, s.server_path) == (model, "/work/M")
+    assert (s.model, s.server_path) == (model, "/app/M")
