@@ -7,11 +7,12 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
 * scale search: 2 W (the regularised weight, its tiles squared for the per-tile mean square), then the weight and
   the sample's batch of five scales (with its values and states) while it goes through the quantizer;
 * tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
-  error, plus the packed trellis), one chunk of tiles gathered (``chunk_tiles``, about 8 KiB each with their
-  index, values and states), then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
-  positions x 2^(16-K) back-pointers (a byte each, two per byte at K <= 4) and two cost rows (the kernel's
-  programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the kernel has
-  returned and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
+  error, plus the packed trellis), one chunk's states (``chunk_tiles``; on a GPU the kernel reads the tiles where
+  they lie and writes their errors over them, so 512 B a tile; on the CPU the tiles are gathered, with their
+  index and values), then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
+  positions x 2^(16-K) back-pointers (a byte each, two per byte at K <= 4), two cost rows and a row of values
+  (the kernel's programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the
+  kernel has returned and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
 * proxy error: 1 W + the trellis + 2 W (the squared error widened to float64 for the sum).
 
 The default budget of one encode on a GPU is what exllamav3's ``quantize_exl3`` needs for the same layer,
@@ -41,7 +42,8 @@ CHUNK_ROUNDS = 4  # a chunk holds about this many tiles per slot: the last round
 DEFAULT_FLOOR_TILES = 1024  # CPU: a default budget always holds this many tiles in flight (a small layer's whole)
 DEFAULT_MAX_SCRATCH = 2 << 30  # Viterbi scratch beyond this does not make the kernel faster (8,064 slots at K = 6)
 _TILE_BYTES = 1024  # 256 fp32 values
-_GPU_TILE_EXTRA = 8 * 1024  # per tile of a chunk on a GPU: gathered tile, its int64 index, values, states
+_GPU_TILE_EXTRA = 1024  # per tile of a chunk on a GPU: its int16 states (512 B; viterbi_matrix reads the tiles in place)
+WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
 PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
 _CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile)
@@ -82,9 +84,10 @@ def weight_bytes(k: int, n: int) -> int:
 
 def viterbi_slot_bytes(bits: int, packed: bool = True) -> int:
     """GPU scratch of one tile in flight: back-pointers (256 positions x 2^(16-K) edges, a byte each, or two per
-    byte at K <= 4 when ``packed``, the kernel's default modes) and two fp16 cost rows."""
+    byte at K <= 4 when ``packed``, the kernel's default modes), two fp16 cost rows and, in an in-place launch
+    over a weight (``viterbi_matrix``), the 1 KiB row of the tile's values."""
     e = 1 << (16 - bits)
-    return 256 * (e // 2 if packed and bits <= 4 else e) + 4 * e
+    return 256 * (e // 2 if packed and bits <= 4 else e) + 4 * e + _TILE_BYTES
 
 
 def reference_scratch_bytes(bits: int, sms: int | None = None) -> int:
@@ -182,6 +185,13 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     most = min(tiles, max(wave or 0, MIN_SLOTS, DEFAULT_MAX_SCRATCH // per_slot))
     rounds = min(CHUNK_ROUNDS, max(1, tiles // max(1, most)))
     slots = min(most, (avail - smallest * per_tile) // per_slot, avail // (per_slot + rounds * per_tile))
+    # one launch over the whole layer (up to the largest chunk) beats a launch per round of slots when it costs
+    # few slots: separate launches each wait for their slowest tile (a (512, 4096) layer in 16 launches of one
+    # round took 47 ms on an H200, in one launch 39 ms)
+    whole = min(tiles, DEFAULT_MAX_CHUNK_TILES)
+    whole_slots = min(most, (avail - whole * per_tile) // per_slot)
+    if whole_slots >= WHOLE_LAYER_SLOTS * slots:
+        slots = whole_slots
     slots = max(slots, min_slots)
     pack_most = _pack_bytes(tiles)
     chunk = min(tiles, DEFAULT_MAX_CHUNK_TILES, (avail - max(slots * per_slot, pack_most)) // per_tile)
