@@ -433,7 +433,8 @@ def test_sm90_offline_compile(regime):
         if regime == "small_m_fma_rows":  # four rows per program in FMA form, x2 in fp32
             cfg = g.GemmConfig(**dict(cfg.__dict__, bk=16, fma=4, x_f32=True, prefetch=False, trans=False))
         fn = g._gemm_kernel
-        sig = {"x_ptr": "*fp32" if cfg.x_f32 else "*fp16", "words_ptr": "*i32", "suh_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*bf16",
+        sig = {"x_ptr": "*fp32" if cfg.x_f32 else "*fp16", "words_ptr": "*i32", "suh_ptr": "*fp16",
+               "svh_ptr": "*fp16", "had_ptr": "*bf16",
                "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
                "HSCALE": "fp32"}
         const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,

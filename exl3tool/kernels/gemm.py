@@ -6,10 +6,10 @@ Two paths, chosen by ``choose_config`` (``trellis_matmul`` is the entry point):
   it needs as one aligned word pair per block of 2-4 consecutive trellis positions (spec 4.5), cuts each 16-bit
   state out of its pair with one 64-bit shift, decodes it with the codebook (spec 3) and feeds the block to
   tl.dot with fp32 accumulation (for a few rows: fp32 FMAs instead, ``GemmConfig.fma``). The input side (x * suh,
-  128-point Hadamard) is done by a small prep kernel (the GEMM would otherwise redo it for every column block) or, on request, fused
-  into the GEMM. The output side (Hadamard, * svh, cast) is always fused into the epilogue; split-K partials
-  are reduced by the last program of each output block (serial reduction through a counter, in a fixed
-  order), so no extra launch is needed for the reduction either.
+  128-point Hadamard) is done by a small prep kernel (the GEMM would otherwise redo it for every column block)
+  or, on request, fused into the GEMM. The output side (Hadamard, * svh, cast) is always fused into the
+  epilogue; split-K partials are reduced by the last program of each output block (serial reduction through a
+  counter, in a fixed order), so no extra launch is needed for the reduction either.
 - Reconstruct (m >= RECON_MIN_M): ``_recon_kernel`` writes an fp16 weight (Q with none, one or both Hadamard
   sides folded in, ``ReconConfig.fold``), torch.mm (cuBLAS) multiplies, and the prep / post kernels do the
   sides that are not folded.
