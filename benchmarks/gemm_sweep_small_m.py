@@ -304,9 +304,11 @@ def run(args) -> dict:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 rec["rel_err"] = float((y.double() - ref).norm() / ref.norm())
-                if y_default is None:
+                if label == "default":
                     y_default = y
-                rec["rel_diff_default"] = float((y.double() - y_default.double()).norm() / y_default.double().norm())
+                if y_default is not None:
+                    rec["rel_diff_default"] = float((y.double() - y_default.double()).norm()
+                                                    / y_default.double().norm())
                 if not rec["rel_err"] < ERR_BOUND or not bool(torch.isfinite(y).all()):
                     rec["error"] = f"rel_err {rec['rel_err']:.3e} over {ERR_BOUND} (or non-finite)"
                 else:
