@@ -36,7 +36,7 @@ __all__ = [
     "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "ScaledWeight", "encode_linear",
     "encode_linear_with_input", "encode_memory_plan", "encoder_platform", "finish_encode", "prepare_encode",
     "quantize_regularized", "regularize",
-    "sample_scale_tiles", "scale_mse", "search_global_scale",
+    "sample_scale_tiles", "scale_mse", "search_global_scale", "search_global_scale_tensor",
 ]
 
 CODEBOOK_SCALE = 1.24371088  # RMS of the 3inst codebook; the reference uses it (negated) for every codebook
@@ -412,50 +412,99 @@ def search_global_scale(w_rot: torch.Tensor, bits: int, codebook: str = "mcg",
     per scale, and the fine grid's centre, a coarse scale, reuses the coarse pass's tiles (every third sample
     tile), since quantizing a tile depends on nothing else in its batch.
     """
+    return float(search_global_scale_tensor(w_rot, bits, codebook, chunk_tiles, slots))
+
+
+_FINE_OFFSETS = [_FINE_STEP * (i - 2) for i in range(5)]  # Python doubles: fine scale i = centre + offset i
+
+
+def search_global_scale_tensor(w_rot: torch.Tensor, bits: int, codebook: str = "mcg",
+                               chunk_tiles: Optional[int] = None, slots: Optional[int] = None) -> torch.Tensor:
+    """``search_global_scale`` as a 0-d float64 tensor on ``w_rot``'s device, computed there.
+
+    The choice of the centre, the fine scales and the parabola are the host's double arithmetic done by the
+    device (IEEE +, -, *, / in float64, the first minimum as ``_first_argmin`` takes it), so the result is the
+    host computation's bit for bit; on a GPU nothing waits for the mses, and the fine grid and the tile
+    quantization that follow are queued behind the coarse grid without a round trip to the host.
+    """
     check_bits(bits)
     check_codebook(codebook)
+    dev = w_rot.device
     index = sample_scale_index(w_rot)
     sample = _gather_tiles(w_rot, index, bits)  # the mses' targets, in the spec's layout
-    uniq, inverse = torch.unique(index, return_inverse=True)
-    if uniq.numel() == index.numel():  # no duplicates: the sample's own rows
-        tiles_u, inverse, expand = sample, torch.arange(index.numel(), device=sample.device), (lambda v: v)
-    else:
-        tiles_u, expand = _gather_tiles(w_rot, uniq, bits), (lambda v: v[inverse])
+    # which tiles are distinct, worked out on the host (a few thousand numbers, one transfer)
+    index_h = index.cpu()
+    uniq, inverse = torch.unique(index_h, return_inverse=True)
     coarse_u, coarse_inv = torch.unique(inverse[0::3], return_inverse=True)  # rows of tiles_u the coarse grid uses
-    coarse_tiles = tiles_u[coarse_u]
-    values = _quantize_scaled(coarse_tiles, _COARSE, bits, codebook, chunk_tiles, slots)
-    coarse = _mses([v[coarse_inv] for v in values], sample[0::3], _COARSE)
-    best = _first_argmin(coarse)
-    center = _COARSE[best]
-    fine_scales = [center + _FINE_STEP * (i - 2) for i in range(5)]  # fine_scales[2] == center exactly
-    have = torch.zeros(tiles_u.shape[0], dtype=torch.bool, device=tiles_u.device)
+    have = torch.zeros(uniq.numel(), dtype=torch.bool)
     have[coarse_u] = True
-    rest = (~have).nonzero().squeeze(1)
+    rest = (~have).nonzero().squeeze(1)  # rows the fine centre still needs
+    if uniq.numel() == index_h.numel():  # no duplicates: the sample's own rows
+        tiles_u, expand = sample, (lambda v: v)
+    else:
+        tiles_u = _gather_tiles(w_rot, uniq.to(dev), bits)
+        inverse_d = inverse.to(dev)
+        expand = lambda v: v[inverse_d]  # noqa: E731
+    coarse_u, coarse_inv, rest = coarse_u.to(dev), coarse_inv.to(dev), rest.to(dev)
+    values = _quantize_scaled(tiles_u[coarse_u], _COARSE, bits, codebook, chunk_tiles, slots)
+    coarse = _mses_tensor([v[coarse_inv] for v in values], sample[0::3], [float(c) for c in _COARSE])
+    best = _first_argmin_tensor(coarse)
+    center = _pick(torch.tensor(_COARSE, dtype=torch.float64, device=dev), best)
+    fine_scales = center + torch.tensor(_FINE_OFFSETS, dtype=torch.float64, device=dev)  # centre + 0.0 == centre
     center_values = torch.empty_like(tiles_u)
-    center_values[coarse_u] = values[best]
-    del values, coarse_tiles
+    center_values[coarse_u] = _pick(torch.stack(values), best)
+    del values
     parts = [tiles_u, tiles_u, tiles_u[rest], tiles_u, tiles_u]
     fine_values = _quantize_scaled(parts, fine_scales, bits, codebook, chunk_tiles, slots)
     center_values[rest] = fine_values[2]
     fine_values[2] = center_values
     del center_values
-    fine = _mses([expand(v) for v in fine_values], sample, fine_scales)
-    b = _first_argmin(fine)
-    off = 0.0
-    if 0 < b < 4:
-        y0, y1, y2 = fine[b - 1], fine[b], fine[b + 1]
-        den = y0 - 2.0 * y1 + y2
-        off = 0.5 * (y0 - y2) / den if den > 0 else 0.0
-        off = min(max(off, -0.5), 0.5)
-    return max(fine_scales[b] + off * _FINE_STEP, 0.01)
+    fine = _mses_tensor([expand(v) for v in fine_values], sample, fine_scales).to(torch.float64)
+    b = _first_argmin_tensor(fine)
+    inner = (b > 0) & (b < 4)
+    bc = b.clamp(1, 3)
+    y0, y1, y2 = _pick(fine, bc - 1), _pick(fine, bc), _pick(fine, bc + 1)
+    den = y0 - 2.0 * y1 + y2
+    off = torch.where(den > 0, 0.5 * (y0 - y2) / den, torch.zeros_like(den)).clamp(-0.5, 0.5)
+    off = torch.where(inner, off, torch.zeros_like(off))
+    return (_pick(fine_scales, b) + off * _FINE_STEP).clamp_min(0.01)
 
 
-def _quantize_scaled(tiles: torch.Tensor | list[torch.Tensor], scales: list[float], bits: int, codebook: str,
+def _pick(values: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """values[i] for a 0-d index tensor without reading it on the host (plain indexing would)."""
+    return values.index_select(0, i.view(1)).squeeze(0)
+
+
+def _first_argmin_tensor(values: torch.Tensor) -> torch.Tensor:
+    """``_first_argmin`` on the device: the first minimum, NaNs never chosen unless the first value is one."""
+    clean = torch.where(torch.isnan(values), torch.full_like(values, float("inf")), values)
+    return torch.where(torch.isnan(values[0]), torch.zeros((), dtype=torch.int64, device=values.device),
+                       torch.argmin(clean))
+
+
+def _mses_tensor(values: list[torch.Tensor], tiles: torch.Tensor,
+                 scales: list[float] | torch.Tensor) -> torch.Tensor:
+    """``_mses`` as an fp32 tensor (one mean per scale), with no host round trip. ``scales`` may be a float64
+    tensor: ``÷s`` multiplies by f32(1 / s), the reciprocal taken in double as ``_recip32`` does."""
+    if isinstance(scales, torch.Tensor):
+        recips = (1.0 / scales).to(torch.float32)
+        means = [_mean((v * recips[i] - tiles).square()) for i, v in enumerate(values)]
+    else:
+        means = [_mean((_div_scalar(v, s) - tiles).square()) for v, s in zip(values, scales)]
+    return torch.stack(means)
+
+
+def _quantize_scaled(tiles: torch.Tensor | list[torch.Tensor], scales: list[float] | torch.Tensor, bits: int,
+                     codebook: str,
                      chunk_tiles: Optional[int], slots: Optional[int]) -> list[torch.Tensor]:
     """The quantized values of f32(tiles_i * f32(s_i)) for each scale (one tile set for all, or one per scale),
     through the quantizer as one batch; a list of per-scale (n_i, 256) tensors."""
     sets = tiles if isinstance(tiles, list) else [tiles] * len(scales)
-    batch = torch.cat([t * _f32(s) for t, s in zip(sets, scales)])
+    if isinstance(scales, torch.Tensor):  # float64 scales on the device: f32(s) rounded there
+        factors = scales.to(torch.float32)
+        batch = torch.cat([t * factors[i] for i, t in enumerate(sets)])
+    else:
+        batch = torch.cat([t * _f32(s) for t, s in zip(sets, scales)])
     values, _ = _quantize_batched(batch, bits, codebook, chunk_tiles=chunk_tiles, slots=slots)
     del batch
     return list(values.split([t.shape[0] for t in sets]))
@@ -553,11 +602,16 @@ class ScaledWeight:
     w_r: torch.Tensor
     su: torch.Tensor
     sv: torch.Tensor
-    g: float
+    g_value: torch.Tensor | float  # the global scale: a 0-d float64 tensor on the device until read (``g``)
     bits: int
     codebook: str
     plan: EncodeMemoryPlan
     zeros: bool = False  # the weight's column RMS averages to zero (``Regularized.zeros``)
+
+    @property
+    def g(self) -> float:
+        """The global scale (double); on a GPU reading it waits for the scale search."""
+        return float(self.g_value)
 
 
 def prepare_encode(
@@ -598,11 +652,12 @@ def prepare_encode(
     w_r, su, sv, zeros = reg.weight, reg.su, reg.sv, reg.zeros
     del reg
     with stage(timer, "scale_search", dev):
-        g = (float(g_scale) if g_scale is not None
-             else search_global_scale(w_r, bits, codebook, plan.chunk_tiles, plan.slots))
-        w_r.mul_(_f32(g))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
-        su = _div_scalar(su, g)
-    return ScaledWeight(w_r=w_r, su=su, sv=sv, g=g, bits=bits, codebook=codebook, plan=plan, zeros=zeros)
+        # g stays on the device (no wait for the search): f32(g) and f32(1 / g) are rounded there from the double
+        g = (torch.tensor(float(g_scale), dtype=torch.float64, device=w_r.device) if g_scale is not None
+             else search_global_scale_tensor(w_r, bits, codebook, plan.chunk_tiles, plan.slots))
+        w_r.mul_(g.to(torch.float32))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
+        su = su * (1.0 / g).to(torch.float32)  # ÷s g
+    return ScaledWeight(w_r=w_r, su=su, sv=sv, g_value=g, bits=bits, codebook=codebook, plan=plan, zeros=zeros)
 
 
 def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = None,
