@@ -262,6 +262,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--reference", default=None,
                     help="the exllamav3 package directory: also time its quantize_exl3 on each preset's encodes")
+    ap.add_argument("--add-reference", metavar="RESULTS_JSON", default=None,
+                    help="time the reference (--reference) on the encodes of an earlier run's JSON and write it "
+                         "with the reference added (--json): the warm and the reference in one device call when the "
+                         "reference's extension is still compiling during the warm")
     ap.add_argument("--child", choices=("write", "warm", "reference"), help=argparse.SUPPRESS)
     ap.add_argument("--shapes", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -276,6 +280,22 @@ def main() -> None:
     if args.child == "warm":
         print(json.dumps(child_warm(args.preset[0], args.scale, Path(args.out), Path(args.cache), args.device,
                                     not args.no_split)))
+        return
+    if args.add_reference:
+        if not args.reference:
+            ap.error("--add-reference needs --reference DIR (the exllamav3 package)")
+        doc = json.loads(Path(args.add_reference).read_text())
+        for r in doc["presets"]:
+            if "error" in r:
+                continue
+            ref = _run_child(["--child", "reference", "--preset", r["preset"], "--shapes",
+                              json.dumps(r["measured"]["encode_shapes"]), "--reference", args.reference,
+                              "--device", "cuda" if args.device == "auto" else args.device], args.timeout)
+            if "error" not in ref and ref.get("tiles_per_s"):
+                ref["warm_vs_reference"] = round(r["measured"]["encode_tiles_per_s_per_gpu"] / ref["tiles_per_s"], 2)
+            r["reference"] = ref
+            print(_row(r), flush=True)
+        Path(args.json_path or args.add_reference).write_text(json.dumps(doc, indent=2) + "\n")
         return
     device = args.device
     if device == "auto":

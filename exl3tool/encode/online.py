@@ -446,11 +446,14 @@ def search_global_scale_tensor(w_rot: torch.Tensor, bits: int, codebook: str = "
         inverse_d = inverse.to(dev)
         expand = lambda v: v[inverse_d]  # noqa: E731
     coarse_u, coarse_inv, rest = coarse_u.to(dev), coarse_inv.to(dev), rest.to(dev)
+    # host constants go to the device before the first launch: a copy from the host waits for the queue to drain
+    coarse_scales = torch.tensor(_COARSE, dtype=torch.float64, device=dev)
+    fine_offsets = torch.tensor(_FINE_OFFSETS, dtype=torch.float64, device=dev)
     values = _quantize_scaled(tiles_u[coarse_u], _COARSE, bits, codebook, chunk_tiles, slots)
     coarse = _mses_tensor([v[coarse_inv] for v in values], sample[0::3], [float(c) for c in _COARSE])
     best = _first_argmin_tensor(coarse)
-    center = _pick(torch.tensor(_COARSE, dtype=torch.float64, device=dev), best)
-    fine_scales = center + torch.tensor(_FINE_OFFSETS, dtype=torch.float64, device=dev)  # centre + 0.0 == centre
+    center = _pick(coarse_scales, best)
+    fine_scales = center + fine_offsets  # fine_scales[2] = centre + 0.0 == centre
     center_values = torch.empty_like(tiles_u)
     center_values[coarse_u] = _pick(torch.stack(values), best)
     del values
