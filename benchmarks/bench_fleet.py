@@ -172,7 +172,7 @@ def child_warm(preset: str, scale: str, model_dir: Path, cache: Path, device: st
     shapes: dict[str, int] = {}  # encodes per (k, n, K): what the reference is timed on
     for e in encoded:
         if e.reused_from is None:
-            key = f"{e.input_size}x{e.output_size}x{e.bits}"
+            key = f"{e.input_size}x{e.output_size}x{summary.bits}"
             shapes[key] = shapes.get(key, 0) + 1
     run = stats.get("run_seconds", wall)
     rate = encode_tiles / run if run else 0.0

@@ -267,7 +267,10 @@ if _HAVE_TRITON:
         else:
             return tl.load(bp + p * E + ed).to(tl.int32)
 
-    @triton.jit
+    # the launch's integers are plain arguments, not specialised on (divisibility by 16, == 1): otherwise each
+    # new combination of chunk start, chunk size, tile columns and weight columns compiled the kernel again (a
+    # second on a server's first call of a new layer shape)
+    @triton.jit(do_not_specialize=["n_tiles", "first_tile", "tiles_n", "n_cols"])
     def _viterbi_kernel(x_ptr, dec_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr, n_tiles, off_ptr, first_tile,
                         tiles_n, n_cols,
                         K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr,
