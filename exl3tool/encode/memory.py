@@ -5,7 +5,8 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
 
 * regularize: 2 W (one scaled copy and its Hadamard product; the RMS reductions run in slabs);
 * scale search: 2 W (the regularised weight, its tiles squared for the per-tile mean square), then the weight and
-  the sample's batch of five scales (with its values and states) while it goes through the quantizer;
+  the sample's batch of five scales (with its values and states) while it goes through the quantizer, and beside
+  it the sample, its distinct tiles, the fine centre's values and one expanded mse operand;
 * tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
   error, plus the packed trellis), one chunk's states (``chunk_tiles``; on a GPU the kernel reads the tiles where
   they lie and writes their errors over them, so 512 B a tile; on the CPU the tiles are gathered, with their
@@ -111,7 +112,10 @@ def _fixed_bytes(k: int, n: int, bits: int, sample_tiles: int) -> tuple[int, int
     w = weight_bytes(k, n)
     trellis = _trellis_bytes(k, n, bits)
     regularize = 2 * w + w // 4  # the copy, its product, one reduction slab
-    search = w + sample_tiles * (_TILE_BYTES // 5 + _TILE_BYTES + _TILE_BYTES + _TILE_BYTES // 2)
+    # the batch of five scales with its values and states, plus, per sample tile, four more (the sample, its
+    # distinct tiles, the fine centre's values, one scale's mse operand expanded back to the sample)
+    search = w + sample_tiles * (_TILE_BYTES // 5 + _TILE_BYTES + _TILE_BYTES + _TILE_BYTES // 2) + (
+        sample_tiles // 5) * 4 * _TILE_BYTES
     scale = max(2 * w, search)  # weight and its squared tiles; or the sample, the batch, its values and states
     error = w + trellis + 2 * w
     during_quantize = max(w + trellis, search)

@@ -450,19 +450,19 @@ def search_global_scale_tensor(w_rot: torch.Tensor, bits: int, codebook: str = "
     coarse_scales = torch.tensor(_COARSE, dtype=torch.float64, device=dev)
     fine_offsets = torch.tensor(_FINE_OFFSETS, dtype=torch.float64, device=dev)
     values = _quantize_scaled(tiles_u[coarse_u], _COARSE, bits, codebook, chunk_tiles, slots)
-    coarse = _mses_tensor([v[coarse_inv] for v in values], sample[0::3], [float(c) for c in _COARSE])
+    coarse = _mses_tensor(values, sample[0::3], [float(c) for c in _COARSE], lambda v: v[coarse_inv])
     best = _first_argmin_tensor(coarse)
     center = _pick(coarse_scales, best)
     fine_scales = center + fine_offsets  # fine_scales[2] = centre + 0.0 == centre
     center_values = torch.empty_like(tiles_u)
-    center_values[coarse_u] = _pick(torch.stack(values), best)
+    center_values[coarse_u] = _pick(_stacked(values), best)
     del values
     parts = [tiles_u, tiles_u, tiles_u[rest], tiles_u, tiles_u]
     fine_values = _quantize_scaled(parts, fine_scales, bits, codebook, chunk_tiles, slots)
     center_values[rest] = fine_values[2]
     fine_values[2] = center_values
     del center_values
-    fine = _mses_tensor([expand(v) for v in fine_values], sample, fine_scales).to(torch.float64)
+    fine = _mses_tensor(fine_values, sample, fine_scales, expand).to(torch.float64)
     b = _first_argmin_tensor(fine)
     inner = (b > 0) & (b < 4)
     bc = b.clamp(1, 3)
@@ -485,16 +485,24 @@ def _first_argmin_tensor(values: torch.Tensor) -> torch.Tensor:
                        torch.argmin(clean))
 
 
-def _mses_tensor(values: list[torch.Tensor], tiles: torch.Tensor,
-                 scales: list[float] | torch.Tensor) -> torch.Tensor:
-    """``_mses`` as an fp32 tensor (one mean per scale), with no host round trip. ``scales`` may be a float64
-    tensor: ``÷s`` multiplies by f32(1 / s), the reciprocal taken in double as ``_recip32`` does."""
+def _mses_tensor(values: list[torch.Tensor], tiles: torch.Tensor, scales: list[float] | torch.Tensor,
+                 expand: Callable[[torch.Tensor], torch.Tensor] = lambda v: v) -> torch.Tensor:
+    """``_mses`` as an fp32 tensor (one mean per scale), with no host round trip: the mean for scale i is taken
+    on ``expand(values[i])`` (the sample's rows from the distinct tiles'), one scale at a time so that only one
+    expanded copy exists. ``scales`` may be a float64 tensor: ``÷s`` multiplies by f32(1 / s), the reciprocal
+    taken in double as ``_recip32`` does."""
     if isinstance(scales, torch.Tensor):
         recips = (1.0 / scales).to(torch.float32)
-        means = [_mean((v * recips[i] - tiles).square()) for i, v in enumerate(values)]
+        means = [_mean((expand(v) * recips[i] - tiles).square()) for i, v in enumerate(values)]
     else:
-        means = [_mean((_div_scalar(v, s) - tiles).square()) for v, s in zip(values, scales)]
+        means = [_mean((_div_scalar(expand(v), s) - tiles).square()) for v, s in zip(values, scales)]
     return torch.stack(means)
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Equal-sized consecutive views of one tensor (``_quantize_scaled``'s result) as one (len, n, 256) view."""
+    base = parts[0]
+    return base.as_strided((len(parts), *base.shape), (base.numel(), *base.stride()))
 
 
 def _quantize_scaled(tiles: torch.Tensor | list[torch.Tensor], scales: list[float] | torch.Tensor, bits: int,
