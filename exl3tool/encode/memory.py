@@ -8,9 +8,9 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
   the sample's batch of five scales (with its values and states) while it goes through the quantizer, and beside
   it the sample, its distinct tiles, the fine centre's values and one expanded mse operand;
 * tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
-  error, plus the packed trellis), one chunk's states (``chunk_tiles``; on a GPU the kernel reads the tiles where
-  they lie and writes their errors over them, so 512 B a tile; on the CPU the tiles are gathered, with their
-  index and values), then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
+  error, plus the packed trellis), one chunk's states (``chunk_tiles``; on a GPU at the K of ``IN_PLACE_BITS``
+  the kernel reads the tiles where they lie and writes their errors over them, so 512 B a tile; elsewhere the
+  tiles are gathered, with their index and values: 8 KiB a tile on a GPU), then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
   positions x 2^(16-K) back-pointers (a byte each, two per byte at K <= 4), two cost rows and a row of values
   (the kernel's programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the
   kernel has returned and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "MIN_SLOTS",
+    "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "IN_PLACE_BITS", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "MIN_SLOTS",
     "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "plan_encode_memory",
     "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
 ]
@@ -43,7 +43,12 @@ CHUNK_ROUNDS = 4  # a chunk holds about this many tiles per slot: the last round
 DEFAULT_FLOOR_TILES = 1024  # CPU: a default budget always holds this many tiles in flight (a small layer's whole)
 DEFAULT_MAX_SCRATCH = 2 << 30  # Viterbi scratch beyond this does not make the kernel faster (8,064 slots at K = 6)
 _TILE_BYTES = 1024  # 256 fp32 values
-_GPU_TILE_EXTRA = 1024  # per tile of a chunk on a GPU: its int16 states (512 B; viterbi_matrix reads the tiles in place)
+_GPU_TILE_EXTRA = 1024  # per tile of a chunk on a GPU in place: its int16 states (512 B; viterbi_matrix)
+_GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile, its int64 index, values, states
+# K at which the encode's tile quantization runs in place (viterbi_matrix); at the others it gathers the tiles. On an
+# H200 in place was faster at K = 6 (one launch per small layer: (512, 4096) 97 -> 87 ms) and slower at K = 4
+# ((4096, 12288) 965 -> 1,052 ms of Viterbi, the in-place variant of the packed 8-warp kernel); other K unmeasured
+IN_PLACE_BITS = frozenset({6})
 WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
 PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
@@ -162,7 +167,7 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
         raise ValueError(f"memory_budget_bytes must be a positive integer, got {budget_bytes!r}")
     tiles = (k // 16) * (n // 16)
     gpu = device_type != "cpu"
-    per_tile = _GPU_TILE_EXTRA if gpu else _CPU_TILE_BYTES
+    per_tile = (_GPU_TILE_EXTRA if bits in IN_PLACE_BITS else _GPU_TILE_GATHERED) if gpu else _CPU_TILE_BYTES
     per_slot = (slot_bytes or viterbi_slot_bytes(bits)) if gpu else 0
     fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n))
     smallest = min(tiles, MIN_CHUNK_TILES)
