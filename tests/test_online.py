@@ -148,6 +148,24 @@ def _spec_search(w_rot: torch.Tensor, bits: int) -> float:
     return max(scales[b] + off * _FINE_STEP, 0.01)
 
 
+def test_search_global_scale_without_duplicate_tiles_is_the_spec_result():
+    """A sample of distinct tiles (the extreme tiles off the diagonal band): the search works on the sample's own
+    rows in the sample's order, and gives the spec's g. (An encode of such a layer once took the sorted tile
+    order for the sample's: g 1.75 for 0.78.)"""
+    from exl3tool.encode.online import sample_scale_index, search_global_scale
+
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    k = n = 256  # 16 x 16 tiles: the diagonal band is (column - row) mod 16 in {0, 1, 2}; 8 extremes each way
+    w_rot = torch.randn(k, n, generator=gen)
+    rows = torch.randperm(16, generator=gen)
+    for i, r in enumerate(rows.tolist()):  # 8 loud and 8 quiet tiles, all at (column - row) mod 16 = 8
+        c = (r + 8) % 16
+        w_rot[16 * r:16 * r + 16, 16 * c:16 * c + 16] *= 8.0 if i < 8 else 0.125
+    index = sample_scale_index(w_rot)
+    assert index.unique().numel() == index.numel()
+    assert search_global_scale(w_rot, 6) == _spec_search(w_rot, 6)
+
+
 @pytest.mark.parametrize("k, n, bits", [(128, 128, 6), (256, 128, 2)])
 def test_search_global_scale_quantizes_each_pair_once_with_the_spec_result(monkeypatch, k, n, bits):
     from exl3tool.encode import online

@@ -436,12 +436,15 @@ def search_global_scale_tensor(w_rot: torch.Tensor, bits: int, codebook: str = "
     sample = _gather_tiles(w_rot, index, bits)  # the mses' targets, in the spec's layout
     # which tiles are distinct, worked out on the host (a few thousand numbers, one transfer)
     index_h = index.cpu()
-    uniq, inverse = torch.unique(index_h, return_inverse=True)
+    uniq, inverse = torch.unique(index_h, return_inverse=True)  # uniq sorted: inverse maps sample rows into it
+    distinct = uniq.numel() == index_h.numel()
+    if distinct:  # no duplicates: the distinct tiles are the sample's own rows, in its order
+        inverse = torch.arange(index_h.numel())
     coarse_u, coarse_inv = torch.unique(inverse[0::3], return_inverse=True)  # rows of tiles_u the coarse grid uses
     have = torch.zeros(uniq.numel(), dtype=torch.bool)
     have[coarse_u] = True
     rest = (~have).nonzero().squeeze(1)  # rows the fine centre still needs
-    if uniq.numel() == index_h.numel():  # no duplicates: the sample's own rows
+    if distinct:
         tiles_u, expand = sample, (lambda v: v)
     else:
         tiles_u = _gather_tiles(w_rot, uniq.to(dev), bits)
