@@ -318,10 +318,14 @@ def test_cuda_mean_order_thread_by_thread(n):
     assert _cuda_mean(x) == _threadwise_mean(x)
 
 
-def test_block_sum_squares_order_block_by_block():
-    """Vectorised block sums equal the block-by-block form, bit for bit, on both axes."""
+@pytest.mark.parametrize("slab_bytes", [8 << 20, 32 * 640 * 4, 3 * 32 * 640 * 4 + 7, 1])
+def test_block_sum_squares_order_block_by_block(slab_bytes, monkeypatch):
+    """Vectorised block sums equal the block-by-block form, bit for bit, on both axes, whatever the CPU's slabs
+    of rows (one slab; one 32-row block each; three blocks, the last slab shorter; the smallest)."""
+    import exl3tool.encode.online as online
     from exl3tool.encode.online import _block_sum_squares
 
+    monkeypatch.setattr(online, "_CPU_SLAB_BYTES", slab_bytes)
     w = torch.randn(384, 640) * torch.rand(1, 640) * 3
     sq = w.square()
     cols = None
