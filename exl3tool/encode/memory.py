@@ -14,7 +14,7 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
   programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the kernel has
   returned and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
 * proxy error: 1 W + the trellis + the squared error widened to float64 for the sum: on the CPU a slab of
-  PROXY_SLAB_ROWS x 4,096 values at a time (16 MiB at most), elsewhere the whole (2 W; CUDA makes no copy at all,
+  PROXY_SLAB_ROWS x 4,096 values at a time (64 MiB at most), elsewhere the whole (2 W; CUDA makes no copy at all,
   so the GPU figure is an upper bound).
 
 On the CPU every phase also counts ``_CPU_HEAP_SLACK`` for what the C allocator keeps of freed blocks (the encoder
@@ -60,8 +60,8 @@ _SLACK = 4 << 20  # small tensors: sign vectors, scales, codebook table, per-lau
 # from a 64 MiB weight up, up to 45 MiB in regularize at 16 MiB (matrices under glibc's 32 MiB mmap ceiling share
 # its heap and fragment it)
 _CPU_HEAP_SLACK = 64 << 20
-PROXY_SLAB_ROWS = 512  # CPU proxy error: rows of 4,096 squared errors widened to float64 at once (online.py)
-PROXY_SLAB_BYTES = PROXY_SLAB_ROWS * 4096 * 8  # 16 MiB
+PROXY_SLAB_ROWS = 2048  # CPU proxy error: rows of 4,096 squared errors widened to float64 at once (online.py)
+PROXY_SLAB_BYTES = PROXY_SLAB_ROWS * 4096 * 8  # 64 MiB: above glibc's 32 MiB mmap ceiling, so freed to the system
 PHASES = ("checks", "regularize", "scale search", "tile quantization", "proxy error")  # encode_linear's, in order
 GPU_MARGIN_BYTES = 1 << 30  # left free by the default device budget (allocator fragmentation, CUDA context)
 GPU_MARGIN_FRACTION = 0.05  # ... or this share of the device, whichever is larger

@@ -92,21 +92,7 @@ def _sequential_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_ROW_SLABS = 4  # on a GPU the row-RMS reductions run on this many row slabs (identical sums: every op is per row)
-_CPU_SLAB_BYTES = 1 << 20  # on the CPU both reductions run on slabs of rows of about this size
-
-
-def _slab_rows(w: torch.Tensor, multiple: int) -> int:
-    """Rows per slab of the block reductions: on the CPU about ``_CPU_SLAB_BYTES`` (a multiple of ``multiple``).
-
-    glibc keeps freed blocks under its 32 MiB mmap ceiling in the heap, so a quarter-matrix slab's squares and
-    halving sums stayed resident through the rest of regularize (0.3-0.6 W at W = 120 MiB, issue 24); slabs this
-    small keep that to a few MiB. On a GPU a quarter of the matrix (one launch per op and slab).
-    """
-    k, n = w.shape
-    if w.device.type != "cpu":
-        return -(-k // _ROW_SLABS) if k >= _ROW_SLABS else k
-    return max(multiple, _CPU_SLAB_BYTES // (w.element_size() * n) // multiple * multiple)
+_ROW_SLABS = 4  # row-RMS reductions run on this many row slabs (identical sums: every op is per row)
 
 
 def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -116,40 +102,34 @@ def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
     32 rows with four strided accumulators; along a row (dim 1) a warp halving tree adds x[i] + x[i + 16],
     then + 8, ... These orders bring su and sv to ~0.05 ulp mean difference from the goldens
     (the plain CPU sums give ~1 ulp). Every block is reduced at once (a few whole-tensor ops, not a few
-    per block: on a GPU the per-block form was thousands of tiny launches per layer); on the CPU a slab of rows at
-    a time (``_slab_rows``: every op is per block, so the sums are the same).
+    per block: on a GPU the per-block form was thousands of tiny launches per layer). The adds run in place in
+    the squares (the same fp32 sums): on the CPU their temporaries, under glibc's 32 MiB mmap ceiling for a layer
+    under 256 MiB, stayed in the C heap through the rest of regularize (up to 0.6 W, issue 24).
     """
     k, n = w.shape
     if dim == 0:
-        # Blocks of 32 rows are independent: slabs of whole blocks give each block sum as the whole matrix does
-        step = k if w.device.type != "cpu" else _slab_rows(w, 32)
-        blocks = None if step >= k else torch.empty((k // 32, n), dtype=w.dtype, device=w.device)
-        for lo in range(0, k, step):
-            sq = w[lo : lo + step].square()
-            rows = sq.reshape(sq.shape[0] // 32, 8, 4, n)  # [block, i, j] = row 32 block + 4 i + j
-            acc = _sequential_sum(rows.transpose(0, 1))  # (blocks, 4, n): accumulator j walks rows j, j + 4, ...
-            del sq, rows
-            part = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]  # (blocks of the slab, n)
-            del acc
-            if blocks is None:
-                blocks = part
-            else:
-                blocks[lo // 32 : lo // 32 + part.shape[0]] = part
-                del part
+        sq = w.square()
+        acc = sq.reshape(k // 32, 8, 4, n).transpose(0, 1)  # [i, block, j] = row 32 block + 4 i + j
+        for i in range(1, 8):  # accumulator j walks rows j, j + 4, ... (in acc[0], as _sequential_sum)
+            acc[0] += acc[i]
+        blocks = acc[0, :, 0]  # ((a0 + a1) + a2) + a3: (blocks, n)
+        for j in range(1, 4):
+            blocks += acc[0, :, j]
     else:
-        # Rows are independent, so the squares and the halving tree run on row slabs, and the block sums of all
-        # slabs go through one sequential pass (n/32 adds, not one pass per slab)
-        step = _slab_rows(w, 1)
-        blocks = None if step >= k else torch.empty((n // 32, k), dtype=w.dtype, device=w.device)
-        for lo in range(0, k, step):
-            sq = w[lo : lo + step].square()
-            part = _halving_sum_to(sq.reshape(sq.shape[0], n // 32, 32).permute(2, 1, 0), 1)[0]  # (blocks, rows)
-            del sq
-            if blocks is None:
-                blocks = part
-            else:  # written into one buffer: a list of parts kept between slabs fragmented the heap (+0.65 W)
-                blocks[:, lo : lo + part.shape[1]] = part
-                del part
+        # Rows are independent, so the squares and the halving tree run on row slabs (a quarter of the memory
+        # of the whole), and the block sums of all slabs go through one sequential pass (n/32 adds, not 4x)
+        slabs = w.tensor_split(_ROW_SLABS if k >= _ROW_SLABS else 1)
+        blocks = torch.empty((n // 32, k), dtype=w.dtype, device=w.device)  # (blocks, k)
+        lo = 0
+        for part in slabs:
+            x = part.square().reshape(part.shape[0], n // 32, 32).permute(2, 1, 0)  # (32, blocks, rows)
+            while x.shape[0] > 1:  # x[i] + x[i + half], halving
+                half = x.shape[0] // 2
+                x[:half] += x[half:]
+                x = x[:half]
+            blocks[:, lo : lo + part.shape[0]] = x[0]
+            lo += part.shape[0]
+            del x
     return _sequential_sum(blocks)
 
 
