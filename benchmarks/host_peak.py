@@ -13,8 +13,8 @@ returns and a fixed scratch per thread (``_viterbi_numba._quantize_tiles_kernel`
 allocates the (n, 256) int32 result first, runs the real kernel on the first R tiles (its scratch and its own R-row
 result) and copies their states into every row, so it holds what the kernel holds plus R KiB; every other operation
 of the encode runs unchanged on tensors of the real size, every chunk of the plan included. The states (and so g,
-the trellis and the proxy error) are not the real ones: only the memory is. ``calibrate`` compares one call of each
-kind on the same tiles.
+the trellis and the proxy error) are not the real ones, and they depend on the chunking: only the memory is real.
+``calibrate`` compares one call of each kind on the same tiles.
 """
 
 from __future__ import annotations
@@ -167,10 +167,11 @@ def weight(k: int, n: int) -> torch.Tensor:
 
 
 def warm_up() -> None:
-    """One small real encode: numba's compiled kernel loaded and its threads started outside the figures."""
+    """One small real encode (64 tiles, no scale search): numba's compiled kernel loaded and its threads started
+    outside the figures."""
     from exl3tool.encode.online import encode_linear
 
-    encode_linear(weight(128, 256), bits=6, seed=1)
+    encode_linear(weight(128, 128), bits=6, seed=1, g_scale=0.8)
 
 
 def measure_encode(k: int, n: int, *, bits: int = 6, seed: int = 1234, real_tiles: Optional[int] = 4,

@@ -174,7 +174,7 @@ def test_cpu_host_peak_of_every_phase_is_within_the_plan():
     Every phase and every chunk runs; the numba kernel quantizes 4 tiles of each call and the other rows of its
     result are copies (its memory does not depend on the values: ``benchmarks/host_peak.py``), so this takes
     seconds. Before issue 24's CPU bound the proxy error widened the whole squared error to float64 (3.2 W here,
-    the plan's figure is 1.8 W).
+    the plan's figure for it is 2.2 W).
     """
     import json
     import os

@@ -54,11 +54,11 @@ _GPU_TILE_EXTRA = 8 * 1024  # per tile of a chunk on a GPU: gathered tile, its i
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
 PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
 _CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile;
-# measured 9-20 KiB with the packing at the deployed shapes' chunks: an upper bound)
+# measured 10-25 KiB with the packing at issue 24's shapes' chunks: an upper bound)
 _SLACK = 4 << 20  # small tensors: sign vectors, scales, codebook table, per-launch bookkeeping
-# CPU: what the C heap holds beyond the live bytes within a phase (bench_encode_memory.py --phases): under 10 MiB
-# from a 64 MiB weight up, up to 45 MiB in regularize at 16 MiB (matrices under glibc's 32 MiB mmap ceiling share
-# its heap and fragment it)
+# CPU: what the C heap holds beyond the live bytes within a phase (bench_encode_memory.py --phases): a few MiB from
+# a 64 MiB weight up, up to 30 MiB in regularize at 16 MiB (matrices under glibc's 32 MiB mmap ceiling share its heap
+# and fragment it)
 _CPU_HEAP_SLACK = 64 << 20
 PROXY_SLAB_ROWS = 2048  # CPU proxy error: rows of 4,096 squared errors widened to float64 at once (online.py)
 PROXY_SLAB_BYTES = PROXY_SLAB_ROWS * 4096 * 8  # 64 MiB: above glibc's 32 MiB mmap ceiling, so freed to the system

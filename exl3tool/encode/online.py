@@ -458,8 +458,8 @@ def _release_host_heap(device: torch.device) -> None:
     """After a CPU phase, give the C heap's free pages back to the system (glibc ``malloc_trim``).
 
     glibc serves blocks under its 32 MiB mmap ceiling from the heap and keeps them when freed, so what one phase
-    freed stayed resident under the next: the chunks' temporaries under the proxy error's sum (170-190 MiB at
-    the deployed shapes, issue 24), regularize's under the scale search. Elsewhere nothing to do.
+    freed stayed resident under the next: the chunks' temporaries under the proxy error's sum (up to 181 MiB at
+    issue 24's shapes), regularize's under the scale search. Elsewhere nothing to do.
     """
     if device.type == "cpu" and (trim := _malloc_trim()) is not None:
         trim(0)
