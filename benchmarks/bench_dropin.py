@@ -158,6 +158,15 @@ def main() -> None:
             print(f"reference loaded in {doc['reference_import_s']:.1f} s (JIT compile of its extension included)",
                   flush=True)
         names = [m.strip() for m in args.models.split(",") if m.strip()]
+        # the process's cuBLAS workspace (32 MiB on an H200), made by its first matmul and kept: exl3tool's
+        # Hadamard matmul would make it, the reference's Hadamard kernel would not, and a server's own matmuls
+        # keep it anyway. Made here, before either encoder runs, so that neither's "kept" figure holds it
+        before = torch.cuda.memory_allocated(device)
+        torch.ones(128, 128, device=device) @ torch.ones(128, 128, device=device)
+        torch.cuda.synchronize(device)
+        doc["cublas_workspace_bytes"] = torch.cuda.memory_allocated(device) - before
+        print(f"cuBLAS workspace of the process: {doc['cublas_workspace_bytes'] / 2**20:.1f} MiB (counted for neither)",
+              flush=True)
         for bits in sorted({MODELS[m][1] for m in names}):
             doc[f"dropin_persistent_bytes_k{bits}"] = persistent(dropin, bits, device)
             if ref is not None:

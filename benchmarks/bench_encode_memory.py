@@ -98,7 +98,14 @@ def bench_cuda(shapes, unbounded: bool, with_reference: bool, reference_root: st
     from exl3tool.encode.online import encode_linear, encode_memory_plan
 
     # warm-ups compile the kernels outside the timings; what each leaves allocated (the reference caches its
-    # Viterbi scratch between calls) is part of what that encoder holds while it encodes a layer: its footprint
+    # Viterbi scratch between calls) is part of what that encoder holds while it encodes a layer: its footprint.
+    # The process's cuBLAS workspace (made by the first matmul, kept; exl3tool's Hadamard matmul would make it, a
+    # server's own matmuls keep it anyway) is made first, so neither encoder's figure holds it
+    before = torch.cuda.memory_allocated()
+    torch.ones(128, 128, device="cuda") @ torch.ones(128, 128, device="cuda")
+    torch.cuda.synchronize()
+    print(f"cuBLAS workspace of the process: {(torch.cuda.memory_allocated() - before) / 2**20:.1f} MiB "
+          "(counted for neither encoder)", file=sys.stderr, flush=True)
     before = torch.cuda.memory_allocated()
     encode_linear(_weight(256, 512, "cuda"), bits=6, seed=1)
     torch.cuda.synchronize()

@@ -14,7 +14,9 @@ and peak GPU memory are the warm's own. Reported per preset:
   (tiles of the entries written per second of the run; encode tiles/s counts each shared encode once), peak GPU
   memory, peak host RSS, seconds per pipeline stage (``worker_stats``);
 * extrapolated (labelled so): the whole model's warm time at the measured encode rate;
-* the reference encoder's rate when ``exllamav3`` is importable in the same run (else null, with the reason).
+* with ``--reference DIR`` (the exllamav3 package, e.g. from its wheel), the reference encoder's rate in the same
+  run: its ``quantize_exl3`` timed as the fork calls it on each distinct shape the warm encoded, weighted by the
+  encodes of that shape, and the warm's encode rate over it (else null, with the reason).
 
 ``--no-split`` runs the warm without the two-stream split of the encode (regularisation and scale search of the
 next job on a second CUDA stream), the baseline of ``benchmarks/README.md``'s pipeline rows. The current warm
@@ -102,12 +104,37 @@ def _selected(plan_layers_, layers: tuple[int, ...], modules: tuple[str, ...]) -
 
 
 def _reference() -> dict:
-    try:
-        import exllamav3  # noqa: F401
-    except Exception as exc:  # not installed here: say so, never guess a figure
-        return {"tiles_per_s": None, "why": f"exllamav3 not importable in this run ({type(exc).__name__}); "
-                                            "benchmarks/bench_dropin.py measures the reference side by side"}
-    return {"tiles_per_s": None, "why": "exllamav3 is importable; use bench_dropin.py for its layer rate"}
+    return {"tiles_per_s": None, "why": "no --reference given: the reference encoder was not measured in this run "
+                                        "(bench_fleet.py --reference DIR, DIR the exllamav3 package)"}
+
+
+def child_reference(shapes: dict[str, int], reference: str, device: str) -> dict:
+    """The reference encoder's rate on the encodes a warm measured: exllamav3's ``quantize_exl3`` called as the
+    fork calls it (``bench_dropin.fork_call``) once per distinct (k, n, K), after one warm-up call per K; its
+    seconds for the measured encodes are each shape's seconds times the encodes of that shape."""
+    import torch
+
+    from bench_dropin import fork_call, layer_weight  # puts tests/ (the fork's loader) on the path
+
+    from _fork_loader import load_quantize_exl3
+
+    fn = load_quantize_exl3(reference, package="_exllamav3_reference")
+    dev = torch.device(device)
+    per_shape, seconds, tiles, warmed = {}, 0.0, 0, set()
+    for key, count in sorted(shapes.items()):
+        k, n, bits = (int(v) for v in key.split("x"))
+        weight = layer_weight(n, k, k * 7 + n, dev)
+        if bits not in warmed:  # the first call of a K sets up the reference's kernels and scratch
+            fork_call(fn, weight, bits, 1, dev)
+            warmed.add(bits)
+        t = fork_call(fn, weight, bits, 2, dev)["seconds"]
+        per_shape[key] = {"encodes": count, "seconds_per_encode": round(t, 4)}
+        seconds += t * count
+        tiles += (k // 16) * (n // 16) * count
+    return {"tiles_per_s": round(tiles / seconds) if seconds else None, "encode_tiles": tiles,
+            "seconds": round(seconds, 2), "shapes": per_shape, "package": reference,
+            "basis": "exllamav3 quantize_exl3 alone (the fork's call, GPU-resident fp32 weight), one call per "
+                     "distinct shape times its encodes; no reading, hashing or writing (the warm's rate has them)"}
 
 
 def child_warm(preset: str, scale: str, model_dir: Path, cache: Path, device: str, split: bool) -> dict:
@@ -142,6 +169,11 @@ def child_warm(preset: str, scale: str, model_dir: Path, cache: Path, device: st
     encoded = [e for e in summary.entries if e.status == "encoded"]
     tiles = sum((e.input_size // 16) * (e.output_size // 16) for e in encoded)
     encode_tiles = sum((e.input_size // 16) * (e.output_size // 16) for e in encoded if e.reused_from is None)
+    shapes: dict[str, int] = {}  # encodes per (k, n, K): what the reference is timed on
+    for e in encoded:
+        if e.reused_from is None:
+            key = f"{e.input_size}x{e.output_size}x{summary.bits}"
+            shapes[key] = shapes.get(key, 0) + 1
     run = stats.get("run_seconds", wall)
     rate = encode_tiles / run if run else 0.0
     return {
@@ -156,7 +188,7 @@ def child_warm(preset: str, scale: str, model_dir: Path, cache: Path, device: st
             "encode_tiles_per_s_per_gpu": round(rate) if run else None,
             "peak_gpu_mib": stats.get("peak_cuda_mib"), "peak_rss_mib": stats.get("peak_rss_mib"),
             "rss_before_warm_mib": round(rss_before, 1), "bytes_written": summary.bytes_written,
-            "stages": stats.get("stages", {}),
+            "stages": stats.get("stages", {}), "encode_shapes": shapes,
         },
         "extrapolated": {  # labelled: the whole model's warm at the measured encode rate, one GPU
             "whole_model_seconds_one_gpu": round(whole["encode_tiles"] / rate, 1) if rate else None,
@@ -174,7 +206,8 @@ def _run_child(args: list[str], timeout: float) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_preset(name: str, scale: str, device: str, work: Path, split: bool, timeout: float) -> dict:
+def run_preset(name: str, scale: str, device: str, work: Path, split: bool, timeout: float,
+               reference: str | None = None) -> dict:
     model_dir = work / f"{name}-{scale}" / "model"
     if not (model_dir / "config.json").is_file():
         written = _run_child(["--child", "write", "--preset", name, "--scale", scale, "--out", str(model_dir)], timeout)
@@ -187,6 +220,13 @@ def run_preset(name: str, scale: str, device: str, work: Path, split: bool, time
                          "--cache", str(cache), "--device", device] + ([] if split else ["--no-split"]), timeout)
     result["checkpoint"] = written
     result["cache"] = str(cache)
+    if reference and "error" not in result:
+        ref = _run_child(["--child", "reference", "--preset", name, "--shapes",
+                          json.dumps(result["measured"]["encode_shapes"]), "--reference", reference,
+                          "--device", device], timeout)
+        if "error" not in ref and ref.get("tiles_per_s"):
+            ref["warm_vs_reference"] = round(result["measured"]["encode_tiles_per_s_per_gpu"] / ref["tiles_per_s"], 2)
+        result["reference"] = ref
     return result
 
 
@@ -199,7 +239,15 @@ def _row(r: dict) -> str:
             f"{w['tiles']:,} tiles) | measured {m['entries']} entries ({m['encodes_saved']} reused), {m['tiles']:,} tiles "
             f"in {m['run_seconds']} s: {m['tiles_per_s_per_gpu']:,} tiles/s/GPU, {m['encode_tiles_per_s_per_gpu']:,} "
             f"encode tiles/s; peak GPU {m['peak_gpu_mib']} MiB, peak RSS {m['peak_rss_mib']} MiB | "
-            f"extrapolated whole model: {x['whole_model_seconds_one_gpu']} s on one GPU")
+            f"extrapolated whole model: {x['whole_model_seconds_one_gpu']} s on one GPU"
+            + _reference_row(r.get("reference", {})))
+
+
+def _reference_row(ref: dict) -> str:
+    if ref.get("tiles_per_s"):
+        return (f" | reference quantize_exl3 {ref['tiles_per_s']:,} tiles/s on the same encodes: the warm "
+                f"{ref['warm_vs_reference']}x")
+    return f" | reference not measured: {ref.get('error', ref.get('why', ''))[-200:]}"
 
 
 def main() -> None:
@@ -212,16 +260,42 @@ def main() -> None:
     ap.add_argument("--no-split", action="store_true", help="the encode without the two-stream split (baseline)")
     ap.add_argument("--both", action="store_true", help="run each preset with and without the split; compare bytes")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--child", choices=("write", "warm"), help=argparse.SUPPRESS)
+    ap.add_argument("--reference", default=None,
+                    help="the exllamav3 package directory: also time its quantize_exl3 on each preset's encodes")
+    ap.add_argument("--add-reference", metavar="RESULTS_JSON", default=None,
+                    help="time the reference (--reference) on the encodes of an earlier run's JSON and write it "
+                         "with the reference added (--json): the warm and the reference in one device call when the "
+                         "reference's extension is still compiling during the warm")
+    ap.add_argument("--child", choices=("write", "warm", "reference"), help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child == "write":
         print(json.dumps(child_write(args.preset[0], args.scale, Path(args.out))))
         return
+    if args.child == "reference":
+        print(json.dumps(child_reference(json.loads(args.shapes), args.reference, args.device)))
+        return
     if args.child == "warm":
         print(json.dumps(child_warm(args.preset[0], args.scale, Path(args.out), Path(args.cache), args.device,
                                     not args.no_split)))
+        return
+    if args.add_reference:
+        if not args.reference:
+            ap.error("--add-reference needs --reference DIR (the exllamav3 package)")
+        doc = json.loads(Path(args.add_reference).read_text())
+        for r in doc["presets"]:
+            if "error" in r:
+                continue
+            ref = _run_child(["--child", "reference", "--preset", r["preset"], "--shapes",
+                              json.dumps(r["measured"]["encode_shapes"]), "--reference", args.reference,
+                              "--device", "cuda" if args.device == "auto" else args.device], args.timeout)
+            if "error" not in ref and ref.get("tiles_per_s"):
+                ref["warm_vs_reference"] = round(r["measured"]["encode_tiles_per_s_per_gpu"] / ref["tiles_per_s"], 2)
+            r["reference"] = ref
+            print(_row(r), flush=True)
+        Path(args.json_path or args.add_reference).write_text(json.dumps(doc, indent=2) + "\n")
         return
     device = args.device
     if device == "auto":
@@ -236,7 +310,7 @@ def main() -> None:
     results = []
     for name in names:
         for split in ((True, False) if args.both else (not args.no_split,)):
-            r = run_preset(name, args.scale, device, work, split, args.timeout)
+            r = run_preset(name, args.scale, device, work, split, args.timeout, args.reference)
             print(_row(r), flush=True)
             results.append(r)
         if args.both and all("error" not in r for r in results[-2:]):

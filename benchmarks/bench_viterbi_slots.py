@@ -42,6 +42,32 @@ def timed(x: torch.Tensor, bits: int, reps: int = 3, **kw) -> tuple[float, torch
     return statistics.median(times), states
 
 
+def sweep_sizes(args: argparse.Namespace) -> None:
+    """Seconds of one call of N tiles for each program count (and the balanced count: the fewest programs that
+    keep the same number of rounds), against programs = N (every tile in flight at once)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    doc = {"gpu": torch.cuda.get_device_name(0), "sms": sms, "rows": []}
+    for bits in [int(b) for b in args.bits.split(",")]:
+        for n in [int(v) for v in args.sizes.split(",")]:
+            x = torch.randn(n, 256, device="cuda") * (0.6 + torch.rand(n, 1, device="cuda"))
+            all_s, base = timed(x, bits, programs=n)
+            line = [f"K={bits} {n:6} tiles: all at once {all_s * 1e3:6.2f} ms"]
+            progs = sorted({int(p) for p in args.programs.split(",") if int(p) < n})
+            for p in progs:
+                rounds = -(-n // p)
+                for label, g in (("", p), ("b", -(-n // rounds))):
+                    if label and g == p:
+                        continue
+                    sec, states = timed(x, bits, programs=g)
+                    assert torch.equal(states, base)
+                    doc["rows"].append({"bits": bits, "tiles": n, "programs": g, "balanced": bool(label),
+                                        "seconds": sec, "all_at_once_s": all_s})
+                    line.append(f"{g}{label} {sec * 1e3:.2f}")
+            print("; ".join(line), flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(doc, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", type=int, default=32768)
@@ -49,7 +75,13 @@ def main() -> None:
     ap.add_argument("--per-sm", default="2,3,4,6,8,12,16")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--sizes", default=None,
+                    help="instead of the sweep: time calls of these many tiles (a small layer's scale-search and "
+                         "chunk calls) for each of --programs")
+    ap.add_argument("--programs", default="440,528,792,1056,1188,2112,4224")
     args = ap.parse_args()
+    if args.sizes:
+        return sweep_sizes(args)
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     doc = {"gpu": torch.cuda.get_device_name(0), "sms": sms, "tiles": args.tiles, "rows": []}

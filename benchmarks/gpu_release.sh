@@ -3,10 +3,12 @@
 #   1. install the exllamav3 1.6.5 wheel (+ what its quantize.py imports) from ./.whl into /tmp/site and start
 #      JIT-compiling its CUDA extension in the background (about 5 minutes on 16 cores);
 #   2. meanwhile every GPU-marked test (goldens from ./golden), then (FLEET=1, the default) the llama-8b warm of
-#      bench_fleet.py and the K=6 slot sweep of bench_viterbi_slots.py on the otherwise idle GPU;
+#      bench_fleet.py and the stage profile of profile_encode.py (SLOTS=1: the K=6 slot sweep of
+#      bench_viterbi_slots.py too) on the otherwise idle GPU;
 #   3. once the extension is built: bench_dropin.py (the fork's call convention, drop-in vs exllamav3: time, peak
 #      GPU memory, byte identity) and bench_encode_memory.py (peak memory and time per shape, with the reference);
-#      if the compile did not finish by $T_COMPILE s, both run without the reference and say so.
+#      if the compile did not finish by $T_COMPILE s, both run without the reference and say so; with the reference,
+#      bench_fleet.py --add-reference times it on the encodes of the 8B warm.
 # Carry ./golden and ./.whl (see benchmarks/gpu_dropin.sh for how .whl is filled). Logs and JSON land in $OUT.
 set -u
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-14}
@@ -32,9 +34,16 @@ if [ -n "${FLEET:-1}" ]; then
   PYTHONPATH=$PWD timeout "${T_FLEET:-120}" python3 benchmarks/bench_fleet.py --preset llama-8b --workdir "$(mktemp -d /tmp/fleet-XXXX)" \
     --json "$OUT/bench_fleet_8b.json" > "$OUT/bench_fleet_8b.log" 2>&1
   echo "== bench_fleet llama-8b ($(( $(date +%s) - T0 )) s)"; tail -8 "$OUT/bench_fleet_8b.log"
-  timeout "${T_SLOTS:-60}" python3 benchmarks/bench_viterbi_slots.py --bits 6 --warps 4 --per-sm 4,6,9,12 \
-    --json "$OUT/bench_viterbi_slots.json" > "$OUT/bench_viterbi_slots.log" 2>&1
-  echo "== bench_viterbi_slots ($(( $(date +%s) - T0 )) s)"; grep -E "baseline|edges 1024" "$OUT/bench_viterbi_slots.log"
+  if [ -n "${SLOTS:-}" ]; then
+    timeout "${T_SLOTS:-60}" python3 benchmarks/bench_viterbi_slots.py --bits 6 --warps 4 --per-sm 4,6,9,12 \
+      --json "$OUT/bench_viterbi_slots.json" > "$OUT/bench_viterbi_slots.log" 2>&1
+    echo "== bench_viterbi_slots ($(( $(date +%s) - T0 )) s)"; grep -E "baseline|edges 1024" "$OUT/bench_viterbi_slots.log"
+  fi
+  if [ -n "${PROFILE:-1}" ]; then
+    PYTHONPATH=$PWD timeout "${T_PROFILE:-60}" python3 benchmarks/profile_encode.py --json "$OUT/profile_encode.json" \
+      > "$OUT/profile_encode.log" 2>&1
+    echo "== profile_encode ($(( $(date +%s) - T0 )) s)"; grep -v -i warn "$OUT/profile_encode.log" | tail -8
+  fi
 fi
 while kill -0 $CPID 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "${T_COMPILE:-400}" ]; do sleep 2; done
 echo "== reference compile: $(tail -1 "$OUT/compile.log") ($(( $(date +%s) - T0 )) s since start)"
@@ -48,3 +57,9 @@ echo "== bench_dropin ($(( $(date +%s) - T0 )) s)"; cat "$OUT/bench_dropin.log" 
 timeout "${T_MEMORY:-80}" python3 benchmarks/bench_encode_memory.py --device cuda --shapes "${SHAPES:-5120x6144,16384x7168,18432x7168,7168x36864}" "${MREF[@]}" \
   --json "$OUT/bench_encode_memory.json" > "$OUT/bench_encode_memory.log" 2>&1
 echo "== bench_encode_memory ($(( $(date +%s) - T0 )) s)"; tail -24 "$OUT/bench_encode_memory.log"
+# the reference's rate on the encodes of the 8B warm above (issue 20's presets beside the reference, same run)
+if [ -n "${FLEET:-1}" ] && [ ${#REF[@]} -gt 0 ] && [ -f "$OUT/bench_fleet_8b.json" ]; then
+  timeout "${T_FLEETREF:-120}" python3 benchmarks/bench_fleet.py --add-reference "$OUT/bench_fleet_8b.json" "${REF[@]}" \
+    --json "$OUT/bench_fleet_8b_ref.json" > "$OUT/bench_fleet_8b_ref.log" 2>&1
+  echo "== bench_fleet llama-8b + reference ($(( $(date +%s) - T0 )) s)"; tail -3 "$OUT/bench_fleet_8b_ref.log"
+fi

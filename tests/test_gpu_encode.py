@@ -107,3 +107,32 @@ def test_device_budget_defaults_to_free_memory_less_a_margin():
     for bad in (0.0, -1.0, total / 2**30 + 1):
         with pytest.raises(ConfigError, match="--gpu-memory"):
             device_budget(torch.device("cuda", torch.cuda.current_device()), bad)
+
+
+@pytest.mark.parametrize("shape, bits", [((512, 4096), 6), ((384, 1024), 4)])
+def test_in_place_kernel_equals_the_gathering_path(monkeypatch, shape, bits):
+    """finish_encode's viterbi_matrix (tiles read where they lie, errors written over them) gives the bytes and
+    proxy error of the path that gathers the tiles and scatters the errors back, in one launch or in chunks."""
+    import dataclasses
+
+    from exl3tool.encode import online
+
+    k, n = shape
+    w = (torch.randn(k, n) * torch.empty(1, n).uniform_(0.005, 0.05)).cuda()
+    seed = int(torch.randint(0, 2**31, (1,)))
+
+    def encode(chunk: int | None = None):
+        prepared = online.prepare_encode(w, bits=bits, seed=seed)
+        if chunk is not None:  # 1,000-tile launches (not whole rounds) of 300 slots
+            plan = dataclasses.replace(prepared.plan, chunk_tiles=chunk, slots=300)
+            prepared = dataclasses.replace(prepared, plan=plan)
+        return online.finish_encode(prepared)
+
+    monkeypatch.setattr("exl3tool.encode.memory.IN_PLACE_BITS", frozenset({bits}))  # in place at this K too
+    fused, chunked = encode(), encode(1000)
+    monkeypatch.setattr(online, "_quantize_in_place", lambda w_r, *a, **kw: online._quantize_matrix(w_r, w_r, *a, **kw))
+    gathered = encode()
+    assert (k // 16) * (n // 16) > 1000 and fused.g_scale == gathered.g_scale
+    for other in (chunked, gathered):
+        assert torch.equal(fused.trellis, other.trellis) and fused.proxy_error == other.proxy_error
+        assert torch.equal(fused.suh, other.suh) and torch.equal(fused.svh, other.svh)

@@ -244,6 +244,16 @@ def _interp_cases() -> list[dict]:
              cfg=dict(bm=16, bk=32, split=4, fuse_in=False, prefetch=False, fma=True)),
         dict(k=256, n=128, m=1, bits=5, cb="mul1", dtype="bfloat16", mode="bf16split",
              cfg=dict(bm=16, bk=64, split=1, fuse_in=False, prefetch=False, fma=True)),
+        # a few rows through fp32 FMAs (fma = rows per program): fewer rows than the program takes, several
+        # row blocks, an empty split, x2 kept in fp32 (x_f32) or fp16, other K and codebooks, bf16 out
+        dict(k=640, n=256, m=2, bits=6, cb="mcg", dtype="float16",
+             cfg=dict(bm=16, bk=32, split=4, fuse_in=False, prefetch=False, fma=2, x_f32=True)),
+        dict(k=256, n=128, m=3, bits=7, cb="3inst", dtype="bfloat16",
+             cfg=dict(bm=16, bk=16, split=2, fuse_in=False, prefetch=False, fma=4)),
+        dict(k=384, n=128, m=11, bits=4, cb="mul1", dtype="float16", corrupt=True,
+             cfg=dict(bm=16, bk=16, split=3, fuse_in=False, prefetch=False, fma=8, x_f32=True)),
+        dict(k=256, n=256, m=3, bits=6, cb="mcg", dtype="float16",
+             cfg=dict(bm=16, bk=32, split=1, fuse_in=False, prefetch=False, fma=1, x_f32=True)),
         dict(k=256, n=128, m=128, bits=6, cb="mcg", dtype="float16", corrupt=True, dispatch="ReconConfig"),
         dict(k=128, n=256, m=130, bits=6, cb="mcg", dtype="bfloat16", dispatch="ReconConfig"),
         dict(k=128, n=128, m=64, bits=6, cb="mcg", dtype="float16", dispatch="GemmConfig"),
@@ -324,9 +334,8 @@ def test_choose_config_dispatch():
 
     cpu = torch.device("cpu")
     assert choose_config(1, 14336, 4096, cpu).fma and choose_config(1, 14336, 4096, cpu).l2_prefetch
-    assert choose_config(2, 14336, 4096, cpu).bm == 16 and not choose_config(2, 14336, 4096, cpu).fma
-    assert choose_config(RECON_MIN_M - 1, 4096, 4096, cpu).bm == 64
-    assert isinstance(choose_config(RECON_MIN_M - 1, 4096, 4096, cpu), GemmConfig)
+    for m in range(1, RECON_MIN_M):
+        assert isinstance(choose_config(m, 4096, 4096, cpu), GemmConfig)
     for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
         for m in (RECON_MIN_M, 512, 4096):
             for dt in (torch.float16, torch.bfloat16):
@@ -336,6 +345,39 @@ def test_choose_config_dispatch():
     # the passes over the activations grow with m: few rows fold nothing, many rows fold the wide input side
     assert choose_config(RECON_MIN_M, 4096, 4096, cpu).fold == FOLD_NONE
     assert choose_config(4096, 14336, 4096, cpu).fold == FOLD_IN
+
+
+def test_small_m_table_builds_valid_configs():
+    """SMALL_M_TABLE is data: rows sorted by m, covering 1 .. RECON_MIN_M - 1; every entry builds, for every m of
+    its rows, a config that trellis_matmul accepts (fma rows, x_f32 only with fma) with no empty split; the
+    split-K rule is the entry's (programs per SM over the output blocks), and bad entries are refused."""
+    pytest.importorskip("triton")
+    from exl3tool.kernels import gemm as g
+
+    largest = [row[0] for row in g.SMALL_M_TABLE]
+    assert largest == sorted(largest) and largest[0] >= 1 and largest[-1] == g.RECON_MIN_M - 1
+    cpu = torch.device("cpu")
+    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (640, 384)):
+        chunks = k // 128
+        for m in range(1, g.RECON_MIN_M):
+            entry = g.small_m_entry(m)
+            cfg = g.choose_config(m, k, n, cpu)
+            assert cfg == g.config_from_entry(entry, m, k, n, cpu)
+            rows = int(cfg.fma) or cfg.bm
+            assert cfg.bm >= 16 and 128 % cfg.bk == 0 and rows <= cfg.bm
+            assert not cfg.fma or (int(cfg.fma) in (1, 2, 4, 8, 16) and not (cfg.trans or cfg.prefetch))
+            assert not cfg.x_f32 or cfg.fma
+            assert 1 <= cfg.split <= chunks and (cfg.split - 1) * -(-chunks // cfg.split) < chunks
+    # split-K: per_sm programs per SM (4 SMs on CPU) over n/128 x ceil(m / rows) output blocks: 4 x 2 blocks at
+    # m = 4 with two rows each, 8 per SM -> 4 splits of the 32 chunks; 10 per SM at m = 2 -> 10 (plain ceil) or
+    # 8 (balanced: 4 chunks each)
+    e = dict(bm=16, bk=32, fma=2, x_f32=True, per_sm=8)
+    assert g.config_from_entry(e, 4, 4096, 512, cpu).split == 4
+    assert g.config_from_entry(dict(e, per_sm=10, balanced=False), 2, 4096, 512, cpu).split == 10
+    assert g.config_from_entry(dict(e, per_sm=10), 2, 4096, 512, cpu).split == 8
+    for bad in (dict(bm=16, bk=32), dict(bm=16, per_sm=4), dict(bm=16, bk=32, per_sm=4, split=3)):
+        with pytest.raises(ValueError):
+            g.config_from_entry(bad, 2, 4096, 4096, cpu)
 
 
 @pytest.mark.slow
@@ -353,7 +395,7 @@ def test_interpreter_golden_m1(interp_results):
 _SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
-@pytest.mark.parametrize("regime", ["small_m", "small_m_trans", "large_m"])
+@pytest.mark.parametrize("regime", ["small_m", "small_m_trans", "small_m_fma_rows", "large_m"])
 def test_sm90_offline_compile(regime):
     """Compile the default configs for sm_90 without a GPU (Triton's bundled ptxas): catches PTX/inline-asm
     errors and shared-memory overuse before a device run. Skipped where triton cannot target CUDA offline."""
@@ -368,7 +410,8 @@ def test_sm90_offline_compile(regime):
     except Exception as exc:  # pragma: no cover - depends on the installed triton
         pytest.skip(f"offline compile API unavailable: {exc}")
 
-    m, k, n = {"small_m": (1, 4096, 4096), "small_m_trans": (16, 4096, 4096), "large_m": (4096, 4096, 14336)}[regime]
+    m, k, n = {"small_m": (1, 4096, 4096), "small_m_trans": (16, 4096, 4096), "small_m_fma_rows": (4, 4096, 4096),
+               "large_m": (4096, 4096, 14336)}[regime]
     orig = g._num_sms
     g._num_sms = lambda dev: 132  # choose_config reads the SM count only on CUDA: mirror the H200's
     try:
@@ -387,14 +430,17 @@ def test_sm90_offline_compile(regime):
         assert isinstance(cfg, g.GemmConfig)
         if regime == "small_m_trans":
             cfg = g.GemmConfig(**dict(cfg.__dict__, trans=True))
+        if regime == "small_m_fma_rows":  # four rows per program in FMA form, x2 in fp32
+            cfg = g.GemmConfig(**dict(cfg.__dict__, bk=16, fma=4, x_f32=True, prefetch=False, trans=False))
         fn = g._gemm_kernel
-        sig = {"x_ptr": "*fp16", "words_ptr": "*i32", "suh_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*bf16",
+        sig = {"x_ptr": "*fp32" if cfg.x_f32 else "*fp16", "words_ptr": "*i32", "suh_ptr": "*fp16",
+               "svh_ptr": "*fp16", "had_ptr": "*bf16",
                "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32",
                "HSCALE": "fp32"}
         const = dict(K_BITS=6, CB=1, BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=cfg.split, IEEE=False,
                      ASM=cfg.asm, S1=1, PREFETCH=cfg.prefetch, TRANS=cfg.trans,
                      L2PF=triton.next_power_of_2(-(-(k // 128) // cfg.split) * 96) if cfg.l2_prefetch else 0,
-                     FMA=cfg.fma)
+                     FMA=int(cfg.fma))
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         divisible = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)
     sig.update({name: "constexpr" for name in const})
@@ -532,17 +578,36 @@ def test_gpu_explicit_configs(name, m, dt):
 @pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("bk,split,l2", [(32, 5, False), (64, 3, True), (16, 1, False)])
 def test_gpu_fma_one_row(bk, split, l2, dt):
-    """The one-row FMA variant (m == 1 only; other m are refused)."""
+    """The one-row FMA variant (m == 1; at m = 3 one program per row); rows it cannot take are refused."""
     from exl3tool.kernels.gemm import GemmConfig, trellis_matmul
 
     cfg = GemmConfig(bm=16, bk=bk, split=split, fuse_in=False, num_stages=1, asm=2, prefetch=False,
                      l2_prefetch=l2, fma=True)
     gen = torch.Generator().manual_seed(bk + split)
-    err = _gpu_case(640, 384, 1, 6, "mcg", dt, gen, config=cfg)
-    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND), err
+    for m in (1, 3):
+        err = _gpu_case(640, 384, m, 6, "mcg", dt, gen, config=cfg)
+        assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND), (m, err)
     tr, suh, svh = _random_encode(640, 384, 6, gen, "cuda")
-    with pytest.raises(ValueError):
-        trellis_matmul(torch.randn(2, 640, device="cuda").half(), tr, suh, svh, bits=6, config=cfg)
+    x = torch.randn(2, 640, device="cuda").half()
+    for bad in (dict(fma=3), dict(fma=32), dict(fma=0, x_f32=True), dict(prefetch=True)):
+        with pytest.raises(ValueError):
+            trellis_matmul(x, tr, suh, svh, bits=6, config=GemmConfig(**dict(cfg.__dict__, **bad)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("rows,bk,split,x_f32,m", [(2, 32, 5, True, 2), (2, 16, 1, False, 5), (4, 16, 3, True, 3),
+                                                    (4, 32, 2, True, 4), (8, 16, 4, True, 8), (8, 16, 2, False, 21)])
+def test_gpu_fma_rows(rows, bk, split, x_f32, m, dt):
+    """The FMA form with several rows per program (fewer rows than it takes, several row blocks, split-K, x2 in
+    fp32 or fp16): accuracy, every element written, deterministic."""
+    from exl3tool.kernels.gemm import GemmConfig
+
+    cfg = GemmConfig(bm=16, bk=bk, split=split, fuse_in=False, num_stages=1, asm=2, prefetch=False,
+                     l2_prefetch=split > 2, fma=rows, x_f32=x_f32)
+    gen = torch.Generator().manual_seed(rows * 100 + m)
+    err = _gpu_case(640, 384, m, 6, "mcg", dt, gen, config=cfg)
+    assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND), err
 
 
 @pytest.mark.gpu

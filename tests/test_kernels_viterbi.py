@@ -291,3 +291,37 @@ def test_gpu_empty_batch():
     _gpu_ready()
     vals, states = vmod.viterbi_tiles(torch.empty(0, 256, device="cuda"), 6, "mcg")
     assert vals.shape == (0, 256) and states.dtype == torch.int16
+
+
+_MATRIX_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from exl3tool.encode.layout import tile_element_index
+    from exl3tool.kernels.viterbi import viterbi_matrix, viterbi_tiles
+    torch.manual_seed({seed})
+    w = torch.randn(32, 48) * torch.empty(1, 48).uniform_(0.5, 2.0)  # 2 x 3 tiles
+    first, count = 2, 2  # the last tile of row 0 and the first of row 1
+    index = tile_element_index(48, torch.arange(first, first + count))
+    tiles = w.reshape(-1)[index]
+    values, states = viterbi_tiles(tiles, 6, mode=0)
+    inplace = w.clone()
+    got = viterbi_matrix(inplace, first, count, 6, mode=0, programs=1)  # one slot: its values row is reused
+    expected = w.clone()
+    expected.reshape(-1)[index] = (tiles - values).square()
+    assert torch.equal(got, states), "states"
+    assert torch.equal(inplace, expected), "squared errors in place, other tiles untouched"
+    print("ok")
+    """
+)
+
+
+def test_interpreter_matrix_launch_equals_gathered_tiles():
+    """viterbi_matrix reads tiles where they lie and writes their squared error over them: the same states as
+    viterbi_tiles on the gathered tiles, and (x - q)^2 with q those tiles' values (fresh weight, K=6)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    proc = subprocess.run([sys.executable, "-c", _MATRIX_SCRIPT.format(seed=seed)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (seed, proc.stderr[-3000:])

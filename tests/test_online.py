@@ -133,6 +133,44 @@ def test_scale_mse_is_fp32_mean_of_rescaled_error():
     assert got[1] == expected and got[0] != expected
 
 
+def _spec_search(w_rot: torch.Tensor, bits: int) -> float:
+    """Spec 7.4 spelled out with ``scale_mse`` on the whole sample, duplicates and all (the oracle)."""
+    from exl3tool.encode.online import _COARSE, _FINE_STEP, _first_argmin
+
+    sample = sample_scale_tiles(w_rot, bits)
+    center = _COARSE[_first_argmin(scale_mse(sample[0::3], _COARSE, bits))]
+    scales = [center + _FINE_STEP * (i - 2) for i in range(5)]
+    fine = scale_mse(sample, scales, bits)
+    b, off = _first_argmin(fine), 0.0
+    if 0 < b < 4:
+        den = fine[b - 1] - 2.0 * fine[b] + fine[b + 1]
+        off = min(max(0.5 * (fine[b - 1] - fine[b + 1]) / den if den > 0 else 0.0, -0.5), 0.5)
+    return max(scales[b] + off * _FINE_STEP, 0.01)
+
+
+@pytest.mark.parametrize("k, n, bits", [(128, 128, 6), (256, 128, 2)])
+def test_search_global_scale_quantizes_each_pair_once_with_the_spec_result(monkeypatch, k, n, bits):
+    from exl3tool.encode import online
+    from exl3tool.encode.online import sample_scale_index, search_global_scale
+
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    w = torch.randn(k, n, generator=gen) * torch.rand(1, n, generator=gen)
+    su, sv = reference_signs(11, k, n)
+    w_rot = regularize(w, su.reshape(-1), sv.reshape(-1)).weight
+    index = sample_scale_index(w_rot)
+    uniq = index.unique()
+    assert uniq.numel() < index.numel()  # the case this is about: extreme tiles on the diagonal
+    seen = []
+    real = online._quantize_batched
+    monkeypatch.setattr(online, "_quantize_batched", lambda t, *a, **kw: (seen.append(t.shape[0]), real(t, *a, **kw))[1])
+    g = search_global_scale(w_rot, bits)
+    monkeypatch.undo()
+    assert g == _spec_search(w_rot, bits)
+    coarse_unique = index.new_tensor(sorted({int(i) for i in index[0::3]})).numel()
+    # coarse: 10 scales of the distinct coarse tiles; fine: 5 of the distinct tiles, less the centre's coarse ones
+    assert seen == [10 * coarse_unique, 5 * uniq.numel() - coarse_unique]
+
+
 # ---------------------------------------------------------------- quantization (spec 7.5-7.7)
 
 

@@ -167,10 +167,10 @@ def test_triton_backend_falls_back_with_warning(monkeypatch):
 
     calls = []
     monkeypatch.setattr(builtins, "__import__", no_kernel)
-    monkeypatch.setattr(vit, "quantize_tiles_torch", lambda t, b, cb: calls.append((t.shape, b, cb)) or "torch-ran")
+    monkeypatch.setattr(vit, "quantize_tiles_torch", lambda t, b, cb: calls.append((t.shape, b, cb)) or ("torch", "ran"))
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2))
     with pytest.warns(RuntimeWarning, match="Triton Viterbi kernel unavailable"):
-        assert quantize_tiles(x, 8, "mul1", backend="triton") == "torch-ran"
+        assert quantize_tiles(x, 8, "mul1", backend="triton") == ("torch", "ran")
     assert calls == [((1, 256), 8, "mul1")]
 
 

@@ -6,13 +6,16 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
 * checks: 1.75 W (the weight's finiteness: its magnitudes and three boolean masks);
 * regularize: 2 W (one scaled copy and its Hadamard product; the RMS reductions run in slabs);
 * scale search: 2 W (the regularised weight, its tiles squared for the per-tile mean square), then the weight and
-  the sample's batch of five scales (with its values and states) while it goes through the quantizer;
+  the sample's batch of five scales (with its values and states) while it goes through the quantizer, and beside
+  it the sample, its distinct tiles, the fine centre's values and one expanded mse operand;
 * tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
-  error, plus the packed trellis), one chunk of tiles gathered (``chunk_tiles``, about 8 KiB each with their
-  index, values and states), then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
-  positions x 2^(16-K) back-pointers (a byte each, two per byte at K <= 4) and two cost rows (the kernel's
-  programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the kernel has
-  returned and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
+  error, plus the packed trellis), one chunk's states (``chunk_tiles``; on a GPU at the K of ``IN_PLACE_BITS``
+  the kernel reads the tiles where they lie and writes their errors over them, so 512 B a tile; elsewhere the
+  tiles are gathered, with their index and values: 8 KiB a tile on a GPU), then either the Viterbi kernel's
+  scratch: ``slots`` tiles in flight, each slot 256 positions x 2^(16-K) back-pointers (a byte each, two per byte
+  at K <= 4), two cost rows and a row of values (the kernel's programs are persistent, so the scratch is
+  ``slots`` slots whatever the chunk), or, once the kernel has returned and freed it, the packing's bit streams
+  (about 20 KiB per tile, 2,048 tiles at a time);
 * proxy error: 1 W + the trellis + the squared error widened to float64 for the sum: on the CPU a slab of
   PROXY_SLAB_ROWS x 4,096 values at a time (64 MiB at most), elsewhere the whole (2 W; CUDA makes no copy at all,
   so the GPU figure is an upper bound).
@@ -34,9 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "MIN_SLOTS",
-    "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "default_budget",
-    "device_budget", "phase_bytes", "plan_encode_memory",
+    "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
+    "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR",
+    "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "phase_bytes", "plan_encode_memory",
     "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
 ]
 
@@ -50,7 +53,13 @@ CHUNK_ROUNDS = 4  # a chunk holds about this many tiles per slot: the last round
 DEFAULT_FLOOR_TILES = 1024  # CPU: a default budget always holds this many tiles in flight (a small layer's whole)
 DEFAULT_MAX_SCRATCH = 2 << 30  # Viterbi scratch beyond this does not make the kernel faster (8,064 slots at K = 6)
 _TILE_BYTES = 1024  # 256 fp32 values
-_GPU_TILE_EXTRA = 8 * 1024  # per tile of a chunk on a GPU: gathered tile, its int64 index, values, states
+_GPU_TILE_EXTRA = 1024  # per tile of a chunk on a GPU in place: its int16 states (512 B; viterbi_matrix)
+_GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile, its int64 index, values, states
+# K at which the encode's tile quantization runs in place (viterbi_matrix); at the others it gathers the tiles. On an
+# H200 in place was faster at K = 6 (one launch per small layer: (512, 4096) 97 -> 87 ms) and slower at K = 4
+# ((4096, 12288) 965 -> 1,052 ms of Viterbi, the in-place variant of the packed 8-warp kernel); other K unmeasured
+IN_PLACE_BITS = frozenset({6})
+WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
 PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
 _CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile;
@@ -106,9 +115,10 @@ def weight_bytes(k: int, n: int) -> int:
 
 def viterbi_slot_bytes(bits: int, packed: bool = True) -> int:
     """GPU scratch of one tile in flight: back-pointers (256 positions x 2^(16-K) edges, a byte each, or two per
-    byte at K <= 4 when ``packed``, the kernel's default modes) and two fp16 cost rows."""
+    byte at K <= 4 when ``packed``, the kernel's default modes), two fp16 cost rows and, in an in-place launch
+    over a weight (``viterbi_matrix``), the 1 KiB row of the tile's values."""
     e = 1 << (16 - bits)
-    return 256 * (e // 2 if packed and bits <= 4 else e) + 4 * e
+    return 256 * (e // 2 if packed and bits <= 4 else e) + 4 * e + _TILE_BYTES
 
 
 def reference_scratch_bytes(bits: int, sms: int | None = None) -> int:
@@ -137,7 +147,7 @@ def phase_bytes(k: int, n: int, bits: int, device_type: str, sample_tiles: int |
     trellis = _trellis_bytes(k, n, bits)
     if sample_tiles is None:
         sample_tiles = sample_tile_count(k, n)
-    search = w + sample_tiles * (_TILE_BYTES // 5 + _TILE_BYTES + _TILE_BYTES + _TILE_BYTES // 2)
+    search = _search_bytes(w, sample_tiles)
     if device_type == "cpu":  # the squared error widened to float64 a slab at a time, and the row sums
         error = w + trellis + min(2 * w, PROXY_SLAB_BYTES) + w // 2048
     else:  # CUDA sums 16-row blocks (no copy at all), other devices widen it whole: the larger figure for both
@@ -151,6 +161,14 @@ def phase_bytes(k: int, n: int, bits: int, device_type: str, sample_tiles: int |
     }
 
 
+def _search_bytes(w: int, sample_tiles: int) -> int:
+    """The scale search's largest moment: the weight, the batch of five scales with its values and states, and per
+    sample tile four more (the sample, its distinct tiles, the fine centre's values, one scale's mse operand
+    expanded back to the sample)."""
+    return w + sample_tiles * (_TILE_BYTES // 5 + _TILE_BYTES + _TILE_BYTES + _TILE_BYTES // 2) + (
+        sample_tiles // 5) * 4 * _TILE_BYTES
+
+
 def _slack(device_type: str) -> int:
     return _SLACK + (_CPU_HEAP_SLACK if device_type == "cpu" else 0)
 
@@ -158,7 +176,7 @@ def _slack(device_type: str) -> int:
 def _fixed_bytes(k: int, n: int, bits: int, sample_tiles: int, device_type: str = "cuda") -> tuple[int, int]:
     """(the largest phase without tiles in flight, what stays allocated while tiles are quantized)."""
     w = weight_bytes(k, n)
-    search = w + sample_tiles * (_TILE_BYTES // 5 + _TILE_BYTES + _TILE_BYTES + _TILE_BYTES // 2)
+    search = _search_bytes(w, sample_tiles)
     during_quantize = max(w + _trellis_bytes(k, n, bits), search)
     return max(phase_bytes(k, n, bits, device_type, sample_tiles).values()), during_quantize + _slack(device_type)
 
@@ -203,7 +221,7 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
         raise ValueError(f"memory_budget_bytes must be a positive integer, got {budget_bytes!r}")
     tiles = (k // 16) * (n // 16)
     gpu = device_type != "cpu"
-    per_tile = _GPU_TILE_EXTRA if gpu else _CPU_TILE_BYTES
+    per_tile = (_GPU_TILE_EXTRA if bits in IN_PLACE_BITS else _GPU_TILE_GATHERED) if gpu else _CPU_TILE_BYTES
     per_slot = (slot_bytes or viterbi_slot_bytes(bits)) if gpu else 0
     fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n), device_type)
     smallest = min(tiles, MIN_CHUNK_TILES)
@@ -230,6 +248,13 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     most = min(tiles, max(wave or 0, MIN_SLOTS, DEFAULT_MAX_SCRATCH // per_slot))
     rounds = min(CHUNK_ROUNDS, max(1, tiles // max(1, most)))
     slots = min(most, (avail - smallest * per_tile) // per_slot, avail // (per_slot + rounds * per_tile))
+    # one launch over the whole layer (up to the largest chunk) beats a launch per round of slots when it costs
+    # few slots: separate launches each wait for their slowest tile (a (512, 4096) layer in 16 launches of one
+    # round took 47 ms on an H200, in one launch 39 ms)
+    whole = min(tiles, DEFAULT_MAX_CHUNK_TILES)
+    whole_slots = min(most, (avail - whole * per_tile) // per_slot)
+    if whole_slots >= WHOLE_LAYER_SLOTS * slots:
+        slots = whole_slots
     slots = max(slots, min_slots)
     pack_most = _pack_bytes(tiles)
     chunk = min(tiles, DEFAULT_MAX_CHUNK_TILES, (avail - max(slots * per_slot, pack_most)) // per_tile)

@@ -38,7 +38,7 @@ __all__ = [
     "CODEBOOK_SCALE", "MAX_TILES_PER_CALL", "Regularized", "ScaledWeight", "encode_linear",
     "encode_linear_with_input", "encode_memory_plan", "encoder_platform", "finish_encode", "prepare_encode",
     "quantize_regularized", "regularize",
-    "sample_scale_tiles", "scale_mse", "search_global_scale",
+    "sample_scale_tiles", "scale_mse", "search_global_scale", "search_global_scale_tensor",
 ]
 
 CODEBOOK_SCALE = 1.24371088  # RMS of the 3inst codebook; the reference uses it (negated) for every codebook
@@ -85,7 +85,17 @@ def _div_scalar(x: torch.Tensor, s: float) -> torch.Tensor:
 
 
 def _sequential_sum(x: torch.Tensor) -> torch.Tensor:
-    """x[0] + x[1] + ... + x[-1] along dim 0, strictly in that order (fp32 rounding after every add)."""
+    """x[0] + x[1] + ... + x[-1] along dim 0, strictly in that order (fp32 rounding after every add).
+
+    On CUDA one Triton launch does it (``exl3tool.kernels.reduce``, the same sums); elsewhere, or for strides
+    that kernel cannot view, one torch add per row.
+    """
+    if x.is_cuda and x.shape[0] > 2:
+        from exl3tool.kernels.reduce import sequential_sum_dim0
+
+        out = sequential_sum_dim0(x)
+        if out is not None:
+            return out
     out = x[0].clone()
     for i in range(1, x.shape[0]):
         out += x[i]
@@ -241,11 +251,9 @@ def regularize(weight: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tenso
     return Regularized(weight=w, su=su, sv=sv, zeros=zeros)
 
 
-def sample_scale_tiles(w_rot: torch.Tensor, bits: int, width: int = 3) -> torch.Tensor:
-    """The tiles the scale search evaluates: wrapped diagonal plus extreme tiles, drift applied.
-
-    Returns (3D + 2 num_x, 256) f32 in trellis-position order (spec 7.4); duplicates are kept.
-    """
+def sample_scale_index(w_rot: torch.Tensor, width: int = 3) -> torch.Tensor:
+    """The flat tile numbers (row-major over the (k/16, n/16) tiles) the scale search evaluates, in spec 7.4's
+    order: the wrapped diagonal, then the num_x tiles of largest and of smallest mean square; duplicates kept."""
     tk, tn = w_rot.shape[0] // 16, w_rot.shape[1] // 16
     d = max(tk, tn)
     a = torch.arange(d).repeat_interleave(width)
@@ -257,10 +265,22 @@ def sample_scale_tiles(w_rot: torch.Tensor, bits: int, width: int = 3) -> torch.
     num_x = min(max(8, (width * d) // 16), (tk * tn + 1) // 2)
     top = torch.topk(ms, num_x, largest=True, sorted=True).indices  # descending
     bottom = torch.topk(ms, num_x, largest=False, sorted=True).indices  # ascending
-    index = torch.cat([(diag_k * tn + diag_n).to(ms.device), top, bottom])
-    sample = w_rot.reshape(-1)[tile_element_index(w_rot.shape[1], index)]  # only the sampled tiles
+    return torch.cat([(diag_k * tn + diag_n).to(ms.device), top, bottom])
+
+
+def _gather_tiles(w_rot: torch.Tensor, index: torch.Tensor, bits: int) -> torch.Tensor:
+    """The tiles ``index`` of ``w_rot`` in trellis-position order, times the drift factor of ``bits``."""
+    sample = w_rot.reshape(-1)[tile_element_index(w_rot.shape[1], index)]  # only these tiles
     drift = _DRIFT.get(bits, 1.0)
-    return sample * _f32(drift) if drift != 1.0 else sample.clone()
+    return sample * _f32(drift) if drift != 1.0 else sample
+
+
+def sample_scale_tiles(w_rot: torch.Tensor, bits: int, width: int = 3) -> torch.Tensor:
+    """The tiles the scale search evaluates: wrapped diagonal plus extreme tiles, drift applied.
+
+    Returns (3D + 2 num_x, 256) f32 in trellis-position order (spec 7.4); duplicates are kept.
+    """
+    return _gather_tiles(w_rot, sample_scale_index(w_rot, width), bits)
 
 
 ProgressFn = Callable[[int], None]
@@ -279,7 +299,9 @@ def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
     """
     from exl3tool.encode.viterbi import quantize_tiles
 
-    step = _step(tiles.device, chunk_tiles, progress)
+    # on a GPU the kernel writes into the outputs (no per-call copies), so only its scratch (``slots``) bounds a
+    # call: the batch goes through in calls of MAX_TILES_PER_CALL, not of the plan's chunk
+    step = _step(tiles.device, None if tiles.is_cuda else chunk_tiles, progress)
     if tiles.shape[0] <= step:
         values, states = quantize_tiles(tiles.contiguous(), bits, codebook, programs=slots)
         if progress is not None:
@@ -288,12 +310,11 @@ def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
     values = torch.empty(tiles.shape, dtype=torch.float32, device=tiles.device)  # filled chunk by chunk: no
     states = torch.empty(tiles.shape, dtype=torch.int16, device=tiles.device)  # list of parts and concatenation
     for start in range(0, tiles.shape[0], step):
-        v, s = quantize_tiles(tiles[start : start + step].contiguous(), bits, codebook, programs=slots)
-        values[start : start + step] = v
-        states[start : start + step] = s
-        del v, s
+        end = min(start + step, tiles.shape[0])
+        quantize_tiles(tiles[start:end].contiguous(), bits, codebook, programs=slots,
+                       out=(values[start:end], states[start:end]))
         if progress is not None:
-            progress(min(step, tiles.shape[0] - start))
+            progress(end - start)
     return values, states
 
 
@@ -336,6 +357,35 @@ def _quantize_matrix(w_r: torch.Tensor, err: torch.Tensor, bits: int, codebook: 
             progress(hi - lo)
 
 
+def _quantize_in_place(w_r: torch.Tensor, bits: int, codebook: str, chunk_tiles: Optional[int],
+                       progress: Optional[ProgressFn], on_chunk: ChunkFn, slots: Optional[int] = None) -> None:
+    """``_quantize_matrix(w_r, w_r, ...)``: every tile quantized and overwritten with its squared error.
+
+    On CUDA at the K of ``memory.IN_PLACE_BITS`` the Triton kernel reads the tiles where they lie and writes the
+    errors over them (``viterbi_matrix``): a chunk holds only its states, so chunks are as large as the plan allows
+    and a small layer is one launch; ``on_chunk`` then gets no index or values (None). Elsewhere, or for a weight
+    that is not contiguous, ``_quantize_matrix``.
+    """
+    from exl3tool.encode import memory
+
+    if not (w_r.is_cuda and w_r.is_contiguous() and bits in memory.IN_PLACE_BITS):  # the plan sized chunks for this
+        return _quantize_matrix(w_r, w_r, bits, codebook, chunk_tiles, progress, on_chunk, slots)
+    try:
+        from exl3tool.kernels.viterbi import viterbi_matrix
+    except ImportError:  # no Triton: the gathering path, whose quantize_tiles says what it runs instead
+        return _quantize_matrix(w_r, w_r, bits, codebook, chunk_tiles, progress, on_chunk, slots)
+    k, n = w_r.shape
+    total = (k // 16) * (n // 16)
+    step = _step(w_r.device, chunk_tiles, progress)
+    for lo in range(0, total, step):
+        hi = min(total, lo + step)
+        states = viterbi_matrix(w_r, lo, hi - lo, bits, codebook, programs=slots)
+        on_chunk(lo, hi, None, None, states)
+        del states
+        if progress is not None:
+            progress(hi - lo)
+
+
 def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str = "mcg",
               chunk_tiles: Optional[int] = None, slots: Optional[int] = None) -> list[float]:
     """mse(s) of spec 7.4 for each scale: mean((f32(q ÷s s) - T)^2) with q = quantize(f32(T * f32(s))).
@@ -349,7 +399,14 @@ def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str
     values, _ = _quantize_batched(batch, bits, codebook, chunk_tiles=chunk_tiles, slots=slots)
     del batch
     values = values.reshape(len(scales), *tiles.shape)
-    return [float(_mean((_div_scalar(values[i], s) - tiles).square())) for i, s in enumerate(scales)]
+    return _mses([values[i] for i in range(len(scales))], tiles, scales)
+
+
+def _mses(values: list[torch.Tensor], tiles: torch.Tensor, scales: list[float]) -> list[float]:
+    """``scale_mse``'s fp32 means of quantized ``values[i]`` (contiguous, ``tiles``' shape) at ``scales[i]``,
+    read back with one host sync for all of them."""
+    means = [_mean((_div_scalar(v, s) - tiles).square()) for v, s in zip(values, scales)]
+    return [float(m) for m in torch.stack(means).tolist()]
 
 
 def _first_argmin(values: list[float]) -> int:
@@ -362,22 +419,120 @@ def _first_argmin(values: list[float]) -> int:
 
 def search_global_scale(w_rot: torch.Tensor, bits: int, codebook: str = "mcg",
                         chunk_tiles: Optional[int] = None, slots: Optional[int] = None) -> float:
-    """Spec 7.4: coarse grid on every third sample tile, fine grid on all, parabola; returns g (double)."""
+    """Spec 7.4: coarse grid on every third sample tile, fine grid on all, parabola; returns g (double).
+
+    The mses are those of ``scale_mse`` on ``sample_scale_tiles`` bit for bit, but the quantizer sees each
+    (tile, scale) pair once: a tile the sample holds twice (an extreme tile on the diagonal) is quantized once
+    per scale, and the fine grid's centre, a coarse scale, reuses the coarse pass's tiles (every third sample
+    tile), since quantizing a tile depends on nothing else in its batch.
+    """
+    return float(search_global_scale_tensor(w_rot, bits, codebook, chunk_tiles, slots))
+
+
+_FINE_OFFSETS = [_FINE_STEP * (i - 2) for i in range(5)]  # Python doubles: fine scale i = centre + offset i
+
+
+def search_global_scale_tensor(w_rot: torch.Tensor, bits: int, codebook: str = "mcg",
+                               chunk_tiles: Optional[int] = None, slots: Optional[int] = None) -> torch.Tensor:
+    """``search_global_scale`` as a 0-d float64 tensor on ``w_rot``'s device, computed there.
+
+    The choice of the centre, the fine scales and the parabola are the host's double arithmetic done by the
+    device (IEEE +, -, *, / in float64, the first minimum as ``_first_argmin`` takes it), so the result is the
+    host computation's bit for bit; on a GPU nothing waits for the mses, and the fine grid and the tile
+    quantization that follow are queued behind the coarse grid without a round trip to the host.
+    """
     check_bits(bits)
     check_codebook(codebook)
-    sample = sample_scale_tiles(w_rot, bits)
-    coarse = scale_mse(sample[0::3], _COARSE, bits, codebook, chunk_tiles, slots)
-    center = _COARSE[_first_argmin(coarse)]
-    fine_scales = [center + _FINE_STEP * (i - 2) for i in range(5)]
-    fine = scale_mse(sample, fine_scales, bits, codebook, chunk_tiles, slots)
-    b = _first_argmin(fine)
-    off = 0.0
-    if 0 < b < 4:
-        y0, y1, y2 = fine[b - 1], fine[b], fine[b + 1]
-        den = y0 - 2.0 * y1 + y2
-        off = 0.5 * (y0 - y2) / den if den > 0 else 0.0
-        off = min(max(off, -0.5), 0.5)
-    return max(fine_scales[b] + off * _FINE_STEP, 0.01)
+    dev = w_rot.device
+    index = sample_scale_index(w_rot)
+    sample = _gather_tiles(w_rot, index, bits)  # the mses' targets, in the spec's layout
+    # which tiles are distinct, worked out on the host (a few thousand numbers, one transfer)
+    index_h = index.cpu()
+    uniq, inverse = torch.unique(index_h, return_inverse=True)
+    coarse_u, coarse_inv = torch.unique(inverse[0::3], return_inverse=True)  # rows of tiles_u the coarse grid uses
+    have = torch.zeros(uniq.numel(), dtype=torch.bool)
+    have[coarse_u] = True
+    rest = (~have).nonzero().squeeze(1)  # rows the fine centre still needs
+    if uniq.numel() == index_h.numel():  # no duplicates: the sample's own rows
+        tiles_u, expand = sample, (lambda v: v)
+    else:
+        tiles_u = _gather_tiles(w_rot, uniq.to(dev), bits)
+        inverse_d = inverse.to(dev)
+        expand = lambda v: v[inverse_d]  # noqa: E731
+    coarse_u, coarse_inv, rest = coarse_u.to(dev), coarse_inv.to(dev), rest.to(dev)
+    # host constants go to the device before the first launch: a copy from the host waits for the queue to drain
+    coarse_scales = torch.tensor(_COARSE, dtype=torch.float64, device=dev)
+    fine_offsets = torch.tensor(_FINE_OFFSETS, dtype=torch.float64, device=dev)
+    values = _quantize_scaled(tiles_u[coarse_u], _COARSE, bits, codebook, chunk_tiles, slots)
+    coarse = _mses_tensor(values, sample[0::3], [float(c) for c in _COARSE], lambda v: v[coarse_inv])
+    best = _first_argmin_tensor(coarse)
+    center = _pick(coarse_scales, best)
+    fine_scales = center + fine_offsets  # fine_scales[2] = centre + 0.0 == centre
+    center_values = torch.empty_like(tiles_u)
+    center_values[coarse_u] = _pick(_stacked(values), best)
+    del values
+    parts = [tiles_u, tiles_u, tiles_u[rest], tiles_u, tiles_u]
+    fine_values = _quantize_scaled(parts, fine_scales, bits, codebook, chunk_tiles, slots)
+    center_values[rest] = fine_values[2]
+    fine_values[2] = center_values
+    del center_values
+    fine = _mses_tensor(fine_values, sample, fine_scales, expand).to(torch.float64)
+    b = _first_argmin_tensor(fine)
+    inner = (b > 0) & (b < 4)
+    bc = b.clamp(1, 3)
+    y0, y1, y2 = _pick(fine, bc - 1), _pick(fine, bc), _pick(fine, bc + 1)
+    den = y0 - 2.0 * y1 + y2
+    off = torch.where(den > 0, 0.5 * (y0 - y2) / den, torch.zeros_like(den)).clamp(-0.5, 0.5)
+    off = torch.where(inner, off, torch.zeros_like(off))
+    return (_pick(fine_scales, b) + off * _FINE_STEP).clamp_min(0.01)
+
+
+def _pick(values: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """values[i] for a 0-d index tensor without reading it on the host (plain indexing would)."""
+    return values.index_select(0, i.view(1)).squeeze(0)
+
+
+def _first_argmin_tensor(values: torch.Tensor) -> torch.Tensor:
+    """``_first_argmin`` on the device: the first minimum, NaNs never chosen unless the first value is one."""
+    clean = torch.where(torch.isnan(values), torch.full_like(values, float("inf")), values)
+    return torch.where(torch.isnan(values[0]), torch.zeros((), dtype=torch.int64, device=values.device),
+                       torch.argmin(clean))
+
+
+def _mses_tensor(values: list[torch.Tensor], tiles: torch.Tensor, scales: list[float] | torch.Tensor,
+                 expand: Callable[[torch.Tensor], torch.Tensor] = lambda v: v) -> torch.Tensor:
+    """``_mses`` as an fp32 tensor (one mean per scale), with no host round trip: the mean for scale i is taken
+    on ``expand(values[i])`` (the sample's rows from the distinct tiles'), one scale at a time so that only one
+    expanded copy exists. ``scales`` may be a float64 tensor: ``÷s`` multiplies by f32(1 / s), the reciprocal
+    taken in double as ``_recip32`` does."""
+    if isinstance(scales, torch.Tensor):
+        recips = (1.0 / scales).to(torch.float32)
+        means = [_mean((expand(v) * recips[i] - tiles).square()) for i, v in enumerate(values)]
+    else:
+        means = [_mean((_div_scalar(expand(v), s) - tiles).square()) for v, s in zip(values, scales)]
+    return torch.stack(means)
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Equal-sized consecutive views of one tensor (``_quantize_scaled``'s result) as one (len, n, 256) view."""
+    base = parts[0]
+    return base.as_strided((len(parts), *base.shape), (base.numel(), *base.stride()))
+
+
+def _quantize_scaled(tiles: torch.Tensor | list[torch.Tensor], scales: list[float] | torch.Tensor, bits: int,
+                     codebook: str,
+                     chunk_tiles: Optional[int], slots: Optional[int]) -> list[torch.Tensor]:
+    """The quantized values of f32(tiles_i * f32(s_i)) for each scale (one tile set for all, or one per scale),
+    through the quantizer as one batch; a list of per-scale (n_i, 256) tensors."""
+    sets = tiles if isinstance(tiles, list) else [tiles] * len(scales)
+    if isinstance(scales, torch.Tensor):  # float64 scales on the device: f32(s) rounded there
+        factors = scales.to(torch.float32)
+        batch = torch.cat([t * factors[i] for i, t in enumerate(sets)])
+    else:
+        batch = torch.cat([t * _f32(s) for t, s in zip(sets, scales)])
+    values, _ = _quantize_batched(batch, bits, codebook, chunk_tiles=chunk_tiles, slots=slots)
+    del batch
+    return list(values.split([t.shape[0] for t in sets]))
 
 
 def quantize_regularized(
@@ -513,11 +668,16 @@ class ScaledWeight:
     w_r: torch.Tensor
     su: torch.Tensor
     sv: torch.Tensor
-    g: float
+    g_value: torch.Tensor | float  # the global scale: a 0-d float64 tensor on the device until read (``g``)
     bits: int
     codebook: str
     plan: EncodeMemoryPlan
     zeros: bool = False  # the weight's column RMS averages to zero (``Regularized.zeros``)
+
+    @property
+    def g(self) -> float:
+        """The global scale (double); on a GPU reading it waits for the scale search."""
+        return float(self.g_value)
 
 
 def prepare_encode(
@@ -560,12 +720,13 @@ def prepare_encode(
     del reg
     _release_host_heap(dev)
     with stage(timer, "scale_search", dev):
-        g = (float(g_scale) if g_scale is not None
-             else search_global_scale(w_r, bits, codebook, plan.chunk_tiles, plan.slots))
-        w_r.mul_(_f32(g))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
-        su = _div_scalar(su, g)
+        # g stays on the device (no wait for the search): f32(g) and f32(1 / g) are rounded there from the double
+        g = (torch.tensor(float(g_scale), dtype=torch.float64, device=w_r.device) if g_scale is not None
+             else search_global_scale_tensor(w_r, bits, codebook, plan.chunk_tiles, plan.slots))
+        w_r.mul_(g.to(torch.float32))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
+        su = su * (1.0 / g).to(torch.float32)  # ÷s g
     _release_host_heap(dev)
-    return ScaledWeight(w_r=w_r, su=su, sv=sv, g=g, bits=bits, codebook=codebook, plan=plan, zeros=zeros)
+    return ScaledWeight(w_r=w_r, su=su, sv=sv, g_value=g, bits=bits, codebook=codebook, plan=plan, zeros=zeros)
 
 
 def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = None,
@@ -584,8 +745,8 @@ def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = No
         trellis[lo:hi] = pack_trellis(states, bits)
 
     with stage(timer, "viterbi", dev):
-        _quantize_matrix(w_r, w_r, bits, prepared.codebook, prepared.plan.chunk_tiles, progress, pack,
-                         prepared.plan.slots)
+        _quantize_in_place(w_r, bits, prepared.codebook, prepared.plan.chunk_tiles, progress, pack,
+                           prepared.plan.slots)
     _release_host_heap(dev)
     with stage(timer, "pack", dev):
         proxy_error = _proxy_error_of_squares(w_r)

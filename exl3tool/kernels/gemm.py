@@ -5,11 +5,11 @@ Two paths, chosen by ``choose_config`` (``trellis_matmul`` is the entry point):
 - Fused (m < RECON_MIN_M): Q is never written to memory. Each program loads the packed u32 words of the tiles
   it needs as one aligned word pair per block of 2-4 consecutive trellis positions (spec 4.5), cuts each 16-bit
   state out of its pair with one 64-bit shift, decodes it with the codebook (spec 3) and feeds the block to
-  tl.dot with fp32 accumulation (at m = 1: fp32 FMAs instead). The input side (x * suh, 128-point Hadamard) is
-  done by a small prep kernel (the GEMM would otherwise redo it for every column block) or, on request, fused
-  into the GEMM. The output side (Hadamard, * svh, cast) is always fused into the epilogue; split-K partials
-  are reduced by the last program of each output block (serial reduction through a counter, in a fixed
-  order), so no extra launch is needed for the reduction either.
+  tl.dot with fp32 accumulation (for a few rows: fp32 FMAs instead, ``GemmConfig.fma``). The input side (x * suh,
+  128-point Hadamard) is done by a small prep kernel (the GEMM would otherwise redo it for every column block)
+  or, on request, fused into the GEMM. The output side (Hadamard, * svh, cast) is always fused into the
+  epilogue; split-K partials are reduced by the last program of each output block (serial reduction through a
+  counter, in a fixed order), so no extra launch is needed for the reduction either.
 - Reconstruct (m >= RECON_MIN_M): ``_recon_kernel`` writes an fp16 weight (Q with none, one or both Hadamard
   sides folded in, ``ReconConfig.fold``), torch.mm (cuBLAS) multiplies, and the prep / post kernels do the
   sides that are not folded.
@@ -42,8 +42,9 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     HAVE_TRITON = False
 
 __all__ = ["trellis_matmul", "trellis_matmul_reference", "fold_weight", "fold_weight_reference", "GemmConfig",
-           "ReconConfig", "choose_config", "recon_cost", "pair_block_bits", "RECON_MIN_M", "FOLD_NONE", "FOLD_OUT", "FOLD_IN",
-           "FOLD_BOTH", "FOLD_BOTH16", "HAVE_TRITON"]
+           "ReconConfig", "choose_config", "config_from_entry", "small_m_entry", "SMALL_M_TABLE", "recon_cost",
+           "pair_block_bits", "RECON_MIN_M", "FOLD_NONE", "FOLD_OUT", "FOLD_IN", "FOLD_BOTH", "FOLD_BOTH16",
+           "HAVE_TRITON"]
 
 _CB_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 
@@ -346,7 +347,8 @@ if HAVE_TRITON:
         else:
             xv = xv.to(tl.float32) * tl.load(suh_ptr + rc).to(tl.float32)[None, :]
             y = _split_bf16_dot(xv, h, IEEE) * HSCALE
-        tl.store(x2_ptr + rm[:, None] * K + rc[None, :], y.to(tl.float16), mask=mask)
+        # x2 fp32 (GemmConfig.x_f32): the same fp16-rounded values, so that the FMA loop needs no conversion
+        tl.store(x2_ptr + rm[:, None] * K + rc[None, :], y.to(tl.float16).to(x2_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _post_kernel(y1_ptr, svh_ptr, had_ptr, y_ptr, M, N, HSCALE, BM: tl.constexpr):
@@ -428,7 +430,7 @@ if HAVE_TRITON:
                      K_BITS: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      FUSE_IN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
                      ASM: tl.constexpr, S1: tl.constexpr, PREFETCH: tl.constexpr, TRANS: tl.constexpr = False,
-                     L2PF: tl.constexpr = 0, FMA: tl.constexpr = False):
+                     L2PF: tl.constexpr = 0, FMA: tl.constexpr = 0):
         """One (BM, 128) output block over one K split: decode Q blocks, tl.dot, then the fused epilogue.
 
         FUSE_IN: x is the raw activation and this program applies suh and the input Hadamard per 128-chunk;
@@ -438,9 +440,12 @@ if HAVE_TRITON:
         left operand (the one tensor cores can take from registers) and the few rows of x the right one.
         L2PF > 0 (GPU only): before the K loop, the program asks for all its trellis words to be brought into
         L2 (``prefetch.global.L2``, one per 128-byte line, L2PF >= the program's line count), so that the
-        word gathers of the loop wait on L2 rather than on HBM. FMA (M == 1, prepared input, no TRANS or
-        PREFETCH): the product is accumulated with fp32 FMAs in the decode's own layout, (BK, 128) partial sums
-        reduced once at the end, instead of tl.dot.
+        word gathers of the loop wait on L2 rather than on HBM. FMA > 0 (prepared input, no TRANS or
+        PREFETCH): no tensor cores; each program takes FMA rows of x (not BM: BM, >= 16, is then only the
+        epilogue's block, rows past the program's own masked) and accumulates with fp32 FMAs in the decode's own
+        layout, where each thread holds all BK rows of one column: (FMA, BK, 128) fp32 partial sums, one FFMA
+        per weight and row, reduced once at the end. x may be fp32 (the prep kernel's fp16-rounded values, so
+        the same products): no conversion per element in the loop.
         """
         BN: tl.constexpr = 128
         WORDS: tl.constexpr = 8 * K_BITS
@@ -459,9 +464,15 @@ if HAVE_TRITON:
             t_row = c_start * 8 + li // LPR
             lines = words_ptr + (t_row * tiles_n + pid_n * (BN // 16)) * WORDS + (li % LPR) * 32
             _prefetch_l2(lines, t_row < c_end * 8)
-        rm = pid_m * BM + tl.arange(0, BM)
+        if FMA > 0:  # FMA rows per program; the (BM, 128) block from row0 on is the epilogue's
+            row0 = pid_m * FMA
+            m_lim = tl.minimum(M, row0 + FMA)
+        else:
+            row0 = pid_m * BM
+            m_lim = M
+        rm = row0 + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
-        m_mask = rm[:, None] < M
+        m_mask = rm[:, None] < m_lim
         i128 = tl.arange(0, 128)
         ibk = tl.arange(0, BK)
         if TRANS:
@@ -508,15 +519,29 @@ if HAVE_TRITON:
                     else:
                         acc = tl.dot(a, q, acc, out_dtype=tl.float32)
                     hi, lo, a, wb = hi_n, lo_n, a_n, wb_next
-            elif FMA:  # one row of x: no tensor cores, so no shared-memory staging and no barrier per step
+            elif FMA == 1:  # one row of x: no tensor cores, so no shared-memory staging and no barrier per step
                 acc2 = tl.zeros((BK, BN), dtype=tl.float32)
                 for k_it in range(c_start * 128, c_end * 128, BK):
                     kk = tl.multiple_of(k_it, BK)
-                    xv = tl.load(x_ptr + kk + ibk).to(tl.float32)
+                    xv = tl.load(x_ptr + row0 * K + kk + ibk).to(tl.float32)
                     wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
                     q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
                     acc2 += q.to(tl.float32) * xv[:, None]
-                acc = tl.where(rm[:, None] == pid_m * BM, tl.sum(acc2, axis=0)[None, :], 0.0)
+                acc = tl.where(rm[:, None] == row0, tl.sum(acc2, axis=0)[None, :], 0.0)
+            elif FMA > 1:  # a few rows: one FFMA per weight and row, still no staging (x is read by every thread)
+                ir = tl.arange(0, FMA)
+                rows = tl.minimum(row0 + ir, M - 1)  # rows past M read row M - 1 (no masked loads), stored nowhere
+                acc3 = tl.zeros((FMA, BK, BN), dtype=tl.float32)
+                for k_it in range(c_start * 128, c_end * 128, BK):
+                    kk = tl.multiple_of(k_it, BK)
+                    xv = tl.load(x_ptr + rows[:, None] * K + (kk + ibk)[None, :]).to(tl.float32)
+                    wbase = ((kk // 16) * tiles_n + pid_n * (BN // 16)) * WORDS
+                    q = _decode_pairs(words_ptr, wbase, off_hi, off_lo, shift, BK, CB, ASM)
+                    acc3 += q.to(tl.float32)[None, :, :] * xv[:, :, None]
+                accr = tl.sum(acc3, axis=1)
+                # rows 0 .. FMA - 1 of the epilogue's (BM, 128) block (a select, exact), the others zero
+                sel = (tl.arange(0, BM)[:, None] == ir[None, :])[:, :, None]
+                acc = tl.sum(tl.where(sel, accr[None, :, :], 0.0), axis=1)
             else:
                 for k_it in range(c_start * 128, c_end * 128, BK):
                     kk = tl.multiple_of(k_it, BK)  # alignment hint: 16-byte x loads instead of 2-byte ones
@@ -546,12 +571,12 @@ if HAVE_TRITON:
                 if TRANS:
                     _epilogue_t(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE)
                 else:
-                    _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
+                    _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, m_lim, N, HSCALE, IEEE, BM)
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
         elif TRANS:
             _epilogue_t(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE)
         else:
-            _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE, BM)
+            _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, m_lim, N, HSCALE, IEEE, BM)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -573,7 +598,9 @@ class GemmConfig:
     prefetch: bool = True  # prepared input: load step i + 1's words and x during step i's decode
     trans: bool = False  # prepared input: compute y^T = Q^T x^T (the weight as the dot's left operand)
     l2_prefetch: bool = False  # GPU: prefetch the program's trellis words into L2 before its K loop
-    fma: bool = False  # one row only (m == 1): fp32 FMAs instead of tensor cores (no prefetch, no trans)
+    fma: int = 0  # > 0: fp32 FMAs instead of tensor cores, this many rows per program (1, 2, 4, 8 or 16 <= bm;
+    # bm is then the epilogue's block only; no prefetch, trans or fuse_in). True is 1 (the one-row form)
+    x_f32: bool = False  # fma only: the prep kernel writes x2 as fp32 (same values): no conversion in the loop
 
 
 # What the reconstruct kernel folds into the fp16 weight it writes (``ReconConfig.fold``)
@@ -660,41 +687,69 @@ def balanced_split(chunks: int, target: int, *, min_chunks: int = 1) -> int:
     return -(-chunks // per)
 
 
+# The fused kernel's launch below RECON_MIN_M rows, as data: rows (largest m, entry), the first row with
+# m <= largest m applies. An entry holds GemmConfig fields (bm, bk, fma, x_f32, l2_prefetch, num_warps,
+# num_stages, prefetch, trans; the rest fixed: prepared input, asm on CUDA) and the split-K rule: ``per_sm``
+# programs per SM over the (n / 128) x m-blocks output blocks, ``min_chunks`` 128-row chunks per split at least,
+# ``balanced`` (default True: ``balanced_split``; False: the plain ceil). Filled from the H200 sweeps
+# (benchmarks/README.md, "Trellis GEMM"; ``benchmarks/gemm_sweep_small_m.py --print-table`` prints rows in this
+# form from a sweep's JSON):
+# - m == 1: the FMA form (no tensor cores, so no shared-memory staging and no barrier per step: 20-30 % faster
+#   than tl.dot at one row), about sixteen programs per SM with at least two chunks per split, L2 prefetch.
+# - m <= 16: BM=16 and about four programs per SM, so that enough loads are in flight; one pipeline stage
+#   (Triton's shared-memory stages cost 2-3x here) and no register prefetch (its registers cost more occupancy
+#   than it hides).
+# - up to RECON_MIN_M: BM=64, BK=64, about four programs per SM (plain ceil) and the L2 prefetch.
+SMALL_M_TABLE: tuple[tuple[int, dict], ...] = (
+    (1, dict(bm=16, bk=32, fma=1, l2_prefetch=True, per_sm=16, min_chunks=2)),
+    (16, dict(bm=16, bk=32, per_sm=4)),
+    (RECON_MIN_M - 1, dict(bm=64, bk=64, l2_prefetch=True, per_sm=4, balanced=False)),
+)
+
+_ENTRY_CONFIG_KEYS = frozenset({"bm", "bk", "fma", "x_f32", "l2_prefetch", "num_warps", "num_stages", "prefetch",
+                                "trans"})
+_ENTRY_SPLIT_KEYS = frozenset({"per_sm", "min_chunks", "balanced"})
+
+
+def config_from_entry(entry: dict, m: int, k: int, n: int, device: torch.device) -> GemmConfig:
+    """The GemmConfig of one ``SMALL_M_TABLE`` entry for this problem (split-K from the entry's rule and the SM
+    count), so that the table and the sweep that fills it build configs the same way."""
+    unknown = set(entry) - _ENTRY_CONFIG_KEYS - _ENTRY_SPLIT_KEYS
+    if unknown or "bm" not in entry or "bk" not in entry or "per_sm" not in entry:
+        raise ValueError(f"table entry {entry}: needs bm, bk, per_sm; unknown keys {sorted(unknown)}")
+    fields = {key: entry[key] for key in _ENTRY_CONFIG_KEYS & set(entry)}
+    rows = int(fields.get("fma", 0)) or fields["bm"]
+    programs = (n // 128) * -(-m // rows)
+    target = -(-entry["per_sm"] * _num_sms(device) // programs)
+    chunks = k // 128
+    if entry.get("balanced", True):
+        split = balanced_split(chunks, target, min_chunks=entry.get("min_chunks", 1))
+    else:
+        split = max(1, min(chunks, target))
+    fields.setdefault("num_warps", 4)
+    fields.setdefault("num_stages", 1)
+    fields.setdefault("prefetch", False)
+    return GemmConfig(split=split, fuse_in=False, asm=2 if device.type == "cuda" else 0, **fields)
+
+
+def small_m_entry(m: int) -> dict:
+    """The ``SMALL_M_TABLE`` entry for m rows (1 <= m < RECON_MIN_M)."""
+    for largest, entry in SMALL_M_TABLE:
+        if m <= largest:
+            return entry
+    raise ValueError(f"no SMALL_M_TABLE row for m = {m} (the table ends at {SMALL_M_TABLE[-1][0]})")
+
+
 def choose_config(m: int, k: int, n: int, device: torch.device,
                   dtype: torch.dtype = torch.float16) -> GemmConfig | ReconConfig:
-    """Heuristic per regime, from the H200 sweep (benchmarks/README.md, "Trellis GEMM"; ``EXL3_BENCH_SWEEP=1``).
-
-    m == 1: the fused kernel's FMA form (no tensor cores, so no shared-memory staging and no barrier per
-    step: 20-30 % faster than tl.dot at one row), split-K to at most about sixteen programs per SM with at least
-    two 128-row chunks per split (``balanced_split``), the words prefetched into L2.
-    2 <= m <= 16: the fused kernel, BM=16 and balanced split-K to about four programs per SM, so that enough
-    loads are in flight; the input side by the prep kernel (the fused form was never faster), one pipeline stage
-    (Triton's shared-memory stages cost 2-3x here) and no register prefetch (its registers cost more
-    occupancy than it hides).
-    16 < m < RECON_MIN_M: the fused kernel with BM=64, BK=64, split-K to about four programs per SM and the
-    L2 prefetch of the words.
-    m >= RECON_MIN_M: the reconstruct path, with the fold of least predicted cost (``recon_cost``): the
-    passes over the activations grow with m, the reconstruct kernel's cost with the folded Hadamards.
-    """
-    sms = _num_sms(device)
-    asm = 2 if device.type == "cuda" else 0
-    n_blocks = n // 128
-    chunks = k // 128
+    """The launch for m rows: ``SMALL_M_TABLE`` below RECON_MIN_M (the fused kernel), from there on the
+    reconstruct path with the fold of least predicted cost (``recon_cost``): the passes over the activations
+    grow with m, the reconstruct kernel's cost with the folded Hadamards."""
     if m >= RECON_MIN_M:
         fold = min(_FOLDS, key=lambda f: recon_cost(f, m, k, n, dtype))
-        return ReconConfig(fold=fold, br=32 if fold == FOLD_NONE else 64, num_warps=4, asm=asm)
-    if m == 1:
-        split = balanced_split(chunks, -(-16 * sms // n_blocks), min_chunks=2)
-        return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
-                          prefetch=False, l2_prefetch=True, fma=True)
-    if m <= 16:
-        split = balanced_split(chunks, -(-4 * sms // n_blocks))
-        return GemmConfig(bm=16, bk=32, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm,
-                          prefetch=False)
-    m_blocks = -(-m // 64)
-    split = max(1, min(chunks, -(-4 * sms // (n_blocks * m_blocks))))
-    return GemmConfig(bm=64, bk=64, split=split, fuse_in=False, num_warps=4, num_stages=1, asm=asm, prefetch=False,
-                      l2_prefetch=True)
+        return ReconConfig(fold=fold, br=32 if fold == FOLD_NONE else 64, num_warps=4,
+                           asm=2 if device.type == "cuda" else 0)
+    return config_from_entry(small_m_entry(m), m, k, n, device)
 
 
 _HAD_CACHE: dict[str, torch.Tensor] = {}
@@ -788,10 +843,10 @@ def _fold_weight(words: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, k: i
     return w
 
 
-def _prep(x2d: torch.Tensor, suh: torch.Tensor, ieee: bool) -> torch.Tensor:
-    """x2 = fp16((x * suh) @ B_k) (the prep kernel), (m, k)."""
+def _prep(x2d: torch.Tensor, suh: torch.Tensor, ieee: bool, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """x2 = fp16((x * suh) @ B_k) (the prep kernel), (m, k), stored as ``dtype`` (fp32: the same fp16 values)."""
     m, k = x2d.shape
-    xin = torch.empty((m, k), dtype=torch.float16, device=x2d.device)
+    xin = torch.empty((m, k), dtype=dtype, device=x2d.device)
     pbm = 64 if m >= 64 else 16
     _prep_kernel[(-(-m // pbm), k // 128)](x2d, suh, _hadamard_bf16(x2d.device), xin, m, k, HADAMARD_SCALE,
                                            BM=pbm, IEEE=ieee, num_warps=4)
@@ -864,13 +919,16 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
         return y.reshape(*lead, n)
     if 128 % cfg.bk or cfg.bm < 16 or (cfg.trans and cfg.fuse_in):
         raise ValueError(f"bad config {cfg}")
-    if cfg.fma and (m != 1 or cfg.trans or cfg.fuse_in or cfg.prefetch):
-        raise ValueError(f"config {cfg}: fma needs m == 1 and the plain prepared-input loop")
+    fma = int(cfg.fma)
+    if fma and (fma not in (1, 2, 4, 8, 16) or fma > cfg.bm or cfg.trans or cfg.fuse_in or cfg.prefetch):
+        raise ValueError(f"config {cfg}: fma takes 1, 2, 4, 8 or 16 rows (<= bm) and the plain prepared-input loop")
+    if cfg.x_f32 and not fma:
+        raise ValueError(f"config {cfg}: x_f32 is for the fma form only")
     had = _hadamard_bf16(dev)
     n_blocks = n // 128
-    m_blocks = -(-m // cfg.bm)
+    m_blocks = -(-m // (fma or cfg.bm))
     split = max(1, min(cfg.split, k // 128))
-    xin = x2d if cfg.fuse_in else _prep(x2d, suh_c, ieee)
+    xin = x2d if cfg.fuse_in else _prep(x2d, suh_c, ieee, torch.float32 if cfg.x_f32 else torch.float16)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=dev)
         cnt = _counters(dev, m_blocks * n_blocks)
@@ -885,5 +943,5 @@ def trellis_matmul(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
                        K_BITS=bits, CB=_CB_ID[codebook], BM=cfg.bm, BK=cfg.bk, FUSE_IN=cfg.fuse_in, SPLIT=split,
                        IEEE=ieee, ASM=0 if ieee else cfg.asm,
                        S1=1 if pair_block_bits(bits) == 2 else 2, PREFETCH=cfg.prefetch, TRANS=cfg.trans,
-                       L2PF=l2pf, FMA=cfg.fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       L2PF=l2pf, FMA=fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*lead, n)

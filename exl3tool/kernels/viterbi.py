@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["viterbi_tiles", "interpreter_active", "resident_tiles", "selfcheck_results", "slot_bytes", "packs_nibbles",
+__all__ = ["viterbi_tiles", "viterbi_matrix", "interpreter_active", "resident_tiles", "selfcheck_results", "slot_bytes", "packs_nibbles",
            "MODES", "DEFAULT_MODE"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
@@ -267,12 +267,22 @@ if _HAVE_TRITON:
         else:
             return tl.load(bp + p * E + ed).to(tl.int32)
 
-    @triton.jit
-    def _viterbi_kernel(x_ptr, dec_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr, n_tiles,
+    # the launch's integers are plain arguments, not specialised on (divisibility by 16, == 1): otherwise each
+    # new combination of chunk start, chunk size, tile columns and weight columns compiled the kernel again (a
+    # second on a server's first call of a new layer shape)
+    @triton.jit(do_not_specialize=["n_tiles", "first_tile", "tiles_n", "n_cols"])
+    def _viterbi_kernel(x_ptr, dec_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr, n_tiles, off_ptr, first_tile,
+                        tiles_n, n_cols,
                         K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr,
-                        KC: tl.constexpr, MODE: tl.constexpr, PACK4: tl.constexpr):
+                        KC: tl.constexpr, MODE: tl.constexpr, PACK4: tl.constexpr, MATRIX: tl.constexpr):
         """Persistent programs, one scratch slot each, tiles pid, pid + G, ... (G programs): per tile pass 1,
-        end-edge choice, traceback, constrained pass 2, traceback. The scratch is G slots, whatever n_tiles."""
+        end-edge choice, traceback, constrained pass 2, traceback. The scratch is G slots, whatever n_tiles.
+
+        MATRIX: x_ptr is a row-major (k, n_cols) weight and the tiles are its flat tiles first_tile, +1, ...
+        (tiles_n per tile row); element p of a tile sits at off[p] from the tile's corner. Each tile is copied
+        into its slot's row of val_ptr (G x 256), quantized from there, and its squared error (x - q)^2 written
+        over it in the weight (fp32) instead of writing the values q; the states go to idx_ptr in launch order
+        as always."""
         E: tl.constexpr = NH * NL
         SLOT: tl.constexpr = 256 * (E // 2 if PACK4 else E)  # back-pointer bytes per slot
         pid = tl.program_id(0)
@@ -283,7 +293,17 @@ if _HAVE_TRITON:
         zero64 = pid.to(tl.int64) * 0  # 64-bit tile offsets in compiled code and under the interpreter alike
         for tile in range(pid, n_tiles, tl.num_programs(0)):
             t64 = tile + zero64
-            x_t = x_ptr + t64 * 256
+            if MATRIX:  # the tile is copied into the slot's values row (a gather of 256 in parallel): the
+                # passes then read x_t[p] as for gathered tiles, not a dependent offset load per step
+                g64 = t64 + first_tile
+                row = g64 // tiles_n
+                x_m = x_ptr + row * 16 * n_cols + (g64 - row * tiles_n) * 16
+                pos = tl.arange(0, 256)
+                x_t = val_ptr + pid * 256
+                tl.store(x_t + pos, tl.load(x_m + tl.load(off_ptr + pos)))
+                tl.debug_barrier()
+            else:
+                x_t = x_ptr + t64 * 256
 
             # pass 1 (unconstrained): C = 0 makes the first step fma16(d, d, 0) = f16(d*d)
             for hc in range(NH // BH):
@@ -326,9 +346,20 @@ if _HAVE_TRITON:
                 k = _back_pointer(bp, p, ed, E, PACK4)
                 s = (k << (16 - K)) | ed
                 tl.store(idx_ptr + t64 * 256 + p, s.to(tl.int16))
-                tl.store(val_ptr + t64 * 256 + p, tl.load(dec_ptr + s).to(tl.float32))
+                q = tl.load(dec_ptr + s).to(tl.float32)
+                if MATRIX:  # the values replace the copy of the tile in the slot's row (the passes are done)
+                    tl.store(x_t + p, q)
+                else:
+                    tl.store(val_ptr + t64 * 256 + p, q)
                 ed = k * NH + (ed >> K)
             tl.debug_barrier()  # the slot's back-pointers are read to the end before the next tile writes them
+            if MATRIX:
+                # one thread per element reads x and q and writes (x - q)^2 in x's place (a scalar read-modify-
+                # write in the traceback would race between warps, each running it for the same element)
+                xp = x_m + tl.load(off_ptr + pos)
+                d = tl.load(xp) - tl.load(x_t + pos)
+                tl.store(xp, d * d)
+                tl.debug_barrier()  # the slot's values row is read before the next tile writes it
 
 
 class _NullContext:
@@ -438,6 +469,26 @@ def _geometry(bits: int, block_edges: int | None) -> tuple[int, int, int]:
     return nl, nh, bh
 
 
+def _check_launch(x: torch.Tensor, bits: int, codebook: str, mode: int | None, num_warps: int | None,
+                  block_edges: int | None, programs: int | None, what: str) -> int:
+    """Validate the arguments both entry points share; returns the kernel mode."""
+    if not _HAVE_TRITON:
+        raise RuntimeError(f"{what} needs triton")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    check_codebook(codebook)
+    interp = interpreter_active()
+    if not x.is_cuda and not interp:
+        raise ValueError(f"{what} needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be a positive integer, got {programs!r}")
+    if mode is None:
+        mode = 0 if interp else _checked_default_mode(x.device, bits, codebook, num_warps, block_edges)
+    if mode not in MODES or (interp and mode not in (0, 5)):
+        raise ValueError(f"mode must be one of {MODES} (0 or 5 under the interpreter), got {mode!r}")
+    return mode
+
+
 def viterbi_tiles(
     tiles: torch.Tensor,
     bits: int,
@@ -449,41 +500,103 @@ def viterbi_tiles(
     k_chunk: int | None = None,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     programs: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) float32 tiles (trellis order) to EXL3 states; same contract as quantize_tiles.
 
-    Returns (values float32 (n, 256), states int16 (n, 256)) on the input's device. Runs on CUDA
-    tensors, or on CPU tensors when the Triton interpreter is active. ``mode``/``num_warps``/
-    ``block_edges`` select kernel variants (for benchmarking); results never depend on them.
-    ``programs`` is how many tiles are in flight at once, each with its own scratch slot
-    (``slot_bytes``); None: as many as ``scratch_bytes`` holds. Results never depend on it either.
+    Returns (values float32 (n, 256), states int16 (n, 256)) on the input's device, written into ``out``
+    (contiguous tensors of those shapes) when given. Runs on CUDA tensors, or on CPU tensors when the Triton
+    interpreter is active. ``mode``/``num_warps``/``block_edges`` select kernel variants (for benchmarking);
+    results never depend on them. ``programs`` is how many tiles are in flight at once, each with its own
+    scratch slot (``slot_bytes``); None: as many as ``scratch_bytes`` holds. Results never depend on it either.
     """
-    if not _HAVE_TRITON:
-        raise RuntimeError("viterbi_tiles needs triton")
     if not isinstance(tiles, torch.Tensor):
         raise ValueError(f"tiles must be a torch.Tensor, got {type(tiles).__name__}")
     if tiles.dtype != torch.float32:
         raise ValueError(f"tiles must be float32, got {tiles.dtype}")
     if tiles.dim() != 2 or tiles.shape[1] != 256:
         raise ValueError(f"tiles must have shape (n, 256), got {tuple(tiles.shape)}")
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
-    check_codebook(codebook)
-    interp = interpreter_active()
-    if not tiles.is_cuda and not interp:
-        raise ValueError("viterbi_tiles needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)")
-    if mode is None:
-        mode = 0 if interp else _checked_default_mode(tiles.device, bits, codebook, num_warps, block_edges)
-    if mode not in MODES or (interp and mode not in (0, 5)):
-        raise ValueError(f"mode must be one of {MODES} (0 or 5 under the interpreter), got {mode!r}")
-
+    mode = _check_launch(tiles, bits, codebook, mode, num_warps, block_edges, programs, "viterbi_tiles")
     dev = tiles.device
     n = tiles.shape[0]
-    values = torch.empty((n, 256), dtype=torch.float32, device=dev)
-    states = torch.empty((n, 256), dtype=torch.int16, device=dev)
-    if n == 0:
-        return values, states
-    tiles = tiles.contiguous()
+    if out is not None:
+        values, states = out
+        for t, dtype in ((values, torch.float32), (states, torch.int16)):
+            if t.shape != (n, 256) or t.dtype != dtype or not t.is_contiguous() or t.device != dev:
+                raise ValueError(f"out tensors must be contiguous ({n}, 256) float32 and int16 on {dev}")
+    else:
+        values = torch.empty((n, 256), dtype=torch.float32, device=dev)
+        states = torch.empty((n, 256), dtype=torch.int16, device=dev)
+    if n:
+        _launch(tiles.contiguous(), n, bits, codebook, mode, num_warps, block_edges, k_chunk, scratch_bytes,
+                programs, states, values)
+    return values, states
+
+
+def viterbi_matrix(
+    weight: torch.Tensor,
+    first_tile: int,
+    n_tiles: int,
+    bits: int,
+    codebook: str = "mcg",
+    *,
+    states: torch.Tensor | None = None,
+    programs: int | None = None,
+    mode: int | None = None,
+    num_warps: int | None = None,
+    block_edges: int | None = None,
+) -> torch.Tensor:
+    """Quantize the flat tiles ``first_tile`` .. ``first_tile + n_tiles - 1`` (row-major over the 16 x 16 tiles)
+    of a contiguous (k, n) float32 ``weight`` where they lie, and overwrite each with its squared error
+    (W - Q)^2 in fp32. Returns their states (n_tiles, 256) int16 (into ``states`` when given).
+
+    What ``viterbi_tiles`` on the gathered tiles gives, without gathering them: an encode's chunk then needs
+    only its states besides the kernel's scratch (no gathered tiles, index or values: 8 KiB per tile less), so
+    a small layer goes through in one launch within the reference's memory. Each slot's scratch has a 1 KiB row
+    more (the values of the tile in flight).
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D float32 tensor")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous (row-major)")
+    k, n = weight.shape
+    total = (k // 16) * (n // 16)
+    if k % 16 or n % 16 or not 0 <= first_tile <= first_tile + n_tiles <= total:
+        raise ValueError(f"tiles {first_tile}..{first_tile + n_tiles - 1} are not tiles of a ({k}, {n}) weight")
+    mode = _check_launch(weight, bits, codebook, mode, num_warps, block_edges, programs, "viterbi_matrix")
+    dev = weight.device
+    if states is None:
+        states = torch.empty((n_tiles, 256), dtype=torch.int16, device=dev)
+    elif states.shape != (n_tiles, 256) or states.dtype != torch.int16 or not states.is_contiguous():
+        raise ValueError(f"states must be a contiguous ({n_tiles}, 256) int16 tensor")
+    if n_tiles:
+        _launch(weight, n_tiles, bits, codebook, mode, num_warps, block_edges, None, DEFAULT_SCRATCH_BYTES,
+                programs, states, None, matrix=(first_tile, n // 16, n))
+    return states
+
+
+_OFFSETS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
+    """int32 offset of trellis position p from its tile's corner in a row-major matrix with ``n_cols`` columns."""
+    key = (str(device), n_cols)
+    if key not in _OFFSETS:
+        from exl3tool.encode.layout import TENSOR_CORE_PERM
+
+        perm = TENSOR_CORE_PERM.to(torch.int64)
+        _OFFSETS[key] = ((perm // 16) * n_cols + perm % 16).to(device=device, dtype=torch.int32)
+    return _OFFSETS[key]
+
+
+def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_warps: int | None,
+            block_edges: int | None, k_chunk: int | None, scratch_bytes: int, programs: int | None,
+            states: torch.Tensor, values: torch.Tensor | None,
+            matrix: tuple[int, int, int] | None = None) -> None:
+    """Scratch for G = min(n, programs) slots and one launch of the persistent kernel over n tiles of ``x``
+    (gathered tiles, or a matrix when ``matrix`` = (first tile, tiles per row, columns))."""
+    interp = interpreter_active()
+    dev = x.device
     dec = codebook_table(codebook, dev)
     nl, nh, bh = _geometry(bits, block_edges if block_edges is not None or not interp else 1 << (16 - bits))
     if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8; at K = 4
@@ -494,18 +607,22 @@ def viterbi_tiles(
         raise ValueError(f"k_chunk must be a power of two in 1..{nl}, got {kc}")
     e = nl * nh
     pack4 = packs_nibbles(bits, mode)
-    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
-        raise ValueError(f"programs must be a positive integer, got {programs!r}")
     per_slot = slot_bytes(bits, mode)
     g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
     bp = torch.empty((g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)  # per_slot = bp + cs
     cs = torch.empty((g, 2, e), dtype=torch.float16, device=dev)
+    if matrix is None:
+        off, first, tiles_n, n_cols = dec, 0, 1, 1  # off unused
+    else:
+        first, tiles_n, n_cols = matrix
+        off = _tile_offsets(dev, n_cols)
+        values = torch.empty((g, 256), dtype=torch.float32, device=dev)  # each slot's values row (+ 1 KiB a slot)
     guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
     with guard:  # launch on the tensors' GPU, not whichever is current
         compiled = _viterbi_kernel[(g,)](
-            tiles, dec, cs, bp, states, values, n,
-            K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, num_warps=num_warps,
+            x, dec, cs, bp, states, values, n, off, first, tiles_n, n_cols,
+            K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, MATRIX=matrix is not None,
+            num_warps=num_warps,
         )
     global LAST_COMPILED
     LAST_COMPILED = compiled  # for the benchmark's resource report (registers, spills, PTX)
-    return values, states
