@@ -5,16 +5,22 @@ for exl3tool at its default budget (the reference's: 3.5x the weight and its cac
 never binds (the pre-budget speed); the reference is called as the serving fork calls it (fp32 (k, n) weight on
 the GPU, meta Hessian, K/seed/devices/apply_out_scales/mcg, ``return_weight_q=False``) and its bytes are compared.
 CPU (``--device cpu``): each shape runs in a fresh process; peak is the host's resident high-water mark (VmHWM,
-reset through /proc/self/clear_refs) above the resident size with the weight allocated.
+reset through /proc/self/clear_refs) above the resident size with the weight allocated. ``--phases`` (CPU) gives
+that peak phase by phase against the plan's figure of each phase (``host_peak.py``), for the large shapes in
+seconds: every phase and every chunk runs, but the numba kernel only on ``--real-tiles`` tiles of each call (its
+memory does not depend on the tiles' values; the rows of the rest are copies); a calibration call compares the
+stand-in with the real kernel on one chunk of the first shape.
 
     python benchmarks/bench_encode_memory.py --device cuda --unbounded --json benchmarks/results/bench_encode_memory_h200.json
     python benchmarks/bench_encode_memory.py --device cpu --shapes 512x1024,1024x1024,1024x2048
+    python benchmarks/bench_encode_memory.py --device cpu --phases --json benchmarks/results/bench_encode_memory_cpu_large.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -190,6 +196,108 @@ def bench_cpu(shapes) -> list[dict]:
     return rows
 
 
+ISSUE_SHAPES = [s for s in SHAPES if s[0] in {(5120, 6144), (16384, 7168), (18432, 7168), (7168, 36864)}]
+
+
+def _host_peak():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import host_peak
+
+    return host_peak
+
+
+def _mib(b: float) -> float:
+    return round(b / 2**20, 1)
+
+
+def phase_row(r: dict) -> dict:
+    """One shape's ``host_peak.measure_encode`` result as a JSON row: each phase measured and modelled, the peak
+    against the plan's and 3.5 W."""
+    k, n, w, plan = r["k"], r["n"], r["weight_bytes"], r["plan"]
+    peaks, model = r["peaks"], r["model"]
+    top = max(peaks, key=peaks.get)
+    step = min(plan.chunk_tiles, 65536)  # the encoder's call size without a progress callback (online._step)
+    return {
+        "k": k, "n": n, "bits": r["bits"], "weight_mib": _mib(w), "budget_mib": _mib(plan.budget_bytes),
+        "chunk_tiles": step, "chunks": math.ceil((k // 16) * (n // 16) / step),
+        "plan_peak_mib": _mib(plan.peak_bytes), "x3_5_mib": _mib(3.5 * w),
+        "phases": {p: {"measured_mib": _mib(peaks[p]), "x_w": round(peaks[p] / w, 2), "model_mib": _mib(model[p]),
+                       "seconds": round(r["seconds"].get(p, 0.0), 2)} for p in peaks},
+        "peak_mib": _mib(peaks[top]), "peak_x": round(peaks[top] / w, 2), "peak_phase": top,
+        "within_plan": peaks[top] <= plan.peak_bytes, "within_3_5w": peaks[top] <= 3.5 * w,
+        "phases_within_model": all(peaks[p] <= model[p] for p in peaks),
+        "viterbi": r["viterbi"], "wall_s": round(r["wall_s"], 1),
+    }
+
+
+def _phases_child(k: int, n: int, real_tiles: int | None) -> None:
+    hp = _host_peak()
+    hp.warm_up()
+    print(json.dumps(phase_row(hp.measure_encode(k, n, real_tiles=real_tiles))))
+
+
+def _calibrate_child(tiles: int, real_tiles: int) -> None:
+    hp = _host_peak()
+    hp.warm_up()
+    c = hp.calibrate(tiles, real_tiles)
+    print(json.dumps({"tiles": tiles, "real_tiles": real_tiles, "standin_mib": _mib(c["standin_bytes"]),
+                      "real_mib": _mib(c["real_bytes"]), "standin_s": round(c["standin_s"], 1),
+                      "real_s": round(c["real_s"], 1)}))
+
+
+def _run_child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=dict(os.environ))
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(args)}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_cpu_phases(shapes, real_tiles: int | None, calibrate_tiles: int | None) -> dict:
+    """Each shape's phases in a fresh process; first a calibration call (``calibrate_tiles`` None: one chunk of the
+    first shape's plan, 0: none)."""
+    from exl3tool.encode.memory import plan_encode_memory
+
+    result: dict = {"device": "cpu", "threads": torch.get_num_threads(), "real_tiles": real_tiles}
+    rt = "all" if real_tiles is None else str(real_tiles)
+    if calibrate_tiles is None:
+        (k, n), _ = shapes[0]
+        calibrate_tiles = plan_encode_memory(k, n, 6, "cpu").chunk_tiles
+    if calibrate_tiles and real_tiles is not None:
+        result["calibration"] = _run_child(["--child-calibrate", str(calibrate_tiles), "--real-tiles", rt])
+        print(json.dumps(result["calibration"]), file=sys.stderr, flush=True)
+    rows = []
+    for (k, n), where in shapes:
+        row = _run_child(["--child-phases", f"{k}x{n}", "--real-tiles", rt])
+        row["source"] = where
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    result["rows"] = rows
+    return result
+
+
+def phases_table(result: dict) -> str:
+    """Markdown: per shape each phase's measured peak / the model's figure (MiB above the weight), then the peak."""
+    rows = result["rows"]
+    phases = list(rows[0]["phases"])
+    head = ["layer (k, n)", "W", *phases, "peak (x W)", "plan peak", "3.5 W"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"({r['k']}, {r['n']})", f"{r['weight_mib']:,.0f}"]
+        cells += [f"{r['phases'][p]['measured_mib']:,.0f} / {r['phases'][p]['model_mib']:,.0f}" for p in phases]
+        cells += [f"{r['peak_mib']:,.0f} ({r['peak_x']:.2f}, {r['peak_phase']})", f"{r['plan_peak_mib']:,.0f}",
+                  f"{r['x3_5_mib']:,.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"{r['k']}x{r['n']}: {r['chunks']} chunks of {r['chunk_tiles']} tiles all run; Viterbi {r['viterbi']['tiles']:,}"
+             f" tiles in {r['viterbi']['calls']} calls, {r['viterbi']['real_tiles']:,} through the real kernel; "
+             f"{r['wall_s']} s" if r["viterbi"] else f"{r['k']}x{r['n']}: every tile through the real kernel; {r['wall_s']} s"
+             for r in rows]
+    c = result.get("calibration")
+    if c:
+        notes.append(f"calibration, one Viterbi call on {c['tiles']:,} tiles: real kernel {c['real_mib']} MiB "
+                     f"({c['real_s']} s), stand-in with {c['real_tiles']} real tiles {c['standin_mib']} MiB ({c['standin_s']} s)")
+    return "\n".join(lines + [""] + notes)
+
+
 def _table(rows: list[dict]) -> str:
     keys = [c for c in ("k", "n", "weight_mib", "budget_mib", "slots", "chunk_tiles", "tool_peak_mib", "tool_peak_x",
                         "tool_s", "unbounded_s", "unbounded_peak_mib", "ref_peak_mib", "ref_s", "peak_ratio",
@@ -220,11 +328,38 @@ def main() -> None:
     ap.add_argument("--reference", help="exllamav3 package directory, loaded as the fork loads its encoder source")
     ap.add_argument("--no-reference", action="store_true", help="skip exllamav3 even where it is importable")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--phases", action="store_true",
+                    help="CPU: peak per phase against the plan's figures (default shapes: issue 24's four)")
+    ap.add_argument("--real-tiles", default="4",
+                    help="--phases: tiles of each Viterbi call through the real numba kernel (the rest are copies); "
+                         "'all' for every tile (hours for the large shapes)")
+    ap.add_argument("--calibrate-tiles", type=int,
+                    help="--phases: tiles of the calibration call, real kernel against the stand-in (default: one "
+                         "chunk of the first shape; 0: none)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-phases", help=argparse.SUPPRESS)
+    ap.add_argument("--child-calibrate", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    real_tiles = None if a.real_tiles == "all" else int(a.real_tiles)
     if a.child:
         k, n = (int(x) for x in a.child.split("x"))
         _child(k, n)
+        return
+    if a.child_phases:
+        k, n = (int(x) for x in a.child_phases.split("x"))
+        _phases_child(k, n, real_tiles)
+        return
+    if a.child_calibrate:
+        _calibrate_child(a.child_calibrate, real_tiles or 4)
+        return
+    if a.phases:
+        if a.device != "cpu":
+            raise SystemExit("--phases measures the host: use it with --device cpu")
+        result = bench_cpu_phases(_parse_shapes(a.shapes) if a.shapes else ISSUE_SHAPES, real_tiles, a.calibrate_tiles)
+        print(phases_table(result))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
         return
     shapes = _parse_shapes(a.shapes)
     rows = bench_cuda(shapes, a.unbounded, not a.no_reference, a.reference) if a.device == "cuda" else bench_cpu(shapes)

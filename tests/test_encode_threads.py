@@ -38,6 +38,24 @@ def test_fixed_sum_does_not_depend_on_the_thread_count(threads):
     assert _mean(small).item() == small.mean().item()  # below one chunk it is torch's own mean
 
 
+@pytest.mark.parametrize("slab_rows", [1, 3, 2048])
+def test_proxy_error_in_slabs_is_the_whole_float64_sum(threads, slab_rows, monkeypatch):
+    """The CPU proxy error widens the squared error a slab of rows at a time: the same value as the whole widened
+    at once (the sum before issue 24's CPU bound), with 1 and 3 threads, slabs of one row, three, or all."""
+    import exl3tool.encode.online as online
+
+    monkeypatch.setattr(online, "PROXY_SLAB_ROWS", slab_rows)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    sq = (torch.randn(384, 1408, generator=gen) * torch.rand(1, 1408, generator=gen)).square()  # 132 rows of 4096
+    whole = float(online._fixed_sum(sq.to(torch.float64))) / sq.numel()
+    for n in (1, 3):
+        threads(n)
+        assert online._proxy_error_of_squares(sq) == whole
+        assert online._fixed_sum_float64(sq).item() == online._fixed_sum(sq.to(torch.float64)).item()
+    plain = float(sq.to(torch.float64).sum()) / sq.numel()
+    assert abs(whole - plain) <= 1e-12 * plain  # and it is the float64 sum
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k, n, seed", [(512, 256, 12345), (384, 768, 1152)])
 def test_entry_bytes_do_not_depend_on_the_thread_count(threads, tmp_path, k, n, seed):

@@ -375,10 +375,12 @@ def test_cuda_mean_order_thread_by_thread(n):
 
 
 def test_block_sum_squares_order_block_by_block():
-    """Vectorised block sums equal the block-by-block form, bit for bit, on both axes."""
+    """Vectorised block sums equal the block-by-block form, bit for bit, on both axes; the weight is not written
+    (the sums run in place in its squares)."""
     from exl3tool.encode.online import _block_sum_squares
 
     w = torch.randn(384, 640) * torch.rand(1, 640) * 3
+    before = w.clone()
     sq = w.square()
     cols = None
     for b in range(0, 384, 32):  # dim 0: four strided accumulators per 32-row block, blocks in order
@@ -396,6 +398,7 @@ def test_block_sum_squares_order_block_by_block():
             x = x[: x.shape[0] // 2] + x[x.shape[0] // 2 :]
         rows = x[0] if rows is None else rows + x[0]
     assert torch.equal(_block_sum_squares(w, 1), rows)
+    assert torch.equal(w, before)
 
 
 def test_sqrt32_is_correctly_rounded_like_cudas_sqrtf():

@@ -3,6 +3,7 @@
 An encode of a (k, n) weight (W = 4 k n bytes in fp32) runs in phases whose peaks, above the weight itself,
 are known in closed form (``encode_linear`` frees every intermediate as soon as it is used):
 
+* checks: 1.75 W (the weight's finiteness: its magnitudes and three boolean masks);
 * regularize: 2 W (one scaled copy and its Hadamard product; the RMS reductions run in slabs);
 * scale search: 2 W (the regularised weight, its tiles squared for the per-tile mean square), then the weight and
   the sample's batch of five scales (with its values and states) while it goes through the quantizer, and beside
@@ -10,11 +11,19 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
 * tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
   error, plus the packed trellis), one chunk's states (``chunk_tiles``; on a GPU at the K of ``IN_PLACE_BITS``
   the kernel reads the tiles where they lie and writes their errors over them, so 512 B a tile; elsewhere the
-  tiles are gathered, with their index and values: 8 KiB a tile on a GPU), then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256
-  positions x 2^(16-K) back-pointers (a byte each, two per byte at K <= 4), two cost rows and a row of values
-  (the kernel's programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the
-  kernel has returned and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
-* proxy error: 1 W + the trellis + 2 W (the squared error widened to float64 for the sum).
+  tiles are gathered, with their index and values: 8 KiB a tile on a GPU), then either the Viterbi kernel's
+  scratch: ``slots`` tiles in flight, each slot 256 positions x 2^(16-K) back-pointers (a byte each, two per byte
+  at K <= 4), two cost rows and a row of values (the kernel's programs are persistent, so the scratch is
+  ``slots`` slots whatever the chunk), or, once the kernel has returned and freed it, the packing's bit streams
+  (about 20 KiB per tile, 2,048 tiles at a time);
+* proxy error: 1 W + the trellis + the squared error widened to float64 for the sum: on the CPU a slab of
+  PROXY_SLAB_ROWS x 4,096 values at a time (64 MiB at most), elsewhere the whole (2 W; CUDA makes no copy at all,
+  so the GPU figure is an upper bound).
+
+On the CPU every phase also counts ``_CPU_HEAP_SLACK`` for what the C allocator keeps of freed blocks (the encoder
+hands the heap's free pages back between phases, ``online._release_host_heap``); ``phase_bytes`` and
+``EncodeMemoryPlan.phases`` give each phase's figure, which ``benchmarks/bench_encode_memory.py --phases``
+compares with the host's measured peak.
 
 The default budget of one encode on a GPU is what exllamav3's ``quantize_exl3`` needs for the same layer,
 measured on an H200 against 1.6.5 (issues 21, 24): 3.5 W per call at least (3.5-4.5 W over the deployed shapes),
@@ -28,8 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "IN_PLACE_BITS", "EncodeMemoryPlan", "MIN_CHUNK_TILES", "MIN_SLOTS",
-    "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "plan_encode_memory",
+    "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
+    "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR",
+    "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "phase_bytes", "plan_encode_memory",
     "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
 ]
 
@@ -52,8 +62,16 @@ IN_PLACE_BITS = frozenset({6})
 WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
 PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
-_CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile)
+_CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile;
+# measured 10-25 KiB with the packing at issue 24's shapes' chunks: an upper bound)
 _SLACK = 4 << 20  # small tensors: sign vectors, scales, codebook table, per-launch bookkeeping
+# CPU: what the C heap holds beyond the live bytes within a phase (bench_encode_memory.py --phases): a few MiB from
+# a 64 MiB weight up, up to 30 MiB in regularize at 16 MiB (matrices under glibc's 32 MiB mmap ceiling share its heap
+# and fragment it)
+_CPU_HEAP_SLACK = 64 << 20
+PROXY_SLAB_ROWS = 2048  # CPU proxy error: rows of 4,096 squared errors widened to float64 at once (online.py)
+PROXY_SLAB_BYTES = PROXY_SLAB_ROWS * 4096 * 8  # 64 MiB: above glibc's 32 MiB mmap ceiling, so freed to the system
+PHASES = ("checks", "regularize", "scale search", "tile quantization", "proxy error")  # encode_linear's, in order
 GPU_MARGIN_BYTES = 1 << 30  # left free by the default device budget (allocator fragmentation, CUDA context)
 GPU_MARGIN_FRACTION = 0.05  # ... or this share of the device, whichever is larger
 
@@ -82,6 +100,13 @@ class EncodeMemoryPlan:
     tile_bytes: int  # bytes per tile of a chunk
     slots: int | None = None
     slot_bytes: int = 0
+    tile_phase_bytes: int = 0  # the tile quantization's peak: a chunk in flight beside W_r and the trellis
+
+    def phases(self, k: int, n: int, bits: int, device_type: str) -> dict[str, int]:
+        """The model's peak of every phase (``PHASES``) for this plan's (k, n) layer: what a measurement is
+        compared with phase by phase (``benchmarks/host_peak.py``)."""
+        fixed = phase_bytes(k, n, bits, device_type)
+        return {p: self.tile_phase_bytes if p == "tile quantization" else fixed[p] for p in PHASES}
 
 
 def weight_bytes(k: int, n: int) -> int:
@@ -112,19 +137,48 @@ def _trellis_bytes(k: int, n: int, bits: int) -> int:
     return (k // 16) * (n // 16) * 32 * bits  # 16 * bits int16 per tile
 
 
-def _fixed_bytes(k: int, n: int, bits: int, sample_tiles: int) -> tuple[int, int]:
-    """(the largest phase without tiles in flight, what stays allocated while tiles are quantized)."""
+def phase_bytes(k: int, n: int, bits: int, device_type: str, sample_tiles: int | None = None) -> dict[str, int]:
+    """The model's peak of each phase of a (k, n) encode that does not depend on the chunk, bytes above the weight.
+
+    ``PHASES`` less the tile quantization, whose figure is ``EncodeMemoryPlan.tile_phase_bytes``. ``sample_tiles``
+    defaults to ``sample_tile_count(k, n)``.
+    """
     w = weight_bytes(k, n)
     trellis = _trellis_bytes(k, n, bits)
-    regularize = 2 * w + w // 4  # the copy, its product, one reduction slab
-    # the batch of five scales with its values and states, plus, per sample tile, four more (the sample, its
-    # distinct tiles, the fine centre's values, one scale's mse operand expanded back to the sample)
-    search = w + sample_tiles * (_TILE_BYTES // 5 + _TILE_BYTES + _TILE_BYTES + _TILE_BYTES // 2) + (
+    if sample_tiles is None:
+        sample_tiles = sample_tile_count(k, n)
+    search = _search_bytes(w, sample_tiles)
+    if device_type == "cpu":  # the squared error widened to float64 a slab at a time, and the row sums
+        error = w + trellis + min(2 * w, PROXY_SLAB_BYTES) + w // 2048
+    else:  # CUDA sums 16-row blocks (no copy at all), other devices widen it whole: the larger figure for both
+        error = w + trellis + 2 * w
+    slack = _slack(device_type)
+    return {
+        "checks": 7 * w // 4 + slack,  # isfinite: |w| and three boolean masks
+        "regularize": 2 * w + w // 4 + slack,  # the copy, its product, one reduction slab
+        "scale search": max(2 * w, search) + slack,  # weight and its squared tiles; or the sample and its batch
+        "proxy error": error + slack,
+    }
+
+
+def _search_bytes(w: int, sample_tiles: int) -> int:
+    """The scale search's largest moment: the weight, the batch of five scales with its values and states, and per
+    sample tile four more (the sample, its distinct tiles, the fine centre's values, one scale's mse operand
+    expanded back to the sample)."""
+    return w + sample_tiles * (_TILE_BYTES // 5 + _TILE_BYTES + _TILE_BYTES + _TILE_BYTES // 2) + (
         sample_tiles // 5) * 4 * _TILE_BYTES
-    scale = max(2 * w, search)  # weight and its squared tiles; or the sample, the batch, its values and states
-    error = w + trellis + 2 * w
-    during_quantize = max(w + trellis, search)
-    return max(regularize, scale, error) + _SLACK, during_quantize + _SLACK
+
+
+def _slack(device_type: str) -> int:
+    return _SLACK + (_CPU_HEAP_SLACK if device_type == "cpu" else 0)
+
+
+def _fixed_bytes(k: int, n: int, bits: int, sample_tiles: int, device_type: str = "cuda") -> tuple[int, int]:
+    """(the largest phase without tiles in flight, what stays allocated while tiles are quantized)."""
+    w = weight_bytes(k, n)
+    search = _search_bytes(w, sample_tiles)
+    during_quantize = max(w + _trellis_bytes(k, n, bits), search)
+    return max(phase_bytes(k, n, bits, device_type, sample_tiles).values()), during_quantize + _slack(device_type)
 
 
 def _pack_bytes(chunk: int) -> int:
@@ -144,7 +198,7 @@ def default_budget(k: int, n: int, bits: int = 6, device_type: str = "cuda", sms
     H200's 132 if None); on the CPU 3.5 W or a small layer's floor."""
     if device_type != "cpu":
         return reference_peak_bytes(k, n, bits, sms)
-    fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n))
+    fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n), "cpu")
     tiles = (k // 16) * (n // 16)
     floor = max(fixed, during + min(tiles, DEFAULT_FLOOR_TILES) * _CPU_TILE_BYTES)
     return max(int(REFERENCE_FACTOR * weight_bytes(k, n)), floor)
@@ -169,7 +223,7 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     gpu = device_type != "cpu"
     per_tile = (_GPU_TILE_EXTRA if bits in IN_PLACE_BITS else _GPU_TILE_GATHERED) if gpu else _CPU_TILE_BYTES
     per_slot = (slot_bytes or viterbi_slot_bytes(bits)) if gpu else 0
-    fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n))
+    fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n), device_type)
     smallest = min(tiles, MIN_CHUNK_TILES)
     min_slots = min(tiles, MIN_SLOTS) if gpu else 0
     # on the CPU the 48 KiB per tile in flight include the packing
@@ -187,7 +241,7 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
         chunk = max(smallest, min(tiles, avail // per_tile))
         peak = max(fixed, during + chunk * per_tile)
         return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=peak, fixed_bytes=fixed,
-                                tile_bytes=per_tile)
+                                tile_bytes=per_tile, tile_phase_bytes=during + chunk * per_tile)
     # more programs than the resident wave still run faster (each queued one starts as one ends: +4 % at K = 6 for
     # 8,064 slots against the 1,188 resident on an H200, bench_viterbi_slots.py), so where the budget allows the
     # slots go up to 2 GiB of scratch; a tight budget (the reference's, for a small layer) gets fewer
@@ -208,9 +262,10 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
         chunk -= chunk % slots  # whole rounds: every program gets as many tiles as the next
     chunk = max(chunk, smallest)
     slots = min(slots, chunk)
-    peak = max(fixed, during + chunk * per_tile + max(slots * per_slot, _pack_bytes(chunk)))
-    return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=peak, fixed_bytes=fixed,
-                            tile_bytes=per_tile, slots=slots, slot_bytes=per_slot)
+    tile_phase = during + chunk * per_tile + max(slots * per_slot, _pack_bytes(chunk))
+    return EncodeMemoryPlan(budget_bytes=budget_bytes, chunk_tiles=chunk, peak_bytes=max(fixed, tile_phase),
+                            fixed_bytes=fixed, tile_bytes=per_tile, slots=slots, slot_bytes=per_slot,
+                            tile_phase_bytes=tile_phase)
 
 
 def device_budget(device, gib: float | None = None) -> int:

@@ -17,6 +17,8 @@ default) and one with 2 rounded differently, which changed the proxy error and, 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,7 +29,7 @@ from exl3tool.encode.codebook import check_codebook
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.encode.hadamard import hadamard_left, hadamard_right
 from exl3tool.encode.layout import matrix_to_tiles, tile_element_index
-from exl3tool.encode.memory import EncodeMemoryPlan, plan_encode_memory
+from exl3tool.encode.memory import PROXY_SLAB_ROWS, EncodeMemoryPlan, plan_encode_memory
 from exl3tool.encode.signs import reference_signs
 from exl3tool.encode.trellis import check_bits, pack_trellis
 from exl3tool.timing import StageTimer, stage
@@ -110,24 +112,34 @@ def _block_sum_squares(w: torch.Tensor, dim: int) -> torch.Tensor:
     32 rows with four strided accumulators; along a row (dim 1) a warp halving tree adds x[i] + x[i + 16],
     then + 8, ... These orders bring su and sv to ~0.05 ulp mean difference from the goldens
     (the plain CPU sums give ~1 ulp). Every block is reduced at once (a few whole-tensor ops, not a few
-    per block: on a GPU the per-block form was thousands of tiny launches per layer).
+    per block: on a GPU the per-block form was thousands of tiny launches per layer). The adds run in place in
+    the squares (the same fp32 sums): on the CPU their temporaries, under glibc's 32 MiB mmap ceiling for a layer
+    under 256 MiB, stayed in the C heap through the rest of regularize (up to 0.6 W, issue 24).
     """
     k, n = w.shape
     if dim == 0:
         sq = w.square()
-        rows = sq.reshape(k // 32, 8, 4, n)  # [block, i, j] = row 32 block + 4 i + j
-        acc = _sequential_sum(rows.transpose(0, 1))  # (blocks, 4, n): accumulator j walks rows j, j + 4, ...
-        del sq, rows
-        blocks = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]  # (blocks, n)
+        acc = sq.reshape(k // 32, 8, 4, n).transpose(0, 1)  # [i, block, j] = row 32 block + 4 i + j
+        for i in range(1, 8):  # accumulator j walks rows j, j + 4, ... (in acc[0], as _sequential_sum)
+            acc[0] += acc[i]
+        blocks = acc[0, :, 0]  # ((a0 + a1) + a2) + a3: (blocks, n)
+        for j in range(1, 4):
+            blocks += acc[0, :, j]
     else:
         # Rows are independent, so the squares and the halving tree run on row slabs (a quarter of the memory
         # of the whole), and the block sums of all slabs go through one sequential pass (n/32 adds, not 4x)
-        parts = []
-        for part in w.tensor_split(_ROW_SLABS if k >= _ROW_SLABS else 1):
-            sq = part.square()
-            parts.append(_halving_sum_to(sq.reshape(part.shape[0], n // 32, 32).permute(2, 1, 0), 1)[0])
-            del sq
-        blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (blocks, k)
+        slabs = w.tensor_split(_ROW_SLABS if k >= _ROW_SLABS else 1)
+        blocks = torch.empty((n // 32, k), dtype=w.dtype, device=w.device)  # (blocks, k)
+        lo = 0
+        for part in slabs:
+            x = part.square().reshape(part.shape[0], n // 32, 32).permute(2, 1, 0)  # (32, blocks, rows)
+            while x.shape[0] > 1:  # x[i] + x[i + half], halving
+                half = x.shape[0] // 2
+                x[:half] += x[half:]
+                x = x[:half]
+            blocks[:, lo : lo + part.shape[0]] = x[0]
+            lo += part.shape[0]
+            del x
     return _sequential_sum(blocks)
 
 
@@ -554,20 +566,61 @@ def quantize_regularized(
     return states.reshape(tk, tn, 256), q_r, _proxy_error_of_squares(err)
 
 
+def _fixed_sum_float64(x: torch.Tensor) -> torch.Tensor:
+    """``_fixed_sum(x.to(torch.float64))`` of a CPU tensor without a float64 copy of the whole of ``x``.
+
+    The first level of ``_fixed_sum`` is one float64 sum per row of ``_SUM_CHUNK`` values, each on one thread; those
+    rows are widened and summed ``PROXY_SLAB_ROWS`` at a time into the vector of row sums, which then goes through
+    ``_fixed_sum`` as before: the same sums in the same order, so the same value. Widened at once it took 2 W
+    beside W_r and the trellis: the CPU encode's peak, 3.4-3.7 W at issue 24's shapes (above the plan's 3.5 W at
+    three of the four).
+    """
+    flat = x.reshape(-1)
+    if flat.numel() <= _SUM_CHUNK or flat.numel() % _SUM_CHUNK:
+        return _fixed_sum(flat.to(torch.float64))  # one row, or a padded last row: small or not a layer's shape
+    rows = flat.view(-1, _SUM_CHUNK)
+    sums = torch.empty(rows.shape[0], dtype=torch.float64)
+    for lo in range(0, rows.shape[0], PROXY_SLAB_ROWS):
+        sums[lo : lo + PROXY_SLAB_ROWS] = rows[lo : lo + PROXY_SLAB_ROWS].to(torch.float64).sum(dim=1)
+    return _fixed_sum(sums)
+
+
 def _proxy_error_of_squares(sq: torch.Tensor) -> float:
     """sum(sq) / (k n) in float64, for the (k, n) fp32 squared errors ``sq`` = (W_r - Q_r)^2.
 
     On CUDA in the reference's order (``fallback_quant``): one float64 ``torch.sum`` per contiguous 16-row block,
     added into a float64 accumulator from the last block to the first, so the proxy error (an entry's metadata)
-    is the reference's bit for bit on the same GPU, and no float64 copy of the matrix is made. Elsewhere
-    ``_fixed_sum``, which does not depend on the thread count.
+    is the reference's bit for bit on the same GPU, and no float64 copy of the matrix is made. On the CPU
+    ``_fixed_sum`` (which does not depend on the thread count) of the values widened to float64, a slab at a
+    time (``_fixed_sum_float64``); elsewhere ``_fixed_sum`` of the whole widened at once.
     """
+    if sq.device.type == "cpu":
+        return float(_fixed_sum_float64(sq)) / sq.numel()
     if sq.device.type != "cuda":
         return float(_fixed_sum(sq.to(torch.float64))) / sq.numel()
     acc = torch.zeros((), dtype=torch.float64, device=sq.device)
     for i in range(sq.shape[0] - 16, -1, -16):
         acc += torch.sum(sq[i : i + 16], dtype=torch.float64)
     return (acc / sq.numel()).item()
+
+
+@functools.cache
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (AttributeError, OSError, TypeError):  # another C library, or no process handle (Windows)
+        return None
+
+
+def _release_host_heap(device: torch.device) -> None:
+    """After a CPU phase, give the C heap's free pages back to the system (glibc ``malloc_trim``).
+
+    glibc serves blocks under its 32 MiB mmap ceiling from the heap and keeps them when freed, so what one phase
+    freed stayed resident under the next: the chunks' temporaries under the proxy error's sum (up to 181 MiB at
+    issue 24's shapes), regularize's under the scale search. Elsewhere nothing to do.
+    """
+    if device.type == "cpu" and (trim := _malloc_trim()) is not None:
+        trim(0)
 
 
 def _fail(name: str | None, message: str) -> ValueError:
@@ -660,6 +713,7 @@ def prepare_encode(
         raise _fail(name, f"g_scale must be a positive finite number, got {g_scale!r}")
     dev = torch.device(device) if device is not None else weight.device
     plan = encode_memory_plan(k, n, bits, dev, memory_budget_bytes, codebook=codebook, name=name)
+    _release_host_heap(weight.device)  # the finiteness check's masks
     with stage(timer, "h2d", dev):
         w = weight.to(dev)  # the caller's tensor when it is already there: never written
     with stage(timer, "regularize", dev):
@@ -667,12 +721,14 @@ def prepare_encode(
     del w  # a copy made here is no longer needed
     w_r, su, sv, zeros = reg.weight, reg.su, reg.sv, reg.zeros
     del reg
+    _release_host_heap(dev)
     with stage(timer, "scale_search", dev):
         # g stays on the device (no wait for the search): f32(g) and f32(1 / g) are rounded there from the double
         g = (torch.tensor(float(g_scale), dtype=torch.float64, device=w_r.device) if g_scale is not None
              else search_global_scale_tensor(w_r, bits, codebook, plan.chunk_tiles, plan.slots))
         w_r.mul_(g.to(torch.float32))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
         su = su * (1.0 / g).to(torch.float32)  # ÷s g
+    _release_host_heap(dev)
     return ScaledWeight(w_r=w_r, su=su, sv=sv, g_value=g, bits=bits, codebook=codebook, plan=plan, zeros=zeros)
 
 
@@ -694,6 +750,7 @@ def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = No
     with stage(timer, "viterbi", dev):
         _quantize_in_place(w_r, bits, prepared.codebook, prepared.plan.chunk_tiles, progress, pack,
                            prepared.plan.slots)
+    _release_host_heap(dev)
     with stage(timer, "pack", dev):
         proxy_error = _proxy_error_of_squares(w_r)
         suh, svh = prepared.su.to(torch.float16), prepared.sv.to(torch.float16)
