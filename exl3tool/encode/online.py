@@ -523,8 +523,7 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _quantize_scaled(tiles: torch.Tensor | list[torch.Tensor], scales: list[float] | torch.Tensor, bits: int,
-                     codebook: str,
-                     chunk_tiles: Optional[int], slots: Optional[int]) -> list[torch.Tensor]:
+                     codebook: str, chunk_tiles: Optional[int], slots: Optional[int]) -> list[torch.Tensor]:
     """The quantized values of f32(tiles_i * f32(s_i)) for each scale (one tile set for all, or one per scale),
     through the quantizer as one batch; a list of per-scale (n_i, 256) tensors."""
     sets = tiles if isinstance(tiles, list) else [tiles] * len(scales)
