@@ -55,6 +55,12 @@ def time_cuda(fn, flush: torch.Tensor, warmup: int = 3, reps: int = 20, host: bo
     """
     for _ in range(warmup):
         fn()
+    return statistics.median(cuda_samples(fn, flush, reps, host))
+
+
+def cuda_samples(fn, flush: torch.Tensor, reps: int, host: bool = False) -> list[float]:
+    """``time_cuda``'s seconds of each of ``reps`` calls (no warm-up): the flush, the spin unless ``host``, then
+    fn between two events."""
     times = []
     for _ in range(reps):
         flush.fill_(reps)
@@ -66,7 +72,7 @@ def time_cuda(fn, flush: torch.Tensor, warmup: int = 3, reps: int = 20, host: bo
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e-3)
-    return statistics.median(times)
+    return times
 
 
 def _weight_fp64(tr: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:

@@ -221,13 +221,18 @@ def run_preset(name: str, scale: str, device: str, work: Path, split: bool, time
     result["checkpoint"] = written
     result["cache"] = str(cache)
     if reference and "error" not in result:
-        ref = _run_child(["--child", "reference", "--preset", name, "--shapes",
-                          json.dumps(result["measured"]["encode_shapes"]), "--reference", reference,
-                          "--device", device], timeout)
-        if "error" not in ref and ref.get("tiles_per_s"):
-            ref["warm_vs_reference"] = round(result["measured"]["encode_tiles_per_s_per_gpu"] / ref["tiles_per_s"], 2)
-        result["reference"] = ref
+        result["reference"] = _time_reference(result, reference, device, timeout)
     return result
+
+
+def _time_reference(result: dict, reference: str, device: str, timeout: float) -> dict:
+    """The reference child on the encodes of a preset's warm ``result``, with the warm's rate over it."""
+    ref = _run_child(["--child", "reference", "--preset", result["preset"], "--shapes",
+                      json.dumps(result["measured"]["encode_shapes"]), "--reference", reference, "--device", device],
+                     timeout)
+    if "error" not in ref and ref.get("tiles_per_s"):
+        ref["warm_vs_reference"] = round(result["measured"]["encode_tiles_per_s_per_gpu"] / ref["tiles_per_s"], 2)
+    return ref
 
 
 def _row(r: dict) -> str:
@@ -288,12 +293,8 @@ def main() -> None:
         for r in doc["presets"]:
             if "error" in r:
                 continue
-            ref = _run_child(["--child", "reference", "--preset", r["preset"], "--shapes",
-                              json.dumps(r["measured"]["encode_shapes"]), "--reference", args.reference,
-                              "--device", "cuda" if args.device == "auto" else args.device], args.timeout)
-            if "error" not in ref and ref.get("tiles_per_s"):
-                ref["warm_vs_reference"] = round(r["measured"]["encode_tiles_per_s_per_gpu"] / ref["tiles_per_s"], 2)
-            r["reference"] = ref
+            r["reference"] = _time_reference(r, args.reference, "cuda" if args.device == "auto" else args.device,
+                                             args.timeout)
             print(_row(r), flush=True)
         Path(args.json_path or args.add_reference).write_text(json.dumps(doc, indent=2) + "\n")
         return

@@ -206,27 +206,18 @@ def precompile(jobs: list[dict], deadline_s: float, device: str = "cuda") -> dic
     return dict(configs=len(work), compiled=done, failed=len(failed), seconds=round(time.time() - t0, 1))
 
 
-SPIN_CYCLES = 1_000_000  # as _bench_gemm: ~0.5 ms, longer than any launch path
-
-
 def _samples(fn, flush: torch.Tensor | None, reps: int) -> list[float]:
-    """GPU microseconds of fn(), reps times, L2 flushed and the launch queue primed before each (as
-    _bench_gemm.time_cuda); on the CPU (interpreter) wall time, meaningless but exercising the code."""
+    """GPU microseconds of fn(), reps times, L2 flushed and the launch queue primed before each
+    (``_bench_gemm.cuda_samples``); on the CPU (interpreter) wall time, meaningless but exercising the code."""
+    if flush is not None:
+        from _bench_gemm import cuda_samples
+
+        return [t * 1e6 for t in cuda_samples(fn, flush, reps)]
     out = []
     for _ in range(reps):
-        if flush is None:
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e6)
-            continue
-        flush.fill_(reps)
-        torch.cuda._sleep(SPIN_CYCLES)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+        t = time.perf_counter()
         fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) * 1e3)
+        out.append((time.perf_counter() - t) * 1e6)
     return out
 
 

@@ -405,8 +405,7 @@ def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str
 def _mses(values: list[torch.Tensor], tiles: torch.Tensor, scales: list[float]) -> list[float]:
     """``scale_mse``'s fp32 means of quantized ``values[i]`` (contiguous, ``tiles``' shape) at ``scales[i]``,
     read back with one host sync for all of them."""
-    means = [_mean((_div_scalar(v, s) - tiles).square()) for v, s in zip(values, scales)]
-    return [float(m) for m in torch.stack(means).tolist()]
+    return [float(m) for m in _mses_tensor(values, tiles, scales).tolist()]
 
 
 def _first_argmin(values: list[float]) -> int:

@@ -33,10 +33,11 @@ def test_env_volumes_mounts_workdir(tmp_path):
     assert paths.mount_for("/models/M/x").readonly and paths.mount_for("/opt/exllamav3").readonly
 
 
-def test_deepest_mount_wins_and_process_root():
+def test_deepest_mount_wins_and_process_root(tmp_path):
     run = parse_run("docker", ["-v", "/a:/models", "-v", "/b:/models/M", "img"])
     assert run.paths.to_host("/models/M/x") == "/b/x" and run.paths.to_host("/models/N") == "/a/N"
-    assert PathMap(root="/proc/7/root").to_host("/models/M") == "/proc/7/root/models/M"
+    root = str(tmp_path / "root")  # a process's root as seen from here (/proc/PID/root for --pid)
+    assert PathMap(root=root + "/").to_host("/models/M") == root + "/models/M"
     assert PathMap().to_host("/x/../y") == "/y"
 
 
