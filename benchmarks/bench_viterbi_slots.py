@@ -2,10 +2,11 @@
 
 Every program of ``exl3tool.kernels.viterbi`` owns one scratch slot (``slot_bytes``: 256 positions x 2^(16-K)
 back-pointers, two per byte at K <= 4) and loops over tiles, so GPU memory is ``programs x slot_bytes`` whatever
-the batch. This sweep times K = 6 and K = 4 over programs per SM (2 .. the resident wave), warps per program and
-edges per block, on one batch of fresh Gaussian tiles, against the baseline in the same run (the kernel's
-defaults with ``programs=None``: as many slots as 2 GiB holds), and checks every variant's states are the
-baseline's bit for bit. The exllamav3 reference keeps 4 programs per SM resident (its ``quantize_tiles_scratch``
+the batch. This sweep times K = 6 and K = 4 over programs per SM (2 .. the resident wave), warps per program,
+edges per block and the two ways to keep what the tracebacks need (``--rows 0,1``: back-pointers, or every step's
+cost row with the choice recomputed), on one batch of fresh Gaussian tiles, against the baseline in the same run
+(the back-pointer kernel with ``programs=None``: as many slots as 2 GiB holds), and checks every variant's states
+are the baseline's bit for bit. The exllamav3 reference keeps 4 programs per SM resident (its ``quantize_tiles_scratch``
 on an H200), with one byte per back-pointer.
 
     python benchmarks/bench_viterbi_slots.py --json out.json     # on a CUDA machine, about 3 minutes
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--bits", default="6,4")
     ap.add_argument("--per-sm", default="2,3,4,6,8,12,16")
     ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--rows", default="0,1", help="0: back-pointers, 1: cost rows (the traceback recomputes)")
+    ap.add_argument("--edges", default=None, help="edges per block (default 1024,2048 and 4096 at K <= 4)")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--sizes", default=None,
                     help="instead of the sweep: time calls of these many tiles (a small layer's scale-search and "
@@ -88,35 +91,39 @@ def main() -> None:
     print(f"{doc['gpu']}, {sms} SMs, {args.tiles} tiles per call", flush=True)
     for bits in [int(b) for b in args.bits.split(",")]:
         x = torch.randn(args.tiles, 256, device="cuda") * (0.6 + torch.rand(args.tiles, 1, device="cuda"))
-        base_s, base_states = timed(x, bits)
+        base_s, base_states = timed(x, bits, rows=False)
         wave = vmod.resident_tiles(torch.device("cuda", 0), bits)
-        slot = vmod.slot_bytes(bits)
-        print(f"K={bits}: baseline (programs=None) {args.tiles / base_s:,.0f} tiles/s; resident wave {wave}; "
-              f"slot {slot / 1024:.0f} KiB; reference scratch {4 * sms * 256 * (1 << (16 - bits)) / 2**20:.0f} MiB",
-              flush=True)
+        slot = vmod.slot_bytes(bits, rows=False)
+        print(f"K={bits}: baseline (back-pointers, programs=None) {args.tiles / base_s:,.0f} tiles/s; resident wave "
+              f"{wave}; slot {slot / 1024:.0f} KiB; reference scratch "
+              f"{4 * sms * 256 * (1 << (16 - bits)) / 2**20:.0f} MiB", flush=True)
         doc["rows"].append({"bits": bits, "variant": "baseline", "tiles_per_s": args.tiles / base_s,
                             "wave": wave, "slot_bytes": slot})
-        edges = [1024, 2048] + ([4096] if bits <= 4 else [])
-        for warps in [int(w) for w in args.warps.split(",")]:
-            for be in edges:
-                for per_sm in [int(p) for p in args.per_sm.split(",")]:
-                    programs = per_sm * sms
-                    t0 = time.perf_counter()
-                    try:
-                        sec, states = timed(x, bits, num_warps=warps, block_edges=be, programs=programs)
-                    except Exception as exc:  # a variant that does not compile is reported, not fatal
-                        print(f"  warps {warps} edges {be} per-SM {per_sm}: failed {type(exc).__name__}: {exc}"[:200])
-                        continue
-                    occ = vmod._occupancy(vmod.LAST_COMPILED, props)
-                    row = {"bits": bits, "warps": warps, "block_edges": be, "per_sm": per_sm, "programs": programs,
-                           "tiles_per_s": args.tiles / sec, "vs_baseline": base_s / sec,
-                           "scratch_mib": programs * slot / 2**20, "resident_wave": occ,
-                           "same_states": bool(torch.equal(states, base_states))}
-                    doc["rows"].append(row)
-                    print(f"  warps {warps:2} edges {be:4} per-SM {per_sm:2} ({programs:5} slots, "
-                          f"{row['scratch_mib']:6.0f} MiB): {row['tiles_per_s']:9,.0f} tiles/s "
-                          f"x{row['vs_baseline']:.2f}  wave {occ}  same {row['same_states']}  "
-                          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        edges = [int(e) for e in args.edges.split(",")] if args.edges else [1024, 2048] + ([4096] if bits <= 4 else [])
+        for rows in [bool(int(r)) for r in args.rows.split(",")]:
+            slot = vmod.slot_bytes(bits, rows=rows)
+            for warps in [int(w) for w in args.warps.split(",")]:
+                for be in edges:
+                    for per_sm in [int(p) for p in args.per_sm.split(",")]:
+                        programs = per_sm * sms
+                        t0 = time.perf_counter()
+                        try:
+                            sec, states = timed(x, bits, num_warps=warps, block_edges=be, programs=programs,
+                                                rows=rows)
+                        except Exception as exc:  # a variant that does not compile is reported, not fatal
+                            print(f"  rows {rows} warps {warps} edges {be} per-SM {per_sm}: failed "
+                                  f"{type(exc).__name__}: {exc}"[:200])
+                            continue
+                        occ = vmod._occupancy(vmod.LAST_COMPILED, props)
+                        row = {"bits": bits, "rows": rows, "warps": warps, "block_edges": be, "per_sm": per_sm,
+                               "programs": programs, "tiles_per_s": args.tiles / sec, "vs_baseline": base_s / sec,
+                               "scratch_mib": programs * slot / 2**20, "resident_wave": occ,
+                               "same_states": bool(torch.equal(states, base_states))}
+                        doc["rows"].append(row)
+                        print(f"  {'rows' if rows else 'bp  '} warps {warps:2} edges {be:4} per-SM {per_sm:2} "
+                              f"({programs:5} slots, {row['scratch_mib']:6.0f} MiB): {row['tiles_per_s']:9,.0f} "
+                              f"tiles/s x{row['vs_baseline']:.2f}  wave {occ}  same {row['same_states']}  "
+                              f"({time.perf_counter() - t0:.1f} s)", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(doc, indent=1))
 

@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200 (under 10 minutes): the whole merged tree against the reference, in one run.
-#   1. install the exllamav3 1.6.5 wheel (+ what its quantize.py imports) from ./.whl into /tmp/site and start
-#      JIT-compiling its CUDA extension in the background (about 5 minutes on 16 cores);
-#   2. meanwhile every GPU-marked test (goldens from ./golden), then (FLEET=1, the default) the llama-8b warm of
-#      bench_fleet.py and the stage profile of profile_encode.py (SLOTS=1: the K=6 slot sweep of
-#      bench_viterbi_slots.py too) on the otherwise idle GPU;
-#   3. once the extension is built: bench_dropin.py (the fork's call convention, drop-in vs exllamav3: time, peak
-#      GPU memory, byte identity) and bench_encode_memory.py (peak memory and time per shape, with the reference);
-#      if the compile did not finish by $T_COMPILE s, both run without the reference and say so; with the reference,
-#      bench_fleet.py --add-reference times it on the encodes of the 8B warm.
-# Carry ./golden and ./.whl (see benchmarks/gpu_dropin.sh for how .whl is filled). Logs and JSON land in $OUT.
+# One device call on nvidia-h200 (under 10 minutes): the merged tree against the reference and the previous version,
+# in one run. Steps, chosen by $PRE (while the reference compiles) and $POST (once it is there):
+#   setup  install the exllamav3 1.6.5 wheel (+ what its quantize.py imports) from ./.whl into /tmp/site; with a
+#          built extension carried in ./.ext (exllamav3_ext.so.part-*, from an earlier call's $OUT/ext) it is used
+#          as is, else the CUDA extension is JIT-compiled in the background (about 5 minutes on 16 cores: keep the
+#          other CPU work light meanwhile) and comes back stripped in 15 MiB parts in $OUT/ext;
+#   PRE    (one GPU process at a time, little CPU)
+#          ktests   the Viterbi kernel's GPU tests (tests/test_kernels_viterbi.py);
+#          slots    bench_viterbi_slots.py: back-pointers against cost rows, K = 6 and 4, warps, programs per SM;
+#          profile  profile_encode.py on this tree and on the previous version (./.bench-out/base.tar, made with
+#                   `git archive -o .bench-out/base.tar <rev>`), alternately, for a same-run A/B per stage;
+#          tests    every GPU-marked test (pytest -n 6: CPU heavy, best after the compile);
+#          fleet    bench_fleet.py --preset llama-8b (issue 20's warm rate);
+#   POST   dropin   bench_dropin.py --reference (the fork's call convention, drop-in vs exllamav3);
+#          memory   bench_encode_memory.py --reference (peak memory and time per shape);
+#          fleetref bench_fleet.py --add-reference on the fleet step's results;
+#          tests, fleet as above.
+# Carry ./golden, ./.whl (and ./.bench-out, ./.ext when used). Logs and JSON land in $OUT, packed into
+# $OUT/results.tgz at the end (a device call returns at most 8 files), beside $OUT/ext.
 set -u
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-14}
 OUT=${OUT:-/tmp/exl3tool-release}; mkdir -p "$OUT"
+PRE=${PRE:-ktests slots profile}; POST=${POST:-dropin memory}
 T0=$(date +%s)
+since() { echo "$(( $(date +%s) - T0 )) s"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext EXL3TOOL_GOLDEN=${EXL3TOOL_GOLDEN:-$PWD/golden}
+PREBUILT=
+if ls .ext/exllamav3_ext.so.part-* > /dev/null 2>&1; then
+  mkdir -p /tmp/prebuilt && cat .ext/exllamav3_ext.so.part-* > /tmp/prebuilt/exllamav3_ext.so && PREBUILT=1
+  export PYTHONPATH=$PYTHONPATH:/tmp/prebuilt
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 - > "$OUT/compile.log" 2>&1 <<'EOF' &
 import sys, time
@@ -26,40 +41,75 @@ load_quantize_exl3("/tmp/site/exllamav3", package="_exllamav3_reference")
 print(f"compile+import ok {time.perf_counter() - start:.1f} s")
 EOF
 CPID=$!
-timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 -rs tests > "$OUT/tests.log" 2>&1
-echo "== GPU tests ($(( $(date +%s) - T0 )) s): $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
-# the GPU is idle while the compile goes on: the 8B warm (issue 20's rate) and the K=6 slot sweep; the warm runs
-# without /tmp/site on its path (importing exllamav3 there would wait for the extension being built)
-if [ -n "${FLEET:-1}" ]; then
-  PYTHONPATH=$PWD timeout "${T_FLEET:-120}" python3 benchmarks/bench_fleet.py --preset llama-8b --workdir "$(mktemp -d /tmp/fleet-XXXX)" \
-    --json "$OUT/bench_fleet_8b.json" > "$OUT/bench_fleet_8b.log" 2>&1
-  echo "== bench_fleet llama-8b ($(( $(date +%s) - T0 )) s)"; tail -8 "$OUT/bench_fleet_8b.log"
-  if [ -n "${SLOTS:-}" ]; then
-    timeout "${T_SLOTS:-60}" python3 benchmarks/bench_viterbi_slots.py --bits 6 --warps 4 --per-sm 4,6,9,12 \
-      --json "$OUT/bench_viterbi_slots.json" > "$OUT/bench_viterbi_slots.log" 2>&1
-    echo "== bench_viterbi_slots ($(( $(date +%s) - T0 )) s)"; grep -E "baseline|edges 1024" "$OUT/bench_viterbi_slots.log"
-  fi
-  if [ -n "${PROFILE:-1}" ]; then
-    PYTHONPATH=$PWD timeout "${T_PROFILE:-60}" python3 benchmarks/profile_encode.py --json "$OUT/profile_encode.json" \
-      > "$OUT/profile_encode.log" 2>&1
-    echo "== profile_encode ($(( $(date +%s) - T0 )) s)"; grep -v -i warn "$OUT/profile_encode.log" | tail -8
-  fi
-fi
-while kill -0 $CPID 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "${T_COMPILE:-400}" ]; do sleep 2; done
-echo "== reference compile: $(tail -1 "$OUT/compile.log") ($(( $(date +%s) - T0 )) s since start)"
+
+step() {
+  case "$1" in
+    ktests)
+      timeout "${T_KTESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_kernels_viterbi.py \
+        > "$OUT/ktests.log" 2>&1
+      echo "== kernel GPU tests ($(since)): $(tail -1 "$OUT/ktests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/ktests.log" | head ;;
+    slots)
+      timeout "${T_SLOTS:-150}" python3 benchmarks/bench_viterbi_slots.py --bits "${SLOT_BITS:-6,4}" --rows 0,1 \
+        --warps "${SLOT_WARPS:-4,8}" --edges 1024 --per-sm "${SLOT_PER_SM:-2,4,8,12}" --json "$OUT/bench_viterbi_slots.json" \
+        > "$OUT/bench_viterbi_slots.log" 2>&1
+      echo "== bench_viterbi_slots ($(since))"; grep -v -i warn "$OUT/bench_viterbi_slots.log" | cut -c1-150 ;;
+    profile)
+      rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf .bench-out/base.tar -C /tmp/base || { echo "no base"; return; }
+      for run in 1 2; do
+        PYTHONPATH=$PWD timeout 90 python3 benchmarks/profile_encode.py --json "$OUT/profile_new$run.json" \
+          > "$OUT/profile_new$run.log" 2>&1
+        (cd /tmp/base && PYTHONPATH=/tmp/base timeout 90 python3 benchmarks/profile_encode.py \
+          --json "$OUT/profile_base$run.json" > "$OUT/profile_base$run.log" 2>&1)
+      done
+      echo "== profile A/B ($(since))"; python3 - "$OUT" <<'EOF'
+import json, sys, statistics
+out = sys.argv[1]
+runs = {v: [json.load(open(f"{out}/profile_{v}{r}.json")) for r in (1, 2)] for v in ("base", "new")}
+for i, row in enumerate(runs["new"][0]):
+    b = [r[i]["seconds"]["total"] for r in runs["base"]]; n = [r[i]["seconds"]["total"] for r in runs["new"]]
+    vb = [r[i]["seconds"]["viterbi"] for r in runs["base"]]; vn = [r[i]["seconds"]["viterbi"] for r in runs["new"]]
+    print(f"({row['k']},{row['n']}) K{row['bits']}: total base {min(b)*1e3:.1f} new {min(n)*1e3:.1f} ms "
+          f"(x{min(b)/min(n):.2f}); viterbi {min(vb)*1e3:.1f} -> {min(vn)*1e3:.1f}; slots {runs['base'][0][i]['slots']} -> {row['slots']}")
+EOF
+      ;;
+    tests)
+      timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 -rs tests > "$OUT/tests.log" 2>&1
+      echo "== GPU tests ($(since)): $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 ;;
+    fleet)
+      PYTHONPATH=$PWD timeout "${T_FLEET:-150}" python3 benchmarks/bench_fleet.py --preset llama-8b \
+        --workdir "$(mktemp -d /tmp/fleet-XXXX)" --json "$OUT/bench_fleet_8b.json" > "$OUT/bench_fleet_8b.log" 2>&1
+      echo "== bench_fleet llama-8b ($(since))"; tail -8 "$OUT/bench_fleet_8b.log" ;;
+    dropin)
+      timeout "${T_DROPIN:-120}" python3 benchmarks/bench_dropin.py "${REF[@]}" --json "$OUT/bench_dropin.json" \
+        > "$OUT/bench_dropin.log" 2>&1
+      echo "== bench_dropin ($(since))"; tail -28 "$OUT/bench_dropin.log" ;;
+    memory)
+      timeout "${T_MEMORY:-100}" python3 benchmarks/bench_encode_memory.py --device cuda \
+        --shapes "${SHAPES:-5120x6144,16384x7168,18432x7168,7168x36864}" "${MREF[@]}" \
+        --json "$OUT/bench_encode_memory.json" > "$OUT/bench_encode_memory.log" 2>&1
+      echo "== bench_encode_memory ($(since))"; tail -16 "$OUT/bench_encode_memory.log" ;;
+    fleetref)
+      [ -f "$OUT/bench_fleet_8b.json" ] && [ ${#REF[@]} -gt 0 ] || { echo "== fleetref: no fleet results or no reference"; return; }
+      timeout "${T_FLEETREF:-150}" python3 benchmarks/bench_fleet.py --add-reference "$OUT/bench_fleet_8b.json" "${REF[@]}" \
+        --json "$OUT/bench_fleet_8b_ref.json" > "$OUT/bench_fleet_8b_ref.log" 2>&1
+      echo "== bench_fleet llama-8b + reference ($(since))"; tail -4 "$OUT/bench_fleet_8b_ref.log" ;;
+  esac
+}
+
+for s in $PRE; do step "$s"; done
+while kill -0 $CPID 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "${T_COMPILE:-420}" ]; do sleep 2; done
+echo "== reference: $(tail -1 "$OUT/compile.log") ($(since); prebuilt: ${PREBUILT:-no})"
 if kill -0 $CPID 2>/dev/null || ! grep -q "compile+import ok" "$OUT/compile.log"; then
   kill $CPID 2>/dev/null; REF=(); MREF=(--no-reference); echo "== the reference is NOT measured in this run"
 else
   REF=(--reference /tmp/site/exllamav3); MREF=("${REF[@]}")
+  SO=$(find /tmp/torch_ext -name 'exllamav3_ext*.so' 2>/dev/null | head -1)
+  if [ -z "$PREBUILT" ] && [ -n "$SO" ]; then
+    strip --strip-debug -o /tmp/exllamav3_ext.so "$SO" && mkdir -p "$OUT/ext" \
+      && split -b 15m /tmp/exllamav3_ext.so "$OUT/ext/exllamav3_ext.so.part-" && ls -la "$OUT/ext"
+  fi
 fi
-timeout "${T_DROPIN:-100}" python3 benchmarks/bench_dropin.py "${REF[@]}" --json "$OUT/bench_dropin.json" > "$OUT/bench_dropin.log" 2>&1
-echo "== bench_dropin ($(( $(date +%s) - T0 )) s)"; cat "$OUT/bench_dropin.log" | tail -28
-timeout "${T_MEMORY:-80}" python3 benchmarks/bench_encode_memory.py --device cuda --shapes "${SHAPES:-5120x6144,16384x7168,18432x7168,7168x36864}" "${MREF[@]}" \
-  --json "$OUT/bench_encode_memory.json" > "$OUT/bench_encode_memory.log" 2>&1
-echo "== bench_encode_memory ($(( $(date +%s) - T0 )) s)"; tail -24 "$OUT/bench_encode_memory.log"
-# the reference's rate on the encodes of the 8B warm above (issue 20's presets beside the reference, same run)
-if [ -n "${FLEET:-1}" ] && [ ${#REF[@]} -gt 0 ] && [ -f "$OUT/bench_fleet_8b.json" ]; then
-  timeout "${T_FLEETREF:-120}" python3 benchmarks/bench_fleet.py --add-reference "$OUT/bench_fleet_8b.json" "${REF[@]}" \
-    --json "$OUT/bench_fleet_8b_ref.json" > "$OUT/bench_fleet_8b_ref.log" 2>&1
-  echo "== bench_fleet llama-8b + reference ($(( $(date +%s) - T0 )) s)"; tail -3 "$OUT/bench_fleet_8b_ref.log"
-fi
+for s in $POST; do step "$s"; done
+echo "== total $(since)"
+# at most 8 files come back from a device call: everything but the extension's parts in one archive
+(cd "$OUT" && tar czf results.tgz --exclude=ext --exclude=results.tgz -- * && find . -maxdepth 1 -type f ! -name results.tgz -delete)

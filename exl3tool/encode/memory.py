@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
+    "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
     "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR",
     "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "phase_bytes", "plan_encode_memory",
     "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
@@ -59,6 +59,12 @@ _GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile
 # H200 in place was faster at K = 6 (one launch per small layer: (512, 4096) 97 -> 87 ms) and slower at K = 4
 # ((4096, 12288) 965 -> 1,052 ms of Viterbi, the in-place variant of the packed 8-warp kernel); other K unmeasured
 IN_PLACE_BITS = frozenset({6})
+# K at which the Viterbi kernel keeps every step's cost row (256 x 2^(16-K) fp16 a slot) and no back-pointers: a
+# candidate is then sub, fma, min, not sub, fma, compare and two selects, and the tracebacks recompute the choice.
+# On an H200 (benchmarks/bench_viterbi_slots.py, same run): K = 6 312 K tiles/s at 12 programs per SM against 234 K
+# for the back-pointer kernel at its best, 225 K at 2 per SM; K = 4 282 K against 212 K, 217 K at 2 per SM. Twice
+# (K = 6) or four times (K = 4) the scratch a slot, so a budget holds fewer, but at 2 per SM it already matches.
+COST_ROW_BITS = frozenset({4, 6})
 WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
 PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
@@ -113,11 +119,16 @@ def weight_bytes(k: int, n: int) -> int:
     return 4 * k * n
 
 
-def viterbi_slot_bytes(bits: int, packed: bool = True) -> int:
+def viterbi_slot_bytes(bits: int, packed: bool = True, rows: bool | None = None) -> int:
     """GPU scratch of one tile in flight: back-pointers (256 positions x 2^(16-K) edges, a byte each, or two per
-    byte at K <= 4 when ``packed``, the kernel's default modes), two fp16 cost rows and, in an in-place launch
-    over a weight (``viterbi_matrix``), the 1 KiB row of the tile's values."""
+    byte at K <= 4 when ``packed``, the kernel's default modes) and two fp16 cost rows, or with ``rows`` (None:
+    K in COST_ROW_BITS and ``packed``) 256 cost rows and no back-pointers; and, in an in-place launch over a
+    weight (``viterbi_matrix``), the 1 KiB row of the tile's values."""
     e = 1 << (16 - bits)
+    if rows is None:
+        rows = packed and bits in COST_ROW_BITS
+    if rows:
+        return 256 * 2 * e + _TILE_BYTES
     return 256 * (e // 2 if packed and bits <= 4 else e) + 4 * e + _TILE_BYTES
 
 

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from exl3tool.encode.codebook import check_codebook, codebook_table
-from exl3tool.encode.memory import DEFAULT_MAX_SCRATCH, viterbi_slot_bytes
+from exl3tool.encode.memory import COST_ROW_BITS, DEFAULT_MAX_SCRATCH, viterbi_slot_bytes
 
 try:  # triton is optional for the CPU-only parts of the package
     import triton
@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     _HAVE_TRITON = False
 
 __all__ = ["viterbi_tiles", "viterbi_matrix", "interpreter_active", "resident_tiles", "selfcheck_results", "slot_bytes", "packs_nibbles",
+           "keeps_rows",
            "MODES", "DEFAULT_MODE"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
@@ -191,18 +192,51 @@ if _HAVE_TRITON:
         return best2, bk2
 
     @triton.jit
+    def _min_packed(dec2, w, cold, best2, MODE: tl.constexpr):
+        """Candidate k for two edges per int32 register, cost only (the cost-row kernel keeps no back-pointer):
+        best = min(best, fma16(d, d, C_old)); the first minimum's k is recomputed by the traceback."""
+        if MODE == 4:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 ww, cc, d, c;
+                mov.b32 ww, {$2, $2};
+                mov.b32 cc, {$3, $3};
+                sub.rn.f16x2 d, $1, ww;
+                fma.rn.f16x2 c, d, d, cc;
+                min.f16x2 $0, c, $4;
+                }""",
+                "=r,r,h,h,r",
+                [dec2, w, cold, best2],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            dl, dh = _unpack2(dec2)
+            bl, bh = _unpack2(best2)
+            cl = _cost(dl, w, cold, 0)
+            ch = _cost(dh, w, cold, 0)
+            return _pack2(tl.where(cl < bl, cl, bl), tl.where(ch < bh, ch, bh))
+
+    @triton.jit
     def _forward_pass(x_t, dec_ptr, cs, bp, START: tl.constexpr, K: tl.constexpr, NL: tl.constexpr,
                       NH: tl.constexpr, BH: tl.constexpr, KC: tl.constexpr, MODE: tl.constexpr,
-                      PACK4: tl.constexpr):
-        """256 Viterbi steps over positions START, START+1, ... (mod 256); costs start in cs[0:E]."""
+                      PACK4: tl.constexpr, ROWS: tl.constexpr, STEPS: tl.constexpr):
+        """STEPS Viterbi steps over positions START, START+1, ... (mod 256); costs start in cs[0:E]. Step t reads
+        cost row t and writes row t + 1: two rows used in turn, or with ROWS all 256 rows kept (row 256 is row 0)
+        and no back-pointers, which the traceback recomputes from the rows."""
         E: tl.constexpr = NH * NL
         rows = tl.arange(0, BH)[:, None]
         cols = tl.arange(0, NL)[None, :]
-        for t in range(256):
+        for t in range(STEPS):
             p = (t + START) % 256
             w = tl.load(x_t + p).to(tl.float16)
-            src = cs + (t % 2) * E
-            dst = cs + ((t + 1) % 2) * E
+            if ROWS:
+                src = cs + t * E
+                dst = cs + ((t + 1) % 256) * E
+            else:
+                src = cs + (t % 2) * E
+                dst = cs + ((t + 1) % 2) * E
             for hc in range(NH // BH):
                 h = hc * BH + rows  # e >> K
                 e = h * NL + cols
@@ -212,17 +246,24 @@ if _HAVE_TRITON:
                     e2 = h * NL2 + tl.arange(0, NL2)[None, :]
                     dec32 = dec_ptr.to(tl.pointer_type(tl.int32))
                     best2 = _first_packed(tl.load(dec32 + e2), w, tl.load(src + h), MODE)
-                    bk2 = tl.zeros([BH, NL2], dtype=tl.int32)
-                    for k in range(1, NL):
-                        dec2 = tl.load(dec32 + k * (E // 2) + e2)
-                        cold = tl.load(src + k * NH + h)
-                        best2, bk2 = _update_packed(dec2, w, cold, best2, bk2, k, MODE)
-                    tl.store(dst.to(tl.pointer_type(tl.int32)) + e2, best2)
-                    if PACK4:  # k < 16: the pair's two back-pointers in one byte (even edge in the low nibble)
-                        tl.store(bp + p * (E // 2) + e2, ((bk2 & 0xF) | ((bk2 >> 12) & 0xF0)).to(tl.uint8))
+                    if ROWS:
+                        for k in range(1, NL):
+                            dec2 = tl.load(dec32 + k * (E // 2) + e2)
+                            cold = tl.load(src + k * NH + h)
+                            best2 = _min_packed(dec2, w, cold, best2, MODE)
+                        tl.store(dst.to(tl.pointer_type(tl.int32)) + e2, best2)
                     else:
-                        bp16 = (bp + p * E).to(tl.pointer_type(tl.int16))
-                        tl.store(bp16 + e2, ((bk2 & 0xFF) | ((bk2 >> 8) & 0xFF00)).to(tl.int16))
+                        bk2 = tl.zeros([BH, NL2], dtype=tl.int32)
+                        for k in range(1, NL):
+                            dec2 = tl.load(dec32 + k * (E // 2) + e2)
+                            cold = tl.load(src + k * NH + h)
+                            best2, bk2 = _update_packed(dec2, w, cold, best2, bk2, k, MODE)
+                        tl.store(dst.to(tl.pointer_type(tl.int32)) + e2, best2)
+                        if PACK4:  # k < 16: the pair's two back-pointers in one byte (even edge in the low nibble)
+                            tl.store(bp + p * (E // 2) + e2, ((bk2 & 0xF) | ((bk2 >> 12) & 0xF0)).to(tl.uint8))
+                        else:
+                            bp16 = (bp + p * E).to(tl.pointer_type(tl.int16))
+                            tl.store(bp16 + e2, ((bk2 & 0xFF) | ((bk2 >> 8) & 0xFF00)).to(tl.int16))
                 elif KC == 1:
                     # k = 0 is the first candidate: taken unconditionally (strict less-than afterwards)
                     best = _cost(tl.load(dec_ptr + e), w, tl.load(src + h), MODE)
@@ -267,6 +308,24 @@ if _HAVE_TRITON:
         else:
             return tl.load(bp + p * E + ed).to(tl.int32)
 
+    @triton.jit
+    def _traced_k(x_t, dec_ptr, cs, t, p, ed, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr,
+                  MODE: tl.constexpr):
+        """The candidate k step t (position p) kept for edge ``ed``, recomputed from the cost row t it read: its
+        NL candidates' costs again, with the same fp16 operations, and the first minimum, as the strict
+        less-than in increasing k kept it."""
+        E: tl.constexpr = NH * NL
+        kk = tl.arange(0, NL)
+        w = tl.load(x_t + p).to(tl.float16)
+        dec = tl.load(dec_ptr + kk * E + ed)
+        cold = tl.load(cs + t * E + kk * NH + (ed >> K))
+        if MODE == 0 or MODE == 5:
+            c = _cost(dec, w, cold, 0)
+        else:
+            c = _cost(dec, w, cold, 1)
+        _, k = tl.min(c, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        return k.to(tl.int32)
+
     # the launch's integers are plain arguments, not specialised on (divisibility by 16, == 1): otherwise each
     # new combination of chunk start, chunk size, tile columns and weight columns compiled the kernel again (a
     # second on a server's first call of a new layer shape)
@@ -274,7 +333,8 @@ if _HAVE_TRITON:
     def _viterbi_kernel(x_ptr, dec_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr, n_tiles, off_ptr, first_tile,
                         tiles_n, n_cols,
                         K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr,
-                        KC: tl.constexpr, MODE: tl.constexpr, PACK4: tl.constexpr, MATRIX: tl.constexpr):
+                        KC: tl.constexpr, MODE: tl.constexpr, PACK4: tl.constexpr, MATRIX: tl.constexpr,
+                        ROWS: tl.constexpr):
         """Persistent programs, one scratch slot each, tiles pid, pid + G, ... (G programs): per tile pass 1,
         end-edge choice, traceback, constrained pass 2, traceback. The scratch is G slots, whatever n_tiles.
 
@@ -284,9 +344,9 @@ if _HAVE_TRITON:
         over it in the weight (fp32) instead of writing the values q; the states go to idx_ptr in launch order
         as always."""
         E: tl.constexpr = NH * NL
-        SLOT: tl.constexpr = 256 * (E // 2 if PACK4 else E)  # back-pointer bytes per slot
+        SLOT: tl.constexpr = 0 if ROWS else 256 * (E // 2 if PACK4 else E)  # back-pointer bytes per slot
         pid = tl.program_id(0)
-        cs = cs_ptr + pid.to(tl.int64) * (2 * E)
+        cs = cs_ptr + pid.to(tl.int64) * ((256 if ROWS else 2) * E)  # cost rows per slot
         bp = bp_ptr + pid.to(tl.int64) * SLOT
         rows = tl.arange(0, BH)[:, None]
         cols = tl.arange(0, NL)[None, :]
@@ -310,7 +370,7 @@ if _HAVE_TRITON:
                 e = (hc * BH + rows) * NL + cols
                 tl.store(cs + e, tl.zeros([BH, NL], dtype=tl.float16))
             tl.debug_barrier()
-            _forward_pass(x_t, dec_ptr, cs, bp, 128, K, NL, NH, BH, KC, MODE, PACK4)
+            _forward_pass(x_t, dec_ptr, cs, bp, 128, K, NL, NH, BH, KC, MODE, PACK4, ROWS, 256)
 
             # end edge: min over (bits(C[e]), rank(e)); costs are >= +0 so bit order is value order
             best_key = tl.full([], 0x7FFFFFFF, tl.int32)
@@ -327,7 +387,10 @@ if _HAVE_TRITON:
             ed = e_star
             for i in range(128):
                 p = 127 - i
-                k = _back_pointer(bp, p, ed, E, PACK4)
+                if ROWS:  # pass 1 visited position p at step p + 128
+                    k = _traced_k(x_t, dec_ptr, cs, p + 128, p, ed, K, NL, NH, MODE)
+                else:
+                    k = _back_pointer(bp, p, ed, E, PACK4)
                 ed = k * NH + (ed >> K)
             e_fix = ed
             tl.debug_barrier()
@@ -337,13 +400,18 @@ if _HAVE_TRITON:
                 e = (hc * BH + rows) * NL + cols
                 tl.store(cs + e, tl.where(e == e_fix, 0.0, float("inf")).to(tl.float16))
             tl.debug_barrier()
-            _forward_pass(x_t, dec_ptr, cs, bp, 0, K, NL, NH, BH, KC, MODE, PACK4)
+            # with ROWS the last step is left out: its costs (row 256, which is row 0) are never read, and row 0
+            # must keep the constraint for the traceback's last position
+            _forward_pass(x_t, dec_ptr, cs, bp, 0, K, NL, NH, BH, KC, MODE, PACK4, ROWS, 255 if ROWS else 256)
 
             # final traceback from E_fix, closing the ring
             ed = e_fix
             for i in range(256):
                 p = 255 - i
-                k = _back_pointer(bp, p, ed, E, PACK4)
+                if ROWS:
+                    k = _traced_k(x_t, dec_ptr, cs, p, p, ed, K, NL, NH, MODE)
+                else:
+                    k = _back_pointer(bp, p, ed, E, PACK4)
                 s = (k << (16 - K)) | ed
                 tl.store(idx_ptr + t64 * 256 + p, s.to(tl.int16))
                 q = tl.load(dec_ptr + s).to(tl.float32)
@@ -447,17 +515,27 @@ def _occupancy(compiled, props) -> int | None:
     return per_sm * int(props.multi_processor_count)
 
 
+def keeps_rows(bits: int, mode: int = DEFAULT_MODE) -> bool:
+    """Whether the kernel keeps every step's cost row instead of back-pointers (``memory.COST_ROW_BITS``) in the
+    packed modes 4 and 5: a candidate is then sub, fma and min (3 instructions per two, not 5), and the traceback
+    recomputes the kept candidate from the row."""
+    return bits in COST_ROW_BITS and mode >= 4
+
+
 def packs_nibbles(bits: int, mode: int = DEFAULT_MODE) -> bool:
     """Whether the kernel keeps two back-pointers per byte: K <= 4 (k < 16) in the packed modes 4 and 5."""
     return bits <= 4 and mode >= 4
 
 
-def slot_bytes(bits: int, mode: int | None = None) -> int:
+def slot_bytes(bits: int, mode: int | None = None, rows: bool | None = None) -> int:
     """GPU scratch of one tile in flight (``viterbi_slot_bytes``) for ``mode``; None: the mode in use on the
-    current device after its self-check, or DEFAULT_MODE before it ran."""
+    current device after its self-check, or DEFAULT_MODE before it ran. ``rows``: cost rows or back-pointers
+    (None: ``keeps_rows``)."""
     if mode is None:
         mode = next((m for (_, b), m in _CHECKED.items() if b == bits), DEFAULT_MODE)
-    return viterbi_slot_bytes(bits, packs_nibbles(bits, mode))
+    if rows is None:
+        rows = keeps_rows(bits, mode)
+    return viterbi_slot_bytes(bits, packs_nibbles(bits, mode), rows=rows)
 
 
 def _geometry(bits: int, block_edges: int | None) -> tuple[int, int, int]:
@@ -501,6 +579,7 @@ def viterbi_tiles(
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     programs: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) float32 tiles (trellis order) to EXL3 states; same contract as quantize_tiles.
 
@@ -508,7 +587,8 @@ def viterbi_tiles(
     (contiguous tensors of those shapes) when given. Runs on CUDA tensors, or on CPU tensors when the Triton
     interpreter is active. ``mode``/``num_warps``/``block_edges`` select kernel variants (for benchmarking);
     results never depend on them. ``programs`` is how many tiles are in flight at once, each with its own
-    scratch slot (``slot_bytes``); None: as many as ``scratch_bytes`` holds. Results never depend on it either.
+    scratch slot (``slot_bytes``); None: as many as ``scratch_bytes`` holds. Results never depend on it either,
+    nor on ``rows`` (cost rows instead of back-pointers, modes 4 and 5 only; None: ``keeps_rows``).
     """
     if not isinstance(tiles, torch.Tensor):
         raise ValueError(f"tiles must be a torch.Tensor, got {type(tiles).__name__}")
@@ -529,7 +609,7 @@ def viterbi_tiles(
         states = torch.empty((n, 256), dtype=torch.int16, device=dev)
     if n:
         _launch(tiles.contiguous(), n, bits, codebook, mode, num_warps, block_edges, k_chunk, scratch_bytes,
-                programs, states, values)
+                programs, states, values, rows=rows)
     return values, states
 
 
@@ -545,6 +625,7 @@ def viterbi_matrix(
     mode: int | None = None,
     num_warps: int | None = None,
     block_edges: int | None = None,
+    rows: bool | None = None,
 ) -> torch.Tensor:
     """Quantize the flat tiles ``first_tile`` .. ``first_tile + n_tiles - 1`` (row-major over the 16 x 16 tiles)
     of a contiguous (k, n) float32 ``weight`` where they lie, and overwrite each with its squared error
@@ -571,8 +652,21 @@ def viterbi_matrix(
         raise ValueError(f"states must be a contiguous ({n_tiles}, 256) int16 tensor")
     if n_tiles:
         _launch(weight, n_tiles, bits, codebook, mode, num_warps, block_edges, None, DEFAULT_SCRATCH_BYTES,
-                programs, states, None, matrix=(first_tile, n // 16, n))
+                programs, states, None, matrix=(first_tile, n // 16, n), rows=rows)
     return states
+
+
+_SMS: dict[str, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (132 on an H200); 1 elsewhere."""
+    if device.type != "cuda":
+        return 1
+    key = str(device)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[key]
 
 
 _OFFSETS: dict[tuple[str, int], torch.Tensor] = {}
@@ -592,25 +686,34 @@ def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
 def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_warps: int | None,
             block_edges: int | None, k_chunk: int | None, scratch_bytes: int, programs: int | None,
             states: torch.Tensor, values: torch.Tensor | None,
-            matrix: tuple[int, int, int] | None = None) -> None:
+            matrix: tuple[int, int, int] | None = None, rows: bool | None = None) -> None:
     """Scratch for G = min(n, programs) slots and one launch of the persistent kernel over n tiles of ``x``
-    (gathered tiles, or a matrix when ``matrix`` = (first tile, tiles per row, columns))."""
+    (gathered tiles, or a matrix when ``matrix`` = (first tile, tiles per row, columns)); ``rows``: keep cost
+    rows instead of back-pointers (None: ``keeps_rows``)."""
     interp = interpreter_active()
     dev = x.device
     dec = codebook_table(codebook, dev)
     nl, nh, bh = _geometry(bits, block_edges if block_edges is not None or not interp else 1 << (16 - bits))
+    if rows is None:
+        rows = keeps_rows(bits, mode)
+    elif rows and mode < 4:
+        raise ValueError(f"rows=True needs one of the packed modes 4 or 5, got mode {mode}")
+    pack4 = packs_nibbles(bits, mode)
+    per_slot = slot_bytes(bits, mode, rows)
+    g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
     if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8; at K = 4
-        # 8 warps (4 edges per thread): +8 % at 4 programs per SM on an H200 (benchmarks/bench_viterbi_slots.py)
-        num_warps = 8 if bits == 4 and not interp else max(1, min(4, (bh * nl) // 256))
+        # 8 warps (4 edges per thread) for the back-pointer kernel (+8 % at 4 programs per SM on an H200) and for
+        # the cost-row kernel below 4 programs per SM (2 per SM: 217 K against 200 K tiles/s), 4 from there (4 per
+        # SM: 251 K against 239 K; 12: 282 K against 241 K; benchmarks/bench_viterbi_slots.py)
+        k4_wide = bits == 4 and not interp and (not rows or g < 4 * _sm_count(dev))
+        num_warps = 8 if k4_wide else max(1, min(4, (bh * nl) // 256))
     kc = k_chunk if k_chunk is not None else (nl if interp else 1)
     if kc < 1 or kc > nl or kc & (kc - 1):
         raise ValueError(f"k_chunk must be a power of two in 1..{nl}, got {kc}")
     e = nl * nh
-    pack4 = packs_nibbles(bits, mode)
-    per_slot = slot_bytes(bits, mode)
-    g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
-    bp = torch.empty((g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)  # per_slot = bp + cs
-    cs = torch.empty((g, 2, e), dtype=torch.float16, device=dev)
+    # per_slot = back-pointers (none with rows) + cost rows (+ the values row of a matrix launch)
+    bp = torch.empty((1,) if rows else (g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)
+    cs = torch.empty((g, 256 if rows else 2, e), dtype=torch.float16, device=dev)
     if matrix is None:
         off, first, tiles_n, n_cols = dec, 0, 1, 1  # off unused
     else:
@@ -621,7 +724,7 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     with guard:  # launch on the tensors' GPU, not whichever is current
         compiled = _viterbi_kernel[(g,)](
             x, dec, cs, bp, states, values, n, off, first, tiles_n, n_cols,
-            K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, MATRIX=matrix is not None,
+            K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, MATRIX=matrix is not None, ROWS=rows,
             num_warps=num_warps,
         )
     global LAST_COMPILED
