@@ -15,6 +15,8 @@
 #   POST   dropin   bench_dropin.py --reference (the fork's call convention, drop-in vs exllamav3);
 #          memory   bench_encode_memory.py --reference (peak memory and time per shape);
 #          fleetref bench_fleet.py --add-reference on the fleet step's results;
+#          k4variants  bench_dropin.py on the K = 4 layers under other speed rules ($K4_VARIANTS), with the reference;
+#          rounds   profile_encode.py with 16 and 4 tiles per slot in an in-place chunk;
 #          tests, fleet as above.
 # Carry ./golden, ./.whl (and ./.bench-out, ./.ext when used). Logs and JSON land in $OUT, packed into
 # $OUT/results.tgz at the end (a device call returns at most 8 files), beside $OUT/ext.
@@ -88,6 +90,26 @@ EOF
         --shapes "${SHAPES:-5120x6144,16384x7168,18432x7168,7168x36864}" "${MREF[@]}" \
         --json "$OUT/bench_encode_memory.json" > "$OUT/bench_encode_memory.log" 2>&1
       echo "== bench_encode_memory ($(since))"; tail -16 "$OUT/bench_encode_memory.log" ;;
+    k4variants)  # the K = 4 layers (GLM-5.3-Flash) under other speed rules (memory.py's EXL3TOOL_* knobs), each
+      # beside the reference: NAME=IN_PLACE_BITS/COST_ROW_BITS, e.g. rows-in-place=4,6/4,6
+      for v in ${K4_VARIANTS:-rows-in-place=4,6/4,6 in-place=4,6/6}; do
+        name=${v%%=*}; rule=${v#*=}
+        EXL3TOOL_IN_PLACE_BITS=${rule%%/*} EXL3TOOL_COST_ROW_BITS=${rule#*/} timeout "${T_K4:-60}" python3 \
+          benchmarks/bench_dropin.py "${REF[@]}" --models GLM-5.3-Flash --json "$OUT/bench_dropin_glm_$name.json" \
+          > "$OUT/bench_dropin_glm_$name.log" 2>&1
+        echo "== GLM-5.3-Flash, $name (in place at K in ${rule%%/*}, cost rows at ${rule#*/}) ($(since))"
+        grep -E "GLM|speedup" "$OUT/bench_dropin_glm_$name.log"
+      done ;;
+    rounds)  # profile_encode at 16 (the rule) and 4 tiles per slot in an in-place chunk
+      for r in 16 4; do
+        EXL3TOOL_CHUNK_ROUNDS_IN_PLACE=$r timeout 90 python3 benchmarks/profile_encode.py \
+          --shapes "${ROUND_SHAPES:-512x4096:6,1536x3072:6,4096x4096:6,5120x6144:6}" --json "$OUT/profile_rounds$r.json" \
+          > "$OUT/profile_rounds$r.log" 2>&1
+        echo "== profile, $r rounds in place ($(since))"; python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    print(f\"  ({r['k']},{r['n']}) K{r['bits']}: total {r['seconds']['total']*1e3:.1f} ms, viterbi {r['seconds']['viterbi']*1e3:.1f} ms, slots {r['slots']}, chunk {r['chunk']}\")" "$OUT/profile_rounds$r.json"
+      done ;;
     fleetref)
       [ -f "$OUT/bench_fleet_8b.json" ] && [ ${#REF[@]} -gt 0 ] || { echo "== fleetref: no fleet results or no reference"; return; }
       timeout "${T_FLEETREF:-150}" python3 benchmarks/bench_fleet.py --add-reference "$OUT/bench_fleet_8b.json" "${REF[@]}" \

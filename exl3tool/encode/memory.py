@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
+    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
     "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR",
     "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "phase_bytes", "plan_encode_memory",
     "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
@@ -49,7 +49,23 @@ REFERENCE_SMS = 132  # the H200's SMs: the reference's scratch where the device 
 MIN_CHUNK_TILES = 128  # the smallest chunk of tiles gathered at once: slower, but it still finishes
 MIN_SLOTS = 16  # the fewest tiles in flight in the Viterbi kernel
 DEFAULT_MAX_CHUNK_TILES = 65536  # the reference's batch bound for one quantize_tiles call
-CHUNK_ROUNDS = 4  # a chunk holds about this many tiles per slot: the last round of a launch is partial
+def _knob(name: str, default):
+    """A speed rule below, or the value of EXL3TOOL_<name> when set (a comma-separated list of K for the sets):
+    what benchmarks compare in separate processes. No result depends on these, only speed and memory."""
+    import os
+
+    raw = os.environ.get(f"EXL3TOOL_{name}")
+    if raw is None:
+        return default
+    if isinstance(default, frozenset):
+        return frozenset(int(v) for v in raw.split(",") if v.strip())
+    return type(default)(raw)
+
+
+CHUNK_ROUNDS = _knob("CHUNK_ROUNDS", 4)  # a gathered chunk holds about this many tiles per slot (8 KiB a tile)
+# an in-place chunk (512 B a tile) this many: a launch of few tiles per program keeps the programs in step, so
+# their tracebacks (latency, little issue) run all at once instead of beside other programs' forward passes
+CHUNK_ROUNDS_IN_PLACE = _knob("CHUNK_ROUNDS_IN_PLACE", 16)
 DEFAULT_FLOOR_TILES = 1024  # CPU: a default budget always holds this many tiles in flight (a small layer's whole)
 DEFAULT_MAX_SCRATCH = 2 << 30  # Viterbi scratch beyond this does not make the kernel faster (8,064 slots at K = 6)
 _TILE_BYTES = 1024  # 256 fp32 values
@@ -58,13 +74,15 @@ _GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile
 # K at which the encode's tile quantization runs in place (viterbi_matrix); at the others it gathers the tiles. On an
 # H200 in place was faster at K = 6 (one launch per small layer: (512, 4096) 97 -> 87 ms) and slower at K = 4
 # ((4096, 12288) 965 -> 1,052 ms of Viterbi, the in-place variant of the packed 8-warp kernel); other K unmeasured
-IN_PLACE_BITS = frozenset({6})
+IN_PLACE_BITS = _knob("IN_PLACE_BITS", frozenset({6}))
 # K at which the Viterbi kernel keeps every step's cost row (256 x 2^(16-K) fp16 a slot) and no back-pointers: a
 # candidate is then sub, fma, min, not sub, fma, compare and two selects, and the tracebacks recompute the choice.
 # On an H200 (benchmarks/bench_viterbi_slots.py, same run): K = 6 312 K tiles/s at 12 programs per SM against 234 K
 # for the back-pointer kernel at its best, 225 K at 2 per SM; K = 4 282 K against 212 K, 217 K at 2 per SM. Twice
-# (K = 6) or four times (K = 4) the scratch a slot, so a budget holds fewer, but at 2 per SM it already matches.
-COST_ROW_BITS = frozenset({4, 6})
+# (K = 6) or four times (K = 4) the scratch a slot, so a budget holds fewer. At K = 4 the reference's budget then
+# leaves 2-3.6 programs per SM in gathered chunks of 4 rounds, and the encode was slower on 3 of 5 deployed layers
+# ((4096, 2048) 224 -> 264 ms, (1024, 4096) 128 -> 162 ms; bench_dropin.py): K = 4 keeps its back-pointers.
+COST_ROW_BITS = _knob("COST_ROW_BITS", frozenset({6}))
 WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
 PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
@@ -257,7 +275,9 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     # 8,064 slots against the 1,188 resident on an H200, bench_viterbi_slots.py), so where the budget allows the
     # slots go up to 2 GiB of scratch; a tight budget (the reference's, for a small layer) gets fewer
     most = min(tiles, max(wave or 0, MIN_SLOTS, DEFAULT_MAX_SCRATCH // per_slot))
-    rounds = min(CHUNK_ROUNDS, max(1, tiles // max(1, most)))
+    in_place = bits in IN_PLACE_BITS
+    fit = max(1, min(most, (avail - smallest * per_tile) // per_slot))  # slots beside the smallest chunk
+    rounds = min(CHUNK_ROUNDS_IN_PLACE if in_place else CHUNK_ROUNDS, max(1, tiles // fit))
     slots = min(most, (avail - smallest * per_tile) // per_slot, avail // (per_slot + rounds * per_tile))
     # one launch over the whole layer (up to the largest chunk) beats a launch per round of slots when it costs
     # few slots: separate launches each wait for their slowest tile (a (512, 4096) layer in 16 launches of one
