@@ -9,7 +9,13 @@ d = dec - w, one fp16 FMA, a compare and two selects. dec[k*E + e] is a contiguo
 codebook table (L1 resident); C_old[k*NH + h] is one value per block row. Costs live in a
 double-buffered per-slot global scratch (L1 resident, one CTA barrier per step); back-pointers are
 stored as the uint8 k per (position, edge), or two per byte at K <= 4 in the packed modes (half the
-scratch); the two tracebacks are scalar loops per tile. Programs are persistent: G of them (``programs``)
+scratch); the two tracebacks are scalar loops per tile.
+
+Cost rows (``ROWS``, the packed modes at the K of ``memory.COST_ROW_BITS``): no back-pointer is kept. Every
+step's cost row stays in the slot (256 rows of E fp16), a candidate is only sub, fma and min (3 f16x2
+instructions per two candidates instead of 5; ptxas fuses pairs of mins into a 3-way VHMNMX), and the
+traceback recomputes, at each position it visits, the NL candidate costs of its edge from the row the step
+read, with the same fp16 operations, and takes the first minimum: the choice the strict less-than kept. Programs are persistent: G of them (``programs``)
 each own one scratch slot and loop over tiles pid, pid + G, ..., so the scratch is G slots however many
 tiles one launch holds, and a launch never ends in a partial wave of short-lived programs.
 
