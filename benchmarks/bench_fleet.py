@@ -120,6 +120,8 @@ def child_reference(shapes: dict[str, int], reference: str, device: str) -> dict
 
     fn = load_quantize_exl3(reference, package="_exllamav3_reference")
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # the reference asserts the weight's device == devices[0]: with
+        dev = torch.device("cuda", torch.cuda.current_device())  # "cuda" there, cuda:0 != cuda (seen on an H200)
     per_shape, seconds, tiles, warmed = {}, 0.0, 0, set()
     for key, count in sorted(shapes.items()):
         k, n, bits = (int(v) for v in key.split("x"))
