@@ -8,7 +8,7 @@ import torch
 
 from exl3tool.encode.layout import matrix_to_tiles, tile_element_index, tile_position
 from exl3tool.encode.memory import (
-    COST_ROW_BITS, MIN_CHUNK_TILES, MIN_SLOTS, EncodeMemoryError, default_budget, plan_encode_memory,
+    CHUNK_ROUNDS_IN_PLACE, COST_ROW_BITS, IN_PLACE_BITS, MIN_CHUNK_TILES, MIN_SLOTS, EncodeMemoryError, default_budget, plan_encode_memory,
     reference_peak_bytes, viterbi_slot_bytes,
 )
 from exl3tool.encode.online import encode_linear, quantize_regularized, scale_mse
@@ -104,6 +104,8 @@ def test_default_gpu_plan_stays_within_the_reference(shape, bits):
             4 << (16 - bits)) + 1024
     if plan.slots < plan.chunk_tiles < tiles:
         assert plan.chunk_tiles % plan.slots == 0  # whole rounds of slots
+    if bits in IN_PLACE_BITS:  # an in-place chunk: 16 tiles per program a launch where the layer has them
+        assert plan.chunk_tiles >= min(tiles, 65536 - plan.slots, CHUNK_ROUNDS_IN_PLACE * plan.slots)
     if 4 * k * n >= 100 << 20:  # from a 100 MiB weight on, 2 tiles per SM in flight (where the cost-row kernel
         # already runs as fast as the back-pointer kernel at its best), or that kernel's whole resident wave
         assert plan.slots >= (2 * 132 if bits in COST_ROW_BITS else wave)
@@ -209,3 +211,28 @@ def test_cpu_host_peak_of_every_phase_is_within_the_plan():
     assert phases["proxy error"]["measured_mib"] >= 0.99 * (w + trellis)
     assert phases["tile quantization"]["measured_mib"] >= 0.99 * (w + trellis)
     assert row["chunks"] >= 2 and row["viterbi"]["tiles"] >= (k // 16) * (n // 16)
+
+
+def test_speed_rules_can_be_overridden_for_a_benchmark():
+    """EXL3TOOL_COST_ROW_BITS / _IN_PLACE_BITS / _CHUNK_ROUNDS_IN_PLACE change the plan's slot size and chunks in a
+    process started with them (what bench_dropin.py runs compare), and nothing when unset."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json; from exl3tool.encode import memory as m; p = m.plan_encode_memory(4096, 12288, 4, 'cuda', "
+            "wave=528); print(json.dumps([sorted(m.COST_ROW_BITS), sorted(m.IN_PLACE_BITS), m.CHUNK_ROUNDS_IN_PLACE, "
+            "m.viterbi_slot_bytes(4), p.slots, p.chunk_tiles]))")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("EXL3TOOL_")}
+
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", code], env=dict(env, **extra), capture_output=True, text=True,
+                             check=True).stdout
+        return json.loads(out)
+
+    rows, in_place, rounds, slot4, slots, chunk = run()
+    assert (rows, in_place, rounds) == ([6], [6], 16) and slot4 == 256 * 4096 // 2 + 4 * 4096 + 1024
+    rows, in_place, rounds, slot4, slots2, chunk2 = run(EXL3TOOL_COST_ROW_BITS="4,6", EXL3TOOL_IN_PLACE_BITS="4,6",
+                                                        EXL3TOOL_CHUNK_ROUNDS_IN_PLACE="8")
+    assert (rows, in_place, rounds) == ([4, 6], [4, 6], 8) and slot4 == 512 * 4096 + 1024
+    assert slots2 < slots and chunk2 >= 8 * slots2 and chunk2 > chunk  # 2 MiB slots; larger, in-place chunks
