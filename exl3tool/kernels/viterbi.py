@@ -217,12 +217,9 @@ if _HAVE_TRITON:
                 is_pure=True,
                 pack=1,
             )
-        else:
-            dl, dh = _unpack2(dec2)
-            bl, bh = _unpack2(best2)
-            cl = _cost(dl, w, cold, 0)
-            ch = _cost(dh, w, cold, 0)
-            return _pack2(tl.where(cl < bl, cl, bl), tl.where(ch < bh, ch, bh))
+        else:  # the exact emulation: _update_packed's costs, its back-pointer dropped
+            best2, _ = _update_packed(dec2, w, cold, best2, tl.zeros_like(best2), 0, MODE)
+            return best2
 
     @triton.jit
     def _forward_pass(x_t, dec_ptr, cs, bp, START: tl.constexpr, K: tl.constexpr, NL: tl.constexpr,
