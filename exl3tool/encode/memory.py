@@ -13,8 +13,9 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
   the kernel reads the tiles where they lie and writes their errors over them, so 512 B a tile; elsewhere the
   tiles are gathered, with their index and values: 8 KiB a tile on a GPU), then either the Viterbi kernel's
   scratch: ``slots`` tiles in flight, each slot 256 positions x 2^(16-K) back-pointers (a byte each, two per byte
-  at K <= 4), two cost rows and a row of values (the kernel's programs are persistent, so the scratch is
-  ``slots`` slots whatever the chunk), or, once the kernel has returned and freed it, the packing's bit streams
+  at K <= 4) and two cost rows, or at the K of ``COST_ROW_BITS`` 256 cost rows of 2^(16-K) fp16 and no
+  back-pointers, and a row of values (the kernel's programs are persistent, so the scratch is ``slots`` slots
+  whatever the chunk), or, once the kernel has returned and freed it, the packing's bit streams
   (about 20 KiB per tile, 2,048 tiles at a time);
 * proxy error: 1 W + the trellis + the squared error widened to float64 for the sum: on the CPU a slab of
   PROXY_SLAB_ROWS x 4,096 values at a time (64 MiB at most), elsewhere the whole (2 W; CUDA makes no copy at all,
@@ -37,7 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
+    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH",
+    "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
     "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR",
     "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "phase_bytes", "plan_encode_memory",
     "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
@@ -49,6 +51,8 @@ REFERENCE_SMS = 132  # the H200's SMs: the reference's scratch where the device 
 MIN_CHUNK_TILES = 128  # the smallest chunk of tiles gathered at once: slower, but it still finishes
 MIN_SLOTS = 16  # the fewest tiles in flight in the Viterbi kernel
 DEFAULT_MAX_CHUNK_TILES = 65536  # the reference's batch bound for one quantize_tiles call
+
+
 def _knob(name: str, default):
     """A speed rule below, or the value of EXL3TOOL_<name> when set (a comma-separated list of K for the sets):
     what benchmarks compare in separate processes. No result depends on these, only speed and memory."""

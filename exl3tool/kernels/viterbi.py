@@ -15,9 +15,11 @@ Cost rows (``ROWS``, the packed modes at the K of ``memory.COST_ROW_BITS``): no 
 step's cost row stays in the slot (256 rows of E fp16), a candidate is only sub, fma and min (3 f16x2
 instructions per two candidates instead of 5; ptxas fuses pairs of mins into a 3-way VHMNMX), and the
 traceback recomputes, at each position it visits, the NL candidate costs of its edge from the row the step
-read, with the same fp16 operations, and takes the first minimum: the choice the strict less-than kept. Programs are persistent: G of them (``programs``)
-each own one scratch slot and loop over tiles pid, pid + G, ..., so the scratch is G slots however many
-tiles one launch holds, and a launch never ends in a partial wave of short-lived programs.
+read, with the same fp16 operations, and takes the first minimum: the choice the strict less-than kept.
+
+Programs are persistent: G of them (``programs``) each own one scratch slot and loop over tiles pid,
+pid + G, ..., so the scratch is G slots however many tiles one launch holds, and a launch never ends in a
+partial wave of short-lived programs.
 
 Exactness: the fp16 FMA must be rounded once. On the GPU it is PTX ``fma.rn.f16``/``fma.rn.f16x2``
 through inline assembly; under TRITON_INTERPRET=1 (no PTX) it is emulated exactly in float64 with
@@ -44,9 +46,8 @@ except ImportError:  # pragma: no cover - exercised only without triton
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["viterbi_tiles", "viterbi_matrix", "interpreter_active", "resident_tiles", "selfcheck_results", "slot_bytes", "packs_nibbles",
-           "keeps_rows",
-           "MODES", "DEFAULT_MODE"]
+__all__ = ["viterbi_tiles", "viterbi_matrix", "interpreter_active", "resident_tiles", "selfcheck_results", "slot_bytes",
+           "packs_nibbles", "keeps_rows", "MODES", "DEFAULT_MODE"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
 #   0: exact float64 emulation (interpreter; also runs on GPU, slowly)
