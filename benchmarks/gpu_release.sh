@@ -23,7 +23,7 @@
 set -u
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-14}
 OUT=${OUT:-/tmp/exl3tool-release}; mkdir -p "$OUT"
-PRE=${PRE:-ktests slots profile}; POST=${POST:-dropin memory}
+PRE=${PRE-ktests slots profile}; POST=${POST-dropin memory}  # set but empty: no step
 T0=$(date +%s)
 since() { echo "$(( $(date +%s) - T0 )) s"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1

@@ -35,6 +35,7 @@ programs than the resident wave still help) and the chunk to a few rounds of slo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 __all__ = [
@@ -56,8 +57,6 @@ DEFAULT_MAX_CHUNK_TILES = 65536  # the reference's batch bound for one quantize_
 def _knob(name: str, default):
     """A speed rule below, or the value of EXL3TOOL_<name> when set (a comma-separated list of K for the sets):
     what benchmarks compare in separate processes. No result depends on these, only speed and memory."""
-    import os
-
     raw = os.environ.get(f"EXL3TOOL_{name}")
     if raw is None:
         return default
