@@ -3,8 +3,8 @@
 Every program of ``exl3tool.kernels.viterbi`` owns one scratch slot (``slot_bytes``: 256 positions x 2^(16-K)
 back-pointers, two per byte at K <= 4) and loops over tiles, so GPU memory is ``programs x slot_bytes`` whatever
 the batch. This sweep times K = 6 and K = 4 over programs per SM (2 .. the resident wave), warps per program,
-edges per block and the two ways to keep what the tracebacks need (``--rows 0,1``: back-pointers, or every step's
-cost row with the choice recomputed), on one batch of fresh Gaussian tiles, against the baseline in the same run
+edges per block and the ways to keep what the tracebacks need (``--rows 0,1,2``: back-pointers, every step's cost
+row with the choice recomputed, or every other row with the odd rows' entries recomputed too), on one batch of fresh Gaussian tiles, against the baseline in the same run
 (the back-pointer kernel with ``programs=None``: as many slots as 2 GiB holds), and checks every variant's states
 are the baseline's bit for bit. The exllamav3 reference keeps 4 programs per SM resident (its ``quantize_tiles_scratch``
 on an H200), with one byte per back-pointer.
@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--bits", default="6,4")
     ap.add_argument("--per-sm", default="2,3,4,6,8,12,16")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--rows", default="0,1", help="0: back-pointers, 1: cost rows (the traceback recomputes)")
+    ap.add_argument("--rows", default="0,1", help="0: back-pointers, 1: every cost row (the traceback recomputes the choice), "
+                    "2: every other cost row")
     ap.add_argument("--edges", default=None, help="edges per block (default 1024,2048 and 4096 at K <= 4)")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--sizes", default=None,
@@ -100,7 +101,7 @@ def main() -> None:
         doc["rows"].append({"bits": bits, "variant": "baseline", "tiles_per_s": args.tiles / base_s,
                             "wave": wave, "slot_bytes": slot})
         edges = [int(e) for e in args.edges.split(",")] if args.edges else [1024, 2048] + ([4096] if bits <= 4 else [])
-        for rows in [bool(int(r)) for r in args.rows.split(",")]:
+        for rows in [int(r) for r in args.rows.split(",")]:
             slot = vmod.slot_bytes(bits, rows=rows)
             for warps in [int(w) for w in args.warps.split(",")]:
                 for be in edges:
@@ -120,7 +121,7 @@ def main() -> None:
                                "scratch_mib": programs * slot / 2**20, "resident_wave": occ,
                                "same_states": bool(torch.equal(states, base_states))}
                         doc["rows"].append(row)
-                        print(f"  {'rows' if rows else 'bp  '} warps {warps:2} edges {be:4} per-SM {per_sm:2} "
+                        print(f"  {('bp   ', 'rows ', 'rows2')[rows]} warps {warps:2} edges {be:4} per-SM {per_sm:2} "
                               f"({programs:5} slots, {row['scratch_mib']:6.0f} MiB): {row['tiles_per_s']:9,.0f} "
                               f"tiles/s x{row['vs_baseline']:.2f}  wave {occ}  same {row['same_states']}  "
                               f"({time.perf_counter() - t0:.1f} s)", flush=True)

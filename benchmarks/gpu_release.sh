@@ -7,7 +7,7 @@
 #          other CPU work light meanwhile) and comes back stripped in 15 MiB parts in $OUT/ext;
 #   PRE    (one GPU process at a time, little CPU)
 #          ktests   the Viterbi kernel's GPU tests (tests/test_kernels_viterbi.py);
-#          slots    bench_viterbi_slots.py: back-pointers against cost rows, K = 6 and 4, warps, programs per SM;
+#          slots    bench_viterbi_slots.py: back-pointers against cost rows (all, or every other), K = 6 and 4, warps, programs per SM;
 #          profile  profile_encode.py on this tree and on the previous version (./.bench-out/base.tar, made with
 #                   `git archive -o .bench-out/base.tar <rev>`), alternately, for a same-run A/B per stage;
 #          tests    every GPU-marked test (pytest -n 6: CPU heavy, best after the compile);
@@ -17,6 +17,8 @@
 #          fleetref bench_fleet.py --add-reference on the fleet step's results;
 #          k4variants  bench_dropin.py on the K = 4 layers under other speed rules ($K4_VARIANTS), with the reference;
 #          rounds   profile_encode.py with 16 and 4 tiles per slot in an in-place chunk;
+#          rules    bench_rules.py: profile_encode.py on the deployed layers under each rule set of $RULES (memory.py's
+#                   EXL3TOOL_* knobs), against the dropin step's reference seconds;
 #          tests, fleet as above.
 # Carry ./golden, ./.whl (and ./.bench-out, ./.ext when used). Logs and JSON land in $OUT, packed into
 # $OUT/results.tgz at the end (a device call returns at most 8 files), beside $OUT/ext.
@@ -51,7 +53,7 @@ step() {
         > "$OUT/ktests.log" 2>&1
       echo "== kernel GPU tests ($(since)): $(tail -1 "$OUT/ktests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/ktests.log" | head ;;
     slots)
-      timeout "${T_SLOTS:-150}" python3 benchmarks/bench_viterbi_slots.py --bits "${SLOT_BITS:-6,4}" --rows 0,1 \
+      timeout "${T_SLOTS:-150}" python3 benchmarks/bench_viterbi_slots.py --bits "${SLOT_BITS:-6,4}" --rows "${SLOT_ROWS:-0,1,2}" \
         --warps "${SLOT_WARPS:-4,8}" --edges 1024 --per-sm "${SLOT_PER_SM:-2,4,8,12}" --json "$OUT/bench_viterbi_slots.json" \
         > "$OUT/bench_viterbi_slots.log" 2>&1
       echo "== bench_viterbi_slots ($(since))"; grep -v -i warn "$OUT/bench_viterbi_slots.log" | cut -c1-150 ;;
@@ -100,6 +102,11 @@ EOF
         echo "== GLM-5.3-Flash, $name (in place at K in ${rule%%/*}, cost rows at ${rule#*/}) ($(since))"
         grep -E "GLM|speedup" "$OUT/bench_dropin_glm_$name.log"
       done ;;
+    rules)  # bench_rules.py: the speed rules ($RULES) on the deployed layers against the dropin step's reference
+      [ -f "$OUT/bench_dropin.json" ] || { echo "== rules: no dropin results to compare with"; return; }
+      timeout "${T_RULES:-260}" python3 benchmarks/bench_rules.py --reference-json "$OUT/bench_dropin.json" \
+        --rules "${RULES:-now:;rows2:COST_ROW_STRIDE=2}" --json "$OUT/bench_rules.json" > "$OUT/bench_rules.log" 2>&1
+      echo "== bench_rules ($(since))"; tail -32 "$OUT/bench_rules.log" ;;
     rounds)  # profile_encode at 16 (the rule) and 4 tiles per slot in an in-place chunk
       for r in 16 4; do
         EXL3TOOL_CHUNK_ROUNDS_IN_PLACE=$r timeout 90 python3 benchmarks/profile_encode.py \

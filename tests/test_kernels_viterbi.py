@@ -277,24 +277,24 @@ def test_gpu_chunks_and_variants_agree():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
-def test_gpu_cost_rows_equal_back_pointers(bits):
-    """Keeping every step's cost row and recomputing the choice in the traceback gives the back-pointer
-    kernel's states and values bit for bit, for gathered tiles and in place over a weight, at every K and at
-    1 and several programs (tiles of several scales: ties and saturated costs)."""
+@pytest.mark.parametrize("bits, rows", [(b, 1) for b in range(1, 9)] + [(b, 2) for b in range(1, 7)])
+def test_gpu_cost_rows_equal_back_pointers(bits, rows):
+    """Keeping every step's cost row (``rows`` 1) or every other (2) and recomputing the choice in the traceback
+    gives the back-pointer kernel's states and values bit for bit, for gathered tiles and in place over a
+    weight, at every K and at 1 and several programs (tiles of several scales: ties and saturated costs)."""
     _gpu_ready()
     x = torch.randn(200, 256, device="cuda") * torch.logspace(-2, 1.5, 200, device="cuda")[:, None]
     ref_v, ref_s = vmod.viterbi_tiles(x, bits, "mcg", rows=False)
     for programs in (None, 1, 37):
-        v, s = vmod.viterbi_tiles(x if programs != 1 else x[:9], bits, "mcg", rows=True, programs=programs)
+        v, s = vmod.viterbi_tiles(x if programs != 1 else x[:9], bits, "mcg", rows=rows, programs=programs)
         count = v.shape[0]
         assert torch.equal(s, ref_s[:count]) and torch.equal(v, ref_v[:count]), (bits, programs)
     w = torch.randn(64, 96, device="cuda") * 1.5
     tiles = (64 // 16) * (96 // 16)
     plain, inplace = w.clone(), w.clone()
     s_bp = vmod.viterbi_matrix(plain, 0, tiles, bits, rows=False, programs=5)
-    s_rows = vmod.viterbi_matrix(inplace, 0, tiles, bits, rows=True, programs=5)
-    assert torch.equal(s_bp, s_rows) and torch.equal(plain, inplace), bits
+    s_rows = vmod.viterbi_matrix(inplace, 0, tiles, bits, rows=rows, programs=5)
+    assert torch.equal(s_bp, s_rows) and torch.equal(plain, inplace), (bits, rows)
 
 
 @pytest.mark.gpu
@@ -356,12 +356,13 @@ _ROWS_SCRIPT = textwrap.dedent(
     from exl3tool.encode.layout import tile_element_index
     from exl3tool.kernels.viterbi import viterbi_matrix, viterbi_tiles
     torch.manual_seed(int(sys.argv[1]))
+    rows, bits = int(sys.argv[2]), int(sys.argv[3])
     x = torch.randn(1, 256) * torch.empty(1).uniform_(0.5, 2.0)
-    _, states = viterbi_tiles(x, 3, mode=5, rows=True)
+    _, states = viterbi_tiles(x, bits, mode=5, rows=rows)
     w = torch.randn(16, 32) * 1.3  # two tiles; the second quantized in place
     index = tile_element_index(32, torch.tensor([1]))
     tile = w.reshape(-1)[index].clone()
-    m_states = viterbi_matrix(w, 1, 1, 2, mode=5, rows=True, programs=1)
+    m_states = viterbi_matrix(w, 1, 1, 2, mode=5, rows=rows, programs=1)
     print(json.dumps({"x": x.tolist(), "states": states.tolist(), "tile": tile.tolist(),
                       "m_states": m_states.tolist(), "m_error": w.reshape(-1)[index].tolist()}))
     """
@@ -369,19 +370,21 @@ _ROWS_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_interpreter_cost_rows_match_reference():
-    """The cost-row kernel (every step's costs kept, the traceback recomputes each choice) in its packed-pair
-    layout with exact arithmetic (mode 5): a fresh tile at K=3 and a tile quantized in place over a weight at
-    K=2 give the independent numpy Viterbi's states, and the in-place launch writes (x - q)^2."""
+@pytest.mark.parametrize("rows, bits", [(1, 3), (2, 4)])
+def test_interpreter_cost_rows_match_reference(rows, bits):
+    """The cost-row kernel (the traceback recomputes each choice from the costs kept: every step's row, or every
+    other with the odd rows' entries recomputed from the even ones) in its packed-pair layout with exact
+    arithmetic (mode 5): a fresh tile at K=``bits`` and a tile quantized in place over a weight at K=2 give the
+    independent numpy Viterbi's states, and the in-place launch writes (x - q)^2."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     seed = int(np.random.default_rng().integers(0, 2**31))
-    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed), str(rows), str(bits)], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (seed, proc.stderr[-3000:])
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     x = np.asarray(res["x"], dtype=np.float32)[0]
     got = np.asarray(res["states"], dtype=np.int64)[0] & 0xFFFF
-    assert np.array_equal(got, reference_tile(x, 3, "mcg")), seed
+    assert np.array_equal(got, reference_tile(x, bits, "mcg")), seed
     tile = np.asarray(res["tile"], dtype=np.float32)[0]
     ref = reference_tile(tile, 2, "mcg")
     assert np.array_equal(np.asarray(res["m_states"], dtype=np.int64)[0] & 0xFFFF, ref), seed

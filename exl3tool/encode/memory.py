@@ -39,11 +39,12 @@ import os
 from dataclasses import dataclass
 
 __all__ = [
-    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH",
-    "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
+    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "COST_ROW_STRIDE", "DEFAULT_MAX_CHUNK_TILES",
+    "DEFAULT_MAX_SCRATCH", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
+    "MAX_HALF_ROW_BITS",
     "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR",
-    "REFERENCE_PROGRAMS_PER_SM", "default_budget", "device_budget", "phase_bytes", "plan_encode_memory",
-    "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
+    "REFERENCE_PROGRAMS_PER_SM", "cost_row_stride", "default_budget", "device_budget", "phase_bytes",
+    "plan_encode_memory", "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
 ]
 
 REFERENCE_FACTOR = 3.5  # exllamav3 1.6.5 quantize_exl3 per-call peak / fp32 weight, the least measured (H200)
@@ -86,6 +87,14 @@ IN_PLACE_BITS = _knob("IN_PLACE_BITS", frozenset({6}))
 # leaves 2-3.6 programs per SM in gathered chunks of 4 rounds, and the encode was slower on 3 of 5 deployed layers
 # ((4096, 2048) 224 -> 264 ms, (1024, 4096) 128 -> 162 ms; bench_dropin.py): K = 4 keeps its back-pointers.
 COST_ROW_BITS = _knob("COST_ROW_BITS", frozenset({6}))
+# Which of those rows a slot keeps: 1 every step's, 2 every other step's (129 rows: the even ones and the odd row in
+# flight), the traceback recomputing an odd row's NL entries it needs from the even row before it (NL^2 fp16
+# candidates at one position, against NL x 2^(16-K) a step): half the scratch a slot, so twice the slots in a budget
+COST_ROW_STRIDE = _knob("COST_ROW_STRIDE", 1)
+# 1: a Viterbi launch over more tiles than slots spreads them evenly (``kernels.viterbi._even_rounds``): as few
+# programs as take the same rounds, in whole waves of SMs; 0: every slot a program
+EVEN_ROUNDS = _knob("EVEN_ROUNDS", 0)
+MAX_HALF_ROW_BITS = 6  # every other row only up to K = 6 (a recomputed odd row costs 2^(2K) candidates)
 WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
 PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
@@ -140,16 +149,25 @@ def weight_bytes(k: int, n: int) -> int:
     return 4 * k * n
 
 
-def viterbi_slot_bytes(bits: int, packed: bool = True, rows: bool | None = None) -> int:
+def cost_row_stride(bits: int) -> int:
+    """The cost rows the Viterbi kernel keeps at K = ``bits`` in its packed modes: 0 (back-pointers instead), 1
+    (every step's) or 2 (every other step's); the rule of COST_ROW_BITS and COST_ROW_STRIDE."""
+    if bits not in COST_ROW_BITS:
+        return 0
+    return 2 if COST_ROW_STRIDE == 2 and bits <= MAX_HALF_ROW_BITS else 1
+
+
+def viterbi_slot_bytes(bits: int, packed: bool = True, rows: bool | int | None = None) -> int:
     """GPU scratch of one tile in flight: back-pointers (256 positions x 2^(16-K) edges, a byte each, or two per
-    byte at K <= 4 when ``packed``, the kernel's default modes) and two fp16 cost rows, or with ``rows`` (None:
-    K in COST_ROW_BITS and ``packed``) 256 cost rows and no back-pointers; and, in an in-place launch over a
-    weight (``viterbi_matrix``), the 1 KiB row of the tile's values."""
+    byte at K <= 4 when ``packed``, the kernel's default modes) and two fp16 cost rows; or with ``rows`` no
+    back-pointers and 256 cost rows of 2^(16-K) fp16 (``rows`` 1) or 129 (2: every other row and the one in
+    flight); None: ``cost_row_stride`` when ``packed``. And, in an in-place launch over a weight
+    (``viterbi_matrix``), the 1 KiB row of the tile's values."""
     e = 1 << (16 - bits)
     if rows is None:
-        rows = packed and bits in COST_ROW_BITS
+        rows = cost_row_stride(bits) if packed else 0
     if rows:
-        return 256 * 2 * e + _TILE_BYTES
+        return (129 if rows == 2 else 256) * 2 * e + _TILE_BYTES
     return 256 * (e // 2 if packed and bits <= 4 else e) + 4 * e + _TILE_BYTES
 
 

@@ -34,7 +34,8 @@ import warnings
 import torch
 
 from exl3tool.encode.codebook import check_codebook, codebook_table
-from exl3tool.encode.memory import COST_ROW_BITS, DEFAULT_MAX_SCRATCH, viterbi_slot_bytes
+from exl3tool.encode.memory import (DEFAULT_MAX_SCRATCH, EVEN_ROUNDS, MAX_HALF_ROW_BITS, cost_row_stride,
+                                    viterbi_slot_bytes)
 
 try:  # triton is optional for the CPU-only parts of the package
     import triton
@@ -223,21 +224,31 @@ if _HAVE_TRITON:
             return best2
 
     @triton.jit
+    def _row_slot(r):
+        """Where cost row r lies in a slot that keeps every other row (ROWS = 2): even rows at r / 2 (row 256 is
+        row 0), the odd row of the step in flight in row 128."""
+        return tl.where(r % 2 == 0, (r // 2) % 128, 128)
+
+    @triton.jit
     def _forward_pass(x_t, dec_ptr, cs, bp, START: tl.constexpr, K: tl.constexpr, NL: tl.constexpr,
                       NH: tl.constexpr, BH: tl.constexpr, KC: tl.constexpr, MODE: tl.constexpr,
                       PACK4: tl.constexpr, ROWS: tl.constexpr, STEPS: tl.constexpr):
         """STEPS Viterbi steps over positions START, START+1, ... (mod 256); costs start in cs[0:E]. Step t reads
-        cost row t and writes row t + 1: two rows used in turn, or with ROWS all 256 rows kept (row 256 is row 0)
-        and no back-pointers, which the traceback recomputes from the rows."""
+        cost row t and writes row t + 1: two rows used in turn (ROWS = 0), or no back-pointers and the rows kept
+        for the traceback to recompute them: all 256 (ROWS = 1, row 256 is row 0) or the even ones (ROWS = 2,
+        ``_row_slot``)."""
         E: tl.constexpr = NH * NL
         rows = tl.arange(0, BH)[:, None]
         cols = tl.arange(0, NL)[None, :]
         for t in range(STEPS):
             p = (t + START) % 256
             w = tl.load(x_t + p).to(tl.float16)
-            if ROWS:
+            if ROWS == 1:
                 src = cs + t * E
                 dst = cs + ((t + 1) % 256) * E
+            elif ROWS == 2:
+                src = cs + _row_slot(t) * E
+                dst = cs + _row_slot(t + 1) * E
             else:
                 src = cs + (t % 2) * E
                 dst = cs + ((t + 1) % 2) * E
@@ -314,19 +325,29 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _traced_k(x_t, dec_ptr, cs, t, p, ed, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr,
-                  MODE: tl.constexpr):
+                  MODE: tl.constexpr, ROWS: tl.constexpr):
         """The candidate k step t (position p) kept for edge ``ed``, recomputed from the cost row t it read: its
         NL candidates' costs again, with the same fp16 operations, and the first minimum, as the strict
-        less-than in increasing k kept it."""
+        less-than in increasing k kept it. With ROWS = 2 an odd row t is not kept: its NL entries are those
+        step t - 1 computed, each the minimum of its NL candidates over the even row t - 1 (min is exact)."""
         E: tl.constexpr = NH * NL
+        M: tl.constexpr = 0 if MODE == 0 or MODE == 5 else 1
         kk = tl.arange(0, NL)
         w = tl.load(x_t + p).to(tl.float16)
         dec = tl.load(dec_ptr + kk * E + ed)
-        cold = tl.load(cs + t * E + kk * NH + (ed >> K))
-        if MODE == 0 or MODE == 5:
-            c = _cost(dec, w, cold, 0)
+        j = kk * NH + (ed >> K)  # the entries of row t that edge ed's candidates read
+        if ROWS == 2:
+            if t % 2 == 1:
+                w1 = tl.load(x_t + (p + 255) % 256).to(tl.float16)  # step t - 1's position
+                k2 = tl.arange(0, NL)[None, :]
+                dec2 = tl.load(dec_ptr + k2 * E + j[:, None])
+                c2 = tl.load(cs + ((t - 1) // 2) * E + k2 * NH + (j[:, None] >> K))
+                cold = tl.min(_cost(dec2, w1, c2, M), axis=1)
+            else:
+                cold = tl.load(cs + (t // 2) * E + j)
         else:
-            c = _cost(dec, w, cold, 1)
+            cold = tl.load(cs + t * E + j)
+        c = _cost(dec, w, cold, M)
         _, k = tl.min(c, axis=0, return_indices=True, return_indices_tie_break_left=True)
         return k.to(tl.int32)
 
@@ -349,8 +370,9 @@ if _HAVE_TRITON:
         as always."""
         E: tl.constexpr = NH * NL
         SLOT: tl.constexpr = 0 if ROWS else 256 * (E // 2 if PACK4 else E)  # back-pointer bytes per slot
+        NROWS: tl.constexpr = 256 if ROWS == 1 else (129 if ROWS == 2 else 2)  # cost rows per slot
         pid = tl.program_id(0)
-        cs = cs_ptr + pid.to(tl.int64) * ((256 if ROWS else 2) * E)  # cost rows per slot
+        cs = cs_ptr + pid.to(tl.int64) * (NROWS * E)
         bp = bp_ptr + pid.to(tl.int64) * SLOT
         rows = tl.arange(0, BH)[:, None]
         cols = tl.arange(0, NL)[None, :]
@@ -392,7 +414,7 @@ if _HAVE_TRITON:
             for i in range(128):
                 p = 127 - i
                 if ROWS:  # pass 1 visited position p at step p + 128
-                    k = _traced_k(x_t, dec_ptr, cs, p + 128, p, ed, K, NL, NH, MODE)
+                    k = _traced_k(x_t, dec_ptr, cs, p + 128, p, ed, K, NL, NH, MODE, ROWS)
                 else:
                     k = _back_pointer(bp, p, ed, E, PACK4)
                 ed = k * NH + (ed >> K)
@@ -413,7 +435,7 @@ if _HAVE_TRITON:
             for i in range(256):
                 p = 255 - i
                 if ROWS:
-                    k = _traced_k(x_t, dec_ptr, cs, p, p, ed, K, NL, NH, MODE)
+                    k = _traced_k(x_t, dec_ptr, cs, p, p, ed, K, NL, NH, MODE, ROWS)
                 else:
                     k = _back_pointer(bp, p, ed, E, PACK4)
                 s = (k << (16 - K)) | ed
@@ -519,11 +541,22 @@ def _occupancy(compiled, props) -> int | None:
     return per_sm * int(props.multi_processor_count)
 
 
-def keeps_rows(bits: int, mode: int = DEFAULT_MODE) -> bool:
-    """Whether the kernel keeps every step's cost row instead of back-pointers (``memory.COST_ROW_BITS``) in the
-    packed modes 4 and 5: a candidate is then sub, fma and min (3 instructions per two, not 5), and the traceback
-    recomputes the kept candidate from the row."""
-    return bits in COST_ROW_BITS and mode >= 4
+def keeps_rows(bits: int, mode: int = DEFAULT_MODE) -> int:
+    """Which cost rows the kernel keeps instead of back-pointers: 0 (none: back-pointers), 1 (every step's) or
+    2 (every other step's), ``memory.cost_row_stride``, in the packed modes 4 and 5 only. With rows a candidate
+    is sub, fma and min (3 instructions per two, not 5), and the traceback recomputes the kept candidate from
+    the row (an odd row from the even row before it, with 2 only)."""
+    return cost_row_stride(bits) if mode >= 4 else 0
+
+
+def _row_stride(bits: int, rows: bool | int) -> int:
+    """``rows`` as the kernel's ROWS (False/True are 0/1), checked."""
+    if rows not in (0, 1, 2):
+        raise ValueError(f"rows must be 0 (back-pointers), 1 (every cost row) or 2 (every other), got {rows!r}")
+    if rows == 2 and bits > MAX_HALF_ROW_BITS:
+        raise ValueError(f"rows=2 recomputes 2^(2K) costs per traceback step: K <= {MAX_HALF_ROW_BITS} only, "
+                         f"got K={bits}")
+    return int(rows)
 
 
 def packs_nibbles(bits: int, mode: int = DEFAULT_MODE) -> bool:
@@ -531,14 +564,13 @@ def packs_nibbles(bits: int, mode: int = DEFAULT_MODE) -> bool:
     return bits <= 4 and mode >= 4
 
 
-def slot_bytes(bits: int, mode: int | None = None, rows: bool | None = None) -> int:
+def slot_bytes(bits: int, mode: int | None = None, rows: bool | int | None = None) -> int:
     """GPU scratch of one tile in flight (``viterbi_slot_bytes``) for ``mode``; None: the mode in use on the
-    current device after its self-check, or DEFAULT_MODE before it ran. ``rows``: cost rows or back-pointers
-    (None: ``keeps_rows``)."""
+    current device after its self-check, or DEFAULT_MODE before it ran. ``rows``: back-pointers (0), every cost
+    row (1) or every other (2); None: ``keeps_rows``."""
     if mode is None:
         mode = next((m for (_, b), m in _CHECKED.items() if b == bits), DEFAULT_MODE)
-    if rows is None:
-        rows = keeps_rows(bits, mode)
+    rows = keeps_rows(bits, mode) if rows is None else _row_stride(bits, rows)
     return viterbi_slot_bytes(bits, packs_nibbles(bits, mode), rows=rows)
 
 
@@ -583,7 +615,7 @@ def viterbi_tiles(
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     programs: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    rows: bool | None = None,
+    rows: bool | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) float32 tiles (trellis order) to EXL3 states; same contract as quantize_tiles.
 
@@ -592,7 +624,8 @@ def viterbi_tiles(
     interpreter is active. ``mode``/``num_warps``/``block_edges`` select kernel variants (for benchmarking);
     results never depend on them. ``programs`` is how many tiles are in flight at once, each with its own
     scratch slot (``slot_bytes``); None: as many as ``scratch_bytes`` holds. Results never depend on it either,
-    nor on ``rows`` (cost rows instead of back-pointers, modes 4 and 5 only; None: ``keeps_rows``).
+    nor on ``rows`` (0: back-pointers, 1: every cost row, 2: every other; 1 and 2 in modes 4 and 5 only; None:
+    ``keeps_rows``).
     """
     if not isinstance(tiles, torch.Tensor):
         raise ValueError(f"tiles must be a torch.Tensor, got {type(tiles).__name__}")
@@ -629,7 +662,7 @@ def viterbi_matrix(
     mode: int | None = None,
     num_warps: int | None = None,
     block_edges: int | None = None,
-    rows: bool | None = None,
+    rows: bool | int | None = None,
 ) -> torch.Tensor:
     """Quantize the flat tiles ``first_tile`` .. ``first_tile + n_tiles - 1`` (row-major over the 16 x 16 tiles)
     of a contiguous (k, n) float32 ``weight`` where they lie, and overwrite each with its squared error
@@ -676,6 +709,15 @@ def _sm_count(device: torch.device) -> int:
 _OFFSETS: dict[tuple[str, int], torch.Tensor] = {}
 
 
+def _even_rounds(n: int, g: int, sms: int) -> int:
+    """Programs for n tiles on at most g: as few as take the same rounds (ceil(n / g) tiles a program), in whole
+    waves of ``sms``. A launch whose last round is nearly empty (3,885 tiles on 964 programs: 4 full rounds and
+    27 tiles) then runs every round at fewer programs per SM, each faster, instead of a tail of a few."""
+    rounds = -(-n // g)
+    fewer = -(-n // rounds)
+    return min(g, -(-fewer // sms) * sms)
+
+
 def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
     """int32 offset of trellis position p from its tile's corner in a row-major matrix with ``n_cols`` columns."""
     key = (str(device), n_cols)
@@ -690,7 +732,7 @@ def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
 def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_warps: int | None,
             block_edges: int | None, k_chunk: int | None, scratch_bytes: int, programs: int | None,
             states: torch.Tensor, values: torch.Tensor | None,
-            matrix: tuple[int, int, int] | None = None, rows: bool | None = None) -> None:
+            matrix: tuple[int, int, int] | None = None, rows: bool | int | None = None) -> None:
     """Scratch for G = min(n, programs) slots and one launch of the persistent kernel over n tiles of ``x``
     (gathered tiles, or a matrix when ``matrix`` = (first tile, tiles per row, columns)); ``rows``: keep cost
     rows instead of back-pointers (None: ``keeps_rows``)."""
@@ -700,11 +742,15 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     nl, nh, bh = _geometry(bits, block_edges if block_edges is not None or not interp else 1 << (16 - bits))
     if rows is None:
         rows = keeps_rows(bits, mode)
-    elif rows and mode < 4:
-        raise ValueError(f"rows=True needs one of the packed modes 4 or 5, got mode {mode}")
+    else:
+        rows = _row_stride(bits, rows)
+        if rows and mode < 4:
+            raise ValueError(f"rows={rows} needs one of the packed modes 4 or 5, got mode {mode}")
     pack4 = packs_nibbles(bits, mode)
     per_slot = slot_bytes(bits, mode, rows)
     g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
+    if EVEN_ROUNDS and g < n and not interp:
+        g = _even_rounds(n, g, _sm_count(dev))
     if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8; at K = 4
         # 8 warps (4 edges per thread) for the back-pointer kernel (+8 % at 4 programs per SM on an H200) and for
         # the cost-row kernel below 4 programs per SM (2 per SM: 217 K against 200 K tiles/s), 4 from there (4 per
@@ -717,7 +763,7 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     e = nl * nh
     # per_slot = back-pointers (none with rows) + cost rows (+ the values row of a matrix launch)
     bp = torch.empty((1,) if rows else (g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)
-    cs = torch.empty((g, 256 if rows else 2, e), dtype=torch.float16, device=dev)
+    cs = torch.empty((g, {0: 2, 1: 256, 2: 129}[rows], e), dtype=torch.float16, device=dev)
     if matrix is None:
         off, first, tiles_n, n_cols = dec, 0, 1, 1  # off unused
     else:
