@@ -4,7 +4,8 @@ The rules of ``exl3tool.encode.memory`` (which K keep cost rows and how many, wh
 spreads its tiles) change speed and memory only, never a byte. Each rule set here runs ``profile_encode.py`` in its
 own process (the rules are read at import, from the ``EXL3TOOL_*`` variables) on every distinct layer shape of
 ``bench_dropin.MODELS`` under the default budget (the reference's memory), and is compared layer by layer with the
-reference's seconds that ``bench_dropin.py --reference`` measured in the same device call (``--reference-json``):
+reference's seconds that ``bench_dropin.py --reference`` measured in the same device call (``--reference-json``;
+without it, with the first rule set's seconds):
 
     python benchmarks/bench_rules.py --reference-json dropin.json \\
         --rules "now:;rows2:COST_ROW_STRIDE=2;rows2-k4:COST_ROW_STRIDE=2,COST_ROW_BITS=4,6" --json rules.json
@@ -52,7 +53,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rules", required=True, help="NAME:VAR=VALUE,...;NAME:... (see above)")
-    ap.add_argument("--reference-json", default=None, help="bench_dropin.py --reference output of the same run")
+    ap.add_argument("--reference-json", default=None,
+                    help="bench_dropin.py --reference output of the same run (default: the first rule set is the baseline)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args()
@@ -78,6 +80,9 @@ def main() -> None:
             results[name] = {(r["k"], r["n"], r["bits"]): r["seconds"]["total"] for r in json.loads(out.read_text())}
         print(f"rule {name} ({' '.join(f'{k}={v}' for k, v in env.items()) or 'the defaults'}): done", flush=True)
     names = list(results)
+    if not ref and names:  # no reference in this run: the first rule set is the baseline
+        ref = dict(results[names[0]])
+        print(f"no reference seconds: speed-ups are over rule {names[0]!r}")
     print(f"{'layer':52} {'K':>2} {'ref ms':>8} " + " ".join(f"{n[:14]:>14}" for n in names))
     rows = []
     for model, prefix, k, n, bits in layers:

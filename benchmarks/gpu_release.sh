@@ -18,7 +18,7 @@
 #          k4variants  bench_dropin.py on the K = 4 layers under other speed rules ($K4_VARIANTS), with the reference;
 #          rounds   profile_encode.py with 16 and 4 tiles per slot in an in-place chunk;
 #          rules    bench_rules.py: profile_encode.py on the deployed layers under each rule set of $RULES (memory.py's
-#                   EXL3TOOL_* knobs), against the dropin step's reference seconds;
+#                   EXL3TOOL_* knobs), against the dropin step's reference seconds (in PRE: against the first set);
 #          tests, fleet as above.
 # Carry ./golden, ./.whl (and ./.bench-out, ./.ext when used). Logs and JSON land in $OUT, packed into
 # $OUT/results.tgz at the end (a device call returns at most 8 files), beside $OUT/ext.
@@ -103,10 +103,11 @@ EOF
         grep -E "GLM|speedup" "$OUT/bench_dropin_glm_$name.log"
       done ;;
     rules)  # bench_rules.py: the speed rules ($RULES) on the deployed layers against the dropin step's reference
-      [ -f "$OUT/bench_dropin.json" ] || { echo "== rules: no dropin results to compare with"; return; }
-      timeout "${T_RULES:-260}" python3 benchmarks/bench_rules.py --reference-json "$OUT/bench_dropin.json" \
-        --rules "${RULES:-now:;rows2:COST_ROW_STRIDE=2}" --json "$OUT/bench_rules.json" > "$OUT/bench_rules.log" 2>&1
-      echo "== bench_rules ($(since))"; tail -32 "$OUT/bench_rules.log" ;;
+      RJ=(); [ -f "$OUT/bench_dropin.json" ] && RJ=(--reference-json "$OUT/bench_dropin.json")
+      RN=bench_rules; [ -f "$OUT/$RN.json" ] && RN=bench_rules_post  # a second rules step (POST) keeps the first's
+      timeout "${T_RULES:-260}" python3 benchmarks/bench_rules.py "${RJ[@]}" \
+        --rules "${RULES:-now:;rows2:COST_ROW_STRIDE=2}" --json "$OUT/$RN.json" > "$OUT/$RN.log" 2>&1
+      echo "== $RN ($(since))"; tail -32 "$OUT/$RN.log" ;;
     rounds)  # profile_encode at 16 (the rule) and 4 tiles per slot in an in-place chunk
       for r in 16 4; do
         EXL3TOOL_CHUNK_ROUNDS_IN_PLACE=$r timeout 90 python3 benchmarks/profile_encode.py \

@@ -342,7 +342,8 @@ if _HAVE_TRITON:
                 k2 = tl.arange(0, NL)[None, :]
                 dec2 = tl.load(dec_ptr + k2 * E + j[:, None])
                 c2 = tl.load(cs + ((t - 1) // 2) * E + k2 * NH + (j[:, None] >> K))
-                cold = tl.min(_cost(dec2, w1, c2, M), axis=1)
+                # tl.min without indices reduces fp16 in fp32: back to fp16 (exact) so both branches agree
+                cold = tl.min(_cost(dec2, w1, c2, M), axis=1).to(tl.float16)
             else:
                 cold = tl.load(cs + (t // 2) * E + j)
         else:
