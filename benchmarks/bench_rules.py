@@ -8,7 +8,7 @@ reference's seconds that ``bench_dropin.py --reference`` measured in the same de
 without it, with the first rule set's seconds):
 
     python benchmarks/bench_rules.py --reference-json dropin.json \\
-        --rules "now:;rows2:COST_ROW_STRIDE=2;rows2-k4:COST_ROW_STRIDE=2,COST_ROW_BITS=4,6" --json rules.json
+        --rules "now:;k6-half:HALF_ROW_BITS=4,6;k4-pointers:COST_ROW_BITS=6" --json rules.json
 
 A rule set is NAME:VAR=VALUE,VAR=VALUE (VAR without the EXL3TOOL_ prefix; a value with commas, a set of K, runs
 to the next '='-bearing item). Prints, per layer, each rule set's median seconds and speed-up over the reference,

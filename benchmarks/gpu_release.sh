@@ -106,7 +106,7 @@ EOF
       RJ=(); [ -f "$OUT/bench_dropin.json" ] && RJ=(--reference-json "$OUT/bench_dropin.json")
       RN=bench_rules; [ -f "$OUT/$RN.json" ] && RN=bench_rules_post  # a second rules step (POST) keeps the first's
       timeout "${T_RULES:-260}" python3 benchmarks/bench_rules.py "${RJ[@]}" \
-        --rules "${RULES:-now:;rows2:COST_ROW_STRIDE=2}" --json "$OUT/$RN.json" > "$OUT/$RN.log" 2>&1
+        --rules "${RULES:-now:;k4-pointers:COST_ROW_BITS=6}" --json "$OUT/$RN.json" > "$OUT/$RN.log" 2>&1
       echo "== $RN ($(since))"; tail -32 "$OUT/$RN.log" ;;
     rounds)  # profile_encode at 16 (the rule) and 4 tiles per slot in an in-place chunk
       for r in 16 4; do

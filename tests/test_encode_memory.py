@@ -8,7 +8,7 @@ import torch
 
 from exl3tool.encode.layout import matrix_to_tiles, tile_element_index, tile_position
 from exl3tool.encode.memory import (
-    CHUNK_ROUNDS_IN_PLACE, COST_ROW_BITS, IN_PLACE_BITS, MIN_CHUNK_TILES, MIN_SLOTS, EncodeMemoryError, default_budget, plan_encode_memory,
+    CHUNK_ROUNDS_IN_PLACE, COST_ROW_BITS, HALF_ROW_BITS, IN_PLACE_BITS, MIN_CHUNK_TILES, MIN_SLOTS, EncodeMemoryError, default_budget, plan_encode_memory,
     reference_peak_bytes, viterbi_slot_bytes,
 )
 from exl3tool.encode.online import encode_linear, quantize_regularized, scale_mse
@@ -97,8 +97,9 @@ def test_default_gpu_plan_stays_within_the_reference(shape, bits):
     assert plan.peak_bytes <= plan.budget_bytes
     tiles = (k // 16) * (n // 16)
     assert MIN_SLOTS <= plan.slots <= plan.chunk_tiles and plan.slots * plan.slot_bytes <= 2 << 30
-    if bits in COST_ROW_BITS:  # 256 fp16 cost rows, a row of fp32 values
-        assert plan.slot_bytes == viterbi_slot_bytes(bits) == 512 * (1 << (16 - bits)) + 1024
+    if bits in COST_ROW_BITS:  # 256 fp16 cost rows (129 at the K of HALF_ROW_BITS), a row of fp32 values
+        rows = 129 if bits in HALF_ROW_BITS else 256
+        assert plan.slot_bytes == viterbi_slot_bytes(bits) == rows * 2 * (1 << (16 - bits)) + 1024
     else:  # back-pointers, two fp16 cost rows, a row of fp32 values
         assert plan.slot_bytes == viterbi_slot_bytes(bits) == 256 * (1 << (16 - bits)) // (2 if bits <= 4 else 1) + (
             4 << (16 - bits)) + 1024
@@ -214,15 +215,15 @@ def test_cpu_host_peak_of_every_phase_is_within_the_plan():
 
 
 def test_speed_rules_can_be_overridden_for_a_benchmark():
-    """EXL3TOOL_COST_ROW_BITS / _IN_PLACE_BITS / _CHUNK_ROUNDS_IN_PLACE change the plan's slot size and chunks in a
-    process started with them (what bench_dropin.py runs compare), and nothing when unset."""
+    """EXL3TOOL_COST_ROW_BITS / _HALF_ROW_BITS / _IN_PLACE_BITS / _CHUNK_ROUNDS_IN_PLACE change the plan's slot
+    size and chunks in a process started with them (what bench_rules.py runs compare), and nothing when unset."""
     import json
     import subprocess
     import sys
 
     code = ("import json; from exl3tool.encode import memory as m; p = m.plan_encode_memory(4096, 12288, 4, 'cuda', "
-            "wave=528); print(json.dumps([sorted(m.COST_ROW_BITS), sorted(m.IN_PLACE_BITS), m.CHUNK_ROUNDS_IN_PLACE, "
-            "m.viterbi_slot_bytes(4), p.slots, p.chunk_tiles]))")
+            "wave=528); print(json.dumps([sorted(m.COST_ROW_BITS), sorted(m.HALF_ROW_BITS), sorted(m.IN_PLACE_BITS), "
+            "m.CHUNK_ROUNDS_IN_PLACE, m.viterbi_slot_bytes(4), p.slots, p.chunk_tiles]))")
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("EXL3TOOL_")}
 
     def run(**extra):
@@ -230,9 +231,11 @@ def test_speed_rules_can_be_overridden_for_a_benchmark():
                              check=True).stdout
         return json.loads(out)
 
-    rows, in_place, rounds, slot4, slots, chunk = run()
-    assert (rows, in_place, rounds) == ([6], [6], 16) and slot4 == 256 * 4096 // 2 + 4 * 4096 + 1024
-    rows, in_place, rounds, slot4, slots2, chunk2 = run(EXL3TOOL_COST_ROW_BITS="4,6", EXL3TOOL_IN_PLACE_BITS="4,6",
-                                                        EXL3TOOL_CHUNK_ROUNDS_IN_PLACE="8")
-    assert (rows, in_place, rounds) == ([4, 6], [4, 6], 8) and slot4 == 512 * 4096 + 1024
-    assert slots2 < slots and chunk2 >= 8 * slots2 and chunk2 > chunk  # 2 MiB slots; larger, in-place chunks
+    rows, half, in_place, rounds, slot4, slots, chunk = run()
+    assert (rows, half, in_place, rounds) == ([4, 6], [4], [6], 16) and slot4 == 129 * 2 * 4096 + 1024
+    rows, half, in_place, rounds, slot4, slots2, chunk2 = run(EXL3TOOL_COST_ROW_BITS="6", EXL3TOOL_IN_PLACE_BITS="4,6",
+                                                              EXL3TOOL_CHUNK_ROUNDS_IN_PLACE="8")
+    assert (rows, half, in_place, rounds) == ([6], [4], [4, 6], 8) and slot4 == 256 * 4096 // 2 + 4 * 4096 + 1024
+    assert slots2 > slots and chunk2 >= 8 * slots2  # back-pointers: half the bytes a slot; in-place chunks
+    rows, half, in_place, rounds, slot4, slots3, chunk3 = run(EXL3TOOL_HALF_ROW_BITS="")
+    assert (rows, half) == ([4, 6], []) and slot4 == 256 * 2 * 4096 + 1024 and slots3 < slots  # every row

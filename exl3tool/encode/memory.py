@@ -13,8 +13,8 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
   the kernel reads the tiles where they lie and writes their errors over them, so 512 B a tile; elsewhere the
   tiles are gathered, with their index and values: 8 KiB a tile on a GPU), then either the Viterbi kernel's
   scratch: ``slots`` tiles in flight, each slot 256 positions x 2^(16-K) back-pointers (a byte each, two per byte
-  at K <= 4) and two cost rows, or at the K of ``COST_ROW_BITS`` 256 cost rows of 2^(16-K) fp16 and no
-  back-pointers, and a row of values (the kernel's programs are persistent, so the scratch is ``slots`` slots
+  at K <= 4) and two cost rows, or at the K of ``COST_ROW_BITS`` 256 cost rows of 2^(16-K) fp16 (129 at the K
+  of ``HALF_ROW_BITS``) and no back-pointers, and a row of values (the kernel's programs are persistent, so the scratch is ``slots`` slots
   whatever the chunk), or, once the kernel has returned and freed it, the packing's bit streams
   (about 20 KiB per tile, 2,048 tiles at a time);
 * proxy error: 1 W + the trellis + the squared error widened to float64 for the sum: on the CPU a slab of
@@ -39,8 +39,8 @@ import os
 from dataclasses import dataclass
 
 __all__ = [
-    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "COST_ROW_STRIDE", "DEFAULT_MAX_CHUNK_TILES",
-    "DEFAULT_MAX_SCRATCH", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "IN_PLACE_BITS",
+    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES",
+    "DEFAULT_MAX_SCRATCH", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS", "IN_PLACE_BITS",
     "MAX_HALF_ROW_BITS",
     "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR",
     "REFERENCE_PROGRAMS_PER_SM", "cost_row_stride", "default_budget", "device_budget", "phase_bytes",
@@ -83,17 +83,19 @@ IN_PLACE_BITS = _knob("IN_PLACE_BITS", frozenset({6}))
 # candidate is then sub, fma, min, not sub, fma, compare and two selects, and the tracebacks recompute the choice.
 # On an H200 (benchmarks/bench_viterbi_slots.py, same run): K = 6 312 K tiles/s at 12 programs per SM against 234 K
 # for the back-pointer kernel at its best, 225 K at 2 per SM; K = 4 282 K against 212 K, 217 K at 2 per SM. Twice
-# (K = 6) or four times (K = 4) the scratch a slot, so a budget holds fewer. At K = 4 the reference's budget then
-# leaves 2-3.6 programs per SM in gathered chunks of 4 rounds, and the encode was slower on 3 of 5 deployed layers
-# ((4096, 2048) 224 -> 264 ms, (1024, 4096) 128 -> 162 ms; bench_dropin.py): K = 4 keeps its back-pointers.
-COST_ROW_BITS = _knob("COST_ROW_BITS", frozenset({6}))
-# Which of those rows a slot keeps: 1 every step's, 2 every other step's (129 rows: the even ones and the odd row in
+# (K = 6) or four times (K = 4) the scratch a slot, so a budget holds fewer. At K = 4 every row (the reference's
+# budget then leaves 2-3.6 programs per SM) was slower on 3 of 5 deployed layers ((4096, 2048) 224 -> 264 ms,
+# (1024, 4096) 128 -> 162 ms; bench_dropin.py); K = 4 keeps every other row (HALF_ROW_BITS).
+COST_ROW_BITS = _knob("COST_ROW_BITS", frozenset({4, 6}))
+# K (of COST_ROW_BITS) at which a slot keeps every other step's row (129 rows: the even ones and the odd row in
 # flight), the traceback recomputing an odd row's NL entries it needs from the even row before it (NL^2 fp16
-# candidates at one position, against NL x 2^(16-K) a step): half the scratch a slot, so twice the slots in a budget
-COST_ROW_STRIDE = _knob("COST_ROW_STRIDE", 1)
+# candidates at one position, against NL x 2^(16-K) a step): half the scratch a slot, so twice the slots in a
+# budget. Cheap at K = 4 (256 candidates a step); at K = 6 (4,096) the encode of the deployed layers was 5-28 %
+# slower on an H200 (benchmarks/bench_rules.py), so K = 6 keeps every row.
+HALF_ROW_BITS = _knob("HALF_ROW_BITS", frozenset({4}))
 # 1: a Viterbi launch over more tiles than slots spreads them evenly (``kernels.viterbi._even_rounds``): as few
 # programs as take the same rounds, in whole waves of SMs; 0: every slot a program
-EVEN_ROUNDS = _knob("EVEN_ROUNDS", 0)
+EVEN_ROUNDS = _knob("EVEN_ROUNDS", 1)
 MAX_HALF_ROW_BITS = 6  # every other row only up to K = 6 (a recomputed odd row costs 2^(2K) candidates)
 WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
@@ -151,10 +153,10 @@ def weight_bytes(k: int, n: int) -> int:
 
 def cost_row_stride(bits: int) -> int:
     """The cost rows the Viterbi kernel keeps at K = ``bits`` in its packed modes: 0 (back-pointers instead), 1
-    (every step's) or 2 (every other step's); the rule of COST_ROW_BITS and COST_ROW_STRIDE."""
+    (every step's) or 2 (every other step's); the rule of COST_ROW_BITS and HALF_ROW_BITS."""
     if bits not in COST_ROW_BITS:
         return 0
-    return 2 if COST_ROW_STRIDE == 2 and bits <= MAX_HALF_ROW_BITS else 1
+    return 2 if bits in HALF_ROW_BITS and bits <= MAX_HALF_ROW_BITS else 1
 
 
 def viterbi_slot_bytes(bits: int, packed: bool = True, rows: bool | int | None = None) -> int:
