@@ -84,7 +84,7 @@ EOF
         --workdir "$(mktemp -d /tmp/fleet-XXXX)" --json "$OUT/bench_fleet_8b.json" > "$OUT/bench_fleet_8b.log" 2>&1
       echo "== bench_fleet llama-8b ($(since))"; tail -8 "$OUT/bench_fleet_8b.log" ;;
     dropin)
-      timeout "${T_DROPIN:-120}" python3 benchmarks/bench_dropin.py "${REF[@]}" --json "$OUT/bench_dropin.json" \
+      timeout "${T_DROPIN:-120}" python3 benchmarks/bench_dropin.py "${REF[@]}" ${DROPIN_ARGS:-} --json "$OUT/bench_dropin.json" \
         > "$OUT/bench_dropin.log" 2>&1
       echo "== bench_dropin ($(since))"; tail -28 "$OUT/bench_dropin.log" ;;
     memory)
