@@ -105,7 +105,7 @@ EOF
     rules)  # bench_rules.py: the speed rules ($RULES) on the deployed layers against the dropin step's reference
       RJ=(); [ -f "$OUT/bench_dropin.json" ] && RJ=(--reference-json "$OUT/bench_dropin.json")
       RN=bench_rules; [ -f "$OUT/$RN.json" ] && RN=bench_rules_post  # a second rules step (POST) keeps the first's
-      timeout "${T_RULES:-260}" python3 benchmarks/bench_rules.py "${RJ[@]}" \
+      timeout "${T_RULES:-260}" python3 benchmarks/bench_rules.py "${RJ[@]}" ${RULES_ARGS:-} \
         --rules "${RULES:-now:;k4-pointers:COST_ROW_BITS=6}" --json "$OUT/$RN.json" > "$OUT/$RN.log" 2>&1
       echo "== $RN ($(since))"; tail -32 "$OUT/$RN.log" ;;
     rounds)  # profile_encode at 16 (the rule) and 4 tiles per slot in an in-place chunk

@@ -8,15 +8,15 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
 * scale search: 2 W (the regularised weight, its tiles squared for the per-tile mean square), then the weight and
   the sample's batch of five scales (with its values and states) while it goes through the quantizer, and beside
   it the sample, its distinct tiles, the fine centre's values and one expanded mse operand;
-* tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared
-  error, plus the packed trellis), one chunk's states (``chunk_tiles``; on a GPU at the K of ``IN_PLACE_BITS``
-  the kernel reads the tiles where they lie and writes their errors over them, so 512 B a tile; elsewhere the
-  tiles are gathered, with their index and values: 8 KiB a tile on a GPU), then either the Viterbi kernel's
-  scratch: ``slots`` tiles in flight, each slot 256 positions x 2^(16-K) back-pointers (a byte each, two per byte
-  at K <= 4) and two cost rows, or at the K of ``COST_ROW_BITS`` 256 cost rows of 2^(16-K) fp16 (129 at the K
-  of ``HALF_ROW_BITS``) and no back-pointers, and a row of values (the kernel's programs are persistent, so the scratch is ``slots`` slots
-  whatever the chunk), or, once the kernel has returned and freed it, the packing's bit streams
-  (about 20 KiB per tile, 2,048 tiles at a time);
+* tile quantization: 1.19 W at K = 6 (the regularised weight, overwritten chunk by chunk with the squared error,
+  plus the packed trellis), one chunk's states (``chunk_tiles``; on a GPU at the K of ``IN_PLACE_BITS`` and for a
+  layer of at most ``IN_PLACE_MAX_TILES`` tiles the kernel reads the tiles where they lie and writes their errors
+  over them, so 512 B a tile; elsewhere the tiles are gathered, with their index and values: 8 KiB a tile on a GPU),
+  then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256 positions x 2^(16-K)
+  back-pointers (a byte each, two per byte at K <= 4) and two cost rows, or at the K of ``COST_ROW_BITS`` 256 cost
+  rows of 2^(16-K) fp16 (129 at the K of ``HALF_ROW_BITS``) and no back-pointers, and a row of values (the kernel's
+  programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the kernel has returned
+  and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
 * proxy error: 1 W + the trellis + the squared error widened to float64 for the sum: on the CPU a slab of
   PROXY_SLAB_ROWS x 4,096 values at a time (64 MiB at most), elsewhere the whole (2 W; CUDA makes no copy at all,
   so the GPU figure is an upper bound).
@@ -39,12 +39,12 @@ import os
 from dataclasses import dataclass
 
 __all__ = [
-    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES",
-    "DEFAULT_MAX_SCRATCH", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS", "IN_PLACE_BITS",
-    "MAX_HALF_ROW_BITS",
-    "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS", "REFERENCE_FACTOR",
-    "REFERENCE_PROGRAMS_PER_SM", "cost_row_stride", "default_budget", "device_budget", "phase_bytes",
-    "plan_encode_memory", "reference_peak_bytes", "reference_scratch_bytes", "viterbi_slot_bytes",
+    "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH",
+    "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS", "IN_PLACE_BITS", "IN_PLACE_MAX_TILES",
+    "MAX_HALF_ROW_BITS", "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS",
+    "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "cost_row_stride", "default_budget", "device_budget",
+    "phase_bytes", "plan_encode_memory", "quantizes_in_place", "reference_peak_bytes", "reference_scratch_bytes",
+    "viterbi_slot_bytes",
 ]
 
 REFERENCE_FACTOR = 3.5  # exllamav3 1.6.5 quantize_exl3 per-call peak / fp32 weight, the least measured (H200)
@@ -79,6 +79,10 @@ _GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile
 # H200 in place was faster at K = 6 (one launch per small layer: (512, 4096) 97 -> 87 ms) and slower at K = 4
 # ((4096, 12288) 965 -> 1,052 ms of Viterbi, the in-place variant of the packed 8-warp kernel); other K unmeasured
 IN_PLACE_BITS = _knob("IN_PLACE_BITS", frozenset({6}))
+# ... and at any K a layer of at most this many tiles: one launch over the weight, no gather (the previous
+# session's measurement, cost rows at K = 4: (128, 4096) and (4096, 128) faster in place, 2.47 -> 2.55x and
+# 10.1 -> 10.6x the reference; the larger K = 4 layers slower)
+IN_PLACE_MAX_TILES = _knob("IN_PLACE_MAX_TILES", 4096)
 # K at which the Viterbi kernel keeps every step's cost row (256 x 2^(16-K) fp16 a slot) and no back-pointers: a
 # candidate is then sub, fma, min, not sub, fma, compare and two selects, and the tracebacks recompute the choice.
 # On an H200 (benchmarks/bench_viterbi_slots.py, same run): K = 6 312 K tiles/s at 12 programs per SM against 234 K
@@ -149,6 +153,12 @@ class EncodeMemoryPlan:
 
 def weight_bytes(k: int, n: int) -> int:
     return 4 * k * n
+
+
+def quantizes_in_place(bits: int, tiles: int) -> bool:
+    """Whether a GPU encode of a layer of ``tiles`` tiles at K = ``bits`` quantizes them where they lie
+    (``viterbi_matrix``) instead of gathering them: the rule of IN_PLACE_BITS and IN_PLACE_MAX_TILES."""
+    return bits in IN_PLACE_BITS or tiles <= IN_PLACE_MAX_TILES
 
 
 def cost_row_stride(bits: int) -> int:
@@ -273,7 +283,8 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
         raise ValueError(f"memory_budget_bytes must be a positive integer, got {budget_bytes!r}")
     tiles = (k // 16) * (n // 16)
     gpu = device_type != "cpu"
-    per_tile = (_GPU_TILE_EXTRA if bits in IN_PLACE_BITS else _GPU_TILE_GATHERED) if gpu else _CPU_TILE_BYTES
+    in_place = gpu and quantizes_in_place(bits, tiles)
+    per_tile = (_GPU_TILE_EXTRA if in_place else _GPU_TILE_GATHERED) if gpu else _CPU_TILE_BYTES
     per_slot = (slot_bytes or viterbi_slot_bytes(bits)) if gpu else 0
     fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n), device_type)
     smallest = min(tiles, MIN_CHUNK_TILES)
@@ -298,7 +309,6 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     # 8,064 slots against the 1,188 resident on an H200, bench_viterbi_slots.py), so where the budget allows the
     # slots go up to 2 GiB of scratch; a tight budget (the reference's, for a small layer) gets fewer
     most = min(tiles, max(wave or 0, MIN_SLOTS, DEFAULT_MAX_SCRATCH // per_slot))
-    in_place = bits in IN_PLACE_BITS
     fit = max(1, min(most, (avail - smallest * per_tile) // per_slot))  # slots beside the smallest chunk
     rounds = min(CHUNK_ROUNDS_IN_PLACE if in_place else CHUNK_ROUNDS, max(1, tiles // fit))
     slots = min(most, (avail - smallest * per_tile) // per_slot, avail // (per_slot + rounds * per_tile))

@@ -361,21 +361,21 @@ def _quantize_in_place(w_r: torch.Tensor, bits: int, codebook: str, chunk_tiles:
                        progress: Optional[ProgressFn], on_chunk: ChunkFn, slots: Optional[int] = None) -> None:
     """``_quantize_matrix(w_r, w_r, ...)``: every tile quantized and overwritten with its squared error.
 
-    On CUDA at the K of ``memory.IN_PLACE_BITS`` the Triton kernel reads the tiles where they lie and writes the
-    errors over them (``viterbi_matrix``): a chunk holds only its states, so chunks are as large as the plan allows
-    and a small layer is one launch; ``on_chunk`` then gets no index or values (None). Elsewhere, or for a weight
-    that is not contiguous, ``_quantize_matrix``.
+    On CUDA where ``memory.quantizes_in_place`` (the K of IN_PLACE_BITS, small layers) the Triton kernel reads
+    the tiles where they lie and writes the errors over them (``viterbi_matrix``): a chunk holds only its states,
+    so chunks are as large as the plan allows and a small layer is one launch; ``on_chunk`` then gets no index or
+    values (None). Elsewhere, or for a weight that is not contiguous, ``_quantize_matrix``.
     """
     from exl3tool.encode import memory
 
-    if not (w_r.is_cuda and w_r.is_contiguous() and bits in memory.IN_PLACE_BITS):  # the plan sized chunks for this
+    k, n = w_r.shape
+    total = (k // 16) * (n // 16)
+    if not (w_r.is_cuda and w_r.is_contiguous() and memory.quantizes_in_place(bits, total)):  # as the plan sized it
         return _quantize_matrix(w_r, w_r, bits, codebook, chunk_tiles, progress, on_chunk, slots)
     try:
         from exl3tool.kernels.viterbi import viterbi_matrix
     except ImportError:  # no Triton: the gathering path, whose quantize_tiles says what it runs instead
         return _quantize_matrix(w_r, w_r, bits, codebook, chunk_tiles, progress, on_chunk, slots)
-    k, n = w_r.shape
-    total = (k // 16) * (n // 16)
     step = _step(w_r.device, chunk_tiles, progress)
     for lo in range(0, total, step):
         hi = min(total, lo + step)
