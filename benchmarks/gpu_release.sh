@@ -10,7 +10,7 @@
 #          slots    bench_viterbi_slots.py: back-pointers against cost rows (all, or every other), K = 6 and 4, warps, programs per SM;
 #          profile  profile_encode.py on this tree and on the previous version (./.bench-out/base.tar, made with
 #                   `git archive -o .bench-out/base.tar <rev>`), alternately, for a same-run A/B per stage;
-#          tests    every GPU-marked test (pytest -n 6: CPU heavy, best after the compile);
+#          tests    every GPU-marked test (pytest -n 6: CPU heavy, best after the compile; $TEST_PATHS: a subset);
 #          fleet    bench_fleet.py --preset llama-8b (issue 20's warm rate);
 #   POST   dropin   bench_dropin.py --reference (the fork's call convention, drop-in vs exllamav3);
 #          memory   bench_encode_memory.py --reference (peak memory and time per shape);
@@ -77,7 +77,7 @@ for i, row in enumerate(runs["new"][0]):
 EOF
       ;;
     tests)
-      timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 -rs tests > "$OUT/tests.log" 2>&1
+      timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 -rs ${TEST_PATHS:-tests} > "$OUT/tests.log" 2>&1
       echo "== GPU tests ($(since)): $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 ;;
     fleet)
       PYTHONPATH=$PWD timeout "${T_FLEET:-150}" python3 benchmarks/bench_fleet.py --preset llama-8b \
