@@ -241,15 +241,19 @@ def test_speed_rules_can_be_overridden_for_a_benchmark():
     assert (rows, half) == ([4, 6], []) and slot4 == 256 * 2 * 4096 + 1024 and slots3 < slots  # every row
 
 
-def test_small_layers_quantize_in_place_at_every_k():
-    """A layer of at most IN_PLACE_MAX_TILES tiles is one launch over the weight at any K (512 B a tile of a
-    chunk, not the 8 KiB of a gathered one); a larger one only at the K of IN_PLACE_BITS."""
-    from exl3tool.encode.memory import IN_PLACE_MAX_TILES, quantizes_in_place
+def test_small_layers_quantize_in_place_at_every_k(monkeypatch):
+    """With IN_PLACE_MAX_TILES set, a layer of at most that many tiles is one launch over the weight at any K
+    (1 KiB a tile of a chunk, not the 8 KiB of a gathered one); a larger one only at the K of IN_PLACE_BITS. Off
+    (0) by default."""
+    from exl3tool.encode import memory
 
+    assert memory.IN_PLACE_MAX_TILES == 0 and not memory.quantizes_in_place(4, 2048)
+    assert memory.plan_encode_memory(128, 4096, 4, "cuda", wave=528).tile_bytes == 8 * 1024
+    monkeypatch.setattr(memory, "IN_PLACE_MAX_TILES", 4096)
     for bits in (2, 3, 4, 5, 6, 7, 8):
-        assert quantizes_in_place(bits, IN_PLACE_MAX_TILES)
-        assert quantizes_in_place(bits, IN_PLACE_MAX_TILES + 1) == (bits in IN_PLACE_BITS)
-    small = plan_encode_memory(128, 4096, 4, "cuda", wave=528)  # 2,048 tiles
-    large = plan_encode_memory(4096, 12288, 4, "cuda", wave=528)
+        assert memory.quantizes_in_place(bits, 4096)
+        assert memory.quantizes_in_place(bits, 4097) == (bits in IN_PLACE_BITS)
+    small = memory.plan_encode_memory(128, 4096, 4, "cuda", wave=528)  # 2,048 tiles
+    large = memory.plan_encode_memory(4096, 12288, 4, "cuda", wave=528)
     assert small.tile_bytes == 1024 and small.chunk_tiles == 2048  # states and error in place: the whole layer
     assert large.tile_bytes == 8 * 1024 and 4 not in IN_PLACE_BITS

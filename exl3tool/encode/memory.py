@@ -79,10 +79,11 @@ _GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile
 # H200 in place was faster at K = 6 (one launch per small layer: (512, 4096) 97 -> 87 ms) and slower at K = 4
 # ((4096, 12288) 965 -> 1,052 ms of Viterbi, the in-place variant of the packed 8-warp kernel); other K unmeasured
 IN_PLACE_BITS = _knob("IN_PLACE_BITS", frozenset({6}))
-# ... and at any K a layer of at most this many tiles: one launch over the weight, no gather (the previous
-# session's measurement, cost rows at K = 4: (128, 4096) and (4096, 128) faster in place, 2.47 -> 2.55x and
-# 10.1 -> 10.6x the reference; the larger K = 4 layers slower)
-IN_PLACE_MAX_TILES = _knob("IN_PLACE_MAX_TILES", 4096)
+# ... and at any K a layer of at most this many tiles: one launch over the weight, no gather. 0 (off) until it is
+# measured with the half-row kernel at K = 4: with every row kept, (128, 4096) and (4096, 128) were faster in place
+# on an H200 (2.47 -> 2.55x and 10.1 -> 10.6x the reference), the larger K = 4 layers slower; try
+# EXL3TOOL_IN_PLACE_MAX_TILES=4096 with benchmarks/bench_rules.py
+IN_PLACE_MAX_TILES = _knob("IN_PLACE_MAX_TILES", 0)
 # K at which the Viterbi kernel keeps every step's cost row (256 x 2^(16-K) fp16 a slot) and no back-pointers: a
 # candidate is then sub, fma, min, not sub, fma, compare and two selects, and the tracebacks recompute the choice.
 # On an H200 (benchmarks/bench_viterbi_slots.py, same run): K = 6 312 K tiles/s at 12 programs per SM against 234 K
