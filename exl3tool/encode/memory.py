@@ -44,7 +44,7 @@ __all__ = [
     "MAX_HALF_ROW_BITS", "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS",
     "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "cost_row_stride", "default_budget", "device_budget",
     "phase_bytes", "plan_encode_memory", "quantizes_in_place", "reference_peak_bytes", "reference_scratch_bytes",
-    "viterbi_slot_bytes",
+    "slot_cost_rows", "viterbi_slot_bytes",
 ]
 
 REFERENCE_FACTOR = 3.5  # exllamav3 1.6.5 quantize_exl3 per-call peak / fp32 weight, the least measured (H200)
@@ -170,6 +170,12 @@ def cost_row_stride(bits: int) -> int:
     return 2 if bits in HALF_ROW_BITS and bits <= MAX_HALF_ROW_BITS else 1
 
 
+def slot_cost_rows(rows: int) -> int:
+    """fp16 cost rows of 2^(16-K) entries a Viterbi slot holds for the kernel's ROWS: 2 with back-pointers (the
+    previous and the current step's), 256 with every step's row, 129 with every other (and the odd one in flight)."""
+    return {0: 2, 1: 256, 2: 129}[int(rows)]
+
+
 def viterbi_slot_bytes(bits: int, packed: bool = True, rows: bool | int | None = None) -> int:
     """GPU scratch of one tile in flight: back-pointers (256 positions x 2^(16-K) edges, a byte each, or two per
     byte at K <= 4 when ``packed``, the kernel's default modes) and two fp16 cost rows; or with ``rows`` no
@@ -179,9 +185,8 @@ def viterbi_slot_bytes(bits: int, packed: bool = True, rows: bool | int | None =
     e = 1 << (16 - bits)
     if rows is None:
         rows = cost_row_stride(bits) if packed else 0
-    if rows:
-        return (129 if rows == 2 else 256) * 2 * e + _TILE_BYTES
-    return 256 * (e // 2 if packed and bits <= 4 else e) + 4 * e + _TILE_BYTES
+    back_pointers = 0 if rows else 256 * (e // 2 if packed and bits <= 4 else e)
+    return back_pointers + slot_cost_rows(rows) * 2 * e + _TILE_BYTES
 
 
 def reference_scratch_bytes(bits: int, sms: int | None = None) -> int:
@@ -284,7 +289,7 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
         raise ValueError(f"memory_budget_bytes must be a positive integer, got {budget_bytes!r}")
     tiles = (k // 16) * (n // 16)
     gpu = device_type != "cpu"
-    in_place = gpu and quantizes_in_place(bits, tiles)
+    in_place = quantizes_in_place(bits, tiles)  # on a GPU
     per_tile = (_GPU_TILE_EXTRA if in_place else _GPU_TILE_GATHERED) if gpu else _CPU_TILE_BYTES
     per_slot = (slot_bytes or viterbi_slot_bytes(bits)) if gpu else 0
     fixed, during = _fixed_bytes(k, n, bits, sample_tile_count(k, n), device_type)

@@ -35,7 +35,7 @@ import torch
 
 from exl3tool.encode.codebook import check_codebook, codebook_table
 from exl3tool.encode.memory import (DEFAULT_MAX_SCRATCH, EVEN_ROUNDS, MAX_HALF_ROW_BITS, cost_row_stride,
-                                    viterbi_slot_bytes)
+                                    slot_cost_rows, viterbi_slot_bytes)
 
 try:  # triton is optional for the CPU-only parts of the package
     import triton
@@ -371,7 +371,7 @@ if _HAVE_TRITON:
         as always."""
         E: tl.constexpr = NH * NL
         SLOT: tl.constexpr = 0 if ROWS else 256 * (E // 2 if PACK4 else E)  # back-pointer bytes per slot
-        NROWS: tl.constexpr = 256 if ROWS == 1 else (129 if ROWS == 2 else 2)  # cost rows per slot
+        NROWS: tl.constexpr = 256 if ROWS == 1 else (129 if ROWS == 2 else 2)  # memory.slot_cost_rows(ROWS)
         pid = tl.program_id(0)
         cs = cs_ptr + pid.to(tl.int64) * (NROWS * E)
         bp = bp_ptr + pid.to(tl.int64) * SLOT
@@ -764,7 +764,7 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     e = nl * nh
     # per_slot = back-pointers (none with rows) + cost rows (+ the values row of a matrix launch)
     bp = torch.empty((1,) if rows else (g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)
-    cs = torch.empty((g, {0: 2, 1: 256, 2: 129}[rows], e), dtype=torch.float16, device=dev)
+    cs = torch.empty((g, slot_cost_rows(rows), e), dtype=torch.float16, device=dev)
     if matrix is None:
         off, first, tiles_n, n_cols = dec, 0, 1, 1  # off unused
     else:
