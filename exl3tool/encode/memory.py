@@ -28,9 +28,10 @@ compares with the host's measured peak.
 
 The default budget of one encode on a GPU is what exllamav3's ``quantize_exl3`` needs for the same layer,
 measured on an H200 against 1.6.5 (issues 21, 24): 3.5 W per call at least (3.5-4.5 W over the deployed shapes),
+more where the scale search's sample is large beside the weight (``reference_call_bytes``: 7.1 W at (128, 4096)),
 plus the Viterbi scratch it keeps allocated between calls, 4 programs per SM with a byte per back-pointer
-(133 MiB at K = 6, 532 MiB at K = 4 on 132 SMs). Within it the slots go up to 2 GiB of scratch (more
-programs than the resident wave still help) and the chunk to a few rounds of slots.
+(133 MiB at K = 6, 532 MiB at K = 4 on 132 SMs). Within it the slots go up to 2 GiB of scratch (more programs than
+the resident wave still help) and the chunk to a few rounds of slots.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ __all__ = [
     "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH",
     "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS", "IN_PLACE_BITS", "IN_PLACE_MAX_TILES",
     "MAX_HALF_ROW_BITS", "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS",
-    "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "cost_row_stride", "default_budget", "device_budget",
-    "phase_bytes", "plan_encode_memory", "quantizes_in_place", "reference_peak_bytes", "reference_scratch_bytes",
-    "slot_cost_rows", "viterbi_slot_bytes",
+    "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "REFERENCE_SEARCH_TILE_KIB", "cost_row_stride",
+    "default_budget", "device_budget", "phase_bytes", "plan_encode_memory", "quantizes_in_place",
+    "reference_call_bytes", "reference_peak_bytes", "reference_scratch_bytes", "slot_cost_rows",
+    "viterbi_slot_bytes",
 ]
 
 REFERENCE_FACTOR = 3.5  # exllamav3 1.6.5 quantize_exl3 per-call peak / fp32 weight, the least measured (H200)
@@ -66,6 +68,12 @@ def _knob(name: str, default):
     return type(default)(raw)
 
 
+# the reference's scale search holds about this many KiB per sample tile above the weight (its batches of scales
+# with their values): its per-call peak is the larger of REFERENCE_FACTOR W and W + this x the sample, which is
+# what decides it for a layer whose sample is large beside its weight. Fitted below the H200 measurements of
+# 1.6.5 (results/k4half_bench_dropin.json): (128, 4096) 15.1 MiB above the weight (7.1 W; this model 14.7),
+# (256, 7168) 30.8 MiB (4.4 W; model 29.2); every other deployed layer is at 3.5 W. 0: 3.5 W alone
+REFERENCE_SEARCH_TILE_KIB = _knob("REFERENCE_SEARCH_TILE_KIB", 15)
 CHUNK_ROUNDS = _knob("CHUNK_ROUNDS", 4)  # a gathered chunk holds about this many tiles per slot (8 KiB a tile)
 # an in-place chunk (512 B a tile) this many: a launch of few tiles per program keeps the programs in step, so
 # their tracebacks (latency, little issue) run all at once instead of beside other programs' forward passes
@@ -79,11 +87,11 @@ _GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile
 # H200 in place was faster at K = 6 (one launch per small layer: (512, 4096) 97 -> 87 ms) and slower at K = 4
 # ((4096, 12288) 965 -> 1,052 ms of Viterbi, the in-place variant of the packed 8-warp kernel); other K unmeasured
 IN_PLACE_BITS = _knob("IN_PLACE_BITS", frozenset({6}))
-# ... and at any K a layer of at most this many tiles: one launch over the weight, no gather. 0 (off) until it is
-# measured with the half-row kernel at K = 4: with every row kept, (128, 4096) and (4096, 128) were faster in place
-# on an H200 (2.47 -> 2.55x and 10.1 -> 10.6x the reference), the larger K = 4 layers slower; try
-# EXL3TOOL_IN_PLACE_MAX_TILES=4096 with benchmarks/bench_rules.py
-IN_PLACE_MAX_TILES = _knob("IN_PLACE_MAX_TILES", 0)
+# ... and at any K a layer of at most this many tiles: one launch over the weight, no gather, 1 KiB a tile of the
+# chunk instead of 8, so the reference's budget holds more slots ((128, 4096) at K = 4: 515 instead of 501, 4 rounds
+# of its 2,048 tiles instead of 5). With every row kept, (128, 4096) and (4096, 128) were faster in place on an H200
+# (2.47 -> 2.55x and 10.1 -> 10.6x the reference), the larger K = 4 layers slower; 0: off
+IN_PLACE_MAX_TILES = _knob("IN_PLACE_MAX_TILES", 4096)
 # K at which the Viterbi kernel keeps every step's cost row (256 x 2^(16-K) fp16 a slot) and no back-pointers: a
 # candidate is then sub, fma, min, not sub, fma, compare and two selects, and the tracebacks recompute the choice.
 # On an H200 (benchmarks/bench_viterbi_slots.py, same run): K = 6 312 K tiles/s at 12 programs per SM against 234 K
@@ -195,10 +203,18 @@ def reference_scratch_bytes(bits: int, sms: int | None = None) -> int:
     return REFERENCE_PROGRAMS_PER_SM * (sms or REFERENCE_SMS) * 256 * (1 << (16 - bits))
 
 
+def reference_call_bytes(k: int, n: int) -> int:
+    """The reference's per-call peak above the fp32 weight of a (k, n) encode: 3.5 W, or for a layer whose scale
+    search sample is large beside it (e.g. (128, 4096)) the weight and REFERENCE_SEARCH_TILE_KIB a sample tile."""
+    w = weight_bytes(k, n)
+    search = w + REFERENCE_SEARCH_TILE_KIB * 1024 * (sample_tile_count(k, n) // 5)
+    return max(int(REFERENCE_FACTOR * w), search if REFERENCE_SEARCH_TILE_KIB else 0)
+
+
 def reference_peak_bytes(k: int, n: int, bits: int = 6, sms: int | None = None) -> int:
-    """What the reference's uncalibrated encode of a (k, n) layer takes above its fp32 weight: 3.5 W per call
-    plus the scratch it keeps between calls."""
-    return int(REFERENCE_FACTOR * weight_bytes(k, n)) + reference_scratch_bytes(bits, sms)
+    """What the reference's uncalibrated encode of a (k, n) layer takes above its fp32 weight: its per-call peak
+    (``reference_call_bytes``) plus the scratch it keeps between calls."""
+    return reference_call_bytes(k, n) + reference_scratch_bytes(bits, sms)
 
 
 def _trellis_bytes(k: int, n: int, bits: int) -> int:
