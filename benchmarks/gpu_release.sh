@@ -11,7 +11,7 @@
 #          profile  profile_encode.py on this tree and on the previous version (./.bench-out/base.tar, made with
 #                   `git archive -o .bench-out/base.tar <rev>`), alternately, for a same-run A/B per stage;
 #          tests    every GPU-marked test (pytest -n 6: CPU heavy, best after the compile; $TEST_PATHS: a subset);
-#          fleet    bench_fleet.py --preset llama-8b (issue 20's warm rate);
+#          fleet    bench_fleet.py --preset $FLEET_PRESET (llama-8b: issue 20's warm rate; all: the deployed models);
 #   POST   dropin   bench_dropin.py --reference (the fork's call convention, drop-in vs exllamav3);
 #          memory   bench_encode_memory.py --reference (peak memory and time per shape);
 #          fleetref bench_fleet.py --add-reference on the fleet step's results;
@@ -26,6 +26,8 @@ set -u
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-14}
 OUT=${OUT:-/tmp/exl3tool-release}; mkdir -p "$OUT"
 PRE=${PRE-ktests slots profile}; POST=${POST-dropin memory}  # set but empty: no step
+FLEET_PRESET=${FLEET_PRESET:-llama-8b}  # the fleet step's bench_fleet.py preset (all: every deployed model)
+FLEET=bench_fleet_${FLEET_PRESET/llama-/}
 T0=$(date +%s)
 since() { echo "$(( $(date +%s) - T0 )) s"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -80,9 +82,9 @@ EOF
       timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 -rs ${TEST_PATHS:-tests} > "$OUT/tests.log" 2>&1
       echo "== GPU tests ($(since)): $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 ;;
     fleet)
-      PYTHONPATH=$PWD timeout "${T_FLEET:-150}" python3 benchmarks/bench_fleet.py --preset llama-8b \
-        --workdir "$(mktemp -d /tmp/fleet-XXXX)" --json "$OUT/bench_fleet_8b.json" > "$OUT/bench_fleet_8b.log" 2>&1
-      echo "== bench_fleet llama-8b ($(since))"; tail -8 "$OUT/bench_fleet_8b.log" ;;
+      PYTHONPATH=$PWD timeout "${T_FLEET:-150}" python3 benchmarks/bench_fleet.py --preset "$FLEET_PRESET" \
+        --workdir "$(mktemp -d /tmp/fleet-XXXX)" --json "$OUT/$FLEET.json" > "$OUT/$FLEET.log" 2>&1
+      echo "== bench_fleet $FLEET_PRESET ($(since))"; tail -8 "$OUT/$FLEET.log" ;;
     dropin)
       timeout "${T_DROPIN:-120}" python3 benchmarks/bench_dropin.py "${REF[@]}" ${DROPIN_ARGS:-} --json "$OUT/bench_dropin.json" \
         > "$OUT/bench_dropin.log" 2>&1
@@ -119,10 +121,10 @@ for r in json.load(open(sys.argv[1])):
     print(f\"  ({r['k']},{r['n']}) K{r['bits']}: total {r['seconds']['total']*1e3:.1f} ms, viterbi {r['seconds']['viterbi']*1e3:.1f} ms, slots {r['slots']}, chunk {r['chunk']}\")" "$OUT/profile_rounds$r.json"
       done ;;
     fleetref)
-      [ -f "$OUT/bench_fleet_8b.json" ] && [ ${#REF[@]} -gt 0 ] || { echo "== fleetref: no fleet results or no reference"; return; }
-      timeout "${T_FLEETREF:-150}" python3 benchmarks/bench_fleet.py --add-reference "$OUT/bench_fleet_8b.json" "${REF[@]}" \
-        --json "$OUT/bench_fleet_8b_ref.json" > "$OUT/bench_fleet_8b_ref.log" 2>&1
-      echo "== bench_fleet llama-8b + reference ($(since))"; tail -4 "$OUT/bench_fleet_8b_ref.log" ;;
+      [ -f "$OUT/$FLEET.json" ] && [ ${#REF[@]} -gt 0 ] || { echo "== fleetref: no fleet results or no reference"; return; }
+      timeout "${T_FLEETREF:-150}" python3 benchmarks/bench_fleet.py --add-reference "$OUT/$FLEET.json" "${REF[@]}" \
+        --json "$OUT/${FLEET}_ref.json" > "$OUT/${FLEET}_ref.log" 2>&1
+      echo "== bench_fleet $FLEET_PRESET + reference ($(since))"; tail -8 "$OUT/${FLEET}_ref.log" ;;
   esac
 }
 
