@@ -267,11 +267,13 @@ def test_reference_model_stays_under_the_measured_reference(results):
 
 def test_small_layers_quantize_in_place_at_every_k(monkeypatch):
     """With IN_PLACE_MAX_TILES set, a layer of at most that many tiles is one launch over the weight at any K
-    (1 KiB a tile of a chunk, not the 8 KiB of a gathered one); a larger one only at the K of IN_PLACE_BITS. Off
-    (0) by default."""
+    (1 KiB a tile of a chunk, not the 8 KiB of a gathered one); a larger one only at the K of IN_PLACE_BITS. 4,096
+    tiles by default, 0 turns it off."""
     from exl3tool.encode import memory
 
-    assert memory.IN_PLACE_MAX_TILES == 0 and not memory.quantizes_in_place(4, 2048)
+    assert memory.IN_PLACE_MAX_TILES == 4096 and memory.quantizes_in_place(4, 2048)
+    monkeypatch.setattr(memory, "IN_PLACE_MAX_TILES", 0)
+    assert not memory.quantizes_in_place(4, 2048)
     assert memory.plan_encode_memory(128, 4096, 4, "cuda", wave=528).tile_bytes == 8 * 1024
     monkeypatch.setattr(memory, "IN_PLACE_MAX_TILES", 4096)
     for bits in (2, 3, 4, 5, 6, 7, 8):

@@ -88,11 +88,11 @@ _GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile
 # ((4096, 12288) 965 -> 1,052 ms of Viterbi, the in-place variant of the packed 8-warp kernel); other K unmeasured
 IN_PLACE_BITS = _knob("IN_PLACE_BITS", frozenset({6}))
 # ... and at any K a layer of at most this many tiles: one launch over the weight, no gather, 1 KiB a tile of the
-# chunk instead of 8 (more slots in the reference's budget: 515 instead of 501 at (128, 4096), K = 4). 0 (off): on
-# an H200 with half rows at K = 4 it was within the noise (bench_rules.py, one call: (128, 4096) 55.7 against
-# 56.9 ms, (4096, 128) 67.5 against 67.4, an unaffected layer 606 against 632); with every row kept it was +3 %
-# on those two layers (2.47 -> 2.55x the reference), the larger K = 4 layers slower
-IN_PLACE_MAX_TILES = _knob("IN_PLACE_MAX_TILES", 0)
+# chunk instead of 8 (more slots in the reference's budget: 515 instead of 501 at (128, 4096), K = 4). On an H200
+# with half rows at K = 4 it was never slower: (128, 4096) 55.7 against 56.9 ms in one call (bench_rules.py), 53 against
+# 64 ms across two calls (bench_dropin.py: 2.48x against 2.10x the reference), (4096, 128) the same (67.5 / 67.4
+# ms); with every row kept +3 % on both (2.47 -> 2.55x). The larger K = 4 layers were slower in place; 0: off
+IN_PLACE_MAX_TILES = _knob("IN_PLACE_MAX_TILES", 4096)
 # K at which the Viterbi kernel keeps every step's cost row (256 x 2^(16-K) fp16 a slot) and no back-pointers: a
 # candidate is then sub, fma, min, not sub, fma, compare and two selects, and the tracebacks recompute the choice.
 # On an H200 (benchmarks/bench_viterbi_slots.py, same run): K = 6 312 K tiles/s at 12 programs per SM against 234 K
