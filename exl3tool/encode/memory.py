@@ -209,7 +209,7 @@ def reference_call_bytes(k: int, n: int) -> int:
     search sample is large beside it (e.g. (128, 4096)) the weight and REFERENCE_SEARCH_TILE_KIB a sample tile."""
     w = weight_bytes(k, n)
     search = w + REFERENCE_SEARCH_TILE_KIB * 1024 * (sample_tile_count(k, n) // 5)
-    return max(int(REFERENCE_FACTOR * w), search if REFERENCE_SEARCH_TILE_KIB else 0)
+    return max(int(REFERENCE_FACTOR * w), search)  # with the knob at 0, search = W: 3.5 W
 
 
 def reference_peak_bytes(k: int, n: int, bits: int = 6, sms: int | None = None) -> int:
