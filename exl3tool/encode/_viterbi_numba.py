@@ -220,15 +220,16 @@ def _forward_fast(w32, order_start: int, K: int, decl, constrained: bool, efix: 
             for k in range(1, R):
                 sqk = sq[k * E:(k + 1) * E]
                 for e in range(E):
-                    v = np.float64(sqk[e])
-                    bb = best[e]
-                    best[e] = v if v < bb else bb
+                    best[e] = np.minimum(np.float64(sqk[e]), best[e])
         else:
             old = hist[t - 1]
             for e in range(E):
                 best[e] = _INF
             # Slices (not computed indices) keep numba from emitting negative-index wraparound, which
-            # blocks vectorisation.
+            # blocks vectorisation. np.minimum, not ``v if v < b else b``: LLVM turns that select into a masked
+            # store of v (vmaskmovpd), microcoded on AMD and slow elsewhere; an unconditional store of the minimum
+            # ran the whole tile quantizer 1.35-2.1x faster (K = 1..8, one thread). The same value: the fast
+            # kernel's costs are never NaN, and the equal case stores an equal value (costs are >= +0).
             for k in range(R):
                 sqk = sq[k * E:(k + 1) * E]
                 ok = old[(k << sh):(k << sh) + J]
@@ -237,9 +238,7 @@ def _forward_fast(w32, order_start: int, K: int, decl, constrained: bool, efix: 
                         sj = sqk[i * J:(i + 1) * J]
                         bj = best[i * J:(i + 1) * J]
                         for j in range(J):
-                            v = np.float64(sj[j]) + np.float64(ok[j])  # float64: docstring point 4
-                            bb = bj[j]
-                            bj[j] = v if v < bb else bb
+                            bj[j] = np.minimum(np.float64(sj[j]) + np.float64(ok[j]), bj[j])  # float64: point 3
                 else:
                     for j in range(J):
                         c = np.float64(ok[j])
@@ -247,9 +246,7 @@ def _forward_fast(w32, order_start: int, K: int, decl, constrained: bool, efix: 
                         sj = sqk[o:o + R]
                         bj = best[o:o + R]
                         for i in range(R):
-                            v = np.float64(sj[i]) + c  # float64: docstring point 4
-                            bb = bj[i]
-                            bj[i] = v if v < bb else bb
+                            bj[i] = np.minimum(np.float64(sj[i]) + c, bj[i])  # float64: point 3
         if tr:
             _round_costs(best, tmp)
             for i in range(R):
