@@ -4,7 +4,9 @@ Every program of ``exl3tool.kernels.viterbi`` owns one scratch slot (``slot_byte
 back-pointers, two per byte at K <= 4) and loops over tiles, so GPU memory is ``programs x slot_bytes`` whatever
 the batch. This sweep times K = 6 and K = 4 over programs per SM (2 .. the resident wave), warps per program,
 edges per block and the ways to keep what the tracebacks need (``--rows 0,1,2``: back-pointers, every step's cost
-row with the choice recomputed, or every other row with the odd rows' entries recomputed too), on one batch of fresh Gaussian tiles, against the baseline in the same run
+row with the choice recomputed, or every other row with the odd rows' entries recomputed too; ``--edge-major 0,1``:
+the cost-row traceback reading the state-major or the edge-major codebook table), on one batch of fresh Gaussian
+tiles, against the baseline in the same run
 (the back-pointer kernel with ``programs=None``: as many slots as 2 GiB holds), and checks every variant's states
 are the baseline's bit for bit. The exllamav3 reference keeps 4 programs per SM resident (its ``quantize_tiles_scratch``
 on an H200), with one byte per back-pointer.
@@ -15,6 +17,7 @@ on an H200), with one byte per back-pointer.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -77,6 +80,8 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--rows", default="0,1", help="0: back-pointers, 1: every cost row (the traceback recomputes the choice), "
                     "2: every other cost row")
+    ap.add_argument("--edge-major", default="1", help="with cost rows: 0 the traceback reads the state-major codebook "
+                    "table, 1 the edge-major one (memory.EDGE_MAJOR_TRACEBACK); 0,1 both")
     ap.add_argument("--edges", default=None, help="edges per block (default 1024,2048 and 4096 at K <= 4)")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--sizes", default=None,
@@ -103,28 +108,28 @@ def main() -> None:
         edges = [int(e) for e in args.edges.split(",")] if args.edges else [1024, 2048] + ([4096] if bits <= 4 else [])
         for rows in [int(r) for r in args.rows.split(",")]:
             slot = vmod.slot_bytes(bits, rows=rows)
-            for warps in [int(w) for w in args.warps.split(",")]:
-                for be in edges:
-                    for per_sm in [int(p) for p in args.per_sm.split(",")]:
-                        programs = per_sm * sms
-                        t0 = time.perf_counter()
-                        try:
-                            sec, states = timed(x, bits, num_warps=warps, block_edges=be, programs=programs,
-                                                rows=rows)
-                        except Exception as exc:  # a variant that does not compile is reported, not fatal
-                            print(f"  rows {rows} warps {warps} edges {be} per-SM {per_sm}: failed "
-                                  f"{type(exc).__name__}: {exc}"[:200])
-                            continue
-                        occ = vmod._occupancy(vmod.LAST_COMPILED, props)
-                        row = {"bits": bits, "rows": rows, "warps": warps, "block_edges": be, "per_sm": per_sm,
-                               "programs": programs, "tiles_per_s": args.tiles / sec, "vs_baseline": base_s / sec,
-                               "scratch_mib": programs * slot / 2**20, "resident_wave": occ,
-                               "same_states": bool(torch.equal(states, base_states))}
-                        doc["rows"].append(row)
-                        print(f"  {('bp   ', 'rows ', 'rows2')[rows]} warps {warps:2} edges {be:4} per-SM {per_sm:2} "
-                              f"({programs:5} slots, {row['scratch_mib']:6.0f} MiB): {row['tiles_per_s']:9,.0f} "
-                              f"tiles/s x{row['vs_baseline']:.2f}  wave {occ}  same {row['same_states']}  "
-                              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            majors = [bool(int(v)) for v in args.edge_major.split(",")] if rows else [False]
+            for warps, be, major, per_sm in itertools.product(
+                    [int(w) for w in args.warps.split(",")], edges, majors, [int(p) for p in args.per_sm.split(",")]):
+                programs = per_sm * sms
+                t0 = time.perf_counter()
+                try:
+                    sec, states = timed(x, bits, num_warps=warps, block_edges=be, programs=programs, rows=rows,
+                                        edge_major=major)
+                except Exception as exc:  # a variant that does not compile is reported, not fatal
+                    print(f"  rows {rows} warps {warps} edges {be} per-SM {per_sm}: failed "
+                          f"{type(exc).__name__}: {exc}"[:200])
+                    continue
+                occ = vmod._occupancy(vmod.LAST_COMPILED, props)
+                row = {"bits": bits, "rows": rows, "warps": warps, "block_edges": be, "edge_major": major,
+                       "per_sm": per_sm, "programs": programs, "tiles_per_s": args.tiles / sec,
+                       "vs_baseline": base_s / sec, "scratch_mib": programs * slot / 2**20, "resident_wave": occ,
+                       "same_states": bool(torch.equal(states, base_states))}
+                doc["rows"].append(row)
+                print(f"  {('bp   ', 'rows ', 'rows2')[rows]}{' em' if major else '   '} warps {warps:2} edges {be:4} "
+                      f"per-SM {per_sm:2} ({programs:5} slots, {row['scratch_mib']:6.0f} MiB): "
+                      f"{row['tiles_per_s']:9,.0f} tiles/s x{row['vs_baseline']:.2f}  wave {occ}  same "
+                      f"{row['same_states']}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(doc, indent=1))
 

@@ -15,7 +15,7 @@
 #   POST   dropin   bench_dropin.py --reference (the fork's call convention, drop-in vs exllamav3);
 #          memory   bench_encode_memory.py --reference (peak memory and time per shape);
 #          fleetref bench_fleet.py --add-reference on the fleet step's results;
-#          k4variants  bench_dropin.py on the K = 4 layers under other speed rules ($K4_VARIANTS), with the reference;
+#          variants bench_dropin.py beside the reference under other speed rules ($VARIANTS, bench_rules.py's syntax);
 #          rounds   profile_encode.py with 16 and 4 tiles per slot in an in-place chunk;
 #          rules    bench_rules.py: profile_encode.py on the deployed layers under each rule set of $RULES (memory.py's
 #                   EXL3TOOL_* knobs), against the dropin step's reference seconds (in PRE: against the first set);
@@ -56,7 +56,7 @@ step() {
       echo "== kernel GPU tests ($(since)): $(tail -1 "$OUT/ktests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/ktests.log" | head ;;
     slots)
       timeout "${T_SLOTS:-150}" python3 benchmarks/bench_viterbi_slots.py --bits "${SLOT_BITS:-6,4}" --rows "${SLOT_ROWS:-0,1,2}" \
-        --warps "${SLOT_WARPS:-4,8}" --edges 1024 --per-sm "${SLOT_PER_SM:-2,4,8,12}" --json "$OUT/bench_viterbi_slots.json" \
+        --warps "${SLOT_WARPS:-4,8}" --edges 1024 --per-sm "${SLOT_PER_SM:-2,4,8,12}" ${SLOT_ARGS:-} --json "$OUT/bench_viterbi_slots.json" \
         > "$OUT/bench_viterbi_slots.log" 2>&1
       echo "== bench_viterbi_slots ($(since))"; grep -v -i warn "$OUT/bench_viterbi_slots.log" | cut -c1-150 ;;
     profile)
@@ -94,16 +94,15 @@ EOF
         --shapes "${SHAPES:-5120x6144,16384x7168,18432x7168,7168x36864}" "${MREF[@]}" \
         --json "$OUT/bench_encode_memory.json" > "$OUT/bench_encode_memory.log" 2>&1
       echo "== bench_encode_memory ($(since))"; tail -16 "$OUT/bench_encode_memory.log" ;;
-    k4variants)  # the K = 4 layers (GLM-5.3-Flash) under other speed rules (memory.py's EXL3TOOL_* knobs), each
-      # beside the reference: NAME=IN_PLACE_BITS/COST_ROW_BITS, e.g. rows-in-place=4,6/4,6
-      for v in ${K4_VARIANTS:-rows-in-place=4,6/4,6 in-place=4,6/6}; do
-        name=${v%%=*}; rule=${v#*=}
-        EXL3TOOL_IN_PLACE_BITS=${rule%%/*} EXL3TOOL_COST_ROW_BITS=${rule#*/} timeout "${T_K4:-60}" python3 \
-          benchmarks/bench_dropin.py "${REF[@]}" --models GLM-5.3-Flash --json "$OUT/bench_dropin_glm_$name.json" \
-          > "$OUT/bench_dropin_glm_$name.log" 2>&1
-        echo "== GLM-5.3-Flash, $name (in place at K in ${rule%%/*}, cost rows at ${rule#*/}) ($(since))"
-        grep -E "GLM|speedup" "$OUT/bench_dropin_glm_$name.log"
-      done ;;
+    variants)  # bench_dropin.py beside the reference under other speed rules (memory.py's EXL3TOOL_* knobs), one
+      # process each: $VARIANTS in bench_rules.py's syntax (NAME:VAR=VALUE,...;NAME:...), $VARIANT_ARGS e.g. --models
+      while IFS=$'\t' read -r name envs; do
+        env $envs timeout "${T_VARIANT:-120}" python3 benchmarks/bench_dropin.py "${REF[@]}" ${VARIANT_ARGS:-} \
+          --json "$OUT/bench_dropin_$name.json" > "$OUT/bench_dropin_$name.log" 2>&1
+        echo "== bench_dropin, $name: $envs ($(since))"; tail -28 "$OUT/bench_dropin_$name.log"
+      done < <(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from bench_rules import parse_rules
+for name, env in parse_rules(sys.argv[1]): print(name, " ".join(f"{k}={v}" for k, v in env.items()), sep="\t")' \
+        "${VARIANTS:-k6-half:HALF_ROW_BITS=4,6}") ;;
     rules)  # bench_rules.py: the speed rules ($RULES) on the deployed layers against the dropin step's reference
       RJ=(); [ -f "$OUT/bench_dropin.json" ] && RJ=(--reference-json "$OUT/bench_dropin.json")
       RN=bench_rules; [ -f "$OUT/$RN.json" ] && RN=bench_rules_post  # a second rules step (POST) keeps the first's

@@ -10,7 +10,7 @@ from exl3tool.encode import (
     TENSOR_CORE_PERM, decode_states, dequantize_tensors, hadamard_128, hadamard_left, hadamard_right,
     matrix_to_tiles, pack_trellis, reconstruct, tile_position, tiles_to_matrix, unpack_trellis,
 )
-from exl3tool.encode.codebook import codebook_table
+from exl3tool.encode.codebook import codebook_table, edge_major_table
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,24 @@ def test_codebook_worked_examples(codebook, expected):
 def test_codebook_tables_match_golden(recon, codebook):
     ours = codebook_table(codebook).to(torch.float32)
     assert torch.equal(ours, recon[f"codebook_{codebook}"]), f"{codebook}: {(ours != recon[f'codebook_{codebook}']).sum()} states differ"
+
+
+@pytest.mark.parametrize("codebook", ["mcg", "mul1", "3inst"])
+def test_edge_major_table_orders_each_edges_candidates_side_by_side(codebook):
+    """Entry e * 2^K + k of the edge-major table is state (k << (16 - K)) | e of the codebook (edge e's k-th
+    candidate), for every K and random (e, k); bad K is refused."""
+    table = codebook_table(codebook)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for bits in range(1, 9):
+        em = edge_major_table(codebook, bits)
+        assert em.shape == table.shape and em.dtype == table.dtype
+        e = torch.randint(0, 1 << (16 - bits), (64,), generator=g)
+        k = torch.randint(0, 1 << bits, (64,), generator=g)
+        assert torch.equal(em[e * (1 << bits) + k], table[(k << (16 - bits)) | e]), bits
+        assert torch.equal(em.sort().values, table.sort().values)  # a permutation of the codebook
+    for bad in (0, 9, True):
+        with pytest.raises(ValueError, match="bits"):
+            edge_major_table(codebook, bad)
 
 
 def test_decode_accepts_int16_raw_bits_and_wider_ints():

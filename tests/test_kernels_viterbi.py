@@ -285,16 +285,20 @@ def test_gpu_cost_rows_equal_back_pointers(bits, rows):
     _gpu_ready()
     x = torch.randn(200, 256, device="cuda") * torch.logspace(-2, 1.5, 200, device="cuda")[:, None]
     ref_v, ref_s = vmod.viterbi_tiles(x, bits, "mcg", rows=False)
-    for programs in (None, 1, 37):
-        v, s = vmod.viterbi_tiles(x if programs != 1 else x[:9], bits, "mcg", rows=rows, programs=programs)
-        count = v.shape[0]
-        assert torch.equal(s, ref_s[:count]) and torch.equal(v, ref_v[:count]), (bits, programs)
+    for edge_major in (True, False):  # the traceback's codebook reads: edge-major table or state-major
+        for programs in (None, 1, 37):
+            v, s = vmod.viterbi_tiles(x if programs != 1 else x[:9], bits, "mcg", rows=rows, programs=programs,
+                                      edge_major=edge_major)
+            count = v.shape[0]
+            assert torch.equal(s, ref_s[:count]) and torch.equal(v, ref_v[:count]), (bits, programs, edge_major)
     w = torch.randn(64, 96, device="cuda") * 1.5
     tiles = (64 // 16) * (96 // 16)
-    plain, inplace = w.clone(), w.clone()
+    plain = w.clone()
     s_bp = vmod.viterbi_matrix(plain, 0, tiles, bits, rows=False, programs=5)
-    s_rows = vmod.viterbi_matrix(inplace, 0, tiles, bits, rows=rows, programs=5)
-    assert torch.equal(s_bp, s_rows) and torch.equal(plain, inplace), (bits, rows)
+    for edge_major in (True, False):
+        inplace = w.clone()
+        s_rows = vmod.viterbi_matrix(inplace, 0, tiles, bits, rows=rows, programs=5, edge_major=edge_major)
+        assert torch.equal(s_bp, s_rows) and torch.equal(plain, inplace), (bits, rows, edge_major)
 
 
 @pytest.mark.gpu
@@ -390,3 +394,56 @@ def test_interpreter_cost_rows_match_reference(rows, bits):
     assert np.array_equal(np.asarray(res["m_states"], dtype=np.int64)[0] & 0xFFFF, ref), seed
     q = codebook_table_np("mcg").astype(np.float32)[ref]
     assert np.array_equal(np.asarray(res["m_error"], dtype=np.float32)[0], (tile - q) ** 2), seed
+
+
+_BLOCK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton
+    import triton.language as tl
+    from exl3tool.kernels.viterbi import _even_row_block
+
+    @triton.jit
+    def probe(row_ptr, out_ptr, ed, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, WHOLE: tl.constexpr):
+        j = tl.arange(0, NL) * NH + (ed >> K)  # as _traced_k: the odd-row entries edge ed's candidates read
+        block = _even_row_block(row_ptr, j, K, NL, NH, WHOLE)
+        tl.store(out_ptr + tl.arange(0, NL)[:, None] * NL + tl.arange(0, NL)[None, :], block)
+
+    torch.manual_seed(int(sys.argv[1]))
+    out = []
+    for K in (6, 7):
+        NL, NH = 1 << K, 1 << (16 - 2 * K)
+        row = (torch.randn(NL * NH) * 100).to(torch.float16)
+        for ed in torch.randint(0, NL * NH, (3,)).tolist():
+            got = {}
+            for whole in (True, False):
+                block = torch.empty((NL, NL), dtype=torch.float16)
+                probe[(1,)](row, block, ed, K, NL, NH, whole)
+                got[whole] = block.float().tolist()
+            out.append({"K": K, "ed": ed, "row": row.float().tolist(), "whole": got[True], "scattered": got[False]})
+    print(json.dumps(out))
+    """
+)
+
+
+def test_interpreter_even_row_block_whole_row_equals_scattered(tmp_path):
+    """At K >= 6 the traceback reads an odd row's (NL, NL) block of the even row before it as the whole row,
+    transposed and each column repeated (one contiguous load): the same block as NL x NL scattered loads, and
+    [i, k] = row[k * NH + (j[i] >> K)] (numpy), for random edges at K = 6 and 7 under the interpreter."""
+    script = tmp_path / "block_probe.py"  # triton.jit needs the probe's source in a file
+    script.write_text(_BLOCK_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    proc = subprocess.run([sys.executable, str(script), str(seed)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (seed, proc.stderr[-3000:])
+    for case in json.loads(proc.stdout.strip().splitlines()[-1]):
+        K, ed = case["K"], case["ed"]
+        nl, nh = 1 << K, 1 << (16 - 2 * K)
+        row = np.asarray(case["row"], dtype=np.float32)
+        j = np.arange(nl) * nh + (ed >> K)
+        expected = row[np.arange(nl)[None, :] * nh + (j[:, None] >> K)]
+        assert np.array_equal(np.asarray(case["scattered"], dtype=np.float32), expected), (seed, K, ed)
+        assert np.array_equal(np.asarray(case["whole"], dtype=np.float32), expected), (seed, K, ed)

@@ -12,7 +12,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-__all__ = ["CODEBOOKS", "CODEBOOK_MARKERS", "check_codebook", "codebook_table", "codebook_table_np", "decode_states"]
+__all__ = ["CODEBOOKS", "CODEBOOK_MARKERS", "check_codebook", "codebook_table", "codebook_table_np", "decode_states",
+           "edge_major_table"]
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
@@ -67,6 +68,26 @@ def codebook_table(codebook: str = "mcg", device: torch.device | str | None = No
     if table is None:
         table = torch.from_numpy(codebook_table_np(codebook).copy()).to(dev)
         _TORCH_TABLES[key] = table
+    return table
+
+
+_EDGE_MAJOR: dict[tuple[str, int, str], torch.Tensor] = {}
+
+
+def edge_major_table(codebook: str, bits: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The codebook's 65,536 values ordered edge by edge for K = ``bits``: entry e * 2^K + k is state
+    (k << (16 - K)) | e, the k-th candidate of edge e (cached per device).
+
+    The Viterbi kernel's traceback reads one edge's 2^K candidates at a step: side by side here, one or a few
+    cache lines, where the state-major table spreads them 2^(16-K) values apart."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    key = (check_codebook(codebook), bits, str(dev))
+    table = _EDGE_MAJOR.get(key)
+    if table is None:
+        table = codebook_table(codebook, dev).view(1 << bits, 1 << (16 - bits)).t().contiguous().view(-1)
+        _EDGE_MAJOR[key] = table
     return table
 
 

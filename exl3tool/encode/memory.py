@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH",
-    "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS", "IN_PLACE_BITS", "IN_PLACE_MAX_TILES",
+    "EDGE_MAJOR_TRACEBACK", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS", "IN_PLACE_BITS",
+    "IN_PLACE_MAX_TILES",
     "MAX_HALF_ROW_BITS", "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS",
     "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "REFERENCE_SEARCH_TILE_KIB", "cost_row_stride",
     "default_budget", "device_budget", "phase_bytes", "plan_encode_memory", "quantizes_in_place",
@@ -110,6 +111,10 @@ HALF_ROW_BITS = _knob("HALF_ROW_BITS", frozenset({4}))
 # 1: a Viterbi launch over more tiles than slots spreads them evenly (``kernels.viterbi._even_rounds``): as few
 # programs as take the same rounds, in whole waves of SMs; 0: every slot a program
 EVEN_ROUNDS = _knob("EVEN_ROUNDS", 1)
+# 1: the cost-row kernel's traceback reads an edge's candidates from the edge-major codebook table
+# (``codebook.edge_major_table``, 128 KiB more per device and K): one or a few cache lines a step instead of 2^K lines
+# (2^2K at a recomputed odd row); 0: from the state-major table. Same states either way
+EDGE_MAJOR_TRACEBACK = _knob("EDGE_MAJOR_TRACEBACK", 1)
 MAX_HALF_ROW_BITS = 6  # every other row only up to K = 6 (a recomputed odd row costs 2^(2K) candidates)
 WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time

@@ -33,9 +33,9 @@ import warnings
 
 import torch
 
-from exl3tool.encode.codebook import check_codebook, codebook_table
-from exl3tool.encode.memory import (DEFAULT_MAX_SCRATCH, EVEN_ROUNDS, MAX_HALF_ROW_BITS, cost_row_stride,
-                                    slot_cost_rows, viterbi_slot_bytes)
+from exl3tool.encode.codebook import check_codebook, codebook_table, edge_major_table
+from exl3tool.encode.memory import (DEFAULT_MAX_SCRATCH, EDGE_MAJOR_TRACEBACK, EVEN_ROUNDS, MAX_HALF_ROW_BITS,
+                                    cost_row_stride, slot_cost_rows, viterbi_slot_bytes)
 
 try:  # triton is optional for the CPU-only parts of the package
     import triton
@@ -324,24 +324,48 @@ if _HAVE_TRITON:
             return tl.load(bp + p * E + ed).to(tl.int32)
 
     @triton.jit
-    def _traced_k(x_t, dec_ptr, cs, t, p, ed, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr,
-                  MODE: tl.constexpr, ROWS: tl.constexpr):
+    def _even_row_block(row, j, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, WHOLE: tl.constexpr):
+        """The (NL, NL) costs an odd row's entries j[i] are the minimum of: [i, k] = row[k * NH + (j[i] >> K)].
+
+        WHOLE (K >= 6, 3K >= 16, with j[i] = i * NH + (edge >> K)): j[i] >> K is i >> (3K - 16) whatever the edge,
+        so the block is the whole row (one contiguous load), transposed and each of its columns repeated
+        2^(3K - 16) times; otherwise NL x NL scattered loads."""
+        if WHOLE:
+            R: tl.constexpr = 1 << (3 * K - 16)
+            even = tl.load(row + tl.arange(0, NL)[:, None] * NH + tl.arange(0, NH)[None, :])
+            return tl.reshape(tl.broadcast_to(tl.trans(even)[:, None, :], (NH, R, NL)), (NL, NL))
+        else:
+            return tl.load(row + tl.arange(0, NL)[None, :] * NH + (j[:, None] >> K))
+
+    @triton.jit
+    def _traced_k(x_t, dec_ptr, dect_ptr, cs, t, p, ed, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr,
+                  MODE: tl.constexpr, ROWS: tl.constexpr, DECT: tl.constexpr):
         """The candidate k step t (position p) kept for edge ``ed``, recomputed from the cost row t it read: its
         NL candidates' costs again, with the same fp16 operations, and the first minimum, as the strict
         less-than in increasing k kept it. With ROWS = 2 an odd row t is not kept: its NL entries are those
-        step t - 1 computed, each the minimum of its NL candidates over the even row t - 1 (min is exact)."""
+        step t - 1 computed, each the minimum of its NL candidates over the even row t - 1 (min is exact).
+
+        DECT: the codebook values come from the edge-major table (``codebook.edge_major_table``: an edge's NL
+        candidates side by side), one or a few cache lines a step, instead of NL values 2^(16-K) apart in the
+        state-major table (NL lines, and NL x NL of them at an odd row)."""
         E: tl.constexpr = NH * NL
         M: tl.constexpr = 0 if MODE == 0 or MODE == 5 else 1
         kk = tl.arange(0, NL)
         w = tl.load(x_t + p).to(tl.float16)
-        dec = tl.load(dec_ptr + kk * E + ed)
+        if DECT:
+            dec = tl.load(dect_ptr + ed * NL + kk)
+        else:
+            dec = tl.load(dec_ptr + kk * E + ed)
         j = kk * NH + (ed >> K)  # the entries of row t that edge ed's candidates read
         if ROWS == 2:
             if t % 2 == 1:
                 w1 = tl.load(x_t + (p + 255) % 256).to(tl.float16)  # step t - 1's position
                 k2 = tl.arange(0, NL)[None, :]
-                dec2 = tl.load(dec_ptr + k2 * E + j[:, None])
-                c2 = tl.load(cs + ((t - 1) // 2) * E + k2 * NH + (j[:, None] >> K))
+                if DECT:  # row j of the edge-major table: edge j's NL candidates
+                    dec2 = tl.load(dect_ptr + j[:, None] * NL + k2)
+                else:
+                    dec2 = tl.load(dec_ptr + k2 * E + j[:, None])
+                c2 = _even_row_block(cs + ((t - 1) // 2) * E, j, K, NL, NH, DECT and 3 * K >= 16)
                 # tl.min without indices reduces fp16 in fp32: back to fp16 (exact) so both branches agree
                 cold = tl.min(_cost(dec2, w1, c2, M), axis=1).to(tl.float16)
             else:
@@ -356,11 +380,11 @@ if _HAVE_TRITON:
     # new combination of chunk start, chunk size, tile columns and weight columns compiled the kernel again (a
     # second on a server's first call of a new layer shape)
     @triton.jit(do_not_specialize=["n_tiles", "first_tile", "tiles_n", "n_cols"])
-    def _viterbi_kernel(x_ptr, dec_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr, n_tiles, off_ptr, first_tile,
+    def _viterbi_kernel(x_ptr, dec_ptr, dect_ptr, cs_ptr, bp_ptr, idx_ptr, val_ptr, n_tiles, off_ptr, first_tile,
                         tiles_n, n_cols,
                         K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr,
                         KC: tl.constexpr, MODE: tl.constexpr, PACK4: tl.constexpr, MATRIX: tl.constexpr,
-                        ROWS: tl.constexpr):
+                        ROWS: tl.constexpr, DECT: tl.constexpr):
         """Persistent programs, one scratch slot each, tiles pid, pid + G, ... (G programs): per tile pass 1,
         end-edge choice, traceback, constrained pass 2, traceback. The scratch is G slots, whatever n_tiles.
 
@@ -415,7 +439,7 @@ if _HAVE_TRITON:
             for i in range(128):
                 p = 127 - i
                 if ROWS:  # pass 1 visited position p at step p + 128
-                    k = _traced_k(x_t, dec_ptr, cs, p + 128, p, ed, K, NL, NH, MODE, ROWS)
+                    k = _traced_k(x_t, dec_ptr, dect_ptr, cs, p + 128, p, ed, K, NL, NH, MODE, ROWS, DECT)
                 else:
                     k = _back_pointer(bp, p, ed, E, PACK4)
                 ed = k * NH + (ed >> K)
@@ -436,7 +460,7 @@ if _HAVE_TRITON:
             for i in range(256):
                 p = 255 - i
                 if ROWS:
-                    k = _traced_k(x_t, dec_ptr, cs, p, p, ed, K, NL, NH, MODE, ROWS)
+                    k = _traced_k(x_t, dec_ptr, dect_ptr, cs, p, p, ed, K, NL, NH, MODE, ROWS, DECT)
                 else:
                     k = _back_pointer(bp, p, ed, E, PACK4)
                 s = (k << (16 - K)) | ed
@@ -617,6 +641,7 @@ def viterbi_tiles(
     programs: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows: bool | int | None = None,
+    edge_major: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) float32 tiles (trellis order) to EXL3 states; same contract as quantize_tiles.
 
@@ -647,7 +672,7 @@ def viterbi_tiles(
         states = torch.empty((n, 256), dtype=torch.int16, device=dev)
     if n:
         _launch(tiles.contiguous(), n, bits, codebook, mode, num_warps, block_edges, k_chunk, scratch_bytes,
-                programs, states, values, rows=rows)
+                programs, states, values, rows=rows, edge_major=edge_major)
     return values, states
 
 
@@ -664,6 +689,7 @@ def viterbi_matrix(
     num_warps: int | None = None,
     block_edges: int | None = None,
     rows: bool | int | None = None,
+    edge_major: bool | None = None,
 ) -> torch.Tensor:
     """Quantize the flat tiles ``first_tile`` .. ``first_tile + n_tiles - 1`` (row-major over the 16 x 16 tiles)
     of a contiguous (k, n) float32 ``weight`` where they lie, and overwrite each with its squared error
@@ -690,7 +716,7 @@ def viterbi_matrix(
         raise ValueError(f"states must be a contiguous ({n_tiles}, 256) int16 tensor")
     if n_tiles:
         _launch(weight, n_tiles, bits, codebook, mode, num_warps, block_edges, None, DEFAULT_SCRATCH_BYTES,
-                programs, states, None, matrix=(first_tile, n // 16, n), rows=rows)
+                programs, states, None, matrix=(first_tile, n // 16, n), rows=rows, edge_major=edge_major)
     return states
 
 
@@ -733,10 +759,12 @@ def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
 def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_warps: int | None,
             block_edges: int | None, k_chunk: int | None, scratch_bytes: int, programs: int | None,
             states: torch.Tensor, values: torch.Tensor | None,
-            matrix: tuple[int, int, int] | None = None, rows: bool | int | None = None) -> None:
+            matrix: tuple[int, int, int] | None = None, rows: bool | int | None = None,
+            edge_major: bool | None = None) -> None:
     """Scratch for G = min(n, programs) slots and one launch of the persistent kernel over n tiles of ``x``
     (gathered tiles, or a matrix when ``matrix`` = (first tile, tiles per row, columns)); ``rows``: keep cost
-    rows instead of back-pointers (None: ``keeps_rows``)."""
+    rows instead of back-pointers (None: ``keeps_rows``); ``edge_major``: the traceback reads the edge-major
+    codebook table (None: ``EDGE_MAJOR_TRACEBACK``; used with rows only)."""
     interp = interpreter_active()
     dev = x.device
     dec = codebook_table(codebook, dev)
@@ -748,6 +776,8 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
         if rows and mode < 4:
             raise ValueError(f"rows={rows} needs one of the packed modes 4 or 5, got mode {mode}")
     pack4 = packs_nibbles(bits, mode)
+    dect = bool(EDGE_MAJOR_TRACEBACK if edge_major is None else edge_major) and bool(rows)
+    dec_t = edge_major_table(codebook, bits, dev) if dect else dec  # dec: unused
     per_slot = slot_bytes(bits, mode, rows)
     g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
     if EVEN_ROUNDS and g < n and not interp:
@@ -774,9 +804,9 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
     with guard:  # launch on the tensors' GPU, not whichever is current
         compiled = _viterbi_kernel[(g,)](
-            x, dec, cs, bp, states, values, n, off, first, tiles_n, n_cols,
+            x, dec, dec_t, cs, bp, states, values, n, off, first, tiles_n, n_cols,
             K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, MATRIX=matrix is not None, ROWS=rows,
-            num_warps=num_warps,
+            DECT=dect, num_warps=num_warps,
         )
     global LAST_COMPILED
     LAST_COMPILED = compiled  # for the benchmark's resource report (registers, spills, PTX)
