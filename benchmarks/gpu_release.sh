@@ -11,6 +11,7 @@
 #          profile  profile_encode.py on this tree and on the previous version (./.bench-out/base.tar, made with
 #                   `git archive -o .bench-out/base.tar <rev>`), alternately, for a same-run A/B per stage;
 #          tests    every GPU-marked test (pytest -n 6: CPU heavy, best after the compile; $TEST_PATHS: a subset);
+#          timeline timeline_encode.py: where a small layer's wall time goes (GPU idle gaps, Viterbi launches, syncs);
 #          fleet    bench_fleet.py --preset $FLEET_PRESET (llama-8b: issue 20's warm rate; all: the deployed models);
 #   POST   dropin   bench_dropin.py --reference (the fork's call convention, drop-in vs exllamav3);
 #          memory   bench_encode_memory.py --reference (peak memory and time per shape);
@@ -78,6 +79,10 @@ for i, row in enumerate(runs["new"][0]):
           f"(x{min(b)/min(n):.2f}); viterbi {min(vb)*1e3:.1f} -> {min(vn)*1e3:.1f}; slots {runs['base'][0][i]['slots']} -> {row['slots']}")
 EOF
       ;;
+    timeline)  # timeline_encode.py: GPU busy and idle time, Viterbi launches and host syncs of small layers
+      timeout "${T_TIMELINE:-120}" python3 benchmarks/timeline_encode.py ${TIMELINE_ARGS:-} --json "$OUT/timeline_encode.json" \
+        > "$OUT/timeline_encode.log" 2>&1
+      echo "== timeline_encode ($(since))"; grep -v -i warn "$OUT/timeline_encode.log" | cut -c1-220 ;;
     tests)
       timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 -rs ${TEST_PATHS:-tests} > "$OUT/tests.log" 2>&1
       echo "== GPU tests ($(since)): $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 ;;

@@ -54,7 +54,7 @@ def test_signs_depend_on_seed_and_order(golden):
     su, _ = reference_signs(seed + 1, k, n)
     assert (su != su_gold).float().mean() > 0.3  # a different seed gives unrelated signs
     # sv is the *second* draw: it starts at Philox offset 4, not 0
-    assert not torch.equal(torch.from_numpy(_normal_signs(seed, n, 0, 132)), sv_gold)
+    assert not torch.equal(torch.from_numpy(_normal_signs(seed, [(n, 0)], 132)), sv_gold)
 
 
 def test_launch_configuration():
@@ -85,7 +85,7 @@ def test_signs_are_sign_of_the_normals():
     seed = int(np.random.default_rng().integers(0, 2**31))
     numel = 300_000  # above the H100 grid cap: exercises the grid-stride loop
     values = reference_normals(seed, numel, offset=8)
-    signs = _normal_signs(seed, numel, 8, 132)
+    signs = _normal_signs(seed, [(numel, 8)], 132)
     decisive = np.abs(values) > 1e-5  # away from the six sin/cos angles with a hardware-specific sign
     assert np.array_equal(np.where(values[decisive] < 0, -1.0, 1.0), signs[decisive])
     assert abs(values.mean()) < 0.01 and abs(values.std() - 1) < 0.01
@@ -94,11 +94,11 @@ def test_signs_are_sign_of_the_normals():
 def test_flip_angles_change_exactly_those_elements():
     """The sm_90 sin/cos exceptions flip the exact-math sign of the elements whose angle is one of them."""
     seed, numel, offset = 1389828893, 1_000_000, 0  # contains an angle f32(pi) draw (found by search)
-    radius, angle, use_cos = _draw_words(seed, numel, offset, 132)
+    radius, angle, use_cos = _draw_words(seed, [(numel, offset)], 132)
     u, v = _box_muller_parts(radius, angle)
     v64 = v.astype(np.float64)
     exact = np.where((np.where(use_cos == 1, np.cos(v64), np.sin(v64)) < 0) & (u < 1), -1.0, 1.0)
-    signs = _normal_signs(seed, numel, offset, 132)
+    signs = _normal_signs(seed, [(numel, offset)], 132)
     bits = v.view(np.int32)
     listed = np.where(use_cos == 1, np.isin(bits, _COS_FLIPS), np.isin(bits, _SIN_FLIPS))
     assert listed.sum() >= 1

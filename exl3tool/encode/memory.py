@@ -105,9 +105,11 @@ COST_ROW_BITS = _knob("COST_ROW_BITS", frozenset({4, 6}))
 # K (of COST_ROW_BITS) at which a slot keeps every other step's row (129 rows: the even ones and the odd row in
 # flight), the traceback recomputing an odd row's NL entries it needs from the even row before it (NL^2 fp16
 # candidates at one position, against NL x 2^(16-K) a step): half the scratch a slot, so twice the slots in a
-# budget. Cheap at K = 4 (256 candidates a step); at K = 6 (4,096) the encode of the deployed layers was 5-28 %
-# slower on an H200 (benchmarks/bench_rules.py), so K = 6 keeps every row.
-HALF_ROW_BITS = _knob("HALF_ROW_BITS", frozenset({4}))
+# budget. Cheap at K = 4 (256 candidates a step). At K = 6 (4,096) it was 5-28 % slower until the traceback read
+# the edge-major table and the even row whole (EDGE_MAJOR_TRACEBACK); since, on an H200 (bench_rules.py, two
+# runs), the DeepSeek-V3 K = 6 layers, whose reference budget holds 1.8-6.1 programs per SM with every row, are
+# 1.02-1.24x faster with every other row, the Qwen3.8-27B ones (6-25 per SM) within -3 / +1 %.
+HALF_ROW_BITS = _knob("HALF_ROW_BITS", frozenset({4, 6}))
 # 1: a Viterbi launch over more tiles than slots spreads them evenly (``kernels.viterbi._even_rounds``): as few
 # programs as take the same rounds, in whole waves of SMs; 0: every slot a program
 EVEN_ROUNDS = _knob("EVEN_ROUNDS", 1)

@@ -99,20 +99,30 @@ def normal_launch(
     return grid, increment
 
 
-def _draw_words(seed: int, numel: int, offset: int, sm_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For every element: the Philox word feeding its radius, the one feeding its angle, and sin/cos (0/1)."""
+def _counters(numel: int, offset: int, sm_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every element of a ``normal_`` draw at Philox ``offset``: the 64-bit counter's low half, the global
+    thread id (its high half) and the component of the float4 it takes."""
     grid, _ = normal_launch(numel, sm_count)
     stride = _BLOCK * grid
     e = np.arange(numel, dtype=np.int64)
     j, rem = np.divmod(e, stride * _UNROLL)  # loop iteration of the owning thread
     ii, idx = np.divmod(rem, stride)  # component of the float4, global thread id
-    ctr_lo = (offset // 4) + j  # 64-bit counter low half: skipahead(offset) then one step per iteration
+    return (offset // 4) + j, idx, ii  # counter low half: skipahead(offset) then one step per iteration
+
+
+def _draw_words(seed: int, draws: list[tuple[int, int]],
+                sm_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every element of the ``draws`` ((numel, Philox offset) each, concatenated): the Philox word feeding its
+    radius, the one feeding its angle, and sin/cos (0/1). One Philox evaluation for all draws (its ~120 array
+    operations are most of the time of a few thousand elements)."""
+    ctr_lo, idx, ii = (np.concatenate(parts) for parts in zip(*(_counters(m, o, sm_count) for m, o in draws)))
     words = philox4x32_10(
         ((ctr_lo & 0xFFFFFFFF).astype(np.uint32), (ctr_lo >> 32).astype(np.uint32),
          (idx & 0xFFFFFFFF).astype(np.uint32), (idx >> 32).astype(np.uint32)),
         (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF),
     )
-    out = np.stack(words)  # (4, numel)
+    out = np.stack(words)  # (4, total)
+    e = np.arange(ctr_lo.shape[0])
     pair = ii // 2  # (x0, x1) for components 0, 1; (x2, x3) for 2, 3
     radius_word = out[2 * pair, e]
     angle_word = out[2 * pair + 1, e]
@@ -139,16 +149,17 @@ def reference_normals(
     u and v are the GPU's float32 values; the log/sqrt/sin/cos are float64, so values agree with the GPU's
     to ~3e-6 absolute (the fast intrinsics' error); use ``reference_signs`` for the exact signs.
     """
-    radius_word, angle_word, use_cos = _draw_words(seed, numel, offset, sm_count)
+    radius_word, angle_word, use_cos = _draw_words(seed, [(numel, offset)], sm_count)
     u, v = _box_muller_parts(radius_word, angle_word)
     s = np.sqrt(-2.0 * np.log(u.astype(np.float64)))
     v64 = v.astype(np.float64)
     return s * np.where(use_cos == 1, np.cos(v64), np.sin(v64))
 
 
-def _normal_signs(seed: int, numel: int, offset: int, sm_count: int) -> np.ndarray:
-    """sign'(randn(numel)) at Philox ``offset`` as float32 +-1 (see the module docstring)."""
-    radius_word, angle_word, use_cos = _draw_words(seed, numel, offset, sm_count)
+def _normal_signs(seed: int, draws: list[tuple[int, int]], sm_count: int) -> np.ndarray:
+    """sign'(randn(numel)) at Philox ``offset`` for each (numel, offset) of ``draws``, concatenated, as float32
+    +-1 (see the module docstring)."""
+    radius_word, angle_word, use_cos = _draw_words(seed, draws, sm_count)
     u, v = _box_muller_parts(radius_word, angle_word)
     v64 = v.astype(np.float64)
     trig = np.where(use_cos == 1, np.cos(v64), np.sin(v64))
@@ -184,9 +195,9 @@ def reference_signs(seed: int, k: int, n: int, *, sm_count: int = H100_SM_COUNT)
     seed, k, n = _check_seed(seed), _check_length("k", k), _check_length("n", n)
     sm_count = _check_length("sm_count", sm_count)
     _, inc_k = normal_launch(k, sm_count)
-    su = _normal_signs(seed, k, 0, sm_count)  # offset 0 right after manual_seed
-    sv = _normal_signs(seed, n, inc_k, sm_count)  # the second call starts where the first left off
-    return torch.from_numpy(su), torch.from_numpy(sv)
+    # su at offset 0 right after manual_seed, sv where that call left off; drawn together
+    signs = torch.from_numpy(_normal_signs(seed, [(k, 0), (n, inc_k)], sm_count))
+    return signs[:k].clone(), signs[k:].clone()
 
 
 def sign_prime(g: torch.Tensor) -> torch.Tensor:

@@ -785,8 +785,11 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8; at K = 4
         # 8 warps (4 edges per thread) for the back-pointer kernel (+8 % at 4 programs per SM on an H200) and for
         # the cost-row kernel below 4 programs per SM (2 per SM: 217 K against 200 K tiles/s), 4 from there (4 per
-        # SM: 251 K against 239 K; 12: 282 K against 241 K; benchmarks/bench_viterbi_slots.py)
-        k4_wide = bits == 4 and not interp and (not rows or g < 4 * _sm_count(dev))
+        # SM: 251 K against 239 K; 12: 282 K against 241 K; benchmarks/bench_viterbi_slots.py). Keeping every other
+        # row, 8 warps fit only 2 programs per SM: up to 3 per SM 8 warps (2: 210 K against 162 K, 3: 196 K against
+        # 186 K), from 4 per SM 4 warps (4: 229 K against 213 K, 5: 251 K against 206 K; the same run)
+        wide_below = 3 * _sm_count(dev) + 1 if rows == 2 else 4 * _sm_count(dev)
+        k4_wide = bits == 4 and not interp and (not rows or g < wide_below)
         num_warps = 8 if k4_wide else max(1, min(4, (bh * nl) // 256))
     kc = k_chunk if k_chunk is not None else (nl if interp else 1)
     if kc < 1 or kc > nl or kc & (kc - 1):
