@@ -447,3 +447,18 @@ def test_interpreter_even_row_block_whole_row_equals_scattered(tmp_path):
         expected = row[np.arange(nl)[None, :] * nh + (j[:, None] >> K)]
         assert np.array_equal(np.asarray(case["scattered"], dtype=np.float32), expected), (seed, K, ed)
         assert np.array_equal(np.asarray(case["whole"], dtype=np.float32), expected), (seed, K, ed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 6])
+def test_gpu_launch_capped_at_the_resident_wave_gives_the_same_states(bits):
+    """More programs than the GPU keeps resident are capped to the wave (the compiled variant's occupancy, read
+    without a launch): the wave is whole SMs, and a launch asking 3x the wave gives the states of one program."""
+    _gpu_ready()
+    x = torch.randn(700, 256, device="cuda") * torch.empty(700, 1, device="cuda").uniform_(0.2, 3.0)
+    _, one = vmod.viterbi_tiles(x[:40], bits, "mcg", programs=1)
+    _, many = vmod.viterbi_tiles(x, bits, "mcg", programs=3000)  # every tile a program: capped
+    assert torch.equal(many[:40], one)
+    waves = [w for (dev, meta), w in vmod._WAVES.items() if dict(meta)["K"] == bits]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert waves and all(w is not None and w >= sms and w % sms == 0 for w in waves), waves

@@ -44,7 +44,7 @@ __all__ = [
     "EDGE_MAJOR_TRACEBACK", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS", "IN_PLACE_BITS",
     "IN_PLACE_MAX_TILES",
     "MAX_HALF_ROW_BITS", "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS",
-    "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "REFERENCE_SEARCH_TILE_KIB", "cost_row_stride",
+    "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "REFERENCE_SEARCH_TILE_KIB", "RESIDENT_CAP", "cost_row_stride",
     "default_budget", "device_budget", "phase_bytes", "plan_encode_memory", "quantizes_in_place",
     "reference_call_bytes", "reference_peak_bytes", "reference_scratch_bytes", "slot_cost_rows",
     "viterbi_slot_bytes",
@@ -113,6 +113,10 @@ HALF_ROW_BITS = _knob("HALF_ROW_BITS", frozenset({4, 6}))
 # 1: a Viterbi launch over more tiles than slots spreads them evenly (``kernels.viterbi._even_rounds``): as few
 # programs as take the same rounds, in whole waves of SMs; 0: every slot a program
 EVEN_ROUNDS = _knob("EVEN_ROUNDS", 1)
+# 1: a Viterbi launch runs at most as many programs as the GPU keeps resident (the compiled kernel's occupancy),
+# its tiles spread evenly over them; 0: every slot a program, those beyond the wave queued (a launch of a few tiles a
+# program then ended with a tail at low occupancy: GLM-5.3 down_proj, 713 programs against 660 resident at K = 4)
+RESIDENT_CAP = _knob("RESIDENT_CAP", 1)
 # 1: the cost-row kernel's traceback reads an edge's candidates from the edge-major codebook table
 # (``codebook.edge_major_table``, 128 KiB more per device and K): one or a few cache lines a step instead of 2^K lines
 # (2^2K at a recomputed odd row); 0: from the state-major table. Same states either way

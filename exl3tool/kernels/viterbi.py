@@ -35,7 +35,7 @@ import torch
 
 from exl3tool.encode.codebook import check_codebook, codebook_table, edge_major_table
 from exl3tool.encode.memory import (DEFAULT_MAX_SCRATCH, EDGE_MAJOR_TRACEBACK, EVEN_ROUNDS, MAX_HALF_ROW_BITS,
-                                    cost_row_stride, slot_cost_rows, viterbi_slot_bytes)
+                                    RESIDENT_CAP, cost_row_stride, slot_cost_rows, viterbi_slot_bytes)
 
 try:  # triton is optional for the CPU-only parts of the package
     import triton
@@ -720,6 +720,30 @@ def viterbi_matrix(
     return states
 
 
+_WAVES: dict[tuple, int | None] = {}
+
+
+def _resident_wave(dev: torch.device, meta: dict, x: torch.Tensor, dec: torch.Tensor, dec_t: torch.Tensor,
+                   states: torch.Tensor, values: torch.Tensor | None) -> int | None:
+    """Programs of the kernel variant ``meta`` the GPU keeps resident at once (``_occupancy``), from the compiled
+    kernel (compiled here, without a launch, the first time: scratch arguments are stand-ins, which specialise the
+    same); None where Triton hides the figures."""
+    key = (str(dev), tuple(sorted(meta.items())))
+    if key not in _WAVES:
+        wave = None
+        try:
+            f16, u8, f32 = (torch.empty(1, dtype=t, device=dev) for t in (torch.float16, torch.uint8, torch.float32))
+            off = dec if not meta["MATRIX"] else torch.empty(1, dtype=torch.int32, device=dev)
+            compiled = _viterbi_kernel.warmup(x, dec, dec_t, f16, u8, states, values if values is not None else f32,
+                                              1, off, 0, 1, 1, grid=(1,), **meta)
+            getattr(compiled, "run", None)  # loads the binary: registers and shared memory become known
+            wave = _occupancy(compiled, torch.cuda.get_device_properties(dev))
+        except Exception:  # noqa: BLE001 - an older or newer Triton without warmup: no cap, same results
+            wave = None
+        _WAVES[key] = wave
+    return _WAVES[key]
+
+
 _SMS: dict[str, int] = {}
 
 
@@ -795,6 +819,17 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     if kc < 1 or kc > nl or kc & (kc - 1):
         raise ValueError(f"k_chunk must be a power of two in 1..{nl}, got {kc}")
     e = nl * nh
+    meta = dict(K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, MATRIX=matrix is not None, ROWS=rows,
+                DECT=dect, num_warps=num_warps)
+    guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
+    if RESIDENT_CAP and dev.type == "cuda" and not interp and g > 1:
+        # programs beyond the GPU's resident wave queue and start as others end: a launch of a few tiles a program
+        # then ends with a tail of them at low occupancy (713 programs, 660 resident, 4 tiles each). So at most the
+        # wave, the tiles spread evenly over it
+        with guard:
+            wave = _resident_wave(dev, meta, x, dec, dec_t, states, values)
+        if wave and g > wave:
+            g = _even_rounds(n, wave, _sm_count(dev)) if EVEN_ROUNDS else wave
     # per_slot = back-pointers (none with rows) + cost rows (+ the values row of a matrix launch)
     bp = torch.empty((1,) if rows else (g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)
     cs = torch.empty((g, slot_cost_rows(rows), e), dtype=torch.float16, device=dev)
@@ -804,12 +839,7 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
         first, tiles_n, n_cols = matrix
         off = _tile_offsets(dev, n_cols)
         values = torch.empty((g, 256), dtype=torch.float32, device=dev)  # each slot's values row (+ 1 KiB a slot)
-    guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
     with guard:  # launch on the tensors' GPU, not whichever is current
-        compiled = _viterbi_kernel[(g,)](
-            x, dec, dec_t, cs, bp, states, values, n, off, first, tiles_n, n_cols,
-            K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, MATRIX=matrix is not None, ROWS=rows,
-            DECT=dect, num_warps=num_warps,
-        )
+        compiled = _viterbi_kernel[(g,)](x, dec, dec_t, cs, bp, states, values, n, off, first, tiles_n, n_cols, **meta)
     global LAST_COMPILED
     LAST_COMPILED = compiled  # for the benchmark's resource report (registers, spills, PTX)
