@@ -452,8 +452,8 @@ def test_interpreter_even_row_block_whole_row_equals_scattered(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [4, 6])
 def test_gpu_launch_capped_at_the_resident_wave_gives_the_same_states(bits):
-    """More programs than the GPU keeps resident are capped to the wave (the compiled variant's occupancy, read
-    without a launch): the wave is whole SMs, and a launch asking 3x the wave gives the states of one program."""
+    """More programs than the GPU keeps resident run in whole waves (the compiled variant's occupancy, read
+    without a launch): the wave is whole SMs, and a launch asking more gives the states of one program."""
     _gpu_ready()
     x = torch.randn(700, 256, device="cuda") * torch.empty(700, 1, device="cuda").uniform_(0.2, 3.0)
     _, one = vmod.viterbi_tiles(x[:40], bits, "mcg", programs=1)

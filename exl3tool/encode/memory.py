@@ -113,9 +113,10 @@ HALF_ROW_BITS = _knob("HALF_ROW_BITS", frozenset({4, 6}))
 # 1: a Viterbi launch over more tiles than slots spreads them evenly (``kernels.viterbi._even_rounds``): as few
 # programs as take the same rounds, in whole waves of SMs; 0: every slot a program
 EVEN_ROUNDS = _knob("EVEN_ROUNDS", 1)
-# 1: a Viterbi launch runs at most as many programs as the GPU keeps resident (the compiled kernel's occupancy),
-# its tiles spread evenly over them; 0: every slot a program, those beyond the wave queued (a launch of a few tiles a
-# program then ended with a tail at low occupancy: GLM-5.3 down_proj, 713 programs against 660 resident at K = 4)
+# 1: a Viterbi launch of more programs than the GPU keeps resident (the compiled kernel's occupancy) runs whole
+# waves of them, its tiles spread evenly; 0: every slot a program, a part of a wave left over running alone at the
+# end (GLM-5.3 down_proj, 713 programs against 660 resident at K = 4, 4 tiles each: 1.30x slower on an H200); 2: one
+# wave at most
 RESIDENT_CAP = _knob("RESIDENT_CAP", 1)
 # 1: the cost-row kernel's traceback reads an edge's candidates from the edge-major codebook table
 # (``codebook.edge_major_table``, 128 KiB more per device and K): one or a few cache lines a step instead of 2^K lines
