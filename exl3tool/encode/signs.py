@@ -74,18 +74,22 @@ def philox4x32_10(
     >>> [hex(int(w[0])) for w in philox4x32_10(tuple(np.zeros(1, np.uint32) for _ in range(4)), (0, 0))]
     ['0x6627e8d5', '0xe169c58d', '0xbc57ac4c', '0x9b00dbd8']
     """
-    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in ctr)
-    k0, k1 = np.uint32(key[0] & 0xFFFFFFFF), np.uint32(key[1] & 0xFFFFFFFF)
+    # the two multiplied words side by side, x = (c0, c2), and the two others, y = (c1, c3): one array operation per
+    # step of the round for both halves (a few thousand elements are mostly per-operation overhead)
+    x = np.stack([np.asarray(ctr[0], dtype=np.uint32), np.asarray(ctr[2], dtype=np.uint32)])
+    y = np.stack([np.asarray(ctr[1], dtype=np.uint32), np.asarray(ctr[3], dtype=np.uint32)])
+    mult = np.array([[_M0], [_M1]], dtype=np.uint64)
+    keys = np.array([[key[0] & 0xFFFFFFFF], [key[1] & 0xFFFFFFFF]], dtype=np.uint32)
+    bumps = np.array([[_W0], [_W1]], dtype=np.uint32)
     with np.errstate(over="ignore"):
         for r in range(10):
-            p0 = c0.astype(np.uint64) * _M0
-            p1 = c2.astype(np.uint64) * _M1
-            hi0, lo0 = (p0 >> np.uint64(32)).astype(np.uint32), (p0 & _MASK32).astype(np.uint32)
-            hi1, lo1 = (p1 >> np.uint64(32)).astype(np.uint32), (p1 & _MASK32).astype(np.uint32)
-            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+            p = x.astype(np.uint64) * mult  # (c0 M0, c2 M1), exact in 64 bits
+            hi, lo = (p >> np.uint64(32)).astype(np.uint32), p.astype(np.uint32)  # astype keeps the low 32 bits
+            # c0 = hi1 ^ c1 ^ k0, c2 = hi0 ^ c3 ^ k1; c1 = lo1, c3 = lo0
+            x, y = hi[::-1] ^ y ^ keys, lo[::-1]
             if r < 9:
-                k0, k1 = k0 + _W0, k1 + _W1
-    return c0, c1, c2, c3
+                keys = keys + bumps
+    return x[0], y[0], x[1], y[1]
 
 
 def normal_launch(
