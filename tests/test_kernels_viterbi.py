@@ -161,8 +161,10 @@ def _interp_jobs() -> list[list[dict]]:
     rng = np.random.default_rng()
     fresh = (rng.standard_normal((1, 256)) * rng.uniform(0.5, 1.5)).astype(np.float32)
     return [
-        # K=6 mcg, plain path: one Gaussian and one real-weight golden tile
-        [{"bits": 6, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 512)), int(rng.integers(512, 576))]}],
+        # K=6 mcg, plain path: one golden tile, a Gaussian or a real-weight one (rows 512-575), drawn at random (one
+        # tile is half a minute under the interpreter; test_viterbi.py checks every golden tile with numba)
+        [{"bits": 6, "cb": "mcg", "mode": 0,
+          "rows": [int(rng.integers(0, 512)) if rng.random() < 0.5 else int(rng.integers(512, 576))]}],
         # K=4 mcg plain path (golden), and the packed-pair layout (mode 5) on a fresh tile at K=4, where the
         # back-pointers are kept two per byte
         [{"bits": 4, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 192))]},
@@ -374,7 +376,7 @@ _ROWS_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows, bits", [(1, 3), (2, 4)])
+@pytest.mark.parametrize("rows, bits", [(1, 3), (2, 3)])
 def test_interpreter_cost_rows_match_reference(rows, bits):
     """The cost-row kernel (the traceback recomputes each choice from the costs kept: every step's row, or every
     other with the odd rows' entries recomputed from the even ones) in its packed-pair layout with exact
