@@ -126,7 +126,7 @@ def bench_cuda(shapes, unbounded: bool, with_reference: bool, reference_root: st
         plan = encode_memory_plan(k, n, 6, "cuda")
         row = {"k": k, "n": n, "source": where, "weight_mib": round(mib, 1), "budget_mib": round(plan.budget_bytes / 2**20, 1),
                "predicted_peak_mib": round(plan.peak_bytes / 2**20, 1), "chunk_tiles": plan.chunk_tiles,
-               "slots": plan.slots, "reference_estimate_mib": round(plan.budget_bytes / 2**20, 1)}
+               "slots": plan.slots, "rows": plan.rows, "reference_estimate_mib": round(plan.budget_bytes / 2**20, 1)}
         sec, peak, enc = _measure_cuda(lambda x: encode_linear(x, bits=6, seed=SEED), w)
         row.update(tool_s=round(sec, 3), tool_peak_mib=round(peak / 2**20, 1), tool_peak_x=round(peak / 2**20 / mib, 2),
                    tool_footprint_mib=round((peak + tool_kept) / 2**20, 1))

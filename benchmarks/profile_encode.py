@@ -86,11 +86,11 @@ def main() -> None:
         plan = encode_memory_plan(k, n, bits, "cuda")
         search = sample_tile_count(k, n)
         row = {"k": k, "n": n, "bits": bits, "tiles": (k // 16) * (n // 16), "search_tiles": search + 2 * search // 5,
-               "slots": plan.slots, "chunk": plan.chunk_tiles, "seconds": med}
+               "slots": plan.slots, "rows": plan.rows, "chunk": plan.chunk_tiles, "seconds": med}
         if args.trace:
             row["trace"] = trace_encode(w, bits)
         rows.append(row)
-        print(f"({k}, {n}) K={bits}: tiles {row['tiles']:,} + search {row['search_tiles']:,}; slots {plan.slots} chunk "
+        print(f"({k}, {n}) K={bits}: tiles {row['tiles']:,} + search {row['search_tiles']:,}; slots {plan.slots} (rows {plan.rows}) chunk "
               f"{plan.chunk_tiles}; " + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in med.items()), flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=1))

@@ -112,13 +112,13 @@ def main() -> None:
         tl = _timeline(acts, args.gap_us)
         plan = encode_memory_plan(k, n, bits, w.device)
         row = {"k": k, "n": n, "bits": bits, "wall_ms": statistics.median(walls) * 1e3,
-               "traced_wall_ms": traced_wall * 1e3, "slots": plan.slots, "chunk": plan.chunk_tiles, **tl,
+               "traced_wall_ms": traced_wall * 1e3, "slots": plan.slots, "rows": plan.rows, "chunk": plan.chunk_tiles, **tl,
                "syncs": _syncs(w, bits)}
         rows.append(row)
         print(f"({k}, {n}) K={bits}: wall {row['wall_ms']:.1f} ms (traced {row['traced_wall_ms']:.1f}); GPU span "
               f"{tl['span_ms']:.1f}, busy {tl['busy_ms']:.1f} in {tl['activities']} activities; Viterbi "
               f"{tl['viterbi_ms']:.1f} ms in {len(tl['viterbi'])} launches "
-              f"({', '.join('%.2f' % v['ms'] for v in tl['viterbi'])}); slots {plan.slots}; gaps >= "
+              f"({', '.join('%.2f' % v['ms'] for v in tl['viterbi'])}); slots {plan.slots} (rows {plan.rows}); gaps >= "
               f"{args.gap_us:.0f} us: {len(tl['gaps'])}, {tl['gap_ms']:.1f} ms", flush=True)
         for g in sorted(tl["gaps"], key=lambda g: -g["us"])[:12]:
             print(f"    gap {g['us'] / 1e3:6.2f} ms after {g['after']} | before {g['before']}")

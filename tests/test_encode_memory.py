@@ -283,3 +283,37 @@ def test_small_layers_quantize_in_place_at_every_k(monkeypatch):
     large = memory.plan_encode_memory(4096, 12288, 4, "cuda", wave=528)
     assert small.tile_bytes == 1024 and small.chunk_tiles == 2048  # states and error in place: the whole layer
     assert large.tile_bytes == 8 * 1024 and 4 not in IN_PLACE_BITS
+
+
+@pytest.mark.parametrize("k, n, bits", [(512, 4096, 6), (1536, 3072, 6), (6144, 4096, 4), (128, 4096, 4)])
+def test_plan_keeps_every_other_row_only_where_every_row_leaves_few_programs(k, n, bits):
+    """Given both cost-row strides, a plan keeps every row unless that leaves fewer than HALF_ROWS_BELOW_PER_SM
+    slots per SM: at the reference's budget (tight for these layers) every other row, with more slots than every row
+    would get; at a whole GPU's budget every row; at the least budget that holds a plan, every other row. Every plan
+    fits its budget and says which rows its slots were sized for."""
+    from exl3tool.encode.memory import HALF_ROWS_BELOW_PER_SM, viterbi_slot_bytes
+
+    sms = 132
+    choices = {r: viterbi_slot_bytes(bits, True, rows=r) + 1024 for r in (1, 2)}
+    every = plan_encode_memory(k, n, bits, "cuda", sms=sms, slot_bytes=choices[1])
+    assert every.slots < HALF_ROWS_BELOW_PER_SM * sms  # the reference's budget is tight here
+    tight = plan_encode_memory(k, n, bits, "cuda", sms=sms, rows_slot_bytes=choices)
+    assert tight.rows == 2 and tight.slot_bytes == choices[2] and tight.slots > every.slots
+    assert tight.peak_bytes <= tight.budget_bytes
+    roomy = plan_encode_memory(k, n, bits, "cuda", 40 << 30, sms=sms, rows_slot_bytes=choices)
+    assert roomy.rows == 1 and roomy.slot_bytes == choices[1] and roomy.slots >= HALF_ROWS_BELOW_PER_SM * sms
+    assert roomy.peak_bytes <= roomy.budget_bytes
+    # the least budget, in steps of a quarter half-row slot, that holds every other row (where the slots decide it,
+    # not every row)
+    budget = every.fixed_bytes
+    while True:
+        try:
+            plan_encode_memory(k, n, bits, "cuda", budget, sms=sms, slot_bytes=choices[2])
+        except EncodeMemoryError:
+            budget += choices[2] // 4
+            continue
+        break
+    plan = plan_encode_memory(k, n, bits, "cuda", budget, sms=sms, rows_slot_bytes=choices)
+    assert plan.rows == 2 and plan.peak_bytes <= budget
+    only = plan_encode_memory(k, n, bits, "cuda", sms=sms, rows_slot_bytes={1: choices[1]})
+    assert only.rows == 1 and only.slots == every.slots

@@ -14,7 +14,8 @@ are known in closed form (``encode_linear`` frees every intermediate as soon as 
   over them, so 512 B a tile; elsewhere the tiles are gathered, with their index and values: 8 KiB a tile on a GPU),
   then either the Viterbi kernel's scratch: ``slots`` tiles in flight, each slot 256 positions x 2^(16-K)
   back-pointers (a byte each, two per byte at K <= 4) and two cost rows, or at the K of ``COST_ROW_BITS`` 256 cost
-  rows of 2^(16-K) fp16 (129 at the K of ``HALF_ROW_BITS``) and no back-pointers, and a row of values (the kernel's
+  rows of 2^(16-K) fp16 (129 where the plan keeps every other row: ``HALF_ROW_BITS``,
+  ``HALF_ROWS_BELOW_PER_SM``) and no back-pointers, and a row of values (the kernel's
   programs are persistent, so the scratch is ``slots`` slots whatever the chunk), or, once the kernel has returned
   and freed it, the packing's bit streams (about 20 KiB per tile, 2,048 tiles at a time);
 * proxy error: 1 W + the trellis + the squared error widened to float64 for the sum: on the CPU a slab of
@@ -36,12 +37,14 @@ the resident wave still help) and the chunk to a few rounds of slots.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 __all__ = [
     "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH",
-    "EDGE_MAJOR_TRACEBACK", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS", "IN_PLACE_BITS",
+    "EDGE_MAJOR_TRACEBACK", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS",
+    "HALF_ROWS_BELOW_PER_SM", "IN_PLACE_BITS",
     "IN_PLACE_MAX_TILES",
     "MAX_HALF_ROW_BITS", "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS",
     "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "REFERENCE_SEARCH_TILE_KIB", "RESIDENT_CAP", "cost_row_stride",
@@ -102,14 +105,18 @@ IN_PLACE_MAX_TILES = _knob("IN_PLACE_MAX_TILES", 4096)
 # budget then leaves 2-3.6 programs per SM) was slower on 3 of 5 deployed layers ((4096, 2048) 224 -> 264 ms,
 # (1024, 4096) 128 -> 162 ms; bench_dropin.py); K = 4 keeps every other row (HALF_ROW_BITS).
 COST_ROW_BITS = _knob("COST_ROW_BITS", frozenset({4, 6}))
-# K (of COST_ROW_BITS) at which a slot keeps every other step's row (129 rows: the even ones and the odd row in
+# K (of COST_ROW_BITS) at which a slot may keep every other step's row (129 rows: the even ones and the odd row in
 # flight), the traceback recomputing an odd row's NL entries it needs from the even row before it (NL^2 fp16
 # candidates at one position, against NL x 2^(16-K) a step): half the scratch a slot, so twice the slots in a
-# budget. Cheap at K = 4 (256 candidates a step). At K = 6 (4,096) it was 5-28 % slower until the traceback read
-# the edge-major table and the even row whole (EDGE_MAJOR_TRACEBACK); since, on an H200 (bench_rules.py, two
-# runs), the DeepSeek-V3 K = 6 layers, whose reference budget holds 1.8-6.1 programs per SM with every row, are
-# 1.02-1.24x faster with every other row, the Qwen3.8-27B ones (6-25 per SM) within -3 / +1 %.
+# budget, for a slower kernel at the same programs per SM (K = 6 on an H200, bench_viterbi_slots.py: 241 K tiles/s
+# at 8 per SM against 321 K with every row). An encode's plan takes every other row where every row would leave
+# fewer than HALF_ROWS_BELOW_PER_SM programs per SM (a tight budget: the reference's, for most deployed layers);
+# a Viterbi call without a plan keeps every other row at these K. On an H200 (bench_rules.py) the DeepSeek-V3
+# K = 6 layers at the reference's budget (1.8-3.8 per SM with every row) were 1.02-1.24x faster with every other
+# row; with a warm's budget (a whole GPU) every other row at K = 6 cost the GLM-5.3-Flash and DeepSeek-V3 warms
+# 19-20 % of their tiles/s (bench_fleet.py, 130.5 K and 111.2 K against 161.9 K and 138.6 K)
 HALF_ROW_BITS = _knob("HALF_ROW_BITS", frozenset({4, 6}))
+HALF_ROWS_BELOW_PER_SM = _knob("HALF_ROWS_BELOW_PER_SM", 4.0)
 # 1: a Viterbi launch over more tiles than slots spreads them evenly (``kernels.viterbi._even_rounds``): as few
 # programs as take the same rounds, in whole waves of SMs; 0: every slot a program
 EVEN_ROUNDS = _knob("EVEN_ROUNDS", 1)
@@ -165,6 +172,7 @@ class EncodeMemoryPlan:
     slots: int | None = None
     slot_bytes: int = 0
     tile_phase_bytes: int = 0  # the tile quantization's peak: a chunk in flight beside W_r and the trellis
+    rows: int | None = None  # the cost rows a slot keeps (``viterbi_slot_bytes``'s rows); None: the kernel's rule
 
     def phases(self, k: int, n: int, bits: int, device_type: str) -> dict[str, int]:
         """The model's peak of every phase (``PHASES``) for this plan's (k, n) layer: what a measurement is
@@ -303,15 +311,33 @@ def default_budget(k: int, n: int, bits: int = 6, device_type: str = "cuda", sms
 
 def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes: int | None = None,
                        *, wave: int | None = None, slot_bytes: int | None = None, sms: int | None = None,
-                       name: str | None = None) -> EncodeMemoryPlan:
+                       name: str | None = None, rows_slot_bytes: dict[int, int] | None = None) -> EncodeMemoryPlan:
     """Slots and chunk size for a (k, n) encode within ``budget_bytes`` (None: ``default_budget``).
 
     On a GPU, ``wave`` is how many tiles the kernel keeps resident at once (more slots would only queue) and
     ``slot_bytes`` the scratch of one (``viterbi_slot_bytes`` if None); the slots are as many as fit beside a
     chunk of CHUNK_ROUNDS tiles per slot, up to the wave, and the chunk is then as large as the rest allows, in
-    whole rounds of slots. Raises EncodeMemoryError, naming ``name`` and the bytes needed, when not even
-    MIN_SLOTS slots and MIN_CHUNK_TILES tiles fit.
+    whole rounds of slots. ``rows_slot_bytes`` ({rows: a slot's bytes} for the cost rows the kernel can keep,
+    ``slot_bytes`` then unused): every row (1), or every other (2) where every row leaves fewer than
+    HALF_ROWS_BELOW_PER_SM slots per SM of the ``sms``; the plan's ``rows`` says which. Raises EncodeMemoryError,
+    naming ``name`` and the bytes needed, when not even MIN_SLOTS slots and MIN_CHUNK_TILES tiles fit.
     """
+    if rows_slot_bytes:
+        choices = sorted(rows_slot_bytes)
+        first = 1 if 1 in rows_slot_bytes else choices[0]
+        try:
+            plan = plan_encode_memory(k, n, bits, device_type, budget_bytes, wave=wave,
+                                      slot_bytes=rows_slot_bytes[first], sms=sms, name=name)
+        except EncodeMemoryError:
+            if 2 not in rows_slot_bytes:
+                raise
+            plan = None  # every row does not fit at all: every other may
+        tight = plan is None or (plan.slots or 0) < HALF_ROWS_BELOW_PER_SM * (sms or REFERENCE_SMS)
+        if first == 1 and 2 in rows_slot_bytes and tight:
+            half = plan_encode_memory(k, n, bits, device_type, budget_bytes, wave=wave,
+                                      slot_bytes=rows_slot_bytes[2], sms=sms, name=name)
+            return dataclasses.replace(half, rows=2)
+        return dataclasses.replace(plan, rows=first)
     if budget_bytes is None:
         budget_bytes = default_budget(k, n, bits, device_type, sms)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:

@@ -289,9 +289,9 @@ CPU_PROGRESS_TILES = 512  # with a progress callback, CPU calls of this many til
 
 def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
                       progress: Optional[ProgressFn] = None, chunk_tiles: Optional[int] = None,
-                      slots: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      slots: Optional[int] = None, rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_tiles over (N, 256) tiles in calls of at most ``chunk_tiles``, ``slots`` in flight in the GPU
-    kernel (results depend on neither).
+    kernel, each keeping the plan's ``rows`` (results depend on none of them).
 
     ``chunk_tiles`` defaults to MAX_TILES_PER_CALL; ``progress(n)`` is called after every call with the number of
     tiles it quantized; on the CPU the calls are then CPU_PROGRESS_TILES long, so a progress bar moves inside a
@@ -303,7 +303,7 @@ def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
     # call: the batch goes through in calls of MAX_TILES_PER_CALL, not of the plan's chunk
     step = _step(tiles.device, None if tiles.is_cuda else chunk_tiles, progress)
     if tiles.shape[0] <= step:
-        values, states = quantize_tiles(tiles.contiguous(), bits, codebook, programs=slots)
+        values, states = quantize_tiles(tiles.contiguous(), bits, codebook, programs=slots, rows=rows)
         if progress is not None:
             progress(values.shape[0])
         return values, states
@@ -311,7 +311,7 @@ def _quantize_batched(tiles: torch.Tensor, bits: int, codebook: str,
     states = torch.empty(tiles.shape, dtype=torch.int16, device=tiles.device)  # list of parts and concatenation
     for start in range(0, tiles.shape[0], step):
         end = min(start + step, tiles.shape[0])
-        quantize_tiles(tiles[start:end].contiguous(), bits, codebook, programs=slots,
+        quantize_tiles(tiles[start:end].contiguous(), bits, codebook, programs=slots, rows=rows,
                        out=(values[start:end], states[start:end]))
         if progress is not None:
             progress(end - start)
@@ -331,7 +331,8 @@ ChunkFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def _quantize_matrix(w_r: torch.Tensor, err: torch.Tensor, bits: int, codebook: str, chunk_tiles: Optional[int],
-                     progress: Optional[ProgressFn], on_chunk: ChunkFn, slots: Optional[int] = None) -> None:
+                     progress: Optional[ProgressFn], on_chunk: ChunkFn, slots: Optional[int] = None,
+                     rows: Optional[int] = None) -> None:
     """Quantize every tile of the (k, n) matrix ``w_r`` in chunks of ``chunk_tiles``, never all tiles at once.
 
     Each chunk's tiles are gathered from ``w_r``, quantized, and their squared error (W_r - Q_r)^2 scattered
@@ -349,7 +350,7 @@ def _quantize_matrix(w_r: torch.Tensor, err: torch.Tensor, bits: int, codebook: 
         hi = min(total, lo + step)
         index = tile_element_index(n, torch.arange(lo, hi, device=w_r.device))
         tiles = src[index]
-        values, states = quantize_tiles(tiles, bits, codebook, programs=slots)
+        values, states = quantize_tiles(tiles, bits, codebook, programs=slots, rows=rows)
         on_chunk(lo, hi, index, values, states)
         dst[index] = tiles.sub_(values).square_()
         del tiles, values, states, index
@@ -358,7 +359,8 @@ def _quantize_matrix(w_r: torch.Tensor, err: torch.Tensor, bits: int, codebook: 
 
 
 def _quantize_in_place(w_r: torch.Tensor, bits: int, codebook: str, chunk_tiles: Optional[int],
-                       progress: Optional[ProgressFn], on_chunk: ChunkFn, slots: Optional[int] = None) -> None:
+                       progress: Optional[ProgressFn], on_chunk: ChunkFn, slots: Optional[int] = None,
+                       rows: Optional[int] = None) -> None:
     """``_quantize_matrix(w_r, w_r, ...)``: every tile quantized and overwritten with its squared error.
 
     On CUDA where ``memory.quantizes_in_place`` (the K of IN_PLACE_BITS, small layers) the Triton kernel reads
@@ -371,15 +373,15 @@ def _quantize_in_place(w_r: torch.Tensor, bits: int, codebook: str, chunk_tiles:
     k, n = w_r.shape
     total = (k // 16) * (n // 16)
     if not (w_r.is_cuda and w_r.is_contiguous() and memory.quantizes_in_place(bits, total)):  # as the plan sized it
-        return _quantize_matrix(w_r, w_r, bits, codebook, chunk_tiles, progress, on_chunk, slots)
+        return _quantize_matrix(w_r, w_r, bits, codebook, chunk_tiles, progress, on_chunk, slots, rows)
     try:
         from exl3tool.kernels.viterbi import viterbi_matrix
     except ImportError:  # no Triton: the gathering path, whose quantize_tiles says what it runs instead
-        return _quantize_matrix(w_r, w_r, bits, codebook, chunk_tiles, progress, on_chunk, slots)
+        return _quantize_matrix(w_r, w_r, bits, codebook, chunk_tiles, progress, on_chunk, slots, rows)
     step = _step(w_r.device, chunk_tiles, progress)
     for lo in range(0, total, step):
         hi = min(total, lo + step)
-        states = viterbi_matrix(w_r, lo, hi - lo, bits, codebook, programs=slots)
+        states = viterbi_matrix(w_r, lo, hi - lo, bits, codebook, programs=slots, rows=rows)
         on_chunk(lo, hi, None, None, states)
         del states
         if progress is not None:
@@ -432,7 +434,8 @@ _FINE_OFFSETS = [_FINE_STEP * (i - 2) for i in range(5)]  # Python doubles: fine
 
 
 def search_global_scale_tensor(w_rot: torch.Tensor, bits: int, codebook: str = "mcg",
-                               chunk_tiles: Optional[int] = None, slots: Optional[int] = None) -> torch.Tensor:
+                               chunk_tiles: Optional[int] = None, slots: Optional[int] = None,
+                               rows: Optional[int] = None) -> torch.Tensor:
     """``search_global_scale`` as a 0-d float64 tensor on ``w_rot``'s device, computed there.
 
     The choice of the centre, the fine scales and the parabola are the host's double arithmetic done by the
@@ -465,7 +468,7 @@ def search_global_scale_tensor(w_rot: torch.Tensor, bits: int, codebook: str = "
     # host constants go to the device before the first launch: a copy from the host waits for the queue to drain
     coarse_scales = torch.tensor(_COARSE, dtype=torch.float64, device=dev)
     fine_offsets = torch.tensor(_FINE_OFFSETS, dtype=torch.float64, device=dev)
-    values = _quantize_scaled(tiles_u[coarse_u], _COARSE, bits, codebook, chunk_tiles, slots)
+    values = _quantize_scaled(tiles_u[coarse_u], _COARSE, bits, codebook, chunk_tiles, slots, rows)
     coarse = _mses_tensor(values, sample[0::3], [float(c) for c in _COARSE], lambda v: v[coarse_inv])
     best = _first_argmin_tensor(coarse)
     center = _pick(coarse_scales, best)
@@ -474,7 +477,7 @@ def search_global_scale_tensor(w_rot: torch.Tensor, bits: int, codebook: str = "
     center_values[coarse_u] = _pick(_stacked(values), best)
     del values
     parts = [tiles_u, tiles_u, tiles_u[rest], tiles_u, tiles_u]
-    fine_values = _quantize_scaled(parts, fine_scales, bits, codebook, chunk_tiles, slots)
+    fine_values = _quantize_scaled(parts, fine_scales, bits, codebook, chunk_tiles, slots, rows)
     center_values[rest] = fine_values[2]
     fine_values[2] = center_values
     del center_values
@@ -522,7 +525,8 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _quantize_scaled(tiles: torch.Tensor | list[torch.Tensor], scales: list[float] | torch.Tensor, bits: int,
-                     codebook: str, chunk_tiles: Optional[int], slots: Optional[int]) -> list[torch.Tensor]:
+                     codebook: str, chunk_tiles: Optional[int], slots: Optional[int],
+                     rows: Optional[int] = None) -> list[torch.Tensor]:
     """The quantized values of f32(tiles_i * f32(s_i)) for each scale (one tile set for all, or one per scale),
     through the quantizer as one batch; a list of per-scale (n_i, 256) tensors."""
     sets = tiles if isinstance(tiles, list) else [tiles] * len(scales)
@@ -531,7 +535,7 @@ def _quantize_scaled(tiles: torch.Tensor | list[torch.Tensor], scales: list[floa
         batch = torch.cat([t * factors[i] for i, t in enumerate(sets)])
     else:
         batch = torch.cat([t * _f32(s) for t, s in zip(sets, scales)])
-    values, _ = _quantize_batched(batch, bits, codebook, chunk_tiles=chunk_tiles, slots=slots)
+    values, _ = _quantize_batched(batch, bits, codebook, chunk_tiles=chunk_tiles, slots=slots, rows=rows)
     del batch
     return list(values.split([t.shape[0] for t in sets]))
 
@@ -723,7 +727,7 @@ def prepare_encode(
     with stage(timer, "scale_search", dev):
         # g stays on the device (no wait for the search): f32(g) and f32(1 / g) are rounded there from the double
         g = (torch.tensor(float(g_scale), dtype=torch.float64, device=w_r.device) if g_scale is not None
-             else search_global_scale_tensor(w_r, bits, codebook, plan.chunk_tiles, plan.slots))
+             else search_global_scale_tensor(w_r, bits, codebook, plan.chunk_tiles, plan.slots, plan.rows))
         w_r.mul_(g.to(torch.float32))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
         su = su * (1.0 / g).to(torch.float32)  # ÷s g
     _release_host_heap(dev)
@@ -747,7 +751,7 @@ def finish_encode(prepared: ScaledWeight, *, progress: Optional[ProgressFn] = No
 
     with stage(timer, "viterbi", dev):
         _quantize_in_place(w_r, bits, prepared.codebook, prepared.plan.chunk_tiles, progress, pack,
-                           prepared.plan.slots)
+                           prepared.plan.slots, prepared.plan.rows)
     _release_host_heap(dev)
     with stage(timer, "pack", dev):
         proxy_error = _proxy_error_of_squares(w_r)
@@ -816,14 +820,16 @@ def encode_memory_plan(k: int, n: int, bits: int, device: torch.device | str,
     """
     dev = torch.device(device)
     wave = slot = sms = None
+    rows_slots: dict[int, int] | None = None
     if dev.type == "cuda":
-        from exl3tool.kernels.viterbi import resident_tiles, slot_bytes
+        from exl3tool.kernels.viterbi import resident_tiles, row_choices, slot_bytes
 
         wave = resident_tiles(dev, bits, codebook)
         slot = slot_bytes(bits)
+        rows_slots = row_choices(bits)  # the cost-row strides the kernel can run here, with a slot's bytes
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
     return plan_encode_memory(k, n, bits, dev.type, memory_budget_bytes, wave=wave, slot_bytes=slot, sms=sms,
-                              name=name)
+                              name=name, rows_slot_bytes=rows_slots)
 
 
 def encode_linear_with_input(

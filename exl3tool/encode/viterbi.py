@@ -35,20 +35,21 @@ def _check_tiles(tiles: torch.Tensor) -> torch.Tensor:
 
 def quantize_tiles(
     tiles: torch.Tensor, bits: int, codebook: str = "mcg", backend: str = "auto", programs: int | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) tiles to K-bit trellis states; returns (values float32, states int16 raw bits).
 
     backend: "auto" (numba on CPU, Triton on CUDA with a torch fallback), "numba", "torch" or "triton".
     Every backend gives the same bits. ``programs``: tiles in flight at once in the Triton kernel, each with its
-    scratch slot (None: the kernel's default); the other backends do not use it. ``out``: (values, states)
-    tensors of the result's shapes to write into (the Triton kernel writes there directly).
+    scratch slot (None: the kernel's default), and ``rows`` the cost rows each slot keeps (0, 1, 2; None: the
+    kernel's rule); the other backends use neither. ``out``: (values, states) tensors of the result's shapes to
+    write into (the Triton kernel writes there directly).
 
     >>> v, s = quantize_tiles(torch.randn(2, 256), 6)
     >>> v.shape, s.dtype
     (torch.Size([2, 256]), torch.int16)
     """
-    values, states = _quantize_tiles(_check_tiles(tiles), bits, codebook, backend, programs, out)
+    values, states = _quantize_tiles(_check_tiles(tiles), bits, codebook, backend, programs, out, rows)
     if out is not None and values is not out[0]:
         out[0].copy_(values)
         out[1].copy_(states)
@@ -57,7 +58,8 @@ def quantize_tiles(
 
 
 def _quantize_tiles(tiles: torch.Tensor, bits: int, codebook: str, backend: str, programs: int | None,
-                    out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    out: tuple[torch.Tensor, torch.Tensor] | None,
+                    rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_bits(bits)
     check_codebook(codebook)
     if backend not in BACKENDS:
@@ -84,7 +86,7 @@ def _quantize_tiles(tiles: torch.Tensor, bits: int, codebook: str, backend: str,
                 stacklevel=3,
             )
             return quantize_tiles_torch(tiles, bits, codebook)
-        return viterbi_tiles(tiles, bits, codebook, programs=programs, out=out)
+        return viterbi_tiles(tiles, bits, codebook, programs=programs, out=out, rows=rows)
     return quantize_tiles_torch(tiles, bits, codebook)
 
 

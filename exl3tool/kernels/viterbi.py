@@ -47,7 +47,8 @@ except ImportError:  # pragma: no cover - exercised only without triton
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["viterbi_tiles", "viterbi_matrix", "interpreter_active", "resident_tiles", "selfcheck_results", "slot_bytes",
+__all__ = ["viterbi_tiles", "viterbi_matrix", "interpreter_active", "resident_tiles", "row_choices", "selfcheck_results",
+           "slot_bytes",
            "packs_nibbles", "keeps_rows", "MODES", "DEFAULT_MODE"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
@@ -582,6 +583,17 @@ def _row_stride(bits: int, rows: bool | int) -> int:
         raise ValueError(f"rows=2 recomputes 2^(2K) costs per traceback step: K <= {MAX_HALF_ROW_BITS} only, "
                          f"got K={bits}")
     return int(rows)
+
+
+def row_choices(bits: int, mode: int | None = None) -> dict[int, int]:
+    """{rows: a slot's bytes} for the cost rows the kernel can keep at K = ``bits`` in ``mode`` (None: the mode in
+    use on the current device): every row and every other at the K of HALF_ROW_BITS, every row at the other K of
+    COST_ROW_BITS, back-pointers elsewhere. What an encode's memory plan chooses from."""
+    if mode is None:
+        mode = next((m for (_, b), m in _CHECKED.items() if b == bits), DEFAULT_MODE)
+    default = keeps_rows(bits, mode)
+    strides = (1, 2) if default == 2 else (default,)
+    return {r: slot_bytes(bits, mode, r) for r in strides}
 
 
 def packs_nibbles(bits: int, mode: int = DEFAULT_MODE) -> bool:
