@@ -58,6 +58,17 @@ def trace_encode(w: torch.Tensor, bits: int) -> dict:
     return out
 
 
+def layer_weights(shapes: str, seed_of=lambda k, n: k + n):
+    """(k, n, bits, weight on the GPU) for each ``KxN:BITS`` of a comma-separated list: Gaussian columns of scales
+    0.005 to 0.05, the generator seeded by ``seed_of(k, n)`` (the same weight in every run)."""
+    for item in shapes.split(","):
+        shape, bits = item.split(":")
+        k, n = (int(v) for v in shape.split("x"))
+        gen = torch.Generator().manual_seed(seed_of(k, n))
+        w = (torch.randn(k, n, generator=gen) * torch.empty(1, n).uniform_(0.005, 0.05, generator=gen)).cuda()
+        yield k, n, int(bits), w
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x4096:4,128x4096:4,4096x12288:4,512x4096:6,256x7168:6,5120x6144:6")
@@ -65,12 +76,7 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="also a torch.profiler summary of one encode per shape")
     args = ap.parse_args()
     rows = []
-    for item in args.shapes.split(","):
-        shape, bits = item.split(":")
-        k, n = (int(v) for v in shape.split("x"))
-        bits = int(bits)
-        gen = torch.Generator().manual_seed(k + n)
-        w = (torch.randn(k, n, generator=gen) * torch.empty(1, n).uniform_(0.005, 0.05, generator=gen)).cuda()
+    for k, n, bits, w in layer_weights(args.shapes):
         encode_linear(w, bits=bits, seed=5)  # warm-up (compile)
         runs = []
         for rep in range(3):

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exl3tool.encode.online import encode_linear, encode_memory_plan  # noqa: E402
+from profile_encode import layer_weights  # noqa: E402  (benchmarks/ is the script's folder)
 
 
 def _gpu_events(w: torch.Tensor, bits: int) -> tuple[float, list[dict]]:
@@ -93,12 +94,7 @@ def main() -> None:
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args()
     rows = []
-    for item in args.shapes.split(","):
-        shape, bits = item.split(":")
-        k, n = (int(v) for v in shape.split("x"))
-        bits = int(bits)
-        gen = torch.Generator().manual_seed(k * 7 + n)
-        w = (torch.randn(k, n, generator=gen) * torch.empty(1, n).uniform_(0.005, 0.05, generator=gen)).cuda()
+    for k, n, bits, w in layer_weights(args.shapes, lambda k, n: k * 7 + n):
         for seed in (3, 4):  # compile, caches
             encode_linear(w, bits=bits, seed=seed)
         walls = []
