@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     json_mode = "--json" in args
     forget_json_document()
-    _register()
     try:
+        _register()  # imports the commands (and the encoder's settings, which may refuse an environment variable)
         rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
         if rc == 130:  # typer turns Ctrl-C into Exit(130), which non-standalone Click returns (no command does)
             _interrupted(json_mode)

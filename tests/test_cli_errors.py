@@ -4,6 +4,7 @@ new user (issue 14), and fails on the code before its fix."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -328,3 +329,18 @@ def test_shared_experts_flag_is_not_labelled_the_default_overlay():
     from exl3tool.checkpoint import resolve_overlay
 
     assert resolve_overlay(None).default and not resolve_overlay(None, shared_experts=True).default
+
+
+@pytest.mark.parametrize("name, value", [("RESIDENT_CAP", "x"), ("HALF_ROW_BITS", "4,six"),
+                                         ("HALF_ROWS_BELOW_PER_SM", "")])
+def test_a_bad_speed_rule_in_the_environment_is_one_line_naming_it(name, value):
+    """The encoder's EXL3TOOL_* speed rules are read when it is imported: a value that is not one is refused by name
+    in one line with exit 2, not a traceback (in a fresh process, where the import happens)."""
+
+    env = dict(os.environ, **{f"EXL3TOOL_{name}": value})
+    r = subprocess.run([sys.executable, "-m", "exl3tool", "identity", "--encoder-root", "/nonexistent", "--json"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    doc = json.loads(r.stdout)
+    assert f"EXL3TOOL_{name}={value!r}" in doc["error"] and "unset it" in doc["error"]

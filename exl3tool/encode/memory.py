@@ -67,9 +67,16 @@ def _knob(name: str, default):
     raw = os.environ.get(f"EXL3TOOL_{name}")
     if raw is None:
         return default
-    if isinstance(default, frozenset):
-        return frozenset(int(v) for v in raw.split(",") if v.strip())
-    return type(default)(raw)
+    try:
+        if isinstance(default, frozenset):
+            return frozenset(int(v) for v in raw.split(",") if v.strip())
+        return type(default)(raw)
+    except ValueError:
+        from exl3tool.errors import ConfigError
+
+        what = {frozenset: "a comma-separated list of integers", int: "an integer", float: "a number"}[type(default)]
+        raise ConfigError(f"EXL3TOOL_{name}={raw!r} is not {what} (a speed rule for benchmarks, default "
+                          f"{sorted(default) if isinstance(default, frozenset) else default}); unset it") from None
 
 
 # the reference's scale search holds about this many KiB per sample tile above the weight (its batches of scales
