@@ -44,8 +44,7 @@ from dataclasses import dataclass
 __all__ = [
     "CHUNK_ROUNDS", "CHUNK_ROUNDS_IN_PLACE", "COST_ROW_BITS", "DEFAULT_MAX_CHUNK_TILES", "DEFAULT_MAX_SCRATCH",
     "EDGE_MAJOR_TRACEBACK", "EVEN_ROUNDS", "EncodeMemoryError", "EncodeMemoryPlan", "HALF_ROW_BITS",
-    "HALF_ROWS_BELOW_PER_SM", "IN_PLACE_BITS",
-    "IN_PLACE_MAX_TILES",
+    "HALF_ROWS_BELOW_PER_SM", "IN_PLACE_BITS", "IN_PLACE_MAX_TILES",
     "MAX_HALF_ROW_BITS", "MIN_CHUNK_TILES", "MIN_SLOTS", "PHASES", "PROXY_SLAB_BYTES", "PROXY_SLAB_ROWS",
     "REFERENCE_FACTOR", "REFERENCE_PROGRAMS_PER_SM", "REFERENCE_SEARCH_TILE_KIB", "RESIDENT_CAP", "cost_row_stride",
     "default_budget", "device_budget", "phase_bytes", "plan_encode_memory", "quantizes_in_place",
@@ -329,22 +328,21 @@ def plan_encode_memory(k: int, n: int, bits: int, device_type: str, budget_bytes
     HALF_ROWS_BELOW_PER_SM slots per SM of the ``sms``; the plan's ``rows`` says which. Raises EncodeMemoryError,
     naming ``name`` and the bytes needed, when not even MIN_SLOTS slots and MIN_CHUNK_TILES tiles fit.
     """
-    if rows_slot_bytes:
-        choices = sorted(rows_slot_bytes)
-        first = 1 if 1 in rows_slot_bytes else choices[0]
+    if rows_slot_bytes:  # plan with every row (or the one stride there is); every other row where that is tight
+        every = 1 if 1 in rows_slot_bytes else min(rows_slot_bytes)
+        may_halve = every == 1 and 2 in rows_slot_bytes
         try:
             plan = plan_encode_memory(k, n, bits, device_type, budget_bytes, wave=wave,
-                                      slot_bytes=rows_slot_bytes[first], sms=sms, name=name)
+                                      slot_bytes=rows_slot_bytes[every], sms=sms, name=name)
         except EncodeMemoryError:
-            if 2 not in rows_slot_bytes:
+            if not may_halve:
                 raise
             plan = None  # every row does not fit at all: every other may
-        tight = plan is None or (plan.slots or 0) < HALF_ROWS_BELOW_PER_SM * (sms or REFERENCE_SMS)
-        if first == 1 and 2 in rows_slot_bytes and tight:
+        if may_halve and (plan is None or (plan.slots or 0) < HALF_ROWS_BELOW_PER_SM * (sms or REFERENCE_SMS)):
             half = plan_encode_memory(k, n, bits, device_type, budget_bytes, wave=wave,
                                       slot_bytes=rows_slot_bytes[2], sms=sms, name=name)
             return dataclasses.replace(half, rows=2)
-        return dataclasses.replace(plan, rows=first)
+        return dataclasses.replace(plan, rows=every)
     if budget_bytes is None:
         budget_bytes = default_budget(k, n, bits, device_type, sms)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:

@@ -819,17 +819,16 @@ def encode_memory_plan(k: int, n: int, bits: int, device: torch.device | str,
     EncodeMemoryError (a ValueError naming ``name``) when the budget cannot hold even the smallest chunk.
     """
     dev = torch.device(device)
-    wave = slot = sms = None
+    wave = sms = None
     rows_slots: dict[int, int] | None = None
     if dev.type == "cuda":
-        from exl3tool.kernels.viterbi import resident_tiles, row_choices, slot_bytes
+        from exl3tool.kernels.viterbi import resident_tiles, row_choices
 
         wave = resident_tiles(dev, bits, codebook)
-        slot = slot_bytes(bits)
         rows_slots = row_choices(bits)  # the cost-row strides the kernel can run here, with a slot's bytes
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    return plan_encode_memory(k, n, bits, dev.type, memory_budget_bytes, wave=wave, slot_bytes=slot, sms=sms,
-                              name=name, rows_slot_bytes=rows_slots)
+    return plan_encode_memory(k, n, bits, dev.type, memory_budget_bytes, wave=wave, sms=sms, name=name,
+                              rows_slot_bytes=rows_slots)
 
 
 def encode_linear_with_input(

@@ -53,7 +53,6 @@ _THREADS_PER_SM = 2048  # maxThreadsPerMultiProcessor on sm_80 / sm_90 (1536 on 
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
-_MASK32 = np.uint64(0xFFFFFFFF)
 
 # cuRAND's constants: CURAND_2POW32_INV = 2^-32 exactly, CURAND_2POW32_INV_2PI = 2^-32 * f32(2 pi).
 _INV32 = np.float32(2.0**-32)

@@ -48,8 +48,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     _HAVE_TRITON = False
 
 __all__ = ["viterbi_tiles", "viterbi_matrix", "interpreter_active", "resident_tiles", "row_choices", "selfcheck_results",
-           "slot_bytes",
-           "packs_nibbles", "keeps_rows", "MODES", "DEFAULT_MODE"]
+           "slot_bytes", "packs_nibbles", "keeps_rows", "MODES", "DEFAULT_MODE"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
 #   0: exact float64 emulation (interpreter; also runs on GPU, slowly)
