@@ -287,7 +287,13 @@ def scenario_launch_refusals(m, tmp, monkeypatch):
     assert run([*base, "--launch", f"vllm serve {m['good']} --quantization-config '{{not json'"]) == 2
     assert run([*base, "--env-file", tmp / "missing.env", "--launch", f"vllm serve {m['good']}"]) == 2
     assert run([*base, "--launch", "vllm serve"]) == 2  # no model in the launch
-    assert run([*base, "--launch", f"vllm serve {m['good']}"]) == 0  # the same launch without them plans
+    assert run([*base, "--launch", ""]) == 2  # what `--launch "$(cat missing.txt)"` gives
+    serving = f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 vllm serve {m['good']} --quantization-config '{{\"linear\": \"mxfp8\"}}'"
+    assert run([*base, "--launch", serving + " --tensor-paralel-size 2"]) == 2  # vLLM refuses an unknown flag
+    assert run([*base, "--launch", f"vllm serve {m['good']}"]) == 2  # it encodes nothing online: nothing to warm
+    assert run([*base, "--launch", serving]) == 0  # the same launch without them plans
+    check = ["cache", "check", "--cache-dir", tmp / "c", *ENC]
+    assert run([*check, "--launch", f"vllm serve {m['good']}"]) == 1  # no look-up is a finding, never "all hit"
 
 
 def scenario_disk_full(m, tmp, monkeypatch):

@@ -20,11 +20,13 @@ from exl3tool.errors import FindingsError
 from exl3tool.output import Output, plural
 from exl3tool.warm.check import CheckReport, check
 
-__all__ = ["cache_check", "render_check", "check_json"]
+__all__ = ["cache_check", "render_check", "check_json", "render_no_lookup"]
 
 
 def _where(cause) -> str:
     jobs = cause.lookups
+    if not jobs:  # look-ups the plan cannot hold: not counted, each a miss
+        return "look-ups outside the plan (not counted)"
     layouts = sorted({(j.tp_size, j.tp_rank) for j in jobs})
     ranks = ",".join(f"tp{w}-rank{r}" for w, r in layouts[:4]) + (" ..." if len(layouts) > 4 else "")
     return f"{plural(len(jobs), 'look-up')}, e.g. {jobs[0].prefix} ({ranks})"
@@ -63,7 +65,8 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     plan = report.plan
     plan_notes(out, plan)
     for n, cause in enumerate(report.causes, 1):
-        title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written"}[cause.kind]
+        title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",
+                 "unplanned": "miss"}[cause.kind]
         table = Table(title=Text(f"{n}. {title}: {_where(cause)}"), show_header=False)
         table.add_column("field", no_wrap=True)
         table.add_column("what", overflow="fold")
@@ -79,6 +82,16 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
              f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
              f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
     out.data({**check_json(report), **(extra or {})})
+
+
+def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict) -> None:
+    """A launch whose server looks nothing up: zero look-ups, each reason, and ``"server_lookup": false``. A finding
+    (exit 1), never "all hit": the cache cannot make this server start warm."""
+    out.line(f"0 look-ups: this launch encodes nothing online, because {reasons[0]}")
+    for line in reasons[1:]:
+        out.line(f"  and {line}")
+    out.data({"ok": False, "server_lookup": False, "lookup_off": list(reasons), "lookups": 0, "hit": 0, "miss": 0,
+              "invalid": 0, "causes": [], "notes": [], **extra})
 
 
 def cache_check(
@@ -123,10 +136,16 @@ def cache_check(
         server_path=server_path,
     )
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
-                                               add_tp_sizes=True)
+                                               add_tp_sizes=True, no_lookup="report")
+    if settings is not None and settings.lookup_off:
+        render_no_lookup(out, settings.lookup_off, launch_json(settings))
+        raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
     if not report.ok:
         bad = report.plan.count("miss") + report.plan.count("invalid")
-        raise FindingsError(f"{bad} of {len(report.lookups)} look-ups would not hit; see the causes above"
-                            if not json_out else f"{bad} of {len(report.lookups)} look-ups would not hit")
+        what = f"{bad} of {len(report.lookups)} look-ups would not hit"
+        if any(c.kind == "unplanned" for c in report.causes):
+            what += (", and the server makes look-ups outside the plan that would miss" if bad else
+                     f": the {len(report.lookups)} planned look-ups hit, but the server makes others that would miss")
+        raise FindingsError(what if json_out else f"{what}; see the causes above")

@@ -67,7 +67,7 @@ def identity(
     request, launched, environ = apply_options(ctx, out, request, launch, pid, env_file, {
         "model": "model", "revision": "revision", "server_path": "server_path", "encoder_root": "encoder_root",
         "encoder_revision": "encoder_revision", "encoder_source": "encoder_source",
-        "quantization_config": "quantization_config"}, need_cache=False)
+        "quantization_config": "quantization_config"}, need_cache=False, no_lookup="warn")
     model = request.model
     overlay = resolve_overlay(request.quantization_config)
     ids = server_identities(model, revision=request.revision, server_path=request.server_path,

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand
 
+from exl3tool.errors import ConfigError
 from exl3tool.output import Output
 
 __all__ = ["LaunchOpt", "PidOpt", "EnvFileOpt", "LaunchCommand", "launch_input", "given_fields", "apply_options",
@@ -56,6 +57,9 @@ def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], 
     from exl3tool.launch import LaunchInput
 
     argv = ctx.meta.get(_ARGV_KEY)
+    if launch is not None and not launch.strip():  # `--launch "$(cat missing.txt)"` in CI: never planned as "no launch"
+        raise typer.BadParameter("the launch is empty; give the server's command line (vllm serve MODEL ...), or leave "
+                                 "--launch out", param_hint="'--launch'")
     if argv is not None and not argv:
         raise typer.BadParameter("nothing after `--`: give the server's command line there (vllm serve MODEL ...)")
     return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_files))
@@ -81,11 +85,13 @@ def launch_json(settings) -> dict:
 
 def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str], pid: Optional[int],
                   env_files: list[str], params: dict[str, str], *, add_tp_sizes: bool = False,
-                  need_cache: bool = True):
+                  need_cache: bool = True, no_lookup: str = "refuse"):
     """Fill ``request`` from the launch (the given options win) and say on stderr where each setting came from.
 
     Returns ``(request, settings or None, the server's environment or None)``; a command without MODEL and without
-    a launch is a usage error.
+    a launch is a usage error. A launch whose server makes no look-up (``settings.lookup_off``) is, by
+    ``no_lookup``: ``"refuse"`` a usage error (nothing to encode or verify for it: exit 2), ``"report"`` left to
+    the command (``cache check`` reports it as a finding), ``"warn"`` said on stderr (``identity``).
     """
     from exl3tool.launch import apply_launch
 
@@ -109,6 +115,15 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
         ignored = list(settings.launch.ignored) + list(settings.launch.args.ignored)
         if ignored:
             out.note("ignored (no effect on a look-up): " + "; ".join(ignored))
-        if settings.launch.args.unknown:
-            out.note("unknown to the server's parser (ignored): " + "; ".join(settings.launch.args.unknown))
+        if settings.lookup_off:
+            why = "; ".join(settings.lookup_off)
+            if no_lookup == "refuse":
+                raise ConfigError(f"this launch makes no cache look-up, so nothing would read what this command "
+                                  f"writes or checks: {why}")
+            if no_lookup == "warn":
+                for line in settings.lookup_off:
+                    out.warn(f"no look-up: {line}")
+                if not request.encoder_root:
+                    raise ConfigError(f"this launch makes no cache look-up ({why}) and names no encoder, so there "
+                                      "is no encoder identity to show; pass --encoder-root")
     return request, settings, environ

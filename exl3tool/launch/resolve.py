@@ -19,7 +19,8 @@ from exl3tool.launch.container import PathMap
 from exl3tool.launch.env import EnvLayers, EnvValue
 from exl3tool.launch.parse import ServerArgs
 
-__all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_launch", "SEQUENCE_PARALLEL_ALL2ALL"]
+__all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_launch", "SEQUENCE_PARALLEL_ALL2ALL",
+           "unknown_flag_message"]
 
 # the fork's ParallelConfig.use_sequence_parallel_moe: these all2all backends with EP, TP > 1 and DP > 1
 SEQUENCE_PARALLEL_ALL2ALL = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "mori",
@@ -98,11 +99,19 @@ class LaunchSettings:
     defaulted: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    lookup_off: tuple[str, ...] = ()  # why the launched server makes no look-up at all ("" reasons: it makes some)
+
+    @property
+    def server_lookup(self) -> bool:
+        """Whether the launched server looks anything up in the cache (False: it encodes nothing online, or never
+        reads the cache)."""
+        return not self.lookup_off
 
     def as_json(self) -> dict:
         """The ``launch`` block of ``--json``: form, settings with sources, defaulted, ignored and unknown flags."""
         return {
             "form": self.launch.form, "entry": self.launch.entry, "pid": self.launch.pid,
+            "server_lookup": self.server_lookup, "lookup_off": list(self.lookup_off),
             "settings": {k: v.as_json() for k, v in self.settings.items()},
             "defaulted": list(self.defaulted), "warnings": list(self.warnings), "notes": list(self.notes),
             "ignored": list(self.launch.ignored) + list(self.launch.args.ignored),
@@ -116,6 +125,35 @@ class LaunchSettings:
             value = "(none)" if s.value is None else s.value
             out.append(f"{name} = {value} ({s.source}{': ' + s.detail if s.detail else ''})")
         return out
+
+
+def unknown_flag_message(unknown: tuple[str, ...]) -> str:
+    """One line for flags the server's parser does not know (it refuses the whole line), with the closest names."""
+    import difflib
+
+    from exl3tool.launch.flags import VLLM_FLAGS, VLLM_SHORT
+
+    word = unknown[0].split(" ", 1)[0]
+    flag = word.partition("=")[0]
+    if flag.startswith("--"):
+        name = flag[2:].partition(".")[0]
+        close = [f"--{m}" for m in difflib.get_close_matches(name, sorted(VLLM_FLAGS), n=2, cutoff=0.75)]
+    else:
+        close = difflib.get_close_matches(flag, sorted(VLLM_SHORT), n=2, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else "; check the spelling against `vllm serve --help`"
+    more = f" (and {len(unknown) - 1} more: {', '.join(u.split(' ', 1)[0] for u in unknown[1:4])})" \
+        if len(unknown) > 1 else ""
+    return (f"the launch's {flag} is not a flag of the server: vLLM refuses the line (unrecognized arguments), so "
+            f"this server never starts{more}{hint}")
+
+
+def _where_env(launch: ServerLaunch) -> str:
+    """Where the server's environment was looked for, for a message."""
+    if launch.form == "pid":
+        return f"/proc/{launch.pid}/environ"
+    if launch.form in ("docker", "podman"):
+        return "the launch's -e/--env/--env-file and --env-file files; the image's own ENV was not read"
+    return "the launch's assignments and exports, --env-file files and this environment"
 
 
 def _looks_like_path(text: str) -> bool:
@@ -402,7 +440,10 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     if args.refused:
         flag, why = args.refused[0]
         raise ConfigError(f"the launch's {flag} is not supported by exl3tool: {why}")
+    if args.unknown:
+        raise ConfigError(unknown_flag_message(args.unknown))
     b = _Builder(launch, layers)
+    off: list[str] = []  # why the server makes no look-up (each alone is enough)
     quant = _arg(args, "quantization")
     if quant is not None:
         b.arg("quantization", quant[0], quant[1])
@@ -454,9 +495,9 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         qc = b.arg("quantization_config", qc_arg[0], qc_arg[1])
     else:
         qc = b.put("quantization_config", None, "default", "not given")
-        b.warnings.append("the launch gives no --quantization-config: without an overlay the server encodes nothing "
-                          "online and looks nothing up; exl3tool plans with its default overlay "
-                          "{\"linear\": {\"weight\": \"mxfp8\"}}")
+        off.append("the launch gives no --quantization-config: without an online overlay the server encodes no "
+                   "layer online (the fork's Exl3Config takes the online path only with a QuantizationConfigArgs "
+                   "overlay)")
     spec = _json_arg(args, "speculative_config")
     if spec is not None:
         b.arg("speculative_config", spec, args.values["speculative_config"][1])
@@ -512,7 +553,16 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
             bits = b.put("bits", 6, "default", "VLLM_EXL3_ONLINE_TRELLIS_BITS not given")
             b.defaulted.append("VLLM_EXL3_ONLINE_TRELLIS_BITS was not given: without it the server runs no online "
                                "Trellis and looks nothing up; exl3tool plans 6 bits; " + _HOW_TO_PASS)
-    enc_root, enc_rev, enc_src = _encoder(b, launch, explicit)
+            off.append(f"VLLM_EXL3_ONLINE_TRELLIS_BITS is not set in the server's environment ({_where_env(launch)}): "
+                       "online Trellis is off and every eligible layer runs plain MXFP8; " + _HOW_TO_PASS)
+    try:
+        enc_root, enc_rev, enc_src = _encoder(b, launch, explicit)
+    except ConfigError as exc:
+        if not off:
+            raise
+        # the server needs no encoder when it encodes nothing online: say so instead of refusing the launch
+        b.warnings.append(f"also: {exc}")
+        enc_root, enc_rev, enc_src = "", None, None
     cache_dir = _cache_dir(b, launch, explicit, need_cache)
     mode_item = b.env("VLLM_EXL3_ONLINE_CACHE_MODE")
     if mode_item is not None:
@@ -520,12 +570,13 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         b.put_env("cache_mode", "VLLM_EXL3_ONLINE_CACHE_MODE", mode_item)
         b.settings["cache_mode"] = Setting(mode, b.settings["cache_mode"].source, b.settings["cache_mode"].detail)
         if mode == "off":
-            b.warnings.append("the server runs with VLLM_EXL3_ONLINE_CACHE_MODE=off: it encodes every layer at "
-                              "start-up and never reads the cache")
+            off.append(f"VLLM_EXL3_ONLINE_CACHE_MODE=off ({mode_item.detail or mode_item.source}): the server "
+                       "encodes every layer at start-up and never reads the cache")
     else:
         b.put("cache_mode", "readwrite", "default", "VLLM_EXL3_ONLINE_CACHE_MODE not given")
     if explicit.tp_sizes:
         b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-sizes / --tp-size")
     return LaunchSettings(
         launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,
-        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings), tuple(launch.notes) + tuple(b.notes))
+        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings), tuple(launch.notes) + tuple(b.notes),
+        tuple(off))

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.records import ORIGINS, StoredRecord, entry_origin, overlay_digest, printable, read_records
+from exl3tool.output import plural
 from exl3tool.warm.plan import WarmJob, WarmPlan
 from exl3tool.warm.request import WarmRequest, prepare
 
@@ -55,7 +56,7 @@ class Finding:
 class Cause:
     """Look-ups that miss (or are invalid, or hit server-written entries) for one reason."""
 
-    kind: str  # miss | invalid | server_written
+    kind: str  # miss | invalid | server_written | unplanned (look-ups the server makes that no plan holds)
     fields: tuple[str, ...]
     lookups: tuple[WarmJob, ...]
     findings: tuple[Finding, ...]
@@ -92,7 +93,10 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return self.plan.count("miss") == 0 and self.plan.count("invalid") == 0
+        """Every look-up the server makes hits: no miss, no invalid entry, and no look-up predicted outside the plan
+        (a layer the server encodes that exl3tool cannot plan is a miss, counted or not)."""
+        return (self.plan.count("miss") == 0 and self.plan.count("invalid") == 0
+                and not any(c.kind == "unplanned" for c in self.causes))
 
 
 # --- payload comparisons ------------------------------------------------------------------------------------------
@@ -407,10 +411,30 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
             "invalid", f"an entry the server would not load: {_s(reason)}",
             "the server deletes and re-encodes it at start-up (readwrite) or encodes without the cache: remove it "
             "with `exl3tool cache prune --invalid`, then warm again"),)))
+    causes += _unplanned_causes(plan)
     notes += _dtype_notes(lookups, records, plan, dtype)
     notes += _unplanned_notes(plan, cache, records)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4))
+
+
+def _unplanned_causes(plan: WarmPlan) -> list[Cause]:
+    """Look-ups the server makes that the plan cannot hold, each a predicted miss: modules it encodes online that
+    exl3tool does not model (a vision tower the overlay does not ignore), and a plan the server never looks up
+    (generic ``--layers`` mode)."""
+    lp = plan.layer_plan
+    if lp is None:
+        return []
+    out = [Cause("unplanned", ("not_modelled",), (), (Finding(
+        "not_modelled", f"{e.prefix}: {e.detail}",
+        "ignore these modules in the server's --quantization-config, or accept that the server encodes them at "
+        "start-up (these look-ups miss)"),)) for e in lp.excluded if e.reason == "not_modelled"]
+    if not lp.server_lookup:
+        why = "; ".join(lp.notes) or "the checkpoint is not one the fork serves online"
+        out.append(Cause("unplanned", ("server_lookup",), (), (Finding(
+            "server_lookup", f"the server looks none of these layers up: {why}",
+            "check a checkpoint and launch the fork encodes online (an EXL3 checkpoint of a served family)"),)))
+    return out
 
 
 def _has_checksum(path: Path) -> bool:
@@ -446,6 +470,19 @@ def _miss_causes(misses: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
         groups[group].append((j, near))
     digest = overlay_digest(plan.layer_plan.overlay.as_json()) if plan.layer_plan and plan.layer_plan.overlay else None
     causes = []
+    layers = groups.pop(("layers",), [])
+    aligned_here_only, rest = _unaligned_when_warmed([j for j, _ in layers], plan, cache)
+    for sizes, jobs in aligned_here_only.items():
+        tps = ",".join(map(str, sorted({j.tp_size for j in jobs})))
+        warmed = ",".join(map(str, sizes))
+        prefixes = sorted({j.prefix for j in jobs})
+        causes.append(Cause("miss", ("tp_layout",), tuple(jobs), (Finding(
+            "tp_layout", f"{plural(len(prefixes), 'layer')} (e.g. {_more(prefixes)}) are 128-aligned at TP {tps} "
+                         f"but not at TP {warmed}, the TP size(s) warmed, where the server keeps them MXFP8: the "
+                         "warm had nothing to encode for them",
+            f"warm with --tp-sizes {tps} (add it to the warm's list)"),)))
+    if rest:
+        groups[("layers",)] = [(j, None) for j in rest]
     for group, items in groups.items():
         jobs = [j for j, _ in items]
         first, near = items[0]
@@ -465,6 +502,39 @@ def _miss_causes(misses: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
             findings.append(Finding("path", "an entry with this very key exists elsewhere", "check the cache root"))
         causes.append(Cause("miss", fields, tuple(jobs), tuple(findings), near))
     return causes
+
+
+def _warmed_tp_sizes(plan: WarmPlan, cache: _Cache) -> tuple[int, ...]:
+    """The TP sizes this model was warmed at, by the entries present and the records of its identity."""
+    sizes = {p.key.tp_world_size for p in cache.present if p.key.model_identity == plan.model_identity}
+    for sr in cache.by_model.values():
+        if sr.record is not None and sr.record.model_identity == plan.model_identity:
+            sizes.update(sr.record.settings.tp_sizes)
+    return tuple(sorted(sizes))
+
+
+def _unaligned_when_warmed(jobs: list[WarmJob], plan: WarmPlan,
+                           cache: _Cache) -> tuple[dict[tuple[int, ...], list[WarmJob]], list[WarmJob]]:
+    """Split look-ups of layers no entry holds: those the warm's TP sizes left unencoded because the layer is not
+    128-aligned there (the fix is the TP size, not the overlay), keyed by those sizes, and the rest."""
+    lp = plan.layer_plan
+    warmed = tuple(t for t in _warmed_tp_sizes(plan, cache) if t not in plan.tp_sizes)
+    if lp is None or not warmed or not jobs:
+        return {}, jobs
+    unaligned: dict[int, set[str]] = {}
+    for t in warmed:
+        try:
+            unaligned[t] = {prefix for prefix, _, _ in lp.skipped(t)}
+        except Exception:  # a TP size this plan cannot shard (heads not divisible): it tells nothing here
+            unaligned[t] = set()
+    by_sizes: dict[tuple[int, ...], list[WarmJob]] = defaultdict(list)
+    rest = []
+    for j in jobs:
+        if all(j.prefix in unaligned[t] for t in warmed):
+            by_sizes[warmed].append(j)
+        else:
+            rest.append(j)
+    return dict(by_sizes), rest
 
 
 def _server_causes(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[Cause]:

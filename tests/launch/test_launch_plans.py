@@ -124,7 +124,7 @@ def test_every_family_plans_from_its_launch(tmp_path, cli):
             continue
         model = str(_write(arch, tmp_path / arch))
         overlay = QWEN38_OVERLAY if arch.startswith("Qwen3_5") else BOTH
-        code, doc, err = _plan(cli, "--launch", f"VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r "
+        code, doc, err = _plan(cli, "--launch", f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r "
                                f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c vllm serve {model} -tp 2 "
                                f"--quantization-config {shlex.quote(overlay)}")
         if code == 0 and doc["jobs"]:
@@ -134,7 +134,7 @@ def test_every_family_plans_from_its_launch(tmp_path, cli):
 
 def test_warm_uses_the_launch_tp_and_adds_tp_sizes(tmp_path, cli):
     model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
-    launch = (f"VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c "
+    launch = (f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c "
               f"vllm serve {model} -tp 2 --quantization-config '{BOTH}'")
     code, doc, _ = _plan(cli, "--launch", launch)
     assert code == 0 and doc["tp_sizes"] == [2]
@@ -152,7 +152,7 @@ def test_json_and_stderr_say_where_settings_came_from(tmp_path, cli):
     envfile = tmp_path / "server.env"
     envfile.write_text("VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3\nVLLM_EXL3_ENCODER_REVISION=v1\n")
     code, out, err = cli("cache", "warm", "--dry-run", "--json", "--env-file", envfile, "--bits", "4", "--launch",
-                         f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c vllm serve {model} -tp 2 --port 80 --bogus "
+                         f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c vllm serve {model} -tp 2 --port 80 "
                          f"--quantization-config '{BOTH}'")
     assert code == 0, err
     doc = json.loads(out)
@@ -160,19 +160,21 @@ def test_json_and_stderr_say_where_settings_came_from(tmp_path, cli):
     assert s["bits"] == {"value": 4, "source": "flag", "detail": "--bits"} and doc["bits"] == 4
     assert s["encoder_root"]["source"] == "env file" and str(envfile) in s["encoder_root"]["detail"]
     assert s["tp_size"]["source"] == "launch argument" and s["cache_dir"]["source"] == "launch env"
-    assert doc["launch"]["ignored"] == ["--port 80"] and doc["launch"]["unknown"] == ["--bogus"]
-    assert "tp_size = 2 (launch argument: -tp)" in err and "unknown to the server's parser" in err
+    assert doc["launch"]["ignored"] == ["--port 80"] and doc["launch"]["unknown"] == []
+    assert doc["launch"]["server_lookup"] is True and doc["launch"]["lookup_off"] == []
+    assert "tp_size = 2 (launch argument: -tp)" in err
     # identity takes the same options and says the same
     code, out, err = cli("identity", "--json", "--env-file", envfile, "--launch", f"vllm serve {model}")
     doc = json.loads(out)
     assert code == 0 and doc["settings"]["encoder_revision"]["value"] == "v1"
     assert doc["encoder"]["root"] == "/opt/exllamav3"
     assert "VLLM_EXL3_ONLINE_TRELLIS_BITS was not given" in err
+    assert doc["launch"]["server_lookup"] is False and "no look-up: VLLM_EXL3_ONLINE_TRELLIS_BITS is not set" in err
 
 
 def test_language_model_only_drops_the_vision_tower(tmp_path, cli):
     model = str(write_qwen35(tmp_path / "Q"))
-    base = (f"VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c "
+    base = (f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c "
             f"vllm serve {model} -tp 2 --quantization-config '{BOTH}'")
     code, doc, _ = _plan(cli, "--launch", base)
     assert code == 0 and any(e["prefix"] == "visual.*" for e in doc["not_planned"])
@@ -209,7 +211,7 @@ def test_model_or_launch_required(cli):
 
 def test_verify_reads_the_launch(tmp_path, cli):
     model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
-    launch = (f"VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c "
+    launch = (f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c "
               f"vllm serve {model} -tp 2 --quantization-config '{BOTH}'")
     code, _, err = cli("verify", "--launch", launch, "--device", "cpu")
     assert code == 2 and f"{tmp_path}/c does not exist" in err  # the launch's cache root, not the default one

@@ -62,9 +62,16 @@ def test_defaulted_settings_say_so_and_how_to_pass_them(model):
     assert "VLLM_EXL3_ONLINE_TRELLIS_BITS was not given" in text and "--env-file" in text and "--pid" in text
     assert "VLLM_EXL3_ENCODER_REVISION was not given" in text
     assert s.cache_dir == "/home/u/.cache/vllm/exl3_online"
-    assert any("no --quantization-config" in w for w in s.warnings)
+    # that launch makes no look-up at all, for two reasons, each enough alone
+    assert not s.server_lookup and len(s.lookup_off) == 2
+    assert "VLLM_EXL3_ONLINE_TRELLIS_BITS is not set" in s.lookup_off[1] and "no --quantization-config" in s.lookup_off[0]
+    # a launch that encodes online needs the encoder: refused without it
     with pytest.raises(ConfigError, match="VLLM_EXL3_ENCODER_SOURCE was not given.*--env-file"):
-        resolved(f"vllm serve {model}", environ={"HOME": "/h"})
+        resolved(f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 vllm serve {model} --quantization-config '{QC}'",
+                 environ={"HOME": "/h"})
+    # one that does not only says so (the encoder error is a warning beside the reasons)
+    s = resolved(f"vllm serve {model} --quantization-config '{QC}'", environ={"HOME": "/h"})
+    assert s.lookup_off and s.encoder_root == "" and any("VLLM_EXL3_ENCODER_SOURCE" in w for w in s.warnings)
 
 
 def test_cache_root_rules_of_the_server(model):
@@ -73,8 +80,9 @@ def test_cache_root_rules_of_the_server(model):
     assert resolved(f"vllm serve {model}", environ={**base, "VLLM_CACHE_ROOT": "/v",
                                                      "XDG_CACHE_HOME": "/x"}).cache_dir == "/v/exl3_online"
     assert resolved(f"VLLM_EXL3_ONLINE_CACHE_DIR='~/c' vllm serve {model}", environ=base).cache_dir == "/h/c"
-    s = resolved(f"VLLM_EXL3_ONLINE_CACHE_MODE=off vllm serve {model}", environ=base)
-    assert any("CACHE_MODE=off" in w for w in s.warnings)
+    s = resolved(f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ONLINE_CACHE_MODE=off vllm serve {model} "
+                 f"--quantization-config '{QC}'", environ=base)
+    assert len(s.lookup_off) == 1 and "CACHE_MODE=off" in s.lookup_off[0] and "never reads the cache" in s.lookup_off[0]
 
 
 def test_container_environment_and_paths(model, tmp_path):
@@ -108,7 +116,8 @@ def test_files_mode_encoder_through_a_volume(model, tmp_path):
     (enc / "modules").mkdir(parents=True)
     (enc / "modules" / "a.py").write_text("x = 1\n")
     text = (f"docker run -v {model}:/models/M -v {enc}:/opt/exllamav3 -v {tmp_path}/c:/c "
-            "-e VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3 -e VLLM_EXL3_ONLINE_CACHE_DIR=/c IMAGE serve /models/M")
+            "-e VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3 -e VLLM_EXL3_ONLINE_CACHE_DIR=/c "
+            f"-e VLLM_EXL3_ONLINE_TRELLIS_BITS=6 IMAGE serve /models/M --quantization-config '{QC}'")
     s = resolved(text)
     assert (s.encoder_root, s.encoder_revision, s.encoder_source) == ("/opt/exllamav3", None, str(enc))
     with pytest.raises(ConfigError, match="inside the image.*--encoder-source"):
@@ -165,23 +174,45 @@ def test_apply_launch_tp_sizes_and_flags(model):
 
 
 def test_settings_json_block(model):
-    s = resolved(f"vllm serve {model} --port 1 --weird", environ={"VLLM_EXL3_ENCODER_SOURCE": "/e", "HOME": "/h"})
+    s = resolved(f"vllm serve {model} --port 1", environ={"VLLM_EXL3_ENCODER_SOURCE": "/e", "HOME": "/h"})
     data = json.loads(json.dumps(s.as_json()))
     assert data["form"] == "command" and data["settings"]["encoder_root"] == {
         "value": "/e", "source": "process env", "detail": "VLLM_EXL3_ENCODER_SOURCE"}
-    assert data["ignored"] == ["--port 1"] and data["unknown"] == ["--weird"]
+    assert data["ignored"] == ["--port 1"] and data["unknown"] == []
+    assert data["server_lookup"] is False and len(data["lookup_off"]) == 2
+
+
+@pytest.mark.parametrize("flags, match", [
+    ("--tensor-paralel-size 2", "--tensor-paralel-size is not a flag of the server.*did you mean "
+                                "--tensor-parallel-size"),
+    ("--quantisation-config '{}'", "did you mean --quantization-config"),
+    ("--weird", "--weird is not a flag.*vllm serve --help"),
+    ("-tpp 2", "-tpp is not a flag.*did you mean -tp"),
+    ("--port 1 --max-modle-len 4096 --bogus", "--max-modle-len .*and 1 more: --bogus.*did you mean --max-model-len"),
+])
+def test_unknown_server_flags_are_refused_with_the_close_match(model, flags, match):
+    """vLLM refuses a line with a flag its parser does not know: planning it at the defaults (TP 1) would advise a
+    warm for a server that never starts."""
+    env = {"VLLM_EXL3_ENCODER_SOURCE": "/e", "VLLM_EXL3_ENCODER_REVISION": "r", "HOME": "/h"}
+    with pytest.raises(ConfigError, match=match):
+        resolved(f"vllm serve {model} {flags}", environ=env)
 
 
 def test_wrappers_that_clear_the_environment(model, tmp_path):
     env = {"VLLM_EXL3_ENCODER_SOURCE": "/e", "VLLM_EXL3_ENCODER_REVISION": "r", "HOME": "/h"}
+    env["VLLM_EXL3_ONLINE_TRELLIS_BITS"] = "6"
     with pytest.raises(ConfigError, match="VLLM_EXL3_ENCODER_SOURCE was not given"):
-        resolved(f"env -i HOME=/h vllm serve {model}", environ=env)
+        resolved(f"env -i HOME=/h VLLM_EXL3_ONLINE_TRELLIS_BITS=6 vllm serve {model} --quantization-config '{QC}'",
+                 environ=env)
+    # env -i also drops the bits: that server makes no look-up
+    assert resolved(f"env -i HOME=/h vllm serve {model} --quantization-config '{QC}'", environ=env).lookup_off
     s = resolved(f"env -i HOME=/h VLLM_EXL3_ENCODER_SOURCE=/x vllm serve {model}", environ=env)
     assert s.encoder_root == "/x" and s.settings["encoder_revision"].source == "default"
     assert any("env -i" in n for n in s.notes)
     assert resolved(f"sudo -E vllm serve {model}", environ=env).encoder_root == "/e"
     with pytest.raises(ConfigError, match="VLLM_EXL3_ENCODER_SOURCE was not given"):
-        resolved(f"sudo -u svc vllm serve {model}", environ=env)
+        resolved(f"sudo -u svc env VLLM_EXL3_ONLINE_TRELLIS_BITS=6 vllm serve {model} --quantization-config '{QC}'",
+                 environ=env)
 
 
 def test_relative_model_under_the_container_workdir(model, tmp_path):
