@@ -8,7 +8,7 @@ always give the same bytes, whatever their files' times and owners.
 Importing treats a bundle as untrusted, because the cache holds what the server runs as weights: members are
 matched by name against the manifest and never extracted by their own path; links, devices, extended headers,
 unknown, duplicate or oversize members are refused; each entry must match the manifest's size and SHA-256 and pass
-the server's checks (``validate_entry``) in its temp file before ``CacheStore.import_entry`` renames it into place.
+the one entry rule (``judge_entry``: the server's checks and exl3tool's checksums) in its temp file before ``CacheStore.import_entry`` renames it into place.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from exl3tool import __version__
-from exl3tool.cache.entry import EntryContents, validate_entry
+from exl3tool.cache.entry import EntryContents, judge_entry
 from exl3tool.cache.key import HEX64, CacheKey
 from exl3tool.cache.paths import entry_path
 from exl3tool.cache.records import (
@@ -626,9 +626,14 @@ def _import_one(member: _Member, entry: BundleEntry, key: CacheKey, store: Cache
         if sha.hexdigest() != entry.sha256:
             raise _Refused("its bytes differ from the manifest's sha256")
         try:
-            contents = validate_entry(temp, key)
+            verdict = judge_entry(temp, key)  # the rule every command applies
         except Exception as exc:
-            raise _Refused(f"the server would not load it: {describe(exc)}") from None
+            raise _Refused(f"it cannot be checked: {describe(exc)}") from None
+        if verdict.status == "invalid":
+            what = "exl3tool's checksums fail" if verdict.loadable else "the server would not load it"
+            raise _Refused(f"{what}: {verdict.reason}")
+        contents = verdict.contents
+        assert contents is not None
         if extra is not None:
             try:
                 extra(key, contents)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from exl3tool.cache.entry import checksum_problem, describe_unreadable, parse_proxy_error, tensor_sha256, validate_entry
+from exl3tool.cache.entry import describe_unreadable, judge_entry, parse_proxy_error
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import lock_path_unusable
 from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE, lock_path
@@ -58,6 +58,8 @@ class EntryInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     orphan: bool = False
     loadable: bool | None = None
+    covers: str | None = None  # entries, deep scan: what exl3tool's checksums cover (``checksum_covers``)
+    held: bool | None = None  # temps and locks: whether a live process holds the entry lock
 
     @property
     def valid(self) -> bool:
@@ -125,26 +127,19 @@ def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | No
         out["status"] = "unchecked"
         out["reason"] = ""
         return out
-    try:
-        contents = validate_entry(path, key, verify_checksum=False)  # exactly the server's checks
-    except Exception as exc:
-        out["reason"] = f"{exc}"
-        return out
-    out["loadable"] = True
+    verdict = judge_entry(path, None if model_dir is not None else key)  # the one rule every command applies
+    out.update(loadable=verdict.loadable, sha256_ok=verdict.sha256_ok, covers=verdict.covers)
     link = "; a symlink, the server follows it" if out["is_symlink"] else ""
-    want = metadata.get("exl3tool_sha256")
-    if want is None:
+    if verdict.status == "unchecked":
         out["status"] = "unchecked"
-        out["reason"] = ("the server would load it, but it has no exl3tool_sha256 (written by the server?), so its "
-                         "weights are unchecked: exl3tool verify MODEL --exact checks them" + link)
-        return out
-    problem = checksum_problem(metadata, tensor_sha256(contents.tensors))
-    out["sha256_ok"] = problem is None
-    if problem:
-        out["reason"] = f"{problem}: the server would load it, but these are not the bytes exl3tool published for this key"
-        return out
-    out["status"] = "valid"
-    out["reason"] = link.removeprefix("; ")
+        out["reason"] = f"{verdict.reason}: exl3tool verify MODEL --exact checks them{link}"
+    elif verdict.status == "invalid":
+        out["reason"] = verdict.reason
+        if verdict.loadable:
+            out["reason"] += ": the server would load it, but it is not what exl3tool published for this key"
+    else:
+        out["status"] = "valid"
+        out["reason"] = link.removeprefix("; ")
     return out
 
 

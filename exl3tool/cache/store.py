@@ -22,7 +22,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from exl3tool.cache.entry import (
-    Exl3OnlineNonFiniteError, atomic_write, check_fresh_encode, validate_entry, write_entry,
+    Exl3OnlineNonFiniteError, InvalidEntryError, atomic_write, check_fresh_encode, judge_entry, write_entry,
 )
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import acquire_with_notice, lock_path_unusable
@@ -209,10 +209,13 @@ class CacheStore:
         return entry_path(key, self.root)
 
     def _load(self, path: Path, key: CacheKey, quick: bool = False, checksum: bool = True) -> Lookup:
-        verify = self.verify_checksum and checksum
-        contents = validate_entry(path, key, verify_checksum=verify, load_trellis=not quick)
-        checked = verify and "exl3tool_sha256" in contents.metadata
-        reason = "valid entry" if checked or not verify else UNCHECKED_HIT
+        verdict = judge_entry(path, key, load_trellis=not quick, hash_tensors=self.verify_checksum and checksum)
+        if verdict.status == "invalid":
+            raise (Exl3OnlineNonFiniteError if verdict.nonfinite else InvalidEntryError)(verdict.reason)
+        contents = verdict.contents
+        assert contents is not None
+        checked = verdict.status == "valid"
+        reason = "valid entry" if checked else UNCHECKED_HIT
         return Lookup("hit", reason, path, contents.tensors, contents.proxy_error, checked, contents.metadata)
 
     def lookup(self, key: CacheKey, *, quick: bool = False, checksum: bool = True) -> Lookup:
