@@ -14,6 +14,7 @@ the one entry rule (``judge_entry``: the server's checks and exl3tool's checksum
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -467,7 +468,12 @@ def _import_record(member: _Member, size_sha: tuple[int, str], wanted: dict[str,
                       encoder_payload=record.encoder_payload, settings=record.settings, entries=list(record.entries))
     record = replace(record, imported={"time": here.time, "host": here.host, "tool_version": here.tool_version,
                                        "bundle": printable(source)[:4096] or "-"})
-    _, written = write_record(store.root, record, file_mode=store.file_mode)
+    try:
+        _, written = write_record(store.root, record, file_mode=store.file_mode)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        return ImportItem(member.name, "refused", f"the cache cannot take it: {exc.strerror}", kind="record")
     return ImportItem(member.name, "imported" if written else "present",
                       "" if written else "the same record is already there (kept)", member.size, kind="record")
 
