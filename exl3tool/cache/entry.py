@@ -298,8 +298,8 @@ class Verdict:
     ``status``: ``valid`` (the server loads it and exl3tool's checksums hold), ``unchecked`` (the server loads it;
     it carries no exl3tool field at all, e.g. server-written: only an exact re-encode can check its weights) or
     ``invalid`` (the server would not load it, or exl3tool's checksums fail: a warm re-encodes it). ``loadable``:
-    whether the server would load it. ``sha256_ok``: whether its tensor bytes match ``exl3tool_sha256`` (None
-    when not compared). ``covers``: ``checksum_covers``. ``contents`` (loadable entries): tensors (suh and svh only
+    whether the server would load it. ``sha256_ok``: whether its tensor bytes match ``exl3tool_sha256`` and the key
+    binding ``exl3tool_key_sha256`` (when present) holds (None when not compared). ``covers``: ``checksum_covers``. ``contents`` (loadable entries): tensors (suh and svh only
     without the trellis), parsed proxy error and metadata.
     """
 
@@ -407,7 +407,9 @@ def judge_entry(
     if hash_tensors and "exl3tool_sha256" in metadata:
         digest = tensor_sha256(contents.tensors) if load_trellis else file_tensor_sha256(path)
     problem = checksum_problem(metadata, digest)
-    sha_ok = None if not digest else digest == metadata["exl3tool_sha256"]
+    bound = metadata.get("exl3tool_key_sha256")
+    sha_ok = None if not digest else (digest == metadata["exl3tool_sha256"] and (
+        bound is None or bound == key_sha256(metadata.get("cache_key", ""), metadata["exl3tool_sha256"])))
     if problem:
         return Verdict("invalid", problem, True, key, sha_ok, covers, contents, metadata)
     return Verdict("valid", "", True, key, sha_ok, covers, contents, metadata)

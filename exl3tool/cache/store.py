@@ -231,7 +231,7 @@ class CacheStore:
         ``quick`` does not load the trellis into memory (a hit then carries suh and svh only) but, with
         ``checksum`` (and the store's ``verify_checksum``), still hashes its bytes from the file against
         ``exl3tool_sha256``: what a warm's plan uses, so that no hit with changed bytes is kept.
-        ``checksum=False`` is the server's own check (no trellis bytes read at all).
+        ``checksum=False`` reads no trellis bytes: ``judge_entry`` without the tensor hash (every other rule holds).
         """
         if self.mode == "off":
             return Lookup("miss", "cache mode is off", None)
