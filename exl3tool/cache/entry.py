@@ -39,6 +39,7 @@ __all__ = [
     "file_tensor_sha256",
     "key_sha256",
     "checksum_problem",
+    "checksum_covers",
     "describe_unreadable",
     "read_entry",
     "validate_entry",
