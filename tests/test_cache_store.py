@@ -151,7 +151,7 @@ def test_off_never_touches_the_cache(tmp_path, monkeypatch):
     before = tree(tmp_path)
     import exl3tool.cache.store as store_mod
 
-    monkeypatch.setattr(store_mod, "validate_entry", lambda *a, **k: pytest.fail("off mode read an entry"))
+    monkeypatch.setattr(store_mod, "judge_entry", lambda *a, **k: pytest.fail("off mode read an entry"))
     count = Counter()
     res = CacheStore(tmp_path, "off").load_or_encode(key, count)
     assert not res.hit and res.path is None and count.calls == 1

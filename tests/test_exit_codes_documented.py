@@ -41,7 +41,9 @@ CLAIMS = [
     ("README.md", "Exit codes: export 1 when invalid entries were left out", "bundles"),
     ("docs/cache.md", "(`broken_locks`, exit 1)", "broken_lock"),
     ("docs/cache.md", "`cache ls`, `verify` and `prune` exit 2 when `--cache-dir`", "missing_cache_dir"),
-    ("docs/cache.md", "Exit 1 when `invalid` or `broken_locks` is not empty", "invalid_entry"),
+    ("docs/cache.md", "Exit 1 when `invalid`, `broken_locks` or `links` is not empty", "invalid_entry"),
+    ("docs/cache.md", "`cache import` refuses the entries (exit 1)", "symlinked_folder"),
+    ("docs/cache.md", "each symlinked folder (`links`, status `invalid`, exit 1)", "symlinked_folder"),
     ("docs/cache.md", "could not be removed (exit 2", "prune_unremovable"),
     ("docs/cache.md", "Exit codes: 0 ok, 1 findings (`verify` found an invalid entry", "cache_commands"),
     ("docs/deploy.md", "a plain BF16 model is refused (exit 2)", "plain_bf16"),
@@ -229,6 +231,18 @@ def scenario_broken_lock(m, tmp, monkeypatch):
     lock.unlink(missing_ok=True)
     lock.mkdir()
     assert run(["cache", "verify", "--cache-dir", tmp / "c"]) == 1
+
+
+def scenario_symlinked_folder(m, tmp, monkeypatch):
+    _cache(tmp / "src", 2)
+    assert run(["cache", "export", tmp / "b.tar", "--cache-dir", tmp / "src"]) == 0
+    (tmp / "outside").mkdir()
+    (tmp / "c" / "v1").mkdir(parents=True)
+    (tmp / "c" / "v1" / MODEL_ID[:20]).symlink_to(tmp / "outside", target_is_directory=True)
+    assert run(["cache", "import", tmp / "b.tar", "--cache-dir", tmp / "c"]) == 1
+    assert run(["cache", "verify", "--cache-dir", tmp / "c"]) == 1
+    assert run(["cache", "prune", "--invalid", "--yes", "--cache-dir", tmp / "c"]) == 0
+    assert run(["cache", "verify", "--cache-dir", tmp / "c"]) == 0 and not list((tmp / "outside").iterdir())
 
 
 def scenario_missing_cache_dir(m, tmp, monkeypatch):

@@ -96,13 +96,15 @@ def test_another_entrys_file_under_the_target_key_is_refused(warmed, tmp_path):
 
 
 def test_entries_without_the_key_binding_are_still_read(warmed, tmp_path):
-    """Entries written before the binding carry exl3tool_sha256 alone: accepted, their tensors still checked."""
+    """Entries written before the binding carry exl3tool_sha256 alone (and no metadata checksum): accepted, their
+    tensors still checked."""
     model, cache, (rank0, _) = warmed
     dst = tmp_path / "cache"
     shutil.copytree(cache, dst)
     path = dst / rank0.path.relative_to(cache)
     contents = read_entry(path)
-    old = {k: v for k, v in contents.metadata.items() if k not in ("exl3tool_key_sha256", "exl3tool_platform")}
+    old = {k: v for k, v in contents.metadata.items()
+           if k not in ("exl3tool_key_sha256", "exl3tool_platform", "exl3tool_meta_sha256")}
     save_file(contents.tensors, str(path), metadata=old)
     found = CacheStore(dst, "readonly").lookup(rank0.key)
     assert found.hit and found.checked

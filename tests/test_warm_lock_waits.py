@@ -283,6 +283,50 @@ def test_a_stopped_holder_is_given_up_on(model, tmp_path):
     assert {r.status for d, r in by.items() if d != held.digest} == {"encoded"}
 
 
+def test_a_stopped_holder_is_noticed_within_seconds_while_another_job_encodes(model, tmp_path, caplog):
+    """The warm is busy with one long encode (8 s) when the holder of another entry's lock is stopped: the give-up
+    (stopped for 1 s here; 60 s by default) is logged within 5 s of the stop, long before that encode ends, saying
+    how long the warm waited and that the entry was not encoded. The old loop looked only between jobs."""
+    if not Path("/proc/locks").exists():
+        pytest.skip("needs /proc/locks to name the holder")
+    checkpoint, plan, store = prepare(_request(model, tmp_path / "cache", layers=("*.o_proj",)))
+    held, slow = plan.todo[0], plan.todo[1]
+    held.path.parent.mkdir(parents=True, exist_ok=True)
+    proc = _holder(held.path, tmp_path / "never", publish=False)
+    times: dict[str, float] = {}
+
+    def encode(weight, bits, seed, device, progress=None):
+        if "slow_start" not in times:  # the first encode: ``slow``'s (the held job was deferred)
+            times["slow_start"] = time.time()
+            proc.send_signal(signal.SIGSTOP)  # stopped while this thread is inside a long encode
+            times["stopped"] = time.time()
+            time.sleep(8.0)
+            times["slow_end"] = time.time()
+        return fake_encode(weight, bits, seed, device)
+
+    caplog.set_level("WARNING")
+    try:
+        results = run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=encode,
+                           waits=LockWaits(poll_s=0.25, stuck_after_s=1.0))
+    finally:
+        _stop(proc)
+    by = {r.digest: r for r in results}
+    assert by[held.digest].status == "failed" and not held.path.exists()
+    error = by[held.digest].error
+    assert "not encoded: gave up after waiting" in error and "did not encode the entry" in error
+    assert f"pid {proc.pid}" in error and "stopped" in error and "\n" not in error
+    waited = float(error.split("gave up after waiting ")[1].split(" s")[0])
+    assert 1.0 <= waited <= 6.0, error
+    gave_up = [r for r in caplog.records if "not encoded: gave up" in r.getMessage()]
+    assert len(gave_up) == 1
+    assert gave_up[0].created - times["stopped"] <= 5.0, "not noticed within 5 s of the stop"
+    assert gave_up[0].created < times["slow_end"], "noticed only after the long encode (between jobs)"
+    stopped_notes = [r for r in caplog.records if "is stopped (SIGSTOP" in r.getMessage()]
+    assert stopped_notes and stopped_notes[0].created - times["stopped"] <= 2.0
+    assert by[slow.digest].status == "encoded"
+    assert {r.status for d, r in by.items() if d != held.digest} == {"encoded"}
+
+
 # --- two and eight warms on one cache ----------------------------------------------------------------------
 
 

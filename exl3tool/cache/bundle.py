@@ -8,12 +8,13 @@ always give the same bytes, whatever their files' times and owners.
 Importing treats a bundle as untrusted, because the cache holds what the server runs as weights: members are
 matched by name against the manifest and never extracted by their own path; links, devices, extended headers,
 unknown, duplicate or oversize members are refused; each entry must match the manifest's size and SHA-256 and pass
-the server's checks (``validate_entry``) in its temp file before ``CacheStore.import_entry`` renames it into place.
+the one entry rule (``judge_entry``: the server's checks and exl3tool's checksums) in its temp file before ``CacheStore.import_entry`` renames it into place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from exl3tool import __version__
-from exl3tool.cache.entry import EntryContents, validate_entry
+from exl3tool.cache.entry import EntryContents, judge_entry
 from exl3tool.cache.key import HEX64, CacheKey
 from exl3tool.cache.paths import entry_path
 from exl3tool.cache.records import (
@@ -467,7 +468,12 @@ def _import_record(member: _Member, size_sha: tuple[int, str], wanted: dict[str,
                       encoder_payload=record.encoder_payload, settings=record.settings, entries=list(record.entries))
     record = replace(record, imported={"time": here.time, "host": here.host, "tool_version": here.tool_version,
                                        "bundle": printable(source)[:4096] or "-"})
-    _, written = write_record(store.root, record, file_mode=store.file_mode)
+    try:
+        _, written = write_record(store.root, record, file_mode=store.file_mode)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        return ImportItem(member.name, "refused", f"the cache cannot take it: {exc.strerror}", kind="record")
     return ImportItem(member.name, "imported" if written else "present",
                       "" if written else "the same record is already there (kept)", member.size, kind="record")
 
@@ -626,9 +632,14 @@ def _import_one(member: _Member, entry: BundleEntry, key: CacheKey, store: Cache
         if sha.hexdigest() != entry.sha256:
             raise _Refused("its bytes differ from the manifest's sha256")
         try:
-            contents = validate_entry(temp, key)
+            verdict = judge_entry(temp, key)  # the rule every command applies
         except Exception as exc:
-            raise _Refused(f"the server would not load it: {describe(exc)}") from None
+            raise _Refused(f"it cannot be checked: {describe(exc)}") from None
+        if verdict.status == "invalid":
+            what = "exl3tool's checksums fail" if verdict.loadable else "the server would not load it"
+            raise _Refused(f"{what}: {verdict.reason}")
+        contents = verdict.contents
+        assert contents is not None
         if extra is not None:
             try:
                 extra(key, contents)

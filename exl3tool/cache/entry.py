@@ -1,8 +1,9 @@
 """Reading, validating and writing one entry file (spec §5, §4.3).
 
-``validate_entry`` applies exactly the server's checks (§5.3) plus, when the entry carries it, our
-own tensor checksum. Writing goes through a temporary file in the entry's directory, ``fsync`` and
-``os.replace``, so a reader sees either no file or a complete one, whatever happens to the writer.
+``judge_entry`` is the one rule every command applies to an entry (valid, unchecked or invalid, with the reason):
+the server's checks (§5.3), then exl3tool's checksums over what exl3tool wrote (tensors, key and metadata).
+``validate_entry`` is the same rule raising on the first failure. Writing goes through a temporary file in the
+entry's directory, ``fsync`` and ``os.replace``, so a reader sees either no file or a complete one, whatever happens to the writer.
 """
 
 from __future__ import annotations
@@ -38,10 +39,15 @@ __all__ = [
     "file_tensor_sha256",
     "key_sha256",
     "checksum_problem",
+    "checksum_covers",
     "describe_unreadable",
     "read_entry",
     "validate_entry",
     "check_fresh_encode",
+    "Verdict",
+    "judge_entry",
+    "metadata_sha256",
+    "META_SHA_FIELD",
     "parse_proxy_error",
     "write_entry",
     "atomic_write",
@@ -92,7 +98,7 @@ def entry_bytes(key: CacheKey, platform: str | None = None) -> int:
     layout = expected_layout(key)
     metadata = {
         "cache_key": key.canonical_json(), "proxy_error": _LONGEST_PROXY_ERROR, "exl3tool_version": __version__,
-        "exl3tool_sha256": "0" * 64, "exl3tool_key_sha256": "0" * 64}
+        "exl3tool_sha256": "0" * 64, "exl3tool_key_sha256": "0" * 64, META_SHA_FIELD: "0" * 64}
     if platform:
         metadata["exl3tool_platform"] = platform
     header: dict = {"__metadata__": metadata}
@@ -131,23 +137,69 @@ def key_sha256(cache_key_json: str, tensors_digest: str) -> str:
     return hashlib.sha256(f"cache_key:{cache_key_json}\nexl3tool_sha256:{tensors_digest}\n".encode()).hexdigest()
 
 
+META_SHA_FIELD = "exl3tool_meta_sha256"
+
+
+def metadata_sha256(metadata: dict[str, str]) -> str:
+    """``exl3tool_meta_sha256``: SHA-256 of every other metadata field (sorted-key compact JSON, ASCII).
+
+    Covers what the server reads (``cache_key``, ``proxy_error``) and everything else exl3tool wrote, among it
+    ``exl3tool_sha256`` (so the tensors too): a field edited, added or removed after publish breaks it.
+    """
+    body = {k: v for k, v in metadata.items() if k != META_SHA_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()).hexdigest()
+
+
 def checksum_problem(metadata: dict[str, str], tensors_digest: str) -> str | None:
     """Why an entry's checksums do not hold, given the digest of its tensors (``tensor_sha256``); None if they hold.
 
-    ``exl3tool_sha256`` must match the tensors; ``exl3tool_key_sha256`` (on entries written since the
-    key binding) must match the stored ``cache_key`` and that digest. Entries written before the key binding carry
-    ``exl3tool_sha256`` alone and are still accepted: their tensors are checked, their key is not bound.
+    ``exl3tool_sha256`` must match the tensors (not compared when ``tensors_digest`` is ""); ``exl3tool_key_sha256``
+    (on entries written since the key binding) must match the stored ``cache_key`` and that digest;
+    ``exl3tool_meta_sha256`` (since the metadata checksum) must match every other metadata field. Any ``exl3tool_*``
+    field without ``exl3tool_sha256`` is a removed checksum. Entries written before the metadata checksum are still
+    accepted when their ``proxy_error`` is exactly what ``write_entry`` writes (``repr`` of a finite float): missing,
+    ``""`` or another spelling (``'1_0'``) is an edit, and such an entry is invalid (a warm re-encodes it).
     """
     want = metadata.get("exl3tool_sha256")
     bound = metadata.get("exl3tool_key_sha256")
     if want is None:
-        return "exl3tool_key_sha256 without exl3tool_sha256" if bound is not None else None
-    if tensors_digest != want:
+        ours = sorted(k for k in metadata if k.startswith("exl3tool_"))
+        return f"{', '.join(ours)} without exl3tool_sha256 (exl3tool's checksum removed after publish)" if ours else None
+    if tensors_digest and tensors_digest != want:
         return "tensor bytes differ from exl3tool_sha256 (changed after publish)"
     if bound is not None and bound != key_sha256(metadata.get("cache_key", ""), want):
         return ("exl3tool_key_sha256 does not match the cache_key and tensors (another entry's file under this key, "
                 "or a cache_key edited after publish)")
+    meta = metadata.get(META_SHA_FIELD)
+    if meta is not None:
+        if meta != metadata_sha256(metadata):
+            return (f"{META_SHA_FIELD} does not match the metadata (proxy_error or another field edited, added or "
+                    "removed after publish)")
+        return None
+    text = metadata.get("proxy_error")
+    if text is None or text != _written_form(text):
+        return (f"proxy_error {'missing' if text is None else repr(text)} is not as exl3tool writes it (repr of a "
+                f"finite float) on an entry without {META_SHA_FIELD} (written before it): edited after publish")
     return None
+
+
+def _written_form(text: str) -> str | None:
+    """``text`` as ``write_entry`` would have written its value: ``repr(float(text))``; None if not a finite float."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return repr(value) if math.isfinite(value) else None
+
+
+def checksum_covers(metadata: dict[str, str]) -> str:
+    """What exl3tool's checksums cover on an entry: ``all`` (tensors, key and every metadata field), ``tensors+key``
+    or ``tensors`` (entries written before those fields; proxy_error then checked by its written form), ``none``."""
+    if "exl3tool_sha256" not in metadata:
+        return "none"
+    if META_SHA_FIELD in metadata:
+        return "all"
+    return "tensors+key" if "exl3tool_key_sha256" in metadata else "tensors"
 
 
 def _read_header(fh) -> tuple[int, dict]:
@@ -240,25 +292,67 @@ def read_entry(path: str | Path) -> EntryContents:
     return EntryContents(tensors, None, metadata)
 
 
-def validate_entry(
-    path: str | Path, key: CacheKey, *, verify_checksum: bool = True, load_trellis: bool = True
-) -> EntryContents:
-    """Load ``path`` for ``key`` with the server's checks (§5.3); raises on the first failure.
+@dataclass(frozen=True)
+class Verdict:
+    """What ``judge_entry`` decided about one entry file; every command reports this.
 
-    ``verify_checksum`` adds our ``exl3tool_sha256`` check when the entry has one, and the key binding
-    ``exl3tool_key_sha256`` when it has that (``checksum_problem``): stricter than the server, which would load
-    e.g. a flipped trellis byte, or another layer's tensors under this key, as long as shapes and finiteness hold.
-    ``load_trellis=False`` is the form for planning: every check the server makes that can fail (key, tensor
-    set, dtypes, shapes, a file that covers its header, finite suh/svh, proxy_error) without loading the
-    trellis into a tensor; with ``verify_checksum`` the checksum is then hashed straight from the file
-    (``file_tensor_sha256``). The returned tensors then hold suh and svh only.
-    An entry without ``exl3tool_sha256`` (the server writes none) passes with the server's checks alone.
+    ``status``: ``valid`` (the server loads it and exl3tool's checksums hold), ``unchecked`` (the server loads it;
+    it carries no exl3tool field at all, e.g. server-written: only an exact re-encode can check its weights) or
+    ``invalid`` (the server would not load it, or exl3tool's checksums fail: a warm re-encodes it). ``loadable``:
+    whether the server would load it. ``sha256_ok``: whether its tensor bytes match ``exl3tool_sha256`` and the key
+    binding ``exl3tool_key_sha256`` (when present) holds (None when not compared). ``covers``: ``checksum_covers``. ``contents`` (loadable entries): tensors (suh and svh only
+    without the trellis), parsed proxy error and metadata.
     """
-    path = Path(path)
+
+    status: str
+    reason: str
+    loadable: bool
+    key: CacheKey | None = None
+    sha256_ok: bool | None = None
+    covers: str = "none"
+    contents: EntryContents | None = None
+    metadata: dict[str, str] | None = None
+    nonfinite: bool = False  # invalid for NaN/Inf data: the server raises Exl3OnlineNonFiniteError
+
+    @property
+    def ok(self) -> bool:
+        """A hit for exl3tool: valid or unchecked."""
+        return self.status != "invalid"
+
+
+def _path_problem(path: Path, key: CacheKey) -> str | None:
+    """Why ``path`` is not where the server looks ``key`` up (file name, model and TP folders), or None."""
+    if path.name != f"{key.digest()}.safetensors":
+        return "file name is not the digest of the stored cache_key"
+    if (path.parent.parent.name, path.parent.name) != (key.model_identity[:20], f"tp{key.tp_world_size}-rank{key.tp_rank}"):
+        return "entry sits in the wrong model or tp directory for its key"
+    return None
+
+
+def _own_key(path: Path) -> CacheKey:
+    """The key stored in ``path``'s header, which must be canonical; raises InvalidEntryError why not."""
     if not path.is_file():
         raise InvalidEntryError("not a regular file")
-    expected_json = key.canonical_json()
-    layout = expected_layout(key)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            stored = (fh.metadata() or {}).get("cache_key")
+    except Exception as exc:
+        raise InvalidEntryError(describe_unreadable(path, exc)) from None
+    if stored is None:
+        raise InvalidEntryError("no cache_key metadata")
+    try:
+        key = CacheKey.from_json(stored)
+    except Exception as exc:
+        raise InvalidEntryError(f"cache_key is not a valid key ({exc})") from None
+    if key.canonical_json() != stored:
+        raise InvalidEntryError("cache_key is not in canonical form; the server never matches it")
+    return key
+
+
+def _server_load(path: Path, key: CacheKey, load_trellis: bool) -> EntryContents:
+    """The server's checks (§5.3) of ``path`` for ``key``; raises InvalidEntryError or Exl3OnlineNonFiniteError."""
+    if not path.is_file():
+        raise InvalidEntryError("not a regular file")
     try:
         fh_ctx = safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:
@@ -266,12 +360,12 @@ def validate_entry(
     with fh_ctx as fh:
         metadata = dict(fh.metadata() or {})
         stored = metadata.get("cache_key")
-        if stored != expected_json:
+        if stored != key.canonical_json():
             raise InvalidEntryError("metadata cache_key differs from the expected key" if stored else "no cache_key metadata")
         names = set(fh.keys())
         if names != TENSOR_NAMES:
             raise InvalidEntryError(f"tensors are {sorted(names)}, expected ['suh', 'svh', 'trellis']")
-        for name, (dtype, shape) in layout.items():
+        for name, (dtype, shape) in expected_layout(key).items():
             sl = fh.get_slice(name)
             got_dtype, got_shape = sl.get_dtype(), tuple(sl.get_shape())
             if got_dtype != dtype or got_shape != shape:
@@ -280,13 +374,67 @@ def validate_entry(
         tensors = {name: fh.get_tensor(name) for name in names}
     _check_finite("suh", tensors["suh"])
     _check_finite("svh", tensors["svh"])
-    proxy_error = parse_proxy_error(metadata.get("proxy_error"))
-    if verify_checksum and ("exl3tool_sha256" in metadata or "exl3tool_key_sha256" in metadata):
-        got = tensor_sha256(tensors) if load_trellis else file_tensor_sha256(path)
-        problem = checksum_problem(metadata, got)
-        if problem:
-            raise InvalidEntryError(problem)
-    return EntryContents(tensors, proxy_error, metadata)
+    return EntryContents(tensors, parse_proxy_error(metadata.get("proxy_error")), metadata)
+
+
+def judge_entry(
+    path: str | Path, key: CacheKey | None = None, *, load_trellis: bool = True, hash_tensors: bool = True
+) -> Verdict:
+    """The one rule for an entry file: valid, unchecked or invalid, with the reason (see ``Verdict``).
+
+    ``key``: the key it is looked up for (the store, a warm, an import); None takes the file's own key, which must
+    be canonical and match the file's name and folders (a scan of the cache). Then exl3tool's checksums
+    (``checksum_problem``). ``load_trellis=False`` never loads the trellis into a tensor; its bytes are hashed
+    straight from the file (``file_tensor_sha256``). ``hash_tensors=False`` skips only the tensor bytes against
+    ``exl3tool_sha256`` (what the server's own check never reads); every other rule still applies.
+    Failures of this host rather than the file (out of memory, EIO) propagate.
+    """
+    path = Path(path)
+    try:
+        if key is None:
+            key = _own_key(path)
+            problem = _path_problem(path, key)
+            if problem:
+                raise InvalidEntryError(problem)
+        contents = _server_load(path, key, load_trellis)
+    except (InvalidEntryError, Exl3OnlineNonFiniteError) as exc:
+        return Verdict("invalid", str(exc), False, key, nonfinite=isinstance(exc, Exl3OnlineNonFiniteError))
+    metadata = contents.metadata
+    covers = checksum_covers(metadata)
+    if not any(k.startswith("exl3tool_") for k in metadata):
+        return Verdict("unchecked", "the server would load it, but it carries no exl3tool checksum (written by the "
+                       "server?), so its weights are unchecked", True, key, None, covers, contents, metadata)
+    digest = ""
+    if hash_tensors and "exl3tool_sha256" in metadata:
+        digest = tensor_sha256(contents.tensors) if load_trellis else file_tensor_sha256(path)
+    problem = checksum_problem(metadata, digest)
+    bound = metadata.get("exl3tool_key_sha256")
+    sha_ok = None if not digest else (digest == metadata["exl3tool_sha256"] and (
+        bound is None or bound == key_sha256(metadata.get("cache_key", ""), metadata["exl3tool_sha256"])))
+    if problem:
+        return Verdict("invalid", problem, True, key, sha_ok, covers, contents, metadata)
+    return Verdict("valid", "", True, key, sha_ok, covers, contents, metadata)
+
+
+def validate_entry(
+    path: str | Path, key: CacheKey, *, verify_checksum: bool = True, load_trellis: bool = True
+) -> EntryContents:
+    """``judge_entry`` raising on an invalid entry: InvalidEntryError with the reason (Exl3OnlineNonFiniteError
+    for non-finite data, as the server raises); returns the contents of a valid or unchecked entry.
+
+    ``verify_checksum=False`` is the server's checks (§5.3) alone: e.g. a flipped trellis byte, or another layer's
+    tensors under this key, pass as long as shapes and finiteness hold.
+    """
+    path = Path(path)
+    if not verify_checksum:
+        return _server_load(path, key, load_trellis)
+    verdict = judge_entry(path, key, load_trellis=load_trellis)
+    if verdict.status == "invalid":
+        if verdict.nonfinite:
+            raise Exl3OnlineNonFiniteError(verdict.reason)
+        raise InvalidEntryError(verdict.reason)
+    assert verdict.contents is not None
+    return verdict.contents
 
 
 def check_fresh_encode(key: CacheKey, tensors: dict[str, torch.Tensor], proxy_error: float | None) -> None:
@@ -331,7 +479,8 @@ def write_entry(
     The temporary file is unlinked in every case. ``file_mode`` 0o600 matches the server; pass 0o644 when
     the server runs as another user. Metadata beyond the server's two keys (which it ignores, spec §5.2):
     ``exl3tool_version``, ``exl3tool_sha256`` (the tensors), ``exl3tool_key_sha256`` (key and tensors, see
-    ``key_sha256``) and, when given, ``exl3tool_platform`` (where the encode ran; what an exact re-check needs).
+    ``key_sha256``), when given ``exl3tool_platform`` (where the encode ran; what an exact re-check needs), and
+    ``exl3tool_meta_sha256`` over all of them (``metadata_sha256``: proxy_error included).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -346,6 +495,7 @@ def write_entry(
     }  # no timestamp: the same inputs must give the same bytes (the file's mtime records when)
     if platform:
         metadata["exl3tool_platform"] = platform
+    metadata[META_SHA_FIELD] = metadata_sha256(metadata)  # last: it covers every field above
     head, data = _serialize(cpu, metadata)
 
     def write(fh) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 
 from exl3tool.cache.key import CacheKey
 
-__all__ = ["entry_path", "lock_path", "ENTRY_SUFFIX", "LOCK_SUFFIX", "TEMP_RE", "ENTRY_RE", "LOCK_RE", "LAYOUT_RE"]
+__all__ = ["entry_path", "lock_path", "link_below_root", "link_problem", "ENTRY_SUFFIX", "LOCK_SUFFIX", "TEMP_RE", "ENTRY_RE", "LOCK_RE", "LAYOUT_RE"]
 
 ENTRY_SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
@@ -35,3 +37,39 @@ def entry_path(key: CacheKey, root: str | Path) -> Path:
 def lock_path(path: str | Path) -> Path:
     """The entry's lock file: the entry path plus ``.lock`` (never deleted by the server)."""
     return Path(f"{path}{LOCK_SUFFIX}")
+
+
+def link_below_root(root: str | Path, path: str | Path) -> Path | None:
+    """The first symlink among the directories from below ``root`` down to ``path``'s folder, or None.
+
+    ``root`` itself may be a link (the cache's mount point); a link below it would let a write land outside the
+    cache, where ``cache verify``, ``prune`` and ``export`` never look. ``path`` itself is not checked (publishing
+    replaces an entry file, never writes through it). Folders that do not exist yet are no link.
+    """
+    root, path = Path(root), Path(path)
+    try:
+        parts = path.parent.relative_to(root).parts
+    except ValueError:
+        return None
+    here = root
+    for part in parts:
+        here = here / part
+        try:
+            if stat.S_ISLNK(os.lstat(here).st_mode):
+                return here
+        except OSError:
+            return None
+    return None
+
+
+def link_problem(root: str | Path, path: str | Path) -> str | None:
+    """``link_below_root`` as one line with the fix (callers add how to remove it), or None."""
+    link = link_below_root(root, path)
+    if link is None:
+        return None
+    try:
+        target = f" (to {os.readlink(link)})"
+    except OSError:
+        target = ""
+    return (f"{link} is a symlink{target} below the cache root; exl3tool never writes through it (entries there are "
+            "invisible to cache verify, prune and export): replace it with a real directory")

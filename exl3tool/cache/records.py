@@ -16,6 +16,7 @@ schema, types, that each identity is the SHA-256 of its payload and that the fil
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from exl3tool import __version__
 from exl3tool.cache.entry import atomic_write
 from exl3tool.cache.identity import model_payload_digest
 from exl3tool.cache.key import HEX64, canonical_dumps
+from exl3tool.cache.paths import link_problem
 from exl3tool.jsontext import loads_json
 
 __all__ = [
@@ -189,6 +191,9 @@ def write_record(root: str | Path, record: ProvenanceRecord, *, file_mode: int =
     OSError propagates (the caller reports it; the entries stay valid without a record).
     """
     path = records_dir(root) / record.relative_path
+    problem = link_problem(root, path)
+    if problem:  # never write through a link below the root
+        raise OSError(errno.ELOOP, problem)
     if path.is_file() and not path.is_symlink():
         try:
             if parse_record(path.read_bytes()).fingerprint() == record.fingerprint():

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from exl3tool.cache.entry import checksum_problem, describe_unreadable, parse_proxy_error, tensor_sha256, validate_entry
+from exl3tool.cache.entry import describe_unreadable, judge_entry, parse_proxy_error
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import lock_path_unusable
-from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE, lock_path
+from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE, link_problem, lock_path
 
 __all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "PruneResult", "lock_is_held", "matches_model"]
 
@@ -33,10 +33,12 @@ __all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "exe
 class EntryInfo:
     """One file under ``<root>/v1``: ``kind`` entry|temp|lock|stray.
 
-    ``status`` for entries: ``valid`` (the server loads it and our checksum matches), ``unchecked`` (a deep
-    scan: the server loads it but it carries no ``exl3tool_sha256``; a header-only scan: not loaded) or
-    ``invalid``; for lock files ``invalid`` when the lock path is not a regular file, else ``n/a``.
+    ``status`` for entries, deep scan: ``judge_entry``'s verdict (``valid``, ``unchecked``: the server loads it but it
+    carries no exl3tool checksum, or ``invalid``); a header-only scan calls a well-formed entry ``unchecked`` (not
+    loaded). For lock files ``invalid`` when the lock path is not a regular file, else ``n/a``; for a symlinked
+    folder below the root (kind ``stray``, ``is_symlink``) ``invalid``.
     ``loadable``: whether the server would load the entry (None when not known, e.g. header-only).
+    ``held`` (temps and orphan locks): whether a live process holds the entry lock; stale when it does not.
     """
 
     path: Path
@@ -58,6 +60,8 @@ class EntryInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     orphan: bool = False
     loadable: bool | None = None
+    covers: str | None = None  # entries, deep scan: what exl3tool's checksums cover (``checksum_covers``)
+    held: bool | None = None  # temps and locks: whether a live process holds the entry lock
 
     @property
     def valid(self) -> bool:
@@ -125,26 +129,19 @@ def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | No
         out["status"] = "unchecked"
         out["reason"] = ""
         return out
-    try:
-        contents = validate_entry(path, key, verify_checksum=False)  # exactly the server's checks
-    except Exception as exc:
-        out["reason"] = f"{exc}"
-        return out
-    out["loadable"] = True
+    verdict = judge_entry(path, None if model_dir is not None else key)  # the one rule every command applies
+    out.update(loadable=verdict.loadable, sha256_ok=verdict.sha256_ok, covers=verdict.covers)
     link = "; a symlink, the server follows it" if out["is_symlink"] else ""
-    want = metadata.get("exl3tool_sha256")
-    if want is None:
+    if verdict.status == "unchecked":
         out["status"] = "unchecked"
-        out["reason"] = ("the server would load it, but it has no exl3tool_sha256 (written by the server?), so its "
-                         "weights are unchecked: exl3tool verify MODEL --exact checks them" + link)
-        return out
-    problem = checksum_problem(metadata, tensor_sha256(contents.tensors))
-    out["sha256_ok"] = problem is None
-    if problem:
-        out["reason"] = f"{problem}: the server would load it, but these are not the bytes exl3tool published for this key"
-        return out
-    out["status"] = "valid"
-    out["reason"] = link.removeprefix("; ")
+        out["reason"] = f"{verdict.reason}: exl3tool verify MODEL --exact checks them{link}"
+    elif verdict.status == "invalid":
+        out["reason"] = verdict.reason
+        if verdict.loadable:
+            out["reason"] += ": the server would load it, but it is not what exl3tool published for this key"
+    else:
+        out["status"] = "valid"
+        out["reason"] = link.removeprefix("; ")
     return out
 
 
@@ -178,16 +175,24 @@ def scan(root: str | Path, *, deep: bool = True) -> list[EntryInfo]:
     """
     base = Path(root) / "v1"
     infos: list[EntryInfo] = []
+
+    def link(p: Path) -> EntryInfo:
+        """A symlinked folder below the root: listed, never entered (a prune must not reach outside the cache);
+        ``invalid``, since the server follows it but exl3tool neither sees its entries nor writes through it."""
+        size, mtime = _stat(p)
+        return EntryInfo(path=p, kind="stray", size=size, mtime=mtime, is_symlink=True, status="invalid",
+                         reason=f"{link_problem(root, p / 'x')}; not followed")
+
+    if base.is_symlink():
+        return [link(base)]
     if not base.is_dir():
         return infos
 
     def subdirs(parent: Path) -> list[Path]:
         found = []
         for p in sorted(parent.iterdir()):
-            if p.is_symlink() and p.is_dir():  # listed, never entered: a prune must not reach outside the cache
-                size, mtime = _stat(p)
-                infos.append(EntryInfo(path=p, kind="stray", size=size, mtime=mtime, is_symlink=True,
-                                       reason=f"a symlink to a directory ({os.readlink(p)}); not followed"))
+            if p.is_symlink() and p.is_dir():
+                infos.append(link(p))
             elif p.is_dir():
                 found.append(p)
         return found
@@ -207,11 +212,15 @@ def scan(root: str | Path, *, deep: bool = True) -> list[EntryInfo]:
                 elif lm := LOCK_RE.match(name):
                     orphan = f"{lm.group(1)}.safetensors" not in names
                     problem = _lock_problem(path)
+                    held = lock_is_held(path) if orphan and not problem else None  # a lock beside its entry is normal
                     infos.append(EntryInfo(kind="lock", digest=lm.group(1), orphan=orphan, **common,
                                            status="invalid" if problem else "n/a", reason=problem or "",
-                                           is_symlink=path.is_symlink()))
+                                           is_symlink=path.is_symlink(), held=held))
                 elif tm := TEMP_RE.match(name):
-                    infos.append(EntryInfo(kind="temp", digest=tm.group(1), reason="leftover temporary file", **common))
+                    held = lock_is_held(layout_dir / f"{tm.group(1)}.safetensors.lock")
+                    infos.append(EntryInfo(kind="temp", digest=tm.group(1), held=held, **common,
+                                           reason="a live writer's temporary file (its entry lock is held)" if held
+                                           else "leftover temporary file (a killed writer's; no live process holds its entry lock)"))
                 else:
                     infos.append(EntryInfo(kind="stray", reason="not a cache file", **common))
     return infos
@@ -290,6 +299,8 @@ def plan_prune(
             elif old and (not invalid or info.status == "invalid"):
                 chosen.append((info, f"older than {older_than_days:g} days"))
                 removed_entries.add(info.path)
+        elif info.kind == "stray" and info.is_symlink and info.status == "invalid" and invalid:
+            chosen.append((info, "invalid: a symlinked folder below the cache root (the link only; never its target)"))
         elif info.kind == "temp" and temp and (cutoff is None or old):
             entry_lock = lock_path(_entry_file(info))
             if lock_is_held(entry_lock):

@@ -22,11 +22,11 @@ import torch
 from filelock import FileLock, Timeout
 
 from exl3tool.cache.entry import (
-    Exl3OnlineNonFiniteError, atomic_write, check_fresh_encode, validate_entry, write_entry,
+    Exl3OnlineNonFiniteError, InvalidEntryError, atomic_write, check_fresh_encode, judge_entry, write_entry,
 )
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import acquire_with_notice, lock_path_unusable
-from exl3tool.cache.paths import TEMP_RE, entry_path, lock_path
+from exl3tool.cache.paths import TEMP_RE, entry_path, link_problem, lock_path
 from exl3tool.cache.settings import CACHE_MODES
 from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.errors import InputError, describe
@@ -48,13 +48,19 @@ def _mib(n: int) -> str:
     return f"{n} bytes" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
-def entry_obstacle(path: Path) -> str | None:
+def entry_obstacle(path: Path, root: Path | None = None) -> str | None:
     """What at ``path`` (an entry file) or its lock path makes every publish fail, or None; never follows a link.
 
+    With ``root`` (the cache root) also a symlinked folder between the root and the entry: nothing is written
+    through it (``link_problem``).
     A directory at the entry path (``os.replace`` cannot replace it) and a directory, symlink (filelock refuses
     to follow it) or socket at the lock path (the lock cannot be opened). A symlink or FIFO at the entry path
     is no obstacle: publishing replaces it.
     """
+    if root is not None:
+        problem = link_problem(root, path)
+        if problem:
+            return problem
     try:
         if stat.S_ISDIR(os.lstat(path).st_mode):
             return f"{path} is a directory where the entry file should be; no warm can replace it"
@@ -209,10 +215,13 @@ class CacheStore:
         return entry_path(key, self.root)
 
     def _load(self, path: Path, key: CacheKey, quick: bool = False, checksum: bool = True) -> Lookup:
-        verify = self.verify_checksum and checksum
-        contents = validate_entry(path, key, verify_checksum=verify, load_trellis=not quick)
-        checked = verify and "exl3tool_sha256" in contents.metadata
-        reason = "valid entry" if checked or not verify else UNCHECKED_HIT
+        verdict = judge_entry(path, key, load_trellis=not quick, hash_tensors=self.verify_checksum and checksum)
+        if verdict.status == "invalid":
+            raise (Exl3OnlineNonFiniteError if verdict.nonfinite else InvalidEntryError)(verdict.reason)
+        contents = verdict.contents
+        assert contents is not None
+        checked = verdict.status == "valid"
+        reason = "valid entry" if checked else UNCHECKED_HIT
         return Lookup("hit", reason, path, contents.tensors, contents.proxy_error, checked, contents.metadata)
 
     def lookup(self, key: CacheKey, *, quick: bool = False, checksum: bool = True) -> Lookup:
@@ -222,7 +231,7 @@ class CacheStore:
         ``quick`` does not load the trellis into memory (a hit then carries suh and svh only) but, with
         ``checksum`` (and the store's ``verify_checksum``), still hashes its bytes from the file against
         ``exl3tool_sha256``: what a warm's plan uses, so that no hit with changed bytes is kept.
-        ``checksum=False`` is the server's own check (no trellis bytes read at all).
+        ``checksum=False`` reads no trellis bytes: ``judge_entry`` without the tensor hash (every other rule holds).
         """
         if self.mode == "off":
             return Lookup("miss", "cache mode is off", None)
@@ -242,7 +251,14 @@ class CacheStore:
 
     def obstacle(self, key: CacheKey) -> str | None:
         """Why no publish of ``key`` can ever succeed under this root (see ``entry_obstacle``), or None."""
-        return entry_obstacle(self.path(key))
+        return entry_obstacle(self.path(key), self.root)
+
+    def _no_links(self, path: Path) -> None:
+        """OSError (ELOOP) when a folder between the root and ``path`` is a symlink: checked before any folder is
+        made, any lock taken or any file written, so nothing lands outside the cache through a link."""
+        problem = link_problem(self.root, path)
+        if problem:
+            raise OSError(errno.ELOOP, problem)
 
     @staticmethod
     def _remove_stale_temps(path: Path) -> None:
@@ -278,6 +294,7 @@ class CacheStore:
         tensors = encoded.tensors()
         check_fresh_encode(key, tensors, encoded.proxy_error)
         path = self.path(key)
+        self._no_links(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock(path):
             self._remove_stale_temps(path)
@@ -347,6 +364,7 @@ class CacheStore:
         if self.mode != "readwrite":
             raise ValueError(f"claim needs a readwrite cache, not {self.mode!r}")
         path = self.path(key)
+        self._no_links(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         return path, self._lock(path, cross_thread)
 
@@ -393,7 +411,7 @@ class CacheStore:
 
     def unpublished_reason(self, path: Path, exc: BaseException) -> str:
         """Why an encode of ``path`` could not be published: the obstacle with its fix, else the OS error."""
-        problem = entry_obstacle(path)
+        problem = entry_obstacle(path, self.root)
         if problem:
             return f"{problem}; {PRUNE_HINT}"
         if isinstance(exc, Timeout):
@@ -460,6 +478,7 @@ class CacheStore:
             raise ValueError(f"replace_unless needs a readwrite cache, not {self.mode!r}")
         check_fresh_encode(key, encoded.tensors(), encoded.proxy_error)
         path = self.path(key)
+        self._no_links(path)
         lock = self._lock(path)
         acquire_with_notice(lock, self.lock_timeout, path)
         try:
@@ -487,6 +506,7 @@ class CacheStore:
         if self.lookup(key, quick=True).hit:  # every check, the checksum hashed from the file: no tensors loaded
             return "present"
         path = self.path(key)
+        self._no_links(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = self._lock(path)
         acquire_with_notice(lock, self.lock_timeout, path)

@@ -54,6 +54,8 @@ def _entry_json(info: EntryInfo) -> dict[str, Any]:
         "orphan": info.orphan,
         "server_loads": info.loadable,
         "key": info.key.as_dict() if info.key else None,
+        "checksum_covers": info.covers,
+        "held": info.held,
     }
 
 
@@ -186,8 +188,9 @@ def show(
         out.note(f"{path}: {info.reason}")
     elif info.status != "valid":
         if info.loadable:  # the server's checks pass; only our checksum fails
-            raise FindingsError(f"{path}: the server would load this entry, but exl3tool's checksum says its tensor "
-                                "bytes changed after publishing; remove it with: exl3tool cache prune --invalid")
+            raise FindingsError(f"{path}: the server would load this entry, but exl3tool's checksums fail "
+                                f"({info.reason.split(': the server would load it')[0]}); a warm re-encodes it, or "
+                                "remove it with: exl3tool cache prune --invalid")
         raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
 
 
@@ -196,7 +199,9 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
     Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
-    and `exl3tool verify MODEL --exact` checks their weights. A lock path that is not a regular file is invalid too.
+    and `exl3tool verify MODEL --exact` checks their weights. A lock path that is not a regular file is invalid too,
+    and so is a symlinked folder below the root (exl3tool never enters it nor writes through it). Leftovers of killed
+    writers (temp files, orphan locks) are counted, each marked held when a live process holds its entry lock.
     """
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
@@ -208,7 +213,9 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     bad_locks = [i for i in infos if i.kind == "lock" and i.status == "invalid"]
     temps = [i for i in infos if i.kind == "temp"]
     orphans = [i for i in infos if i.kind == "lock" and i.orphan and i.status != "invalid"]
+    stale = [i for i in orphans if not i.held]
     strays = [i for i in infos if i.kind == "stray"]
+    links = [i for i in strays if i.is_symlink and i.status == "invalid"]
 
     def rel(i: EntryInfo) -> str:
         return str(i.path.relative_to(root) if i.path.is_relative_to(root) else i.path)
@@ -226,14 +233,16 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     out.line(
         f"{plural(len(entries), 'entry', 'entries')}: {len(valid)} valid, {len(unchecked)} unchecked, "
         f"{len(invalid)} invalid; {plural(len(bad_locks), 'broken lock path')}, "
-        f"{plural(len(temps), 'leftover temp file')}, {plural(len(orphans), 'orphan lock')}"
+        f"{plural(len(temps), 'leftover temp file')} ({sum(1 for i in temps if i.held)} held by a live writer), "
+        f"{plural(len(orphans), 'orphan lock')} ({len(stale)} stale: no live holder), "
+        f"{plural(len(links), 'symlinked folder')}"
     )
     if unchecked:
         out.note(f"{len(unchecked)} entr{'y has' if len(unchecked) == 1 else 'ies have'} no exl3tool checksum "
                  "(written by the server?): the server would load them; check their weights with: exl3tool verify MODEL --exact "
                  "(or replace the wrong ones with: exl3tool cache warm MODEL --check-unchecked)")
-    if temps:
-        out.note("remove leftovers with: exl3tool cache prune --temp")
+    if any(not i.held for i in temps) or stale:
+        out.note("remove leftovers no live process holds with: exl3tool cache prune --temp")
 
     out.data(
         {
@@ -246,21 +255,25 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
             "temp_files": [_entry_json(i) for i in temps],
             "orphan_locks": [_entry_json(i) for i in orphans],
             "stray_files": [_entry_json(i) for i in strays],
+            "stale_locks": [_entry_json(i) for i in stale],
+            "links": [_entry_json(i) for i in links],
         }
     )
-    if invalid or bad_locks:
+    if invalid or bad_locks or links:
         what = []
         if invalid:
             what.append(f"{len(invalid)} invalid entr{'y' if len(invalid) == 1 else 'ies'}")
         if bad_locks:
             what.append(f"{len(bad_locks)} broken lock path{'' if len(bad_locks) == 1 else 's'}")
+        if links:
+            what.append(plural(len(links), "symlinked folder"))
         raise FindingsError(f"{' and '.join(what)} under {root}; remove with: exl3tool cache prune --invalid")
 
 
 @cache_app.command("prune")
 def prune(
-    invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or their bytes fail exl3tool's checksum) and broken lock paths.")] = False,
-    temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and unheld orphan locks.")] = False,
+    invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or exl3tool's checksums fail), broken lock paths and symlinked folders (the link, never its target).")] = False,
+    temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and orphan locks that no live process holds.")] = False,
     older_than: Annotated[
         Optional[float], typer.Option("--older-than", metavar="DAYS", help="Entries (and leftovers) older than DAYS.")
     ] = None,

@@ -1,7 +1,8 @@
 """``cache check``: will a server started with these settings hit, and for every miss, why.
 
-The look-ups are exactly a warm's plan (``prepare``, the code behind ``cache warm --dry-run``), checked as the server
-checks them (headers and scales, no trellis read, nothing encoded). For a miss the entries present at the same
+The look-ups are exactly a warm's plan (``prepare``, the code behind ``cache warm --dry-run``), each judged by the
+rule every command applies (``judge_entry``: the server's checks and exl3tool's checksums, the trellis hashed from
+the mapped file, nothing encoded), so ``check`` counts as a hit exactly what a warm keeps. For a miss the entries present at the same
 layer, TP size and rank are compared key field by key field; the nearest one names the cause. Provenance records
 (``exl3tool.cache.records``) turn "model identity differs" into "this shard's mtime differs", and tell entries a
 warm wrote from entries the server wrote itself. Misses with the same cause are reported once, with the fix.
@@ -376,12 +377,12 @@ def _resolved_dtype(request: WarmRequest, checkpoint) -> str:
 def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckReport:
     """Every look-up a server started as ``request`` describes will make, each hit, miss or invalid, with causes.
 
-    The plan is ``prepare``'s (as ``cache warm --dry-run``), looked up read-only with the server's own checks;
+    The plan is ``prepare``'s (as ``cache warm --dry-run``), looked up read-only with the warm's verdicts;
     nothing is encoded or written. Entries present are indexed (headers only) when a look-up misses or hits an
     entry the server wrote, so an all-hit check of a warm cache reads the look-ups' headers and the records only.
     """
     start = time.perf_counter()
-    checkpoint, plan, store = prepare(replace(request, mode="readonly"), environ=environ, check_hits=False)
+    checkpoint, plan, store = prepare(replace(request, mode="readonly"), environ=environ)  # the warm's verdicts
     dtype = _resolved_dtype(request, checkpoint)
     records = read_records(plan.cache_root)
     lookups = [j for j in plan.jobs if j.state != "skipped"]
@@ -408,9 +409,9 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
         by_reason[j.reason].append(j)
     for reason, jobs in by_reason.items():
         causes.append(Cause("invalid", ("invalid",), tuple(jobs), (Finding(
-            "invalid", f"an entry the server would not load: {_s(reason)}",
-            "the server deletes and re-encodes it at start-up (readwrite) or encodes without the cache: remove it "
-            "with `exl3tool cache prune --invalid`, then warm again"),)))
+            "invalid", f"an invalid entry (the server would not load it, or exl3tool's checksums fail): {_s(reason)}",
+            "a warm re-encodes it (the server deletes and re-encodes one it would not load at start-up): run "
+            "`exl3tool cache warm` with these settings, or remove it with `exl3tool cache prune --invalid`"),)))
     causes += _unplanned_causes(plan)
     notes += _dtype_notes(lookups, records, plan, dtype)
     notes += _unplanned_notes(plan, cache, records)

@@ -320,27 +320,32 @@ class _Pipeline:
         else:
             prefetch = publisher = _Inline(jobs, self._prepare)
         try:
-            for job in jobs:
-                if self.disk_full is not None:  # fails at once: no weight read, no encode
-                    self._attempt(job, _given(None, None), publisher)
-                    continue
-                with stage(self.timer, "wait_for_input"):
-                    got, weight, error = prefetch.next()
-                assert got is job, "prefetch out of order"
-                self._finish_ready()
-                self._attempt(job, _given(weight, error), publisher)
-                del weight
-                self._finish_ready()
-                self._revisit(publisher)
-            while self.waits:
-                self._finish_ready()
-                self.waits.idle_wait()
-                self._revisit(publisher)
-            self._finish_ready(wait=True)
+            with self.waits.watching():  # a stuck holder is noticed while this thread encodes other jobs
+                self._run_jobs(jobs, prefetch, publisher)
         finally:
             prefetch.close()
             publisher.shutdown(wait=True)  # in-flight publishes complete and release their locks
         return self.results
+
+    def _run_jobs(self, jobs: list[WarmJob], prefetch, publisher) -> None:
+        """Every job in order, then the deferred ones until each is a hit, an encode or given up."""
+        for job in jobs:
+            if self.disk_full is not None:  # fails at once: no weight read, no encode
+                self._attempt(job, _given(None, None), publisher)
+                continue
+            with stage(self.timer, "wait_for_input"):
+                got, weight, error = prefetch.next()
+            assert got is job, "prefetch out of order"
+            self._finish_ready()
+            self._attempt(job, _given(weight, error), publisher)
+            del weight
+            self._finish_ready()
+            self._revisit(publisher)
+        while self.waits:
+            self._finish_ready()
+            self.waits.idle_wait()
+            self._revisit(publisher)
+        self._finish_ready(wait=True)
 
     def _attempt(self, job: WarmJob, weight_fn: Callable[[], torch.Tensor], publisher) -> None:
         """One try at ``job``: its outcome is queued, or (lock held elsewhere) it waits in ``self.waits``."""
@@ -367,7 +372,11 @@ class _Pipeline:
         self.pending.append((job, outcome if isinstance(outcome, Future) else _done(outcome)))
 
     def _revisit(self, publisher) -> None:
-        """Retry the deferred jobs that are due; each weight is read again only once its lock is ours."""
+        """Report the jobs the lock watcher gave up on, then retry the deferred jobs that are due; each weight is
+        read again only once its lock is ours."""
+        for job, message in self.waits.given_up():
+            self.pending.append((job, _done(job_result(job, "failed", self.worker, error=message))))
+            self._finish_ready()
         for job in self.waits.due():
             self._attempt(job, lambda job=job: self._prepare(job), publisher)
             self._finish_ready()

@@ -103,8 +103,9 @@ def build_plan(
     ``check_hits`` (default) hashes every present entry's tensor bytes against its ``exl3tool_sha256``, so an
     entry whose bytes changed after publishing is ``invalid`` and gets re-encoded; entries without that
     checksum (server-written) are hits the server would load. The look-ups run on ``threads`` threads
-    (default: up to 8, one per core), since hashing releases the GIL. ``check_hits=False`` is the server's
-    check alone (headers and scales; what workers other than 0 use under torchrun, where worker 0's plan rules).
+    (default: up to 8, one per core), since hashing releases the GIL. ``check_hits=False`` skips only
+    the trellis hash (``judge_entry(hash_tensors=False)``; what workers other than 0 use under torchrun, where
+    worker 0's plan rules).
     """
     tp_sizes = tuple(sorted(set(int(t) for t in tp_sizes)))
     wanted = None if tp_ranks is None else set(tp_ranks)
