@@ -359,6 +359,7 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         root = b.env("VLLM_CACHE_ROOT")
         xdg = b.env("XDG_CACHE_HOME")
         home = b.env("HOME")
+        _legacy_cache_dir(b, root, xdg, home)
         if root is not None:
             base, via = root.value, root
             server = posixpath.join(base, "exl3_online")
@@ -405,6 +406,32 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     b.put("cache_dir_here", here, "launch argument",
           "the server's cache root" if here == server else f"{server} through the launch's volumes")
     return here
+
+
+def _legacy_cache_dir(b: _Builder, root: Optional[EnvValue], xdg: Optional[EnvValue],
+                      home: Optional[EnvValue]) -> None:
+    """``VLLM_CACHE_DIR``, which deployments set as if it named vLLM's cache root: the fork's ``vllm/envs.py`` reads
+    ``VLLM_CACHE_ROOT`` only (default ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``; ``VLLM_CACHE_DIR`` appears
+    nowhere in its history), so it changes nothing; a warning when the root it seems to name is not the server's."""
+    item = b.env("VLLM_CACHE_DIR")
+    if item is None:
+        return
+    if root is not None:
+        actual = root.value
+    elif xdg is not None:
+        actual = posixpath.join(xdg.value, "vllm")
+    elif home is not None:
+        actual = posixpath.join(home.value, ".cache", "vllm")
+    else:
+        actual = "~/.cache/vllm"
+    b.put_env("vllm_cache_dir", "VLLM_CACHE_DIR", item)
+    b.settings["vllm_cache_dir"] = Setting(item.value, item.source, b.settings["vllm_cache_dir"].detail
+                                           + ": not read by the server (vLLM's root is VLLM_CACHE_ROOT)")
+    if posixpath.normpath(item.value) != posixpath.normpath(actual):
+        b.warnings.append(f"VLLM_CACHE_DIR={item.value} is not read by the server (the fork's vllm/envs.py takes its "
+                          f"cache root from VLLM_CACHE_ROOT only): its root is {actual}, so the online cache is "
+                          f"{posixpath.join(actual, 'exl3_online')}; set VLLM_CACHE_ROOT={item.value} (or "
+                          "VLLM_EXL3_ONLINE_CACHE_DIR) in the launch if that is where it should be")
 
 
 def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, Optional[str], Optional[str]]:
@@ -502,7 +529,8 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     else:
         revision = b.put("revision", None, "default", "not given")
     if server_path is None and explicit.model is None and hub_offline(_hf_env(b)):
-        if (b.env("VLLM_USE_MODELSCOPE") or Setting("")).value.lower() == "true":
+        modelscope = b.env("VLLM_USE_MODELSCOPE")
+        if modelscope is not None and modelscope.value.lower() == "true":  # vllm/envs.py's test
             raise ConfigError("the launch sets VLLM_USE_MODELSCOPE with HF_HUB_OFFLINE: the server reads ModelScope's "
                               "cache, which exl3tool does not model; pass MODEL and --server-path of the folder")
         model, server_path = _offline_snapshot(b, launch, model, revision)
