@@ -288,7 +288,11 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")  # huggingface_hub's REGEX_COMMIT_HASH
 
 
 def _hf_env(b: _Builder) -> dict[str, str]:
-    """The server's values of the variables huggingface_hub reads for its cache and offline mode."""
+    """The server's values of the variables huggingface_hub reads for its cache and offline mode; a container does
+    not inherit ours (an image's ENV must come from the launch or an --env-file)."""
+    if b.launch.form in ("docker", "podman"):
+        given = {**b.layers.files, **b.layers.launch}
+        return {var: given[var].value for var in _HF_VARS if var in given}
     return {var: item.value for var in _HF_VARS if (item := b.env(var)) is not None}
 
 
@@ -329,9 +333,9 @@ def _offline_snapshot(b: _Builder, launch: ServerLaunch, repo: str, revision: Op
         raise ConfigError(f"the launch serves the Hub repo {repo} with HF_HUB_OFFLINE ({how}), and {snapshot} is not "
                           f"in its Hub cache (here: {paths.to_host(snapshot) or 'not on a mount'}): the server would "
                           f"not start (LocalEntryNotFoundError); download {repo} into {cache}")
-    offline = b.env("HF_HUB_OFFLINE") or b.env("TRANSFORMERS_OFFLINE")
-    b.put("hf_hub_offline", True, offline.source if offline else "launch env",
-          f"{'HF_HUB_OFFLINE' if b.env('HF_HUB_OFFLINE') else 'TRANSFORMERS_OFFLINE'}={offline.value if offline else ''}")
+    var = "HF_HUB_OFFLINE" if env.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"  # huggingface_hub's order
+    item = b.env(var)
+    b.put("hf_hub_offline", True, item.source if item else "launch env", f"{var}={env[var]}")
     b.put("server_path", snapshot, "launch argument",
           f"HF_HUB_OFFLINE: vLLM serves the snapshot folder of {repo} in its Hub cache {cache} ({how}), so the "
           "identity is that directory's, not the Hub repo's")
