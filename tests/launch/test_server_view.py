@@ -139,6 +139,15 @@ def test_offline_warm_is_a_hit_for_the_server(hf, monkeypatch):
     assert in_server_view(hf["root"], volumes, server_hits) == len(entries)
 
 
+def test_offline_plain_command_line_on_this_host(cli, hf, monkeypatch):
+    """``HF_HUB_OFFLINE=1 vllm serve REPO`` on this host: the variables before the command and ours apply."""
+    monkeypatch.setenv("HF_HOME", str(hf["home"]))
+    env = " ".join(f"{k}={v}" for k, v in {**SERVER_ENV, "VLLM_EXL3_ONLINE_CACHE_DIR": str(hf["cache"])}.items())
+    got = _identity(cli, f"HF_HUB_OFFLINE=yes {env} vllm serve {REPO} --revision v2")
+    folder = snapshot_download(repo_id=REPO, revision="v2", cache_dir=str(hf["home"] / "hub"), local_files_only=True)
+    assert got["model"]["identity"] == server_model_identity(folder, commit_hash=transformers_commit_hash(folder))
+
+
 def test_online_hub_revision_comes_from_the_launchs_hub_cache(cli, hf, monkeypatch):
     """HF_HUB_OFFLINE=0 wins over TRANSFORMERS_OFFLINE=1 (huggingface_hub reads the first non-empty one), so the
     server keys the Hub repo; exl3tool, itself offline, resolves --revision v2 in the *launch's* Hub cache."""
