@@ -117,7 +117,7 @@ def test_offline_revision_follows_refs_and_a_commit_is_taken_as_is(cli, hf):
         in_server_view(hf["root"], volumes, _server_offline, REPO, "nope", "/root/.cache/huggingface/hub")
 
 
-def test_offline_warm_is_a_hit_for_the_server(hf, monkeypatch):
+def test_offline_warm_is_a_hit_for_the_server(cli, hf, monkeypatch):
     """The headline case of issue 35: every entry the warm writes is a hit for the server's look-up."""
     monkeypatch.setenv("HF_HOME", str(hf["home"]))  # exl3tool's own Hub cache holds the repo too (a CI host)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -137,6 +137,8 @@ def test_offline_warm_is_a_hit_for_the_server(hf, monkeypatch):
         return sum(server_lookup("/cache", model, encoder, p, 6, w, r, k, n) is not None for p, w, r, k, n in entries)
 
     assert in_server_view(hf["root"], volumes, server_hits) == len(entries)
+    code, out, err = cli("cache", "check", "--launch", text, "--json")  # and the pre-start check agrees
+    assert code == 0 and json.loads(out)["ok"] is True, err
 
 
 def test_offline_plain_command_line_on_this_host(cli, hf, monkeypatch):
@@ -224,7 +226,7 @@ def test_linked_model_path_resolves_as_in_the_container(cli, linked, model):
     assert payload["path"] == in_server_view(linked["root"], linked["volumes"], os.path.realpath, model)
 
 
-def test_linked_model_warm_is_a_hit_for_the_server(linked, monkeypatch):
+def test_linked_model_warm_is_a_hit_for_the_server(cli, linked, monkeypatch):
     text = _docker({}, linked["volumes"], f"--model /models/current -tp 2 --quantization-config '{QC}'")
     request, settings, _ = apply_launch(WarmRequest(model="", device="cpu"), (), LaunchInput(text=text),
                                         add_tp_sizes=True, environ={})
@@ -237,6 +239,14 @@ def test_linked_model_warm_is_a_hit_for_the_server(linked, monkeypatch):
         return sum(server_lookup("/cache", model, encoder, p, 6, w, r, k, n) is not None for p, w, r, k, n in entries)
 
     assert entries and in_server_view(linked["root"], linked["volumes"], server_hits) == len(entries)
+    code, out, err = cli("cache", "check", "--launch", text, "--json")
+    assert code == 0 and json.loads(out)["ok"] is True, err
+    # the link moves to v1 (the operator switches versions): the server misses, and so does the check
+    os.remove(linked["m"] / "current")
+    os.symlink("v1", linked["m"] / "current")
+    assert in_server_view(linked["root"], linked["volumes"], server_hits) == 0
+    code, out, err = cli("cache", "check", "--launch", text, "--json")
+    assert code == 1 and json.loads(out)["ok"] is False, err
 
 
 def test_link_that_leaves_the_mounts_is_refused_naming_it(cli, linked):
