@@ -315,7 +315,7 @@ def resolve_model_identity(
             validate_repo_id(model)
         except HFValidationError:
             raise InputError(f"{model!r}: no such local path, and not a valid Hub repo id (expected 'org/name')") from None
-        return _hub_identity(model, revision, commit_hash, environ, view)
+        return _hub_identity(model, revision, commit_hash, environ if view is not None else None, view)
     real = os.path.realpath(p)
     if server_path is not None:
         if not os.path.isabs(server_path):
