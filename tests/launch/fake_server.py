@@ -40,6 +40,37 @@ def _enter(rootfs: Path, mounts: dict[str, Path]) -> None:
     os.chdir("/")
 
 
+def start_server(rootfs: Path, mounts: dict[str, Path], argv: list[str], env: dict[str, str]) -> int:
+    """Start ``argv`` as a server in its own mount namespace, chrooted into ``rootfs`` with ``mounts``: a real
+    process whose ``/proc/PID`` (root, mountinfo, ns/mnt) the kernel writes. The host's ``/usr``, ``/lib*``, ``/bin``
+    and this Python are mounted read-only-in-spirit at their own paths so ``argv`` can run there. The caller kills
+    it. Skips without mount namespaces."""
+    import sys
+
+    system = {p: Path(p) for p in ("/usr", "/lib", "/lib64", "/bin", sys.base_prefix, sys.prefix) if Path(p).is_dir()}
+    rootfs.mkdir(parents=True, exist_ok=True)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            _enter(rootfs, {**system, **mounts})
+            os.write(write, b"ok")
+            os.close(write)
+            os.execve(argv[0], argv, env)
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(write, f"skip: {exc}".encode())
+        finally:
+            os._exit(1)
+    os.close(write)
+    with os.fdopen(read, "rb") as fh:
+        said = fh.read().decode()
+    if said != "ok":
+        os.waitpid(pid, 0)
+        pytest.skip(f"mount namespaces are not available here ({said})")
+    return pid
+
+
 def in_server_view(rootfs: Path, mounts: dict[str, Path], fn, *args):
     """``fn(*args)`` in the server's filesystem: ``rootfs`` as ``/`` with ``mounts`` (container path -> host
     folder) bind-mounted. Its result comes back pickled; its exception is raised here as an AssertionError."""

@@ -345,3 +345,32 @@ def test_mountinfo_escapes_and_stacking():
     ours = parse_mountinfo("10 0 8:1 / / rw - ext4 /dev/sda1 rw\n11 10 8:2 /data /mnt/big rw - xfs /dev/sdb rw\n")
     got = {m.inside: (m.host, m.readonly) for m in host_mounts(theirs, ours, 7)}
     assert got == {"/models": ("/srv/my models", True), "/data": ("/mnt/big/a", False), "/tmp": (None, False)}
+
+
+def test_pid_of_a_real_server_in_its_own_mount_namespace(cli, tmp_path, linked):
+    """The kernel's own /proc: a process started in a new mount namespace, chrooted over the launch's volumes (as
+    a container runtime starts one), serving /models/current; --pid reads it as that server sees its files."""
+    import time
+
+    from fake_server import start_server
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").write_text("import time\ntime.sleep(60)\n")
+    volumes = {**linked["volumes"], "/opt/bin": tmp_path / "bin"}
+    argv = [sys.executable, "/opt/bin/vllm", "serve", "/models/current", "-tp", "2", "--quantization-config", QC]
+    pid = start_server(tmp_path / "server-root", volumes, argv, {**SERVER_ENV, "HOME": "/root"})
+    try:
+        deadline = time.monotonic() + 20
+        while b"/opt/bin/vllm" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the fake server did not start"
+            time.sleep(0.05)
+        code, out, err = cli("identity", "--pid", str(pid), "--json")
+        launch, layers = load_launch(pid=pid, environ={})
+        s = resolve_launch(launch, layers, Explicit())
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert code == 0, err
+    want = in_server_view(linked["root"], linked["volumes"], server_model_identity, "/models/current")
+    assert json.loads(out)["model"]["identity"] == want
+    assert (s.model, s.tp_size, s.cache_dir) == (str(linked["m"] / "v2"), 2, str(linked["cache"]))
