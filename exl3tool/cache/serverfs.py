@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 
 from exl3tool.errors import ConfigError
 
-__all__ = ["ServerView", "IdentityView", "server_realpath", "host_path"]
+__all__ = ["ServerView", "server_realpath", "host_path"]
 
 _MAX_LINKS = 40  # the kernel's limit on links followed in one walk (ELOOP beyond it)
 
@@ -29,16 +29,6 @@ class ServerView(Protocol):
     def mount_points(self) -> tuple[str, ...]:
         """The server's mount points: directories there whatever their source is here (docker resolves a linked
         ``-v`` source once, when it mounts it)."""
-
-
-class IdentityView:
-    """The server shares our filesystem: every path is itself."""
-
-    def to_host(self, path: str) -> Optional[str]:
-        return posixpath.normpath(path)
-
-    def mount_points(self) -> tuple[str, ...]:
-        return ()
 
 
 def host_path(view: ServerView, path: str, what: str) -> str:

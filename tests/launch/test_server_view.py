@@ -21,7 +21,6 @@ from huggingface_hub import snapshot_download  # imported here: the fake contain
 from exl3tool.cache import server_identities
 from exl3tool.cache.hub import hub_cache_dir, hub_offline
 from exl3tool.checkpoint import write_llama_checkpoint
-from exl3tool.errors import ConfigError
 from exl3tool.launch import Explicit, LaunchInput, apply_launch, load_launch, resolve_launch
 from exl3tool.warm import WarmRequest
 
