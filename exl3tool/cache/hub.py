@@ -12,14 +12,19 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exl3tool.errors import ConfigError
+
+if TYPE_CHECKING:
+    from exl3tool.cache.serverfs import ServerView
 
 __all__ = ["ResolvedRevision", "resolve_hub_revision", "hub_cache_dir", "hub_offline"]
 
 _FULL_HASH = re.compile(r"^[0-9a-f]{40}$")
 _HEX = re.compile(r"^[0-9a-f]{4,40}$")
-_TRUE = {"1", "true", "yes", "on"}
+_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub.constants.ENV_VARS_TRUE_VALUES, compared upper-cased
+_VAR = re.compile(r"\$(\w+|\{[^}]*\})", re.ASCII)  # what posixpath.expandvars replaces
 
 
 @dataclass(frozen=True)
@@ -31,21 +36,36 @@ class ResolvedRevision:
 
 
 def hub_offline(environ: Mapping[str, str] | None = None) -> bool:
-    """True when ``HF_HUB_OFFLINE`` (or the older ``TRANSFORMERS_OFFLINE``) is set to a true value."""
+    """``huggingface_hub.constants.HF_HUB_OFFLINE`` for this environment: ``_is_true(HF_HUB_OFFLINE or
+    TRANSFORMERS_OFFLINE)``: the first *non-empty* of the two, upper-cased, in {1, ON, YES, TRUE}, unstripped (so
+    ``HF_HUB_OFFLINE=0`` wins over ``TRANSFORMERS_OFFLINE=1``, and `` 1`` is not true)."""
     env = os.environ if environ is None else environ
-    return any(env.get(name, "").strip().lower() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    value = env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE")
+    return bool(value) and value.upper() in _TRUE
+
+
+def _expand(value: str, env: Mapping[str, str]) -> str:
+    """``os.path.expandvars(os.path.expanduser(value))`` with ``env`` as the environment (an unknown ``$X`` is kept,
+    ``~user`` is left as it is)."""
+    if (value == "~" or value.startswith("~/")) and "HOME" in env:
+        value = (env["HOME"].rstrip("/") + value[1:]) or "/"
+
+    def repl(m: re.Match) -> str:
+        name = m.group(1)[1:-1] if m.group(1).startswith("{") else m.group(1)
+        return env.get(name, m.group(0))
+
+    return _VAR.sub(repl, value)
 
 
 def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """The local Hub cache, read from the environment at call time (``HF_HUB_CACHE``, ``HF_HOME/hub``, ...)."""
+    """``huggingface_hub.constants.HF_HUB_CACHE`` for this environment: ``HF_HUB_CACHE``, else the legacy
+    ``HUGGINGFACE_HUB_CACHE``, else ``HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else
+    ``~/.cache/huggingface/hub``; ``~`` and ``$VAR`` expanded as huggingface_hub does (with this environment)."""
     env = os.environ if environ is None else environ
-    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if env.get(name):
-            return Path(os.path.expanduser(env[name]))
-    if env.get("HF_HOME"):
-        return Path(os.path.expanduser(env["HF_HOME"])) / "hub"
-    xdg = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "huggingface" / "hub"
+    home_default = os.path.join(_expand("~", env) if "HOME" in env else os.path.expanduser("~"), ".cache")
+    hf_home = _expand(env.get("HF_HOME", os.path.join(env.get("XDG_CACHE_HOME", home_default), "huggingface")), env)
+    legacy = env.get("HUGGINGFACE_HUB_CACHE", os.path.join(hf_home, "hub"))
+    return Path(_expand(env.get("HF_HUB_CACHE", legacy), env))
 
 
 def _resolve_local(repo_id: str, revision: str, cache: Path) -> ResolvedRevision:
@@ -73,18 +93,34 @@ def _resolve_local(repo_id: str, revision: str, cache: Path) -> ResolvedRevision
     )
 
 
-def resolve_hub_revision(
-    repo_id: str, revision: str | None = None, *, environ: Mapping[str, str] | None = None
-) -> ResolvedRevision:
-    """The full commit of ``repo_id`` at ``revision`` (default ``main``); ConfigError when it cannot be resolved."""
-    rev = revision or "main"
+def _cache_here(environ: Mapping[str, str] | None, view: "ServerView | None") -> Path:
+    """The Hub cache of ``environ`` (the server's), where it is here through ``view``; exl3tool's own cache when the
+    server's is not reachable from here (a cache inside the image)."""
     cache = hub_cache_dir(environ)
+    if view is None:
+        return cache
+    here = view.to_host(str(cache)) if cache.is_absolute() else None
+    return Path(here) if here is not None else hub_cache_dir(None)
+
+
+def resolve_hub_revision(
+    repo_id: str, revision: str | None = None, *, environ: Mapping[str, str] | None = None,
+    view: "ServerView | None" = None,
+) -> ResolvedRevision:
+    """The full commit of ``repo_id`` at ``revision`` (default ``main``); ConfigError when it cannot be resolved.
+
+    ``environ`` is the server's environment: its Hub cache (``HF_HUB_CACHE``, ``HF_HOME``, ...), read here through
+    ``view`` (the launch's mounts), answers offline or when the Hub cannot be reached; the Hub is asked unless the
+    server's environment or exl3tool's own sets ``HF_HUB_OFFLINE``.
+    """
+    rev = revision or "main"
+    cache = _cache_here(environ, view)
     if _FULL_HASH.match(rev):
         # Already a commit: the server records exactly this hash as _commit_hash; nothing to look up.
         present = (cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / rev).is_dir()
         where = "snapshot present in the local Hub cache" if present else "not in the local Hub cache"
         return ResolvedRevision(rev, f"given as a full commit hash ({where})")
-    if hub_offline(environ):
+    if hub_offline(environ) or hub_offline(None):
         return _resolve_local(repo_id, rev, cache)
     try:
         from huggingface_hub import HfApi

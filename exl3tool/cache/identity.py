@@ -10,14 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from exl3tool.cache.hub import resolve_hub_revision
+from exl3tool.cache.serverfs import ServerView, host_path, server_realpath
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.output import plural
 
@@ -169,11 +171,12 @@ def _outside_shard_on_server(real: str, name: str, target: str, server: str) -> 
     return mapped, None
 
 
-def _hub_identity(model: str, revision: str | None, commit_hash: str | None) -> ModelIdentity:
+def _hub_identity(model: str, revision: str | None, commit_hash: str | None,
+                  environ: Mapping[str, str] | None = None, view: ServerView | None = None) -> ModelIdentity:
     if commit_hash:
         rev, how, src = commit_hash, "hf_config._commit_hash given by the caller (takes precedence over --revision)", "commit-hash"
     else:
-        resolved = resolve_hub_revision(model, revision)
+        resolved = resolve_hub_revision(model, revision, environ=environ, view=view)
         rev, how, src = resolved.sha, resolved.how, "hub-resolved"
     payload = _default_json({"kind": "hub", "model": model, "revision": rev})
     return ModelIdentity(
@@ -223,10 +226,20 @@ def _missing_index_shards(real: str) -> list[str]:
             for f in named if not os.path.isfile(os.path.join(real, f))]
 
 
-def _directory_identity(real: str, server: str, rev: str | None, rev_how: str, rev_from: str) -> ModelIdentity:
+def _in_view(view: ServerView | None, server: str, name: str) -> tuple[str, str]:
+    """(the server's resolved path of ``server/name``, where that is here), resolved in the server's filesystem."""
+    assert view is not None
+    target = server_realpath(view, posixpath.join(server, name), "the model's file")
+    return target, host_path(view, target, f"the model's file {posixpath.join(server, name)} resolves to")
+
+
+def _directory_identity(real: str, server: str, rev: str | None, rev_how: str, rev_from: str,
+                        view: ServerView | None = None) -> ModelIdentity:
+    """``view`` given: ``server`` is the server's resolved path, every marker and shard is resolved in its
+    filesystem (its links read through the view); else links are resolved here and re-rooted under ``server``."""
     markers = []
     for name in MARKER_FILES:
-        path = os.path.join(real, name)
+        path = _in_view(view, server, name)[1] if view is not None else os.path.join(real, name)
         if os.path.isfile(path):
             markers.append([name, _file_sha256(path)])
     names = os.listdir(real)
@@ -235,7 +248,10 @@ def _directory_identity(real: str, server: str, rev: str | None, rev_how: str, r
     mapped = 0
     for suffix in SHARD_SUFFIXES:
         for name in sorted(n for n in names if n.endswith(suffix)):  # hidden files and directories included
-            target = os.path.realpath(os.path.join(real, name))
+            if view is not None:
+                on_view, target = _in_view(view, server, name)
+            else:
+                target = os.path.realpath(os.path.join(real, name))
             try:
                 st = os.stat(target)
             except OSError as exc:
@@ -243,8 +259,8 @@ def _directory_identity(real: str, server: str, rev: str | None, rev_how: str, r
                     f"{os.path.join(real, name)}: cannot stat shard ({exc.strerror}); the server would fail start-up too. "
                     "Fix or remove the broken file/link"
                 ) from None
-            on_server = _server_string(target, real, server)
-            if server != real and on_server == target and not target.startswith(real.rstrip("/") + "/"):
+            on_server = on_view if view is not None else _server_string(target, real, server)
+            if view is None and server != real and on_server == target and not target.startswith(real.rstrip("/") + "/"):
                 on_server, warning = _outside_shard_on_server(real, name, target, server)
                 mapped += warning is None
                 if warning:
@@ -271,8 +287,14 @@ def resolve_model_identity(
     revision: str | None = None,
     server_path: str | None = None,
     commit_hash: str | None = None,
+    view: ServerView | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ModelIdentity:
     """The server's ``model_identity`` for ``--model`` ``model`` (spec §2.4, revision precedence §3).
+
+    ``view`` (a launch's filesystem map): ``server_path`` is the model path exactly as the server holds it (after
+    vLLM's HF_HUB_OFFLINE rewrite), resolved here in the server's filesystem, links read through its mounts;
+    ``environ`` is the server's environment, whose Hub cache answers a Hub revision offline.
 
     A name that is not an existing path is a Hub repo id: its revision (default ``main``) is resolved to
     the full commit hash, as transformers' ``_commit_hash`` would be; ``commit_hash`` overrides it.
@@ -283,6 +305,8 @@ def resolve_model_identity(
     are taken from our copy, so the copy must preserve mtimes (``cp -p``, ``rsync -t``) or the server
     computes a different identity and every look-up misses. Commands call ``server_identities``.
     """
+    if view is not None and server_path is not None:
+        return _model_in_view(server_path, view, revision, commit_hash)
     p = os.path.expanduser(model)
     if not os.path.exists(p):
         if server_path is not None:
@@ -291,7 +315,7 @@ def resolve_model_identity(
             validate_repo_id(model)
         except HFValidationError:
             raise InputError(f"{model!r}: no such local path, and not a valid Hub repo id (expected 'org/name')") from None
-        return _hub_identity(model, revision, commit_hash)
+        return _hub_identity(model, revision, commit_hash, environ if view is not None else None, view)
     real = os.path.realpath(p)
     if server_path is not None:
         if not os.path.isabs(server_path):
@@ -301,16 +325,36 @@ def resolve_model_identity(
         server = real
     if os.path.isfile(real):
         return _file_identity(real, server)
-    snapshot = _snapshot_hash(server_path if server_path is not None else p)
+    return _directory_identity(real, server, *_local_revision(server_path if server_path is not None else p,
+                                                               revision, commit_hash))
+
+
+def _local_revision(given: str, revision: str | None, commit_hash: str | None) -> tuple[str | None, str, str]:
+    """(revision, how, source) of a local checkpoint: transformers' ``_commit_hash`` is taken from the path as
+    vLLM holds it (``given``, before any link is resolved), then ``--revision``."""
+    snapshot = _snapshot_hash(given)
     if commit_hash:
-        rev, how, src = commit_hash, "hf_config._commit_hash given by the caller", "commit-hash"
-    elif snapshot:
-        rev, how, src = snapshot, "the snapshots/<hash> folder name of the server's path, as transformers sets _commit_hash", "snapshot"
-    elif revision:
-        rev, how, src = revision, "--revision as given", "option"
-    else:
-        rev, how, src = None, "no commit hash and no --revision", "none"
-    return _directory_identity(real, server, rev, how, src)
+        return commit_hash, "hf_config._commit_hash given by the caller", "commit-hash"
+    if snapshot:
+        return snapshot, "the snapshots/<hash> folder name of the server's path, as transformers sets _commit_hash", "snapshot"
+    if revision:
+        return revision, "--revision as given", "option"
+    return None, "no commit hash and no --revision", "none"
+
+
+def _model_in_view(given: str, view: ServerView, revision: str | None, commit_hash: str | None) -> ModelIdentity:
+    """The identity of the server's model path ``given``, resolved in the server's filesystem (``view``)."""
+    resolved = server_realpath(view, given, "the model")
+    here = host_path(view, resolved, f"the model {given} resolves to")
+    if not os.path.exists(here):
+        raise ConfigError(f"the model {given} (in the server's filesystem {resolved}, here {here}) does not exist: "
+                          "the server could not load it; fix the path or the mounts")
+    mid = _file_identity(here, resolved) if os.path.isfile(here) else _directory_identity(
+        here, resolved, *_local_revision(given, revision, commit_hash), view=view)
+    if resolved != posixpath.normpath(given):
+        mid = replace(mid, derivation=f"{given} resolves in the server's filesystem to {resolved} (the server keys "
+                                      f"the resolved path); {mid.derivation}")
+    return mid
 
 
 def _walk_py_files(root: str) -> list[tuple[str, ...]]:
@@ -468,18 +512,20 @@ def server_identities(
     encoder_source: str | None = None,
     hub_commit: str | None = None,
     environ: Mapping[str, str] | None = None,
+    view: ServerView | None = None,
 ) -> ServerIdentities:
     """The one function that decides the identities for ``identity``, ``encode``, ``cache warm`` and ``verify``.
 
     ``hub_commit`` is the commit of the snapshot a command downloaded for a Hub repo id, so the key names the
     weights that were read; it never applies to a local checkpoint, whose revision is what the *server* derives:
     the ``snapshots/<hash>`` folder of its path (``server_path`` when given, not our copy's), else ``revision``.
+    ``view`` (from a launch): ``server_path`` is resolved in the server's filesystem (``resolve_model_identity``).
 
     >>> server_identities("./m", server_path="/models/m", encoder_root="/opt/exllamav3", encoder_revision="v1")  # doctest: +SKIP
     """
     local = os.path.exists(os.path.expanduser(model))
     mid = resolve_model_identity(model, revision=revision, server_path=server_path,
-                                 commit_hash=None if local else hub_commit)
+                                 commit_hash=None if local else hub_commit, view=view, environ=environ)
     settings = encoder_settings(encoder_root, encoder_revision, environ, source_dir=encoder_source)
     eid = resolve_encoder_identity(settings.root, settings.revision, source=settings.source_dir)
     server_rev, note, rev_warnings = _revision_advice(mid, revision)

@@ -72,7 +72,7 @@ def identity(
     overlay = resolve_overlay(request.quantization_config)
     ids = server_identities(model, revision=request.revision, server_path=request.server_path,
                             encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
-                            encoder_source=request.encoder_source, environ=environ)
+                            encoder_source=request.encoder_source, environ=environ, view=request.server_view)
     mid, eid, settings = ids.model, ids.encoder, ids.encoder_settings
     table = Table(title="Identities", show_header=True)
     table.add_column("")

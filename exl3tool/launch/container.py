@@ -35,7 +35,12 @@ class Mount:
 
 @dataclass(frozen=True)
 class PathMap:
-    """The server's paths as paths here: through bind mounts (the deepest mount wins), or a process root."""
+    """The server's paths as paths here: through bind mounts (the deepest mount wins), else a process root.
+
+    ``--pid`` of a server in another mount namespace or a chroot has both: its bind mounts mapped to host paths
+    from ``/proc/PID/mountinfo``, and ``/proc/PID/root`` for what is in its image. A ``ServerView``
+    (``cache.serverfs``): ``server_realpath`` resolves links with it as the server does.
+    """
 
     mounts: tuple[Mount, ...] = ()
     container: bool = False  # paths not under a mount are inside the image, not here
@@ -44,9 +49,7 @@ class PathMap:
     def to_host(self, path: str) -> Optional[str]:
         """Where ``path`` (absolute, as the server sees it) is here; None when it is inside the image only."""
         path = posixpath.normpath(path)
-        if self.root is not None:
-            return self.root.rstrip("/") + path
-        if not self.container:
+        if self.root is None and not self.container:
             return path
         best: Optional[Mount] = None
         for m in self.mounts:
@@ -54,10 +57,16 @@ class PathMap:
             if path == inside or path.startswith(inside.rstrip("/") + "/"):
                 if best is None or len(inside) > len(posixpath.normpath(best.inside)):
                     best = m
+        if (best is None or best.host is None) and self.root is not None:
+            return self.root.rstrip("/") + path
         if best is None or best.host is None:
             return None
         rel = posixpath.relpath(path, posixpath.normpath(best.inside))
         return best.host if rel == "." else posixpath.join(best.host, rel)
+
+    def mount_points(self) -> tuple[str, ...]:
+        """The server's mount points (directories in its view, whatever their source is here)."""
+        return tuple(posixpath.normpath(m.inside) for m in self.mounts)
 
     def mount_for(self, path: str) -> Optional[Mount]:
         """The mount ``path`` lies under (None outside every mount)."""

@@ -120,7 +120,7 @@ def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = N
         start = find_server(words)
         assert start is not None
         env = {k: EnvValue(v, "launch env", f"/proc/{proc_launch.pid}/environ") for k, v in proc_launch.environ.items()}
-        paths = PathMap(root=proc_launch.root)
+        paths = PathMap(proc_launch.mounts, container=proc_launch.root is not None, root=proc_launch.root)
         if start.kind in ("docker", "podman"):
             launch = _container(list(start.words) or words, start, proc_launch.environ, proc_launch.cwd or "/")
         else:

@@ -87,6 +87,6 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
         tp_sizes=tp_sizes, bits=settings.bits, dtype=settings.dtype, quantization_config=settings.quantization_config,
         encoder_root=settings.encoder_root, encoder_revision=settings.encoder_revision,
         encoder_source=settings.encoder_source, cache_dir=settings.cache_dir or request.cache_dir,
-        language_model_only=settings.language_model_only,
+        language_model_only=settings.language_model_only, server_view=settings.view,
     )
     return out, settings, settings.environ

@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from exl3tool.cache.hub import hub_cache_dir, hub_offline
+from exl3tool.cache.serverfs import server_realpath
 from exl3tool.errors import ConfigError
 from exl3tool.launch.container import PathMap
 from exl3tool.launch.env import EnvLayers, EnvValue
@@ -99,6 +102,7 @@ class LaunchSettings:
     defaulted: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    view: Optional[PathMap] = None  # the server's filesystem, when its model path is resolved there (not ours)
     lookup_off: tuple[str, ...] = ()  # why the launched server makes no look-up at all ("" reasons: it makes some)
 
     @property
@@ -202,6 +206,7 @@ class _Builder:
         self.defaulted: list[str] = []
         self.warnings: list[str] = []
         self.notes: list[str] = []
+        self.view: Optional[PathMap] = None  # set when the identity is computed in the server's filesystem
 
     def put(self, name: str, value: Any, source: str, detail: str = "") -> Any:
         self.settings[name] = Setting(value, source, detail)
@@ -267,17 +272,22 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
             if _looks_like_path(name):
                 raise
             server = None  # a relative name with no known working directory: a Hub repo id
-        host = paths.to_host(server) if server else None
-        if host is not None and os.path.exists(os.path.expanduser(host)):
+        host = _seen(paths, server) if server else None
+        if host is not None:
             local_here = host
         elif not _looks_like_path(name):
             server = None  # a Hub repo id
     elif launch.workdir and paths.container:  # a relative folder under the container's working directory?
         candidate = posixpath.join(launch.workdir, name)
-        host = paths.to_host(candidate)
-        if host is not None and os.path.exists(host):
+        host = _seen(paths, candidate)
+        if host is not None:
             server, local_here = posixpath.normpath(candidate), host
     if server is not None and local_here is None and explicit.model is None:
+        if paths.to_host(server) is not None:  # on a mount, yet not seen: a link that leaves the mounts?
+            try:
+                server_realpath(paths, server, "the launch's model")
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; or pass MODEL, a copy here with mtimes kept, with --server-path") from None
         where = ("it is not on a bind mount of the launch" if paths.container and paths.to_host(server) is None
                  else f"it does not exist here at {paths.to_host(server)}")
         raise ConfigError(f"the launch's model {name}: {where}; pass MODEL, a copy here with mtimes kept (cp -a, "
@@ -299,9 +309,85 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         return model_here, None  # a Hub repo id
     if explicit.model is None and not paths.container and paths.root is None:
         # the server's own filesystem: the identity is computed from the path as it resolves here
-        return (name if launch.form == "command" else model_here), None
+        return (name if launch.form == "command" else server), None  # as given: transformers reads it unresolved
     b.put("server_path", server, "launch argument", f"{how}: the identity uses the server's path")
+    if explicit.model is None:
+        b.view = paths  # the server's path is resolved in its own filesystem, links read through the mounts
+        resolved = server_realpath(paths, server, "the launch's model")
+        if resolved != server:
+            b.put("server_path_resolved", resolved, "launch argument",
+                  f"{server} resolved in the server's filesystem (its links read through the launch's mounts)")
     return model_here, server
+
+
+_HF_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME",
+            "XDG_CACHE_HOME", "HOME")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")  # huggingface_hub's REGEX_COMMIT_HASH
+
+
+def _hf_env(b: _Builder) -> dict[str, str]:
+    """The server's values of the variables huggingface_hub reads for its cache and offline mode; a container does
+    not inherit ours (an image's ENV must come from the launch or an --env-file)."""
+    if b.launch.form in ("docker", "podman"):
+        given = {**b.layers.files, **b.layers.launch}
+        return {var: given[var].value for var in _HF_VARS if var in given}
+    return {var: item.value for var in _HF_VARS if (item := b.env(var)) is not None}
+
+
+def _offline_snapshot(b: _Builder, launch: ServerLaunch, repo: str, revision: Optional[str]) -> tuple[str, str]:
+    """HF_HUB_OFFLINE: the snapshot folder vLLM serves instead of the repo id, and where it is here.
+
+    vLLM's ``EngineArgs.__post_init__`` (``vllm/engine/arg_utils.py``) replaces the model by
+    ``get_model_path(model, revision)`` (``vllm/transformers_utils/repo_utils.py``): ``snapshot_download(repo,
+    revision, local_files_only=True)``, which takes a 40-hex revision as the commit, else reads
+    ``refs/<revision>`` (default ``main``) of ``<HF_HUB_CACHE>/models--org--name``, and returns
+    ``snapshots/<commit>`` when it exists; else the server does not start (LocalEntryNotFoundError).
+    """
+    env = _hf_env(b)
+    if not any(v in env for v in _HF_VARS[2:]):
+        raise ConfigError(f"the launch serves the Hub repo {repo} with HF_HUB_OFFLINE, so the server reads it from its "
+                          "Hub cache, under a HOME the launch does not give: pass HF_HUB_CACHE (or HF_HOME, HOME) "
+                          "with -e in the launch or in an --env-file")
+    cache = _server_path(str(hub_cache_dir(env)), launch, "Hub cache (HF_HUB_CACHE)")
+    storage = posixpath.join(cache, "models--" + repo.replace("/", "--"))
+    rev = revision or "main"
+    paths = launch.paths
+    if _COMMIT.match(rev):
+        commit, how = rev, f"--revision {rev} is a commit"
+    else:
+        ref = posixpath.join(storage, "refs", rev)
+        here = _seen(paths, ref)
+        if here is None or not os.path.isfile(here):
+            raise ConfigError(f"the launch serves the Hub repo {repo} with HF_HUB_OFFLINE, and its Hub cache has no "
+                              f"{ref} (here: {paths.to_host(ref) or 'not on a mount'}): the server would not start "
+                              f"(LocalEntryNotFoundError); download {repo} into {cache} or start the server with the "
+                              "full commit hash as --revision")
+        with open(here, encoding="utf-8") as fh:
+            commit = fh.read()  # taken as read, as snapshot_download does (no strip)
+        how = f"refs/{rev} holds {commit.strip()}"
+    snapshot = posixpath.join(storage, "snapshots", commit)
+    here = _seen(paths, snapshot)
+    if here is None:
+        raise ConfigError(f"the launch serves the Hub repo {repo} with HF_HUB_OFFLINE ({how}), and {snapshot} is not "
+                          f"in its Hub cache (here: {paths.to_host(snapshot) or 'not on a mount'}): the server would "
+                          f"not start (LocalEntryNotFoundError); download {repo} into {cache}")
+    var = "HF_HUB_OFFLINE" if env.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"  # huggingface_hub's order
+    item = b.env(var)
+    b.put("hf_hub_offline", True, item.source if item else "launch env", f"{var}={env[var]}")
+    b.put("server_path", snapshot, "launch argument",
+          f"HF_HUB_OFFLINE: vLLM serves the snapshot folder of {repo} in its Hub cache {cache} ({how}), so the "
+          "identity is that directory's, not the Hub repo's")
+    b.view = paths
+    return here, snapshot
+
+
+def _seen(paths: PathMap, server: str) -> Optional[str]:
+    """Where the server's path ``server`` is here once resolved as the server resolves it, if it exists."""
+    try:
+        here = paths.to_host(server_realpath(paths, server))
+    except ConfigError:
+        return None
+    return here if here is not None and os.path.exists(here) else None
 
 
 def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache: bool = True) -> str:
@@ -315,6 +401,7 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         root = b.env("VLLM_CACHE_ROOT")
         xdg = b.env("XDG_CACHE_HOME")
         home = b.env("HOME")
+        _legacy_cache_dir(b, root, xdg, home)
         if root is not None:
             base, via = root.value, root
             server = posixpath.join(base, "exl3_online")
@@ -361,6 +448,32 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     b.put("cache_dir_here", here, "launch argument",
           "the server's cache root" if here == server else f"{server} through the launch's volumes")
     return here
+
+
+def _legacy_cache_dir(b: _Builder, root: Optional[EnvValue], xdg: Optional[EnvValue],
+                      home: Optional[EnvValue]) -> None:
+    """``VLLM_CACHE_DIR``, which deployments set as if it named vLLM's cache root: the fork's ``vllm/envs.py`` reads
+    ``VLLM_CACHE_ROOT`` only (default ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``; ``VLLM_CACHE_DIR`` appears
+    nowhere in its history), so it changes nothing; a warning when the root it seems to name is not the server's."""
+    item = b.env("VLLM_CACHE_DIR")
+    if item is None:
+        return
+    if root is not None:
+        actual = root.value
+    elif xdg is not None:
+        actual = posixpath.join(xdg.value, "vllm")
+    elif home is not None:
+        actual = posixpath.join(home.value, ".cache", "vllm")
+    else:
+        actual = "~/.cache/vllm"
+    b.put_env("vllm_cache_dir", "VLLM_CACHE_DIR", item)
+    b.settings["vllm_cache_dir"] = Setting(item.value, item.source, b.settings["vllm_cache_dir"].detail
+                                           + ": not read by the server (vLLM's root is VLLM_CACHE_ROOT)")
+    if posixpath.normpath(item.value) != posixpath.normpath(actual):
+        b.warnings.append(f"VLLM_CACHE_DIR={item.value} is not read by the server (the fork's vllm/envs.py takes its "
+                          f"cache root from VLLM_CACHE_ROOT only): its root is {actual}, so the online cache is "
+                          f"{posixpath.join(actual, 'exl3_online')}; set VLLM_CACHE_ROOT={item.value} (or "
+                          "VLLM_EXL3_ONLINE_CACHE_DIR) in the launch if that is where it should be")
 
 
 def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, Optional[str], Optional[str]]:
@@ -460,6 +573,14 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         revision = b.arg("revision", rev[0], rev[1])
     else:
         revision = b.put("revision", None, "default", "not given")
+    if server_path is None and explicit.model is None and hub_offline(_hf_env(b)):
+        modelscope = b.env("VLLM_USE_MODELSCOPE")
+        if modelscope is not None and modelscope.value.lower() == "true":  # vllm/envs.py's test
+            raise ConfigError("the launch sets VLLM_USE_MODELSCOPE with HF_HUB_OFFLINE: the server reads ModelScope's "
+                              "cache, which exl3tool does not model; pass MODEL and --server-path of the folder")
+        model, server_path = _offline_snapshot(b, launch, model, revision)
+    elif server_path is None and explicit.model is None:
+        b.view = launch.paths  # a Hub repo: its revision resolves with the server's Hub cache when offline
     tp_launch, tp_how = _int_arg(args, "tp_size", 1)
     if tp_how:
         b.arg("tp_size", tp_launch, tp_how)
@@ -579,4 +700,4 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     return LaunchSettings(
         launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,
         cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings), tuple(launch.notes) + tuple(b.notes),
-        tuple(off))
+        view=b.view, lookup_off=tuple(off))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -101,6 +101,7 @@ class WarmRequest:
     gpu_memory_gib: Optional[float] = None  # GPU memory budget per worker (None: what is free less a margin)
     lock_timeout: Optional[float] = None  # give up on an entry lock held this long (None: wait while its holder lives)
     language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
+    server_view: Optional[Any] = None  # a launch's filesystem map (cache.serverfs.ServerView): server_path resolves there
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -136,6 +137,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
             request.model, revision=request.revision, server_path=request.server_path,
             encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
             encoder_source=request.encoder_source, hub_commit=checkpoint.commit_hash, environ=environ,
+            view=request.server_view,
         )
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
     layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "checkpoint"))  
 
 SERVER_VARS = ("VLLM_EXL3_ONLINE_TRELLIS_BITS", "VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION",
                "VLLM_EXL3_ONLINE_CACHE_DIR", "VLLM_EXL3_ONLINE_CACHE_MODE", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME",
-               "HF_HOME", "HF_HUB_CACHE")
+               "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_CACHE_DIR")
 
 
 @pytest.fixture(autouse=True)
