@@ -31,6 +31,14 @@ _HOW_TO_PASS = ("an image may set it in its ENV: pass it with -e NAME=VALUE in t
                 "FILE, or read a running server with --pid PID")
 
 
+def _how_to_pass(launch: "ServerLaunch", var: str) -> str:
+    """How to give ``var``; when the image's ENV could not be read, that first (it may be where ``var`` is set)."""
+    if launch.image_note:
+        return (f"the image's ENV, where {var} may be set, was not read: {launch.image_note}; pass {var} with "
+                f"--env-file FILE (a line {var}=VALUE) or -e {var}=VALUE in the launch")
+    return _HOW_TO_PASS
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting's value and where it came from (``source`` a kind, ``detail`` the flag, variable or file)."""
@@ -57,6 +65,7 @@ class ServerLaunch:
     ignored: tuple[str, ...] = ()  # wrapper words and runner options that change nothing
     notes: tuple[str, ...] = ()
     pid: Optional[int] = None
+    image_note: str = ""  # why the image's ENV could not be read ("" when read, or no image)
 
 
 @dataclass(frozen=True)
@@ -296,7 +305,8 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
                               "--env-file) or exl3tool's --cache-dir")
         if server is not None and root is None:
             b.defaulted.append("VLLM_EXL3_ONLINE_CACHE_DIR and VLLM_CACHE_ROOT were not given: the server's cache "
-                               f"root is its default {server}; " + _HOW_TO_PASS)
+                               f"root is its default {server}; "
+                               + _how_to_pass(launch, "VLLM_EXL3_ONLINE_CACHE_DIR"))
     if server is not None and server.startswith("~"):
         home = b.env("HOME")
         if home is None:
@@ -333,8 +343,8 @@ def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str
         item = b.env("VLLM_EXL3_ENCODER_SOURCE")
         if item is None or not item.value.strip():
             raise ConfigError("VLLM_EXL3_ENCODER_SOURCE was not given (not in the launch, an --env-file or this "
-                              "environment) and the server needs it for every look-up; " + _HOW_TO_PASS
-                              + "; or pass --encoder-root")
+                              "environment) and the server needs it for every look-up; "
+                              + _how_to_pass(launch, "VLLM_EXL3_ENCODER_SOURCE") + "; or pass --encoder-root")
         root = b.put_env("encoder_root", "VLLM_EXL3_ENCODER_SOURCE", item)
     revision: Optional[str]
     if explicit.encoder_revision is not None:
@@ -347,7 +357,8 @@ def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str
             revision = b.put("encoder_revision", None, "default",
                              "not given: the server hashes the encoder's .py files")
             b.defaulted.append("VLLM_EXL3_ENCODER_REVISION was not given: the encoder identity hashes the .py files "
-                               f"under {root} as the server sees them; " + _HOW_TO_PASS)
+                               f"under {root} as the server sees them; "
+                             + _how_to_pass(launch, "VLLM_EXL3_ENCODER_REVISION"))
     source: Optional[str] = None
     if explicit.encoder_source:
         source = b.put("encoder_source", explicit.encoder_source, "flag", "--encoder-source")
@@ -511,7 +522,8 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         else:
             bits = b.put("bits", 6, "default", "VLLM_EXL3_ONLINE_TRELLIS_BITS not given")
             b.defaulted.append("VLLM_EXL3_ONLINE_TRELLIS_BITS was not given: without it the server runs no online "
-                               "Trellis and looks nothing up; exl3tool plans 6 bits; " + _HOW_TO_PASS)
+                               "Trellis and looks nothing up; exl3tool plans 6 bits; "
+                               + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
     enc_root, enc_rev, enc_src = _encoder(b, launch, explicit)
     cache_dir = _cache_dir(b, launch, explicit, need_cache)
     mode_item = b.env("VLLM_EXL3_ONLINE_CACHE_MODE")
