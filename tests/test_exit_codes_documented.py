@@ -58,7 +58,7 @@ CLAIMS = [
     ("docs/cache.md", "Exit 0 when every look-up hits, 1 when", "cache_check"),
     ("docs/deploy.md", "exits 0 when every look-up hits, 1 when any misses", "cache_check"),
     ("help: cache check", "Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error", "cache_check"),
-    ("README.md", "Refused, naming the flag (exit 2): `--hf-overrides`", "launch_refusals"),
+    ("README.md", "Refused, naming the flag (exit 2): `--hf-config-path`", "launch_refusals"),
     ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
     ("docs/deploy.md", "stops the warm with exit 2 naming it", "launch_refusals"),
     ("README.md", "(exit 2 with both figures) before its first encode", "disk_full"),
@@ -283,7 +283,7 @@ def scenario_cache_check(m, tmp, monkeypatch):
 
 def scenario_launch_refusals(m, tmp, monkeypatch):
     base = ["cache", "warm", "--cache-dir", tmp / "c", "--dry-run", *ENC]
-    assert run([*base, "--launch", f"vllm serve {m['good']} --hf-overrides '{{}}'"]) == 2
+    assert run([*base, "--launch", f"vllm serve {m['good']} --hf-config-path /cfg"]) == 2
     assert run([*base, "--launch", f"vllm serve {m['good']} --quantization-config '{{not json'"]) == 2
     assert run([*base, "--env-file", tmp / "missing.env", "--launch", f"vllm serve {m['good']}"]) == 2
     assert run([*base, "--launch", "vllm serve"]) == 2  # no model in the launch

@@ -107,6 +107,7 @@ class LaunchSettings:
     defaulted: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    hf_overrides: Optional[str] = None  # the launch's --hf-overrides, as canonical JSON
 
     def as_json(self) -> dict:
         """The ``launch`` block of ``--json``: form, settings with sources, defaulted, ignored and unknown flags."""
@@ -538,6 +539,23 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         b.put("cache_mode", "readwrite", "default", "VLLM_EXL3_ONLINE_CACHE_MODE not given")
     if explicit.tp_sizes:
         b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-sizes / --tp-size")
+    hf_overrides = _hf_overrides(b, args)
     return LaunchSettings(
         launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,
-        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings), tuple(launch.notes) + tuple(b.notes))
+        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings), tuple(launch.notes) + tuple(b.notes),
+        hf_overrides)
+
+
+def _hf_overrides(b: _Builder, args: ServerArgs) -> Optional[str]:
+    """The launch's ``--hf-overrides`` (JSON or dotted ``--hf-overrides.key value``), checked and kept as JSON."""
+    from exl3tool.checkpoint.overrides import parse_hf_overrides
+
+    raw = _arg(args, "hf_overrides")
+    if raw is None:
+        return None
+    value = parse_hf_overrides(raw[0], f"the launch's {raw[1]}")
+    if not value:
+        return None
+    b.arg("hf_overrides", value, raw[1])
+    b.notes.append(f"{raw[1]} is applied to config.json before planning, as the server applies it")
+    return json.dumps(value, sort_keys=True)
