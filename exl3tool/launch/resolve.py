@@ -271,7 +271,7 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         return model_here, None  # a Hub repo id
     if explicit.model is None and not paths.container and paths.root is None:
         # the server's own filesystem: the identity is computed from the path as it resolves here
-        return (name if launch.form == "command" else model_here), None
+        return (name if launch.form == "command" and not launch.workdir else model_here), None
     b.put("server_path", server, "launch argument", f"{how}: the identity uses the server's path")
     return model_here, server
 

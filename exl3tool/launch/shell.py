@@ -372,7 +372,10 @@ def expand(word: Word, vars: Vars, where: str, line: int, *, split: bool = True)
             present = present or seg.quoted or bool(seg.text)
             continue
         text = seg.text
-        value = _param(text[2:-1] if text.startswith("${") else text[1:], vars, where, line)
+        body = text[2:-1] if text.startswith("${") else text[1:]
+        value = _param(body, vars, where, line)
+        if body == "@":  # "$@" with no arguments: no word at all, quoted or not
+            continue
         if seg.quoted or not split:
             cur.append(value)
             present = True
