@@ -33,7 +33,8 @@ def parse_hf_overrides(text: Optional[str], where: str = "--hf-overrides") -> Op
         raise ConfigError(f"{where} is not valid JSON ({exc.msg} at column {exc.colno}): {text[:60]!r}; the server "
                           "takes a JSON object such as '{\"num_hidden_layers\": 40}'") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"{where} must be a JSON object of config fields (the server takes a dict), got {text[:60]!r}")
+        raise ConfigError(f"{where} must be a JSON object of config fields (the server takes a dict), "
+                          f"got {text[:60]!r}")
     return value
 
 

@@ -26,7 +26,8 @@ from exl3tool.launch.env import EnvValue
 
 __all__ = ["compose_run", "interpolate", "read_dotenv"]
 
-_VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?)([-?+])((?:[^{}]|\{[^{}]*\})*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?)([-?+])((?:[^{}]|\{[^{}]*\})*))?\}"
+                  r"|([A-Za-z_][A-Za-z0-9_]*))")
 _NOT_FOLLOWED = ("extends", "include")
 
 

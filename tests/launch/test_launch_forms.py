@@ -104,7 +104,8 @@ def test_podman_entrypoint_bash_and_env_file_of_the_run_line(tmp_path, cli, mode
     launch = (f"podman run -d --name exl3 --device nvidia.com/gpu=all --env-file {envfile} "
               f"-v {model}:/srv/model:ro,z --mount type=bind,source={cache},target=/root/.cache/vllm/exl3_online "
               "-e HOME=/root --entrypoint /bin/bash quay.io/example/vllm:exl3 -lc "
-              "\"vllm serve /srv/model -tp 2 --quantization-config \\\"\\${QUANTIZATION_CONFIG}\\\" --trust-remote-code\"")
+              "\"vllm serve /srv/model -tp 2 --trust-remote-code "  # \$: kept for the container's shell
+              "--quantization-config \\\"\\${QUANTIZATION_CONFIG}\\\"\"")
     code, got, err = _plan(cli, "--launch", launch)
     assert code == 0, err
     _same(got, want)
@@ -132,11 +133,13 @@ def test_host_command_expands_from_this_environment(tmp_path, cli, model, monkey
     monkeypatch.setenv("QC_JSON", QC)
     base = (f"VLLM_EXL3_ENCODER_SOURCE={ENC[0]} VLLM_EXL3_ENCODER_REVISION={ENC[1]} VLLM_EXL3_ONLINE_TRELLIS_BITS=5 "
             f"VLLM_EXL3_ONLINE_CACHE_DIR={cache} ")
-    code, got, err = _plan(cli, "--launch", base + 'vllm serve "$MODEL_DIR" -tp ${TP:-2} --quantization-config "$QC_JSON"')
+    code, got, err = _plan(cli, "--launch",
+                           base + 'vllm serve "$MODEL_DIR" -tp ${TP:-2} --quantization-config "$QC_JSON"')
     assert code == 0, err
     _same(got, want)
     # the argv after -- is already expanded, but a -c script in it expands from this environment
-    code, got, err = _plan(cli, "--", "bash", "-lc", base + 'vllm serve "${MODEL_DIR}" -tp 2 --quantization-config "$QC_JSON"')
+    code, got, err = _plan(cli, "--", "bash", "-lc",
+                           base + 'vllm serve "${MODEL_DIR}" -tp 2 --quantization-config "$QC_JSON"')
     assert code == 0, err
     _same(got, want)
     # single quotes keep $ literal: the overlay is then the text '$QC_JSON', which the server refuses too
@@ -182,8 +185,8 @@ def test_launch_file_straight_line_script(tmp_path, cli, model, monkeypatch):
     (tmp_path / "srv").mkdir()
     os.symlink(model, tmp_path / "srv" / "model")
     want = _want(cli, tmp_path / "srv" / "model", cache)
-    envsh = _script(tmp_path, f"export VLLM_EXL3_ENCODER_SOURCE={ENC[0]}\nexport VLLM_EXL3_ENCODER_REVISION={ENC[1]}\n",
-                    "exl3.env.sh")
+    envsh = _script(tmp_path, f"export VLLM_EXL3_ENCODER_SOURCE={ENC[0]}\n"
+                              f"export VLLM_EXL3_ENCODER_REVISION={ENC[1]}\n", "exl3.env.sh")
     run = _script(tmp_path, f"""#!/usr/bin/env bash
 # start the EXL3 server (online Trellis)
 set -euo pipefail
