@@ -180,7 +180,7 @@ def lex(text: str, *, where: str = "--launch") -> list[RawCommand]:
         elif c == '"':
             flush_buf()
             started = True
-            segs.append(Seg("", "lit", True))  # "" is a word of its own
+            opened = len(segs)
             k = i + 1
             chunk: list[str] = []
             while True:
@@ -210,7 +210,7 @@ def lex(text: str, *, where: str = "--launch") -> list[RawCommand]:
                         line += 1
                     chunk.append(d)
                     k += 1
-            if chunk:
+            if chunk or len(segs) == opened:  # "" is a word of its own ("$@" is not)
                 segs.append(Seg("".join(chunk), "lit", True))
             i = k + 1
         elif c == "\\":
