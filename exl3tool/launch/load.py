@@ -68,8 +68,8 @@ def _script_file(words: list[str], read: Callable[[str], Optional[str]]) -> Opti
         return (text, rest[0]) if text is not None else None
     if "/" in words[0] or words[0].endswith(".sh"):
         text = read(words[0])
-        if text is not None and text.startswith("#!") and text.split("\n", 1)[0].rsplit("/", 1)[-1].split()[-1] in (
-                *SHELLS, "sh"):
+        if text is not None and text.startswith("#!") and any(
+                t.rsplit("/", 1)[-1] in SHELLS for t in text.split("\n", 1)[0][2:].split()):
             return text, words[0]
     return None
 
@@ -85,7 +85,9 @@ def _find(words: list[str], env: Optional[Mapping[str, str]], read: Callable[[st
         return None
     text, name = found
     result = run_script(text, environ=dict(env or {}), where=name, workdir=workdir, read_file=read,
-                        is_server=lambda w: find_server(w) is not None, strict=env is not None)
+                        is_server=lambda w, _cwd=None: find_server(w) is not None, strict=env is not None)
+    if result is None and env is None:
+        return None  # only looking: a script that starts no server is not the launch's server
     if result is None:
         raise ConfigError(f"the launch runs the script {name}, which starts no vllm server; " + _NOT_FOUND)
     return _from_script(result, name, env is not None)
@@ -208,7 +210,7 @@ def _from_text(text: str, where: str, environ: Mapping[str, str], cwd: str) -> S
         raise ConfigError(f"{where} is empty: give the server's command line (vllm serve MODEL ...)")
     read = _text_reader(PathMap(), cwd)
     result = run_script(text, environ=environ, where=where, workdir=cwd, read_file=read,
-                        is_server=lambda w: find_server(w) is not None or _script_file(w, read) is not None)
+                        is_server=lambda w, here: _find(w, None, _text_reader(PathMap(), here), here) is not None)
     if result is None:
         raise ConfigError(f"{where}: " + _NOT_FOUND)
     exports = {n: EnvValue(v, "launch env", w) for n, (v, w) in result.exports.items()}

@@ -160,7 +160,7 @@ def find_server(words: list[str], env: Optional[Mapping[str, str]] = None) -> Op
     base_env = dict(env or {})
     base_env.update((m.group(1), m.group(2)) for w in prefix if (m := ASSIGNMENT.match(w)))
     result = run_script(_script_text(words, at), environ=base_env, where=f"the {how} script",
-                        is_server=lambda w: find_server(w) is not None, strict=env is not None)
+                        is_server=lambda w, _cwd=None: find_server(w) is not None, strict=env is not None)
     if result is None:
         return None
     found = find_server(result.words, result.environ if env is not None else None)

@@ -434,13 +434,15 @@ def _set_options(args: list[str], vars: Vars) -> bool:
     return allexport  # type: ignore[return-value]
 
 
-def run_script(text: str, *, environ: Mapping[str, str], is_server: Callable[[list[str]], bool], where: str,
+def run_script(text: str, *, environ: Mapping[str, str], is_server: Callable[[list[str], Optional[str]], bool],
+               where: str,
                workdir: Optional[str] = None, read_file: Optional[Callable[[str], Optional[str]]] = None,
                strict: bool = True, _vars: Optional[Vars] = None, _depth: int = 0) -> Optional[ScriptResult]:
     """Walk ``text`` as the shell runs it, line by line, to the first command ``is_server`` accepts.
 
-    ``environ`` is what the shell starts with (exported); ``read_file`` reads a ``source``d file (None when it cannot
-    be read). ``strict`` False (detection only): unset variables expand to nothing instead of being refused.
+    ``environ`` is what the shell starts with (exported); ``is_server(words, workdir)`` says whether a command
+    starts the server (run from ``workdir``, after the script's ``cd``s); ``read_file`` reads a ``source``d file
+    (None when it cannot be read). ``strict`` False (detection only): unset variables expand to nothing instead of being refused.
     Returns None when no command starts a server.
     """
     vars = _vars or Vars(environ, strict=strict)
@@ -577,7 +579,7 @@ def run_script(text: str, *, environ: Mapping[str, str], is_server: Callable[[li
                      *(f for w in cmd.words[k + 1:] for f in expand(w, vars, where, line))]
         finally:
             vars.strict = strict_was
-        if is_server(words):
+        if is_server(words, cwd):
             words = [*head_words, *(f for w in cmd.words[k + 1:] for f in expand(w, vars, where, line))]
             env_here = [(a, v) for a, v in assigns if v != "\0"]
             if vars.positional_note:

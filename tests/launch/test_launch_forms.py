@@ -489,3 +489,18 @@ def test_image_env_is_the_lowest_layer(tmp_path, cli, model, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     code, _, err = _plan(cli, "--launch", launch)
     assert code == 2 and "neither docker nor podman is on PATH" in err and "VLLM_EXL3_ENCODER_SOURCE" in err
+
+
+def test_a_host_script_run_by_the_launch(tmp_path, cli, model):
+    """``--launch "./prepare.sh; ./serve.sh"``: a script that starts no server is passed over, the one that does is
+    read (its #! line may carry options)."""
+    cache = tmp_path / "c"
+    want = _want(cli, model, cache)
+    _script(tmp_path, "#!/bin/sh\nmkdir -p /tmp/x\n", "prepare.sh")
+    _script(tmp_path, f"#!/bin/bash -e\nexport VLLM_EXL3_ENCODER_SOURCE={ENC[0]} VLLM_EXL3_ENCODER_REVISION={ENC[1]}\n"
+                      f"export VLLM_EXL3_ONLINE_TRELLIS_BITS=5 VLLM_EXL3_ONLINE_CACHE_DIR={cache}\n"
+                      f"exec vllm serve {model} -tp 2 --quantization-config '{QC}'\n", "serve.sh")
+    for launch in (f"cd {tmp_path} && ./prepare.sh && ./serve.sh", f"bash {tmp_path}/serve.sh --port 1"):
+        code, got, err = _plan(cli, "--launch", launch)
+        assert code == 0, err
+        _same(got, want)

@@ -56,7 +56,7 @@ def test_random_quoting_agrees_with_bash():
     rng = random.Random(os.urandom(8))
     pieces = ['"${MODEL}"', "${EXTRA}", "'$TP'", '"${QC}"', "${EMPTY:-z}", "a\\ b", '"x y"', "''", "${EMPTY}",
               "${TP}q",
-              '"\\$TP"', "--k=$TP", "p", '"a"\'b\'c']
+              '"\\$TP"', "--k=${TP}", "p", '"a"\'b\'c']
     for _ in range(40):
         words = []
         for _ in range(rng.randint(1, 5)):
@@ -74,7 +74,7 @@ def test_commands_lines_and_redirections():
 
 def test_script_walk_exports_and_scope():
     result = run_script("set -a\nA=1\nset +a\nB=2\nexport C=$B\nunset HOME\nD=4 exec vllm serve x\n",
-                        environ={"HOME": "/h", "E": "5"}, is_server=lambda w: w[:1] == ["vllm"], where="s.sh")
+                        environ={"HOME": "/h", "E": "5"}, is_server=lambda w, cwd: w[:1] == ["vllm"], where="s.sh")
     assert result.words == ["vllm", "serve", "x"] and result.prefix_env == [("D", "4")]
     assert set(result.exports) == {"A", "C"} and result.unexported == {"B": 4}
     assert result.environ == {"E": "5", "A": "1", "C": "2", "D": "4"}
@@ -91,4 +91,4 @@ def test_script_walk_exports_and_scope():
 ])
 def test_refusals_name_what(text, match):
     with pytest.raises(ConfigError, match=match):
-        run_script(text, environ={}, is_server=lambda w: w[:1] == ["vllm"], where="t")
+        run_script(text, environ={}, is_server=lambda w, cwd: w[:1] == ["vllm"], where="t")
