@@ -60,6 +60,9 @@ CLAIMS = [
     ("help: cache check", "Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error", "cache_check"),
     ("README.md", "Refused, naming the flag (exit 2): `--hf-config-path`", "launch_refusals"),
     ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
+    ("README.md", "is refused naming it and its line (exit 2)", "launch_forms"),
+    ("docs/deploy.md", "variable without a default stops the command (exit 2)", "launch_forms"),
+    ("docs/deploy.md", "**Refused, naming the file and line (exit 2)**", "launch_forms"),
     ("docs/deploy.md", "stops the warm with exit 2 naming it", "launch_refusals"),
     ("README.md", "(exit 2 with both figures) before its first encode", "disk_full"),
     ("docs/cache.md", "exits 2 with both figures when they do not fit", "disk_full"),
@@ -288,6 +291,17 @@ def scenario_launch_refusals(m, tmp, monkeypatch):
     assert run([*base, "--env-file", tmp / "missing.env", "--launch", f"vllm serve {m['good']}"]) == 2
     assert run([*base, "--launch", "vllm serve"]) == 2  # no model in the launch
     assert run([*base, "--launch", f"vllm serve {m['good']}"]) == 0  # the same launch without them plans
+
+
+def scenario_launch_forms(m, tmp, monkeypatch):
+    base = ["cache", "warm", "--cache-dir", tmp / "c", "--dry-run", *ENC]
+    script = tmp / "run.sh"
+    script.write_text(f"#!/bin/bash\nif true; then\n  vllm serve {m['good']}\nfi\n")
+    assert run([*base, "--launch-file", script]) == 2  # a conditional: not followed
+    monkeypatch.delenv("EXL3TOOL_TEST_MODEL", raising=False)
+    assert run([*base, "--launch", "vllm serve \"$EXL3TOOL_TEST_MODEL\""]) == 2  # unset, no default
+    script.write_text(f"#!/bin/bash\nset -e\nM={m['good']}\nexec vllm serve \"${{M:-/nowhere}}\"\n")
+    assert run([*base, "--launch-file", script]) == 0  # the same straight-line script plans
 
 
 def scenario_disk_full(m, tmp, monkeypatch):
