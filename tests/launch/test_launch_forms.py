@@ -504,3 +504,21 @@ def test_a_host_script_run_by_the_launch(tmp_path, cli, model):
         code, got, err = _plan(cli, "--launch", launch)
         assert code == 0, err
         _same(got, want)
+
+
+def test_hf_overrides_choose_the_hub_shards_too(tmp_path, cli, monkeypatch):
+    """A Hub model: the shards fetched are those the overridden config's layers need (the selection sees the
+    override, not config.json as stored)."""
+    repo = "test-org/tiny-override"
+    write_llama_checkpoint(tmp_path / "plain", **{**TINY, "layers": 4}, shards=4, hub_cache=tmp_path / "hub",
+                           repo_id=repo, seed=int.from_bytes(os.urandom(2), "little"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    line = (f"VLLM_EXL3_ENCODER_SOURCE={ENC[0]} VLLM_EXL3_ENCODER_REVISION={ENC[1]} "
+            f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c vllm serve {repo} --quantization-config '{QC}'")
+    code, full, err = _plan(cli, "--launch", line)
+    assert code == 0, err
+    code, cut, err = _plan(cli, "--launch", line + " --hf-overrides.num_hidden_layers 1")
+    assert code == 0, err
+    assert {j["prefix"].split(".")[2] for j in cut["jobs"]} == {"0"}
+    assert len(cut["fetch"]["shards"]) < len(full["fetch"]["shards"]), (cut["fetch"], full["fetch"])
