@@ -60,13 +60,16 @@ CLAIMS = [
     ("docs/cache.md", "Exit 0 when every look-up hits, 1 when", "cache_check"),
     ("docs/deploy.md", "exits 0 when every look-up hits, 1 when any misses", "cache_check"),
     ("help: cache check", "Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error", "cache_check"),
-    ("README.md", "Refused, naming the flag (exit 2): `--hf-overrides`", "launch_refusals"),
+    ("README.md", "Refused, naming the flag (exit 2): `--hf-config-path`", "launch_refusals"),
     ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
     ("README.md", "and exits 1 (never \"all hit\": the cache cannot make that server start warm)", "launch_refusals"),
     ("README.md", "`encode` and `verify` exit 2 (nothing would read what they write)", "launch_refusals"),
     ("README.md", "A flag the fork's parser does not know is refused (exit 2)", "launch_refusals"),
     ("docs/deploy.md", "missing stops the warm (exit 2: without it the server runs no online", "launch_refusals"),
     ("docs/deploy.md", "and `cache check` says \"0 look-ups\" and exits 1", "launch_refusals"),
+    ("README.md", "is refused naming it and its line (exit 2)", "launch_forms"),
+    ("docs/deploy.md", "variable without a default stops the command (exit 2)", "launch_forms"),
+    ("docs/deploy.md", "**Refused, naming the file and line (exit 2)**", "launch_forms"),
     ("docs/deploy.md", "stops the warm with exit 2 naming it", "launch_refusals"),
     ("README.md", "(exit 2 with both figures) before its first encode", "disk_full"),
     ("docs/cache.md", "exits 2 with both figures when they do not fit", "disk_full"),
@@ -302,7 +305,7 @@ def scenario_cache_check(m, tmp, monkeypatch):
 
 def scenario_launch_refusals(m, tmp, monkeypatch):
     base = ["cache", "warm", "--cache-dir", tmp / "c", "--dry-run", *ENC]
-    assert run([*base, "--launch", f"vllm serve {m['good']} --hf-overrides '{{}}'"]) == 2
+    assert run([*base, "--launch", f"vllm serve {m['good']} --hf-config-path /cfg"]) == 2
     assert run([*base, "--launch", f"vllm serve {m['good']} --quantization-config '{{not json'"]) == 2
     assert run([*base, "--env-file", tmp / "missing.env", "--launch", f"vllm serve {m['good']}"]) == 2
     assert run([*base, "--launch", "vllm serve"]) == 2  # no model in the launch
@@ -313,6 +316,17 @@ def scenario_launch_refusals(m, tmp, monkeypatch):
     assert run([*base, "--launch", serving]) == 0  # the same launch without them plans
     check = ["cache", "check", "--cache-dir", tmp / "c", *ENC]
     assert run([*check, "--launch", f"vllm serve {m['good']}"]) == 1  # no look-up is a finding, never "all hit"
+
+
+def scenario_launch_forms(m, tmp, monkeypatch):
+    base = ["cache", "warm", "--cache-dir", tmp / "c", "--dry-run", *ENC]
+    script = tmp / "run.sh"
+    script.write_text(f"#!/bin/bash\nif true; then\n  vllm serve {m['good']}\nfi\n")
+    assert run([*base, "--launch-file", script]) == 2  # a conditional: not followed
+    monkeypatch.delenv("EXL3TOOL_TEST_MODEL", raising=False)
+    assert run([*base, "--launch", "vllm serve \"$EXL3TOOL_TEST_MODEL\""]) == 2  # unset, no default
+    script.write_text(f"#!/bin/bash\nset -e\nM={m['good']}\nexec vllm serve \"${{M:-/nowhere}}\"\n")
+    assert run([*base, "--launch-file", script]) == 0  # the same straight-line script plans
 
 
 def scenario_disk_full(m, tmp, monkeypatch):

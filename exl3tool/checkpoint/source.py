@@ -364,14 +364,28 @@ def _index_total(root: Path) -> Optional[int]:
 
 
 def open_checkpoint(model: str, *, revision: str | None = None, token: str | bool | None = None,
-                    local_files_only: bool | None = None, select: Selector | None = None) -> Checkpoint:
+                    local_files_only: bool | None = None, select: Selector | None = None,
+                    hf_overrides: dict[str, Any] | None = None) -> Checkpoint:
     """Open ``model`` (a directory, a .safetensors file, or a Hub repo id) without loading weights.
 
     ``select`` (Hub repos with an index): given the snapshot's small files, the tensor names the plan needs; only
     the shards holding them are downloaded and read (``Checkpoint.fetch`` says how many bytes). Local checkpoints
     are read whole. Example: ``open_checkpoint("meta-llama/Llama-3.1-8B", revision="main")`` under
-    ``HF_HUB_OFFLINE=1`` reads the cached snapshot and sets ``commit_hash`` from it.
+    ``HF_HUB_OFFLINE=1`` reads the cached snapshot and sets ``commit_hash`` from it. ``hf_overrides`` (the server's
+    ``--hf-overrides``) is applied to config.json as the fork applies it, so the plan sees the server's config.
     """
+    if hf_overrides:
+        from exl3tool.checkpoint.overrides import apply_hf_overrides
+
+        base_select = select
+        if base_select is not None:
+            select = lambda root, config, names: base_select(root, apply_hf_overrides(config, hf_overrides), names)  # noqa: E731
+        checkpoint = open_checkpoint(model, revision=revision, token=token, local_files_only=local_files_only,
+                                     select=select)
+        checkpoint.config = apply_hf_overrides(checkpoint.config, hf_overrides)
+        checkpoint.config_dtype = _config_dtype(checkpoint.config, checkpoint.root / "config.json")
+        checkpoint.dtype = serving_dtype(checkpoint.config_dtype)
+        return checkpoint
     expanded = os.path.expanduser(model)
     if os.path.exists(expanded):  # like the server: an existing path wins over a repo id (spec 2.4)
         local = Path(os.path.abspath(expanded))

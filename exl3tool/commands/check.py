@@ -12,6 +12,7 @@ from exl3tool.commands.encode import (
     LAUNCH_PARAMS, ExcludeOpt, LayersOpt, ModelArg, SharedOpt, TpSizesOpt, plan_header, plan_notes, warm_request,
 )
 from exl3tool.commands.launching import EnvFileOpt, LaunchOpt, PidOpt, apply_options, launch_json
+from exl3tool.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt,
     QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt,
@@ -113,6 +114,9 @@ def cache_check(
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -12,6 +12,7 @@ from rich.text import Text
 from exl3tool.commands.launching import (
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
 )
+from exl3tool.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
     LockTimeoutOpt, OverlapOpt, ProgressOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
@@ -260,6 +261,9 @@ def encode(
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -315,6 +319,9 @@ def cache_warm(
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,

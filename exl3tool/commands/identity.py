@@ -11,6 +11,7 @@ from exl3tool.cache import server_encoder_identity, server_identities
 from exl3tool.commands.launching import (
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
 )
+from exl3tool.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.commands.options import (
     EncoderRevisionOpt,
     EncoderRootOpt,
@@ -38,6 +39,9 @@ def identity(
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

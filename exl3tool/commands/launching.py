@@ -11,7 +11,8 @@ from typer.core import TyperCommand
 from exl3tool.errors import ConfigError
 from exl3tool.output import Output
 
-__all__ = ["LaunchOpt", "PidOpt", "EnvFileOpt", "LaunchCommand", "launch_input", "given_fields", "apply_options",
+__all__ = ["LaunchOpt", "LaunchFileOpt", "ComposeOpt", "ServiceOpt", "PidOpt", "EnvFileOpt", "LaunchCommand",
+           "launch_input", "given_fields", "apply_options",
            "launch_json", "MODEL_HELP"]
 
 LaunchOpt = Annotated[
@@ -24,6 +25,29 @@ LaunchOpt = Annotated[
         "(VLLM_EXL3_*, cache root) and volumes (paths as the server sees them) give the settings; this command's own "
         "flags win. Also: the server's argv after `--`.",
     ),
+]
+LaunchFileOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--launch-file", metavar="FILE",
+        help="The server's launch script (run.sh): read as the shell runs it, straight-line (variables, export, cd, "
+        "exec, source of a readable file, line continuations) to the server's command; if/for/while, functions and "
+        "$(...) whose value is needed are refused naming the line.",
+    ),
+]
+ComposeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--compose", metavar="FILE",
+        help="A docker compose file: the server's service (image, entrypoint, command, environment, env_file, "
+        "volumes, working_dir), ${VAR} interpolated from this environment and the project's .env, as docker compose "
+        "applies them.",
+    ),
+]
+ServiceOpt = Annotated[
+    Optional[str],
+    typer.Option("--service", metavar="NAME",
+                 help="The --compose service that runs the server (default: the only one that runs vllm)."),
 ]
 PidOpt = Annotated[
     Optional[int],
@@ -62,7 +86,9 @@ def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], 
                                  "--launch out", param_hint="'--launch'")
     if argv is not None and not argv:
         raise typer.BadParameter("nothing after `--`: give the server's command line there (vllm serve MODEL ...)")
-    return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_files))
+    params = ctx.params  # the launch forms every launch-taking command declares beside --launch
+    return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_files), file=params.get("launch_file"),
+                       compose=params.get("compose"), service=params.get("service"))
 
 
 def given_fields(ctx: typer.Context, fields: dict[str, str]) -> set[str]:
@@ -97,7 +123,8 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
 
     li = launch_input(ctx, launch, pid, env_files)
     if not li.launch_given and not request.model:
-        raise typer.BadParameter("give MODEL, or the server's launch with --launch COMMAND, --pid PID or -- ARGV",
+        raise typer.BadParameter("give MODEL, or the server's launch with --launch COMMAND, --launch-file FILE, "
+                                 "--compose FILE, --pid PID or -- ARGV",
                                  param_hint="'MODEL'")
     request, settings, environ = apply_launch(request, given_fields(ctx, params), li, add_tp_sizes=add_tp_sizes,
                                               need_cache=need_cache)

@@ -13,6 +13,7 @@ from rich.text import Text
 from exl3tool.commands.launching import (
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
 )
+from exl3tool.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt,
     QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, parse_positive_ints,
@@ -129,6 +130,9 @@ def verify(
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

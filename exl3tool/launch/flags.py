@@ -130,9 +130,8 @@ SERVER_FLAGS: tuple[ServerFlag, ...] = (
     ServerFlag("convert", setting="convert"),
     ServerFlag("trust-remote-code",
                why="the layers come from the fork's own model classes (config.architectures), not remote code"),
-    ServerFlag("hf-overrides", refused=True,
-               why="it rewrites the model's config (layer counts, sizes, types) before the layers are built; "
-                   "exl3tool plans from config.json as it is: bake the change into the checkpoint's config.json"),
+    ServerFlag("hf-overrides", setting="hf_overrides",
+               why="applied to config.json as the fork applies it before the layers are built"),
     ServerFlag("hf-config-path", refused=True,
                why="the server reads the model's config from another place, so the layer set exl3tool plans from "
                    "config.json may not be the server's: copy that config into the checkpoint"),

@@ -1,20 +1,23 @@
-"""Read a launch from its three forms: a shell string (``--launch``), an argv (after ``--``), a process (``--pid``)."""
+"""Read a launch from its forms: a shell string (``--launch``), a script file (``--launch-file``), an argv (after
+``--``), a process (``--pid``), a docker compose service (``--compose``)."""
 
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 from exl3tool.errors import ConfigError
-from exl3tool.launch.container import PathMap, parse_run
+from exl3tool.launch.container import ContainerRun, PathMap, parse_run
 from exl3tool.launch.env import EnvLayers, EnvValue, read_env_file
-from exl3tool.launch.parse import (
-    ASSIGNMENT, ServerStart, find_server, parse_server_args, split_commands,
-)
+from exl3tool.launch.image import image_env
+from exl3tool.launch.parse import ASSIGNMENT, ServerStart, find_server, parse_server_args
 from exl3tool.launch.proc import read_process
 from exl3tool.launch.resolve import ServerLaunch
+from exl3tool.launch.shell import SHELLS, ScriptResult, run_script
 
 __all__ = ["load_launch", "launch_from_words"]
 
@@ -33,59 +36,157 @@ def _reader(paths: PathMap):
     return read
 
 
+def _text_reader(paths: PathMap, cwd: Optional[str]) -> Callable[[str], Optional[str]]:
+    """Read a script or a sourced file the launch names (through its path map); None when it cannot be read."""
+    def read(path: str) -> Optional[str]:
+        if not posixpath.isabs(path):
+            if paths.container or cwd is None:
+                return None
+            path = posixpath.join(cwd, path)
+        here = paths.to_host(path)
+        try:
+            with open(here, encoding="utf-8") as fh:  # type: ignore[arg-type]
+                return fh.read()
+        except (OSError, TypeError, UnicodeDecodeError):
+            return None
+    return read
+
+
+def _script_file(words: list[str], read: Callable[[str], Optional[str]]) -> Optional[tuple[str, str]]:
+    """``bash FILE ...`` / ``FILE ...`` (a shell script with a #! line): the file's text and its name, or None."""
+    if not words:
+        return None
+    if words[0].rsplit("/", 1)[-1] in SHELLS:
+        rest = [w for w in words[1:]]
+        while rest and rest[0].startswith(("-", "+")):
+            if "c" in rest[0][1:] and not rest[0].startswith("--"):
+                return None  # a -c script, not a file
+            rest = rest[1:]
+        if not rest:
+            return None
+        text = read(rest[0])
+        return (text, rest[0]) if text is not None else None
+    if "/" in words[0] or words[0].endswith(".sh"):
+        text = read(words[0])
+        if text is not None and text.startswith("#!") and any(
+                t.rsplit("/", 1)[-1] in SHELLS for t in text.split("\n", 1)[0][2:].split()):
+            return text, words[0]
+    return None
+
+
+def _find(words: list[str], env: Optional[Mapping[str, str]], read: Callable[[str], Optional[str]],
+          workdir: Optional[str] = None) -> Optional[ServerStart]:
+    """The server in ``words``, also inside a script file it runs (``bash /scripts/serve.sh``, an entrypoint)."""
+    start = find_server(words, env)
+    if start is not None:
+        return start
+    found = _script_file(words, read)
+    if found is None:
+        return None
+    text, name = found
+    result = run_script(text, environ=dict(env or {}), where=name, workdir=workdir, read_file=read,
+                        is_server=lambda w, _cwd=None: find_server(w) is not None, strict=env is not None)
+    if result is None and env is None:
+        return None  # only looking: a script that starts no server is not the launch's server
+    if result is None:
+        raise ConfigError(f"the launch runs the script {name}, which starts no vllm server; " + _NOT_FOUND)
+    return _from_script(result, name, env is not None)
+
+
+def _from_script(result: ScriptResult, where: str, strict: bool) -> ServerStart:
+    """The server's start in a script's result, with what the script exported and where it cd'd."""
+    inner = find_server(result.words, result.environ if strict else None)
+    assert inner is not None
+    exports = tuple((n, v, w) for n, (v, w) in result.exports.items()) + inner.exports
+    notes = tuple(result.notes) + tuple(f"{where} sets {n} (line {line}) but does not export it: the server does not "
+                                        "see it" for n, line in result.unexported.items()
+                                        if n.startswith(("VLLM_", "HF_", "XDG_")))
+    return replace(inner, env=tuple(result.prefix_env) + inner.env, words=inner.words or tuple(result.words),
+                   exports=exports, workdir=inner.workdir or result.workdir, script=inner.script or where,
+                   notes=notes + inner.notes)
+
+
 def _server(words: list[str], start: ServerStart, form: str, env: dict[str, EnvValue], paths: PathMap,
             workdir: Optional[str], ignored: tuple[str, ...], notes: tuple[str, ...], *,
-            process_env: bool = True, pid: Optional[int] = None) -> ServerLaunch:
+            process_env: bool = True, pid: Optional[int] = None, image_note: str = "") -> ServerLaunch:
     words = list(start.words) if start.words else words
     args = parse_server_args(words[start.index:], entry=start.entry, serve=start.kind == "vllm",
                              read_text=_reader(paths))
+    for name, value, where in start.exports:  # a script's exports, then the command's own NAME=VALUE words
+        env[name] = EnvValue(value, "launch env", where)
     for name, value in start.env:
-        env.setdefault(name, EnvValue(value, "launch env", f"{name}=... before {start.entry}"))
+        env[name] = EnvValue(value, "launch env", f"{name}=... before {start.entry}")
+    if start.workdir:
+        if posixpath.isabs(start.workdir):
+            workdir = start.workdir
+        elif workdir:
+            workdir = posixpath.normpath(posixpath.join(workdir, start.workdir))
+        elif form == "command":
+            workdir = os.path.abspath(start.workdir)
     wrappers = tuple(w for w in start.prefix if not ASSIGNMENT.match(w))
     if wrappers:
         ignored = (*ignored, f"{' '.join(wrappers)} (wrapper words before {start.entry})")
-    return ServerLaunch(form, start.entry, args, env, paths, workdir, process_env, ignored, notes, pid)
+    if start.script:
+        notes = (*notes, f"the server's command was read from {start.script}")
+    return ServerLaunch(form, start.entry, args, env, paths, workdir, process_env, ignored, (*notes, *start.notes),
+                        pid, image_note)
 
 
 def _container(words: list[str], start: ServerStart, environ: Mapping[str, str], cwd: str) -> ServerLaunch:
     run = parse_run(start.kind, words[start.index:], environ=environ, cwd=cwd)
+    return container_launch(run, start.kind, environ)
+
+
+def container_launch(run: ContainerRun, form: str, environ: Mapping[str, str],
+                     entrypoint_words: Optional[Sequence[str]] = None, notes: Sequence[str] = ()) -> ServerLaunch:
+    """The launch a container start gives (``docker``/``podman run``, a compose service): the image's ENV below the
+    run's own environment, the server found in its entrypoint and command (also inside a script they run)."""
     command = list(run.command)
-    notes: list[str] = []
-    if run.entrypoint is not None and run.entrypoint.strip():
+    notes = list(notes)
+    if entrypoint_words is not None:
+        command = [*entrypoint_words, *command]
+    elif run.entrypoint is not None and run.entrypoint.strip():
         command = [*shlex.split(run.entrypoint), *command]
-    inner = find_server(command)
+    base_env, image_note = image_env(run.runner, run.image)
+    base_env = {**base_env, **run.env}
+    if run.env_host:
+        base_env = {**{k: EnvValue(v, "launch env", "podman --env-host") for k, v in environ.items()}, **base_env}
+    inner = _find(command, {k: v.value for k, v in base_env.items()}, _text_reader(run.paths, run.workdir),
+                  run.workdir)
     if inner is None and command[:1] == ["serve"]:
         inner = ServerStart("vllm", 1, "vllm serve (the image's entrypoint: vllm)")
-    if inner is None and run.entrypoint is not None:
-        raise ConfigError(f"the launch's --entrypoint {run.entrypoint!r} does not start a vllm server; " + _NOT_FOUND)
+    if inner is None and (run.entrypoint is not None or entrypoint_words):
+        shown = (f"--entrypoint {run.entrypoint!r}" if run.entrypoint is not None
+                 else f"entrypoint {shlex.join(entrypoint_words or ())!r}")
+        raise ConfigError(f"the launch's {shown} does not start a vllm server; " + _NOT_FOUND)
     if inner is None:
         command = ["vllm", "serve", *command]
         inner = ServerStart("vllm", 2, "vllm serve (taken as the image's entrypoint)")
         notes.append(f"the words after the image {run.image} are read as the arguments of an entrypoint "
                      "`vllm serve` (as in vLLM's images); give --entrypoint to say otherwise")
-    env = dict(run.env)
-    if run.env_host:
-        env = {**{k: EnvValue(v, "launch env", "podman --env-host") for k, v in environ.items()}, **env}
     ignored = tuple(f"{w} ({run.runner} run option)" for w in run.ignored)
-    return _server(command, inner, start.kind, env, run.paths, run.workdir, ignored, tuple(notes))
+    return _server(command, inner, form, dict(base_env), run.paths, run.workdir, ignored, tuple(notes),
+                   image_note=image_note and f"{image_note} (image {run.image})")
 
 
 def launch_from_words(words: Sequence[str], *, environ: Optional[Mapping[str, str]] = None,
-                      cwd: Optional[str] = None, exports: Optional[dict[str, EnvValue]] = None) -> ServerLaunch:
+                      cwd: Optional[str] = None, exports: Optional[dict[str, EnvValue]] = None,
+                      workdir: Optional[str] = None) -> ServerLaunch:
     """A launch from one command's words (a plain server, wrapped, or a container start)."""
     environ = os.environ if environ is None else environ
     cwd = cwd or os.getcwd()
     words = list(words)
-    start = find_server(words)
+    start = _find(words, environ, _text_reader(PathMap(), cwd), cwd)
     if start is None:
         raise ConfigError(_NOT_FOUND)
     if start.kind in ("docker", "podman"):
-        return _container(list(start.words) or words, start, environ, cwd)
+        launch = _container(list(start.words) or words, start, environ, cwd)
+        return replace(launch, notes=(*start.notes, *launch.notes))
     env = dict(exports or {})
     wrappers = list(start.prefix)
     cleared = _clears_environment(wrappers)
     notes = (f"{cleared}: the server does not get exl3tool's environment",) if cleared else ()
-    return _server(words, start, "command", env, PathMap(), None, (), notes, process_env=not cleared)
+    return _server(words, start, "command", env, PathMap(), workdir, (), notes, process_env=not cleared)
 
 
 def _clears_environment(prefix: list[str]) -> str:
@@ -98,26 +199,56 @@ def _clears_environment(prefix: list[str]) -> str:
         if base == "sudo" and not any(w in ("-E", "--preserve-env") or w.startswith("--preserve-env=")
                                       for w in rest):
             return "sudo resets the environment (no -E)"
+        if base in ("su", "runuser") and any(w in ("-", "-l", "--login") for w in rest):
+            return f"{base} {'-l' if '-l' in rest else '-'} starts a login shell with a fresh environment"
     return ""
+
+
+def _from_text(text: str, where: str, environ: Mapping[str, str], cwd: str) -> ServerLaunch:
+    """A launch written as shell text (``--launch``, ``--launch-file``): walked as the shell runs it on this host."""
+    if not text.strip():
+        raise ConfigError(f"{where} is empty: give the server's command line (vllm serve MODEL ...)")
+    read = _text_reader(PathMap(), cwd)
+    result = run_script(text, environ=environ, where=where, workdir=cwd, read_file=read,
+                        is_server=lambda w, here: _find(w, None, _text_reader(PathMap(), here), here) is not None)
+    if result is None:
+        raise ConfigError(f"{where}: " + _NOT_FOUND)
+    exports = {n: EnvValue(v, "launch env", w) for n, (v, w) in result.exports.items()}
+    for name, value in result.prefix_env:
+        exports[name] = EnvValue(value, "launch env", f"{name}=... before the server ({where} line {result.line})")
+    launch = launch_from_words(result.words, environ=result.environ, cwd=result.workdir or cwd, exports=exports,
+                               workdir=result.workdir if result.workdir != cwd else None)
+    notes = [*result.notes, *(f"{where} sets {n} (line {line}) but does not export it: the server does not see it"
+                              for n, line in result.unexported.items() if n.startswith(("VLLM_", "HF_", "XDG_")))]
+    return replace(launch, notes=(*launch.notes, *notes)) if notes else launch
 
 
 def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = None, pid: Optional[int] = None,
                 env_files: Sequence[str] = (), environ: Optional[Mapping[str, str]] = None,
-                cwd: Optional[str] = None, proc: str = "/proc") -> Optional[tuple[ServerLaunch, EnvLayers]]:
+                cwd: Optional[str] = None, proc: str = "/proc", file: Optional[str] = None,
+                compose: Optional[str] = None, service: Optional[str] = None,
+                ) -> Optional[tuple[ServerLaunch, EnvLayers]]:
     """The launch and its environment layers, or None when no launch is given. One form at a time."""
-    given = [n for n, v in (("--launch", text), ("the argv after --", argv), ("--pid", pid)) if v]
+    given = [n for n, v, g in (("--launch", text, bool(text)), ("--launch-file", file, file is not None),
+                               ("the argv after --", argv, bool(argv)), ("--pid", pid, pid is not None),
+                               ("--compose", compose, compose is not None)) if g]
     if not given:
+        if service is not None:
+            raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
         return None
     if len(given) > 1:
         raise ConfigError(f"give one launch: {' and '.join(given)} were both given")
+    if service is not None and compose is None:
+        raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
     environ = dict(os.environ if environ is None else environ)
+    cwd = cwd or os.getcwd()
     files: dict[str, EnvValue] = {}
     for path in env_files:
         files.update(read_env_file(path, environ=environ))
     if pid is not None:
         proc_launch = read_process(pid, proc=proc, is_server=lambda a: find_server(a) is not None)
         words = list(proc_launch.argv)
-        start = find_server(words)
+        start = find_server(words, proc_launch.environ)
         assert start is not None
         env = {k: EnvValue(v, "launch env", f"/proc/{proc_launch.pid}/environ") for k, v in proc_launch.environ.items()}
         paths = PathMap(proc_launch.mounts, container=proc_launch.root is not None, root=proc_launch.root)
@@ -127,21 +258,23 @@ def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = N
             launch = _server(words, start, "pid", env, paths, proc_launch.cwd, (), (), process_env=False,
                              pid=proc_launch.pid)
         return launch, EnvLayers(launch.env, files, None, container=launch.form != "pid" or paths.root is not None)
-    if argv is not None:
+    if compose is not None:
+        from exl3tool.launch.compose import compose_run
+
+        run, entrypoint, notes = compose_run(compose, service, environ=environ)
+        launch = container_launch(run, run.runner, environ, entrypoint, notes)
+    elif argv:
         launch = launch_from_words(argv, environ=environ, cwd=cwd)
+    elif file is not None:
+        try:
+            with open(os.path.join(cwd, file), encoding="utf-8") as fh:
+                body = fh.read()
+        except OSError as exc:
+            raise ConfigError(f"--launch-file {file}: cannot read it ({exc.strerror or exc})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--launch-file {file}: not a text file (a shell script is expected)") from None
+        launch = _from_text(body, file, environ, cwd)
     else:
-        commands = split_commands(text or "")
-        exports: dict[str, EnvValue] = {}
-        launch = None
-        for words in commands:
-            if find_server(words) is not None:
-                launch = launch_from_words(words, environ=environ, cwd=cwd, exports=exports)
-                break
-            if words[0] == "export" or all(ASSIGNMENT.match(w) for w in words):  # export A=1 / A=1 on its own line
-                for w in words[1:] if words[0] == "export" else words:
-                    if (m := ASSIGNMENT.match(w)):
-                        exports[m.group(1)] = EnvValue(m.group(2), "launch env", f"export {m.group(1)}=...")
-        if launch is None:
-            raise ConfigError(_NOT_FOUND)
+        launch = _from_text(text or "", "--launch", environ, cwd)
     container = launch.form in ("docker", "podman")
     return launch, EnvLayers(launch.env, files, environ if launch.process_env else None, container=container)

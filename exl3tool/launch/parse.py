@@ -14,10 +14,12 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
 from typing import Callable, Optional
 
 from exl3tool.errors import ConfigError
 from exl3tool.launch.flags import VLLM_BOOLEANS, VLLM_FLAGS, VLLM_SHORT, server_flag
+from exl3tool.launch.shell import SHELLS, run_script
 
 __all__ = ["ServerArgs", "ServerStart", "split_commands", "find_server", "parse_server_args", "API_SERVER_MODULE",
            "ASSIGNMENT"]
@@ -66,6 +68,10 @@ class ServerStart:
     prefix: tuple[str, ...] = ()  # wrapper words before it (setsid, ./launcher, env ...), ignored
     env: tuple[tuple[str, str], ...] = ()  # NAME=VALUE words before it (env A=1, a shell assignment)
     words: tuple[str, ...] = ()  # the command it was found in, when that is inside one word (bash -c '...')
+    exports: tuple[tuple[str, str, str], ...] = ()  # (name, value, where) a -c script exported before it
+    workdir: Optional[str] = None  # where a -c script cd'd to before it (relative: to the shell's own)
+    script: str = ""  # the shell that ran it ("bash -lc"), when it was inside a -c script
+    notes: tuple[str, ...] = ()
 
 
 def _is_python(word: str) -> bool:
@@ -76,10 +82,49 @@ def _basename(word: str) -> str:
     return word.rsplit("/", 1)[-1]
 
 
-def find_server(words: list[str]) -> Optional[ServerStart]:
+def shell_script(words: list[str]) -> Optional[tuple[int, str]]:
+    """Where a shell's ``-c`` script is in ``words`` and how it was run: ``bash -lc S``, ``sh -ec S``, ``zsh -x -c
+    S``, ``bash --login -c S``, ``su [-] [USER] -c S`` / ``su --command=S``; None when no shell runs a script.
+
+    >>> shell_script(["/bin/bash", "-lic", "vllm serve /m"])
+    (2, 'bash -lic')
+    """
+    for i, word in enumerate(words):
+        base = _basename(word)
+        if base in SHELLS:
+            j, has_c = i + 1, False
+            while j < len(words) and words[j][:1] in ("-", "+") and words[j] not in ("-", "--", "+"):
+                opt = words[j]
+                if opt.startswith("--"):
+                    j += 2 if opt in ("--rcfile", "--init-file") else 1
+                    continue
+                has_c = has_c or (opt[0] == "-" and "c" in opt[1:])
+                j += 2 if ("o" in opt[1:] or "O" in opt[1:]) else 1  # -o pipefail: the option's name follows
+            if words[j:j + 1] == ["--"]:
+                j += 1
+            if has_c and j < len(words):
+                return j, " ".join([base, *words[i + 1:j]])
+        elif base in ("su", "runuser"):
+            for j in range(i + 1, len(words)):
+                w = words[j]
+                if w in ("-c", "--command") and j + 1 < len(words):
+                    return j + 1, f"{base} {w}"
+                if w.startswith("--command="):
+                    return -j - 1, f"{base} --command"  # the script is attached: see _script_text
+    return None
+
+
+def _script_text(words: list[str], at: int) -> str:
+    return words[at] if at >= 0 else words[-at - 1].partition("=")[2]
+
+
+def find_server(words: list[str], env: Optional[Mapping[str, str]] = None) -> Optional[ServerStart]:
     """The server's start in ``words``: ``vllm serve``, ``python -m <api_server>``, ``python .../vllm serve``, a
-    ``docker``/``podman`` ``run``; None when there is none. Words before it are wrappers, ``NAME=VALUE`` words
-    among them the server's environment (``env A=1 vllm serve``, ``A=1 setsid vllm serve``).
+    ``docker``/``podman`` ``run``, or inside a shell's ``-c`` script; None when there is none. Words before it are
+    wrappers, ``NAME=VALUE`` words among them the server's environment (``env A=1 vllm serve``).
+
+    ``env`` is the environment a ``-c`` script runs with (its ``$V`` expand from it, an unset one is refused); None
+    only finds where the server is (unset variables expand to nothing).
     """
     for i, word in enumerate(words):
         base = _basename(word)
@@ -107,13 +152,30 @@ def find_server(words: list[str]) -> Optional[ServerStart]:
             prefix = tuple(words[:i])
             env = tuple((m.group(1), m.group(2)) for w in prefix if (m := ASSIGNMENT.match(w)))
             return ServerStart(start.kind, start.index, start.entry, prefix, env)
-    for i, word in enumerate(words):  # bash -c 'vllm serve ...', su -c '...': the server inside one word
-        if i > 0 and words[i - 1] == "-c" and " " in word:
-            for inner in split_commands(word):
-                found = find_server(inner)
-                if found is not None:
-                    return found if found.words else replace(found, words=tuple(inner))
-    return None
+    located = shell_script(words)  # bash -lc 'vllm serve ...', su -c '...': the server inside one word
+    if located is None:
+        return None
+    at, how = located
+    prefix = words[:abs(at) - 1] if at >= 0 else words[:-at - 1]
+    base_env = dict(env or {})
+    base_env.update((m.group(1), m.group(2)) for w in prefix if (m := ASSIGNMENT.match(w)))
+    result = run_script(_script_text(words, at), environ=base_env, where=f"the {how} script",
+                        is_server=lambda w, _cwd=None: find_server(w) is not None, strict=env is not None)
+    if result is None:
+        return None
+    found = find_server(result.words, result.environ if env is not None else None)
+    if found is None:
+        return None
+    exports = tuple((n, v, w) for n, (v, w) in result.exports.items()) + found.exports
+    notes = [*result.notes]
+    if "l" in how.split(" ", 1)[-1].lstrip("-") and how.split()[0] in SHELLS or "--login" in how:
+        notes.append(f"{how}: a login shell also reads the user's profile (/etc/profile, ~/.profile), which "
+                     "exl3tool does not follow; pass what it sets with -e or --env-file")
+    notes += [f"the {how} script sets {n} but does not export it: the server does not see it"
+              for n in result.unexported if n.startswith(("VLLM_", "HF_", "XDG_"))]
+    return replace(found, env=tuple(result.prefix_env) + found.env, words=found.words or tuple(result.words),
+                   exports=exports, workdir=found.workdir or result.workdir, script=found.script or how,
+                   notes=tuple(notes) + found.notes)
 
 
 @dataclass(frozen=True)

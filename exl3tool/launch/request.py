@@ -28,10 +28,14 @@ class LaunchInput:
     argv: Optional[tuple[str, ...]] = None
     pid: Optional[int] = None
     env_files: tuple[str, ...] = ()
+    file: Optional[str] = None  # --launch-file
+    compose: Optional[str] = None  # --compose FILE
+    service: Optional[str] = None  # --service NAME (of --compose)
 
     @property
     def launch_given(self) -> bool:
-        return bool(self.text) or bool(self.argv) or self.pid is not None
+        return (bool(self.text) or bool(self.argv) or self.pid is not None or self.file is not None
+                or self.compose is not None)
 
 
 def _env_only(request: WarmRequest, given: Collection[str], files: tuple[str, ...],
@@ -61,12 +65,14 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
     """
     environ = os.environ if environ is None else environ
     if not launch.launch_given:
+        if launch.service is not None:
+            raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
         if not launch.env_files:
             return request, None, None
         request, merged = _env_only(request, given, launch.env_files, environ)
         return request, None, merged
     loaded = load_launch(text=launch.text, argv=launch.argv, pid=launch.pid, env_files=launch.env_files,
-                         environ=environ, cwd=cwd)
+                         environ=environ, cwd=cwd, file=launch.file, compose=launch.compose, service=launch.service)
     assert loaded is not None
     server, layers = loaded
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})
@@ -88,5 +94,6 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
         encoder_root=settings.encoder_root, encoder_revision=settings.encoder_revision,
         encoder_source=settings.encoder_source, cache_dir=settings.cache_dir or request.cache_dir,
         language_model_only=settings.language_model_only, server_view=settings.view,
+        hf_overrides=settings.hf_overrides,
     )
     return out, settings, settings.environ

@@ -35,6 +35,14 @@ _HOW_TO_PASS = ("an image may set it in its ENV: pass it with -e NAME=VALUE in t
                 "FILE, or read a running server with --pid PID")
 
 
+def _how_to_pass(launch: "ServerLaunch", var: str) -> str:
+    """How to give ``var``; when the image's ENV could not be read, that first (it may be where ``var`` is set)."""
+    if launch.image_note:
+        return (f"the image's ENV, where {var} may be set, was not read: {launch.image_note}; pass {var} with "
+                f"--env-file FILE (a line {var}=VALUE) or -e {var}=VALUE in the launch")
+    return _HOW_TO_PASS
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting's value and where it came from (``source`` a kind, ``detail`` the flag, variable or file)."""
@@ -61,6 +69,7 @@ class ServerLaunch:
     ignored: tuple[str, ...] = ()  # wrapper words and runner options that change nothing
     notes: tuple[str, ...] = ()
     pid: Optional[int] = None
+    image_note: str = ""  # why the image's ENV could not be read ("" when read, or no image)
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,7 @@ class LaunchSettings:
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     view: Optional[PathMap] = None  # the server's filesystem, when its model path is resolved there (not ours)
+    hf_overrides: Optional[str] = None  # the launch's --hf-overrides, as canonical JSON
     lookup_off: tuple[str, ...] = ()  # why the launched server makes no look-up at all ("" reasons: it makes some)
 
     @property
@@ -156,7 +166,8 @@ def _where_env(launch: ServerLaunch) -> str:
     if launch.form == "pid":
         return f"/proc/{launch.pid}/environ"
     if launch.form in ("docker", "podman"):
-        return "the launch's -e/--env/--env-file and --env-file files; the image's own ENV was not read"
+        image = "the image's ENV was not read" if launch.image_note else "the image's ENV"
+        return f"the launch's -e/--env/--env-file, --env-file files and {image}"
     return "the launch's assignments and exports, --env-file files and this environment"
 
 
@@ -309,7 +320,7 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         return model_here, None  # a Hub repo id
     if explicit.model is None and not paths.container and paths.root is None:
         # the server's own filesystem: the identity is computed from the path as it resolves here
-        return (name if launch.form == "command" else server), None  # as given: transformers reads it unresolved
+        return (name if launch.form == "command" and not launch.workdir else server), None  # as given: transformers reads it unresolved
     b.put("server_path", server, "launch argument", f"{how}: the identity uses the server's path")
     if explicit.model is None:
         b.view = paths  # the server's path is resolved in its own filesystem, links read through the mounts
@@ -421,7 +432,8 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
                               "--env-file) or exl3tool's --cache-dir")
         if server is not None and root is None:
             b.defaulted.append("VLLM_EXL3_ONLINE_CACHE_DIR and VLLM_CACHE_ROOT were not given: the server's cache "
-                               f"root is its default {server}; " + _HOW_TO_PASS)
+                               f"root is its default {server}; "
+                               + _how_to_pass(launch, "VLLM_EXL3_ONLINE_CACHE_DIR"))
     if server is not None and server.startswith("~"):
         home = b.env("HOME")
         if home is None:
@@ -484,8 +496,8 @@ def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str
         item = b.env("VLLM_EXL3_ENCODER_SOURCE")
         if item is None or not item.value.strip():
             raise ConfigError("VLLM_EXL3_ENCODER_SOURCE was not given (not in the launch, an --env-file or this "
-                              "environment) and the server needs it for every look-up; " + _HOW_TO_PASS
-                              + "; or pass --encoder-root")
+                              "environment) and the server needs it for every look-up; "
+                              + _how_to_pass(launch, "VLLM_EXL3_ENCODER_SOURCE") + "; or pass --encoder-root")
         root = b.put_env("encoder_root", "VLLM_EXL3_ENCODER_SOURCE", item)
     revision: Optional[str]
     if explicit.encoder_revision is not None:
@@ -498,7 +510,8 @@ def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str
             revision = b.put("encoder_revision", None, "default",
                              "not given: the server hashes the encoder's .py files")
             b.defaulted.append("VLLM_EXL3_ENCODER_REVISION was not given: the encoder identity hashes the .py files "
-                               f"under {root} as the server sees them; " + _HOW_TO_PASS)
+                               f"under {root} as the server sees them; "
+                             + _how_to_pass(launch, "VLLM_EXL3_ENCODER_REVISION"))
     source: Optional[str] = None
     if explicit.encoder_source:
         source = b.put("encoder_source", explicit.encoder_source, "flag", "--encoder-source")
@@ -673,9 +686,10 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         else:
             bits = b.put("bits", 6, "default", "VLLM_EXL3_ONLINE_TRELLIS_BITS not given")
             b.defaulted.append("VLLM_EXL3_ONLINE_TRELLIS_BITS was not given: without it the server runs no online "
-                               "Trellis and looks nothing up; exl3tool plans 6 bits; " + _HOW_TO_PASS)
-            off.append(f"VLLM_EXL3_ONLINE_TRELLIS_BITS is not set in the server's environment ({_where_env(launch)}): "
-                       "online Trellis is off and every eligible layer runs plain MXFP8; " + _HOW_TO_PASS)
+                               "Trellis and looks nothing up; exl3tool plans 6 bits; "
+                               + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
+                       "online Trellis is off and every eligible layer runs plain MXFP8; "
+                       + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
     try:
         enc_root, enc_rev, enc_src = _encoder(b, launch, explicit)
     except ConfigError as exc:
@@ -697,7 +711,23 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         b.put("cache_mode", "readwrite", "default", "VLLM_EXL3_ONLINE_CACHE_MODE not given")
     if explicit.tp_sizes:
         b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-sizes / --tp-size")
+    hf_overrides = _hf_overrides(b, args)
     return LaunchSettings(
         launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,
         cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings), tuple(launch.notes) + tuple(b.notes),
-        view=b.view, lookup_off=tuple(off))
+        view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides)
+
+
+def _hf_overrides(b: _Builder, args: ServerArgs) -> Optional[str]:
+    """The launch's ``--hf-overrides`` (JSON or dotted ``--hf-overrides.key value``), checked and kept as JSON."""
+    from exl3tool.checkpoint.overrides import parse_hf_overrides
+
+    raw = _arg(args, "hf_overrides")
+    if raw is None:
+        return None
+    value = parse_hf_overrides(raw[0], f"the launch's {raw[1]}")
+    if not value:
+        return None
+    b.arg("hf_overrides", value, raw[1])
+    b.notes.append(f"{raw[1]} is applied to config.json before planning, as the server applies it")
+    return json.dumps(value, sort_keys=True)

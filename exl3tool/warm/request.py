@@ -102,6 +102,7 @@ class WarmRequest:
     lock_timeout: Optional[float] = None  # give up on an entry lock held this long (None: wait while its holder lives)
     language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
     server_view: Optional[Any] = None  # a launch's filesystem map (cache.serverfs.ServerView): server_path resolves there
+    hf_overrides: Optional[str] = None  # the server's --hf-overrides JSON, applied to config.json before planning
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -125,8 +126,10 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
     overlay = resolve_overlay(request.quantization_config, shared_experts=request.shared_experts)
     layers, exclude = list(request.layers) or None, list(request.exclude) or None
+    from exl3tool.checkpoint.overrides import parse_hf_overrides
+
     checkpoint = open_checkpoint(  # a Hub download fetches only the shards holding planned tensors
-        request.model, revision=request.revision,
+        request.model, revision=request.revision, hf_overrides=parse_hf_overrides(request.hf_overrides),
         select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude))
     mode = request.mode
     identity_warnings: tuple[str, ...] = ()

@@ -186,7 +186,7 @@ def test_language_model_only_drops_the_vision_tower(tmp_path, cli):
 @pytest.mark.parametrize("args, match", [
     (["--launch", "vllm serve --port 8000"], "no model in the launch"),
     (["--launch", "python -m vllm.entrypoints.openai.api_server --port 1"], "takes --model"),
-    (["--launch", "vllm serve /m --hf-overrides '{}'"], "--hf-overrides is not supported"),
+    (["--launch", "vllm serve /m --hf-config-path /cfg"], "--hf-config-path is not supported"),
     (["--launch", "vllm serve org/m --quantization-config '{oops'"], "--quantization-config is not valid JSON"),
     (["--launch", "echo hi"], "no vllm server in the launch"),
     (["--env-file", "/nonexistent/server.env", "--launch", "vllm serve org/m"], "--env-file /nonexistent/server.env"),

@@ -99,8 +99,8 @@ def test_speculative_and_parallel_flags_are_read():
 
 
 def test_refused_and_unknown_flags_are_listed():
-    args = serve("/m", "--hf-overrides", '{"num_hidden_layers": 2}', "--made-up-flag", "x", "--other")
-    assert args.refused[0][0] == "--hf-overrides" and "config" in args.refused[0][1]
+    args = serve("/m", "--hf-config-path", "/cfg", "--made-up-flag", "x", "--other")
+    assert args.refused[0][0] == "--hf-config-path" and "config" in args.refused[0][1]
     assert args.unknown == ("--made-up-flag x", "--other")
     assert args.values["model"][0] == "/m"
 

@@ -125,7 +125,7 @@ def test_files_mode_encoder_through_a_volume(model, tmp_path):
 
 
 @pytest.mark.parametrize("flags, match", [
-    ("--hf-overrides '{\"num_hidden_layers\": 1}'", "--hf-overrides is not supported"),
+    ("--hf-config-path /elsewhere", "--hf-config-path is not supported"),
     ("--quantization-config '{\"linear\": '", "--quantization-config is not valid JSON"),
     ("--quantization-config '{\"linear\": \"fp8\"}'", "the launch's --quantization-config: "),
     ("--quantization fp8", "--quantization fp8"),
