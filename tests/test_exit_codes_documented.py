@@ -325,7 +325,8 @@ def scenario_launch_forms(m, tmp, monkeypatch):
     assert run([*base, "--launch-file", script]) == 2  # a conditional: not followed
     monkeypatch.delenv("EXL3TOOL_TEST_MODEL", raising=False)
     assert run([*base, "--launch", "vllm serve \"$EXL3TOOL_TEST_MODEL\""]) == 2  # unset, no default
-    script.write_text(f"#!/bin/bash\nset -e\nM={m['good']}\nexec vllm serve \"${{M:-/nowhere}}\"\n")
+    script.write_text(f"#!/bin/bash\nset -e\nM={m['good']}\nexport VLLM_EXL3_ONLINE_TRELLIS_BITS=6\n"
+                      "exec vllm serve \"${M:-/nowhere}\" --quantization-config '{\"linear\": \"mxfp8\"}'\n")
     assert run([*base, "--launch-file", script]) == 0  # the same straight-line script plans
 
 

@@ -688,6 +688,9 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
             b.defaulted.append("VLLM_EXL3_ONLINE_TRELLIS_BITS was not given: without it the server runs no online "
                                "Trellis and looks nothing up; exl3tool plans 6 bits; "
                                + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
+            if launch.image_note and not off and need_cache:  # unknown, not absent: the image may set it
+                raise ConfigError("VLLM_EXL3_ONLINE_TRELLIS_BITS is not set by the launch, and without it the server "
+                                  "looks nothing up; " + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
             off.append(f"VLLM_EXL3_ONLINE_TRELLIS_BITS is not set in the server's environment ({_where_env(launch)}): "
                        "online Trellis is off and every eligible layer runs plain MXFP8; "
                        + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))

@@ -211,7 +211,7 @@ exec vllm serve "$MODEL" \\
     _same(got, want)
     s = got["_settings"]
     assert s["encoder_root"]["detail"] == f"export VLLM_EXL3_ENCODER_SOURCE=... in {envsh} line 1"
-    assert s["model_here"]["value"] == str(tmp_path / "srv" / "model") and s["hf_overrides"]["value"] == {
+    assert s["model_here"]["value"] == os.path.realpath(tmp_path / "srv" / "model") and s["hf_overrides"]["value"] == {
         "num_hidden_layers": 2}
     _runs_everywhere(cli, want, "--launch-file", run)
     code, out, err = cli("encode", "--dry-run", "--json", "--launch-file", run)
@@ -250,9 +250,10 @@ def test_unexported_server_variable_is_noted(tmp_path, cli, model):
     run = _script(tmp_path, f"VLLM_EXL3_ONLINE_TRELLIS_BITS=4\nexport VLLM_EXL3_ENCODER_SOURCE={ENC[0]} "
                             f"VLLM_EXL3_ENCODER_REVISION={ENC[1]} VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c\n"
                             f"vllm serve {model} --quantization-config '{QC}'\n")
-    code, got, err = _plan(cli, "--launch-file", run)
-    assert code == 0, err
-    assert got["bits"] == 6 and "sets VLLM_EXL3_ONLINE_TRELLIS_BITS (line 1) but does not export it" in err
+    code, got, err = cli("cache", "warm", "--dry-run", "--launch-file", run)
+    # the server does not see the variable, so it encodes nothing online: the warm has nothing to do
+    assert code == 2 and "makes no cache look-up" in err, err
+    assert "sets VLLM_EXL3_ONLINE_TRELLIS_BITS (line 1) but does not export it" in err
 
 
 # --- docker compose ------------------------------------------------------------------------------------------------
@@ -350,8 +351,8 @@ exec vllm serve "$SERVED_MODEL" -tp 2 --quantization-config "$QC" "$@"
 """)
     want = _want(cli, path.parent / "models" / "M", cache, server_path="/models/M")
     os.environ.pop("VLLM_EXL3_ONLINE_TRELLIS_BITS", None)
-    code, got, err = _plan(cli, "--compose", path)  # BITS named without a value and unset here: not set
-    assert code == 0 and got["bits"] == 6, err
+    code, got, err = cli("cache", "warm", "--dry-run", "--json", "--compose", path)  # named without a value, unset
+    assert code == 2 and "VLLM_EXL3_ONLINE_TRELLIS_BITS is not set" in err, err  # (the image's ENV is not readable here)
     code, got, err = cli("cache", "warm", "--dry-run", "--json", "--compose", path, "--bits", "5")
     doc = json.loads(got)
     doc.pop("settings"), doc.pop("launch")
@@ -514,11 +515,11 @@ def test_hf_overrides_choose_the_hub_shards_too(tmp_path, cli, monkeypatch):
                            repo_id=repo, seed=int.from_bytes(os.urandom(2), "little"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    line = (f"VLLM_EXL3_ENCODER_SOURCE={ENC[0]} VLLM_EXL3_ENCODER_REVISION={ENC[1]} "
+    line = (f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE={ENC[0]} VLLM_EXL3_ENCODER_REVISION={ENC[1]} "
             f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c vllm serve {repo} --quantization-config '{QC}'")
-    code, full, err = _plan(cli, "--launch", line)
+    code, full, err = _plan(cli, repo, "--launch", line)
     assert code == 0, err
-    code, cut, err = _plan(cli, "--launch", line + " --hf-overrides.num_hidden_layers 1")
+    code, cut, err = _plan(cli, repo, "--launch", line + " --hf-overrides.num_hidden_layers 1")
     assert code == 0, err
     assert {j["prefix"].split(".")[2] for j in cut["jobs"]} == {"0"}
     assert len(cut["fetch"]["shards"]) < len(full["fetch"]["shards"]), (cut["fetch"], full["fetch"])
