@@ -40,6 +40,9 @@ def _how_to_pass(launch: "ServerLaunch", var: str) -> str:
     if launch.image_note:
         return (f"the image's ENV, where {var} may be set, was not read: {launch.image_note}; pass {var} with "
                 f"--env-file FILE (a line {var}=VALUE) or -e {var}=VALUE in the launch")
+    if launch.form == "command":  # no image: the launch line, its script or an env file sets it
+        return (f"set it where the server starts ({var}=VALUE before the command, or export in its script), in an "
+                "--env-file FILE, or read a running server with --pid PID")
     return _HOW_TO_PASS
 
 
@@ -151,9 +154,9 @@ def unknown_flag_message(unknown: tuple[str, ...]) -> str:
     flag = word.partition("=")[0]
     if flag.startswith("--"):
         name = flag[2:].partition(".")[0]
-        close = [f"--{m}" for m in difflib.get_close_matches(name, sorted(VLLM_FLAGS), n=2, cutoff=0.75)]
+        close = [f"--{m}" for m in difflib.get_close_matches(name, sorted(VLLM_FLAGS), n=1, cutoff=0.75)]
     else:
-        close = difflib.get_close_matches(flag, sorted(VLLM_SHORT), n=2, cutoff=0.6)
+        close = difflib.get_close_matches(flag, sorted(VLLM_SHORT), n=1, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; check the spelling against `vllm serve --help`"
     more = f" (and {len(unknown) - 1} more: {', '.join(u.split(' ', 1)[0] for u in unknown[1:4])})" \
         if len(unknown) > 1 else ""

@@ -29,9 +29,10 @@ LINES = [
 
 def _bash_words(line: str, shell: str = "bash") -> list[str]:
     """What the shell passes as arguments for ``line`` (its first word replaced by printf)."""
-    script = "set --\nprintf '%s\\0' " + line.split(" ", 1)[1]
+    # a first fixed argument: printf with no argument at all still prints its format once (an empty word)
+    script = "set --\nprintf '%s\\0' start " + line.split(" ", 1)[1]
     done = subprocess.run([shell, "-c", script], env=ENV, capture_output=True, check=True)
-    return done.stdout.decode().split("\0")[:-1]
+    return done.stdout.decode().split("\0")[1:-1]
 
 
 def _ours(line: str) -> list[str]:
