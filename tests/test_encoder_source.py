@@ -527,3 +527,135 @@ def test_triton_cache_folder_follows_the_cache_root(tmp_path, monkeypatch):
     with tc.drop_in_triton_cache() as folder:
         assert folder is None and os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+# ---- on a GPU: the callers' conventions against exllamav3 itself, and the Triton cache across processes ----------
+
+@pytest.fixture(scope="module")
+def reference():
+    """exllamav3's quantize_exl3 loaded as the fork loads an encoder source: EXL3TOOL_REFERENCE_SOURCE names its
+    package directory (e.g. /tmp/site/exllamav3 from the 1.6.5 wheel; its CUDA extension JIT-compiles on import)."""
+    src = os.environ.get("EXL3TOOL_REFERENCE_SOURCE")
+    if not src:
+        pytest.skip("EXL3TOOL_REFERENCE_SOURCE is not set (the exllamav3 1.6.5 package directory)")
+    try:
+        fn = load_quantize_exl3(src, package="_exllamav3_reference")
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no reference here
+        pytest.skip(f"exllamav3 at {src} does not load: {type(exc).__name__}: {exc}")
+    yield fn
+    unload("_exllamav3_reference")
+
+
+def _gpu_cases() -> list[tuple[str, tuple[int, int], str, dict, str, bool]]:
+    """(id, source shape (k, n), weight kind, quant_args, H_data style, return_weight_q): the three callers'
+    conventions (online linear method, image-build gate, K8/K4 round-trip tools) and the rest of the K/flag space."""
+    dev = "cuda:0"
+    fork = {"apply_out_scales": True, "mcg": True}
+    return [
+        ("gate-K6-weight_q", (512, 1024), "fp32", {"K": 6, "seed": 0, "devices": [torch.device(dev)], **fork},
+         "fork", True),
+        ("online-K4", (256, 4096), "bf16", {"K": 4, "seed": fork_seed("m.layers.0.self_attn.f_b_proj"),
+                                            "devices": [torch.device(dev)], **fork}, "fork", False),
+        ("roundtrip-K8-padded", (384, 1024), "padded", {"K": 8, "seed": 0, "devices": [dev], **fork}, "tool", False),
+        ("roundtrip-K4-padded", (384, 1024), "padded", {"K": 4, "seed": 0, "devices": [dev], **fork}, "tool", True),
+        ("K1-mcg", (256, 512), "bf16", {"K": 1, "seed": 11, "devices": [0], **fork}, "fork", True),
+        ("K2-mul1", (256, 512), "bf16", {"K": 2, "seed": 12, "devices": [dev], "apply_out_scales": True,
+                                         "mul1": True}, "fork", True),
+        ("K3-3inst-no_pack", (256, 512), "bf16", {"K": 3, "seed": 13, "devices": [dev], "apply_out_scales": None,
+                                                  "no_pack": True}, "fork", False),
+        ("K5-no-out-scales", (256, 512), "bf16", {"K": 5, "seed": 14, "devices": [dev], "apply_out_scales": False,
+                                                  "mcg": True}, "tool", True),
+        ("K7-mcg", (256, 512), "bf16", {"K": 7, "seed": 15, "devices": [torch.device(dev)], **fork}, "fork", True),
+        ("K6-zeros-no-out-scales", (256, 512), "zeros", {"K": 6, "seed": 16, "devices": [dev],
+                                                         "apply_out_scales": False, "mcg": True}, "fork", True),
+    ]
+
+
+def _gpu_source(kind: str, k: int, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "zeros":
+        return torch.zeros(k, n)
+    if kind == "fp32":  # the gate: an fp32 Linear weight (out, in) * 0.02, transposed
+        return (torch.randn(n, k, generator=gen) * 0.02).t().contiguous()
+    if kind == "padded":  # a (1000 out, 300 in) Linear zero-padded to (1024, 384), transposed: the tools' source
+        w = torch.zeros(n, k)
+        w[:1000, :300] = (torch.randn(1000, 300, generator=gen) * 0.02).to(torch.bfloat16).float()
+        return w.t().contiguous()
+    return _layer_weight(n, k, seed).t().float().contiguous()
+
+
+def _h_data(style: str, k: int, device: torch.device) -> dict:
+    if style == "tool":  # the round-trip tools: a bare torch.device("cuda"), L, no first_key
+        return {"H": torch.empty(k, k, device="meta"), "L": None, "device": torch.device("cuda"), "count": 0,
+                "finalized": False}
+    return {"H": torch.zeros(k, k, dtype=torch.float32, device="meta"), "first_key": "gate-online", "count": 0,
+            "finalized": False, "num_total": 0, "inf_nan": torch.zeros(2, dtype=torch.long, device=device),
+            "device": device}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _gpu_cases(), ids=[c[0] for c in _gpu_cases()])
+def test_callers_get_the_reference_answer(reference, export, case):
+    """Each convention through the fork's loader, the drop-in and exllamav3 side by side: the same tensors (every
+    key, byte for byte), proxy error, quant_args and H_data keys, and the same weight_q (bit for bit where the fp32
+    scales agree; within fp32 rounding where they do not)."""
+    name, (k, n), kind, qa_in, style, want_q = case
+    dev = torch.device("cuda:0")
+    ours_fn = load_quantize_exl3(export)
+    source = _gpu_source(kind, k, n, qa_in["seed"] + 1)
+    results = []
+    for fn in (reference, ours_fn):
+        qa, h = dict(qa_in), _h_data(style, k, dev)
+        wq, proxy, tensors = fn(source.to(dev).clone(), h, qa, return_weight_q=want_q, verbose=False)
+        torch.cuda.synchronize()
+        results.append((wq, proxy, {key: t.cpu() for key, t in tensors.items()}, qa, h))
+    (rq, rp, rt, rqa, rh), (oq, op, ot, oqa, oh) = results
+    assert list(ot) == list(rt)
+    for key in rt:
+        assert ot[key].dtype == rt[key].dtype and torch.equal(ot[key], rt[key]), f"{name}: {key} differs"
+    assert op == rp
+    assert {key: oqa[key] for key in rqa} == {key: rqa[key] for key in rqa}  # every key the reference has/wrote
+    for key in ("L", "finalized", "diag", "q_fallback"):
+        assert oh[key] == rh[key]
+    assert torch.equal(oh["su"].cpu(), rh["su"].cpu()) and oh["su"].device == rh["su"].device
+    if want_q:
+        assert oq.dtype == rq.dtype == torch.float32 and oq.shape == rq.shape and oq.device == rq.device
+        rel = float((oq - rq).norm() / max(float(rq.norm()), 1e-30))
+        equal = torch.equal(oq, rq)
+        print(f"{name}: weight_q bit-identical={equal} rel diff={rel:.3e}")
+        assert equal or rel < 1e-6, f"{name}: weight_q differs from the reference's by {rel:.3e}"
+    else:
+        assert oq is None and rq is not None  # the reference computes it anyway; every False caller drops it
+
+
+@pytest.mark.gpu
+def test_triton_kernels_persist_across_processes(tmp_path):
+    """A second server process finds the first one's compiled kernels under <cache root>/exl3tool-triton: it
+    compiles nothing (no new cache files) and its first call is faster."""
+    root = tmp_path / "exl3-cache"
+    src = tmp_path / "enc"
+    write_encoder_source(src)
+    code = (
+        "import sys, time, torch\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "from _fork_loader import load_quantize_exl3, fork_call\n"
+        f"fn = load_quantize_exl3({str(src)!r})\n"
+        "w = (torch.randn(512, 256) * 0.02).to(torch.bfloat16).cuda()\n"
+        "torch.cuda.synchronize(); t = time.perf_counter()\n"
+        "fork_call(fn, w, 4, 5, 'cuda:0'); torch.cuda.synchronize()\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_CACHE_DIR"}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               VLLM_EXL3_ONLINE_CACHE_DIR=str(root), HOME=str(tmp_path / "home"))
+    times, counts = [], []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        times.append(float(out.stdout.split()[-1]))
+        counts.append(sum(1 for p in (root / "exl3tool-triton").rglob("*") if p.is_file()))
+    print(f"first call: cold {times[0]:.3f} s, from the on-disk cache {times[1]:.3f} s; files {counts}")
+    assert counts[0] > 0 and counts[1] == counts[0]
+    assert not (tmp_path / "home" / ".triton" / "cache").exists() or not any(
+        (tmp_path / "home" / ".triton" / "cache").iterdir())
+    assert times[1] < times[0]
