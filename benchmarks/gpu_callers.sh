@@ -6,6 +6,7 @@
 #      JIT-compiles in the background (TORCH_CUDA_ARCH_LIST=9.0, about 5-6 minutes on 16 cores);
 #   2. meanwhile the drop-in's GPU tests of tests/test_encoder_source.py (goldens from ./golden; the reference's
 #      cases skip: EXL3TOOL_REFERENCE_SOURCE unset), the Triton-cache-across-processes test among them;
+#      ($BENCH_ONLY set: no tests, steps 2 and 3 run the benchmark alone);
 #   3. once the reference loads (at most $T_COMPILE s after the start): the reference cases of the same file
 #      (EXL3TOOL_REFERENCE_SOURCE=/tmp/site/exllamav3), then bench_callers.py --reference --probe.
 # Logs and the JSON come back in $OUT/results.tgz, the stripped extension in 15 MiB parts in $OUT/ext.
@@ -38,7 +39,7 @@ except BaseException as exc:
     raise
 PY
 CPID=$!
-timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s tests/test_encoder_source.py \
+[ -n "${BENCH_ONLY:-}" ] || timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s tests/test_encoder_source.py \
   > "$OUT/gpu_tests.log" 2>&1
 echo "== drop-in GPU tests ($(since)): $(tail -1 "$OUT/gpu_tests.log")"
 grep -E "^(FAILED|ERROR)|first call:" "$OUT/gpu_tests.log" | head -10
@@ -56,7 +57,7 @@ else
     strip --strip-debug -o /tmp/exllamav3_ext.so "$SO" && mkdir -p "$OUT/ext" \
       && split -b 15m /tmp/exllamav3_ext.so "$OUT/ext/exllamav3_ext.so.part-" && ls -la "$OUT/ext"
   fi
-  EXL3TOOL_REFERENCE_SOURCE=/tmp/site/exllamav3 timeout "${T_REFTESTS:-80}" python3 -m pytest -q -m gpu \
+  [ -n "${BENCH_ONLY:-}" ] || EXL3TOOL_REFERENCE_SOURCE=/tmp/site/exllamav3 timeout "${T_REFTESTS:-80}" python3 -m pytest -q -m gpu \
     -p no:cacheprovider -rs -s -k callers_get tests/test_encoder_source.py > "$OUT/reference_tests.log" 2>&1
   echo "== reference GPU tests ($(since)): $(tail -1 "$OUT/reference_tests.log")"
   grep -E "^(FAILED|ERROR)|weight_q bit-identical" "$OUT/reference_tests.log" | head -20
