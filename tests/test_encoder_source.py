@@ -110,25 +110,53 @@ def test_return_convention_and_arguments_that_change_nothing(cpu_pair):
                                                       ({}, "3inst", {}), ({"mcg": False}, "3inst", {})])
 def test_codebook_flags_select_the_codebook_and_marker(monkeypatch, flags, codebook, markers):
     """The flags reach the encoder as the reference reads them; the marker tensor follows the codebook."""
+    seen = _fake_encoder(monkeypatch)
+    qa = {"K": 3, "seed": 77, "devices": ["cpu"], "apply_out_scales": True, **flags}
+    weight_q, proxy, tensors = quantize_exl3(torch.randn(128, 256), {"H": torch.empty(128, 128, device="meta"),
+                                                                     "device": "cpu"}, qa, False)
+    assert seen["codebook"] == codebook and seen["bits"] == 3 and seen["seed"] == 77 and proxy == 0.5
+    assert weight_q is None and list(tensors) == ["suh", "svh", "trellis", *markers]
+    assert {name: int(tensors[name]) for name in markers} == markers
+
+
+def _fake_encoder(monkeypatch) -> dict:
+    """Replace the encoder's two halves by a recorder that returns fixed tensors (argument plumbing tests)."""
     import exl3tool.encode.online as online
     from exl3tool.encode.encoded import EncodedLinear
 
-    seen = {}
+    seen: dict = {}
 
-    def fake(weight, *, bits, seed, codebook, sign_vectors, device):
-        seen.update(bits=bits, seed=seed, codebook=codebook, su=sign_vectors[0])
+    def prepare(weight, *, bits, seed, codebook, sign_vectors, device, out_scales):
+        seen.update(bits=bits, seed=seed, codebook=codebook, su=sign_vectors[0], device=device, out_scales=out_scales,
+                    weight=weight)
         k, n = weight.shape
-        return EncodedLinear(torch.zeros(k // 16, n // 16, 16 * bits, dtype=torch.int16),
-                             torch.ones(k, dtype=torch.float16), torch.ones(n, dtype=torch.float16), 0.5, 1.0, bits,
-                             codebook)
+        from types import SimpleNamespace
+        return SimpleNamespace(su=torch.ones(k), sv=torch.ones(n), zeros=False, k=k, n=n, bits=bits,
+                               codebook=codebook)
 
-    monkeypatch.setattr(online, "encode_linear", fake)
-    qa = {"K": 3, "seed": 77, "devices": ["cpu"], "apply_out_scales": True, **flags}
-    _, proxy, tensors = quantize_exl3(torch.randn(128, 256), {"H": torch.empty(128, 128, device="meta"),
-                                                              "device": "cpu"}, qa, False)
-    assert seen["codebook"] == codebook and seen["bits"] == 3 and seen["seed"] == 77 and proxy == 0.5
-    assert list(tensors) == ["suh", "svh", "trellis", *markers]
-    assert {name: int(tensors[name]) for name in markers} == markers
+    def finish(prepared):
+        return EncodedLinear(torch.zeros(prepared.k // 16, prepared.n // 16, 16 * prepared.bits, dtype=torch.int16),
+                             torch.ones(prepared.k, dtype=torch.float16), torch.ones(prepared.n, dtype=torch.float16),
+                             0.5, 1.0, prepared.bits, prepared.codebook)
+
+    monkeypatch.setattr(online, "prepare_encode", prepare)
+    monkeypatch.setattr(online, "finish_encode", finish)
+    return seen
+
+
+@pytest.mark.parametrize("h_extra", [
+    {"count": 4096},  # the reference's meta branch never reads count (spec 7.2)
+    {"first_key": "vision.blocks.0.mlp.fc1", "num_total": 7, "inf_nan": torch.tensor([3, 1]), "finalized": True},
+    {"L": None, "count": 0, "finalized": False},  # the round-trip tools' H_data
+])
+def test_h_data_fields_the_meta_path_does_not_read_change_nothing(monkeypatch, h_extra):
+    seen = _fake_encoder(monkeypatch)
+    h = {"H": torch.empty(128, 128, device="meta"), "device": torch.device("cpu"), **h_extra}
+    qa = {"K": 5, "seed": 9, "devices": [torch.device("cpu")], "apply_out_scales": None, "mcg": True}
+    _, _, tensors = quantize_exl3(torch.randn(128, 256), h, qa, False)
+    assert seen["bits"] == 5 and seen["out_scales"] is True and tuple(tensors["trellis"].shape) == (8, 16, 80)
+    assert h["q_fallback"] is True and h["finalized"] is True and h["L"] is None and h["diag"] is None
+    assert qa["apply_out_scales"] is True and qa["q_fallback"] is True and qa["out_scales_hessian"] is False
 
 
 def _call(weight=None, h=None, qa=None, **kw):
@@ -148,14 +176,10 @@ _INSTEAD = "exllamav3's own quantize_exl3"
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(h={"H": torch.zeros(128, 128)}), "H_data['H'] is a real Hessian"),
-    (dict(h={"count": 4096}), "H_data['count'] = 4096"),
     (dict(qa={"K": 2.5}), "quant_args['K'] = 2.5 is a fractional bitrate"),
-    (dict(qa={"apply_out_scales": False}), "quant_args['apply_out_scales'] = False"),
-    (dict(qa={"no_pack": True}), "quant_args['no_pack']"),
     (dict(qa={"seed": _DROP}), "quant_args has no 'seed'"),
     (dict(qa={"lambda_reg": 0.5}), "quant_args key(s) 'lambda_reg' are not ones exllamav3 1.6.5 reads"),
     (dict(qa={"devices": ["cuda:0"]}), "H_data['device'] cpu differs from quant_args['devices'][0] cuda:0"),
-    (dict(return_weight_q=True), "return_weight_q=True"),
     (dict(save_reg="/tmp/r.png"), "save_reg="),
 ])
 def test_unsupported_calls_name_the_argument_and_the_encoder_to_use(kwargs, words):
@@ -166,6 +190,7 @@ def test_unsupported_calls_name_the_argument_and_the_encoder_to_use(kwargs, word
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(qa={"K": 9}), "K must be an integer from 1 to 8"),
+    (dict(qa={"apply_out_scales": "yes"}), "quant_args['apply_out_scales'] = 'yes'"),
     (dict(qa={"mcg": True, "mul1": True}), "both the mcg and mul1 codebooks"),
     (dict(qa={"apply_out_scales": _DROP}), "quant_args has no 'apply_out_scales'"),
     (dict(qa={"devices": []}), "quant_args['devices']"),
@@ -369,3 +394,268 @@ def test_drop_in_on_cuda_is_the_reference_bytes(golden, export, tag):
     assert proxy == float(gold["proxy_error"])
     enc = encode_linear(gold["weight"].cuda(), bits=6, seed=seed)
     assert enc.proxy_error == proxy and torch.equal(enc.trellis, tensors["trellis"])
+
+
+# ---- weight_q, no_pack, apply_out_scales=False, padded shapes, K 1..8: real encodes on the CPU -------------------
+
+def _fp32_scales(weight: torch.Tensor, bits: int, codebook: str, seed: int, g_scale: float, out_scales: bool):
+    """The fp32 su (k,) and sv (n,) of the encode (fp16 suh/svh are their roundings): the regularisation again with
+    the encode's g, no scale search."""
+    from exl3tool.encode.online import prepare_encode
+
+    prepared = prepare_encode(weight, bits=bits, seed=seed, codebook=codebook, g_scale=g_scale, out_scales=out_scales)
+    return prepared.su, prepared.sv
+
+
+def _padded_source(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, int, int]:
+    """The round-trip tools' source: a Linear weight (out, in) zero-padded to multiples of 128, transposed."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.02
+    pad = torch.zeros(-(-out_features // 128) * 128, -(-in_features // 128) * 128)
+    pad[:out_features, :in_features] = w
+    return pad.t().contiguous(), out_features, in_features
+
+
+# (K, quant_args extras, device spelling in devices / H_data, source): each a real encode of a small layer
+_SWEEP = [
+    (1, {"mcg": True}, ("cpu", torch.device("cpu")), "plain"),
+    (2, {"mul1": True}, (torch.device("cpu"), "cpu"), "plain"),
+    (3, {"no_pack": True, "mcg": True}, ("cpu", "cpu"), "plain"),
+    (4, {"mcg": True, "apply_out_scales": False}, ("cpu", "cpu"), "plain"),
+    (5, {}, ("cpu", "cpu"), "plain"),
+    (6, {"mcg": True}, ("cpu", "cpu"), "padded"),
+    (7, {"mcg": True, "apply_out_scales": False}, ("cpu", "cpu"), "zeros"),
+    (8, {"mcg": True, "no_pack": True}, ("cpu", "cpu"), "padded"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, extra, devices, source", _SWEEP, ids=[f"K{c[0]}-{c[3]}" for c in _SWEEP])
+def test_weight_q_is_the_reference_dequantised_weight(bits, extra, devices, source):
+    """return_weight_q=True: weight_q is diag(su) B_k Q B_n diag(sv) with the fp32 scales, within the stated fp32
+    bound of the float64 product computed here from the spec (exl3tool's plain decode of the returned trellis, a
+    Hadamard matrix built here); using the fp16 suh/svh instead breaks the bound (so the test can fail)."""
+    from exl3tool.encode.codebook import decode_states
+    from exl3tool.encode.trellis import pack_trellis, unpack_trellis
+    from exl3tool.serving.quantize_api import WEIGHT_Q_ULPS
+
+    seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    if source == "padded":  # vision MLP-like (out 200, in 300) -> (384 in-pad, 256 out-pad) source
+        weight, out_f, in_f = _padded_source(200, 300, seed)
+    elif source == "zeros":
+        weight, out_f, in_f = torch.zeros(128, 256), 256, 128
+    else:
+        weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(seed)) * 0.03
+    original = weight.clone()
+    k, n = weight.shape
+    codebook = "mcg" if extra.get("mcg") else "mul1" if extra.get("mul1") else "3inst"
+    qa = {"K": bits, "seed": seed, "devices": [devices[0]], "apply_out_scales": True, **extra}
+    h = {"H": torch.zeros(k, k, device="meta"), "L": None, "device": devices[1], "count": 0, "finalized": False}
+    weight_q, proxy, tensors = quantize_exl3(weight, h, qa, return_weight_q=True, verbose=False)
+    assert torch.equal(weight, original)  # the caller's tensor is not overwritten
+    assert weight_q.dtype == torch.float32 and tuple(weight_q.shape) == (k, n) and proxy >= 0
+    out_scales = extra.get("apply_out_scales", True) is not False
+    assert qa["q_fallback"] is True and qa["apply_out_scales"] is (out_scales or source == "zeros")
+    assert qa["zeros"] is (source == "zeros") and qa["out_scales_hessian"] is False
+    assert h["q_fallback"] is True and tuple(h["su"].shape) == (k, 1)
+    trellis = tensors["trellis"]
+    if extra.get("no_pack"):  # the unpacked states: full 16-bit states of a consistent tail-biting ring
+        assert trellis.dtype == torch.int16 and tuple(trellis.shape) == (k // 16, n // 16, 256)
+        packed = pack_trellis(trellis, bits)
+        assert torch.equal(unpack_trellis(packed, bits), trellis)
+        trellis = packed
+    assert tuple(trellis.shape) == (k // 16, n // 16, 16 * bits)
+
+    su, sv = _fp32_scales(weight, bits, codebook, seed, qa["g_scale"], out_scales)
+    assert torch.equal(su.half(), tensors["suh"]) and torch.equal(sv.half(), tensors["svh"])
+    # the float64 product from the spec: Q decoded from the states, Sylvester H built from its definition
+    states = unpack_trellis(trellis, bits).to(torch.int64)
+    tiles = decode_states(states, codebook).to(torch.float64)  # (tk, tn, 256) in trellis-position order
+    perm = torch.tensor([(r0 + dr) * 16 + (t // 4) + dc for t in range(32) for dc in (0, 8)
+                         for r0 in ((t % 4) * 2,) for dr in (0, 1, 8, 9)])
+    q = torch.empty(k // 16, n // 16, 256, dtype=torch.float64)
+    q[..., perm] = tiles  # trellis position p holds row-major element perm[p] (spec 5.2)
+    q = q.reshape(k // 16, n // 16, 16, 16).permute(0, 2, 1, 3).reshape(k, n)
+    i = torch.arange(128)
+    h128 = torch.tensor([[(-1.0) ** bin(int(a) & int(b)).count("1") for b in i] for a in i], dtype=torch.float64)
+    blk = torch.block_diag(*[h128] * (k // 128)) / 128 ** 0.5, torch.block_diag(*[h128] * (n // 128)) / 128 ** 0.5
+    exact = su.double()[:, None] * (blk[0] @ q @ blk[1]) * sv.double()[None, :]
+    unit = su.double().abs()[:, None] * (blk[0].abs() @ q.abs() @ blk[1].abs()) * sv.double().abs()[None, :]
+    unit = unit * 2.0 ** -24 + 1e-300  # one unit of fp32 rounding of the sum of magnitudes (0 on zero columns)
+    units = float(((weight_q.double() - exact).abs() / unit).max())
+    assert units <= WEIGHT_Q_ULPS and units <= 8  # the worst-case bound, and what fp32 rounding really gives
+    if source == "zeros":  # every column is zero: sv and the weight are exactly zero
+        assert bool((tensors["svh"] == 0).all()) and bool((weight_q == 0).all())
+        return
+    loose = tensors["suh"].double()[:, None] * (blk[0] @ q @ blk[1]) * tensors["svh"].double()[None, :]
+    assert float(((loose - exact).abs() / unit).max()) > 8  # the fp16 scales' weight is not within it
+    if not out_scales:  # apply_out_scales=False: sv is the bare sign draw
+        assert bool((tensors["svh"].abs() == 1).all())
+    else:
+        assert bool((tensors["svh"].abs() != 1).any())
+    rel = float((weight_q - weight).norm() / weight.norm())
+    assert rel < {1: 0.6, 2: 0.35, 3: 0.2}.get(bits, 0.12)  # a quantization of this weight, not another's
+    if source == "padded":  # zero columns (padded outputs) stay zero; the crop is the round trip of the original
+        assert bool((tensors["svh"][out_f:] == 0).all()) and bool((weight_q[:, out_f:] == 0).all())
+        crop = weight_q[:in_f, :out_f]
+        assert float((crop - weight[:in_f, :out_f]).norm() / weight[:in_f, :out_f].norm()) < 0.12
+
+
+def test_triton_cache_folder_follows_the_cache_root(tmp_path, monkeypatch):
+    """Unless TRITON_CACHE_DIR is set, the drop-in's calls cache Triton kernels in <cache root>/exl3tool-triton
+    (created), restore the variable after, and leave Triton alone for a root that cannot be written."""
+    from exl3tool.serving import triton_cache as tc
+
+    root = tmp_path / "exl3-cache"
+    env = {"VLLM_EXL3_ONLINE_CACHE_DIR": str(root)}
+    assert tc.triton_cache_dir(env) == root / "exl3tool-triton" and (root / "exl3tool-triton").is_dir()
+    assert tc.triton_cache_dir({**env, "TRITON_CACHE_DIR": "/elsewhere"}) is None
+    assert tc.triton_cache_dir({"VLLM_CACHE_ROOT": str(tmp_path / "vc")}) == tmp_path / "vc" / "exl3_online" / \
+        "exl3tool-triton"
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert tc.triton_cache_dir({"VLLM_EXL3_ONLINE_CACHE_DIR": str(blocked / "sub")}) is None
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("VLLM_EXL3_ONLINE_CACHE_DIR", str(root))
+    with tc.drop_in_triton_cache() as outer:
+        assert os.environ["TRITON_CACHE_DIR"] == str(root / "exl3tool-triton") == str(outer)
+        with tc.drop_in_triton_cache() as inner:  # a second thread's call meanwhile: same folder, kept set
+            assert inner == outer
+        assert os.environ["TRITON_CACHE_DIR"] == str(outer)
+    assert "TRITON_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    with tc.drop_in_triton_cache() as folder:
+        assert folder is None and os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+# ---- on a GPU: the callers' conventions against exllamav3 itself, and the Triton cache across processes ----------
+
+@pytest.fixture(scope="module")
+def reference():
+    """exllamav3's quantize_exl3 loaded as the fork loads an encoder source: EXL3TOOL_REFERENCE_SOURCE names its
+    package directory (e.g. /tmp/site/exllamav3 from the 1.6.5 wheel; its CUDA extension JIT-compiles on import)."""
+    src = os.environ.get("EXL3TOOL_REFERENCE_SOURCE")
+    if not src:
+        pytest.skip("EXL3TOOL_REFERENCE_SOURCE is not set (the exllamav3 1.6.5 package directory)")
+    try:
+        fn = load_quantize_exl3(src, package="_exllamav3_reference")
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no reference here
+        pytest.skip(f"exllamav3 at {src} does not load: {type(exc).__name__}: {exc}")
+    yield fn
+    unload("_exllamav3_reference")
+
+
+def _gpu_cases() -> list[tuple[str, tuple[int, int], str, dict, str, bool]]:
+    """(id, source shape (k, n), weight kind, quant_args, H_data style, return_weight_q): the three callers'
+    conventions (online linear method, image-build gate, K8/K4 round-trip tools) and the rest of the K/flag space."""
+    dev = "cuda:0"
+    fork = {"apply_out_scales": True, "mcg": True}
+    return [
+        ("gate-K6-weight_q", (512, 1024), "fp32", {"K": 6, "seed": 0, "devices": [torch.device(dev)], **fork},
+         "fork", True),
+        ("online-K4", (256, 4096), "bf16", {"K": 4, "seed": fork_seed("m.layers.0.self_attn.f_b_proj"),
+                                            "devices": [torch.device(dev)], **fork}, "fork", False),
+        ("roundtrip-K8-padded", (384, 1024), "padded", {"K": 8, "seed": 0, "devices": [dev], **fork}, "tool", False),
+        ("roundtrip-K4-padded", (384, 1024), "padded", {"K": 4, "seed": 0, "devices": [dev], **fork}, "tool", True),
+        ("K1-mcg", (256, 512), "bf16", {"K": 1, "seed": 11, "devices": [0], **fork}, "fork", True),
+        ("K2-mul1", (256, 512), "bf16", {"K": 2, "seed": 12, "devices": [dev], "apply_out_scales": True,
+                                         "mul1": True}, "fork", True),
+        ("K3-3inst-no_pack", (256, 512), "bf16", {"K": 3, "seed": 13, "devices": [dev], "apply_out_scales": None,
+                                                  "no_pack": True}, "fork", False),
+        ("K5-no-out-scales", (256, 512), "bf16", {"K": 5, "seed": 14, "devices": [dev], "apply_out_scales": False,
+                                                  "mcg": True}, "tool", True),
+        ("K7-mcg", (256, 512), "bf16", {"K": 7, "seed": 15, "devices": [torch.device(dev)], **fork}, "fork", True),
+        ("K6-zeros-no-out-scales", (256, 512), "zeros", {"K": 6, "seed": 16, "devices": [dev],
+                                                         "apply_out_scales": False, "mcg": True}, "fork", True),
+    ]
+
+
+def _gpu_source(kind: str, k: int, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "zeros":
+        return torch.zeros(k, n)
+    if kind == "fp32":  # the gate: an fp32 Linear weight (out, in) * 0.02, transposed
+        return (torch.randn(n, k, generator=gen) * 0.02).t().contiguous()
+    if kind == "padded":  # a (1000 out, 300 in) Linear zero-padded to (1024, 384), transposed: the tools' source
+        w = torch.zeros(n, k)
+        w[:1000, :300] = (torch.randn(1000, 300, generator=gen) * 0.02).to(torch.bfloat16).float()
+        return w.t().contiguous()
+    return _layer_weight(n, k, seed).t().float().contiguous()
+
+
+def _h_data(style: str, k: int, device: torch.device) -> dict:
+    if style == "tool":  # the round-trip tools: a bare torch.device("cuda"), L, no first_key
+        return {"H": torch.empty(k, k, device="meta"), "L": None, "device": torch.device("cuda"), "count": 0,
+                "finalized": False}
+    return {"H": torch.zeros(k, k, dtype=torch.float32, device="meta"), "first_key": "gate-online", "count": 0,
+            "finalized": False, "num_total": 0, "inf_nan": torch.zeros(2, dtype=torch.long, device=device),
+            "device": device}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _gpu_cases(), ids=[c[0] for c in _gpu_cases()])
+def test_callers_get_the_reference_answer(reference, export, case):
+    """Each convention through the fork's loader, the drop-in and exllamav3 side by side: the same tensors (every
+    key, byte for byte), proxy error, quant_args and H_data keys, and the same weight_q (bit for bit where the fp32
+    scales agree; within fp32 rounding where they do not)."""
+    name, (k, n), kind, qa_in, style, want_q = case
+    dev = torch.device("cuda:0")
+    ours_fn = load_quantize_exl3(export)
+    source = _gpu_source(kind, k, n, qa_in["seed"] + 1)
+    results = []
+    for fn in (reference, ours_fn):
+        qa, h = dict(qa_in), _h_data(style, k, dev)
+        wq, proxy, tensors = fn(source.to(dev).clone(), h, qa, return_weight_q=want_q, verbose=False)
+        torch.cuda.synchronize()
+        results.append((wq, proxy, {key: t.cpu() for key, t in tensors.items()}, qa, h))
+    (rq, rp, rt, rqa, rh), (oq, op, ot, oqa, oh) = results
+    assert list(ot) == list(rt)
+    for key in rt:
+        assert ot[key].dtype == rt[key].dtype and torch.equal(ot[key], rt[key]), f"{name}: {key} differs"
+    assert op == rp
+    assert {key: oqa[key] for key in rqa} == {key: rqa[key] for key in rqa}  # every key the reference has/wrote
+    for key in ("L", "finalized", "diag", "q_fallback"):
+        assert oh[key] == rh[key]
+    assert torch.equal(oh["su"].cpu(), rh["su"].cpu()) and oh["su"].device == rh["su"].device
+    if want_q:
+        assert oq.dtype == rq.dtype == torch.float32 and oq.shape == rq.shape and oq.device == rq.device
+        rel = float((oq - rq).norm() / max(float(rq.norm()), 1e-30))
+        equal = torch.equal(oq, rq)
+        print(f"{name}: weight_q bit-identical={equal} rel diff={rel:.3e}")
+        assert equal or rel < 1e-6, f"{name}: weight_q differs from the reference's by {rel:.3e}"
+    else:
+        assert oq is None and rq is not None  # the reference computes it anyway; every False caller drops it
+
+
+@pytest.mark.gpu
+def test_triton_kernels_persist_across_processes(tmp_path):
+    """A second server process finds the first one's compiled kernels under <cache root>/exl3tool-triton: it
+    compiles nothing (no new cache files) and its first call is faster."""
+    root = tmp_path / "exl3-cache"
+    src = tmp_path / "enc"
+    write_encoder_source(src)
+    code = (
+        "import sys, time, torch\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "from _fork_loader import load_quantize_exl3, fork_call\n"
+        f"fn = load_quantize_exl3({str(src)!r})\n"
+        "w = (torch.randn(512, 256) * 0.02).to(torch.bfloat16).cuda()\n"
+        "torch.cuda.synchronize(); t = time.perf_counter()\n"
+        "fork_call(fn, w, 4, 5, 'cuda:0'); torch.cuda.synchronize()\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_CACHE_DIR"}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               VLLM_EXL3_ONLINE_CACHE_DIR=str(root), HOME=str(tmp_path / "home"))
+    times, counts = [], []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        times.append(float(out.stdout.split()[-1]))
+        counts.append(sum(1 for p in (root / "exl3tool-triton").rglob("*") if p.is_file()))
+    print(f"first call: cold {times[0]:.3f} s, from the on-disk cache {times[1]:.3f} s; files {counts}")
+    assert counts[0] > 0 and counts[1] == counts[0]
+    assert not (tmp_path / "home" / ".triton" / "cache").exists() or not any(
+        (tmp_path / "home" / ".triton" / "cache").iterdir())
+    assert times[1] < times[0]

@@ -218,10 +218,13 @@ def _block_rms(w: torch.Tensor, dim: int) -> torch.Tensor:
     return _sqrt32(_div_scalar(_block_sum_squares(w, dim), w.shape[dim]))
 
 
-def regularize(weight: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tensor) -> Regularized:
+def regularize(weight: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tensor, *,
+               out_scales: bool = True) -> Regularized:
     """Spec 7.3 steps 1-11: output scales, output Hadamard, input scales, input Hadamard (no g yet).
 
     weight f32 (k, n); su_sign (k,) and sv_sign (n,) are the +-1 draws. Returns new tensors.
+    ``out_scales=False`` is the reference's ``apply_out_scales=False``: sv keeps the bare signs (all-zero columns
+    still 0), except for an all-zero weight, where the reference applies the scales anyway.
     """
     w = weight.to(torch.float32)
     dev = w.device
@@ -234,8 +237,11 @@ def regularize(weight: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tenso
     if not zeros:
         ocs = _div_scalar(ocs, mean)
     zero_cols = ocs.abs() < _ZERO
-    ocs = torch.where(zero_cols, torch.full_like(ocs, _f32(0.1)), ocs)
-    sv = sv_sign * ocs + _f32(_EPS)
+    if out_scales or zeros:
+        ocs = torch.where(zero_cols, torch.full_like(ocs, _f32(0.1)), ocs)
+        sv = sv_sign * ocs + _f32(_EPS)
+    else:
+        sv = sv_sign.clone()
     # Each step below drops its input as soon as the output exists: never more than two (k, n) matrices
     # besides the caller's weight (hadamard_left's transposes are spelled out for that reason)
     w = hadamard_right(w / sv)  # true division, column-wise
@@ -697,10 +703,12 @@ def prepare_encode(
     name: str | None = None,
     memory_budget_bytes: int | None = None,
     timer: Optional[StageTimer] = None,
+    out_scales: bool = True,
 ) -> ScaledWeight:
     """Checks, the memory plan, signs (7.2), regularisation (7.3) and the global-scale search (7.4).
 
-    See ``encode_linear`` for the arguments.
+    See ``encode_linear`` for the arguments; ``out_scales`` goes to ``regularize`` (False only for the drop-in's
+    ``apply_out_scales=False``).
     """
     check_bits(bits)
     check_codebook(codebook)
@@ -719,7 +727,7 @@ def prepare_encode(
     with stage(timer, "h2d", dev):
         w = weight.to(dev)  # the caller's tensor when it is already there: never written
     with stage(timer, "regularize", dev):
-        reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1))
+        reg = regularize(w, sign_vectors[0].reshape(-1), sign_vectors[1].reshape(-1), out_scales=out_scales)
     del w  # a copy made here is no longer needed
     w_r, su, sv, zeros = reg.weight, reg.su, reg.sv, reg.zeros
     del reg
