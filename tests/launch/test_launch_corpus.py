@@ -282,8 +282,10 @@ def test_corpus_is_large_enough():
 
 
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
-def test_launch_case(path, sources, tmp_path, cli, case_env):
+def test_launch_case(path, sources, tmp_path, cli, case_env, monkeypatch):
     case = _materialize(path, sources, tmp_path)
+    for name, value in (case.header.get("host_env") or {}).items():  # exl3tool's own environment (a CI host)
+        monkeypatch.setenv(name, case.sub(value))
     cache_host = case.host_path(case.sub(case.server["cache_root"]))
 
     # identity: the server's identities, and the folder it serves is the one the header names
@@ -312,6 +314,9 @@ def test_launch_case(path, sources, tmp_path, cli, case_env):
     # a real warm (fake encoder) writes where the server reads: every look-up hits for the server, and the check
     code, out, err = cli("cache", "warm", "--json", *case.args)
     assert code == 0, err
+    warmed = json.loads(out)
+    assert warmed["counts"] == {"encoded": len(jobs), "failed": 0, "hit": 0, "skipped": 0}, warmed["counts"]
+    assert {Path(e["path"]).parent.parent.parent for e in warmed["entries"]} == {cache_host / "v1"}
     code, out, err = cli("cache", "check", "--json", *case.args)
     doc = json.loads(out)
     assert code == 0 and doc["ok"] is True and doc["server_lookup"] is True, err
