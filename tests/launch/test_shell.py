@@ -29,9 +29,9 @@ LINES = [
 
 def _bash_words(line: str, shell: str = "bash") -> list[str]:
     """What the shell passes as arguments for ``line`` (its first word replaced by printf)."""
-    script = "set --\nprintf '%s\\0' " + line.split(" ", 1)[1]
+    script = "set --\nprintf '%s\\0' first " + line.split(" ", 1)[1]  # printf with no argument prints one ''
     done = subprocess.run([shell, "-c", script], env=ENV, capture_output=True, check=True)
-    return done.stdout.decode().split("\0")[:-1]
+    return done.stdout.decode().split("\0")[1:-1]
 
 
 def _ours(line: str) -> list[str]:
@@ -91,4 +91,16 @@ def test_script_walk_exports_and_scope():
 ])
 def test_refusals_name_what(text, match):
     with pytest.raises(ConfigError, match=match):
+        run_script(text, environ={}, is_server=lambda w, cwd: w[:1] == ["vllm"], where="t")
+
+
+@pytest.mark.parametrize("text, line", [
+    ("SPEC_ARGS=()\nvllm serve /m\n", 1),  # was "a function definition"
+    ("set -e\nEXTRA=(--max-model-len 4096 -tp 2)\nvllm serve /m\n", 2),  # was read as EXTRA='(--max-model-len'
+    ("EXTRA=\nEXTRA+=(-tp 2); vllm serve /m $EXTRA\n", 2),
+])
+def test_array_assignment_is_refused_by_name(text, line):
+    """A wrapper's ``ARGS=(...)`` is bash's array: refused naming it and its line, never split into an assignment
+    and a command."""
+    with pytest.raises(ConfigError, match=rf"t line {line}: an array assignment (SPEC_ARGS|EXTRA)=\(\.\.\.\)"):
         run_script(text, environ={}, is_server=lambda w, cwd: w[:1] == ["vllm"], where="t")
