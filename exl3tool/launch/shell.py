@@ -33,6 +33,7 @@ RESERVED = {"if": "a conditional (if ... fi)", "then": "a conditional (if ... fi
             "eval": "eval (its text is only known when it runs)", "trap": None, "wait": None}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=")
+_ARRAY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\+?=\(")
 _IFS = " \t\n"
 
 
@@ -464,6 +465,12 @@ def run_script(text: str, *, environ: Mapping[str, str], is_server: Callable[[li
     for cmd in lex(text, where=where):
         line = cmd.line
         first = literal(cmd.words[0])
+        head0 = cmd.words[0][0] if cmd.words[0] else None
+        array = _ARRAY.match(head0.text) if head0 is not None and head0.kind == "lit" and not head0.quoted else None
+        if array:  # NAME=(...): bash's array, not a NAME=VALUE word (nor a function definition)
+            raise ConfigError(f"{where} line {line}: an array assignment {array.group(1)}=(...) is not followed "
+                              "(exl3tool reads straight-line scripts with plain variables); write the server's "
+                              "words out, or a plain variable")
         if first is not None and first in RESERVED or (first or "").endswith("()") or (
                 len(cmd.words) > 1 and literal(cmd.words[1]) in ("()", "(")):
             what = RESERVED.get(first or "") if first in RESERVED else "a function definition"

@@ -93,3 +93,15 @@ def test_script_walk_exports_and_scope():
 def test_refusals_name_what(text, match):
     with pytest.raises(ConfigError, match=match):
         run_script(text, environ={}, is_server=lambda w, cwd: w[:1] == ["vllm"], where="t")
+
+
+@pytest.mark.parametrize("text, line", [
+    ("SPEC_ARGS=()\nvllm serve /m\n", 1),  # was "a function definition"
+    ("set -e\nEXTRA=(--max-model-len 4096 -tp 2)\nvllm serve /m\n", 2),  # was read as EXTRA='(--max-model-len'
+    ("EXTRA=\nEXTRA+=(-tp 2); vllm serve /m $EXTRA\n", 2),
+])
+def test_array_assignment_is_refused_by_name(text, line):
+    """A wrapper's ``ARGS=(...)`` is bash's array: refused naming it and its line, never split into an assignment
+    and a command."""
+    with pytest.raises(ConfigError, match=rf"t line {line}: an array assignment (SPEC_ARGS|EXTRA)=\(\.\.\.\)"):
+        run_script(text, environ={}, is_server=lambda w, cwd: w[:1] == ["vllm"], where="t")
