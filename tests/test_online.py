@@ -23,7 +23,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 from exl3tool.encode.decode import dequantize
 from exl3tool.encode.online import (
@@ -32,19 +31,16 @@ from exl3tool.encode.online import (
 from exl3tool.encode.layout import matrix_to_tiles
 from exl3tool.encode.signs import reference_signs
 from exl3tool.encode.trellis import pack_trellis
+from goldens import golden_case
+from seeds import fresh_seed
 
 CASES = [("encode_e2e", "case0"), ("encode_e2e", "case1"), ("encode_e2e", "case2"), ("gemm_k6", "enc")]
 
 
 def _load(golden, fname: str, tag: str) -> dict:
     """The tensors of one golden encode (prefix stripped) plus its metadata scalars; skips where the golden
-    folder lacks this one file (a device run that carried only some)."""
-    if not (golden / f"{fname}.safetensors").is_file():
-        pytest.skip(f"{fname}.safetensors not found in {golden} (set EXL3TOOL_GOLDEN)")
-    with safe_open(str(golden / f"{fname}.safetensors"), "pt") as f:
-        out = {key[len(tag) + 1:]: f.get_tensor(key) for key in f.keys() if key.startswith(tag + ".")}
-        meta = f.metadata()
-    out["seed"] = int(meta[f"{tag}.seed"])
+    folder lacks this case (the subset in tests/data/golden keeps case0 only)."""
+    out = golden_case(golden, fname, tag)
     out["g"] = float(out["g_scale"])
     return out
 
@@ -69,7 +65,7 @@ def _recipe_weight(k: int, n: int, seed: int) -> torch.Tensor:
 
 
 def _fresh_seed() -> int:
-    return int(np.random.default_rng().integers(0, 2**31))
+    return fresh_seed()
 
 
 # ---------------------------------------------------------------- regularize (spec 7.3)
