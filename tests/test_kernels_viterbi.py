@@ -31,7 +31,7 @@ CONFIGS = [(2, "mcg"), (3, "mcg"), (4, "mcg"), (5, "mcg"), (6, "mcg"), (7, "mcg"
 
 
 # ----------------------------------------------------------------------------------------------------
-# Independent numpy reference (spec section 6), written with numpy's direct float64 -> float16 cast.
+# Independent numpy reference (docs/format.md §6), written with numpy's direct float64 -> float16 cast.
 # ----------------------------------------------------------------------------------------------------
 
 def _brev5(x: np.ndarray) -> np.ndarray:

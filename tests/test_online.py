@@ -1,6 +1,6 @@
 """The online encoder against the reference's goldens, stage by stage, plus properties on fresh weights.
 
-Conformance figures measured on the goldens (CPU, this implementation; spec 9.2 explains why the first
+Conformance figures measured on the goldens (CPU, this implementation; docs/format.md §9.2 explains why the first
 three cannot be exact on a CPU):
 * regularize: sv within 2 fp32 ulp (mean 0.004-0.007), su within 3 ulp (mean 0.02-0.05) of the
   reference: the block RMS and mean reductions follow PyTorch's CUDA order; the Hadamard products do
@@ -68,7 +68,7 @@ def _fresh_seed() -> int:
     return fresh_seed()
 
 
-# ---------------------------------------------------------------- regularize (spec 7.3)
+# ---------------------------------------------------------------- regularize (docs/format.md §7.3)
 
 
 @pytest.mark.parametrize("fname, tag", CASES)
@@ -103,7 +103,7 @@ def test_regularize_rows_have_codebook_rms_and_zero_columns_stay_zero():
     assert abs(float(reg.weight.square().mean().sqrt()) - 1.24371088) < 1e-4
 
 
-# ---------------------------------------------------------------- scale search (spec 7.4)
+# ---------------------------------------------------------------- scale search (docs/format.md §7.4)
 
 
 def test_sample_scale_tiles_layout():
@@ -188,7 +188,7 @@ def test_search_global_scale_quantizes_each_pair_once_with_the_spec_result(monke
     assert seen == [10 * coarse_unique, 5 * uniq.numel() - coarse_unique]
 
 
-# ---------------------------------------------------------------- quantization (spec 7.5-7.7)
+# ---------------------------------------------------------------- quantization (docs/format.md §7.5-7.7)
 
 
 @pytest.mark.parametrize("tag, rows", [("case0", None), ("case1", 128)])
@@ -238,7 +238,7 @@ def test_encode_linear_case0_against_golden(case0_encode):
     assert torch.equal(enc.svh, gold["svh"])
     match = float((enc.trellis == gold["trellis"]).all(dim=-1).float().mean())
     print(f"case0: g {enc.g_scale!r} (golden {gold['g']!r}), tiles identical {match:.1%}, {seconds:.1f} s")
-    assert match > 0.8  # measured 92.4 % (97.7 % with an earlier 2e-6 g difference); spec 9.2
+    assert match > 0.8  # measured 92.4 % (97.7 % with an earlier 2e-6 g difference); docs/format.md §9.2
     assert abs(enc.proxy_error - float(gold["proxy_error"])) < 0.02 * float(gold["proxy_error"])
 
 
