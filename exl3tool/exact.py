@@ -4,7 +4,7 @@ The encode is deterministic, so on the platform that wrote an entry (device kind
 and exl3tool versions: ``encoder_platform``, recorded in new entries as ``exl3tool_platform``) a correct entry is
 byte-identical to a fresh encode: any difference there is a wrong entry (``differs``).
 
-Across platforms only the Hadamard summation order differs (README "Conformance"; spec 9.2): the rotated weight
+Across platforms only the Hadamard summation order differs (docs/format.md §9): the rotated weight
 W_r moves by an ulp or two, an fp16 rounding of a tile input may flip, and that tile's trellis path may change.
 An entry written elsewhere (the server's have no platform record; nor do entries of older exl3tool versions) is
 therefore checked for what such a difference can and cannot do:

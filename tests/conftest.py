@@ -1,4 +1,5 @@
-"""Shared fixtures: where the golden vectors live, and the GPU marker's skip rule."""
+"""Shared fixtures: where the golden vectors live (tests/goldens.py), the printed test seed (tests/seeds.py), and the
+GPU marker's skip rule."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
+
+import seeds
+from goldens import golden_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -19,23 +23,42 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault(_name, str(_share))
 
 
-def golden_dir() -> Path:
-    """The golden vectors: $EXL3TOOL_GOLDEN, else ./golden (carried to the GPU machine), else ../shared/golden."""
-    env = os.environ.get("EXL3TOOL_GOLDEN")
-    candidates = [Path(env)] if env else []
-    candidates += [REPO / "golden", REPO.parent / "shared" / "golden"]
-    for path in candidates:
-        if (path / "tiles_golden.safetensors").is_file():
-            return path
-    pytest.skip("golden vectors not found: they are the outputs of the exllamav3 1.6.5 reference's CUDA kernels "
-                "(tiles_golden.safetensors etc., provenance in their README.md), kept in the project's shared/golden "
-                "folder; run these tests with EXL3TOOL_GOLDEN=/path/to/golden python -m pytest, or put the folder at "
-                "./golden or ../shared/golden")
-
-
 @pytest.fixture(scope="session")
 def golden() -> Path:
     return golden_dir()
+
+
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput and "exl3tool_test_seed" in workerinput:  # an xdist worker: the controller's seed
+        seeds.set_base_seed(workerinput["exl3tool_test_seed"])
+    seeds.base_seed()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # xdist controller: every worker draws from the same base seed
+    node.workerinput["exl3tool_test_seed"] = seeds.base_seed()
+
+
+def _seed_line() -> str:
+    return f"test seed {seeds.base_seed()} (repeat with {seeds.ENV}={seeds.base_seed()})"
+
+
+def pytest_report_header(config):
+    return [_seed_line()]
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_seed_line())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        mine = seeds.drawn.get(item.nodeid)
+        report.sections.append(("exl3tool test seed", _seed_line() + (f"; this test drew {mine}" if mine else "")))
 
 
 def _cuda_available() -> bool:

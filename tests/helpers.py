@@ -6,7 +6,7 @@
 * ``make_encoded``, ``fake_encode`` and ``fake_warm``: tensors of the right shapes, deterministic in a seed, and the
   real ``warm()`` with that fake encoder (plan, pipeline and store are real; a re-encode writes the same bytes);
 * ``server_lookup``, ``server_model_identity``, ``server_encoder_identity``: the server's look-up and identities
-  written from the spec (cache-format.md §2, §4, §5.3) with json, hashlib, pathlib and safetensors' numpy reader
+  written from docs/cache-format.md (§2, §4, §5.3) with json, hashlib, pathlib and safetensors' numpy reader
   only, never exl3tool's code, so they catch our library's mistakes; ``tree`` snapshots a folder.
 """
 
@@ -211,7 +211,7 @@ def tree(root) -> dict[str, tuple]:
 
 
 def server_model_identity(model_name: str, revision: str | None = None, commit_hash: str | None = None) -> str:
-    """The server's model identity (spec §2.4), re-implemented with pathlib as the serving process runs it.
+    """The server's model identity (docs/cache-format.md §2.4), re-implemented with pathlib as the serving process runs it.
 
     Run it on the *server's* tree: paths, links, sizes and mtimes are read from the filesystem here.
     """
@@ -252,7 +252,7 @@ def transformers_commit_hash(model_path: str) -> str | None:
 
 
 def server_encoder_identity(package_root: str, revision: str | None = None) -> str:
-    """The server's encoder identity (spec §2.5), with pathlib's ``rglob`` as the serving process runs it."""
+    """The server's encoder identity (docs/cache-format.md §2.5), with pathlib's ``rglob`` as the serving process runs it."""
     root = Path(package_root).expanduser().resolve()
     if revision and revision.strip():
         payload = {"root": str(root), "revision": revision.strip()}

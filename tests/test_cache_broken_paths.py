@@ -20,6 +20,7 @@ from exl3tool.cache import CacheKey, CacheStore, lock_path, scan
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.warm import WarmRequest, prepare
+from seeds import fresh_bytes
 
 
 _register()
@@ -171,7 +172,7 @@ def test_dry_run_names_a_broken_lock_path_when_the_entry_is_also_invalid(model, 
     _, plan, _ = prepare(_request(model, cache))
     job = plan.jobs[0]
     job.path.parent.mkdir(parents=True, exist_ok=True)
-    job.path.write_bytes(os.urandom(64))  # an invalid entry
+    job.path.write_bytes(fresh_bytes(64))  # an invalid entry
     lock_path(job.path).mkdir()
     res = cli("cache", "warm", str(model), "--tp-sizes", "2", "--layers", "*.o_proj", "--cache-dir", str(cache),
               "--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"], "--dry-run", "--json")

@@ -22,6 +22,7 @@ from exl3tool.cache.bundle import BundleError, import_bundle, manifest_bytes, pl
 from exl3tool.cache.entry import write_entry
 from exl3tool.cli import _register, app
 from exl3tool.errors import Exl3ToolError
+from seeds import fresh_bytes
 
 
 _register()
@@ -306,7 +307,7 @@ def test_unreadable_bundles_exit_2(case, tmp_path):
     good = _entry_bytes(GOOD)
     rg = _record(GOOD, good)
     data = {
-        "garbage": os.urandom(4096),
+        "garbage": fresh_bytes(4096),
         "empty": b"",
         "no-manifest": _tar([(rg["path"], good, {})]),
         "not-json": _tar([("manifest.json", b"{nope", {})]),

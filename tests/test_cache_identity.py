@@ -1,4 +1,4 @@
-"""Model and encoder identities: the spec's vectors (§2.4, §2.5) and the filesystem rules behind them."""
+"""Model and encoder identities: docs/cache-format.md's vectors (§2.4, §2.5) and the filesystem rules behind them."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from exl3tool.cache import CacheKey, cache_mode, cache_root, entry_path, layer_s
 from exl3tool.errors import ConfigError
 
 from helpers import ENCODER_ID, MODEL_ID
+from seeds import fresh_seed
 
 EXAMPLE_JSON = (
     '{"apply_out_scales":true,"bits":6,"codebook":"mcg","encoder_identity":"fe5e6fead00d1b22502edfa1da021d26132cb231d96346f10e51ead3eedc8326",'
@@ -113,7 +114,7 @@ def test_keys_the_server_builds_are_producible_and_altered_ones_are_not():
     import dataclasses
     import random
 
-    rng = random.SystemRandom()
+    rng = random.Random(fresh_seed())
     hexid = lambda: "".join(rng.choice("0123456789abcdef") for _ in range(64))  # noqa: E731
     for _ in range(50):
         world = rng.choice((1, 2, 4, 8))

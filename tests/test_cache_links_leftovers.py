@@ -24,6 +24,7 @@ from exl3tool.cache import CacheStore, lock_path
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.warm import WarmRequest, prepare
+from seeds import fresh_seed
 
 _register()
 runner = CliRunner()
@@ -32,7 +33,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return write_llama_checkpoint(tmp_path_factory.mktemp("links") / "m", **TINY,
-                                  seed=random.SystemRandom().randrange(2**31), shards=1)
+                                  seed=fresh_seed(), shards=1)
 
 
 def _request(model, cache, **kw) -> WarmRequest:
@@ -123,7 +124,7 @@ def test_verify_counts_what_a_kill_leaves_and_prune_temp_removes_only_that(tmp_p
     root = tmp_path / "cache"
     folder = root / "v1" / ("3f" * 10) / "tp1-rank0"
     folder.mkdir(parents=True)
-    rng = random.Random()
+    rng = random.Random(fresh_seed())
     killed, live = (folder / f"{rng.randbytes(32).hex()}.safetensors" for _ in range(2))
     victim, holder = _writer(killed), _writer(live)
     try:

@@ -22,6 +22,7 @@ from exl3tool.cache import CacheStore
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.warm import WarmRequest, prepare
+from seeds import fresh_seed
 
 
 _register()
@@ -83,7 +84,7 @@ def corrupt(blob: bytes, kind: str, rng: random.Random, other: bytes) -> bytes:
 
 @pytest.mark.parametrize("round_", range(3))
 def test_rewarm_re_encodes_every_entry_that_fails_the_checksum(model, tmp_path, monkeypatch, round_):
-    seed = random.SystemRandom().randrange(2**32)
+    seed = fresh_seed(32)
     rng = random.Random(seed)
     cache = tmp_path / "cache"
     first = fake_warm(_request(model, cache), monkeypatch)

@@ -197,7 +197,7 @@ def _unsearchable_outcome(root: Path, key: CacheKey, mode: str) -> str:
 
 @pytest.mark.parametrize("mode", ["readonly", "readwrite"])
 def test_unsearchable_directory_propagates(tmp_path, mode):
-    """Spec §1.5: the first is_file() is unprotected; EACCES aborts loading instead of becoming a miss."""
+    """docs/cache-format.md §1.5: the first is_file() is unprotected; EACCES aborts loading instead of becoming a miss."""
     root = tmp_path / "cache"
     root.mkdir()
     tmp_path.chmod(0o755)
@@ -343,7 +343,7 @@ def test_bad_entry_never_hits_is_reported_and_replaced(tmp_path, kind):
 
 
 def test_symlinked_entries(tmp_path):
-    """Decision (spec §5.3 follows symlinks): a link to a valid file is a hit, as on the server; verify warns.
+    """Decision (docs/cache-format.md §5.3 follows symlinks): a link to a valid file is a hit, as on the server; verify warns.
 
     A dangling link is a miss; readwrite publishes over the link itself (os.replace replaces the link).
     """

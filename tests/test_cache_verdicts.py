@@ -29,9 +29,10 @@ from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.warm import WarmRequest, prepare
 from exl3tool.warm.check import check
+from seeds import fresh_seed
 
 _register()
-SEED = random.SystemRandom().randrange(2**32)
+SEED = fresh_seed(32)
 
 
 def _split(blob: bytes) -> tuple[dict, bytes]:

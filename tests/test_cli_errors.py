@@ -26,6 +26,7 @@ from exl3tool.errors import describe
 from exl3tool.output import plain_table
 
 from helpers import run
+from seeds import fresh_seed
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 
@@ -34,7 +35,7 @@ ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cli") / "tiny"
     write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512,
-                           seed=random.SystemRandom().randrange(2**31), shards=1)
+                           seed=fresh_seed(), shards=1)
     return path
 
 
@@ -187,7 +188,7 @@ def test_encode_reports_tiles_inside_a_layer():
     seen: list[int] = []
     weight = torch.randn(512, 512) * 0.02  # 1024 tiles: two CPU progress steps
     # a given global scale: progress counts the layer's tiles, not the scale search's (left out to save time)
-    enc = encode_linear(weight, bits=6, seed=random.randrange(2**31), progress=seen.append,
+    enc = encode_linear(weight, bits=6, seed=fresh_seed(), progress=seen.append,
                         g_scale=random.uniform(0.7, 0.9))
     assert sum(seen) == 1024 and len(seen) >= 2
     assert enc.trellis.shape[:2] == (32, 32)

@@ -33,7 +33,7 @@ QUANT_CONFIG = '{"linear": {"weight": "mxfp8"}, "ignore": ["re:.*o_proj$"]}'  # 
 
 
 def expected_jobs():
-    """(prefix, W, R, K_r, N_r) of layer 0's qkv_proj at each TP size, from the spec's slicing rules (§6.4);
+    """(prefix, W, R, K_r, N_r) of layer 0's qkv_proj at each TP size, from the slicing rules (docs/layer-plan.md §4);
     o_proj is ignored by QUANT_CONFIG, as the server started with it would."""
     heads, kv, hidden = TINY["heads"], TINY["kv_heads"], TINY["hidden"]
     for w in TP_SIZES:

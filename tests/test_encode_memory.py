@@ -15,6 +15,7 @@ from exl3tool.encode.memory import (
 from exl3tool.encode.online import encode_linear, quantize_regularized, scale_mse
 from exl3tool.encode.trellis import pack_trellis
 from exl3tool.encode.viterbi import quantize_tiles
+from seeds import fresh_seed
 
 
 def _weight(k: int, n: int, seed: int) -> torch.Tensor:
@@ -166,7 +167,7 @@ def test_warm_job_over_its_budget_fails_by_name_with_the_figure(tmp_path, monkey
     from exl3tool.warm.pipeline import run_plan
 
     write_llama_checkpoint(tmp_path / "ckpt", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=1, vocab=256,
-                           seed=int(torch.randint(0, 2**31, (1,))))
+                           seed=fresh_seed())
     request = WarmRequest(model=str(tmp_path / "ckpt"), layers=("*.o_proj",), cache_dir=str(tmp_path / "c"),
                           device="cpu", encoder_root="/encoders/exllamav3", encoder_revision="r")
     checkpoint, plan, store = prepare(request)

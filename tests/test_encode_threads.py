@@ -14,6 +14,7 @@ from exl3tool.cache import CacheKey, write_entry
 from exl3tool.encode import encode_linear
 
 from helpers import ENCODER_ID, MODEL_ID
+from seeds import fresh_seed
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def test_proxy_error_in_slabs_is_the_whole_float64_sum(threads, slab_rows, monke
     import exl3tool.encode.online as online
 
     monkeypatch.setattr(online, "PROXY_SLAB_ROWS", slab_rows)
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    gen = torch.Generator().manual_seed(fresh_seed())
     sq = (torch.randn(384, 1408, generator=gen) * torch.rand(1, 1408, generator=gen)).square()  # 132 rows of 4096
     whole = float(online._fixed_sum(sq.to(torch.float64))) / sq.numel()
     for n in (1, 3):

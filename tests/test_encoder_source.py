@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 import exl3tool
 from exl3tool.encode import encode_linear
@@ -25,7 +24,9 @@ from exl3tool.errors import ConfigError
 from exl3tool.serving.encoder_source import MARKER, quantize_py_text, read_marker, write_encoder_source
 from exl3tool.serving.quantize_api import UnsupportedCallError, quantize_exl3
 
+from goldens import golden_case
 from _fork_loader import fork_call, fork_seed, load_quantize_exl3, unload
+from seeds import fresh_bytes, fresh_seed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,7 +71,7 @@ def cpu_pair(tmp_path_factory):
     write_encoder_source(root)
     fn = load_quantize_exl3(root)
     prefix = "model.layers.3.self_attn.o_proj"
-    weight = _layer_weight(128, 256, seed=int.from_bytes(os.urandom(4), "little"))
+    weight = _layer_weight(128, 256, seed=fresh_seed(32))
     got = fork_call(fn, weight, 4, fork_seed(prefix), "cpu")
     want = encode_linear(weight.t().float().contiguous(), bits=4, seed=fork_seed(prefix), codebook="mcg")
     # the same call made directly, with the reference's spellings of 'same result' arguments
@@ -317,7 +318,7 @@ def test_identity_of_an_encoder_source_needs_no_model(tmp_path, run_cli):
     """`exl3tool identity --encoder-root DIR` alone: the encoder identity the server computes, no model needed."""
     root = tmp_path / "enc"
     assert run_cli(["encoder-source", str(root)]).exit_code == 0
-    (root / "modules" / "extra.py").write_text(f"x = {os.urandom(4).hex()!r}\n")  # hashed too, as the server does
+    (root / "modules" / "extra.py").write_text(f"x = {fresh_bytes(4).hex()!r}\n")  # hashed too, as the server does
     res = run_cli(["identity", "--encoder-root", str(root), "--json"])
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)
@@ -383,9 +384,8 @@ def test_unwritable_places_are_named_as_the_user_gave_them(tmp_path, monkeypatch
 @pytest.mark.parametrize("tag", ["case0", "case1", "case2"])
 def test_drop_in_on_cuda_is_the_reference_bytes(golden, export, tag):
     """The fork's call on CUDA gives the golden reference encode's trellis, scales and proxy error exactly."""
-    with safe_open(str(golden / "encode_e2e.safetensors"), "pt") as f:
-        gold = {key[len(tag) + 1:]: f.get_tensor(key) for key in f.keys() if key.startswith(tag + ".")}
-        seed = int(f.metadata()[f"{tag}.seed"])
+    gold = golden_case(golden, "encode_e2e", tag)
+    seed = gold["seed"]
     fn = load_quantize_exl3(export)
     tensors, proxy, quant_args, _ = fork_call(fn, gold["weight"].t().cuda(), 6, seed, "cuda:0")
     assert torch.equal(tensors["trellis"].cpu(), gold["trellis"])

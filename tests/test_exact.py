@@ -11,12 +11,10 @@ encode on an H200) is the real other platform.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 import exl3tool.encode.online as online
@@ -29,6 +27,8 @@ from exl3tool.verify import verify_plan
 from exl3tool.warm import WarmRequest, prepare, warm
 
 from helpers import completed
+from goldens import golden_case
+from seeds import fresh_seed
 
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 LAYER = "model.layers.1.self_attn.o_proj"
@@ -68,7 +68,7 @@ def _other_platform(monkeypatch) -> None:
 @pytest.fixture(scope="module")
 def layer():
     """A fresh recipe-like weight (128 x 256) with its key, this platform's encode and another platform's."""
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    g = torch.Generator().manual_seed(fresh_seed(24))
     w = (torch.randn(128, 256, generator=g) * 0.02 * torch.exp(0.5 * torch.randn(128, 1, generator=g))).float()
     key = CacheKey.for_layer("m" * 64, "e" * 64, "model.layers.0.mlp.down_proj", 8, 1, 0, 128, 256)
     fresh, w_r = fresh_encode(w, key, torch.device("cpu"))
@@ -114,9 +114,8 @@ def test_golden_reference_encode_is_not_called_different(golden):
 
     The reference's global scale is given (the CPU's search finds it to 1e-5; skipping it halves the time)."""
     tag = "case0"
-    with safe_open(str(golden / "encode_e2e.safetensors"), "pt") as f:
-        gold = {k[len(tag) + 1:]: f.get_tensor(k) for k in f.keys() if k.startswith(tag + ".")}
-        meta = f.metadata()
+    gold = golden_case(golden, "encode_e2e", tag)
+    meta = gold["meta"]
     key = CacheKey.for_layer("m" * 64, "e" * 64, meta[f"{tag}.prefix"], 6, 1, 0, *gold["weight"].shape)
     assert key.seed == int(meta[f"{tag}.seed"])
     fresh, w_r = online.encode_linear_with_input(gold["weight"], bits=6, seed=key.seed, g_scale=float(gold["g_scale"]))
@@ -134,7 +133,7 @@ def test_golden_reference_encode_is_not_called_different(golden):
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     base = tmp_path_factory.mktemp("exact")
-    model = write_llama_checkpoint(base / "model", **TINY, seed=int.from_bytes(os.urandom(3), "little"), shards=1)
+    model = write_llama_checkpoint(base / "model", **TINY, seed=fresh_seed(24), shards=1)
     summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(base / "cache"),
                                device="cpu", **ENC))
     assert summary.counts["encoded"] == 2

@@ -9,7 +9,6 @@ the code disagrees with the doc.
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.cli import _register, app
 
 from helpers import ENCODER_ID, MODEL_ID, exit_code as run, make_encoded
+from seeds import fresh_seed
 
 REPO = Path(__file__).resolve().parents[1]
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
@@ -130,7 +130,7 @@ def test_every_stated_exit_code_has_a_scenario():
 def models(tmp_path_factory) -> dict[str, Path]:
     """The tiny EXL3 Llama, a copy with a NaN in LAYER, a plain BF16 Llama, and a cache holding LAYER (real encode)."""
     base = tmp_path_factory.mktemp("exits")
-    seed = random.SystemRandom().randrange(2**31)
+    seed = fresh_seed()
     good = write_tiny(base / "llama", "llama", seed=seed)
     nan = write_tiny(base / "nan", "llama", seed=seed)
     tensors = load_file(nan / "model.safetensors")
@@ -147,7 +147,7 @@ def _cache(root: Path, n: int = 2) -> list[Path]:
     """A cache of ``n`` valid synthetic entries (no encode)."""
     store = CacheStore(root)
     return [store.publish(CacheKey.for_layer(MODEL_ID, ENCODER_ID, f"model.layers.{i}.mlp.down_proj", 6, 1, 0, 128, 256),
-                          make_encoded(128, 256, seed=random.SystemRandom().randrange(2**31))) for i in range(n)]
+                          make_encoded(128, 256, seed=fresh_seed())) for i in range(n)]
 
 
 def _flip(path: Path) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from exl3tool.encode import dequantize, encode_linear, quantize_tiles
 from exl3tool.encode.signs import reference_signs, torch_signs
+
+from goldens import golden_case
+from seeds import fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -24,8 +26,9 @@ def test_quantize_tiles_cuda_equals_cpu_on_fresh_tiles():
 
 @pytest.mark.parametrize("tag", ["case0", "case1", "case2"])
 def test_encode_on_cuda_matches_golden(golden, tag):
-    g = load_file(golden / "encode_e2e.safetensors")
+    g = {f"{tag}.{k}": v for k, v in golden_case(golden, "encode_e2e", tag).items()}
     seed = {"case0": 1597376838, "case1": 1238977608, "case2": 293502257}[tag]
+    assert seed == g[f"{tag}.seed"]
     w = g[f"{tag}.weight"]
     su, sv = torch_signs(seed, *w.shape, device="cuda")  # the literal draw, as the reference does it
     ref_su, ref_sv = reference_signs(seed, *w.shape)
@@ -123,7 +126,7 @@ def test_in_place_kernel_equals_the_gathering_path(monkeypatch, shape, bits):
 
     k, n = shape
     w = (torch.randn(k, n) * torch.empty(1, n).uniform_(0.005, 0.05)).cuda()
-    seed = int(torch.randint(0, 2**31, (1,)))
+    seed = fresh_seed()
 
     def encode(chunk: int | None = None):
         prepared = online.prepare_encode(w, bits=bits, seed=seed)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 
 import pytest
@@ -25,6 +24,7 @@ from exl3tool.errors import Exl3ToolError
 from exl3tool.warm import WarmRequest, prepare, warm
 
 from helpers import make_encoded
+from seeds import fresh_seed
 
 _register()
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
@@ -46,7 +46,7 @@ def cli(*args):
 def warmed(tmp_path_factory):
     """A model and a cache holding LAYER at TP 2 (ranks 0 and 1), with the two jobs (rank order)."""
     base = tmp_path_factory.mktemp("against")
-    model = write_llama_checkpoint(base / "model", **TINY, seed=int.from_bytes(os.urandom(3), "little"), shards=1)
+    model = write_llama_checkpoint(base / "model", **TINY, seed=fresh_seed(24), shards=1)
     cache = base / "cache"
     assert warm(WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), device="cpu",
                             **ENC)).counts["encoded"] == 2

@@ -25,6 +25,9 @@ import torch
 from exl3tool.encode.decode import dequantize_tensors
 from exl3tool.kernels.gemm import trellis_matmul_reference
 
+from goldens import SUBSET, full_golden_dirs, golden_file
+from seeds import fresh_seed
+
 REPO = Path(__file__).resolve().parent.parent
 FP16_BOUND = 1e-3
 # A bf16 output alone is off by about 1.6e-3 (rms relative rounding of random values, 8 significant bits); at
@@ -272,7 +275,7 @@ def _interp_cases() -> list[dict]:
 @pytest.fixture(scope="module")
 def interp_results() -> list[dict]:
     """One interpreter child process for every case (process start and imports dominate on 2 cores)."""
-    return _run_interpreter(_interp_cases(), seed=int.from_bytes(os.urandom(4), "little"))
+    return _run_interpreter(_interp_cases(), seed=fresh_seed(32))
 
 
 @pytest.mark.slow
@@ -482,7 +485,7 @@ def _gpu_case(k: int, n: int, m: int, bits: int, cb: str, dt: torch.dtype, gen: 
 @pytest.mark.parametrize("m", [1, 3, 16, 128, 1024])
 @pytest.mark.parametrize("kn", [(256, 384), (384, 256), (1024, 1024), (512, 1536)], ids=str)
 def test_gpu_accuracy_matrix(kn, m, dt):
-    gen = torch.Generator().manual_seed(hash((kn, m, str(dt))) & 0xFFFF ^ int.from_bytes(os.urandom(2), "little"))
+    gen = torch.Generator().manual_seed(hash((kn, m, str(dt))) & 0xFFFF ^ fresh_seed(16))
     err = _gpu_case(kn[0], kn[1], m, 6, "mcg", dt, gen)
     assert err < (FP16_BOUND if dt == torch.float16 else BF16_BOUND), err
 
@@ -514,18 +517,18 @@ def test_gpu_batched_leading_dims_and_corruption():
 
 
 def _golden_path() -> Path | None:
-    env = os.environ.get("EXL3TOOL_GOLDEN")
-    for d in ([Path(env)] if env else []) + [REPO / "golden", REPO.parent / "shared" / "golden"]:
+    """gemm_k6.safetensors of the first golden folder (the full set, else the repository's column-cropped subset)."""
+    for d in full_golden_dirs() + [SUBSET]:
         if (d / "gemm_k6.safetensors").is_file():
             return d / "gemm_k6.safetensors"
     return None
 
 
-def _golden_file() -> Path:
+def _golden_file(m: int) -> Path:
     path = _golden_path()
     if path is None:
         pytest.skip("gemm_k6.safetensors not found (set EXL3TOOL_GOLDEN)")
-    return path
+    return golden_file(path.parent, "gemm_k6", f"x_m{m}", f"y_m{m}")
 
 
 @pytest.mark.gpu
@@ -536,7 +539,7 @@ def test_gpu_golden(m):
 
     from exl3tool.kernels.gemm import trellis_matmul
 
-    g = load_file(str(_golden_file()), device="cuda")
+    g = load_file(str(_golden_file(m)), device="cuda")
     tr, suh, svh = g["enc.trellis"], g["enc.suh"], g["enc.svh"]
     x = g[f"x_m{m}"]
     y = trellis_matmul(x, tr, suh, svh, bits=6, codebook="mcg")

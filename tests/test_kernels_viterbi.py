@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 from exl3tool.encode.codebook import codebook_table_np  # noqa: E402
 from exl3tool.kernels import viterbi as vmod  # noqa: E402
+from seeds import fresh_seed
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = [(2, "mcg"), (3, "mcg"), (4, "mcg"), (5, "mcg"), (6, "mcg"), (7, "mcg"), (8, "mcg"),
@@ -30,7 +31,7 @@ CONFIGS = [(2, "mcg"), (3, "mcg"), (4, "mcg"), (5, "mcg"), (6, "mcg"), (7, "mcg"
 
 
 # ----------------------------------------------------------------------------------------------------
-# Independent numpy reference (spec section 6), written with numpy's direct float64 -> float16 cast.
+# Independent numpy reference (docs/format.md §6), written with numpy's direct float64 -> float16 cast.
 # ----------------------------------------------------------------------------------------------------
 
 def _brev5(x: np.ndarray) -> np.ndarray:
@@ -122,7 +123,7 @@ def test_cpu_tensor_without_interpreter_raises():
 def test_reference_matches_golden_sample(golden):
     """The numpy reference used by the GPU tests is itself right (one golden tile, K=6 mcg)."""
     x, idx, _ = _load_golden(golden, 6, "mcg")
-    row = int(np.random.default_rng().integers(0, x.shape[0]))
+    row = int(np.random.default_rng(fresh_seed()).integers(0, x.shape[0]))
     states = reference_tile(x[row].numpy(), 6, "mcg")
     assert np.array_equal(states, idx[row].numpy().view(np.uint16).astype(np.int64)), row
 
@@ -156,18 +157,25 @@ _INTERP_SCRIPT = textwrap.dedent(
 )
 
 
-def _interp_jobs() -> list[list[dict]]:
+def _interp_jobs(golden: Path) -> list[list[dict]]:
     """Two process loads of about equal interpreter time (2 cores): random golden rows, fresh tiles."""
-    rng = np.random.default_rng()
+    from safetensors import safe_open
+
+    rng = np.random.default_rng(fresh_seed())
     fresh = (rng.standard_normal((1, 256)) * rng.uniform(0.5, 1.5)).astype(np.float32)
+    with safe_open(str(golden / "tiles_golden.safetensors"), "pt") as f:
+        meta = f.metadata()
+    n_gauss, n_real = int(meta["k6_mcg.n_gauss"]), int(meta["k6_mcg.n_real"])
+    n_k4 = int(meta["k4_mcg.n_gauss"]) + int(meta["k4_mcg.n_real"])
     return [
-        # K=6 mcg, plain path: one golden tile, a Gaussian or a real-weight one (rows 512-575), drawn at random (one
-        # tile is half a minute under the interpreter; test_viterbi.py checks every golden tile with numba)
+        # K=6 mcg, plain path: one golden tile, a Gaussian or a real-weight one (the n_real rows after the n_gauss
+        # Gaussian ones), drawn at random (one tile is half a minute under the interpreter; test_viterbi.py checks
+        # every golden tile with numba)
         [{"bits": 6, "cb": "mcg", "mode": 0,
-          "rows": [int(rng.integers(0, 512)) if rng.random() < 0.5 else int(rng.integers(512, 576))]}],
+          "rows": [int(rng.integers(0, n_gauss)) if rng.random() < 0.5 else int(rng.integers(n_gauss, n_gauss + n_real))]}],
         # K=4 mcg plain path (golden), and the packed-pair layout (mode 5) on a fresh tile at K=4, where the
         # back-pointers are kept two per byte
-        [{"bits": 4, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, 192))]},
+        [{"bits": 4, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, n_k4))]},
          {"bits": 4, "cb": "mcg", "mode": 5, "tiles": fresh.tolist()}],
     ]
 
@@ -177,7 +185,7 @@ def interp_results(golden):
     """Run the interpreter jobs concurrently (one process per list) and collect (job, result) pairs."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = []
-    for jobs in _interp_jobs():
+    for jobs in _interp_jobs(golden):
         args = [sys.executable, "-c", _INTERP_SCRIPT, json.dumps(jobs), str(golden)]
         procs.append((jobs, subprocess.Popen(args, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, text=True)))
@@ -243,7 +251,7 @@ def test_gpu_every_golden_tile(golden, bits, codebook):
 @pytest.mark.parametrize("bits, codebook", [(6, "mcg"), (1, "mcg"), (3, "mul1"), (7, "3inst"), (5, "mul1")])
 def test_gpu_random_vs_reference(bits, codebook):
     _gpu_ready()
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    gen = torch.Generator().manual_seed(fresh_seed(32))
     scale = float(torch.empty(1).uniform_(0.3, 2.0, generator=gen))
     x = torch.randn(3, 256, generator=gen) * scale
     vals, states = vmod.viterbi_tiles(x.cuda(), bits, codebook)
@@ -269,7 +277,7 @@ def test_gpu_chunks_and_variants_agree():
         for programs, count in ((7, 300), (1, 23), (1000, 300)):
             v3, s3 = vmod.viterbi_tiles(x[:count], bits, "mcg", programs=programs)
             assert torch.equal(ref_s[:count], s3) and torch.equal(ref_v[:count], v3), (bits, programs)
-    for row in np.random.default_rng().choice(1000, size=2, replace=False):
+    for row in np.random.default_rng(fresh_seed()).choice(1000, size=2, replace=False):
         ref = reference_tile(x[int(row)].cpu().numpy(), 6, "mcg")
         assert np.array_equal(states[int(row)].cpu().numpy().view(np.uint16).astype(np.int64), ref)
     sub = x[:64]
@@ -348,7 +356,7 @@ def test_interpreter_matrix_launch_equals_gathered_tiles():
     """viterbi_matrix reads tiles where they lie and writes their squared error over them: the same states as
     viterbi_tiles on the gathered tiles, and (x - q)^2 with q those tiles' values (fresh weight, K=6)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    seed = int(np.random.default_rng().integers(0, 2**31))
+    seed = fresh_seed()
     proc = subprocess.run([sys.executable, "-c", _MATRIX_SCRIPT.format(seed=seed)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (seed, proc.stderr[-3000:])
@@ -383,7 +391,7 @@ def test_interpreter_cost_rows_match_reference(rows, bits):
     arithmetic (mode 5): a fresh tile at K=``bits`` and a tile quantized in place over a weight at K=2 give the
     independent numpy Viterbi's states, and the in-place launch writes (x - q)^2."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    seed = int(np.random.default_rng().integers(0, 2**31))
+    seed = fresh_seed()
     proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed), str(rows), str(bits)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (seed, proc.stderr[-3000:])
@@ -437,7 +445,7 @@ def test_interpreter_even_row_block_whole_row_equals_scattered(tmp_path):
     script = tmp_path / "block_probe.py"  # triton.jit needs the probe's source in a file
     script.write_text(_BLOCK_SCRIPT)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    seed = int(np.random.default_rng().integers(0, 2**31))
+    seed = fresh_seed()
     proc = subprocess.run([sys.executable, str(script), str(seed)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, (seed, proc.stderr[-3000:])

@@ -1,6 +1,6 @@
 """The online encoder against the reference's goldens, stage by stage, plus properties on fresh weights.
 
-Conformance figures measured on the goldens (CPU, this implementation; spec 9.2 explains why the first
+Conformance figures measured on the goldens (CPU, this implementation; docs/format.md §9.2 explains why the first
 three cannot be exact on a CPU):
 * regularize: sv within 2 fp32 ulp (mean 0.004-0.007), su within 3 ulp (mean 0.02-0.05) of the
   reference: the block RMS and mean reductions follow PyTorch's CUDA order; the Hadamard products do
@@ -23,7 +23,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 from exl3tool.encode.decode import dequantize
 from exl3tool.encode.online import (
@@ -32,19 +31,16 @@ from exl3tool.encode.online import (
 from exl3tool.encode.layout import matrix_to_tiles
 from exl3tool.encode.signs import reference_signs
 from exl3tool.encode.trellis import pack_trellis
+from goldens import golden_case
+from seeds import fresh_seed
 
 CASES = [("encode_e2e", "case0"), ("encode_e2e", "case1"), ("encode_e2e", "case2"), ("gemm_k6", "enc")]
 
 
 def _load(golden, fname: str, tag: str) -> dict:
     """The tensors of one golden encode (prefix stripped) plus its metadata scalars; skips where the golden
-    folder lacks this one file (a device run that carried only some)."""
-    if not (golden / f"{fname}.safetensors").is_file():
-        pytest.skip(f"{fname}.safetensors not found in {golden} (set EXL3TOOL_GOLDEN)")
-    with safe_open(str(golden / f"{fname}.safetensors"), "pt") as f:
-        out = {key[len(tag) + 1:]: f.get_tensor(key) for key in f.keys() if key.startswith(tag + ".")}
-        meta = f.metadata()
-    out["seed"] = int(meta[f"{tag}.seed"])
+    folder lacks this case (the subset in tests/data/golden keeps case0 only)."""
+    out = golden_case(golden, fname, tag)
     out["g"] = float(out["g_scale"])
     return out
 
@@ -69,10 +65,10 @@ def _recipe_weight(k: int, n: int, seed: int) -> torch.Tensor:
 
 
 def _fresh_seed() -> int:
-    return int(np.random.default_rng().integers(0, 2**31))
+    return fresh_seed()
 
 
-# ---------------------------------------------------------------- regularize (spec 7.3)
+# ---------------------------------------------------------------- regularize (docs/format.md §7.3)
 
 
 @pytest.mark.parametrize("fname, tag", CASES)
@@ -107,7 +103,7 @@ def test_regularize_rows_have_codebook_rms_and_zero_columns_stay_zero():
     assert abs(float(reg.weight.square().mean().sqrt()) - 1.24371088) < 1e-4
 
 
-# ---------------------------------------------------------------- scale search (spec 7.4)
+# ---------------------------------------------------------------- scale search (docs/format.md §7.4)
 
 
 def test_sample_scale_tiles_layout():
@@ -192,7 +188,7 @@ def test_search_global_scale_quantizes_each_pair_once_with_the_spec_result(monke
     assert seen == [10 * coarse_unique, 5 * uniq.numel() - coarse_unique]
 
 
-# ---------------------------------------------------------------- quantization (spec 7.5-7.7)
+# ---------------------------------------------------------------- quantization (docs/format.md §7.5-7.7)
 
 
 @pytest.mark.parametrize("tag, rows", [("case0", None), ("case1", 128)])
@@ -242,7 +238,7 @@ def test_encode_linear_case0_against_golden(case0_encode):
     assert torch.equal(enc.svh, gold["svh"])
     match = float((enc.trellis == gold["trellis"]).all(dim=-1).float().mean())
     print(f"case0: g {enc.g_scale!r} (golden {gold['g']!r}), tiles identical {match:.1%}, {seconds:.1f} s")
-    assert match > 0.8  # measured 92.4 % (97.7 % with an earlier 2e-6 g difference); spec 9.2
+    assert match > 0.8  # measured 92.4 % (97.7 % with an earlier 2e-6 g difference); docs/format.md §9.2
     assert abs(enc.proxy_error - float(gold["proxy_error"])) < 0.02 * float(gold["proxy_error"])
 
 

@@ -28,6 +28,7 @@ from exl3tool.warm.check import check
 
 
 from exl3tool.checkpoint.tiny import write_mla  # noqa: E402
+from seeds import fresh_seed
 
 _register()
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="v0.0.18")
@@ -45,7 +46,7 @@ def warmed(tmp_path, monkeypatch):
     """A tiny MLA checkpoint warmed at TP 1 (fake encoder), with its record; returns (request, model dir, summary)."""
     for name in ("VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION", "VLLM_EXL3_ONLINE_TRELLIS_BITS"):
         monkeypatch.delenv(name, raising=False)
-    model = write_mla(tmp_path / "m", seed=int.from_bytes(os.urandom(2), "little"))
+    model = write_mla(tmp_path / "m", seed=fresh_seed(16))
     request = WarmRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "cache"), **ENC)
     summary = fake_warm(request, monkeypatch)
     assert summary.counts["encoded"] == len(TP1) and summary.record and summary.record_written

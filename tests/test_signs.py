@@ -6,22 +6,21 @@ import numpy as np
 import pytest
 import torch
 
+from goldens import golden_case
+
 from exl3tool.encode.signs import (
     _COS_FLIPS, _SIN_FLIPS, _box_muller_parts, _draw_words, _normal_signs, normal_launch, philox4x32_10,
     reference_normals, reference_signs, sign_prime, torch_signs,
 )
+from seeds import fresh_seed
 
 # (file, tag): the golden encodes; their seeds and shapes are read from the files' metadata.
 GOLDEN_CASES = [("encode_e2e", "case0"), ("encode_e2e", "case1"), ("encode_e2e", "case2"), ("gemm_k6", "enc")]
 
 
 def _golden_case(golden, fname: str, tag: str) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from safetensors import safe_open
-
-    path = golden / f"{fname}.safetensors"
-    with safe_open(str(path), "pt") as f:
-        seed = int(f.metadata()[f"{tag}.seed"])
-        return seed, f.get_tensor(f"{tag}.weight"), f.get_tensor(f"{tag}.su_sign"), f.get_tensor(f"{tag}.sv_sign")
+    gold = golden_case(golden, fname, tag)
+    return gold["seed"], gold["weight"], gold["su_sign"], gold["sv_sign"]
 
 
 @pytest.mark.parametrize(
@@ -69,7 +68,7 @@ def test_launch_configuration():
 
 
 def test_sm_count_only_matters_above_the_grid_cap():
-    seed = int(np.random.default_rng().integers(0, 2**31))
+    seed = fresh_seed()
     small = 108 * 8 * 256  # fits an A100's (108 SMs) uncapped grid
     a = reference_signs(seed, small, 4096, sm_count=132)
     b = reference_signs(seed, small, 4096, sm_count=108)
@@ -82,7 +81,7 @@ def test_sm_count_only_matters_above_the_grid_cap():
 
 def test_signs_are_sign_of_the_normals():
     """The sign shortcut agrees with the full Box-Muller values, and those look standard normal."""
-    seed = int(np.random.default_rng().integers(0, 2**31))
+    seed = fresh_seed()
     numel = 300_000  # above the H100 grid cap: exercises the grid-stride loop
     values = reference_normals(seed, numel, offset=8)
     signs = _normal_signs(seed, [(numel, 8)], 132)
@@ -111,7 +110,7 @@ def test_sign_prime_maps_zero_to_plus_one():
 
 
 def test_torch_signs_cpu_is_the_literal_draw():
-    seed = int(np.random.default_rng().integers(0, 2**31))
+    seed = fresh_seed()
     su, sv = torch_signs(seed, 384, 256, "cpu")
     torch.manual_seed(seed)
     assert torch.equal(su, sign_prime(torch.randn(384))) and torch.equal(sv, sign_prime(torch.randn(256)))
@@ -127,7 +126,7 @@ def test_reference_signs_rejects_bad_arguments(bad):
 @pytest.mark.parametrize("k, n", [(256, 512), (4096, 14336), (14336, 4096), (1_000_000, 3_000_001)])
 def test_torch_signs_on_cuda_equal_reference_signs(k, n):
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    for seed in [0, 1389828893, 17790420, int(np.random.default_rng().integers(0, 2**31))]:
+    for seed in [0, 1389828893, 17790420, fresh_seed()]:
         su, sv = torch_signs(seed, k, n, "cuda")
         rsu, rsv = reference_signs(seed, k, n, sm_count=sm)
         assert torch.equal(su.cpu(), rsu) and torch.equal(sv.cpu(), rsv), (seed, k, n)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
 
 from helpers import run
+from seeds import fresh_seed
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 
@@ -25,7 +25,7 @@ def _digest(folder: Path) -> str:
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_every_family_plans_server_lookups_at_tp2(family, tmp_path, capsys):
-    seed = random.SystemRandom().randrange(2**31)
+    seed = fresh_seed()
     rc, out, _ = run(["synth", str(tmp_path / "m"), "--family", family, "--seed", str(seed), "--json"], capsys)
     assert rc == 0
     made = json.loads(out)
@@ -44,7 +44,7 @@ def test_every_family_plans_server_lookups_at_tp2(family, tmp_path, capsys):
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
-    seed = random.SystemRandom().randrange(2**31)
+    seed = fresh_seed()
     a, b, c = (write_tiny(tmp_path / n, "deepseek-v3", seed=s) for n, s in (("a", seed), ("b", seed), ("c", seed + 1)))
     assert _digest(a) == _digest(b) != _digest(c)
 

@@ -4,7 +4,6 @@ them, help without type placeholders, counts that agree with their nouns, and no
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 from pathlib import Path
@@ -17,13 +16,14 @@ from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.output import plural
 
 from helpers import ENCODER_ID, MODEL_ID, make_encoded, run
+from seeds import fresh_seed
 
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    return write_tiny(tmp_path_factory.mktemp("msg") / "mla", "deepseek-v3", seed=random.SystemRandom().randrange(2**31))
+    return write_tiny(tmp_path_factory.mktemp("msg") / "mla", "deepseek-v3", seed=fresh_seed())
 
 
 def test_dry_run_checks_the_device_as_the_run_would(tiny, tmp_path, capsys):
@@ -56,7 +56,7 @@ def test_a_shard_the_index_names_but_the_folder_lacks(tiny, tmp_path, capsys):
 def test_prune_without_a_terminal_says_pass_yes(tmp_path, capsys, monkeypatch):
     store = CacheStore(tmp_path)
     key = CacheKey.for_layer(MODEL_ID, ENCODER_ID, "model.layers.0.mlp.down_proj", 6, 1, 0, 128, 256)
-    path = store.publish(key, make_encoded(128, 256, seed=random.SystemRandom().randrange(2**31)))
+    path = store.publish(key, make_encoded(128, 256, seed=fresh_seed()))
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no answer: a script or CI step

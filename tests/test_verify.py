@@ -19,6 +19,7 @@ from exl3tool.verify import default_quant_err, verify_plan
 from exl3tool.warm import WarmRequest, prepare, warm
 
 from helpers import completed
+from seeds import fresh_seed
 
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 LAYER = "model.layers.1.self_attn.o_proj"
@@ -28,7 +29,7 @@ ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="verify-test")
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     base = tmp_path_factory.mktemp("verify")
-    model = write_llama_checkpoint(base / "model", **TINY, seed=int.from_bytes(os.urandom(3), "little"), shards=1)
+    model = write_llama_checkpoint(base / "model", **TINY, seed=fresh_seed(24), shards=1)
     summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(base / "cache"),
                                device="cpu", **ENC))
     assert summary.counts["encoded"] == 2

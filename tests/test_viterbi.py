@@ -1,4 +1,4 @@
-"""Tile quantizer (spec section 6): goldens, numba vs the independent torch reference, ring, NaN, validation."""
+"""Tile quantizer (docs/format.md §6): goldens, numba vs the independent torch reference, ring, NaN, validation."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from exl3tool.encode.encoded import EncodedLinear
 from exl3tool.warm import WarmRequest, prepare, share_jobs, warm
 
 from helpers import completed
+from seeds import fresh_seed
 
 REPO = "test-org/tiny-llama"
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
@@ -37,7 +37,7 @@ ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="test-rev")
 def hub(tmp_path_factory):
     """A fresh-random synthetic Llama in a Hub cache; returns (hub cache dir, snapshot dir, plain dir)."""
     base = tmp_path_factory.mktemp("warm")
-    seed = random.SystemRandom().randrange(2**31)
+    seed = fresh_seed()
     snap = write_llama_checkpoint(base / "plain", **TINY, seed=seed, shards=2, hub_cache=base / "hub", repo_id=REPO)
     return base / "hub", snap, base / "plain"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -22,13 +21,14 @@ from exl3tool.cli import main
 from exl3tool.warm import WarmRequest, prepare, run_plan
 
 from helpers import ENC, ENC_ARGS, fake_encode
+from seeds import fresh_seed
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("disk") / "tiny"
     write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512,
-                           seed=random.SystemRandom().randrange(2**31), shards=1)
+                           seed=fresh_seed(), shards=1)
     return path
 
 

@@ -8,7 +8,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from exl3tool.warm import WarmRequest, prepare, run_plan
 from exl3tool.warm.lockwait import LockWaits
 
 from helpers import ENC, ENC_ARGS, fake_encode
+from seeds import fresh_seed
 
 CTX = mp.get_context("forkserver")  # a fork after torch started its thread pools can hang the child
 CTX.set_forkserver_preload(["torch", "exl3tool.warm", "exl3tool.checkpoint"])  # each warm starts without imports
@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("locks") / "tiny"
     write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512,
-                           seed=random.SystemRandom().randrange(2**31), shards=1)
+                           seed=fresh_seed(), shards=1)
     return path
 
 

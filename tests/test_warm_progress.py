@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import random
 import re
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from exl3tool.warm import WarmRequest, prepare
 from exl3tool.warm.results import job_result
 
 from helpers import ENC, ENC_ARGS, fake_encode
+from seeds import fresh_seed
 
 DONE_LINE = re.compile(r"^\[(\d+)/(\d+) jobs\] (encoded|hit|failed) (\S+) tp\d+-rank\d+.*; "
                        r"[\d,]+/[\d,]+ tiles \(\d+%\), ([\d,]+|\?) tiles/s, elapsed .+, ETA .+$")
@@ -30,7 +30,7 @@ DONE_LINE = re.compile(r"^\[(\d+)/(\d+) jobs\] (encoded|hit|failed) (\S+) tp\d+-
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("progress") / "tiny"
     write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512,
-                           seed=random.SystemRandom().randrange(2**31), shards=1)
+                           seed=fresh_seed(), shards=1)
     return path
 
 

@@ -1,4 +1,4 @@
-"""The serving stack's online EXL3 cache: identities, keys, paths, entries and the store (spec: cache-format.md).
+"""The serving stack's online EXL3 cache: identities, keys, paths, entries and the store (rules: docs/cache-format.md).
 
 Everything here reproduces the server's behaviour byte for byte; see each module for the section it follows.
 """

@@ -1,4 +1,4 @@
-"""Reading, validating and writing one entry file (spec §5, §4.3).
+"""Reading, validating and writing one entry file (docs/cache-format.md §5, §4.3).
 
 ``judge_entry`` is the one rule every command applies to an entry (valid, unchecked or invalid, with the reason):
 the server's checks (§5.3), then exl3tool's checksums over what exl3tool wrote (tensors, key and metadata).
@@ -76,7 +76,7 @@ class EntryContents:
 
 
 def expected_layout(key: CacheKey) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Safetensors dtype and shape of each tensor for ``key`` (spec §5.1)."""
+    """Safetensors dtype and shape of each tensor for ``key`` (docs/cache-format.md §5.1)."""
     k, n = key.input_size, key.output_size
     return {
         "trellis": ("I16", (k // 16, n // 16, 16 * key.bits)),
@@ -477,7 +477,7 @@ def write_entry(
     """Publish atomically (§4.3): mkstemp ``.<digest>.safetensors.<random>.tmp``, write, fsync, ``os.replace``.
 
     The temporary file is unlinked in every case. ``file_mode`` 0o600 matches the server; pass 0o644 when
-    the server runs as another user. Metadata beyond the server's two keys (which it ignores, spec §5.2):
+    the server runs as another user. Metadata beyond the server's two keys (which it ignores, docs/cache-format.md §5.2):
     ``exl3tool_version``, ``exl3tool_sha256`` (the tensors), ``exl3tool_key_sha256`` (key and tensors, see
     ``key_sha256``), when given ``exl3tool_platform`` (where the encode ran; what an exact re-check needs), and
     ``exl3tool_meta_sha256`` over all of them (``metadata_sha256``: proxy_error included).

@@ -1,4 +1,4 @@
-"""Model and encoder identities exactly as the server derives them (spec §2.4, §2.5, §3).
+"""Model and encoder identities exactly as the server derives them (docs/cache-format.md §2.4, §2.5, §3).
 
 The identities are hashes of JSON payloads whose separators differ by kind (Hub and single-file
 payloads use ``json.dumps`` defaults, directory and encoder payloads are compact). A difference of one
@@ -290,7 +290,7 @@ def resolve_model_identity(
     view: ServerView | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> ModelIdentity:
-    """The server's ``model_identity`` for ``--model`` ``model`` (spec §2.4, revision precedence §3).
+    """The server's ``model_identity`` for ``--model`` ``model`` (docs/cache-format.md §2.4, revision precedence §3).
 
     ``view`` (a launch's filesystem map): ``server_path`` is the model path exactly as the server holds it (after
     vLLM's HF_HUB_OFFLINE rewrite), resolved here in the server's filesystem, links read through its mounts;
@@ -374,7 +374,7 @@ def _walk_py_files(root: str) -> list[tuple[str, ...]]:
 
 
 def resolve_encoder_identity(root: str, revision: str | None = None, *, source: str | None = None) -> EncoderIdentity:
-    """The server's ``encoder_identity`` for ``VLLM_EXL3_ENCODER_SOURCE=root`` (spec §2.5).
+    """The server's ``encoder_identity`` for ``VLLM_EXL3_ENCODER_SOURCE=root`` (docs/cache-format.md §2.5).
 
     With a non-blank ``revision`` the payload is the resolved root string plus the stripped revision,
     and ``root`` need not exist here; the root string must still be the server's. Without one, every

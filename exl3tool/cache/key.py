@@ -1,4 +1,4 @@
-"""The cache key: 12 fields, canonical JSON and SHA-256 digest (spec §2.1, §2.2, §2.7)."""
+"""The cache key: 12 fields, canonical JSON and SHA-256 digest (docs/cache-format.md §2.1, §2.2, §2.7)."""
 
 from __future__ import annotations
 

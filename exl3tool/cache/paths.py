@@ -1,4 +1,4 @@
-"""Where an entry lives: ``<root>/v1/<model_identity[:20]>/tp<W>-rank<R>/<digest>.safetensors`` (spec §4)."""
+"""Where an entry lives: ``<root>/v1/<model_identity[:20]>/tp<W>-rank<R>/<digest>.safetensors`` (docs/cache-format.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cache mode and cache root, read from the environment exactly as the server reads them (spec §1.3, §1.4)."""
+"""Cache mode and cache root, read from the environment exactly as the server reads them (docs/cache-format.md §1.3, §1.4)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["CACHE_MODES", "BITS_RANGE", "DEFAULT_BITS", "BITS_VAR", "cache_mode"
            "vllm_cache_root"]
 
 CACHE_MODES = ("off", "readonly", "readwrite")
-BITS_RANGE = (3, 8)  # what the server accepts for VLLM_EXL3_ONLINE_TRELLIS_BITS (spec §1.2)
+BITS_RANGE = (3, 8)  # what the server accepts for VLLM_EXL3_ONLINE_TRELLIS_BITS (docs/cache-format.md §1.2)
 DEFAULT_BITS = 6
 BITS_VAR = "VLLM_EXL3_ONLINE_TRELLIS_BITS"
 _ALIASES = {"read-only": "readonly", "rw": "readwrite", "none": "off"}

@@ -1,4 +1,4 @@
-"""The cache as the server uses it: look-up, atomic publish and ``load_or_encode`` per mode (spec §1.5).
+"""The cache as the server uses it: look-up, atomic publish and ``load_or_encode`` per mode (docs/cache-format.md §1.5).
 
 Correctness rests on the atomic rename, not on the lock: ``flock`` can be a no-op on network
 filesystems, in which case two writers may both encode, but a reader still only ever sees a complete

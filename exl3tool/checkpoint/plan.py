@@ -29,7 +29,7 @@ from exl3tool.errors import ConfigError, InputError
 __all__ = ["PlannedLayer", "RankJob", "LayerPlan", "Excluded", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN",
            "is_shared_expert_projection", "tensors_to_fetch"]
 
-ALIGN = 128  # the Hadamard block: K_r and N_r must both be multiples of it (spec 6.3)
+ALIGN = 128  # the Hadamard block: K_r and N_r must both be multiples of it (docs/layer-plan.md §2)
 PARALLEL_STYLES = ("qkv", "merged_column", "column", "row", "replicated")
 
 
@@ -374,7 +374,7 @@ def _plan_route(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, ro
 
 
 def _never(stem: str) -> bool:
-    """Embeddings and output heads are never online-encoded (spec 6.1), whatever the globs say."""
+    """Embeddings and output heads are never online-encoded (docs/layer-plan.md §2), whatever the globs say."""
     parts = stem.split(".")
     return "lm_head" in parts or any("embed" in p for p in parts)
 

@@ -1,4 +1,4 @@
-"""The rank-local weight a vLLM TP rank holds for one layer (spec 6.4), read slice by slice.
+"""The rank-local weight a vLLM TP rank holds for one layer (docs/layer-plan.md §4), read slice by slice.
 
 The server encodes ``layer.weight`` after its standard weight loaders filled it: q|k|v or the parts of a merged
 column layer (gate|up; q|k|v|z of a gated-delta-net ``in_proj_qkvz``; q|k|v|b|f_a of GLM-5.3's KDA
@@ -98,7 +98,7 @@ def rank_local_weight(checkpoint: Checkpoint, job: RankJob, dtype: torch.dtype |
 
 
 def encoder_input(weight: torch.Tensor) -> torch.Tensor:
-    """What the encoder consumes: the rank-local weight transposed to ``[K_r, N_r]``, float32, contiguous (spec 7)."""
+    """What the encoder consumes: the rank-local weight transposed to ``[K_r, N_r]``, float32, contiguous (docs/cache-format.md §7)."""
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D [N_r, K_r] weight, got shape {list(weight.shape)}")
     return weight.t().to(torch.float32).contiguous()

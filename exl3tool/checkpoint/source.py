@@ -3,7 +3,7 @@
 Only headers are parsed up front; tensors are read one at a time (or one slice at a time) through
 safetensors' memory-mapped ``safe_open``, so the whole model is never in memory. A Hub model is
 resolved through ``huggingface_hub.snapshot_download`` restricted to the files we read, which also
-yields the 40-hex commit hash that the server's ``model_identity`` uses (spec 2.4, 3).
+yields the 40-hex commit hash that the server's ``model_identity`` uses (docs/cache-format.md §2.4, §3).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ __all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cach
 
 # The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
 # only the shards it names. quantization_config.json says which layers an EXL3 checkpoint already stores
-# quantized (the server never encodes those online, spec 6.1).
+# quantized (the server never encodes those online, docs/layer-plan.md §2).
 INDEX_NAME = "model.safetensors.index.json"
 QUANT_CONFIG = "quantization_config.json"
 SMALL_FILES = ["config.json", INDEX_NAME, QUANT_CONFIG]
@@ -164,7 +164,7 @@ class Checkpoint:
                  index_names: list[str] | None = None, fetch: FetchInfo | None = None) -> None:
         self.model = model
         # As given (--revision). For a local path it selects nothing, but the server's directory identity
-        # records ``commit_hash or revision`` (spec 2.4, 3), so it is kept.
+        # records ``commit_hash or revision`` (docs/cache-format.md §2.4, §3), so it is kept.
         self.revision = revision
         self.root = root
         self.config = config
@@ -387,7 +387,7 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
         checkpoint.dtype = serving_dtype(checkpoint.config_dtype)
         return checkpoint
     expanded = os.path.expanduser(model)
-    if os.path.exists(expanded):  # like the server: an existing path wins over a repo id (spec 2.4)
+    if os.path.exists(expanded):  # like the server: an existing path wins over a repo id (docs/cache-format.md §2.4)
         local = Path(os.path.abspath(expanded))
         if local.is_file():
             if local.suffix != ".safetensors":

@@ -1,4 +1,4 @@
-"""Numba CPU kernels for the EXL3 tail-biting Viterbi tile quantizer (spec section 6).
+"""Numba CPU kernels for the EXL3 tail-biting Viterbi tile quantizer (docs/format.md §6).
 
 Two kernels, bit-identical on the inputs each is used for:
 

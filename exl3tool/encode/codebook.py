@@ -2,7 +2,7 @@
 
 Every codebook is a pure function of the state, so we build each 65,536-entry table once with
 exact integer and float64 arithmetic (numpy rounds float64 -> float16 directly, RNE) and index it.
-Spec: exl3-format.md section 3.
+Rules: docs/format.md §3.
 """
 
 from __future__ import annotations

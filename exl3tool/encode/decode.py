@@ -1,4 +1,4 @@
-"""The plain-PyTorch decode: the oracle for every fast path (spec sections 1.3 and 1.4).
+"""The plain-PyTorch decode: the oracle for every fast path (docs/format.md §1).
 
 reconstruct() gives the inner fp16 matrix Q of a packed trellis; dequantize() the de-rotated weight
 W = diag(suh) B_k Q B_n diag(svh), so that a layer computes y = x @ W.

@@ -1,4 +1,4 @@
-"""The 128-point Sylvester Hadamard matrix and its blockwise application (spec section 2).
+"""The 128-point Sylvester Hadamard matrix and its blockwise application (docs/format.md §2).
 
 H[i, j] = (-1)^popcount(i & j); the normalised Hn = H * f32(1/sqrt(128)) is its own inverse.
 "Left"/input side mixes rows (input features) in blocks of 128; "right"/output side mixes columns.

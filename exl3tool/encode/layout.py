@@ -2,7 +2,7 @@
 
 Position p = 8t + j of a tile holds element (row(p), col(p)) with
 row = 2(t mod 4) + (j & 1) + 8((j >> 1) & 1) and col = t // 4 + 8(j >> 2): the B-operand elements
-lane t holds for two m16n8k16 MMAs. Spec: exl3-format.md section 5.
+lane t holds for two m16n8k16 MMAs. Rules: docs/format.md §5.
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ def _pack_bytes(chunk: int) -> int:
 
 
 def sample_tile_count(k: int, n: int, width: int = 3) -> int:
-    """Tiles in the scale search's largest batch (5 scales of the sample, spec 7.4)."""
+    """Tiles in the scale search's largest batch (5 scales of the sample, docs/format.md §7.4)."""
     tk, tn = k // 16, n // 16
     d = max(tk, tn)
     num_x = min(max(8, (width * d) // 16), (tk * tn + 1) // 2)

@@ -1,4 +1,4 @@
-"""The online (uncalibrated) EXL3 encoder: exllamav3's ``quantize_exl3`` without a Hessian (spec section 7).
+"""The online (uncalibrated) EXL3 encoder: exllamav3's ``quantize_exl3`` without a Hessian (docs/format.md §7).
 
 encode_linear = signs (7.2) -> regularize (7.3) -> global-scale search (7.4) -> tile quantization
 (7.5, 7.6) -> packing and fp16 scales (7.7, 7.8). Every stage is a function of its own so the
@@ -8,7 +8,7 @@ Arithmetic follows the reference's CUDA semantics where the spec says they matte
 fp32 tensor by a Python scalar is a multiplication by ``f32(1 / s)`` (``_div_scalar``), a tensor by
 tensor division is a true division, and scalars are rounded to fp32 before they touch a tensor. The
 reductions (block RMS, means) and the Hadamard matmuls are plain fp32 torch ops, so on the CPU the
-regularised weight agrees with the GPU's to ~1-2 ulp, not bit for bit (spec 9.2).
+regularised weight agrees with the GPU's to ~1-2 ulp, not bit for bit (docs/format.md §9.2).
 
 Whole-tensor sums on the CPU (the scale search's MSEs, the proxy error) go through ``_fixed_sum``: torch's
 CPU reduction of a large tensor to one value splits it by thread count, so a process with 1 thread (torchrun's
@@ -45,14 +45,14 @@ CODEBOOK_SCALE = 1.24371088  # RMS of the 3inst codebook; the reference uses it 
 MAX_TILES_PER_CALL = 65536  # the reference's batch bound for one quantize_tiles call
 _EPS = 1e-10  # added to su and sv so that no scale is exactly zero
 _ZERO = 1e-30  # an RMS below this counts as zero and becomes 0.1
-_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}  # LDLQ drift factors, applied in the fallback path too (spec 10.4)
+_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}  # LDLQ drift factors, applied in the fallback path too (docs/format.md §7.4)
 _COARSE = [0.1 + 0.2 * i for i in range(10)]  # Python doubles, exactly as the reference builds them
 _FINE_STEP = 0.075
 
 
 @dataclass(frozen=True)
 class Regularized:
-    """The matrix after spec 7.3 steps 1-11 (before the global scale), with its scale vectors.
+    """The matrix after docs/format.md §7.3 steps 1-7 (before the global scale), with its scale vectors.
 
     ``weight`` f32 (k, n) in the rotated basis; ``su`` f32 (k,) (opposite sign to the draw, no g yet);
     ``sv`` f32 (n,) (exactly 0 on all-zero columns); ``zeros`` is True for an all-zero weight.
@@ -80,7 +80,7 @@ def _recip32(s: float) -> float:
 
 
 def _div_scalar(x: torch.Tensor, s: float) -> torch.Tensor:
-    """``x / s`` for a Python scalar s the way PyTorch computes it on CUDA (spec section 0, ÷s)."""
+    """``x / s`` for a Python scalar s the way PyTorch computes it on CUDA (docs/format.md §0, ÷s)."""
     return x * _recip32(s)
 
 
@@ -258,7 +258,7 @@ def regularize(weight: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tenso
 
 
 def sample_scale_index(w_rot: torch.Tensor, width: int = 3) -> torch.Tensor:
-    """The flat tile numbers (row-major over the (k/16, n/16) tiles) the scale search evaluates, in spec 7.4's
+    """The flat tile numbers (row-major over the (k/16, n/16) tiles) the scale search evaluates, in docs/format.md §7.4's
     order: the wrapped diagonal, then the num_x tiles of largest and of smallest mean square; duplicates kept."""
     tk, tn = w_rot.shape[0] // 16, w_rot.shape[1] // 16
     d = max(tk, tn)
@@ -284,7 +284,7 @@ def _gather_tiles(w_rot: torch.Tensor, index: torch.Tensor, bits: int) -> torch.
 def sample_scale_tiles(w_rot: torch.Tensor, bits: int, width: int = 3) -> torch.Tensor:
     """The tiles the scale search evaluates: wrapped diagonal plus extreme tiles, drift applied.
 
-    Returns (3D + 2 num_x, 256) f32 in trellis-position order (spec 7.4); duplicates are kept.
+    Returns (3D + 2 num_x, 256) f32 in trellis-position order (docs/format.md §7.4); duplicates are kept.
     """
     return _gather_tiles(w_rot, sample_scale_index(w_rot, width), bits)
 
@@ -396,7 +396,7 @@ def _quantize_in_place(w_r: torch.Tensor, bits: int, codebook: str, chunk_tiles:
 
 def scale_mse(tiles: torch.Tensor, scales: list[float], bits: int, codebook: str = "mcg",
               chunk_tiles: Optional[int] = None, slots: Optional[int] = None) -> list[float]:
-    """mse(s) of spec 7.4 for each scale: mean((f32(q ÷s s) - T)^2) with q = quantize(f32(T * f32(s))).
+    """mse(s) of docs/format.md §7.4 for each scale: mean((f32(q ÷s s) - T)^2) with q = quantize(f32(T * f32(s))).
 
     All scales go through the quantizer together (batched, ``chunk_tiles`` tiles per call); each mse is an
     fp32 mean (``_mean``).
@@ -736,7 +736,7 @@ def prepare_encode(
         # g stays on the device (no wait for the search): f32(g) and f32(1 / g) are rounded there from the double
         g = (torch.tensor(float(g_scale), dtype=torch.float64, device=w_r.device) if g_scale is not None
              else search_global_scale_tensor(w_r, bits, codebook, plan.chunk_tiles, plan.slots, plan.rows))
-        w_r.mul_(g.to(torch.float32))  # spec 7.5's W_r, in place: the regularised weight is not needed any more
+        w_r.mul_(g.to(torch.float32))  # docs/format.md §7.5's W_r, in place: the regularised weight is not needed any more
         su = su * (1.0 / g).to(torch.float32)  # ÷s g
     _release_host_heap(dev)
     return ScaledWeight(w_r=w_r, su=su, sv=sv, g_value=g, bits=bits, codebook=codebook, plan=plan, zeros=zeros)

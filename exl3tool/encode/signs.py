@@ -1,4 +1,4 @@
-"""The reference encoder's random sign vectors, reproduced on any device (spec section 7.2).
+"""The reference encoder's random sign vectors, reproduced on any device (docs/format.md §7.2).
 
 exllamav3 draws ``su = sign'(randn(k))`` then ``sv = sign'(randn(n))`` on CUDA right after
 ``torch.manual_seed(seed)``, with sign'(g) = +1 for g >= 0 (including -0) and -1 for g < 0. The spec

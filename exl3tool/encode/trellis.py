@@ -1,4 +1,4 @@
-"""Trellis packing: 256 16-bit states per tile <-> a 16*K-word int16 record (spec section 4).
+"""Trellis packing: 256 16-bit states per tile <-> a 16*K-word int16 record (docs/format.md §4).
 
 Only the low K bits of each state are stored, MSB-first, as 16-bit chunks with every pair of
 chunks swapped (T[c] = chunk(c ^ 1)); the upper state bits follow from the tail-biting ring.

@@ -1,4 +1,4 @@
-"""EXL3 tile quantizer: the tail-biting Viterbi search of spec section 6, bit-exact with the reference.
+"""EXL3 tile quantizer: the tail-biting Viterbi search of docs/format.md §6, bit-exact with the reference.
 
 ``quantize_tiles`` picks a backend: a numba kernel on CPU (fast, see ``_viterbi_numba``), the Triton kernel
 ``exl3tool.kernels.viterbi.viterbi_tiles`` on CUDA, or ``quantize_tiles_torch``, a vectorised float64 torch

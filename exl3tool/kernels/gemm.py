@@ -1,10 +1,10 @@
-"""EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (spec 1.4), in Triton.
+"""EXL3 trellis GEMM: y = x @ W with W = diag(suh) B_k Q B_n diag(svh) (docs/format.md §1.4), in Triton.
 
 Two paths, chosen by ``choose_config`` (``trellis_matmul`` is the entry point):
 
 - Fused (m < RECON_MIN_M): Q is never written to memory. Each program loads the packed u32 words of the tiles
-  it needs as one aligned word pair per block of 2-4 consecutive trellis positions (spec 4.5), cuts each 16-bit
-  state out of its pair with one 64-bit shift, decodes it with the codebook (spec 3) and feeds the block to
+  it needs as one aligned word pair per block of 2-4 consecutive trellis positions (docs/format.md §4.5), cuts each 16-bit
+  state out of its pair with one 64-bit shift, decodes it with the codebook (docs/format.md §3) and feeds the block to
   tl.dot with fp32 accumulation (for a few rows: fp32 FMAs instead, ``GemmConfig.fma``). The input side (x * suh,
   128-point Hadamard) is done by a small prep kernel (the GEMM would otherwise redo it for every column block)
   or, on request, fused into the GEMM. The output side (Hadamard, * svh, cast) is always fused into the
@@ -114,7 +114,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _codebook(s, CB: tl.constexpr):
-        """16-bit states (uint32 tensor) -> fp16 codebook values (spec 3), bit-exact."""
+        """16-bit states (uint32 tensor) -> fp16 codebook values (docs/format.md §3), bit-exact."""
         if CB == 2:  # mul1: byte sum, then h*A + B with one rounding (exact in fp32, then one cast)
             x = s * 0x83DCD12D
             t = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
@@ -136,10 +136,10 @@ if HAVE_TRITON:
         """Word pair offsets per block of positions, and each element's shift, for one (BK, 128) block.
 
         The tensors are 10-D in exactly Q's order: rows (tile row, b1, b4, b3, b0), columns (tile column, b2,
-        b7, b6, b5), where b0..b7 are the bits of the trellis position p = pos(r % 16, c % 16) (spec 5.2):
+        b7, b6, b5), where b0..b7 are the bits of the trellis position p = pos(r % 16, c % 16) (docs/format.md §5.2):
         r % 16 = 8 b1 + 4 b4 + 2 b3 + b0 and c % 16 = 8 b2 + 4 b7 + 2 b6 + b5, so a plain reshape gives
         (BK, 128). Positions p0 .. p0 + 2**EB - 1 (EB = 2 when S1 == 1, else 1) read their 16-bit windows
-        (spec 4.5) from one aligned pair of words (hi = U[j], lo = U[j + 1], wrapping in the tile record);
+        (docs/format.md §4.5) from one aligned pair of words (hi = U[j], lo = U[j + 1], wrapping in the tile record);
         ``pair_block_bits`` checks on the host that every window fits. The offsets have size-1 axes at those
         low position bits (b0, and b1 when S1 == 1), so each pair is loaded once per block, then broadcast.
         Returns (off_hi, off_lo) in u32 words from the block's first record, and the right shift of the
@@ -219,7 +219,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _hash_asm(s, CB: tl.constexpr):
-        """Low 16 bits of s -> the two fp16 bit patterns of the 3inst/mcg codebooks (spec 3), in PTX so that
+        """Low 16 bits of s -> the two fp16 bit patterns of the 3inst/mcg codebooks (docs/format.md §3), in PTX so that
         the mask and the xor stay one lop3."""
         if CB == 1:
             return tl.inline_asm_elementwise(
@@ -270,7 +270,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _epilogue(acc, had_ptr, svh_ptr, y_ptr, rm, pid_n, M, N, HSCALE, IEEE: tl.constexpr, BM: tl.constexpr):
-        """y[:, block] = ((acc @ Hn) * svh).to(y's dtype): the output side of spec 1.4 on one 128-column block.
+        """y[:, block] = ((acc @ Hn) * svh).to(y's dtype): the output side of docs/format.md §1.4 on one 128-column block.
 
         Small BM (mma.sync path) goes in four 32-column slices, which keeps a quarter of H live and saves
         registers there; for BM >= 64 (wgmma) slicing costs registers instead (measured with ptxas on sm_90).
@@ -327,7 +327,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _prep_kernel(x_ptr, suh_ptr, had_ptr, x2_ptr, M, K, HSCALE, BM: tl.constexpr, IEEE: tl.constexpr):
-        """x2 = fp16( (x * suh) @ Hn ) per 128-column chunk (the input side of spec 1.4).
+        """x2 = fp16( (x * suh) @ Hn ) per 128-column chunk (the input side of docs/format.md §1.4).
 
         fp16 x: one fp16 dot against diag(suh) H (exact fp16 entries +-suh; the tensor cores' products are
         exact, so this is (x * suh) @ H with fp32 accumulation). bf16 x: x * suh in fp32, then the bf16 hi/lo
@@ -352,7 +352,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _post_kernel(y1_ptr, svh_ptr, had_ptr, y_ptr, M, N, HSCALE, BM: tl.constexpr):
-        """y = ((y1 @ Hn) * svh).to(y's dtype) per 128-column block: the output side of spec 1.4 for the
+        """y = ((y1 @ Hn) * svh).to(y's dtype) per 128-column block: the output side of docs/format.md §1.4 for the
         reconstruct path's fp16 product y1 (an fp16 operand: one exact-product dot, fp32 accumulation)."""
         pid_m = tl.program_id(0)
         pid_c = tl.program_id(1)
@@ -372,9 +372,9 @@ if HAVE_TRITON:
                       FOLD: tl.constexpr, BR: tl.constexpr):
         """One (128, 128) block of the weight the reconstruct path hands to cuBLAS, written as fp16.
 
-        FOLD 0: Q itself (spec 1.3). FOLD 1 (output side folded in): fp16((Q Hn-block product) * svh),
+        FOLD 0: Q itself (docs/format.md §1.3). FOLD 1 (output side folded in): fp16((Q Hn-block product) * svh),
         computed as ((Q @ H) * HSCALE) * svh in fp32. FOLD 2 (input side): fp16(((H @ Q) * HSCALE) * suh).
-        FOLD 3: both, i.e. the de-rotated W of spec 1.4 (FOLD 4: the same with H @ Q rounded to fp16 before
+        FOLD 3: both, i.e. the de-rotated W of docs/format.md §1.4 (FOLD 4: the same with H @ Q rounded to fp16 before
         the second product: one dot less, one more rounding). Q's entries are multiples of 2**-13 below 4 in
         magnitude (mcg/3inst; mul1: 2**-17), so Q @ H with fp16 operands is exact in fp32 in any summation
         order: FOLD 0-2 equal their plain-torch oracle (``fold_weight_reference``) bit for bit. FOLD 3 splits
@@ -629,7 +629,7 @@ class ReconConfig:
 def pair_block_bits(bits: int) -> int:
     """log2 of how many consecutive trellis positions share one aligned word pair in the pair decode.
 
-    Position p's state is the 16-bit window ending at bit (p + 1) K of the tile's bit stream (spec 4.5);
+    Position p's state is the 16-bit window ending at bit (p + 1) K of the tile's bit stream (docs/format.md §4.5);
     a block of 2**eb positions starting at p0 can be cut out of the 64-bit pair of words holding p0's
     first bit when that first bit's offset in its word + 16 + (2**eb - 1) K <= 64, for every block.
     Four positions fit for every K but 7, two for every K.

@@ -1,4 +1,4 @@
-"""Triton GPU tile quantizer: the EXL3 tail-biting Viterbi (spec exl3-format.md section 6), bit-exact.
+"""Triton GPU tile quantizer: the EXL3 tail-biting Viterbi (docs/format.md §6), bit-exact.
 
 Formulation (one program per tile). A step visits one trellis position; every edge e in [0, E) with
 E = 2^(16-K) keeps the cheapest of its 2^K candidates s = (k << (16-K)) | e, whose predecessor is

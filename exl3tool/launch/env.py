@@ -17,7 +17,7 @@ from exl3tool.errors import ConfigError
 
 __all__ = ["EnvValue", "EnvLayers", "read_env_file", "LOOKUP_VARS"]
 
-# the variables the server reads for its look-ups (spec §1.2, §1.4) and for a Hub model's files
+# the variables the server reads for its look-ups (docs/cache-format.md §1.2, §1.4) and for a Hub model's files
 LOOKUP_VARS = (
     "VLLM_EXL3_ONLINE_TRELLIS_BITS", "VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION",
     "VLLM_EXL3_ONLINE_CACHE_DIR", "VLLM_EXL3_ONLINE_CACHE_MODE", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "HOME",

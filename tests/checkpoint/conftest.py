@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import random
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from exl3tool.checkpoint import write_llama_checkpoint
+from seeds import fresh_seed
 
 REPO_ID = "test-org/tiny-llama"
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
@@ -19,7 +19,7 @@ TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=5
 @pytest.fixture(scope="session")
 def seed() -> int:
     """Fresh random weights each run (printed on failure through the fixture value)."""
-    return random.SystemRandom().randrange(2**31)
+    return fresh_seed()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Rank-local weights (spec 6.4) against slices computed here with plain torch indexing."""
+"""Rank-local weights (docs/layer-plan.md §4) against slices computed here with plain torch indexing."""
 
 from __future__ import annotations
 

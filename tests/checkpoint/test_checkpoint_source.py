@@ -176,7 +176,7 @@ def test_download_call(monkeypatch, tiny_hub, tmp_path, offline_env, local_files
 
 
 def test_revision_with_local_path_is_kept(tiny_hub):
-    """vLLM accepts --revision with a local path and its directory identity records it (spec 2.4)."""
+    """vLLM accepts --revision with a local path and its directory identity records it (docs/cache-format.md §2.4)."""
     ckpt = open_checkpoint(str(tiny_hub[2]), revision="abc")
     assert ckpt.revision == "abc" and ckpt.commit_hash is None
     assert open_checkpoint(str(tiny_hub[2])).revision is None

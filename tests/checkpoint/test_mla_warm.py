@@ -7,7 +7,6 @@ One module-scoped warm: 9 aligned entries per rank (896 tiles per rank, K=6) and
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from exl3tool.warm import WarmRequest, prepare, warm
 
 from helpers import server_lookup
 from exl3tool.checkpoint.tiny import write_mla
+from seeds import fresh_seed
 
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="mla-test")
 OVERLAY = '{"linear": {"weight": "mxfp8"}, "shared_experts": "mxfp8"}'
@@ -41,7 +41,7 @@ def rank_slice(t: dict[str, torch.Tensor], prefix: str, r: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     base = tmp_path_factory.mktemp("mla")
-    model = write_mla(base / "model", seed=random.SystemRandom().randrange(2**31))
+    model = write_mla(base / "model", seed=fresh_seed())
     summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(base / "cache"),
                                device="cpu", quantization_config=OVERLAY, **ENC))
     tensors: dict[str, torch.Tensor] = {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from exl3tool.warm.sharing import group_jobs, share_jobs, sharing_figures
 from helpers import completed
 
 from tiny_models import write_glm5, write_glm53
+from seeds import fresh_seed
 
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="share-test")
 WQ_B = "model.layers.1.self_attn.indexer.wq_b"
@@ -30,7 +30,7 @@ KV_B = "model.layers.1.self_attn.kv_b_proj"  # sharded: one encode per rank
 
 @pytest.fixture(scope="module")
 def glm5(tmp_path_factory) -> Path:
-    return write_glm5(tmp_path_factory.mktemp("glm5") / "m", seed=random.SystemRandom().randrange(2**31))
+    return write_glm5(tmp_path_factory.mktemp("glm5") / "m", seed=fresh_seed())
 
 
 def _files(cache: Path) -> dict[Path, bytes]:

@@ -7,7 +7,6 @@ without exl3tool's code."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from exl3tool.warm import WarmRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
 from helpers import fake_warm, server_encoder_identity, server_lookup, server_model_identity  # noqa: E402
+from seeds import fresh_seed
 
 ENC = ("/opt/exllamav3", "v0.0.18")
 QC = '{"linear": {"weight": "mxfp8"}}'
@@ -26,7 +26,7 @@ BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 
 
 def _seed() -> int:
-    seed = int.from_bytes(os.urandom(2), "little")
+    seed = fresh_seed(16)
     print(f"checkpoint seed {seed}")
     return seed
 

@@ -21,6 +21,7 @@ import pytest
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
 from exl3tool.launch import load_launch
+from seeds import fresh_seed
 
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 QC = '{"linear": {"weight": "mxfp8"}, "shared_experts": "mxfp8", "ignore": ["lm_head"]}'
@@ -29,7 +30,7 @@ ENC = ("/opt/exllamav3", "v0.0.18")
 
 @pytest.fixture()
 def model(tmp_path) -> Path:
-    return write_llama_checkpoint(tmp_path / "M", **TINY, seed=int.from_bytes(os.urandom(2), "little"))
+    return write_llama_checkpoint(tmp_path / "M", **TINY, seed=fresh_seed(16))
 
 
 def _plan(cli, *args) -> tuple[int, dict, str]:
@@ -512,7 +513,7 @@ def test_hf_overrides_choose_the_hub_shards_too(tmp_path, cli, monkeypatch):
     override, not config.json as stored)."""
     repo = "test-org/tiny-override"
     write_llama_checkpoint(tmp_path / "plain", **{**TINY, "layers": 4}, shards=4, hub_cache=tmp_path / "hub",
-                           repo_id=repo, seed=int.from_bytes(os.urandom(2), "little"))
+                           repo_id=repo, seed=fresh_seed(16))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     line = (f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE={ENC[0]} VLLM_EXL3_ENCODER_REVISION={ENC[1]} "
