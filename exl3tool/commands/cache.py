@@ -26,7 +26,7 @@ from exl3tool.output import Output, plural
 __all__ = ["cache_app", "register"]
 
 cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, prune, export and import the online EXL3 cache.",
-                        no_args_is_help=True, cls=Exl3Group)
+                        no_args_is_help=True, cls=Exl3Group, rich_markup_mode=None)  # Click's help: see cli.py
 
 
 def _when(ts: float) -> str:

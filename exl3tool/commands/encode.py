@@ -331,7 +331,9 @@ def cache_warm(
     Idempotent (a second run is all hits) and resumable (a killed run leaves only complete entries). Hits without
     exl3tool's checksum (server-written) are kept and named; --check-unchecked re-encodes each, compares it with
     `verify --exact`'s rule and replaces (entry lock, atomic publish) the ones that differ.
+
     Under `torchrun --nproc-per-node N -m exl3tool cache warm ...` each process takes a balanced share.
+
     Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
 
     Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json
