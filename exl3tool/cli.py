@@ -124,7 +124,7 @@ def debug_enabled(environ: Optional[dict] = None) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None) -> None:
+def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None, extra: Optional[dict] = None) -> None:
     """Report one failure: the sentence on stderr (or Click's usage block), a JSON document on stdout in JSON mode."""
     if debug_enabled():
         traceback.print_exc()
@@ -133,15 +133,23 @@ def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None) -> 
     else:
         print(f"error: {message}", file=sys.stderr)
     if json_mode and not _json_document_written():  # a findings error follows its own report: one document
-        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code}, indent=2) + "\n")
+        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code, **(extra or {})}, indent=2) + "\n")
         sys.stdout.flush()
     sys.exit(exit_code)
 
 
+def plural(n: int, one: str, many: str) -> str:
+    """``exl3tool.output.plural`` without importing rich for it."""
+    return f"{n:,} {one if n == 1 else many}"
+
+
 def _interrupted(json_mode: bool) -> None:
     """Ctrl-C: exit 130 (128 + SIGINT, as shells report it), saying that the cache is consistent."""
-    _fail("interrupted: entries published so far are complete (a publish is atomic); run the same command again "
-          "to resume", 130, json_mode)
+    output = sys.modules.get("exl3tool.output")
+    report = output.interrupted_report() if output is not None else {}
+    done = f" after publishing {plural(report['published'], 'entry', 'entries')}" if "published" in report else ""
+    _fail(f"interrupted{done}: entries published so far are complete (a publish is atomic); run the same command "
+          "again to resume", 130, json_mode, extra=report)
 
 
 def _json_document_written() -> bool:
