@@ -229,6 +229,17 @@ class Output:
         sys.stdout.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
         sys.stdout.flush()
 
+    def wrapped(self, message: str) -> None:
+        """A result line on stdout for people (skipped in JSON mode), wrapped at spaces to a terminal's width with
+        the rest indented by two; piped, one line as it is."""
+        if self.json:
+            return
+        if self.stdout.is_terminal and len(message) > self.stdout.width:
+            message = "\n".join(textwrap.wrap(message, self.stdout.width, subsequent_indent="  ",
+                                               break_long_words=False, break_on_hyphens=False))
+        sys.stdout.write(message + "\n")
+        sys.stdout.flush()
+
     def line(self, message: str) -> None:
         """A result line on stdout for people; skipped in JSON mode."""
         if not self.json:

@@ -82,13 +82,13 @@ def identity(
     out.fields("Identities", [("model identity", mid.identity), ("model derivation", f"{mid.kind}: {mid.derivation}"),
                               ("encoder identity", eid.identity),
                               ("encoder derivation", _encoder_derivation(eid, settings, source))])
-    out.line(f"revision: {mid.revision or '(none)'}")
-    out.line(f"server --revision: {ids.server_revision or '(none)'}: {ids.revision_note}")
-    out.line(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
+    out.wrapped(f"revision: {mid.revision or '(none)'}")
+    out.wrapped(f"server --revision: {ids.server_revision or '(none)'}: {ids.revision_note}")
+    out.wrapped(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
     if eid.mode == "files":
-        out.line(f"encoder files hashed from: {eid.files_from}")
-    out.line(f"cache dir: v1/{mid.identity[:20]}/")
-    out.line(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
+        out.wrapped(f"encoder files hashed from: {eid.files_from}")
+    out.wrapped(f"cache dir: v1/{mid.identity[:20]}/")
+    out.wrapped(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
     for warning in ids.warnings:
         out.warn(warning)
     out.data(
@@ -170,10 +170,10 @@ def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Op
     eid, settings, warnings = server_encoder_identity(encoder_root, encoder_revision, encoder_source, os.environ)
     out.fields("Identities", [("encoder identity", eid.identity),
                               ("encoder derivation", _encoder_derivation(eid, settings))])
-    out.line(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
+    out.wrapped(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
     if eid.mode == "files":
-        out.line(f"encoder files hashed from: {eid.files_from}")
-    out.line("model: none given (pass MODEL or the server's launch for the model identity and the cache dir)")
+        out.wrapped(f"encoder files hashed from: {eid.files_from}")
+    out.wrapped("model: none given (pass MODEL or the server's launch for the model identity and the cache dir)")
     for warning in warnings:
         out.warn(warning)
     out.data({"model": None, "encoder": _encoder_json(eid, settings),
