@@ -202,16 +202,17 @@ class EndOfName:
     """A job name drawn in the width it is given, its START elided (``…layers.61.mlp.experts.7.down_proj
     tp8-rank3``): every layer of a model shares its first words, the end tells them apart."""
 
-    def __init__(self, text: str) -> None:
-        self.text = text
+    def __init__(self, text: str, head: str = "") -> None:
+        self.text, self.head = text, head  # ``head`` (``preparing ``) is always shown whole
 
     def __rich_console__(self, console, options):
-        yield Text(elide_start(self.text, options.max_width), no_wrap=True, overflow="crop")
+        yield Text(self.head + elide_start(self.text, options.max_width - len(self.head)), no_wrap=True,
+                   overflow="crop")
 
     def __rich_measure__(self, console, options):
         from rich.measure import Measurement
 
-        return Measurement(min(len(self.text), 8), len(self.text))
+        return Measurement(len(self.head) + min(len(self.text), 8), len(self.head) + len(self.text))
 
 
 def elide_start(text: str, width: int) -> str:
@@ -229,7 +230,7 @@ class _NameColumn(ProgressColumn):
     """The job's name, start elided to the column's width."""
 
     def render(self, task) -> EndOfName:
-        return EndOfName(task.description)
+        return EndOfName(task.description, task.fields.get("head", ""))
 
 
 class _JobsColumn(ProgressColumn):
@@ -259,12 +260,12 @@ class BarProgress(WarmProgress):
 
     def started(self, job) -> None:
         if self.task is not None:
-            self.progress.update(self.task, description=f"preparing {_job_name(job)}")
+            self.progress.update(self.task, description=_job_name(job), head="preparing ")
 
     def tiles(self, job, n: int) -> None:
         if self.task is not None:
             if job.digest not in self.counts.partial:
-                self.progress.update(self.task, description=_job_name(job))
+                self.progress.update(self.task, description=_job_name(job), head="")
             self.progress.advance(self.task, self.counts.tiles(job, n))
 
     def done(self, job, result) -> None:
