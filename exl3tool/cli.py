@@ -16,12 +16,63 @@ from typing import Annotated, Optional
 
 import typer
 
-from exl3tool import __version__
-from exl3tool.commands.group import ClickException, Exl3Group
-from exl3tool.errors import Exl3ToolError, describe
-from exl3tool.output import forget_json_document, json_document_written
+from typer.core import TyperCommand
 
-__all__ = ["app", "main", "debug_enabled"]
+from exl3tool import __version__
+from exl3tool.commands.group import ClickException, Exl3Group, UsageError
+from exl3tool.errors import Exl3ToolError, describe
+
+__all__ = ["app", "main", "debug_enabled", "COMMANDS"]
+
+# Every top-level command and the first sentence of its help, in the order `exl3tool --help` lists them. The root
+# lists these without importing a command module (each pulls in torch through the cache library: ~2 s), and
+# imports them all only when a command runs or shows its own help, as huggingface_hub's `hf` registers its
+# commands. tests/test_cli_lazy.py checks each line against the command's own help.
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("identity", "Print the model and encoder identities the server derives, how, and the --revision to start it "
+                 "with."),
+    ("encode", "Encode the eligible layers of MODEL for one TP size into the cache."),
+    ("verify", "Verify MODEL's cache entries: trellis GEMM vs FP32 references, layer by layer."),
+    ("encoder-source", "Write an encoder source that runs exl3tool's encoder inside the server, with exllamav3's "
+                       "bytes."),
+    ("synth", "Write a tiny EXL3 checkpoint of a served family (random weights, a few MB) to try warm, verify and "
+              "ls on."),
+    ("cache", "Warm, check, list, show, verify, prune, export and import the online EXL3 cache."),
+)
+
+class _LazyCommand(TyperCommand):
+    """A top-level command not imported yet: its name and summary for the root's help, nothing to run."""
+
+    def __init__(self, name: str, summary: str) -> None:
+        super().__init__(name=name, short_help=summary)
+
+
+class _LazyRoot(Exl3Group):
+    """The root group: lists ``COMMANDS`` as placeholders and imports the real commands when one is chosen."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for name, summary in COMMANDS:
+            self.commands.setdefault(name, _LazyCommand(name, summary))
+
+    def _materialize(self) -> None:
+        """Swap every placeholder for its command (importing the command modules once per process)."""
+        if any(isinstance(c, _LazyCommand) for c in self.commands.values()):
+            _register()
+            loaded = typer.main.get_command(app).commands
+            self.commands = {name: loaded.get(name, command) for name, command in self.commands.items()}
+            self.commands.update(loaded)
+
+    def resolve_command(self, ctx, args):
+        if args and isinstance(self.commands.get(args[0]), _LazyCommand):
+            self._materialize()
+        try:
+            return super().resolve_command(ctx, args)
+        except UsageError:  # Exl3Group points a group's command called at the top to its group: it needs the groups
+            if not any(isinstance(c, _LazyCommand) for c in self.commands.values()):
+                raise
+            self._materialize()
+            return super().resolve_command(ctx, args)
 
 
 app = typer.Typer(
@@ -30,8 +81,9 @@ app = typer.Typer(
     epilog="Exit codes: 0 ok; 1 findings (failed layers, invalid entries, failed checks); 2 usage, configuration "
     "or I/O error (inputs that select no work included); 130 interrupted (entries published so far are complete; "
     "the same command resumes). EXL3TOOL_DEBUG=1 adds tracebacks.",
-    cls=Exl3Group,
+    cls=_LazyRoot,
     no_args_is_help=True,
+    rich_markup_mode=None,  # Click's help: never cuts an option name, wraps help under long ones, and needs no rich
     pretty_exceptions_enable=False,
     add_completion=False,
 )
@@ -57,7 +109,7 @@ _registered: list[bool] = []
 
 
 def _register() -> None:
-    """Attach every command group, once per process; imported lazily so `--help` stays fast."""
+    """Attach every command group to ``app``, once per process: ``main`` leaves this to the first command run."""
     if _registered:
         return
     from exl3tool.commands import register
@@ -72,7 +124,7 @@ def debug_enabled(environ: Optional[dict] = None) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None) -> None:
+def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None, extra: Optional[dict] = None) -> None:
     """Report one failure: the sentence on stderr (or Click's usage block), a JSON document on stdout in JSON mode."""
     if debug_enabled():
         traceback.print_exc()
@@ -80,25 +132,39 @@ def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None) -> 
         show_usage()
     else:
         print(f"error: {message}", file=sys.stderr)
-    if json_mode and not json_document_written():  # a findings error follows its own report: one document
-        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code}, indent=2) + "\n")
+    if json_mode and not _json_document_written():  # a findings error follows its own report: one document
+        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code, **(extra or {})}, indent=2) + "\n")
         sys.stdout.flush()
     sys.exit(exit_code)
 
 
+def plural(n: int, one: str, many: str) -> str:
+    """``exl3tool.output.plural`` without importing rich for it."""
+    return f"{n:,} {one if n == 1 else many}"
+
+
 def _interrupted(json_mode: bool) -> None:
     """Ctrl-C: exit 130 (128 + SIGINT, as shells report it), saying that the cache is consistent."""
-    _fail("interrupted: entries published so far are complete (a publish is atomic); run the same command again "
-          "to resume", 130, json_mode)
+    output = sys.modules.get("exl3tool.output")
+    report = output.interrupted_report() if output is not None else {}
+    done = f" after publishing {plural(report['published'], 'entry', 'entries')}" if "published" in report else ""
+    _fail(f"interrupted{done}: entries published so far are complete (a publish is atomic); run the same command "
+          "again to resume", 130, json_mode, extra=report)
+
+
+def _json_document_written() -> bool:
+    """Whether a command already printed its JSON document (none can have, if no command imported ``output``)."""
+    output = sys.modules.get("exl3tool.output")
+    return output is not None and output.json_document_written()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turning every error into one line and an exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     json_mode = "--json" in args
-    forget_json_document()
-    try:
-        _register()  # imports the commands (and the encoder's settings, which may refuse an environment variable)
+    if "exl3tool.output" in sys.modules:  # not imported: no document written (`--help` stays light)
+        sys.modules["exl3tool.output"].forget_json_document()
+    try:  # the root imports a command's module (which may refuse an environment variable) when it is chosen
         rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
         if rc == 130:  # typer turns Ctrl-C into Exit(130), which non-standalone Click returns (no command does)
             _interrupted(json_mode)

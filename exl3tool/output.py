@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 __all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "plural", "KEY_HEADERS", "json_document_written",
-           "forget_json_document"]
+           "forget_json_document", "fields_text", "note_interrupted", "interrupted_report"]
 
 KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
 LAST_DROPPED = ("status", "state", "error", "tp", "rank")  # left out only after every other column
@@ -94,6 +95,29 @@ def plain_table(table: Table) -> str:
     return title + fmt(headers) + "".join(fmt(r) for r in rows)
 
 
+def fields_text(title: str | None, rows: list[tuple[str, str]], width: int | None) -> str:
+    """``Output.fields`` as text: labels padded to the longest, each value beside its label when the line fits
+    ``width`` (None: always), else below it, indented by two.
+
+    >>> print(fields_text("t", [("key", "v"), ("checksum", "0123456789abcdef")], 20), end="")
+    t
+    key       v
+    checksum
+      0123456789abcdef
+    """
+    pad = max((len(label) for label, _ in rows), default=0)
+    lines = [title] if title else []
+    for label, value in rows:
+        beside = f"{label.ljust(pad)}  {value}".rstrip()
+        if width is None or len(beside) <= width:
+            lines.append(beside)
+        else:
+            lines.append(label)
+            lines += textwrap.wrap(value, width, initial_indent="  ", subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False) or [""]
+    return "".join(line + "\n" for line in lines)
+
+
 def _overhead(table: Table, columns: int) -> int:
     """The characters a Rich table adds around its cells: padding, and the borders when it has a box."""
     pad = table.padding[1] + table.padding[3] if isinstance(table.padding, tuple) and len(table.padding) == 4 else 2
@@ -152,6 +176,14 @@ def fit_table(table: Table, width: int) -> Table | None:
     return table
 
 
+def _fits(table: Table, console: Console) -> bool:
+    """Whether Rich draws ``table`` at the console's width at its natural size (else it would shrink a column and
+    may cut a cell with "…")."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width
+
+
 @dataclass
 class Output:
     """Renders results: ``json`` prints only machine output, ``quiet`` drops notes and progress."""
@@ -180,11 +212,33 @@ class Output:
         if self.json:
             return
         fitted = fit_table(literal_table(table), self.stdout.width) if self.stdout.is_terminal else None
+        if fitted is not None and fitted is table and not _fits(table, self.stdout):
+            fitted = None  # no key column to keep, and too wide: Rich would cut a cell with "…"; plain rows cut none
         if fitted is not None:
             self.stdout.print(fitted)
         else:
             sys.stdout.write(plain_table(table))
             sys.stdout.flush()
+
+    def fields(self, title: str | None, rows: list[tuple[str, str]]) -> None:
+        """Label/value lines for people (skipped in JSON mode): a value too long to sit beside its label at the
+        terminal's width goes on the lines below it, indented and wrapped at spaces, so an identity, a checksum or
+        a path is never cut (a single word longer than the line stays whole: the terminal wraps it)."""
+        if self.json:
+            return
+        sys.stdout.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
+        sys.stdout.flush()
+
+    def wrapped(self, message: str) -> None:
+        """A result line on stdout for people (skipped in JSON mode), wrapped at spaces to a terminal's width with
+        the rest indented by two; piped, one line as it is."""
+        if self.json:
+            return
+        if self.stdout.is_terminal and len(message) > self.stdout.width:
+            message = "\n".join(textwrap.wrap(message, self.stdout.width, subsequent_indent="  ",
+                                               break_long_words=False, break_on_hyphens=False))
+        sys.stdout.write(message + "\n")
+        sys.stdout.flush()
 
     def line(self, message: str) -> None:
         """A result line on stdout for people; skipped in JSON mode."""
@@ -200,11 +254,24 @@ class Output:
 
 
 _written: list[bool] = []  # set once any command printed its JSON document in this process
+_interrupted: dict[str, Any] = {}  # what an interrupted command had done, for its error document
 
 
 def forget_json_document() -> None:
     """Start a new command: no JSON document written yet (``main`` calls this; tests run many commands)."""
     _written.clear()
+    _interrupted.clear()
+
+
+def note_interrupted(report: dict[str, Any]) -> None:
+    """Fields the error document of an interrupted command adds (a warm: ``published`` and ``counts``)."""
+    _interrupted.clear()
+    _interrupted.update(report)
+
+
+def interrupted_report() -> dict[str, Any]:
+    """What ``note_interrupted`` recorded for this command (empty when nothing)."""
+    return dict(_interrupted)
 
 
 def json_document_written() -> bool:

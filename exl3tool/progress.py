@@ -13,8 +13,8 @@ import time
 from typing import Callable, Optional
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn
-from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn
+from rich.progress import TimeRemainingColumn
 from rich.table import Column
 from rich.text import Text
 
@@ -92,7 +92,12 @@ class _Counts:
         self.total, self.jobs, self.start = sum(j.tiles for j in jobs), len(jobs), self.clock()
 
     def tiles(self, job, n: int) -> int:
-        self.partial[job.digest] = self.partial.get(job.digest, 0) + n
+        """Count ``n`` reported tiles of a running ``job``, at most up to one short of its tiles: its last tile
+        counts when the job is done, so the tile count reaches the total only with the last job (an encoder that
+        reports more tiles than the plan's, e.g. padding, never runs ahead). Returns the tiles counted."""
+        seen = self.partial.get(job.digest, 0)
+        n = max(0, min(n, job.tiles - 1 - seen))
+        self.partial[job.digest] = seen + n
         self.done_tiles += n
         self.encoded_tiles += n
         return n
@@ -193,16 +198,56 @@ class _RateColumn(ProgressColumn):
         return Text(f"{task.speed:,.0f} tiles/s" if task.speed else "", style="cyan")
 
 
+class EndOfName:
+    """A job name drawn in the width it is given, its START elided (``…layers.61.mlp.experts.7.down_proj
+    tp8-rank3``): every layer of a model shares its first words, the end tells them apart."""
+
+    def __init__(self, text: str, head: str = "") -> None:
+        self.text, self.head = text, head  # ``head`` (``preparing ``) is always shown whole
+
+    def __rich_console__(self, console, options):
+        yield Text(self.head + elide_start(self.text, options.max_width - len(self.head)), no_wrap=True,
+                   overflow="crop")
+
+    def __rich_measure__(self, console, options):
+        from rich.measure import Measurement
+
+        return Measurement(len(self.head) + min(len(self.text), 8), len(self.head) + len(self.text))
+
+
+def elide_start(text: str, width: int) -> str:
+    """``text`` in ``width`` characters: whole when it fits, else ``…`` and its end.
+
+    >>> elide_start("language_model.model.layers.12.mlp.down_proj tp2-rank1", 30)
+    '…rs.12.mlp.down_proj tp2-rank1'
+    """
+    if len(text) <= width:
+        return text
+    return "…" + text[len(text) - max(width - 1, 0):] if width > 0 else ""
+
+
+class _NameColumn(ProgressColumn):
+    """The job's name, start elided to the column's width."""
+
+    def render(self, task) -> EndOfName:
+        return EndOfName(task.description, task.fields.get("head", ""))
+
+
+class _JobsColumn(ProgressColumn):
+    """Jobs done / total."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.fields.get('jobs_done', 0)}/{task.fields.get('jobs', 0)} jobs", style="green")
+
+
 class BarProgress(WarmProgress):
-    """A Rich bar on ``console`` that fits its width: the job name is shortened, never the figures; it says
-    "preparing" until a job's first tiles arrive."""
+    """A Rich bar on ``console`` that fits its width: the job name loses its start (shared by every layer), never
+    the figures; jobs done/total beside tiles done/total; it says "preparing" until a job's first tiles arrive."""
 
     def __init__(self, console: Console) -> None:
         self.progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}", markup=False,
-                       table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis", min_width=8)),
-            BarColumn(bar_width=16), MofNCompleteColumn(), _RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+            SpinnerColumn(), _NameColumn(table_column=Column(ratio=1, no_wrap=True, min_width=8)),
+            BarColumn(bar_width=12), _JobsColumn(), MofNCompleteColumn(), _RateColumn(), TimeRemainingColumn(),
             console=console, transient=True, expand=True)
         self.task = None
         self.counts = _Counts(time.monotonic)
@@ -211,21 +256,22 @@ class BarProgress(WarmProgress):
         self.counts.begin(jobs)
         if jobs:
             self.progress.start()
-            self.task = self.progress.add_task("starting", total=self.counts.total)
+            self.task = self.progress.add_task("starting", total=self.counts.total, jobs_done=0, jobs=len(jobs))
 
     def started(self, job) -> None:
         if self.task is not None:
-            self.progress.update(self.task, description=f"preparing {_job_name(job)}")
+            self.progress.update(self.task, description=_job_name(job), head="preparing ")
 
     def tiles(self, job, n: int) -> None:
         if self.task is not None:
             if job.digest not in self.counts.partial:
-                self.progress.update(self.task, description=_job_name(job))
+                self.progress.update(self.task, description=_job_name(job), head="")
             self.progress.advance(self.task, self.counts.tiles(job, n))
 
     def done(self, job, result) -> None:
         if self.task is not None:
             self.progress.advance(self.task, self.counts.done(job, result))
+            self.progress.update(self.task, jobs_done=self.counts.jobs_done)
 
     def end(self) -> None:
         self.progress.stop()

@@ -103,7 +103,7 @@ def test_ls_shows_one_row_per_model_and_tp_size_with_an_unreadable_entry(cache):
     tp2 = doc["groups"][1]
     assert tp2["entries"] == 6 and tp2["malformed"] == 1 and tp2["ranks"] == [0, 1]
     assert "bad" not in tp2 and set(tp2) == {"model_identity", "tp_world_size", "ranks", "entries", "malformed", "bytes",
-                                             "newest"}
+                                             "newest", "newest_utc"}
     human = cli("cache", "ls", "--cache-dir", str(root))
     # two rows by TP size, and one in the table by model and encoder identity
     assert human.exit_code == 0 and human.output.count(MODEL_ID[:20]) == 3

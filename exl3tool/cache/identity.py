@@ -266,6 +266,10 @@ def _directory_identity(real: str, server: str, rev: str | None, rev_how: str, r
                 if warning:
                     warnings.append(warning)
             shards.append([name, on_server, st.st_size, st.st_mtime_ns])
+            if st.st_size == 0:  # hashed as the server hashes it, but a checkpoint shard is never empty
+                warnings.append(f"{os.path.join(real, name)} is empty (0 bytes): surely a broken or unfinished copy; "
+                                "the server hashes it as it is, and cannot load the model from it: copy the shard "
+                                "again (cp -p / rsync -t) before warming")
     warnings += _missing_index_shards(real)
     payload = _compact_json({"kind": "directory", "path": server, "revision": rev, "markers": markers, "shards": shards})
     blobs = f"; {plural(mapped, 'Hub-cache blob link')} mapped beside the server's snapshots/ folder" if mapped else ""
@@ -310,7 +314,8 @@ def resolve_model_identity(
     p = os.path.expanduser(model)
     if not os.path.exists(p):
         if server_path is not None:
-            raise ConfigError(f"{model}: --server-path applies to a local checkpoint, but {model!r} does not exist here")
+            raise ConfigError(f"MODEL {model!r} does not exist here: it is the local copy of the checkpoint the server "
+                              f"serves as {server_path}; give the path of that copy (or a Hub repo id)")
         try:
             validate_repo_id(model)
         except HFValidationError:

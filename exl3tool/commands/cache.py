@@ -26,11 +26,31 @@ from exl3tool.output import Output, plural
 __all__ = ["cache_app", "register"]
 
 cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, prune, export and import the online EXL3 cache.",
-                        no_args_is_help=True, cls=Exl3Group)
+                        no_args_is_help=True, cls=Exl3Group, rich_markup_mode=None)  # Click's help: see cli.py
 
 
 def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def _iso(ts: float) -> str:
+    """An mtime as UTC ISO 8601 with milliseconds and ``Z``, as provenance records write their times."""
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """Ranks as runs: ``0-7``, ``0,2,4-5`` (a TP 8 row stays narrow).
+
+    >>> _ranges([0, 1, 2, 3]), _ranges([0, 2, 4, 5]), _ranges([1])
+    ('0-3', '0,2,4-5', '1')
+    """
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _entry_json(info: EntryInfo) -> dict[str, Any]:
@@ -43,6 +63,7 @@ def _entry_json(info: EntryInfo) -> dict[str, Any]:
         "reason": info.reason,
         "size": info.size,
         "mtime": info.mtime,
+        "mtime_utc": _iso(info.mtime),
         "model_dir": info.model_dir,
         "model_identity": info.model_identity,
         "tp_world_size": info.tp_world_size,
@@ -81,16 +102,16 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
         g["malformed"] += info.status == "invalid"
         g["bytes"] += info.size
         g["newest"] = max(g["newest"], info.mtime)
-    table = Table(title=f"EXL3 cache {root}")
+    table = Table(title=f"EXL3 cache {root}", box=None, pad_edge=False, header_style="bold underline")  # 80 columns
     table.add_column("model identity", no_wrap=True, min_width=20)
     for col in ("TP", "ranks", "entries", "malformed", "size", "newest (UTC)"):
-        table.add_column(col, justify="right" if col in ("entries", "malformed", "size") else "left")
+        table.add_column(col, justify="right" if col in ("entries", "malformed", "size") else "left", no_wrap=True)
     rows = []
     for g in sorted(groups.values(), key=lambda g: (g["model_identity"], g["tp_world_size"] or 0)):
         ranks = sorted(r for r in g["ranks"] if r is not None)
-        table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), ",".join(map(str, ranks)), str(g["entries"]),
+        table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), _ranges(ranks), str(g["entries"]),
                       str(g["malformed"]), decimal(g["bytes"]), _when(g["newest"]))
-        rows.append({**g, "ranks": ranks})
+        rows.append({**g, "ranks": ranks, "newest_utc": _iso(g["newest"])})
     out.table(table)
     from exl3tool.cache.records import group_by_identity, read_records
 
@@ -107,21 +128,25 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
 
 
 def _identity_table(out: Output, identities: list[dict[str, Any]]) -> None:
-    """Entries by model and encoder identity, with where they came from: recorded warms, exl3tool, the server."""
-    table = Table(title="by model and encoder identity")
-    for col in ("model identity", "encoder identity", "entries", "TP", "bits", "from"):
-        table.add_column(col, justify="right" if col == "entries" else "left", overflow="fold")
+    """Entries by model and encoder identity, with where they came from: recorded warms (the model as the warm
+    named it, its path or repo), exl3tool, the server. One block per pair, each long value on its own line."""
+    if not identities:
+        return
+    out.line("by model identity and encoder identity (their directory names)")
     for g in identities:
         o = g["origins"]
-        origin = [f"{r['command']} on {r['host']} at {r['time']}"
-                  + (f" (imported {r['imported']['time']})" if r["imported"] else "") for r in g["records"]]
+        out.line(f"{g['model_identity'][:20]} {g['encoder_identity'][:20]}: "
+                 f"{plural(g['entries'], 'entry', 'entries')}, TP {','.join(map(str, g['tp_sizes']))}, "
+                 f"{'/'.join(map(str, g['bits']))} bits")
+        rows = [("  model", model) for model in dict.fromkeys(r["model"] for r in g["records"] if r.get("model"))]
+        for r in g["records"]:
+            rows.append(("  from", f"{r['command']} on {r['host']} at {r['time']}"
+                         + (f" (imported {r['imported']['time']})" if r["imported"] else "")))
         if o["exl3tool"]:
-            origin.append(f"{o['exl3tool']} by exl3tool without a record")
+            rows.append(("  from", f"{o['exl3tool']} by exl3tool without a record"))
         if o["server"]:
-            origin.append(f"{o['server']} written by the server itself (no record, no exl3tool checksum)")
-        table.add_row(g["model_identity"][:20], g["encoder_identity"][:20], str(g["entries"]),
-                      ",".join(map(str, g["tp_sizes"])), ",".join(map(str, g["bits"])), "; ".join(origin))
-    out.table(table)
+            rows.append(("  from", f"{o['server']} written by the server itself (no record, no exl3tool checksum)"))
+        out.fields(None, rows)
 
 
 def _model_ok(info: EntryInfo, model: str | None) -> bool:
@@ -169,20 +194,12 @@ def show(
                 tensors[name] = {"dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
     except Exception:
         pass
-    table = Table(title=str(path), show_header=False)
-    table.add_column("field")
-    table.add_column("value")
-    table.add_row("status", info.status + (f" ({info.reason})" if info.reason else ""))
-    table.add_row("size", decimal(info.size))
+    rows = [("status", info.status + (f" ({info.reason})" if info.reason else "")), ("size", decimal(info.size))]
     if info.key:
-        for name, value in sorted(info.key.as_dict().items()):
-            table.add_row(f"key.{name}", str(value))
-    for name, t in sorted(tensors.items()):
-        table.add_row(f"tensor.{name}", f"{t['dtype']} {t['shape']}")
-    for name, value in sorted(info.metadata.items()):
-        if name != "cache_key":
-            table.add_row(f"meta.{name}", value)
-    out.table(table)
+        rows += [(f"key.{name}", str(value)) for name, value in sorted(info.key.as_dict().items())]
+    rows += [(f"tensor.{name}", f"{t['dtype']} {t['shape']}") for name, t in sorted(tensors.items())]
+    rows += [(f"meta.{name}", value) for name, value in sorted(info.metadata.items()) if name != "cache_key"]
+    out.fields(str(path), rows)  # identities and checksums whole: below their label when the line is too short
     out.data({**_entry_json(info), "tensors": tensors, "metadata": info.metadata})
     if info.status == "unchecked":
         out.note(f"{path}: {info.reason}")

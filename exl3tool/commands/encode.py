@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
+from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
 
@@ -18,7 +19,7 @@ from exl3tool.commands.options import (
     LockTimeoutOpt, OverlapOpt, ProgressOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
 )
 from exl3tool.errors import FindingsError
-from exl3tool.output import Output, plural
+from exl3tool.output import Output, note_interrupted, plural
 from exl3tool.progress import make_progress, progress_mode
 from exl3tool.warm import WarmPlan, WarmRequest, WarmSummary, prepare, warm
 from exl3tool.warm.sharing import reused_from, sharing_figures
@@ -152,10 +153,10 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
         out.table(table)
     saved = f" ({summary.encodes} encodes, {summary.encodes_saved} saved by sharing)" if summary.encodes_saved else ""
     out.line(f"{c['hit']} hit, {c['encoded']} encoded{saved}, {c['skipped']} skipped, {c['failed']} failed; "
-             f"{summary.bytes_written / 2**20:.1f} MiB written in {summary.seconds:.1f} s on {summary.device}"
+             f"{decimal(summary.bytes_written)} written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
     for st in summary.worker_stats:
-        if "gpu_budget_mib" in st:
+        if st.get("gpu_budget_mib") is not None:
             out.note(f"worker {st.get('worker', 0)} on {st.get('device')}: GPU memory budget "
                      f"{st['gpu_budget_mib'] / 1024:.1f} GiB, peak {st.get('peak_cuda_mib', 0) / 1024:.1f} GiB")
     if summary.record_error:
@@ -214,9 +215,18 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
     def on_checked(u) -> None:
         out.note(f"checked  {u.prefix} tp{u.tp_size}-rank{u.tp_rank} {u.verdict} ({u.action or 'kept'}) {u.seconds:.1f}s")
 
+    finished = {status: 0 for status in ("hit", "encoded", "skipped", "failed")}
+
+    def on_done(job, result) -> None:
+        finished[result.status] = finished.get(result.status, 0) + 1
+        display.done(job, result)
+
     try:
-        summary = warm(request, environ=environ, on_start=display.started, on_done=display.done, on_plan=on_plan,
+        summary = warm(request, environ=environ, on_start=display.started, on_done=on_done, on_plan=on_plan,
                        on_tiles=display.tiles, command=command, on_checked=on_checked)
+    except KeyboardInterrupt:  # Ctrl-C: the error document says what this process published before it
+        note_interrupted({"published": finished["encoded"], "counts": dict(finished)})
+        raise
     finally:
         display.end()
     if summary is None:  # a torchrun worker other than 0: worker 0 reports for everyone
@@ -331,7 +341,9 @@ def cache_warm(
     Idempotent (a second run is all hits) and resumable (a killed run leaves only complete entries). Hits without
     exl3tool's checksum (server-written) are kept and named; --check-unchecked re-encodes each, compares it with
     `verify --exact`'s rule and replaces (entry lock, atomic publish) the ones that differ.
+
     Under `torchrun --nproc-per-node N -m exl3tool cache warm ...` each process takes a balanced share.
+
     Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
 
     Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json

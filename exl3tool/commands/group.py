@@ -43,6 +43,15 @@ if _value_type is not None:  # older typers print Click's own type names: nothin
 class Exl3Group(TyperGroup):
     """A command group that shows its help (exit 0) when called bare, and points misplaced commands to their group."""
 
+    def format_commands(self, ctx, formatter) -> None:
+        """The commands section, each with its whole first sentence wrapped under it (Click cuts it to the width
+        left beside the names and ends it with ``...``)."""
+        rows = [(name, command.get_short_help_str(limit=10**6)) for name in self.list_commands(ctx)
+                if (command := self.get_command(ctx, name)) is not None and not command.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def parse_args(self, ctx, args):
         if not args and self.no_args_is_help and not ctx.resilient_parsing:
             typer.echo(ctx.get_help(), color=ctx.color)

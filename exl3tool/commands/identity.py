@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from exl3tool.cache import server_encoder_identity, server_identities
 from exl3tool.commands.launching import (
@@ -78,20 +78,17 @@ def identity(
                             encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
                             encoder_source=request.encoder_source, environ=environ, view=request.server_view)
     mid, eid, settings = ids.model, ids.encoder, ids.encoder_settings
-    table = Table(title="Identities", show_header=True)
-    table.add_column("")
-    table.add_column("identity", overflow="fold", min_width=64)
-    table.add_column("derivation", overflow="fold")
-    table.add_row("model", mid.identity, f"{mid.kind}: {mid.derivation}")
-    table.add_row("encoder", eid.identity, _encoder_derivation(eid, settings))
-    out.table(table)
-    out.line(f"revision: {mid.revision or '(none)'}")
-    out.line(f"server --revision: {ids.server_revision or '(none)'}: {ids.revision_note}")
-    out.line(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
+    source = _encoder_from(ctx, settings, launched, env_file)
+    out.fields("Identities", [("model identity", mid.identity), ("model derivation", f"{mid.kind}: {mid.derivation}"),
+                              ("encoder identity", eid.identity),
+                              ("encoder derivation", _encoder_derivation(eid, settings, source))])
+    out.wrapped(f"revision: {mid.revision or '(none)'}")
+    out.wrapped(f"server --revision: {ids.server_revision or '(none)'}: {ids.revision_note}")
+    out.wrapped(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
     if eid.mode == "files":
-        out.line(f"encoder files hashed from: {eid.files_from}")
-    out.line(f"cache dir: v1/{mid.identity[:20]}/")
-    out.line(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
+        out.wrapped(f"encoder files hashed from: {eid.files_from}")
+    out.wrapped(f"cache dir: v1/{mid.identity[:20]}/")
+    out.wrapped(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
     for warning in ids.warnings:
         out.warn(warning)
     out.data(
@@ -107,7 +104,7 @@ def identity(
                 "payload": mid.payload,
                 "derivation": mid.derivation,
             },
-            "encoder": _encoder_json(eid, settings),
+            "encoder": {**_encoder_json(eid, settings), "source_detail": source},
             "quantization_config": overlay.as_json(),
             "warnings": list(ids.warnings),
             **launch_json(launched),
@@ -115,14 +112,43 @@ def identity(
     )
 
 
-def _encoder_derivation(eid, settings) -> str:
+def _encoder_from(ctx: typer.Context, settings, launched, env_files: list[str]) -> str:
+    """Where the encoder root and revision came from, for people: the launch's sources (an env file, the launch's
+    own -e, a flag) when a launch was read, ``--env-file`` files without one, else the library's own label."""
+    names = {"encoder_root": "VLLM_EXL3_ENCODER_SOURCE", "encoder_revision": "VLLM_EXL3_ENCODER_REVISION"}
+    if launched is not None:
+        found = {field: launched.settings.get(field) for field in names}
+        parts = {field: f"{s.source} {s.detail}".strip() for field, s in found.items() if s is not None}
+    elif env_files:
+        from exl3tool.launch.env import read_env_file
+
+        given = given_fields(ctx, {field: field for field in names})
+        parts = {}
+        for field, variable in names.items():
+            files = [path for path in env_files if variable in read_env_file(path)]
+            if field in given:
+                parts[field] = "flag --" + field.replace("_", "-")
+            elif files:
+                parts[field] = f"env file {files[-1]}"
+            elif variable in os.environ:
+                parts[field] = "environment"
+    else:
+        return settings.source
+    if not parts:
+        return settings.source
+    if len(set(parts.values())) == 1:
+        return next(iter(parts.values()))
+    return "; ".join(f"{field.removeprefix('encoder_')}: {where}" for field, where in parts.items())
+
+
+def _encoder_derivation(eid, settings, source: str | None = None) -> str:
     if eid.mode == "revision":
         how = f"revision mode: root {eid.root} + revision {settings.revision.strip()!r}"
     elif eid.files_from != eid.root:
         how = f"files mode: every *.py of the local copy {eid.files_from} hashed, keyed with the server's root {eid.root}"
     else:
         how = f"files mode: every *.py under {eid.root} hashed"
-    return f"{how} (from {settings.source})"
+    return f"{how} (from {source or settings.source})"
 
 
 def _encoder_json(eid, settings) -> dict:
@@ -142,16 +168,12 @@ def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Op
                                  "give the encoder with --encoder-root and --encoder-revision", param_hint="'--env-file'")
     overlay = resolve_overlay(quantization_config) if quantization_config else None
     eid, settings, warnings = server_encoder_identity(encoder_root, encoder_revision, encoder_source, os.environ)
-    table = Table(title="Identities", show_header=True)
-    table.add_column("")
-    table.add_column("identity", overflow="fold", min_width=64)
-    table.add_column("derivation", overflow="fold")
-    table.add_row("encoder", eid.identity, _encoder_derivation(eid, settings))
-    out.table(table)
-    out.line(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
+    out.fields("Identities", [("encoder identity", eid.identity),
+                              ("encoder derivation", _encoder_derivation(eid, settings))])
+    out.wrapped(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
     if eid.mode == "files":
-        out.line(f"encoder files hashed from: {eid.files_from}")
-    out.line("model: none given (pass MODEL or the server's launch for the model identity and the cache dir)")
+        out.wrapped(f"encoder files hashed from: {eid.files_from}")
+    out.wrapped("model: none given (pass MODEL or the server's launch for the model identity and the cache dir)")
     for warning in warnings:
         out.warn(warning)
     out.data({"model": None, "encoder": _encoder_json(eid, settings),

@@ -76,7 +76,7 @@ def worker_stats(ctx: DistributedContext, device: torch.device, seconds: float, 
 
     stats = {"worker": ctx.worker, "host": socket.gethostname(), "device": str(device), "seconds": round(seconds, 3),
              "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-             "peak_cuda_mib": None}  # always present: null on a CPU worker
+             "peak_cuda_mib": None, "gpu_budget_mib": None}  # always present: null on a CPU worker
     if device.type == "cuda":
         stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     if run_seconds is not None:
