@@ -11,7 +11,7 @@ seconds: every phase and every chunk runs, but the numba kernel only on ``--real
 memory does not depend on the tiles' values; the rows of the rest are copies); a calibration call compares the
 stand-in with the real kernel on one chunk of the first shape.
 
-    python benchmarks/bench_encode_memory.py --device cuda --unbounded --json benchmarks/results/bench_encode_memory_h200.json
+    python benchmarks/bench_encode_memory.py --device cuda --unbounded --json $OUT/bench_encode_memory.json
     python benchmarks/bench_encode_memory.py --device cpu --shapes 512x1024,1024x1024,1024x2048
     python benchmarks/bench_encode_memory.py --device cpu --phases --json benchmarks/results/bench_encode_memory_cpu_large.json
 """

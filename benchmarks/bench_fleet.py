@@ -271,8 +271,8 @@ def main() -> None:
                     help="the exllamav3 package directory: also time its quantize_exl3 on each preset's encodes")
     ap.add_argument("--add-reference", metavar="RESULTS_JSON", default=None,
                     help="time the reference (--reference) on the encodes of an earlier run's JSON and write it "
-                         "with the reference added (--json): the warm and the reference in one device call when the "
-                         "reference's extension is still compiling during the warm")
+                         "with the reference added (--json): the warm and the reference measured in one run, the "
+                         "warm while the reference's extension is still compiling")
     ap.add_argument("--child", choices=("write", "warm", "reference"), help=argparse.SUPPRESS)
     ap.add_argument("--shapes", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

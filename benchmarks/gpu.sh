@@ -30,7 +30,7 @@ declare -A ABOUT=(
   [determinism]="the stage-by-stage determinism probe in two processes, then the full-size warm determinism check"
   [warm-torchrun]="the 2-GPU warm scaling run (bench_warm_torchrun.py --nproc 2 --layers 4, TP 1,2); 2 GPUs"
   [dropin]="the drop-in quantize_exl3 against exllamav3 1.6.5 (gpu_dropin.sh: wheel from \$WHL, JIT compile, bench_dropin.py)"
-  [release]="the merged tree against exllamav3 1.6.5 in one call (gpu_release.sh: GPU tests during the JIT compile, bench_dropin, bench_encode_memory; carry golden and .whl)"
+  [release]="the tree against exllamav3 1.6.5 in one run (gpu_release.sh: GPU tests during the JIT compile, bench_dropin, bench_encode_memory; carry golden and .whl)"
   [fleet]="the deployed models' warm presets and the 8B pipeline stages (gpu_fleet.sh: bench_fleet.py)"
 )
 PARTS=(env tests gemm-tests verify minilm encode kernels gemm gemm-sweep determinism warm-torchrun dropin release fleet)

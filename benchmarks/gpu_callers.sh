@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200: the drop-in against exllamav3 1.6.5 in the conventions of the fork loader's three
+# One run on an H200 (nvidia-h200): the drop-in against exllamav3 1.6.5 in the conventions of the fork loader's three
 # callers (online linear method, image-build gate with return_weight_q=True, K8/K4 round-trip tools).
 #   1. install the exllamav3 wheel (+ pydantic, which its quantize.py imports) from $WHL into /tmp/site; a built
-#      extension carried in ./.ext (exllamav3_ext.so.part-*, from an earlier call's $OUT/ext) is used as is, else it
+#      extension carried in ./.ext (exllamav3_ext.so.part-*, from an earlier run's $OUT/ext) is used as is, else it
 #      JIT-compiles in the background (TORCH_CUDA_ARCH_LIST=9.0, about 5-6 minutes on 16 cores);
 #   2. meanwhile the drop-in's GPU tests of tests/test_encoder_source.py (goldens from ./golden; the reference's
 #      cases skip: EXL3TOOL_REFERENCE_SOURCE unset), the Triton-cache-across-processes test among them;

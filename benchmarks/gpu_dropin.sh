@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200: the drop-in encoder against exllamav3 1.6.5, as the vLLM fork calls them.
+# One run on an H200 (nvidia-h200): the drop-in encoder against exllamav3 1.6.5, as the vLLM fork calls them.
 #   1. install the exllamav3 wheel (and pydantic, which its quantize.py imports) from $WHL into /tmp/site;
 #   2. JIT-compile its CUDA extension (TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16), timed, in the background while the
 #      drop-in's GPU tests run (goldens from ./golden);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200 (about 4 minutes): the fleet benchmarks of issue 20.
+# One run on an H200 (nvidia-h200, about 4 minutes): the deployed models' warm rate (tiles/s per GPU).
 #   1. the GPU test of the two-stream split encode (same bytes as one stream);
 #   2. bench_fleet.py llama-8b with and without the split (8B shapes, TP 1,2,4,8; same bytes; stage timers);
 #   3. bench_fleet.py on the deployed models' presets.

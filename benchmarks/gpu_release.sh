@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200 (under 10 minutes): the merged tree against the reference and the previous version,
-# in one run. Steps, chosen by $PRE (while the reference compiles) and $POST (once it is there):
+# One run on an H200 (nvidia-h200, under 10 minutes): the tree against the reference (exllamav3 1.6.5) and the
+# previous version. Steps, chosen by $PRE (while the reference compiles) and $POST (once it is there):
 #   setup  install the exllamav3 1.6.5 wheel (+ what its quantize.py imports) from ./.whl into /tmp/site; with a
-#          built extension carried in ./.ext (exllamav3_ext.so.part-*, from an earlier call's $OUT/ext) it is used
+#          built extension carried in ./.ext (exllamav3_ext.so.part-*, from an earlier run's $OUT/ext) it is used
 #          as is, else the CUDA extension is JIT-compiled in the background (about 5 minutes on 16 cores: keep the
 #          other CPU work light meanwhile) and comes back stripped in 15 MiB parts in $OUT/ext;
 #   PRE    (one GPU process at a time, little CPU)
@@ -22,7 +22,7 @@
 #                   EXL3TOOL_* knobs), against the dropin step's reference seconds (in PRE: against the first set);
 #          tests, fleet as above.
 # Carry ./golden, ./.whl (and ./.bench-out, ./.ext when used). Logs and JSON land in $OUT, packed into
-# $OUT/results.tgz at the end (a device call returns at most 8 files), beside $OUT/ext.
+# $OUT/results.tgz at the end (the device runner returns at most 8 files), beside $OUT/ext.
 set -u
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-14}
 OUT=${OUT:-/tmp/exl3tool-release}; mkdir -p "$OUT"
@@ -147,5 +147,5 @@ else
 fi
 for s in $POST; do step "$s"; done
 echo "== total $(since)"
-# at most 8 files come back from a device call: everything but the extension's parts in one archive
+# at most 8 files come back from the device runner: everything but the extension's parts in one archive
 (cd "$OUT" && tar czf results.tgz --exclude=ext --exclude=results.tgz -- * && find . -maxdepth 1 -type f ! -name results.tgz -delete)

@@ -81,7 +81,8 @@ def _knob(name: str, default):
 # the reference's scale search holds about this many KiB per sample tile above the weight (its batches of scales
 # with their values): its per-call peak is the larger of REFERENCE_FACTOR W and W + this x the sample, which is
 # what decides it for a layer whose sample is large beside its weight. Fitted below the H200 measurements of
-# 1.6.5 (results/k4half_bench_dropin.json): (128, 4096) 15.1 MiB above the weight (7.1 W; this model 14.7),
+# 1.6.5 (results/bench_dropin_vs_reference_h200_2026-12-03.json): (128, 4096) 15.1 MiB above the weight
+# (7.1 W; this model 14.7),
 # (256, 7168) 30.8 MiB (4.4 W; model 29.2); every other deployed layer is at 3.5 W. 0: 3.5 W alone
 REFERENCE_SEARCH_TILE_KIB = _knob("REFERENCE_SEARCH_TILE_KIB", 15)
 CHUNK_ROUNDS = _knob("CHUNK_ROUNDS", 4)  # a gathered chunk holds about this many tiles per slot (8 KiB a tile)
