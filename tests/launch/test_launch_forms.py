@@ -219,7 +219,9 @@ exec vllm serve "$MODEL" \\
 
 
 @pytest.mark.parametrize("body, line, what", [
-    ("if [ -n \"$TP\" ]; then\n  TP=2\nfi\nvllm serve /m\n", 1, "a conditional"),
+    ("case \"$TP\" in\n  2) vllm serve /m -tp 2 ;;\nesac\n", 1, "a case statement"),
+    ("if [ -n \"$TP\" ]; then\n  TP=2\nfi\nvllm serve /m\n", 1, "$TP is not set"),
+    ("if [ -f /etc/tp ]; then\n  TP=2\nfi\nvllm serve /m\n", 1, "asks about a file in the server's filesystem"),
     ("for i in 1 2; do echo $i; done\nvllm serve /m\n", 1, "a loop"),
     ("A=1\nwhile true; do\n  vllm serve /m\ndone\n", 2, "a loop (while"),
     ("start() {\n  vllm serve /m\n}\nstart\n", 1, "a function definition"),
