@@ -1,13 +1,16 @@
-"""Shell text read as ``sh``/``bash`` read it, for the straight-line scripts that start a server.
+"""Shell text read as ``sh``/``bash`` read it, for the scripts that start a server.
 
 ``lex`` splits text into simple commands whose words keep their quoting (single quotes and ``\\`` escapes are
 literal; unquoted and double-quoted text expands); ``expand`` gives a word's fields with ``$V``, ``${V}``,
-``${V:-default}``, ``${V-default}``, ``${V:=default}``, ``${V:+alt}``, ``${V:?msg}`` and field splitting of
-unquoted expansions. ``run_script`` walks a straight-line script: assignments, ``export``, ``unset``, ``set -a``,
-``cd``, ``exec``, ``source`` of a file it can read, until the command ``is_server`` accepts. What it cannot
-follow (``if``/``for``/``while``/``case``, functions, subshells, here-documents, ``eval``, and command or
-arithmetic substitution whose value is needed) is refused naming the line and the construct (ConfigError, exit 2);
-an unset variable without a default is refused naming it, never guessed.
+``${V:-default}``, ``${V-default}``, ``${V:=default}``, ``${V:+alt}``, ``${V:?msg}``, bash's indexed arrays
+(``"${A[@]}"``, ``${#A[@]}``, ``${A[N]}``) and field splitting of unquoted expansions. ``run_script`` walks a
+script as the shell runs it: assignments (arrays too), ``export``, ``unset``, ``set -a``/``-u``, ``cd``,
+``exec``, ``source`` of a file it can read, ``if``/``elif``/``else`` with ``[ ]``/``[[ ]]``/``test`` conditions
+evaluated on the known variables (only the branch taken is walked), until the command ``is_server`` accepts.
+What it cannot follow (``case``, loops, functions, subshells, here-documents, ``eval``, a condition whose result
+is only known when it runs, and command or arithmetic substitution whose value is needed) is refused naming the
+line and the construct (ConfigError, exit 2); an unset variable without a default is refused naming it, never
+guessed.
 """
 
 from __future__ import annotations
@@ -680,7 +683,7 @@ class _Tester:
         if cmd.redirects and name in ("[", "[[", "test"):
             raise self.refuse("a redirection in a test (in [[ ]], < and > compare strings) is not followed; "
                               + _TEST_HELP)
-        if name in ("true", ":") or name == "false":
+        if name in ("true", ":", "false"):
             result = name != "false"
         elif name == "[[":
             if len(words) < 3 or _bare(words[-1]) != "]]":
