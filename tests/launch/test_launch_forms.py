@@ -114,6 +114,57 @@ def test_podman_entrypoint_bash_and_env_file_of_the_run_line(tmp_path, cli, mode
     _runs_everywhere(cli, want, "--launch", launch)
 
 
+def _double_quoted(text: str) -> str:
+    """``text`` as one double-quoted shell word (how a wrapper writes its ``-lc "..."`` script)."""
+    return '"' + "".join("\\" + c if c in '\\"$`' else c for c in text) + '"'
+
+
+WRAPPER = "; ".join([
+    "set -euo pipefail", "cd /", "ln -sf /srv/model /tmp/model-link || true", "rm -f /tmp/vllm.ready",
+    "mkdir -p /root/.cache/vllm", "nvidia-smi -L > /dev/null 2>&1 || true", "ulimit -n 65536",
+    'NSYS=(); if [ "${PROFILE:-0}" = "1" ]; then NSYS=(nsys profile -o /tmp/trace --trace=cuda,nvtx); fi',
+    'SPEC_ARGS=(); if [ -n "${SPEC_CONFIG:-}" ]; then SPEC_ARGS=(--speculative-config "${SPEC_CONFIG}"); fi',
+    'LMO_ARGS=(); if [ "${LANGUAGE_MODEL_ONLY:-0}" = "1" ]; then LMO_ARGS=(--language-model-only); fi',
+    'echo "starting: ${#SPEC_ARGS[@]} speculative words"',
+    "exec \"${NSYS[@]}\" vllm serve '/srv/model' --quantization exl3 \"${LMO_ARGS[@]}\" "
+    '--quantization-config "${QUANTIZATION_CONFIG}" -tp "${TP:-1}" --host 0.0.0.0 --port 8000 "${SPEC_ARGS[@]}"',
+])
+
+
+@pytest.mark.parametrize("spec, lmo, profile", [(None, None, None), ('{"method": "ngram", "num_speculative_tokens": '
+                                                                      '3, "prompt_lookup_max": 4}', "1", "1"),
+                                                 (None, "0", "1"), ('{"method": "mtp"}', None, "0")])
+def test_podman_wrapper_with_arrays_and_ifs(tmp_path, cli, model, spec, lmo, profile):
+    """A public podman wrapper's -lc script (in our own words): arrays of optional flags filled by ifs over the
+    run line's -e values, then ``exec "${NSYS[@]}" vllm serve ... "${LMO_ARGS[@]}" ... "${SPEC_ARGS[@]}"``. The
+    plan is the flags' plan in every branch; the branch taken shows in the settings."""
+    cache = tmp_path / "cache"
+    want = _want(cli, model, cache, server_path="/srv/model")
+    optional = "".join(f"-e {name}={shlex.quote(value)} " for name, value in
+                       (("SPEC_CONFIG", spec), ("LANGUAGE_MODEL_ONLY", lmo), ("PROFILE", profile)) if value)
+    launch = (f"podman run -d --replace --name exl3 --device nvidia.com/gpu=all -v {model}:/srv/model:ro,z "
+              f"-v {cache}:/cache -e QUANTIZATION_CONFIG={shlex.quote(QC)} -e TP=2 {optional}"
+              f"-e VLLM_EXL3_ONLINE_CACHE_DIR=/cache -e VLLM_EXL3_ONLINE_TRELLIS_BITS=5 "
+              f"-e VLLM_EXL3_ENCODER_SOURCE={ENC[0]} -e VLLM_EXL3_ENCODER_REVISION={ENC[1]} "
+              f"--entrypoint /bin/bash quay.io/example/vllm:exl3 -lc {_double_quoted(WRAPPER)}")
+    code, got, err = _plan(cli, "--launch", launch)
+    assert code == 0, err
+    _same(got, want)
+    s = got["_settings"]
+    assert s["quantization_config"]["value"] == QC and s["tp_size"]["value"] == 2
+    if spec is None:
+        assert "speculative_config" not in s
+    else:
+        assert s["speculative_config"]["value"] == json.loads(spec)
+        assert s["speculative_config"]["detail"] == "--speculative-config"
+    if lmo == "1":
+        assert s["language_model_only"]["value"] is True
+        assert s["language_model_only"]["detail"] == "--language-model-only"
+    else:
+        assert "language_model_only" not in s
+    _runs_everywhere(cli, want, "--launch", launch)
+
+
 def test_su_c_and_runuser(tmp_path, cli, model):
     cache = tmp_path / "c"
     want = _want(cli, model, cache)
@@ -220,7 +271,9 @@ exec vllm serve "$MODEL" \\
 
 
 @pytest.mark.parametrize("body, line, what", [
-    ("if [ -n \"$TP\" ]; then\n  TP=2\nfi\nvllm serve /m\n", 1, "a conditional"),
+    ("case \"$TP\" in\n  2) vllm serve /m -tp 2 ;;\nesac\n", 1, "a case statement"),
+    ("if [ -n \"$TP\" ]; then\n  TP=2\nfi\nvllm serve /m\n", 1, "$TP is not set"),
+    ("if [ -f /etc/tp ]; then\n  TP=2\nfi\nvllm serve /m\n", 1, "asks about a file in the server's filesystem"),
     ("for i in 1 2; do echo $i; done\nvllm serve /m\n", 1, "a loop"),
     ("A=1\nwhile true; do\n  vllm serve /m\ndone\n", 2, "a loop (while"),
     ("start() {\n  vllm serve /m\n}\nstart\n", 1, "a function definition"),
