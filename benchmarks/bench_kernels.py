@@ -3,7 +3,7 @@ CUDA kernel) and the trellis GEMM (vs torch fp16 matmul on the dequantized weigh
 
     python benchmarks/bench_kernels.py            # on a CUDA machine; writes $OUT/bench_kernels.json if OUT is set
 
-Env: VITERBI_VARIANTS (comma list, default m4_auto,m2_w4,m1_w4), VITERBI_BENCH_TILES (default 65536),
+Env: VITERBI_VARIANTS (comma list, default m4_auto,m1_w4), VITERBI_BENCH_TILES (default 65536),
 EXL3_BENCH_SWEEP=1 to sweep every GEMM config instead of timing the one `choose_config` picks,
 EXL3_BENCH_MS to change the GEMM batch sizes (default 1,4,16,64,512,4096), EXL3_BENCH_PARTS=gemm (or viterbi)
 to run one half only.
@@ -51,7 +51,7 @@ def main() -> None:
                     "triton": triton.__version__, "viterbi": {}, "gemm": []}
     cpu_rate = cpu_viterbi_rate() if "viterbi" in parts else float("nan")
     result["cpu_viterbi_tiles_per_s"] = cpu_rate
-    variants = os.environ.get("VITERBI_VARIANTS", "m4_auto,m2_w4,m1_w4").split(",") if "viterbi" in parts else []
+    variants = os.environ.get("VITERBI_VARIANTS", "m4_auto,m1_w4").split(",") if "viterbi" in parts else []
     for name in variants:
         try:
             res = _bench_viterbi.run(n, 6, "mcg", **_bench_viterbi.VARIANTS[name])

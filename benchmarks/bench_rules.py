@@ -2,7 +2,7 @@
 
 The rules of ``exl3tool.encode.memory`` (which K keep cost rows and how many, which run in place, how a launch
 spreads its tiles) change speed and memory only, never a byte. Each rule set here runs ``profile_encode.py`` in its
-own process (the rules are read at import, from the ``EXL3TOOL_*`` variables) on every distinct layer shape of
+own process (the rules come from the ``EXL3TOOL_*`` variables, docs/tuning.md) on every distinct layer shape of
 ``bench_dropin.MODELS`` under the default budget (the reference's memory), and is compared layer by layer with the
 reference's seconds that ``bench_dropin.py --reference`` measured in the same run on the same GPU (``--reference-json``;
 without it, with the first rule set's seconds):

@@ -33,6 +33,11 @@ os.environ.setdefault("EXL3TOOL_RESIDENT_CAP", "0")
 
 from exl3tool.kernels import viterbi as vmod  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _viterbi_compiled import last_compiled, record  # noqa: E402
+
+record()
+
 
 def timed(x: torch.Tensor, bits: int, reps: int = 3, **kw) -> tuple[float, torch.Tensor]:
     """Median seconds of one call over ``x`` (after a warm-up call that also compiles), and its states."""
@@ -84,7 +89,7 @@ def main() -> None:
     ap.add_argument("--rows", default="0,1", help="0: back-pointers, 1: every cost row (the traceback recomputes the choice), "
                     "2: every other cost row")
     ap.add_argument("--edge-major", default="1", help="with cost rows: 0 the traceback reads the state-major codebook "
-                    "table, 1 the edge-major one (memory.EDGE_MAJOR_TRACEBACK); 0,1 both")
+                    "table, 1 the edge-major one (EXL3TOOL_EDGE_MAJOR_TRACEBACK, docs/tuning.md); 0,1 both")
     ap.add_argument("--edges", default=None, help="edges per block (default 1024,2048 and 4096 at K <= 4)")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--sizes", default=None,
@@ -123,7 +128,7 @@ def main() -> None:
                     print(f"  rows {rows} warps {warps} edges {be} per-SM {per_sm}: failed "
                           f"{type(exc).__name__}: {exc}"[:200])
                     continue
-                occ = vmod._occupancy(vmod.LAST_COMPILED, props)
+                occ = vmod._occupancy(last_compiled(), props)
                 row = {"bits": bits, "rows": rows, "warps": warps, "block_edges": be, "edge_major": major,
                        "per_sm": per_sm, "programs": programs, "tiles_per_s": args.tiles / sec,
                        "vs_baseline": base_s / sec, "scratch_mib": programs * slot / 2**20, "resident_wave": occ,

@@ -1,4 +1,4 @@
-"""Sweep of the fused trellis GEMM's small-m launches (SMALL_M_TABLE in exl3tool/kernels/gemm.py), one GPU.
+"""Sweep of the fused trellis GEMM's small-m launches (SMALL_M_TABLE in exl3tool/kernels/gemm/tuning.py), one GPU.
 
 Why: at m = 2 .. 32 the tl.dot kernel is 0.75-0.91x of exllamav3's speed (benchmarks/README.md, "Trellis GEMM").
 This times, for the three benchmark shapes and m in 1, 2, 4, 8, 16, 32, 128, the current default (choose_config,
@@ -435,7 +435,7 @@ def _entry_src(entry: dict) -> str:
 
 
 def table_source(table: list) -> str:
-    """SMALL_M_TABLE as Python source, to paste into exl3tool/kernels/gemm.py."""
+    """SMALL_M_TABLE as Python source, to paste into exl3tool/kernels/gemm/tuning.py."""
     lines = ["SMALL_M_TABLE: tuple[tuple[int, dict], ...] = ("]
     for bound, entry, note in table:
         b = "RECON_MIN_M - 1" if bound == g.RECON_MIN_M - 1 else str(bound)
@@ -462,7 +462,7 @@ def main() -> None:
         print(table_source(suggest_table(result)))
         return
     result = run(args)
-    print("\nSuggested SMALL_M_TABLE (exl3tool/kernels/gemm.py; also: --print-table on the JSON):")
+    print("\nSuggested SMALL_M_TABLE (exl3tool/kernels/gemm/tuning.py; also: --print-table on the JSON):")
     print(table_source(result["table"]))
     print(f"\ndone in {result['seconds']} s")
 

@@ -9,7 +9,6 @@ nothing else.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from typing import Annotated, Optional
@@ -119,9 +118,18 @@ def _register() -> None:
 
 
 def debug_enabled(environ: Optional[dict] = None) -> bool:
-    """``EXL3TOOL_DEBUG`` is on for 1/true/yes/on (any case); 0, false, no, off or empty leave it off."""
-    value = (os.environ if environ is None else environ).get("EXL3TOOL_DEBUG", "")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    """``EXL3TOOL_DEBUG`` is on for 1/true/yes/on (any case); 0, false, no, off or empty leave it off.
+
+    Never raises: it decides how an error is reported, including the error that refuses a bad EXL3TOOL_DEBUG
+    (``main`` checks every knob first, so a bad value never gets this far unreported).
+    """
+    from exl3tool.errors import ConfigError
+    from exl3tool.knobs import knob_value
+
+    try:
+        return knob_value("EXL3TOOL_DEBUG", environ)
+    except ConfigError:
+        return False
 
 
 def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None, extra: Optional[dict] = None) -> None:
@@ -165,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     if "exl3tool.output" in sys.modules:  # not imported: no document written (`--help` stays light)
         sys.modules["exl3tool.output"].forget_json_document()
     try:  # the root imports a command's module (which may refuse an environment variable) when it is chosen
+        from exl3tool.knobs import read_knobs
+
+        read_knobs()  # every EXL3TOOL_* variable checked before a command runs: a bad one is one line, exit 2
         rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
         if rc == 130:  # typer turns Ctrl-C into Exit(130), which non-standalone Click returns (no command does)
             _interrupted(json_mode)

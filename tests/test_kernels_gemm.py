@@ -1,4 +1,4 @@
-"""Tests for the fused trellis GEMM (exl3tool/kernels/gemm.py).
+"""Tests for the fused trellis GEMM (exl3tool/kernels/gemm/).
 
 (a) Interpreter tests: the Triton kernels run on CPU tensors under TRITON_INTERPRET=1. That variable must be set
 before triton is imported, so these run in a child process (other test modules keep importing triton normally).
@@ -118,7 +118,7 @@ _CHILD = textwrap.dedent(r"""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as ti
-    import exl3tool.kernels.gemm as gemm_mod
+    import exl3tool.kernels.gemm.launch as gemm_mod  # the module whose trellis_matmul reads the flag
 
     def _f32(h):
         if h.dtype.scalar == tl.bfloat16:
@@ -415,12 +415,14 @@ def test_sm90_offline_compile(regime):
 
     m, k, n = {"small_m": (1, 4096, 4096), "small_m_trans": (16, 4096, 4096), "small_m_fma_rows": (4, 4096, 4096),
                "large_m": (4096, 4096, 14336)}[regime]
-    orig = g._num_sms
-    g._num_sms = lambda dev: 132  # choose_config reads the SM count only on CUDA: mirror the H200's
+    from exl3tool.kernels.gemm import tuning
+
+    orig = tuning._num_sms
+    tuning._num_sms = lambda dev: 132  # choose_config reads the SM count only on CUDA: mirror the H200's
     try:
         cfg = g.choose_config(m, k, n, torch.device("cuda"))
     finally:
-        g._num_sms = orig
+        tuning._num_sms = orig
     if regime == "large_m":
         assert isinstance(cfg, g.ReconConfig)
         fn = g._recon_kernel

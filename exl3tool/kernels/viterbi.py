@@ -11,7 +11,7 @@ double-buffered per-slot global scratch (L1 resident, one CTA barrier per step);
 stored as the uint8 k per (position, edge), or two per byte at K <= 4 in the packed modes (half the
 scratch); the two tracebacks are scalar loops per tile.
 
-Cost rows (``ROWS``, the packed modes at the K of ``memory.COST_ROW_BITS``): no back-pointer is kept. Every
+Cost rows (``ROWS``, the packed modes at the K of the tuning's ``cost_row_bits``): no back-pointer is kept. Every
 step's cost row stays in the slot (256 rows of E fp16), a candidate is only sub, fma and min (3 f16x2
 instructions per two candidates instead of 5; ptxas fuses pairs of mins into a 3-way VHMNMX), and the
 traceback recomputes, at each position it visits, the NL candidate costs of its edge from the row the step
@@ -28,14 +28,14 @@ explicit round-to-nearest-even to fp16 precision (never torch's double-rounding 
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
 from exl3tool.encode.codebook import check_codebook, codebook_table, edge_major_table
-from exl3tool.encode.memory import (DEFAULT_MAX_SCRATCH, EDGE_MAJOR_TRACEBACK, EVEN_ROUNDS, MAX_HALF_ROW_BITS,
-                                    RESIDENT_CAP, cost_row_stride, slot_cost_rows, viterbi_slot_bytes)
+from exl3tool.encode.memory import (DEFAULT_MAX_SCRATCH, MAX_HALF_ROW_BITS, cost_row_stride, slot_cost_rows,
+                                    viterbi_slot_bytes)
+from exl3tool.knobs import Tuning, current_tuning
 
 try:  # triton is optional for the CPU-only parts of the package
     import triton
@@ -48,20 +48,17 @@ except ImportError:  # pragma: no cover - exercised only without triton
     _HAVE_TRITON = False
 
 __all__ = ["viterbi_tiles", "viterbi_matrix", "interpreter_active", "resident_tiles", "row_choices", "selfcheck_results",
-           "slot_bytes", "packs_nibbles", "keeps_rows", "MODES", "DEFAULT_MODE"]
+           "slot_bytes", "packs_nibbles", "keeps_rows", "MODES"]
 
 # Arithmetic paths (tl.constexpr MODE of the kernel):
 #   0: exact float64 emulation (interpreter; also runs on GPU, slowly)
-#   1: fma.rn.f16 inline asm (pack 1), Triton fp16 sub / compare / select
-#   2: one f16x2 inline asm per 2 candidates: sub, fma, set.lt mask, two lop3 selects
-#   3: fma.rn.f16x2 inline asm (pack 2), Triton fp16 sub / compare / select
-#   4: as 2, but two edges per int32 tensor element (no per-step packing/unpacking of halves)
+#   1: fma.rn.f16 inline asm (pack 1), Triton fp16 sub / compare / select (the self-check's plain form)
+#   4: one f16x2 inline asm per two edges packed in an int32 element: sub, fma, set.lt mask, two lop3 selects
 #   5: the layout of 4 with the exact emulation of 0 (checks 4's indexing under the interpreter)
-MODES = (0, 1, 2, 3, 4, 5)
-DEFAULT_MODE = int(os.environ.get("EXL3TOOL_VITERBI_MODE", "4"))
-LAST_COMPILED = None
-# (device, bits) -> mode chosen after the one-time self-check of the default mode against mode 1
-_CHECKED: dict[tuple[str, int], int] = {}
+# (Modes 2 and 3, f16x2 forms that repacked halves every step, were slower than 4 and are retired: git history.)
+MODES = (0, 1, 4, 5)
+# (device, bits, the mode asked for: Tuning.viterbi_mode) -> mode in use after the one-time self-check against mode 1
+_CHECKED: dict[tuple[str, int, int], int] = {}
 DEFAULT_SCRATCH_BYTES = DEFAULT_MAX_SCRATCH  # scratch of one call when ``programs`` is not given
 
 if _HAVE_TRITON:
@@ -87,48 +84,21 @@ if _HAVE_TRITON:
         )
 
     @triton.jit
-    def _fma16_asm2(d, c):
-        """fp16 FMA d*d + c, single rounding, two elements per instruction (PTX fma.rn.f16x2)."""
-        return tl.inline_asm_elementwise(
-            "fma.rn.f16x2 $0, $1, $1, $2;", "=r,r,r", [d, c], dtype=tl.float16, is_pure=True, pack=2
-        )
-
-    @triton.jit
     def _cost(dec, w, cold, MODE: tl.constexpr):
         """fma16(d, d, C_old) with d = f16(dec - w)."""
         if MODE == 0:
             d = (dec.to(tl.float32) - w.to(tl.float32)).to(tl.float16)  # exact (double-rounding theorem)
             return _fma16_emu(d, cold)
-        elif MODE == 1:
-            return _fma16_asm1(dec - w, cold)
         else:
-            return _fma16_asm2(dec - w, cold)
+            return _fma16_asm1(dec - w, cold)
 
     @triton.jit
     def _step_update(dec, w, cold, best, bk, k, MODE: tl.constexpr):
         """Candidate k of every edge: replace (best, bk) where its cost is strictly smaller."""
-        if MODE == 2:
-            kk = (tl.zeros_like(bk) + k).to(tl.int16)
-            best, bk = tl.inline_asm_elementwise(
-                """{
-                .reg .b32 d, c, m;
-                sub.rn.f16x2 d, $2, $3;
-                fma.rn.f16x2 c, d, d, $4;
-                set.lt.u32.f16x2 m, c, $5;
-                lop3.b32 $0, c, $5, m, 0xE4;
-                lop3.b32 $1, $7, $6, m, 0xE4;
-                }""",
-                "=r,=r,r,r,r,r,r,r",
-                [dec, w, cold, best, bk, kk],
-                dtype=(tl.float16, tl.int16),
-                is_pure=True,
-                pack=2,
-            )
-        else:
-            c = _cost(dec, w, cold, MODE)
-            take = c < best
-            best = tl.where(take, c, best)
-            bk = tl.where(take, k, bk).to(tl.int16)
+        c = _cost(dec, w, cold, MODE)
+        take = c < best
+        best = tl.where(take, c, best)
+        bk = tl.where(take, k, bk).to(tl.int16)
         return best, bk
 
     @triton.jit
@@ -499,27 +469,33 @@ def interpreter_active() -> bool:
 
 
 def selfcheck_results() -> dict[tuple[str, int], int]:
-    """Mode in use per (device, bits) after the self-check; DEFAULT_MODE unless the check failed."""
-    return dict(_CHECKED)
+    """Mode in use per (device, bits) after the self-check: the tuning's ``viterbi_mode`` unless the check failed."""
+    return {(dev, bits): mode for (dev, bits, _), mode in _CHECKED.items()}
+
+
+def _mode_in_use(bits: int, tuning: Tuning) -> int:
+    """The mode a launch at K = ``bits`` runs: the self-checked one where a check ran, else the tuning's."""
+    wanted = tuning.viterbi_mode
+    return next((m for (_, b, w), m in _CHECKED.items() if b == bits and w == wanted), wanted)
 
 
 def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_warps: int | None,
-                          block_edges: int | None) -> int:
-    """DEFAULT_MODE, once checked on this device and bit width against mode 1 on fresh random tiles.
+                          block_edges: int | None, tuning: Tuning) -> int:
+    """``tuning.viterbi_mode``, once checked on this device and bit width against mode 1 on fresh random tiles.
 
     Mode 1 uses only a scalar ``fma.rn.f16`` plus Triton's own fp16 compare/select; the default packs
     two edges per register with set/lop3 tricks. If they ever disagree, warn and fall back to mode 1.
     Disable with EXL3TOOL_VITERBI_SELFCHECK=0.
     """
-    key = (str(device), bits)
+    key = (str(device), bits, tuning.viterbi_mode)
     if key in _CHECKED:
         return _CHECKED[key]
-    mode = DEFAULT_MODE
-    if mode != 1 and os.environ.get("EXL3TOOL_VITERBI_SELFCHECK", "1") != "0":
+    mode = tuning.viterbi_mode
+    if mode != 1 and tuning.viterbi_selfcheck:
         x = torch.randn(8, 256, device=device) * (0.5 + torch.rand(8, 1, device=device))
         kw = dict(num_warps=num_warps, block_edges=block_edges)
-        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, **kw)
-        _, s_plain = viterbi_tiles(x, bits, codebook, mode=1, **kw)
+        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, tuning=tuning, **kw)
+        _, s_plain = viterbi_tiles(x, bits, codebook, mode=1, tuning=tuning, **kw)
         if not torch.equal(s_default, s_plain):
             warnings.warn(f"viterbi kernel mode {mode} disagrees with mode 1 on {device} at K={bits}; "
                           "falling back to mode 1", RuntimeWarning, stacklevel=3)
@@ -528,10 +504,10 @@ def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_wa
     return mode
 
 
-_RESIDENT: dict[tuple[str, int], int | None] = {}
+_RESIDENT: dict[tuple[str, int, Tuning], int | None] = {}
 
 
-def resident_tiles(device: torch.device, bits: int, codebook: str = "mcg") -> int | None:
+def resident_tiles(device: torch.device, bits: int, codebook: str = "mcg", tuning: Tuning | None = None) -> int | None:
     """Tiles the GPU runs at once (CTAs per SM from the kernel's registers, threads and shared memory, times
     the SM count): the encoder's memory plan gives at least this many slots where its budget allows. None where it
     cannot be told (no CUDA)."""
@@ -540,10 +516,16 @@ def resident_tiles(device: torch.device, bits: int, codebook: str = "mcg") -> in
         return None
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    key = (str(dev), bits)
+    tuning = tuning or current_tuning()
+    key = (str(dev), bits, tuning)
     if key not in _RESIDENT:
-        viterbi_tiles(torch.randn(8, 256, device=dev), bits, codebook)  # compiles (and self-checks) the kernel
-        _RESIDENT[key] = _occupancy(LAST_COMPILED, torch.cuda.get_device_properties(dev))
+        x = torch.randn(8, 256, device=dev)
+        mode = _check_launch(x, bits, codebook, None, None, None, None, "resident_tiles", tuning)  # self-checks
+        values = torch.empty_like(x)
+        states = torch.empty((8, 256), dtype=torch.int16, device=dev)
+        compiled = _launch(x, 8, bits, codebook, mode, None, None, DEFAULT_SCRATCH_BYTES, None, states, values,
+                           tuning=tuning)
+        _RESIDENT[key] = _occupancy(compiled, torch.cuda.get_device_properties(dev))
     return _RESIDENT[key]
 
 
@@ -566,12 +548,14 @@ def _occupancy(compiled, props) -> int | None:
     return per_sm * int(props.multi_processor_count)
 
 
-def keeps_rows(bits: int, mode: int = DEFAULT_MODE) -> int:
+def keeps_rows(bits: int, mode: int | None = None, tuning: Tuning | None = None) -> int:
     """Which cost rows the kernel keeps instead of back-pointers: 0 (none: back-pointers), 1 (every step's) or
     2 (every other step's), ``memory.cost_row_stride``, in the packed modes 4 and 5 only. With rows a candidate
     is sub, fma and min (3 instructions per two, not 5), and the traceback recomputes the kept candidate from
-    the row (an odd row from the even row before it, with 2 only)."""
-    return cost_row_stride(bits) if mode >= 4 else 0
+    the row (an odd row from the even row before it, with 2 only). ``mode`` None: the tuning's."""
+    tuning = tuning or current_tuning()
+    mode = tuning.viterbi_mode if mode is None else mode
+    return cost_row_stride(bits, tuning) if mode >= 4 else 0
 
 
 def _row_stride(bits: int, rows: bool | int) -> int:
@@ -584,30 +568,35 @@ def _row_stride(bits: int, rows: bool | int) -> int:
     return int(rows)
 
 
-def row_choices(bits: int, mode: int | None = None) -> dict[int, int]:
+def row_choices(bits: int, mode: int | None = None, tuning: Tuning | None = None) -> dict[int, int]:
     """{rows: a slot's bytes} for the cost rows the kernel can keep at K = ``bits`` in ``mode`` (None: the mode in
     use on the current device): every row and every other at the K of HALF_ROW_BITS, every row at the other K of
     COST_ROW_BITS, back-pointers elsewhere. What an encode's memory plan chooses from."""
+    tuning = tuning or current_tuning()
     if mode is None:
-        mode = next((m for (_, b), m in _CHECKED.items() if b == bits), DEFAULT_MODE)
-    default = keeps_rows(bits, mode)
+        mode = _mode_in_use(bits, tuning)
+    default = keeps_rows(bits, mode, tuning)
     strides = (1, 2) if default == 2 else (default,)
-    return {r: slot_bytes(bits, mode, r) for r in strides}
+    return {r: slot_bytes(bits, mode, r, tuning) for r in strides}
 
 
-def packs_nibbles(bits: int, mode: int = DEFAULT_MODE) -> bool:
-    """Whether the kernel keeps two back-pointers per byte: K <= 4 (k < 16) in the packed modes 4 and 5."""
+def packs_nibbles(bits: int, mode: int | None = None) -> bool:
+    """Whether the kernel keeps two back-pointers per byte: K <= 4 (k < 16) in the packed modes 4 and 5 (None: the
+    mode of ``current_tuning()``)."""
+    mode = current_tuning().viterbi_mode if mode is None else mode
     return bits <= 4 and mode >= 4
 
 
-def slot_bytes(bits: int, mode: int | None = None, rows: bool | int | None = None) -> int:
+def slot_bytes(bits: int, mode: int | None = None, rows: bool | int | None = None,
+               tuning: Tuning | None = None) -> int:
     """GPU scratch of one tile in flight (``viterbi_slot_bytes``) for ``mode``; None: the mode in use on the
-    current device after its self-check, or DEFAULT_MODE before it ran. ``rows``: back-pointers (0), every cost
+    current device after its self-check, or the tuning's before it ran. ``rows``: back-pointers (0), every cost
     row (1) or every other (2); None: ``keeps_rows``."""
+    tuning = tuning or current_tuning()
     if mode is None:
-        mode = next((m for (_, b), m in _CHECKED.items() if b == bits), DEFAULT_MODE)
-    rows = keeps_rows(bits, mode) if rows is None else _row_stride(bits, rows)
-    return viterbi_slot_bytes(bits, packs_nibbles(bits, mode), rows=rows)
+        mode = _mode_in_use(bits, tuning)
+    rows = keeps_rows(bits, mode, tuning) if rows is None else _row_stride(bits, rows)
+    return viterbi_slot_bytes(bits, packs_nibbles(bits, mode), rows=rows, tuning=tuning)
 
 
 def _geometry(bits: int, block_edges: int | None) -> tuple[int, int, int]:
@@ -620,7 +609,7 @@ def _geometry(bits: int, block_edges: int | None) -> tuple[int, int, int]:
 
 
 def _check_launch(x: torch.Tensor, bits: int, codebook: str, mode: int | None, num_warps: int | None,
-                  block_edges: int | None, programs: int | None, what: str) -> int:
+                  block_edges: int | None, programs: int | None, what: str, tuning: Tuning) -> int:
     """Validate the arguments both entry points share; returns the kernel mode."""
     if not _HAVE_TRITON:
         raise RuntimeError(f"{what} needs triton")
@@ -633,7 +622,7 @@ def _check_launch(x: torch.Tensor, bits: int, codebook: str, mode: int | None, n
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
         raise ValueError(f"programs must be a positive integer, got {programs!r}")
     if mode is None:
-        mode = 0 if interp else _checked_default_mode(x.device, bits, codebook, num_warps, block_edges)
+        mode = 0 if interp else _checked_default_mode(x.device, bits, codebook, num_warps, block_edges, tuning)
     if mode not in MODES or (interp and mode not in (0, 5)):
         raise ValueError(f"mode must be one of {MODES} (0 or 5 under the interpreter), got {mode!r}")
     return mode
@@ -647,12 +636,12 @@ def viterbi_tiles(
     mode: int | None = None,
     num_warps: int | None = None,
     block_edges: int | None = None,
-    k_chunk: int | None = None,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     programs: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows: bool | int | None = None,
     edge_major: bool | None = None,
+    tuning: Tuning | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) float32 tiles (trellis order) to EXL3 states; same contract as quantize_tiles.
 
@@ -662,7 +651,7 @@ def viterbi_tiles(
     results never depend on them. ``programs`` is how many tiles are in flight at once, each with its own
     scratch slot (``slot_bytes``); None: as many as ``scratch_bytes`` holds. Results never depend on it either,
     nor on ``rows`` (0: back-pointers, 1: every cost row, 2: every other; 1 and 2 in modes 4 and 5 only; None:
-    ``keeps_rows``).
+    ``keeps_rows``). ``tuning``: the speed rules and the default mode (None: ``knobs.current_tuning()``).
     """
     if not isinstance(tiles, torch.Tensor):
         raise ValueError(f"tiles must be a torch.Tensor, got {type(tiles).__name__}")
@@ -670,7 +659,8 @@ def viterbi_tiles(
         raise ValueError(f"tiles must be float32, got {tiles.dtype}")
     if tiles.dim() != 2 or tiles.shape[1] != 256:
         raise ValueError(f"tiles must have shape (n, 256), got {tuple(tiles.shape)}")
-    mode = _check_launch(tiles, bits, codebook, mode, num_warps, block_edges, programs, "viterbi_tiles")
+    tuning = tuning or current_tuning()
+    mode = _check_launch(tiles, bits, codebook, mode, num_warps, block_edges, programs, "viterbi_tiles", tuning)
     dev = tiles.device
     n = tiles.shape[0]
     if out is not None:
@@ -682,8 +672,8 @@ def viterbi_tiles(
         values = torch.empty((n, 256), dtype=torch.float32, device=dev)
         states = torch.empty((n, 256), dtype=torch.int16, device=dev)
     if n:
-        _launch(tiles.contiguous(), n, bits, codebook, mode, num_warps, block_edges, k_chunk, scratch_bytes,
-                programs, states, values, rows=rows, edge_major=edge_major)
+        _launch(tiles.contiguous(), n, bits, codebook, mode, num_warps, block_edges, scratch_bytes,
+                programs, states, values, rows=rows, edge_major=edge_major, tuning=tuning)
     return values, states
 
 
@@ -701,6 +691,7 @@ def viterbi_matrix(
     block_edges: int | None = None,
     rows: bool | int | None = None,
     edge_major: bool | None = None,
+    tuning: Tuning | None = None,
 ) -> torch.Tensor:
     """Quantize the flat tiles ``first_tile`` .. ``first_tile + n_tiles - 1`` (row-major over the 16 x 16 tiles)
     of a contiguous (k, n) float32 ``weight`` where they lie, and overwrite each with its squared error
@@ -719,15 +710,17 @@ def viterbi_matrix(
     total = (k // 16) * (n // 16)
     if k % 16 or n % 16 or not 0 <= first_tile <= first_tile + n_tiles <= total:
         raise ValueError(f"tiles {first_tile}..{first_tile + n_tiles - 1} are not tiles of a ({k}, {n}) weight")
-    mode = _check_launch(weight, bits, codebook, mode, num_warps, block_edges, programs, "viterbi_matrix")
+    tuning = tuning or current_tuning()
+    mode = _check_launch(weight, bits, codebook, mode, num_warps, block_edges, programs, "viterbi_matrix", tuning)
     dev = weight.device
     if states is None:
         states = torch.empty((n_tiles, 256), dtype=torch.int16, device=dev)
     elif states.shape != (n_tiles, 256) or states.dtype != torch.int16 or not states.is_contiguous():
         raise ValueError(f"states must be a contiguous ({n_tiles}, 256) int16 tensor")
     if n_tiles:
-        _launch(weight, n_tiles, bits, codebook, mode, num_warps, block_edges, None, DEFAULT_SCRATCH_BYTES,
-                programs, states, None, matrix=(first_tile, n // 16, n), rows=rows, edge_major=edge_major)
+        _launch(weight, n_tiles, bits, codebook, mode, num_warps, block_edges, DEFAULT_SCRATCH_BYTES,
+                programs, states, None, matrix=(first_tile, n // 16, n), rows=rows, edge_major=edge_major,
+                tuning=tuning)
     return states
 
 
@@ -792,30 +785,32 @@ def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_warps: int | None,
-            block_edges: int | None, k_chunk: int | None, scratch_bytes: int, programs: int | None,
+            block_edges: int | None, scratch_bytes: int, programs: int | None,
             states: torch.Tensor, values: torch.Tensor | None,
             matrix: tuple[int, int, int] | None = None, rows: bool | int | None = None,
-            edge_major: bool | None = None) -> None:
+            edge_major: bool | None = None, tuning: Tuning | None = None):
     """Scratch for G = min(n, programs) slots and one launch of the persistent kernel over n tiles of ``x``
     (gathered tiles, or a matrix when ``matrix`` = (first tile, tiles per row, columns)); ``rows``: keep cost
     rows instead of back-pointers (None: ``keeps_rows``); ``edge_major``: the traceback reads the edge-major
-    codebook table (None: ``EDGE_MAJOR_TRACEBACK``; used with rows only)."""
+    codebook table (None: ``tuning.edge_major_traceback``; used with rows only). Returns Triton's compiled kernel (its
+    registers and shared memory give ``resident_tiles``)."""
+    tuning = tuning or current_tuning()
     interp = interpreter_active()
     dev = x.device
     dec = codebook_table(codebook, dev)
     nl, nh, bh = _geometry(bits, block_edges if block_edges is not None or not interp else 1 << (16 - bits))
     if rows is None:
-        rows = keeps_rows(bits, mode)
+        rows = keeps_rows(bits, mode, tuning)
     else:
         rows = _row_stride(bits, rows)
         if rows and mode < 4:
             raise ValueError(f"rows={rows} needs one of the packed modes 4 or 5, got mode {mode}")
     pack4 = packs_nibbles(bits, mode)
-    dect = bool(EDGE_MAJOR_TRACEBACK if edge_major is None else edge_major) and bool(rows)
+    dect = bool(tuning.edge_major_traceback if edge_major is None else edge_major) and bool(rows)
     dec_t = edge_major_table(codebook, bits, dev) if dect else dec  # dec: unused
-    per_slot = slot_bytes(bits, mode, rows)
+    per_slot = slot_bytes(bits, mode, rows, tuning)
     g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
-    if EVEN_ROUNDS and g < n and not interp:
+    if tuning.even_rounds and g < n and not interp:
         g = _even_rounds(n, g, _sm_count(dev))
     if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8; at K = 4
         # 8 warps (4 edges per thread) for the back-pointer kernel (+8 % at 4 programs per SM on an H200) and for
@@ -826,14 +821,12 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
         wide_below = 3 * _sm_count(dev) + 1 if rows == 2 else 4 * _sm_count(dev)
         k4_wide = bits == 4 and not interp and (not rows or g < wide_below)
         num_warps = 8 if k4_wide else max(1, min(4, (bh * nl) // 256))
-    kc = k_chunk if k_chunk is not None else (nl if interp else 1)
-    if kc < 1 or kc > nl or kc & (kc - 1):
-        raise ValueError(f"k_chunk must be a power of two in 1..{nl}, got {kc}")
+    kc = nl if interp else 1  # the interpreter takes all 2^K candidates of a step as one block (fewer, larger ops)
     e = nl * nh
     meta = dict(K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, MATRIX=matrix is not None, ROWS=rows,
                 DECT=dect, num_warps=num_warps)
     guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
-    if RESIDENT_CAP and dev.type == "cuda" and not interp and g > 1:
+    if tuning.resident_cap and dev.type == "cuda" and not interp and g > 1:
         # programs beyond the GPU's resident wave queue and start as others end: a part of a wave left over ran
         # alone at low occupancy at the end (713 programs, 660 resident, 4 tiles each: 1.30x slower on GLM-5.3's
         # down_proj), while one wave for all was 5 % slower than 6,445 programs on 924 on Qwen3.8-27B's gate_up_proj
@@ -841,8 +834,8 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
         with guard:
             wave = _resident_wave(dev, meta, x, dec, dec_t, states, values)
         if wave and g > wave and g % wave:
-            g = wave if RESIDENT_CAP == 2 else g - g % wave
-            if EVEN_ROUNDS:
+            g = wave if tuning.resident_cap == 2 else g - g % wave
+            if tuning.even_rounds:
                 g = _even_rounds(n, g, _sm_count(dev))
     # per_slot = back-pointers (none with rows) + cost rows (+ the values row of a matrix launch)
     bp = torch.empty((1,) if rows else (g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)
@@ -854,6 +847,4 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
         off = _tile_offsets(dev, n_cols)
         values = torch.empty((g, 256), dtype=torch.float32, device=dev)  # each slot's values row (+ 1 KiB a slot)
     with guard:  # launch on the tensors' GPU, not whichever is current
-        compiled = _viterbi_kernel[(g,)](x, dec, dec_t, cs, bp, states, values, n, off, first, tiles_n, n_cols, **meta)
-    global LAST_COMPILED
-    LAST_COMPILED = compiled  # for the benchmark's resource report (registers, spills, PTX)
+        return _viterbi_kernel[(g,)](x, dec, dec_t, cs, bp, states, values, n, off, first, tiles_n, n_cols, **meta)

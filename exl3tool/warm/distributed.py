@@ -26,9 +26,6 @@ class DistributedContext:
     initialised: bool
 
 
-DEFAULT_GROUP_TIMEOUT_S = 24 * 3600
-
-
 def group_timeout(environ: Optional[dict] = None) -> timedelta:
     """How long a worker waits in a collective: ``EXL3TOOL_DIST_TIMEOUT_S`` seconds, by default 24 hours.
 
@@ -36,19 +33,9 @@ def group_timeout(environ: Optional[dict] = None) -> timedelta:
     default (30 minutes) would abort a long warm whose shares finish far apart (mixed GPUs, a busy host).
     A worker that dies is noticed sooner anyway: torchrun stops the whole group.
     """
-    env = os.environ if environ is None else environ
-    text = env.get("EXL3TOOL_DIST_TIMEOUT_S", "").strip()
-    if not text:
-        return timedelta(seconds=DEFAULT_GROUP_TIMEOUT_S)
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
-        from exl3tool.errors import ConfigError
+    from exl3tool.knobs import knob_value
 
-        raise ConfigError(f"EXL3TOOL_DIST_TIMEOUT_S={text!r}: must be a positive number of seconds")
-    return timedelta(seconds=seconds)
+    return timedelta(seconds=knob_value("EXL3TOOL_DIST_TIMEOUT_S", environ))
 
 
 def distributed_context() -> DistributedContext:
@@ -129,16 +116,10 @@ def host_threads(initialised: bool, environ: Optional[dict] = None) -> Optional[
     ``cpu_count // LOCAL_WORLD_SIZE``, at least 1, so reading and checking weights is not single-threaded.
     """
     env = os.environ if environ is None else environ
-    explicit = env.get("EXL3TOOL_THREADS", "").strip()
-    if explicit:
-        try:
-            threads = int(explicit)
-        except ValueError:
-            threads = 0
-        if threads < 1:
-            from exl3tool.errors import ConfigError
+    from exl3tool.knobs import knob_value
 
-            raise ConfigError(f"EXL3TOOL_THREADS={explicit!r}: must be a positive integer (threads per process)")
+    threads = knob_value("EXL3TOOL_THREADS", env)
+    if threads is not None:
         return threads
     if initialised and env.get("OMP_NUM_THREADS", "").strip() == "1":
         try:
