@@ -36,6 +36,7 @@ CLAIMS = [
     ("README.md", "work already done is success (exit 0)", "already_done"),
     ("README.md", "prints its help and exits 0", "bare_group"),
     ("README.md", "values are usage errors (exit 2) before any work", "bad_values"),
+    ("README.md", "is refused in one line naming it, exit 2, before any command runs", "bad_values"),
     ("README.md", "no spec at all are refused with the server's reason (exit 2)", "bad_overlay"),
     ("README.md", "is an error with the reason (exit 2)", "plain_bf16"),
     ("README.md", "Exit codes: export 1 when invalid entries were left out", "bundles"),
@@ -197,6 +198,9 @@ def scenario_bare_group(m, tmp, monkeypatch):
 def scenario_bad_values(m, tmp, monkeypatch):
     for argv in (["--dtype", "int8"], ["--bits", "9"], ["--tp-sizes", "0"]):
         assert run(["cache", "warm", m["good"], "--cache-dir", tmp, "--dry-run", *ENC, *argv]) == 2, argv
+    monkeypatch.setenv("EXL3TOOL_VITERBI_MODE", "9")  # a knob out of its range: refused before any command
+    assert run(["cache", "warm", m["good"], "--cache-dir", tmp, "--dry-run", *ENC]) == 2
+    monkeypatch.delenv("EXL3TOOL_VITERBI_MODE")
 
 
 def scenario_bad_overlay(m, tmp, monkeypatch):

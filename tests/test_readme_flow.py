@@ -52,7 +52,7 @@ def test_the_flow_runs_as_written(tmp_path):
     assert "2 pass, 0 fail" in out_of("exl3tool verify")
     assert re.search(r"^2 look-ups: 2 hit .*0 miss, 0 invalid", out_of("exl3tool cache check"), re.M)
     assert "2 entries: 2 valid, 0 unchecked, 0 invalid" in out_of("exl3tool cache verify")
-    rows = re.findall(r"^[0-9a-f]{20}\s+2\s+0,1\s+2\s", out_of("exl3tool cache ls"), re.M)
+    rows = re.findall(r"^[0-9a-f]{20}\s+2\s+0-1\s+2\s", out_of("exl3tool cache ls"), re.M)
     assert len(rows) == 1, out_of("exl3tool cache ls")  # one model at TP 2, ranks 0 and 1, 2 entries
 
 
