@@ -116,7 +116,7 @@ class PhaseMeter:
 def standin_viterbi(real_tiles: int) -> Iterator[dict]:
     """Within, the numba kernel runs on the first ``real_tiles`` tiles of each call and its (n, 256) int32 result
     holds their states in every row (see the module docstring); yields counts of the calls and tiles."""
-    import exl3tool.encode._viterbi_numba as nb
+    import exl3tool.kernels.viterbi_numba as nb
 
     if real_tiles < 1:
         raise ValueError(f"real_tiles must be at least 1, got {real_tiles}")

@@ -18,7 +18,7 @@ from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 import exl3tool.cli as cli
 from exl3tool.cli import main
 from exl3tool.errors import ConfigError
-from exl3tool.warm import WarmRequest, prepare
+from exl3tool.plan import WarmRequest, prepare
 
 from helpers import ENC, ENC_ARGS
 
@@ -98,7 +98,7 @@ def test_every_serving_dtype_plans(env, model, tmp_path, value):
 
 def test_dtype_meaning_matches_vllm(model):
     """`auto` is the checkpoint's rule (float32 -> bfloat16, in checkpoint code); the others name the cast."""
-    from exl3tool.warm import SERVING_DTYPES, serving_torch_dtype
+    from exl3tool.plan import SERVING_DTYPES, serving_torch_dtype
 
     assert SERVING_DTYPES == ("auto", "bfloat16", "float16", "float32")
     assert serving_torch_dtype("auto") is None and serving_torch_dtype(None) is None

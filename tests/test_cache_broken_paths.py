@@ -19,7 +19,7 @@ from helpers import ENC, ENCODER_ID, MODEL_ID, TINY, CliRunner, fake_warm, make_
 from exl3tool.cache import CacheKey, CacheStore, lock_path, scan
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
-from exl3tool.warm import WarmRequest, prepare
+from exl3tool.plan import WarmRequest, prepare
 from seeds import fresh_bytes
 
 

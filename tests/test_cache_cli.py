@@ -137,7 +137,7 @@ def test_default_cache_dir_comes_from_the_environment(cache, monkeypatch):
 
 
 def test_cache_app_is_importable_for_other_commands():
-    from exl3tool.commands.cache import cache_app
+    from exl3tool.cli.commands.cache import cache_app
 
     assert {c.name for c in cache_app.registered_commands} >= {"ls", "show", "verify", "prune"}
 

@@ -23,7 +23,7 @@ from helpers import ENC, TINY, CliRunner, fake_warm, tree
 from exl3tool.cache import CacheStore, lock_path
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
-from exl3tool.warm import WarmRequest, prepare
+from exl3tool.plan import WarmRequest, prepare
 from seeds import fresh_seed
 
 _register()

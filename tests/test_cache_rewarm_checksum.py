@@ -21,7 +21,7 @@ from helpers import ENC, TINY, CliRunner, fake_warm
 from exl3tool.cache import CacheStore
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
-from exl3tool.warm import WarmRequest, prepare
+from exl3tool.plan import WarmRequest, prepare
 from seeds import fresh_seed
 
 

@@ -27,8 +27,8 @@ from exl3tool.cache.bundle import BundleEntry, ExportPlan, import_bundle, plan_e
 from exl3tool.cache.entry import META_SHA_FIELD, judge_entry, metadata_sha256, read_entry
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
-from exl3tool.warm import WarmRequest, prepare
-from exl3tool.warm.check import check
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.check import check
 from seeds import fresh_seed
 
 _register()

@@ -21,9 +21,9 @@ from rich.text import Text
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import debug_enabled
-from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.format.encoded import EncodedLinear
 from exl3tool.errors import describe
-from exl3tool.output import plain_table
+from exl3tool.cli.output import plain_table
 
 from helpers import run
 from seeds import fresh_seed
@@ -124,8 +124,8 @@ def test_describe_gives_the_sentence_not_the_class():
 
 
 def test_failed_layer_errors_carry_no_exception_class(tmp_path):
-    from exl3tool.warm.pipeline import _failed
-    from exl3tool.warm.plan import WarmJob
+    from exl3tool.operations.warm.pipeline import _failed
+    from exl3tool.plan.plan import WarmJob
 
     key = CacheKey.for_layer(model_identity="m" * 64, encoder_identity="e" * 64, prefix="model.layers.0.mlp.down_proj",
                              bits=6, tp_world_size=1, tp_rank=0, input_size=256, output_size=256)
@@ -195,7 +195,8 @@ def test_encode_reports_tiles_inside_a_layer():
 
 
 def test_pipeline_passes_tile_progress_before_the_job_is_done(model, tmp_path):
-    from exl3tool.warm import WarmRequest, prepare, run_plan
+    from exl3tool.plan import WarmRequest, prepare
+    from exl3tool.operations.warm import run_plan
 
     checkpoint, plan, store = prepare(WarmRequest(model=str(model), cache_dir=str(tmp_path),
                                                   encoder_root="/e", encoder_revision="r"))
@@ -285,7 +286,7 @@ def test_verify_usage_and_io_errors_exit_2_before_any_check(model, tmp_path, cap
 
 
 def test_ctrl_c_says_the_cache_is_consistent_and_how_to_resume(model, tmp_path, capsys, monkeypatch):
-    import exl3tool.commands.verify as verify_cmd
+    import exl3tool.cli.commands.verify as verify_cmd
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

@@ -21,8 +21,8 @@ from helpers import ENC, ENC_ARGS, CliRunner, fake_warm
 
 from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.cli import _register, app
-from exl3tool.progress import BarProgress, _Counts, elide_start
-from exl3tool.warm import WarmRequest
+from exl3tool.cli.progress import BarProgress, _Counts, elide_start
+from exl3tool.plan import WarmRequest
 
 _register()
 SEED = random.randrange(2**32)
@@ -144,8 +144,8 @@ def test_worker_stats_has_gpu_budget_null_on_cpu(warmed):
 
 
 def test_a_small_write_shows_in_kilobytes(warmed, capsys):
-    from exl3tool.commands.encode import render_summary
-    from exl3tool.output import Output
+    from exl3tool.cli.commands.encode import render_summary
+    from exl3tool.cli.output import Output
 
     _, _, summary = warmed
     size = random.Random(SEED).randrange(20_000, 99_000)
@@ -155,7 +155,7 @@ def test_a_small_write_shows_in_kilobytes(warmed, capsys):
 
 
 def test_an_interrupted_warm_says_what_it_published(warmed, monkeypatch, capsys):
-    import exl3tool.commands.encode as encode_cmd
+    import exl3tool.cli.commands.encode as encode_cmd
 
     model, cache, summary = warmed
     n = random.Random(SEED).randrange(1, 5)

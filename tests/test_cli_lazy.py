@@ -18,7 +18,7 @@ from helpers import CliRunner
 from exl3tool.cli import COMMANDS, _register, app
 
 REPO = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "numpy", "rich", "safetensors", "exl3tool.cache", "exl3tool.warm", "exl3tool.output")
+HEAVY = ("torch", "numpy", "rich", "safetensors", "exl3tool.cache", "exl3tool.operations.warm", "exl3tool.cli.output")
 
 
 _PROBE = """
@@ -51,13 +51,13 @@ def test_help_and_version_import_no_command(tmp_path, argv):
     assert "exl3tool" in stdout
     heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY or any(m.startswith(h + ".") or m == h
                                                                               for h in HEAVY))
-    commands = sorted(m for m in modules if m.startswith("exl3tool.commands.") and m != "exl3tool.commands.group")
+    commands = sorted(m for m in modules if m.startswith("exl3tool.cli.commands.") and m != "exl3tool.cli.commands.group")
     assert not heavy and not commands, (heavy, commands)
 
 
 def test_a_command_still_imports_what_it_needs(tmp_path):
     _, modules = _imports(tmp_path, "cache", "--help")
-    assert "exl3tool.commands.cache" in modules and "torch" in modules
+    assert "exl3tool.cli.commands.cache" in modules and "torch" in modules
 
 
 def _root():

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3tool.encode.layout import matrix_to_tiles, tile_element_index, tile_position
+from exl3tool.format.layout import matrix_to_tiles, tile_element_index, tile_position
 from exl3tool.encode.memory import (
     MIN_CHUNK_TILES, MIN_SLOTS, EncodeMemoryError, default_budget, plan_encode_memory, reference_call_bytes,
     reference_peak_bytes, sample_tile_count, viterbi_slot_bytes,
 )
 from exl3tool.encode.online import encode_linear, quantize_regularized, scale_mse
-from exl3tool.encode.trellis import pack_trellis
+from exl3tool.format.trellis import pack_trellis
 from exl3tool.encode.viterbi import quantize_tiles
 from seeds import fresh_seed
 from exl3tool.knobs import current_tuning
@@ -144,7 +144,7 @@ def test_plan_peak_never_exceeds_any_budget_it_accepts():
 def test_gpu_memory_option_reaches_the_request(command, monkeypatch):
     from helpers import CliRunner
 
-    import exl3tool.commands.encode as encode_cmd
+    import exl3tool.cli.commands.encode as encode_cmd
     from exl3tool.cli import _register, app
 
     _register()
@@ -158,7 +158,7 @@ def test_gpu_memory_option_reaches_the_request(command, monkeypatch):
 
 def test_gpu_memory_on_a_cpu_warm_is_a_config_error():
     from exl3tool.errors import ConfigError
-    from exl3tool.warm.request import _memory_budget
+    from exl3tool.operations.warm.run import _memory_budget
 
     assert _memory_budget(torch.device("cpu"), None) is None
     with pytest.raises(ConfigError, match="--gpu-memory 4.0: this warm runs on cpu"):
@@ -169,8 +169,8 @@ def test_warm_job_over_its_budget_fails_by_name_with_the_figure(tmp_path, monkey
     """run_plan with a 1 MiB budget: every job fails, each result naming its layer and the MiB it needed."""
     from exl3tool.cache import CacheStore
     from exl3tool.checkpoint import write_llama_checkpoint
-    from exl3tool.warm import WarmRequest, prepare
-    from exl3tool.warm.pipeline import run_plan
+    from exl3tool.plan import WarmRequest, prepare
+    from exl3tool.operations.warm.pipeline import run_plan
 
     write_llama_checkpoint(tmp_path / "ckpt", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=1, vocab=256,
                            seed=fresh_seed())

@@ -123,7 +123,7 @@ def test_codebook_flags_select_the_codebook_and_marker(monkeypatch, flags, codeb
 def _fake_encoder(monkeypatch) -> dict:
     """Replace the encoder's two halves by a recorder that returns fixed tensors (argument plumbing tests)."""
     import exl3tool.encode.online as online
-    from exl3tool.encode.encoded import EncodedLinear
+    from exl3tool.format.encoded import EncodedLinear
 
     seen: dict = {}
 
@@ -435,8 +435,8 @@ def test_weight_q_is_the_reference_dequantised_weight(bits, extra, devices, sour
     """return_weight_q=True: weight_q is diag(su) B_k Q B_n diag(sv) with the fp32 scales, within the stated fp32
     bound of the float64 product computed here from the spec (exl3tool's plain decode of the returned trellis, a
     Hadamard matrix built here); using the fp16 suh/svh instead breaks the bound (so the test can fail)."""
-    from exl3tool.encode.codebook import decode_states
-    from exl3tool.encode.trellis import pack_trellis, unpack_trellis
+    from exl3tool.format.codebook import decode_states
+    from exl3tool.format.trellis import pack_trellis, unpack_trellis
     from exl3tool.serving.quantize_api import WEIGHT_Q_ULPS
 
     seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF

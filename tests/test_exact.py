@@ -1,4 +1,4 @@
-"""Exact checks of entries against fresh encodes (exl3tool.exact): `verify --exact`, `cache warm --check-unchecked`.
+"""Exact checks of entries against fresh encodes (exl3tool.operations.exact): `verify --exact`, `cache warm --check-unchecked`.
 
 The platform rule: an entry recording this platform must be byte-identical; one written elsewhere (or without a
 record, as the server's) may differ only where another Hadamard summation order makes tiles differ. "Another
@@ -22,9 +22,10 @@ from exl3tool import __version__
 from exl3tool.cache import CacheKey
 from exl3tool.cache.entry import read_entry, write_entry
 from exl3tool.checkpoint import write_llama_checkpoint
-from exl3tool.exact import compare_exact, fresh_encode
-from exl3tool.verify import verify_plan
-from exl3tool.warm import WarmRequest, prepare, warm
+from exl3tool.operations.exact import compare_exact, fresh_encode
+from exl3tool.operations.verify import verify_plan
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm import warm
 
 from helpers import completed
 from goldens import golden_case

@@ -165,7 +165,7 @@ def scenario_general(m, tmp, monkeypatch):
     assert run(["cache", "verify", "--cache-dir", tmp / "bad"]) == 1
     assert run(["cache", "ls", "--no-such-option"]) == 2
 
-    import exl3tool.commands.encode as enc
+    import exl3tool.cli.commands.encode as enc
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

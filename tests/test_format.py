@@ -10,7 +10,7 @@ from exl3tool.encode import (
     TENSOR_CORE_PERM, decode_states, dequantize_tensors, hadamard_128, hadamard_left, hadamard_right,
     matrix_to_tiles, pack_trellis, reconstruct, tile_position, tiles_to_matrix, unpack_trellis,
 )
-from exl3tool.encode.codebook import codebook_table, edge_major_table
+from exl3tool.format.codebook import codebook_table, edge_major_table
 
 from goldens import golden_file
 from seeds import fresh_seed

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from exl3tool.encode import dequantize, encode_linear, quantize_tiles
-from exl3tool.encode.signs import reference_signs, torch_signs
+from exl3tool.format.signs import reference_signs, torch_signs
 
 from goldens import golden_case
 from seeds import fresh_seed

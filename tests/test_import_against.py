@@ -21,7 +21,8 @@ from exl3tool.cache.entry import read_entry, validate_entry, write_entry
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.errors import Exl3ToolError
-from exl3tool.warm import WarmRequest, prepare, warm
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm import warm
 
 from helpers import make_encoded
 from seeds import fresh_seed

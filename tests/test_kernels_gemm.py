@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3tool.encode.decode import dequantize_tensors
+from exl3tool.format.decode import dequantize_tensors
 from exl3tool.kernels.gemm import trellis_matmul_reference
 
 from goldens import SUBSET, full_golden_dirs, golden_file
@@ -107,7 +107,7 @@ _CHILD = textwrap.dedent(r"""
     import json, os, sys
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
-    from exl3tool.encode.decode import dequantize_tensors
+    from exl3tool.format.decode import dequantize_tensors
     from exl3tool.kernels.gemm import (trellis_matmul, GemmConfig, ReconConfig, fold_weight, fold_weight_reference,
                                        choose_config)
     sys.path.insert(0, os.path.join(os.getcwd(), "tests"))

@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from exl3tool.encode.codebook import codebook_table_np  # noqa: E402
+from exl3tool.format.codebook import codebook_table_np  # noqa: E402
 from exl3tool.kernels import viterbi as vmod  # noqa: E402
 from seeds import fresh_seed
 
@@ -335,7 +335,7 @@ _MATRIX_SCRIPT = textwrap.dedent(
     import os
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from exl3tool.encode.layout import tile_element_index
+    from exl3tool.format.layout import tile_element_index
     from exl3tool.kernels.viterbi import viterbi_matrix, viterbi_tiles
     torch.manual_seed({seed})
     w = torch.randn(32, 48) * torch.empty(1, 48).uniform_(0.5, 2.0)  # 2 x 3 tiles
@@ -369,7 +369,7 @@ _ROWS_SCRIPT = textwrap.dedent(
     import json, os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from exl3tool.encode.layout import tile_element_index
+    from exl3tool.format.layout import tile_element_index
     from exl3tool.kernels.viterbi import viterbi_matrix, viterbi_tiles
     torch.manual_seed(int(sys.argv[1]))
     rows, bits = int(sys.argv[2]), int(sys.argv[3])

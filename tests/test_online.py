@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import torch
 
-from exl3tool.encode.decode import dequantize
+from exl3tool.format.decode import dequantize
 from exl3tool.encode.online import (
     _div_scalar, _f32, encode_linear, quantize_regularized, regularize, sample_scale_tiles, scale_mse,
 )
-from exl3tool.encode.layout import matrix_to_tiles
-from exl3tool.encode.signs import reference_signs
-from exl3tool.encode.trellis import pack_trellis
+from exl3tool.format.layout import matrix_to_tiles
+from exl3tool.format.signs import reference_signs
+from exl3tool.format.trellis import pack_trellis
 from goldens import golden_case
 from seeds import fresh_seed
 

@@ -11,7 +11,7 @@ from helpers import ENCODER_ID, MODEL_ID, CliRunner, make_encoded
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.cli import _register, app
-from exl3tool.output import Output
+from exl3tool.cli.output import Output
 
 
 _register()

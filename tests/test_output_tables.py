@@ -12,10 +12,10 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
-from exl3tool.commands.encode import render_plan, render_summary
-from exl3tool.output import Output
-from exl3tool.warm import WarmRequest, prepare
-from exl3tool.warm.results import job_result, summarize
+from exl3tool.cli.commands.encode import render_plan, render_summary
+from exl3tool.cli.output import Output
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm.results import job_result, summarize
 
 from helpers import ENC
 from seeds import fresh_seed

@@ -23,8 +23,8 @@ from exl3tool.cache.records import RECORDS_DIR, parse_record, read_records, reco
 from exl3tool.cache.store import CacheStore
 from exl3tool.cli import _register, app
 from exl3tool.errors import Exl3ToolError
-from exl3tool.warm import WarmRequest
-from exl3tool.warm.check import check
+from exl3tool.plan import WarmRequest
+from exl3tool.operations.check import check
 
 
 from exl3tool.checkpoint.tiny import write_mla  # noqa: E402
@@ -85,7 +85,7 @@ def test_a_warm_records_the_payloads_as_hashed_and_a_rewarm_adds_nothing(warmed,
     shards = json.loads(r.model_payload)["shards"]
     assert [s[0] for s in shards] == sorted(p.name for p in model.glob("*.safetensors"))
     assert r.settings.bits == 6 and r.settings.tp_sizes == (1,) and r.settings.dtype == "bfloat16"
-    from exl3tool.warm import prepare
+    from exl3tool.plan import prepare
 
     assert r.settings.layers_planned == len(prepare(request)[1].layer_plan.layers)  # aligned or not
     assert r.command == "cache warm" and r.host
@@ -100,7 +100,7 @@ def test_a_warm_records_the_payloads_as_hashed_and_a_rewarm_adds_nothing(warmed,
 
 def test_encode_records_itself_as_encode(warmed, monkeypatch, tmp_path):
     """`encode` passes its name to warm(): the record says which command wrote the entries."""
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
     from helpers import fake_encode
 
     request, _, _ = warmed
@@ -114,7 +114,7 @@ def test_encode_records_itself_as_encode(warmed, monkeypatch, tmp_path):
 
 def test_no_record_without_a_writable_cache(warmed, monkeypatch, tmp_path):
     """A readonly encode writes nothing into the cache, so no record either."""
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
     from helpers import fake_encode
 
     request, _, _ = warmed
@@ -132,8 +132,8 @@ def test_check_takes_the_options_of_cache_warm():
     rest only change how a warm runs); both build their request with `warm_request`."""
     import inspect
 
-    from exl3tool.commands.check import cache_check
-    from exl3tool.commands.encode import cache_warm
+    from exl3tool.cli.commands.check import cache_check
+    from exl3tool.cli.commands.encode import cache_warm
 
     run_only = {"device", "file_mode", "overlap", "dry_run", "lock_timeout", "progress", "gpu_memory", "check_unchecked"}
     warm_params = inspect.signature(cache_warm).parameters
@@ -223,7 +223,7 @@ def test_revision_string_of_a_local_folder(warmed):
 
 def test_hub_revision_resolved_differently():
     from exl3tool.cache.identity import resolve_model_identity
-    from exl3tool.warm.check import model_differences
+    from exl3tool.operations.check import model_differences
 
     a = resolve_model_identity("org/name", commit_hash="a" * 40).payload
     b = resolve_model_identity("org/name", commit_hash="b" * 40).payload

@@ -1,4 +1,4 @@
-"""The reference's CUDA sign draws, reproduced on the CPU (exl3tool.encode.signs)."""
+"""The reference's CUDA sign draws, reproduced on the CPU (exl3tool.format.signs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from goldens import golden_case
 
-from exl3tool.encode.signs import (
+from exl3tool.format.signs import (
     _COS_FLIPS, _SIN_FLIPS, _box_muller_parts, _draw_words, _normal_signs, normal_launch, philox4x32_10,
     reference_normals, reference_signs, sign_prime, torch_signs,
 )

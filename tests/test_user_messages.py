@@ -13,7 +13,7 @@ import torch
 
 from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.checkpoint.tiny import write_tiny
-from exl3tool.output import plural
+from exl3tool.cli.output import plural
 
 from helpers import ENCODER_ID, MODEL_ID, make_encoded, run
 from seeds import fresh_seed
@@ -108,7 +108,7 @@ def test_dry_run_states_total_tiles_and_tiles_to_encode(tmp_path, capsys):
 
 @pytest.mark.parametrize("mode", ["readonly", "off"])
 def test_modes_that_discard_say_so_before_encoding(mode, tmp_path, capsys, monkeypatch):
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
 
     said: list[str] = []
 
@@ -127,7 +127,7 @@ def test_modes_that_discard_say_so_before_encoding(mode, tmp_path, capsys, monke
 
 
 def test_cpu_worker_stats_carry_peak_cuda_mib_null():
-    from exl3tool.warm.distributed import DistributedContext, worker_stats
+    from exl3tool.operations.warm.distributed import DistributedContext, worker_stats
 
     stats = worker_stats(DistributedContext(0, 1, 0, False), torch.device("cpu"), 1.0)
     assert "peak_cuda_mib" in stats and stats["peak_cuda_mib"] is None

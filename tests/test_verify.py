@@ -15,8 +15,9 @@ import torch
 
 from exl3tool.cache.entry import write_entry
 from exl3tool.checkpoint import write_llama_checkpoint
-from exl3tool.verify import default_quant_err, verify_plan
-from exl3tool.warm import WarmRequest, prepare, warm
+from exl3tool.operations.verify import default_quant_err, verify_plan
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm import warm
 
 from helpers import completed
 from seeds import fresh_seed
@@ -146,7 +147,7 @@ def test_checkpoint_changed_after_warm_fails(copy, tmp_path):
 
 def test_wrong_decode_is_caught_as_kernel_error(copy, monkeypatch):
     """A GEMM that decodes a perturbed trellis disagrees with dequantize(): the kernel-error check fires."""
-    import exl3tool.verify as verify_mod
+    import exl3tool.operations.verify as verify_mod
     from exl3tool.kernels.gemm import trellis_matmul_reference
 
     def broken(device):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from exl3tool.encode.codebook import codebook_table_np
+from exl3tool.format.codebook import codebook_table_np
 from exl3tool.encode.viterbi import quantize_tiles, quantize_tiles_torch
 
 CONFIGS = ["k2_mcg", "k3_mcg", "k4_mcg", "k5_mcg", "k6_mcg", "k7_mcg", "k8_mcg", "k6_3inst", "k6_mul1"]
@@ -177,7 +177,7 @@ def test_triton_backend_falls_back_with_warning(monkeypatch):
 @pytest.mark.parametrize("cfg", ["k4_mcg", "k6_mul1"])
 def test_generic_kernel_matches_golden(tiles_golden, cfg):
     """The literal kernel NaN tiles go through, on finite golden tiles (one Gaussian, one real)."""
-    from exl3tool.encode._viterbi_numba import quantize_tiles_numba
+    from exl3tool.kernels.viterbi_numba import quantize_tiles_numba
 
     K, cb = int(cfg[1]), cfg.split("_")[1]
     x = tiles_golden[f"{cfg}.input"][[0, -1]]

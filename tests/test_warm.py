@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 from exl3tool.cache import CacheStore, layer_seed
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.encode import dequantize_tensors
-from exl3tool.encode.encoded import EncodedLinear
-from exl3tool.warm import WarmRequest, prepare, share_jobs, warm
+from exl3tool.format.encoded import EncodedLinear
+from exl3tool.plan import WarmRequest, prepare, share_jobs
+from exl3tool.operations.warm import warm
 
 from helpers import completed
 from seeds import fresh_seed
@@ -236,7 +237,7 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path):
 def test_workers_with_stale_plans_still_cover_every_job(offline, tmp_path):
     """Worker 1 plans after worker 0 published one entry; with worker 0's agreed list nothing is dropped."""
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.warm import run_plan
+    from exl3tool.operations.warm import run_plan
 
     request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
     checkpoint = open_checkpoint(REPO)
@@ -277,7 +278,7 @@ def _no_leftovers(store: CacheStore, plan) -> None:
 def test_overlap_on_and_off_publish_identical_trees(offline, tmp_path):
     """Real encodes of layer 1's o_proj at TP 2 (2 entries of 128 x 256), once with overlap and once without."""
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.warm import run_plan
+    from exl3tool.operations.warm import run_plan
 
     checkpoint = open_checkpoint(REPO)
     outcomes = {}
@@ -300,7 +301,7 @@ def test_overlap_failed_read_and_failed_publish_are_per_layer(offline, tmp_path,
     """o_proj and down_proj at TP 1 and 2 (12 jobs, fake encode): one weight read fails, one publish fails."""
     import exl3tool.cache.store as store_mod
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.warm import run_plan
+    from exl3tool.operations.warm import run_plan
 
     checkpoint = open_checkpoint(REPO)
     request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
@@ -347,7 +348,7 @@ def test_overlap_entry_published_by_another_writer_is_a_hit(offline, tmp_path):
 
     from exl3tool.cache import lock_path, write_entry
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.warm import run_plan
+    from exl3tool.operations.warm import run_plan
 
     checkpoint = open_checkpoint(REPO)
     request = WarmRequest(model=REPO, tp_sizes=(1,), layers=("model.layers.0.self_attn.o_proj",), cache_dir=str(tmp_path), **ENC)
@@ -384,7 +385,7 @@ def test_overlap_callbacks_once_per_job_on_the_main_thread(offline, tmp_path):
     import threading
 
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.warm import run_plan
+    from exl3tool.operations.warm import run_plan
 
     checkpoint = open_checkpoint(REPO)
     main = threading.current_thread()
@@ -418,7 +419,7 @@ def test_overlap_interrupt_stops_threads_and_leaves_no_lock(offline, tmp_path):
     import threading
 
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.warm import run_plan
+    from exl3tool.operations.warm import run_plan
 
     checkpoint = open_checkpoint(REPO)
     request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj",), cache_dir=str(tmp_path), **ENC)
@@ -440,7 +441,7 @@ def test_overlap_interrupt_stops_threads_and_leaves_no_lock(offline, tmp_path):
 
 def test_host_threads_under_torchrun():
     from exl3tool.errors import ConfigError
-    from exl3tool.warm import host_threads
+    from exl3tool.operations.warm import host_threads
 
     cores = os.cpu_count() or 1
     torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -458,7 +459,7 @@ def test_group_timeout_outlasts_gloos_default():
     from datetime import timedelta
 
     from exl3tool.errors import ConfigError
-    from exl3tool.warm.distributed import group_timeout
+    from exl3tool.operations.warm.distributed import group_timeout
 
     assert group_timeout({}) >= timedelta(hours=12)
     assert group_timeout({"EXL3TOOL_DIST_TIMEOUT_S": "90"}) == timedelta(seconds=90)
@@ -471,7 +472,7 @@ def test_group_timeout_outlasts_gloos_default():
 def test_overlap_flag_reaches_the_request(command, monkeypatch):
     from helpers import CliRunner
 
-    import exl3tool.commands.encode as encode_cmd
+    import exl3tool.cli.commands.encode as encode_cmd
     from exl3tool.cli import _register, app
 
     _register()
@@ -485,7 +486,7 @@ def test_overlap_flag_reaches_the_request(command, monkeypatch):
 
 def test_bare_cuda_device_names_one_gpu(monkeypatch):
     """`--device cuda` resolves to an indexed GPU (the one `auto` would pick), and a missing index fails by name."""
-    from exl3tool.warm import resolve_device
+    from exl3tool.plan import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -513,7 +514,7 @@ class _RacingFuture:
 
 def test_publish_slot_wait_survives_publishes_finishing_while_it_looks():
     """Two publishes finish while the throttle looks at them: it returns instead of raising StopIteration."""
-    from exl3tool.warm.pipeline import _Pipeline
+    from exl3tool.operations.warm.pipeline import _Pipeline
 
     pipeline = _Pipeline.__new__(_Pipeline)
     pipeline.pending = deque((object(), _RacingFuture()) for _ in range(_Pipeline.MAX_PUBLISHES))
@@ -526,8 +527,8 @@ def test_publish_slot_wait_survives_publishes_finishing_while_it_looks():
 def test_interrupt_while_waiting_to_publish_releases_the_claim(offline, tmp_path, monkeypatch):
     """An interrupt between encode and publish (the throttle) releases the entry lock it claimed."""
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.warm import run_plan
-    from exl3tool.warm.pipeline import _Pipeline
+    from exl3tool.operations.warm import run_plan
+    from exl3tool.operations.warm.pipeline import _Pipeline
 
     checkpoint = open_checkpoint(REPO)
     request = WarmRequest(model=REPO, tp_sizes=(1,), layers=("*.o_proj",), cache_dir=str(tmp_path), **ENC)

@@ -18,7 +18,8 @@ from exl3tool.cache import scan
 from exl3tool.cache.entry import entry_bytes
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import main
-from exl3tool.warm import WarmRequest, prepare, run_plan
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm import run_plan
 
 from helpers import ENC, ENC_ARGS, fake_encode
 from seeds import fresh_seed
@@ -57,7 +58,7 @@ def _request(model, cache) -> WarmRequest:
 def _needed(model, cache) -> int:
     _, plan, _ = prepare(_request(model, cache))
     from exl3tool.encode.online import encoder_platform
-    from exl3tool.warm.request import resolve_device
+    from exl3tool.plan.request import resolve_device
 
     platform = encoder_platform(resolve_device("auto"))  # each entry records where it was encoded
     return sum(entry_bytes(j.key, platform) for j in plan.todo)
@@ -78,11 +79,11 @@ def test_too_little_free_space_is_a_usage_error_before_any_encode(model, tmp_pat
 
 
 def test_entry_bytes_are_the_published_sizes(model, tmp_path, monkeypatch):
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
 
     real = req.run_plan
     monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
-    from exl3tool.warm import warm
+    from exl3tool.operations.warm import warm
 
     cache = tmp_path / "cache"
     _, plan, _ = prepare(_request(model, cache))

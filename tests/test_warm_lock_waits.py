@@ -22,14 +22,15 @@ from exl3tool.cache import CacheStore, lock_path, scan
 from exl3tool.cache.locks import Holder, one_line
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import main
-from exl3tool.warm import WarmRequest, prepare, run_plan
-from exl3tool.warm.lockwait import LockWaits
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm import run_plan
+from exl3tool.operations.warm.lockwait import LockWaits
 
 from helpers import ENC, ENC_ARGS, fake_encode
 from seeds import fresh_seed
 
 CTX = mp.get_context("forkserver")  # a fork after torch started its thread pools can hang the child
-CTX.set_forkserver_preload(["torch", "exl3tool.warm", "exl3tool.checkpoint"])  # each warm starts without imports
+CTX.set_forkserver_preload(["torch", "exl3tool.operations.warm", "exl3tool.checkpoint"])  # each warm starts without imports
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -236,7 +237,7 @@ def test_a_holder_that_releases_without_publishing_leaves_the_encode_to_the_warm
 
 
 def test_lock_timeout_option_fails_the_job_unencoded_naming_the_holder(model, tmp_path, capsys, caplog, monkeypatch):
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
 
     real = req.run_plan
     monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))

@@ -15,9 +15,9 @@ from rich.console import Console
 
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import main
-from exl3tool.progress import BarProgress, LineProgress, progress_mode
-from exl3tool.warm import WarmRequest, prepare
-from exl3tool.warm.results import job_result
+from exl3tool.cli.progress import BarProgress, LineProgress, progress_mode
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm.results import job_result
 
 from helpers import ENC, ENC_ARGS, fake_encode
 from seeds import fresh_seed
@@ -37,7 +37,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture
 def quick_encode(monkeypatch):
     """The real warm with ``fake_encode``, which reports its tiles in two steps as the real encoder does."""
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
 
     real = req.run_plan
 

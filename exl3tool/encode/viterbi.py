@@ -12,8 +12,8 @@ import warnings
 import numpy as np
 import torch
 
-from exl3tool.encode.codebook import check_codebook, codebook_table, codebook_table_np
-from exl3tool.encode.trellis import check_bits
+from exl3tool.format.codebook import check_codebook, codebook_table, codebook_table_np
+from exl3tool.format.trellis import check_bits
 
 __all__ = ["BACKENDS", "quantize_tiles", "quantize_tiles_torch"]
 
@@ -70,7 +70,7 @@ def _quantize_tiles(tiles: torch.Tensor, bits: int, codebook: str, backend: str,
     if backend == "numba":
         if not on_cpu:
             raise ValueError(f"backend 'numba' needs CPU tiles, got device {tiles.device}")
-        from exl3tool.encode._viterbi_numba import quantize_tiles_numba
+        from exl3tool.kernels.viterbi_numba import quantize_tiles_numba
 
         states = quantize_tiles_numba(tiles.contiguous().numpy(), bits, codebook_table_np(codebook))
         st = torch.from_numpy(states)

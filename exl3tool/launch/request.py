@@ -11,7 +11,7 @@ from exl3tool.errors import ConfigError
 from exl3tool.launch.env import read_env_file
 from exl3tool.launch.load import load_launch
 from exl3tool.launch.resolve import Explicit, LaunchSettings, resolve_launch
-from exl3tool.warm.request import WarmRequest
+from exl3tool.plan.request import WarmRequest
 
 __all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS"]
 
