@@ -21,7 +21,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from exl3tool.cache.hub import resolve_hub_revision
 from exl3tool.cache.serverfs import ServerView, host_path, server_realpath
 from exl3tool.errors import ConfigError, InputError
-from exl3tool.cli.output import plural
+from exl3tool.text import plural
 
 __all__ = [
     "ModelIdentity",

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.records import ORIGINS, StoredRecord, entry_origin, overlay_digest, printable, read_records
-from exl3tool.cli.output import plural
+from exl3tool.text import plural
 from exl3tool.plan.plan import WarmJob, WarmPlan
 from exl3tool.plan.request import WarmRequest, prepare
 
