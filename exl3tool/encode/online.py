@@ -806,6 +806,16 @@ def encode_linear(
     ``timer`` (a ``StageTimer``) gets the seconds of each stage. It is ``prepare_encode`` then
     ``finish_encode``. The result records the ``platform`` it was computed on (``encoder_platform``).
 
+    Args:
+        weight: the (in_features, out_features) weight, float32 (or castable).
+        bits: K, the trellis bits per weight (1-8).
+        seed: the cache key's seed, which draws the sign vectors (unused with ``sign_vectors``).
+        codebook: ``mcg`` (the server's) or another of ``CODEBOOKS``.
+        sign_vectors, device, g_scale, name, progress, memory_budget_bytes, timer: as described above.
+
+    Returns:
+        The ``EncodedLinear``: trellis, suh, svh (a cache entry's tensors), proxy error, global scale, platform.
+
     >>> w = torch.randn(128, 128) * 0.02
     >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
     >>> tuple(enc.trellis.shape), enc.suh.dtype

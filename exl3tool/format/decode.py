@@ -45,5 +45,13 @@ def dequantize_tensors(
 
 
 def dequantize(encoded: "EncodedLinear", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full de-rotated weight of an encoded layer, (in, out), so that y = x @ W."""
+    """The full de-rotated weight of an encoded layer, (in, out), so that y = x @ W.
+
+    Args:
+        encoded: the encoded layer (a cache entry's tensors with its bits and codebook).
+        dtype: the dtype of the result.
+
+    Returns:
+        The (in_features, out_features) weight.
+    """
     return dequantize_tensors(encoded.trellis, encoded.suh, encoded.svh, encoded.bits, encoded.codebook, dtype)

@@ -380,6 +380,13 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
     The plan is ``prepare``'s (as ``cache warm --dry-run``), looked up read-only with the warm's verdicts;
     nothing is encoded or written. Entries present are indexed (headers only) when a look-up misses or hits an
     entry the server wrote, so an all-hit check of a warm cache reads the look-ups' headers and the records only.
+
+    Args:
+        request: the server's settings (``exl3tool.plan.WarmRequest``), usually filled from its launch.
+        environ: the environment identities and the cache root are read from (None: ``os.environ``).
+
+    Returns:
+        A ``CheckReport``: every look-up's state and, for each miss or invalid entry, its causes.
     """
     start = time.perf_counter()
     checkpoint, plan, store = prepare(replace(request, mode="readonly"), environ=environ)  # the warm's verdicts

@@ -174,6 +174,19 @@ def verify_plan(
     ``exact`` also re-encodes each layer from the same weight (same key, so the same seed and bits) on ``device``
     and compares the entry with it (``exl3tool.operations.exact.compare_exact``): a layer whose entry ``differs`` fails even
     when its errors are within the thresholds (e.g. one flipped trellis bit).
+
+    Args:
+        plan, checkpoint, store: ``exl3tool.plan.prepare``'s result for one TP size.
+        rows: the batch sizes the trellis GEMM is checked at.
+        seed: seed of the random inputs.
+        device: where the GEMMs (and ``exact``'s re-encodes) run.
+        max_kernel_err, max_quant_err: the thresholds (kernel vs reference; encoded vs original weight).
+        dtype: the serving dtype the weights are cast to (None: the checkpoint's).
+        on_done: hears of each layer's ``LayerCheck``.
+        exact: also re-encode each layer and compare its bytes with the entry.
+
+    Returns:
+        A ``VerifyReport``: one ``LayerCheck`` per job, with the failures and the figures.
     """
     gemm, gemm_name = pick_gemm(device)
     quant_limit = default_quant_err(plan.bits) if max_quant_err is None else max_quant_err

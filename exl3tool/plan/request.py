@@ -101,6 +101,14 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
 
     Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix. ``check_hits``
     hashes present entries against our checksum (see ``build_plan``).
+
+    Args:
+        request: the server's settings and what to plan (model, TP sizes, layers, cache, identities' inputs).
+        environ: the environment the identities and the cache root are read from (None: ``os.environ``).
+        check_hits: hash present entries against exl3tool's checksum (False: a hit is any valid entry).
+
+    Returns:
+        ``(checkpoint, plan, store)``: the opened ``Checkpoint``, the looked-up ``WarmPlan`` and its ``CacheStore``.
     """
     from exl3tool.cache import cache_root, server_identities
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch

@@ -60,6 +60,16 @@ def warm(
     Under torchrun, which sets OMP_NUM_THREADS=1, host-side torch ops get cpu_count / LOCAL_WORLD_SIZE threads
     per process; EXL3TOOL_THREADS=N sets the count (see ``host_threads``). In readwrite mode the entries written or
     found are recorded with their provenance (``exl3tool.cache.records``), as ``command`` (``cache warm``, ``encode``).
+
+    Args:
+        request: what to warm (``exl3tool.plan.WarmRequest``).
+        environ: the environment identities and the cache root are read from (None: ``os.environ``).
+        on_start, on_done, on_plan, on_tiles, on_checked: progress callbacks (a job starts, ends, the plan is known,
+            tiles are quantized, an unchecked hit was checked).
+        command: the command recorded in the entries' provenance.
+
+    Returns:
+        The ``WarmSummary`` (counts, per-job results, worker stats) on worker 0; None on the other torchrun workers.
     """
     start = time.perf_counter()
     ctx = distributed_context()
