@@ -24,7 +24,7 @@ is that of ``__sinf(v)`` / ``__cosf(v)`` (cuRAND uses the ``__sincosf`` intrinsi
 +-0 or a wrong-signed tiny value (``_SIN_FLIPS``, ``_COS_FLIPS``). This was measured on an H200
 (sm_90) by evaluating both instructions on every float32 angle within 4e-5 of a quadrant boundary and
 on every angle the draw can produce near 0, and checked against 163 million ``torch.randn`` values
-on the same GPU with zero sign mismatches (plus every (k, n) pair in ``tests/test_signs.py``).
+on the same GPU with zero sign mismatches (plus every (k, n) pair in ``tests/format/test_signs.py``).
 ``lg2.approx`` never returns a value >= 0 below 1, so no draw is NaN.
 
 Dependence on the GPU model: the grid is capped at ``sm_count * threads_per_sm / 256`` blocks

@@ -18,7 +18,7 @@ from seeds import fresh_seed
 
 pytest.importorskip("triton")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 _SCRIPT = textwrap.dedent("""
     import torch

@@ -31,7 +31,7 @@ from seeds import fresh_seed
 
 CTX = mp.get_context("forkserver")  # a fork after torch started its thread pools can hang the child
 CTX.set_forkserver_preload(["torch", "exl3tool.operations.warm", "exl3tool.checkpoint"])  # each warm starts without imports
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

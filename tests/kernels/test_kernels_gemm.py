@@ -28,7 +28,7 @@ from exl3tool.kernels.gemm import trellis_matmul_reference
 from goldens import SUBSET, full_golden_dirs, golden_file
 from seeds import fresh_seed
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FP16_BOUND = 1e-3
 # A bf16 output alone is off by about 1.6e-3 (rms relative rounding of random values, 8 significant bits); at
 # m = 1 and n = 128 the relative norm of that rounding reaches 2.1e-3 (180 draws). One bound for the GPU and the
@@ -110,7 +110,7 @@ _CHILD = textwrap.dedent(r"""
     from exl3tool.format.decode import dequantize_tensors
     from exl3tool.kernels.gemm import (trellis_matmul, GemmConfig, ReconConfig, fold_weight, fold_weight_reference,
                                        choose_config)
-    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+    sys.path[:0] = [os.path.join(os.getcwd(), "tests"), os.path.join(os.getcwd(), "tests", "kernels")]
     from test_kernels_gemm import _random_encode, _rel, _ulp_diff
 
     # Cases tagged mode="bf16split" run the GPU's Hadamard path (bf16 hi/lo split dots): the patched tl.dot

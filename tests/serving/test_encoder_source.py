@@ -28,7 +28,7 @@ from goldens import golden_case
 from _fork_loader import fork_call, fork_seed, load_quantize_exl3, unload
 from seeds import fresh_bytes, fresh_seed
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

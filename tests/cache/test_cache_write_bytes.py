@@ -14,7 +14,7 @@ KEY = CacheKey.for_layer(MODEL_ID, ENCODER_ID, "model.layers.0.mlp.down_proj", 6
 
 _WRITE = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {here!r}]
 from helpers import make_encoded
 from exl3tool.cache import write_entry
 from test_cache_write_bytes import KEY
@@ -26,10 +26,11 @@ write_entry({path!r}, KEY, e.tensors(), e.proxy_error)
 def test_same_inputs_same_bytes_across_calls_and_processes(tmp_path):
     e = make_encoded()
     blobs = {write_entry(tmp_path / f"{i}" / "e.safetensors", KEY, e.tensors(), e.proxy_error).read_bytes() for i in range(8)}
-    tests = str(Path(__file__).parent)
+    here = Path(__file__).resolve().parent
+    tests, here = str(here.parent), str(here)  # helpers.py, this module
     for i in range(2):
         path = str(tmp_path / f"p{i}.safetensors")
-        subprocess.run([sys.executable, "-c", _WRITE.format(tests=tests, path=path)], check=True)
+        subprocess.run([sys.executable, "-c", _WRITE.format(tests=tests, here=here, path=path)], check=True)
         blobs.add(open(path, "rb").read())
     assert len(blobs) == 1
     path = tmp_path / "0" / "e.safetensors"

@@ -113,7 +113,8 @@ def test_pack_roundtrip_every_k(bits):
 @pytest.mark.parametrize("bits", [4, 6])
 def test_pack_across_slices_equals_tile_by_tile(bits):
     """More tiles than one packing slice (PACK_SLICE_TILES): every tile packs as it does alone, across the seams."""
-    from exl3tool.encode import memory, trellis
+    from exl3tool.encode import memory
+    from exl3tool.format import trellis
 
     assert memory.PACK_SLICE_TILES == trellis.PACK_SLICE_TILES
     count = 2 * trellis.PACK_SLICE_TILES + 3

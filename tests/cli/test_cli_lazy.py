@@ -17,7 +17,7 @@ from helpers import CliRunner
 
 from exl3tool.cli import COMMANDS, _register, app
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "numpy", "rich", "safetensors", "exl3tool.cache", "exl3tool.operations.warm", "exl3tool.cli.output")
 
 

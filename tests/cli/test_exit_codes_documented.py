@@ -24,7 +24,7 @@ from exl3tool.cli import _register, app
 from helpers import ENCODER_ID, MODEL_ID, exit_code as run, make_encoded
 from seeds import fresh_seed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 LAYER = "model.layers.0.self_attn.o_proj"  # 256 x 128 in the tiny Llama: 128 tiles, a few seconds to encode
 EXIT_RE = re.compile(r"\bexit(s|ed)?\s+\*{0,2}\d|\bExit codes?:|\bExit \d", re.IGNORECASE)

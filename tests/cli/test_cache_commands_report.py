@@ -16,7 +16,7 @@ from exl3tool.errors import FindingsError, InputError
 
 
 _register()
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "cache.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cache.md"
 PREFIXES = ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj")
 
 

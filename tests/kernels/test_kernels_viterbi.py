@@ -25,7 +25,7 @@ from exl3tool.format.codebook import codebook_table_np  # noqa: E402
 from exl3tool.kernels import viterbi as vmod  # noqa: E402
 from seeds import fresh_seed
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = [(2, "mcg"), (3, "mcg"), (4, "mcg"), (5, "mcg"), (6, "mcg"), (7, "mcg"), (8, "mcg"),
            (6, "3inst"), (6, "mul1")]
 
