@@ -1,6 +1,6 @@
 """EXL3 tile quantizer: the tail-biting Viterbi search of docs/format.md §6, bit-exact with the reference.
 
-``quantize_tiles`` picks a backend: a numba kernel on CPU (fast, see ``_viterbi_numba``), the Triton kernel
+``quantize_tiles`` picks a backend: a numba kernel on CPU (fast, see ``kernels.viterbi_numba``), the Triton kernel
 ``exl3tool.kernels.viterbi.viterbi_tiles`` on CUDA, or ``quantize_tiles_torch``, a vectorised float64 torch
 emulation that runs anywhere and serves as the independent reference in the tests.
 """
@@ -161,7 +161,7 @@ def _forward(w: torch.Tensor, order: list[int], K: int, dec_s: torch.Tensor, pre
             if efix is not None:
                 c = torch.where(pred.unsqueeze(0) == efix.view(n, 1, 1), c, float("inf"))
         else:
-            # d*d is exact in float64, and f16(fl64(d*d + C)) == f16(d*d + C) (see _viterbi_numba, point 4)
+            # d*d is exact in float64, and f16(fl64(d*d + C)) == f16(d*d + C) (see kernels/viterbi_numba, point 4)
             c = _r16_cost(torch.addcmul(cost[:, pred], d, d))
         cost, k = _first_min(c)
         bp[:, p] = k.to(torch.uint8)
