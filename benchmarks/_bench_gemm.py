@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exl3tool.encode.decode import reconstruct  # noqa: E402
-from exl3tool.encode.hadamard import hadamard_128  # noqa: E402
+from exl3tool.format.decode import reconstruct  # noqa: E402
+from exl3tool.format.hadamard import hadamard_128  # noqa: E402
 from exl3tool.kernels.gemm import (FOLD_BOTH, FOLD_BOTH16, FOLD_IN, FOLD_NONE, FOLD_OUT, GemmConfig,  # noqa: E402
                                    ReconConfig, choose_config, trellis_matmul)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from exl3tool.cache import CacheKey, CacheStore
-from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.format.encoded import EncodedLinear
 
 SHAPES = {  # Llama-3.1-8B, TP 1: (prefix, K, N)
     "self_attn.qkv_proj": (4096, 6144),

@@ -44,9 +44,9 @@ from test_family_plans import glm53_flash_text  # noqa: E402
 from tiny_models import write_glm53  # noqa: E402
 
 from exl3tool.cache.records import RecordEntry, new_record, write_record  # noqa: E402
-from exl3tool.warm import WarmRequest, prepare  # noqa: E402
-from exl3tool.warm.check import check  # noqa: E402
-from exl3tool.warm.provenance import plan_settings  # noqa: E402
+from exl3tool.plan import WarmRequest, prepare  # noqa: E402
+from exl3tool.operations.check import check  # noqa: E402
+from exl3tool.operations.warm.provenance import plan_settings  # noqa: E402
 
 OVERLAY = '{"linear": {"weight": "mxfp8"}, "shared_experts": "mxfp8"}'
 ENC = dict(encoder_root="/opt/exllamav3", encoder_revision="v0.0.18")

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from exl3tool.checkpoint.synthetic import llama_tensor_shapes
-from exl3tool.encode.encoded import EncodedLinear
-from exl3tool.warm import WarmRequest, prepare, warm
+from exl3tool.format.encoded import EncodedLinear
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm import warm
 
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=512)
 

@@ -5,7 +5,7 @@
 
 Each preset writes an EXL3 checkpoint of the model's real geometry (``fleet_models.py``): random BF16 data for the
 few layers it encodes, sparse holes for the rest, so the plan is the whole model's. One child process writes it,
-another runs ``cache warm`` (``exl3tool.warm.warm``) on those layers' entries into an empty cache, so the peak RSS
+another runs ``cache warm`` (``exl3tool.operations.warm.warm``) on those layers' entries into an empty cache, so the peak RSS
 and peak GPU memory are the warm's own. Reported per preset:
 
 * whole model (from the plan, no encode): entries, encodes after encoding each distinct shard once, tiles,
@@ -20,7 +20,7 @@ and peak GPU memory are the warm's own. Reported per preset:
 
 ``--no-split`` runs the warm without the two-stream split of the encode (regularisation and scale search of the
 next job on a second CUDA stream), the baseline of ``benchmarks/README.md``'s pipeline rows. The current warm
-pipeline (lock-deferring, ``exl3tool/warm/pipeline.py``) has no split: both halves run on the calling thread, so
+pipeline (lock-deferring, ``exl3tool/operations/warm/pipeline.py``) has no split: both halves run on the calling thread, so
 on ``main`` the two modes run the same pipeline.
 """
 
@@ -143,11 +143,12 @@ def child_warm(preset: str, scale: str, model_dir: Path, cache: Path, device: st
     import torch
 
     from exl3tool.checkpoint import open_checkpoint, plan_layers
-    from exl3tool.warm import WarmRequest, warm
-    from exl3tool.warm.sharing import plan_sharing
+    from exl3tool.plan import WarmRequest
+    from exl3tool.operations.warm import warm
+    from exl3tool.plan.sharing import plan_sharing
 
     if not split:  # the pipeline as before: the whole encode on the calling thread (see the module docstring)
-        import exl3tool.warm.pipeline as pipeline
+        import exl3tool.operations.warm.pipeline as pipeline
 
         original = pipeline._default_encode
         pipeline._default_encode = lambda *a, **kw: original(*a, **kw)

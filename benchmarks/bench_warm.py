@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
-from exl3tool.warm import WarmRequest, warm
+from exl3tool.plan import WarmRequest
+from exl3tool.operations.warm import warm
 
 PRESETS = {
     "cpu": dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2),

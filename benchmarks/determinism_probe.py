@@ -31,8 +31,8 @@ def _sha(t: torch.Tensor) -> str:
 
 def _stages(k: int, n: int, device: torch.device, bits: int) -> dict[str, str]:
     from exl3tool.encode.online import _f32, _div_scalar, quantize_regularized, regularize, sample_scale_tiles, search_global_scale
-    from exl3tool.encode.signs import reference_signs
-    from exl3tool.encode.trellis import pack_trellis
+    from exl3tool.format.signs import reference_signs
+    from exl3tool.format.trellis import pack_trellis
 
     gen = torch.Generator().manual_seed(k * 100003 + n)
     w = (torch.randn(k, n, generator=gen) * 0.02).to(torch.bfloat16).to(torch.float32)

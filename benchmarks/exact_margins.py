@@ -1,4 +1,4 @@
-"""The margins behind ``exl3tool.exact.TILE_TOLERANCE``: how far another platform's tiles and a flipped bit move a tile.
+"""The margins behind ``exl3tool.operations.exact.TILE_TOLERANCE``: how far another platform's tiles and a flipped bit move a tile.
 
 For each bit width, a fresh recipe-like weight is encoded on this CPU, then as "another platform" would (Hadamard
 products summed in float64 and rounded once, and a global scale 1.1e-5 away, golden case0's CPU/H200 difference).
@@ -17,10 +17,10 @@ import json
 import torch
 
 import exl3tool.encode.online as online
-from exl3tool.encode.codebook import decode_states
-from exl3tool.encode.layout import matrix_to_tiles
-from exl3tool.encode.trellis import unpack_trellis
-from exl3tool.exact import TILE_TOLERANCE
+from exl3tool.format.codebook import decode_states
+from exl3tool.format.layout import matrix_to_tiles
+from exl3tool.format.trellis import unpack_trellis
+from exl3tool.operations.exact import TILE_TOLERANCE
 
 
 def _errors(trellis: torch.Tensor, tiles: torch.Tensor, bits: int) -> torch.Tensor:

@@ -222,7 +222,7 @@ def _samples(fn, flush: torch.Tensor | None, reps: int) -> list[float]:
 
 
 def _weight_fp64(tr: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
-    from exl3tool.encode.decode import dequantize_tensors
+    from exl3tool.format.decode import dequantize_tensors
 
     return dequantize_tensors(tr, suh, svh, BITS, CODEBOOK, torch.float64)
 

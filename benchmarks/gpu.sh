@@ -57,7 +57,7 @@ part() {  # one part: its command(s), output to $OUT/<part>.log, then the lines 
       run timeout "$(lim tests 300)" python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 -rs tests > "$log" 2>&1
       [ -z "${DRY_RUN:-}" ] && { tail -1 "$log"; grep -E "^(FAILED|ERROR)" "$log" | head -20; } ;;
     gemm-tests)
-      run timeout "$(lim gemm-tests 210)" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gemm.py > "$log" 2>&1
+      run timeout "$(lim gemm-tests 210)" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/kernels/test_kernels_gemm.py > "$log" 2>&1
       [ -z "${DRY_RUN:-}" ] && { tail -1 "$log"; grep -E "^(FAILED|ERROR)" "$log" | head -20; } ;;
     verify)
       local w; w=$(mktemp -d)

@@ -4,7 +4,7 @@
 #   1. install the exllamav3 wheel (+ pydantic, which its quantize.py imports) from $WHL into /tmp/site; a built
 #      extension carried in ./.ext (exllamav3_ext.so.part-*, from an earlier run's $OUT/ext) is used as is, else it
 #      JIT-compiles in the background (TORCH_CUDA_ARCH_LIST=9.0, about 5-6 minutes on 16 cores);
-#   2. meanwhile the drop-in's GPU tests of tests/test_encoder_source.py (goldens from ./golden; the reference's
+#   2. meanwhile the drop-in's GPU tests of tests/serving/test_encoder_source.py (goldens from ./golden; the reference's
 #      cases skip: EXL3TOOL_REFERENCE_SOURCE unset), the Triton-cache-across-processes test among them;
 #      ($BENCH_ONLY set: no tests, steps 2 and 3 run the benchmark alone);
 #   3. once the reference loads (at most $T_COMPILE s after the start): the reference cases of the same file
@@ -39,7 +39,7 @@ except BaseException as exc:
     raise
 PY
 CPID=$!
-[ -n "${BENCH_ONLY:-}" ] || timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s tests/test_encoder_source.py \
+[ -n "${BENCH_ONLY:-}" ] || timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s tests/serving/test_encoder_source.py \
   > "$OUT/gpu_tests.log" 2>&1
 echo "== drop-in GPU tests ($(since)): $(tail -1 "$OUT/gpu_tests.log")"
 grep -E "^(FAILED|ERROR)|first call:" "$OUT/gpu_tests.log" | head -10
@@ -58,7 +58,7 @@ else
       && split -b 15m /tmp/exllamav3_ext.so "$OUT/ext/exllamav3_ext.so.part-" && ls -la "$OUT/ext"
   fi
   [ -n "${BENCH_ONLY:-}" ] || EXL3TOOL_REFERENCE_SOURCE=/tmp/site/exllamav3 timeout "${T_REFTESTS:-80}" python3 -m pytest -q -m gpu \
-    -p no:cacheprovider -rs -s -k callers_get tests/test_encoder_source.py > "$OUT/reference_tests.log" 2>&1
+    -p no:cacheprovider -rs -s -k callers_get tests/serving/test_encoder_source.py > "$OUT/reference_tests.log" 2>&1
   echo "== reference GPU tests ($(since)): $(tail -1 "$OUT/reference_tests.log")"
   grep -E "^(FAILED|ERROR)|weight_q bit-identical" "$OUT/reference_tests.log" | head -20
   timeout "${T_BENCH:-120}" python3 benchmarks/bench_callers.py --reference /tmp/site/exllamav3 --probe \

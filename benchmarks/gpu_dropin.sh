@@ -35,7 +35,7 @@ except BaseException as exc:
     raise
 EOF
 CPID=$!
-timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_encoder_source.py > "$OUT/tests.log" 2>&1
+timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/serving/test_encoder_source.py > "$OUT/tests.log" 2>&1
 echo "== drop-in GPU tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -10
 SRC=$(find /tmp/site/exllamav3/exllamav3_ext -name '*.cu' -o -name '*.cpp' | wc -l)
 while kill -0 $CPID 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "${T_COMPILE:-400}" ]; do sleep 2; done

@@ -6,7 +6,7 @@
 #          as is, else the CUDA extension is JIT-compiled in the background (about 5 minutes on 16 cores: keep the
 #          other CPU work light meanwhile) and comes back stripped in 15 MiB parts in $OUT/ext;
 #   PRE    (one GPU process at a time, little CPU)
-#          ktests   the Viterbi kernel's GPU tests (tests/test_kernels_viterbi.py);
+#          ktests   the Viterbi kernel's GPU tests (tests/kernels/test_kernels_viterbi.py);
 #          slots    bench_viterbi_slots.py: back-pointers against cost rows (all, or every other), K = 6 and 4, warps, programs per SM;
 #          profile  profile_encode.py on this tree and on the previous version (./.bench-out/base.tar, made with
 #                   `git archive -o .bench-out/base.tar <rev>`), alternately, for a same-run A/B per stage;
@@ -52,7 +52,7 @@ CPID=$!
 step() {
   case "$1" in
     ktests)
-      timeout "${T_KTESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_kernels_viterbi.py \
+      timeout "${T_KTESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/test_kernels_viterbi.py \
         > "$OUT/ktests.log" 2>&1
       echo "== kernel GPU tests ($(since)): $(tail -1 "$OUT/ktests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/ktests.log" | head ;;
     slots)

@@ -9,7 +9,7 @@ tile quantization (a chunk's tiles gathered, the Viterbi call, their squared err
 
 The numba Viterbi quantizes ~200 tiles/s on 2 cores: a (7168, 36864) layer's 1M tiles take ~90 minutes, one chunk of
 its plan several. What the kernel allocates does not depend on the tiles' values: the (n, 256) int32 states it
-returns and a fixed scratch per thread (``_viterbi_numba._quantize_tiles_kernel``). With ``real_tiles`` R each call
+returns and a fixed scratch per thread (``kernels.viterbi_numba._quantize_tiles_kernel``). With ``real_tiles`` R each call
 allocates the (n, 256) int32 result first, runs the real kernel on the first R tiles (its scratch and its own R-row
 result) and copies their states into every row, so it holds what the kernel holds plus R KiB; every other operation
 of the encode runs unchanged on tensors of the real size, every chunk of the plan included. The states (and so g,
@@ -116,7 +116,7 @@ class PhaseMeter:
 def standin_viterbi(real_tiles: int) -> Iterator[dict]:
     """Within, the numba kernel runs on the first ``real_tiles`` tiles of each call and its (n, 256) int32 result
     holds their states in every row (see the module docstring); yields counts of the calls and tiles."""
-    import exl3tool.encode._viterbi_numba as nb
+    import exl3tool.kernels.viterbi_numba as nb
 
     if real_tiles < 1:
         raise ValueError(f"real_tiles must be at least 1, got {real_tiles}")

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from exl3tool.quality import SENTENCES, embedding_agreement, minilm_model_dir
-from exl3tool.verify import verify_plan
-from exl3tool.warm import WarmRequest, prepare, resolve_device, warm
+from exl3tool.operations.verify import verify_plan
+from exl3tool.operations.warm import warm
+from exl3tool.plan import WarmRequest, prepare, resolve_device
+from quality import SENTENCES, embedding_agreement, minilm_model_dir  # benchmarks/quality.py, beside this script
 
 
 def main() -> None:

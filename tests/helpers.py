@@ -30,8 +30,9 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner as _TyperRunner
 
-from exl3tool.encode.encoded import EncodedLinear
-from exl3tool.warm import WarmRequest, warm
+from exl3tool.format.encoded import EncodedLinear
+from exl3tool.plan import WarmRequest
+from exl3tool.operations.warm import warm
 
 # --- running exl3tool --------------------------------------------------------------------------------------------
 
@@ -116,7 +117,7 @@ def fake_encode(weight, bits, seed, device, progress=None):
 
 def fake_warm(request: WarmRequest, monkeypatch, calls: list | None = None):
     """``warm(request)`` with ``fake_encode``; ``calls`` collects the (in, out) shape of every encode."""
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
 
     real = getattr(req.run_plan, "__wrapped__", req.run_plan)  # the real one, also on a second call in one test
 

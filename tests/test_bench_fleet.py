@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from exl3tool.checkpoint import open_checkpoint, plan_layers
-from exl3tool.warm.sharing import plan_sharing
+from exl3tool.plan.sharing import plan_sharing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

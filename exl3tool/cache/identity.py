@@ -21,7 +21,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from exl3tool.cache.hub import resolve_hub_revision
 from exl3tool.cache.serverfs import ServerView, host_path, server_realpath
 from exl3tool.errors import ConfigError, InputError
-from exl3tool.output import plural
+from exl3tool.text import plural
 
 __all__ = [
     "ModelIdentity",
@@ -525,6 +525,15 @@ def server_identities(
     weights that were read; it never applies to a local checkpoint, whose revision is what the *server* derives:
     the ``snapshots/<hash>`` folder of its path (``server_path`` when given, not our copy's), else ``revision``.
     ``view`` (from a launch): ``server_path`` is resolved in the server's filesystem (``resolve_model_identity``).
+
+    Args:
+        model: the checkpoint as exl3tool reads it (a directory, a file or a Hub repo id).
+        revision, server_path: the server's ``--revision`` and its path to the model (None: ``model``).
+        encoder_root, encoder_revision, encoder_source: the server's encoder (``VLLM_EXL3_ENCODER_*``).
+        hub_commit, environ, view: as described above (None ``environ``: ``os.environ``).
+
+    Returns:
+        ``ServerIdentities``: the model and encoder identities, how each was derived, and warnings.
 
     >>> server_identities("./m", server_path="/models/m", encoder_root="/opt/exllamav3", encoder_revision="v1")  # doctest: +SKIP
     """

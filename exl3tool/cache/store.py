@@ -28,7 +28,7 @@ from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import acquire_with_notice, lock_path_unusable
 from exl3tool.cache.paths import TEMP_RE, entry_path, link_problem, lock_path
 from exl3tool.cache.settings import CACHE_MODES
-from exl3tool.encode.encoded import EncodedLinear
+from exl3tool.format.encoded import EncodedLinear
 from exl3tool.errors import InputError, describe
 
 __all__ = ["CacheStore", "Claim", "Lookup", "LoadResult", "LOCK_TIMEOUT_S", "UNCHECKED_HIT", "Exl3OnlineNonFiniteError", "PRUNE_HINT",
@@ -347,7 +347,7 @@ class CacheStore:
     def try_claim(self, key: CacheKey, *, cross_thread: bool = False, wait: float = 0.0) -> Claim | LoadResult | None:
         """``claim`` without waiting longer than ``wait`` seconds: None when another process holds the entry lock.
 
-        What a warm uses: it never blocks on one entry while others are waiting (see ``exl3tool.warm.lockwait``).
+        What a warm uses: it never blocks on one entry while others are waiting (see ``exl3tool.operations.warm.lockwait``).
         Raises ``OSError`` when the lock cannot be opened at all.
         """
         path, lock = self._claim_lock(key, cross_thread)

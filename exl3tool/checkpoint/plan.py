@@ -418,6 +418,13 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
     ``language_model_only`` is the server's ``--language-model-only`` (or image and video limits of 0): the vision
     tower is not built, so it makes no look-ups. Example: ``plan_layers(ckpt, overlay='{"linear": "mxfp8"}')
     .for_tp(2)`` lists the entries a TP=2 server looks up.
+
+    Args:
+        checkpoint: ``open_checkpoint``'s result.
+        overlay, layers, exclude, language_model_only: as described above.
+
+    Returns:
+        A ``LayerPlan``: the planned layers with their sharding, the excluded ones with reasons, ``for_tp(n)``.
     """
     overlay = _as_overlay(overlay)
     arch = checkpoint.architecture

@@ -373,6 +373,14 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
     are read whole. Example: ``open_checkpoint("meta-llama/Llama-3.1-8B", revision="main")`` under
     ``HF_HUB_OFFLINE=1`` reads the cached snapshot and sets ``commit_hash`` from it. ``hf_overrides`` (the server's
     ``--hf-overrides``) is applied to config.json as the fork applies it, so the plan sees the server's config.
+
+    Args:
+        model: a directory, a .safetensors file or a Hub repo id.
+        revision, token, local_files_only: the Hub's (a branch, tag or commit; the token; never download).
+        select, hf_overrides: as described above.
+
+    Returns:
+        A ``Checkpoint``: config, tensor index, dtype and (for the Hub) the commit and what was fetched.
     """
     if hf_overrides:
         from exl3tool.checkpoint.overrides import apply_hf_overrides

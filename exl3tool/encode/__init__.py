@@ -1,17 +1,15 @@
-"""EXL3 format core and the online (uncalibrated) encoder.
+"""The online (uncalibrated) encoder, and the format core's names (``exl3tool.format``) re-exported.
 
-The public names below are a contract: tests, the cache, the kernels and outside checks import them.
+The public names below are a contract: tests, the cache and outside checks import them from here.
 """
 
 from __future__ import annotations
 
-from exl3tool.encode.codebook import CODEBOOKS, CODEBOOK_MARKERS, codebook_table, decode_states
-from exl3tool.encode.decode import dequantize, dequantize_tensors, reconstruct
-from exl3tool.encode.encoded import EncodedLinear
-from exl3tool.encode.hadamard import hadamard_128, hadamard_left, hadamard_right
-from exl3tool.encode.layout import TENSOR_CORE_PERM, matrix_to_tiles, tile_position, tiles_to_matrix
-from exl3tool.encode.signs import reference_signs, torch_signs
-from exl3tool.encode.trellis import pack_trellis, unpack_trellis
+from exl3tool.format import (
+    CODEBOOKS, CODEBOOK_MARKERS, TENSOR_CORE_PERM, EncodedLinear, codebook_table, decode_states, dequantize,
+    dequantize_tensors, hadamard_128, hadamard_left, hadamard_right, matrix_to_tiles, pack_trellis, reconstruct,
+    reference_signs, tile_position, tiles_to_matrix, torch_signs, unpack_trellis,
+)
 
 __all__ = [
     "CODEBOOKS", "CODEBOOK_MARKERS", "EncodedLinear", "TENSOR_CORE_PERM",

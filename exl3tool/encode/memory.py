@@ -44,6 +44,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from exl3tool.format.trellis import PACK_SLICE_TILES  # noqa: F401 - pack_trellis's slice, counted here
+from exl3tool.kernels.geometry import (  # noqa: F401 - the kernel's geometry, re-exported for the plan's users
+    _TILE_BYTES, DEFAULT_MAX_SCRATCH, MAX_HALF_ROW_BITS, cost_row_stride, slot_cost_rows, viterbi_slot_bytes,
+)
 from exl3tool.knobs import Tuning, current_tuning
 
 __all__ = [
@@ -64,14 +68,10 @@ DEFAULT_MAX_CHUNK_TILES = 65536  # the reference's batch bound for one quantize_
 
 
 DEFAULT_FLOOR_TILES = 1024  # CPU: a default budget always holds this many tiles in flight (a small layer's whole)
-DEFAULT_MAX_SCRATCH = 2 << 30  # Viterbi scratch beyond this does not make the kernel faster (8,064 slots at K = 6)
-_TILE_BYTES = 1024  # 256 fp32 values
 _GPU_TILE_EXTRA = 1024  # per tile of a chunk on a GPU in place: its int16 states (512 B; viterbi_matrix)
 _GPU_TILE_GATHERED = 8 * 1024  # per tile of a gathered chunk on a GPU: the tile, its int64 index, values, states
-MAX_HALF_ROW_BITS = 6  # every other row only up to K = 6 (a recomputed odd row costs 2^(2K) candidates)
 WHOLE_LAYER_SLOTS = 0.9  # a chunk of the whole layer (one launch) when it leaves at least this share of the slots
 _PACK_TILE_BYTES = 20 * 1024  # pack_trellis's int32 bit streams per tile (2 + 2 K KiB), PACK_SLICE_TILES at a time
-PACK_SLICE_TILES = 2048  # tiles pack_trellis packs at once (exl3tool.encode.trellis uses this figure)
 _CPU_TILE_BYTES = 48 * 1024  # per tile in flight on the CPU (numba keeps its scratch per thread, not per tile;
 # measured 10-25 KiB with the packing at issue 24's shapes' chunks: an upper bound)
 _SLACK = 4 << 20  # small tensors: sign vectors, scales, codebook table, per-launch bookkeeping
@@ -129,35 +129,6 @@ def quantizes_in_place(bits: int, tiles: int, tuning: Tuning | None = None) -> b
     (``viterbi_matrix``) instead of gathering them: the rule of IN_PLACE_BITS and IN_PLACE_MAX_TILES."""
     tuning = tuning or current_tuning()
     return bits in tuning.in_place_bits or tiles <= tuning.in_place_max_tiles
-
-
-def cost_row_stride(bits: int, tuning: Tuning | None = None) -> int:
-    """The cost rows the Viterbi kernel keeps at K = ``bits`` in its packed modes: 0 (back-pointers instead), 1
-    (every step's) or 2 (every other step's); the rule of COST_ROW_BITS and HALF_ROW_BITS."""
-    tuning = tuning or current_tuning()
-    if bits not in tuning.cost_row_bits:
-        return 0
-    return 2 if bits in tuning.half_row_bits and bits <= MAX_HALF_ROW_BITS else 1
-
-
-def slot_cost_rows(rows: int) -> int:
-    """fp16 cost rows of 2^(16-K) entries a Viterbi slot holds for the kernel's ROWS: 2 with back-pointers (the
-    previous and the current step's), 256 with every step's row, 129 with every other (and the odd one in flight)."""
-    return {0: 2, 1: 256, 2: 129}[int(rows)]
-
-
-def viterbi_slot_bytes(bits: int, packed: bool = True, rows: bool | int | None = None,
-                       tuning: Tuning | None = None) -> int:
-    """GPU scratch of one tile in flight: back-pointers (256 positions x 2^(16-K) edges, a byte each, or two per
-    byte at K <= 4 when ``packed``, the kernel's default modes) and two fp16 cost rows; or with ``rows`` no
-    back-pointers and 256 cost rows of 2^(16-K) fp16 (``rows`` 1) or 129 (2: every other row and the one in
-    flight); None: ``cost_row_stride`` when ``packed``. And, in an in-place launch over a weight
-    (``viterbi_matrix``), the 1 KiB row of the tile's values."""
-    e = 1 << (16 - bits)
-    if rows is None:
-        rows = cost_row_stride(bits, tuning) if packed else 0
-    back_pointers = 0 if rows else 256 * (e // 2 if packed and bits <= 4 else e)
-    return back_pointers + slot_cost_rows(rows) * 2 * e + _TILE_BYTES
 
 
 def reference_scratch_bytes(bits: int, sms: int | None = None) -> int:

@@ -25,13 +25,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from exl3tool.encode.codebook import check_codebook
-from exl3tool.encode.encoded import EncodedLinear
-from exl3tool.encode.hadamard import hadamard_left, hadamard_right
-from exl3tool.encode.layout import matrix_to_tiles, tile_element_index
+from exl3tool.format.codebook import check_codebook
+from exl3tool.format.encoded import EncodedLinear
+from exl3tool.format.hadamard import hadamard_left, hadamard_right
+from exl3tool.format.layout import matrix_to_tiles, tile_element_index
 from exl3tool.encode.memory import PROXY_SLAB_ROWS, EncodeMemoryPlan, plan_encode_memory
-from exl3tool.encode.signs import reference_signs
-from exl3tool.encode.trellis import check_bits, pack_trellis
+from exl3tool.format.signs import reference_signs
+from exl3tool.format.trellis import check_bits, pack_trellis
 from exl3tool.timing import StageTimer, stage
 
 __all__ = [
@@ -806,6 +806,16 @@ def encode_linear(
     ``timer`` (a ``StageTimer``) gets the seconds of each stage. It is ``prepare_encode`` then
     ``finish_encode``. The result records the ``platform`` it was computed on (``encoder_platform``).
 
+    Args:
+        weight: the (in_features, out_features) weight, float32 (or castable).
+        bits: K, the trellis bits per weight (1-8).
+        seed: the cache key's seed, which draws the sign vectors (unused with ``sign_vectors``).
+        codebook: ``mcg`` (the server's) or another of ``CODEBOOKS``.
+        sign_vectors, device, g_scale, name, progress, memory_budget_bytes, timer: as described above.
+
+    Returns:
+        The ``EncodedLinear``: trellis, suh, svh (a cache entry's tensors), proxy error, global scale, platform.
+
     >>> w = torch.randn(128, 128) * 0.02
     >>> enc = encode_linear(w, bits=2, seed=7, g_scale=0.8)
     >>> tuple(enc.trellis.shape), enc.suh.dtype
@@ -846,7 +856,7 @@ def encode_linear_with_input(
 ) -> tuple[EncodedLinear, torch.Tensor]:
     """``encode_linear`` plus the g-scaled rotated weight W_r (k, n) f32 whose tiles were quantized.
 
-    What an exact comparison needs (``exl3tool.exact``): an entry written on another platform may differ from this
+    What an exact comparison needs (``exl3tool.operations.exact``): an entry written on another platform may differ from this
     one's encode in tiles where the two W_r round differently, and W_r tells whether each such tile is as good as
     this one's. The encode works on W_r in place, so W_r is computed again here: the same operations on the same
     device (``regularize``, then the product with f32(g)) give the same values.

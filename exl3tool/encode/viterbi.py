@@ -1,6 +1,6 @@
 """EXL3 tile quantizer: the tail-biting Viterbi search of docs/format.md §6, bit-exact with the reference.
 
-``quantize_tiles`` picks a backend: a numba kernel on CPU (fast, see ``_viterbi_numba``), the Triton kernel
+``quantize_tiles`` picks a backend: a numba kernel on CPU (fast, see ``kernels.viterbi_numba``), the Triton kernel
 ``exl3tool.kernels.viterbi.viterbi_tiles`` on CUDA, or ``quantize_tiles_torch``, a vectorised float64 torch
 emulation that runs anywhere and serves as the independent reference in the tests.
 """
@@ -12,8 +12,8 @@ import warnings
 import numpy as np
 import torch
 
-from exl3tool.encode.codebook import check_codebook, codebook_table, codebook_table_np
-from exl3tool.encode.trellis import check_bits
+from exl3tool.format.codebook import check_codebook, codebook_table, codebook_table_np
+from exl3tool.format.trellis import check_bits
 
 __all__ = ["BACKENDS", "quantize_tiles", "quantize_tiles_torch"]
 
@@ -70,7 +70,7 @@ def _quantize_tiles(tiles: torch.Tensor, bits: int, codebook: str, backend: str,
     if backend == "numba":
         if not on_cpu:
             raise ValueError(f"backend 'numba' needs CPU tiles, got device {tiles.device}")
-        from exl3tool.encode._viterbi_numba import quantize_tiles_numba
+        from exl3tool.kernels.viterbi_numba import quantize_tiles_numba
 
         states = quantize_tiles_numba(tiles.contiguous().numpy(), bits, codebook_table_np(codebook))
         st = torch.from_numpy(states)
@@ -161,7 +161,7 @@ def _forward(w: torch.Tensor, order: list[int], K: int, dec_s: torch.Tensor, pre
             if efix is not None:
                 c = torch.where(pred.unsqueeze(0) == efix.view(n, 1, 1), c, float("inf"))
         else:
-            # d*d is exact in float64, and f16(fl64(d*d + C)) == f16(d*d + C) (see _viterbi_numba, point 4)
+            # d*d is exact in float64, and f16(fl64(d*d + C)) == f16(d*d + C) (see kernels/viterbi_numba, point 4)
             c = _r16_cost(torch.addcmul(cost[:, pred], d, d))
         cost, k = _first_min(c)
         bp[:, p] = k.to(torch.uint8)

@@ -32,9 +32,9 @@ import warnings
 
 import torch
 
-from exl3tool.encode.codebook import check_codebook, codebook_table, edge_major_table
-from exl3tool.encode.memory import (DEFAULT_MAX_SCRATCH, MAX_HALF_ROW_BITS, cost_row_stride, slot_cost_rows,
-                                    viterbi_slot_bytes)
+from exl3tool.format.codebook import check_codebook, codebook_table, edge_major_table
+from exl3tool.kernels.geometry import (DEFAULT_MAX_SCRATCH, MAX_HALF_ROW_BITS, cost_row_stride, slot_cost_rows,
+                                      viterbi_slot_bytes)
 from exl3tool.knobs import Tuning, current_tuning
 
 try:  # triton is optional for the CPU-only parts of the package
@@ -365,7 +365,7 @@ if _HAVE_TRITON:
         as always."""
         E: tl.constexpr = NH * NL
         SLOT: tl.constexpr = 0 if ROWS else 256 * (E // 2 if PACK4 else E)  # back-pointer bytes per slot
-        NROWS: tl.constexpr = 256 if ROWS == 1 else (129 if ROWS == 2 else 2)  # memory.slot_cost_rows(ROWS)
+        NROWS: tl.constexpr = 256 if ROWS == 1 else (129 if ROWS == 2 else 2)  # geometry.slot_cost_rows(ROWS)
         pid = tl.program_id(0)
         cs = cs_ptr + pid.to(tl.int64) * (NROWS * E)
         bp = bp_ptr + pid.to(tl.int64) * SLOT
@@ -550,7 +550,7 @@ def _occupancy(compiled, props) -> int | None:
 
 def keeps_rows(bits: int, mode: int | None = None, tuning: Tuning | None = None) -> int:
     """Which cost rows the kernel keeps instead of back-pointers: 0 (none: back-pointers), 1 (every step's) or
-    2 (every other step's), ``memory.cost_row_stride``, in the packed modes 4 and 5 only. With rows a candidate
+    2 (every other step's), ``geometry.cost_row_stride``, in the packed modes 4 and 5 only. With rows a candidate
     is sub, fma and min (3 instructions per two, not 5), and the traceback recomputes the kept candidate from
     the row (an odd row from the even row before it, with 2 only). ``mode`` None: the tuning's."""
     tuning = tuning or current_tuning()
@@ -777,7 +777,7 @@ def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
     """int32 offset of trellis position p from its tile's corner in a row-major matrix with ``n_cols`` columns."""
     key = (str(device), n_cols)
     if key not in _OFFSETS:
-        from exl3tool.encode.layout import TENSOR_CORE_PERM
+        from exl3tool.format.layout import TENSOR_CORE_PERM
 
         perm = TENSOR_CORE_PERM.to(torch.int64)
         _OFFSETS[key] = ((perm // 16) * n_cols + perm % 16).to(device=device, dtype=torch.int32)

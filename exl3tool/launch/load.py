@@ -228,7 +228,17 @@ def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = N
                 cwd: Optional[str] = None, proc: str = "/proc", file: Optional[str] = None,
                 compose: Optional[str] = None, service: Optional[str] = None,
                 ) -> Optional[tuple[ServerLaunch, EnvLayers]]:
-    """The launch and its environment layers, or None when no launch is given. One form at a time."""
+    """The launch and its environment layers, or None when no launch is given. One form at a time.
+
+    Args:
+        text, argv, pid, file, compose (with service): the launch, in one of its forms (a command line, its words,
+            a running server's process id, a script file, a compose service).
+        env_files: env files applied as the server's environment.
+        environ, cwd, proc: the environment, directory and /proc the launch is read in.
+
+    Returns:
+        ``(ServerLaunch, EnvLayers)``, or None when no form is given.
+    """
     given = [n for n, v, g in (("--launch", text, bool(text)), ("--launch-file", file, file is not None),
                                ("the argv after --", argv, bool(argv)), ("--pid", pid, pid is not None),
                                ("--compose", compose, compose is not None)) if g]

@@ -11,7 +11,7 @@ from exl3tool.errors import ConfigError
 from exl3tool.launch.env import read_env_file
 from exl3tool.launch.load import load_launch
 from exl3tool.launch.resolve import Explicit, LaunchSettings, resolve_launch
-from exl3tool.warm.request import WarmRequest
+from exl3tool.plan.request import WarmRequest
 
 __all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS"]
 
@@ -62,6 +62,16 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
     ``add_tp_sizes`` (``cache warm``): the launch's TP size comes first and ``--tp-sizes``, when given, adds more;
     otherwise a given ``--tp-size`` wins over the launch's. Without a launch the request is returned as is (with
     ``--env-file`` variables applied). ``need_cache`` False: a command that writes and reads no cache (``identity``).
+
+    Args:
+        request: the request built from the command's flags.
+        given: the WarmRequest field names the command line set.
+        launch: the launch forms a command was given (``LaunchInput``).
+        add_tp_sizes, environ, cwd, need_cache: as described above.
+
+    Returns:
+        ``(request, settings, server_environ)``: the filled request, the launch's ``LaunchSettings`` (None without a
+        launch) and the server's environment (None without one).
     """
     environ = os.environ if environ is None else environ
     if not launch.launch_given:

@@ -561,7 +561,16 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
                    need_cache: bool = True) -> LaunchSettings:
     """The settings of every look-up the launched server makes, with sources; ConfigError (exit 2) naming the flag
     or variable for what the server would refuse or exl3tool cannot reproduce. ``need_cache`` False (``identity``)
-    lets a cache root exl3tool cannot reach be a warning."""
+    lets a cache root exl3tool cannot reach be a warning.
+
+    Args:
+        launch, layers: ``load_launch``'s result.
+        explicit: the settings a command's own flags give (they win over the launch's).
+        need_cache: False where a command reads and writes no cache.
+
+    Returns:
+        ``LaunchSettings``: each setting with its source, the defaults taken, and ``lookup_off``.
+    """
     from exl3tool.cache.settings import cache_mode, trellis_bits
     from exl3tool.checkpoint import resolve_overlay
 

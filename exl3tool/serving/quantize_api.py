@@ -185,7 +185,7 @@ def _lock(device: torch.device) -> threading.Lock:
 
 def _sign_vectors(seed: int, k: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's CUDA sign draws after ``manual_seed(seed)``, for this GPU's multiprocessor count."""
-    from exl3tool.encode.signs import reference_signs
+    from exl3tool.format.signs import reference_signs
 
     if device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -200,7 +200,7 @@ def _tile_rows(trellis: torch.Tensor) -> int:
 
 def _unpacked(trellis: torch.Tensor, bits: int) -> torch.Tensor:
     """The (k/16, n/16, 256) int16 states of a packed trellis (``no_pack``), a slab of tile rows at a time."""
-    from exl3tool.encode.trellis import unpack_trellis
+    from exl3tool.format.trellis import unpack_trellis
 
     out = torch.empty((*trellis.shape[:2], 256), dtype=torch.int16, device=trellis.device)
     step = _tile_rows(trellis)
@@ -217,8 +217,8 @@ def dequantized_weight(trellis: torch.Tensor, su: torch.Tensor, sv: torch.Tensor
     the same shapes (a batched left product, a right product in GEMMs of at most 2^19 rows), so on the reference's
     GPU the bits are the reference's for the same trellis and scales.
     """
-    from exl3tool.encode.decode import reconstruct
-    from exl3tool.encode.hadamard import HADAMARD_SCALE, hadamard_128
+    from exl3tool.format.decode import reconstruct
+    from exl3tool.format.hadamard import HADAMARD_SCALE, hadamard_128
 
     tk, tn = trellis.shape[:2]
     k, n = 16 * tk, 16 * tn
@@ -245,8 +245,8 @@ def weight_q_bound(trellis: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, bi
     """(exact, bound): the float64 product diag(su) B_k Q B_n diag(sv) and the elementwise bound on how far an fp32
     ``weight_q`` of the same trellis and scales may be from it (``WEIGHT_Q_ULPS`` units of 2^-24 times the same
     product of magnitudes). For tests and the benchmark; small layers only (float64 copies)."""
-    from exl3tool.encode.decode import reconstruct
-    from exl3tool.encode.hadamard import hadamard_128
+    from exl3tool.format.decode import reconstruct
+    from exl3tool.format.hadamard import hadamard_128
 
     q = reconstruct(trellis, bits, codebook).to(torch.float64)
     h = hadamard_128(torch.float64, q.device) / 128 ** 0.5
@@ -295,7 +295,7 @@ def quantize_exl3(
                       "draws the input and output signs from two generators, which exl3tool does not model")
     _check_buf_size(quant_args, k, n)
 
-    from exl3tool.encode.codebook import CODEBOOK_MARKERS
+    from exl3tool.format.codebook import CODEBOOK_MARKERS
     from exl3tool.encode.online import finish_encode, prepare_encode
     from exl3tool.serving.triton_cache import drop_in_triton_cache
 

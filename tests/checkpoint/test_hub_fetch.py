@@ -6,7 +6,7 @@ import json
 
 import huggingface_hub
 
-from exl3tool.warm import WarmRequest, prepare
+from exl3tool.plan import WarmRequest, prepare
 
 from exl3tool.checkpoint.tiny import MLA, Builder, _experts, mla_attention, mla_config
 

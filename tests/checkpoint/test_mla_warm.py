@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from exl3tool.encode import dequantize_tensors
-from exl3tool.verify import verify_plan
-from exl3tool.warm import WarmRequest, prepare, warm
+from exl3tool.operations.verify import verify_plan
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm import warm
 
 from helpers import server_lookup
 from exl3tool.checkpoint.tiny import write_mla

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from exl3tool.checkpoint import open_checkpoint, plan_layers
-from exl3tool.warm.sharing import plan_sharing
+from exl3tool.plan.sharing import plan_sharing
 
 from test_family_plans import glm53_flash_text
 from exl3tool.checkpoint.tiny import write_glm53, write_mla_from_config

@@ -16,8 +16,9 @@ import pytest
 from safetensors import safe_open
 
 from exl3tool.checkpoint import RankJob, open_checkpoint, plan_layers, rank_local_weight, rank_reads
-from exl3tool.warm import WarmRequest, prepare, warm
-from exl3tool.warm.sharing import group_jobs, share_jobs, sharing_figures
+from exl3tool.plan import WarmRequest, prepare
+from exl3tool.operations.warm import warm
+from exl3tool.plan.sharing import group_jobs, share_jobs, sharing_figures
 from helpers import completed
 
 from tiny_models import write_glm5, write_glm53

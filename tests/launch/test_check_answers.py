@@ -14,7 +14,7 @@ import pytest
 
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.checkpoint.tiny import QWEN38_OVERLAY, write_qwen35
-from exl3tool.warm import WarmRequest
+from exl3tool.plan import WarmRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
 from helpers import fake_warm, server_encoder_identity, server_lookup, server_model_identity  # noqa: E402

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from huggingface_hub import snapshot_download  # imported here: the fake container has no Python library
 
-import exl3tool.warm.request as warm_request
+import exl3tool.operations.warm.run as warm_request
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.checkpoint.tiny import write_qwen35
 

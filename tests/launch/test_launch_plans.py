@@ -250,7 +250,7 @@ def test_identity_needs_no_cache_volume_and_hub_launches_keep_their_kind(tmp_pat
 
 
 def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, cli, monkeypatch):
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
     from helpers import fake_encode
 
     real = req.run_plan
@@ -271,7 +271,7 @@ def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, cli, m
 
 
 def test_cache_check_takes_the_launch(tmp_path, cli, monkeypatch):
-    import exl3tool.warm.request as req
+    import exl3tool.operations.warm.run as req
     from helpers import fake_encode
 
     real = req.run_plan

@@ -11,7 +11,7 @@ import pytest
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
 from exl3tool.launch import Explicit, LaunchInput, apply_launch, load_launch, resolve_launch
-from exl3tool.warm import WarmRequest
+from exl3tool.plan import WarmRequest
 
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512)
 QC = '{"linear": "mxfp8"}'

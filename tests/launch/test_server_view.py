@@ -22,7 +22,7 @@ from exl3tool.cache import server_identities
 from exl3tool.cache.hub import hub_cache_dir, hub_offline
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.launch import Explicit, LaunchInput, apply_launch, load_launch, resolve_launch
-from exl3tool.warm import WarmRequest
+from exl3tool.plan import WarmRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from exl3tool.encode.trellis import check_bits
+from exl3tool.format.trellis import check_bits
 
 
 __all__ = ["GemmConfig", "ReconConfig", "pair_block_bits", "FOLD_NONE", "FOLD_OUT", "FOLD_IN", "FOLD_BOTH",

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from exl3tool.encode.hadamard import HADAMARD_SCALE, hadamard_128
+from exl3tool.format.hadamard import HADAMARD_SCALE, hadamard_128
 from exl3tool.kernels.gemm.config import (_FOLDS, FOLD_BOTH, FOLD_BOTH16, FOLD_NONE, FOLD_OUT, GemmConfig,
                                           ReconConfig, pair_block_bits)
 from exl3tool.kernels.gemm.reference import check_inputs

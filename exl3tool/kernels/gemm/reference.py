@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from exl3tool.encode.codebook import check_codebook
-from exl3tool.encode.decode import reconstruct
-from exl3tool.encode.hadamard import HADAMARD_SCALE, hadamard_128
-from exl3tool.encode.trellis import check_bits
+from exl3tool.format.codebook import check_codebook
+from exl3tool.format.decode import reconstruct
+from exl3tool.format.hadamard import HADAMARD_SCALE, hadamard_128
+from exl3tool.format.trellis import check_bits
 from exl3tool.kernels.gemm.config import _FOLDS, FOLD_BOTH, FOLD_BOTH16, FOLD_IN, FOLD_NONE, FOLD_OUT
 
 
@@ -79,7 +79,7 @@ def fold_weight_reference(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.T
         v = (h @ q.float().reshape(k // 128, 128, n)).reshape(k, n)
         return ((v * HADAMARD_SCALE) * suh.float()[:, None]).half()
     if fold in (FOLD_BOTH, FOLD_BOTH16):
-        from exl3tool.encode.decode import dequantize_tensors
+        from exl3tool.format.decode import dequantize_tensors
 
         return dequantize_tensors(trellis, suh, svh, bits, codebook, torch.float64).half()
     raise ValueError(f"fold must be one of {_FOLDS}, got {fold}")

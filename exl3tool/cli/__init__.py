@@ -1,0 +1,196 @@
+"""The exl3tool command line: wires command groups to the library and maps errors to exit codes.
+
+Commands live in ``exl3tool.cli.commands``; each parses options, calls one library function and renders the result.
+Every failure ends here as one sentence on stderr (and, under ``--json``, a JSON error document on stdout) with
+exit code 1 (findings) or 2 (usage, configuration or I/O). ``EXL3TOOL_DEBUG=1`` adds the traceback and changes
+nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Annotated, Optional
+
+import typer
+
+from typer.core import TyperCommand
+
+from exl3tool import __version__
+from exl3tool.cli.commands.group import ClickException, Exl3Group, UsageError
+from exl3tool.errors import Exl3ToolError, describe
+from exl3tool.text import plural
+
+__all__ = ["app", "main", "debug_enabled", "COMMANDS"]
+
+# Every top-level command and the first sentence of its help, in the order `exl3tool --help` lists them. The root
+# lists these without importing a command module (each pulls in torch through the cache library: ~2 s), and
+# imports them all only when a command runs or shows its own help, as huggingface_hub's `hf` registers its
+# commands. tests/cli/test_cli_lazy.py checks each line against the command's own help.
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("identity", "Print the model and encoder identities the server derives, how, and the --revision to start it "
+                 "with."),
+    ("encode", "Encode the eligible layers of MODEL for one TP size into the cache."),
+    ("verify", "Verify MODEL's cache entries: trellis GEMM vs FP32 references, layer by layer."),
+    ("encoder-source", "Write an encoder source that runs exl3tool's encoder inside the server, with exllamav3's "
+                       "bytes."),
+    ("synth", "Write a tiny EXL3 checkpoint of a served family (random weights, a few MB) to try warm, verify and "
+              "ls on."),
+    ("cache", "Warm, check, list, show, verify, prune, export and import the online EXL3 cache."),
+)
+
+class _LazyCommand(TyperCommand):
+    """A top-level command not imported yet: its name and summary for the root's help, nothing to run."""
+
+    def __init__(self, name: str, summary: str) -> None:
+        super().__init__(name=name, short_help=summary)
+
+
+class _LazyRoot(Exl3Group):
+    """The root group: lists ``COMMANDS`` as placeholders and imports the real commands when one is chosen."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for name, summary in COMMANDS:
+            self.commands.setdefault(name, _LazyCommand(name, summary))
+
+    def _materialize(self) -> None:
+        """Swap every placeholder for its command (importing the command modules once per process)."""
+        if any(isinstance(c, _LazyCommand) for c in self.commands.values()):
+            _register()
+            loaded = typer.main.get_command(app).commands
+            self.commands = {name: loaded.get(name, command) for name, command in self.commands.items()}
+            self.commands.update(loaded)
+
+    def resolve_command(self, ctx, args):
+        if args and isinstance(self.commands.get(args[0]), _LazyCommand):
+            self._materialize()
+        try:
+            return super().resolve_command(ctx, args)
+        except UsageError:  # Exl3Group points a group's command called at the top to its group: it needs the groups
+            if not any(isinstance(c, _LazyCommand) for c in self.commands.values()):
+                raise
+            self._materialize()
+            return super().resolve_command(ctx, args)
+
+
+app = typer.Typer(
+    name="exl3tool",
+    help="Encode dense layers into EXL3 trellis weights offline, into the serving stack's cache.",
+    epilog="Exit codes: 0 ok; 1 findings (failed layers, invalid entries, failed checks); 2 usage, configuration "
+    "or I/O error (inputs that select no work included); 130 interrupted (entries published so far are complete; "
+    "the same command resumes). EXL3TOOL_DEBUG=1 adds tracebacks.",
+    cls=_LazyRoot,
+    no_args_is_help=True,
+    rich_markup_mode=None,  # Click's help: never cuts an option name, wraps help under long ones, and needs no rich
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"exl3tool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """exl3tool: offline EXL3 encoding and cache warming."""
+
+
+_registered: list[bool] = []
+
+
+def _register() -> None:
+    """Attach every command group to ``app``, once per process: ``main`` leaves this to the first command run."""
+    if _registered:
+        return
+    from exl3tool.cli.commands import register
+
+    register(app)
+    _registered.append(True)
+
+
+def debug_enabled(environ: Optional[dict] = None) -> bool:
+    """``EXL3TOOL_DEBUG`` is on for 1/true/yes/on (any case); 0, false, no, off or empty leave it off.
+
+    Never raises: it decides how an error is reported, including the error that refuses a bad EXL3TOOL_DEBUG
+    (``main`` checks every knob first, so a bad value never gets this far unreported).
+    """
+    from exl3tool.errors import ConfigError
+    from exl3tool.knobs import knob_value
+
+    try:
+        return knob_value("EXL3TOOL_DEBUG", environ)
+    except ConfigError:
+        return False
+
+
+def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None, extra: Optional[dict] = None) -> None:
+    """Report one failure: the sentence on stderr (or Click's usage block), a JSON document on stdout in JSON mode."""
+    if debug_enabled():
+        traceback.print_exc()
+    if show_usage is not None:
+        show_usage()
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    if json_mode and not _json_document_written():  # a findings error follows its own report: one document
+        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code, **(extra or {})}, indent=2) + "\n")
+        sys.stdout.flush()
+    sys.exit(exit_code)
+
+
+def _interrupted(json_mode: bool) -> None:
+    """Ctrl-C: exit 130 (128 + SIGINT, as shells report it), saying that the cache is consistent."""
+    output = sys.modules.get("exl3tool.cli.output")
+    report = output.interrupted_report() if output is not None else {}
+    done = f" after publishing {plural(report['published'], 'entry', 'entries')}" if "published" in report else ""
+    _fail(f"interrupted{done}: entries published so far are complete (a publish is atomic); run the same command "
+          "again to resume", 130, json_mode, extra=report)
+
+
+def _json_document_written() -> bool:
+    """Whether a command already printed its JSON document (none can have, if no command imported ``output``)."""
+    output = sys.modules.get("exl3tool.cli.output")
+    return output is not None and output.json_document_written()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: run the app, turning every error into one line and an exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    json_mode = "--json" in args
+    if "exl3tool.cli.output" in sys.modules:  # not imported: no document written (`--help` stays light)
+        sys.modules["exl3tool.cli.output"].forget_json_document()
+    try:  # the root imports a command's module (which may refuse an environment variable) when it is chosen
+        from exl3tool.knobs import read_knobs
+
+        read_knobs()  # every EXL3TOOL_* variable checked before a command runs: a bad one is one line, exit 2
+        rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
+        if rc == 130:  # typer turns Ctrl-C into Exit(130), which non-standalone Click returns (no command does)
+            _interrupted(json_mode)
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
+    except Exl3ToolError as exc:
+        _fail(describe(exc), exc.exit_code, json_mode)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort as exc:
+        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):  # Click < 8.2 / older typer
+            _interrupted(json_mode)
+        _fail("aborted", 2, json_mode)
+    except KeyboardInterrupt:
+        _interrupted(json_mode)
+    except ClickException as exc:  # usage errors: Click's own usage line, "Try ... --help" and the message
+        _fail(exc.format_message(), exc.exit_code, json_mode, show_usage=exc.show)
+    except (ValueError, OSError) as exc:  # bad values and I/O problems raised below the commands
+        _fail(describe(exc), 2, json_mode)
+    except Exception as exc:  # a bug: say so, with what we know
+        hint = "" if debug_enabled() else "; set EXL3TOOL_DEBUG=1 for the traceback"
+        _fail(f"internal error ({type(exc).__name__}: {describe(exc)}){hint}; please report it", 2, json_mode)

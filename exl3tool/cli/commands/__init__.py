@@ -1,0 +1,21 @@
+"""Command groups of the CLI. Each module exposes ``register(app)``."""
+
+from __future__ import annotations
+
+import typer
+
+__all__ = ["register"]
+
+
+def register(app: typer.Typer) -> None:
+    """Register every command module that exists on the app."""
+    import importlib
+
+    for name in ("identity", "cache", "encode", "verify", "encoder_source", "synth"):  # order matters: encode adds `cache warm`
+        try:
+            module = importlib.import_module(f"exl3tool.cli.commands.{name}")
+        except ModuleNotFoundError as exc:  # a command group not written yet
+            if exc.name == f"exl3tool.cli.commands.{name}":
+                continue
+            raise
+        module.register(app)

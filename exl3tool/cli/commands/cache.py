@@ -1,0 +1,551 @@
+"""``exl3tool cache ls|show|verify|prune``: inspect and tidy the server's cache; each a thin layer over ``exl3tool.cache``.
+
+``cache_app`` is importable so other modules can add commands (``cache warm``) to the same group.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.filesize import decimal
+from rich.table import Table
+
+from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.cli.commands.group import Exl3Group
+from exl3tool.cli.commands.encode import DeviceOpt, ExcludeOpt, LayersOpt, SharedOpt
+from exl3tool.cli.commands.options import (
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
+    ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, resolve_cache_dir,
+)
+from exl3tool.errors import ConfigError, FindingsError, InputError
+from exl3tool.cli.output import Output, plural
+
+__all__ = ["cache_app", "register"]
+
+cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, prune, export and import the online EXL3 cache.",
+                        no_args_is_help=True, cls=Exl3Group, rich_markup_mode=None)  # Click's help: see cli.py
+
+
+def _when(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def _iso(ts: float) -> str:
+    """An mtime as UTC ISO 8601 with milliseconds and ``Z``, as provenance records write their times."""
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """Ranks as runs: ``0-7``, ``0,2,4-5`` (a TP 8 row stays narrow).
+
+    >>> _ranges([0, 1, 2, 3]), _ranges([0, 2, 4, 5]), _ranges([1])
+    ('0-3', '0,2,4-5', '1')
+    """
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _entry_json(info: EntryInfo) -> dict[str, Any]:
+    """The stable JSON form of one scanned file (every field documented in docs/cache.md)."""
+    return {
+        "path": str(info.path),
+        "kind": info.kind,
+        "digest": info.digest,
+        "status": info.status,
+        "reason": info.reason,
+        "size": info.size,
+        "mtime": info.mtime,
+        "mtime_utc": _iso(info.mtime),
+        "model_dir": info.model_dir,
+        "model_identity": info.model_identity,
+        "tp_world_size": info.tp_world_size,
+        "tp_rank": info.tp_rank,
+        "prefix": info.prefix,
+        "proxy_error": info.proxy_error,
+        "sha256_ok": info.sha256_ok,
+        "is_symlink": info.is_symlink,
+        "orphan": info.orphan,
+        "server_loads": info.loadable,
+        "key": info.key.as_dict() if info.key else None,
+        "checksum_covers": info.covers,
+        "held": info.held,
+    }
+
+
+@cache_app.command("ls")
+def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
+    """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them)."""
+    out = Output(json=json, quiet=quiet)
+    root = existing_cache_dir(cache_dir)
+    infos = [i for i in scan(root, deep=False) if i.kind == "entry" and _model_ok(i, model)]
+    # One row per (model directory, TP size): an unreadable entry has no identity of its own but sits in its model's
+    # directory; the row shows the full identity that the directory's readable entries carry.
+    groups: dict[tuple[str, int | None], dict[str, Any]] = {}
+    for info in infos:
+        folder = info.model_dir or "?"
+        g = groups.setdefault((folder, info.tp_world_size), {
+            "model_identity": folder, "tp_world_size": info.tp_world_size, "ranks": set(), "entries": 0,
+            "malformed": 0, "bytes": 0, "newest": 0.0,
+        })
+        if info.model_identity and info.model_identity.startswith(folder) and info.status != "invalid":
+            g["model_identity"] = info.model_identity
+        g["ranks"].add(info.tp_rank)
+        g["entries"] += 1
+        g["malformed"] += info.status == "invalid"
+        g["bytes"] += info.size
+        g["newest"] = max(g["newest"], info.mtime)
+    table = Table(title=f"EXL3 cache {root}", box=None, pad_edge=False, header_style="bold underline")  # 80 columns
+    table.add_column("model identity", no_wrap=True, min_width=20)
+    for col in ("TP", "ranks", "entries", "malformed", "size", "newest (UTC)"):
+        table.add_column(col, justify="right" if col in ("entries", "malformed", "size") else "left", no_wrap=True)
+    rows = []
+    for g in sorted(groups.values(), key=lambda g: (g["model_identity"], g["tp_world_size"] or 0)):
+        ranks = sorted(r for r in g["ranks"] if r is not None)
+        table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), _ranges(ranks), str(g["entries"]),
+                      str(g["malformed"]), decimal(g["bytes"]), _when(g["newest"]))
+        rows.append({**g, "ranks": ranks, "newest_utc": _iso(g["newest"])})
+    out.table(table)
+    from exl3tool.cache.records import group_by_identity, read_records
+
+    records = read_records(root, model_prefix=model)
+    identities = group_by_identity(root, infos, records)
+    _identity_table(out, identities)
+    for sr in records:
+        if sr.record is None:
+            out.warn(f"{sr.path}: not a provenance record ({sr.error}); remove it with: exl3tool cache prune --invalid")
+    out.line(f"{plural(len(infos), 'entry', 'entries')}, {decimal(sum(i.size for i in infos))}")
+    out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos),
+              "identities": identities,
+              "bad_records": [{"path": str(sr.path), "error": sr.error} for sr in records if sr.record is None]})
+
+
+def _identity_table(out: Output, identities: list[dict[str, Any]]) -> None:
+    """Entries by model and encoder identity, with where they came from: recorded warms (the model as the warm
+    named it, its path or repo), exl3tool, the server. One block per pair, each long value on its own line."""
+    if not identities:
+        return
+    out.line("by model identity and encoder identity (their directory names)")
+    for g in identities:
+        o = g["origins"]
+        out.line(f"{g['model_identity'][:20]} {g['encoder_identity'][:20]}: "
+                 f"{plural(g['entries'], 'entry', 'entries')}, TP {','.join(map(str, g['tp_sizes']))}, "
+                 f"{'/'.join(map(str, g['bits']))} bits")
+        rows = [("  model", model) for model in dict.fromkeys(r["model"] for r in g["records"] if r.get("model"))]
+        for r in g["records"]:
+            rows.append(("  from", f"{r['command']} on {r['host']} at {r['time']}"
+                         + (f" (imported {r['imported']['time']})" if r["imported"] else "")))
+        if o["exl3tool"]:
+            rows.append(("  from", f"{o['exl3tool']} by exl3tool without a record"))
+        if o["server"]:
+            rows.append(("  from", f"{o['server']} written by the server itself (no record, no exl3tool checksum)"))
+        out.fields(None, rows)
+
+
+def _model_ok(info: EntryInfo, model: str | None) -> bool:
+    from exl3tool.cache.scan import matches_model
+
+    return matches_model(info, model)
+
+
+def _find_entry(root: Path, entry: str) -> Path:
+    path = Path(entry)
+    if path.exists() or path.is_symlink():
+        return path
+    needle = entry.lower().removesuffix(".safetensors")
+    if len(needle) < 6 or any(c not in "0123456789abcdef" for c in needle):
+        raise InputError(f"{entry}: no such file, and not a digest (give a path or at least 6 hex digits)")
+    found = sorted((root / "v1").glob(f"*/*/{needle}*.safetensors"))
+    if not found:
+        raise InputError(f"{entry}: no entry with that digest under {root} (check --cache-dir)")
+    if len(found) > 1:
+        raise InputError(f"{entry}: digest prefix matches {len(found)} entries; give more digits")
+    return found[0]
+
+
+@cache_app.command("show")
+def show(
+    entry: Annotated[str, typer.Argument(metavar="ENTRY", help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
+    cache_dir: CacheDirOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not)."""
+    from safetensors import safe_open
+
+    out = Output(json=json, quiet=quiet)
+    path = _find_entry(resolve_cache_dir(cache_dir), entry)
+    try:
+        info = inspect_entry(path)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    tensors: dict[str, Any] = {}
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                tensors[name] = {"dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
+    except Exception:
+        pass
+    rows = [("status", info.status + (f" ({info.reason})" if info.reason else "")), ("size", decimal(info.size))]
+    if info.key:
+        rows += [(f"key.{name}", str(value)) for name, value in sorted(info.key.as_dict().items())]
+    rows += [(f"tensor.{name}", f"{t['dtype']} {t['shape']}") for name, t in sorted(tensors.items())]
+    rows += [(f"meta.{name}", value) for name, value in sorted(info.metadata.items()) if name != "cache_key"]
+    out.fields(str(path), rows)  # identities and checksums whole: below their label when the line is too short
+    out.data({**_entry_json(info), "tensors": tensors, "metadata": info.metadata})
+    if info.status == "unchecked":
+        out.note(f"{path}: {info.reason}")
+    elif info.status != "valid":
+        if info.loadable:  # the server's checks pass; only our checksum fails
+            raise FindingsError(f"{path}: the server would load this entry, but exl3tool's checksums fail "
+                                f"({info.reason.split(': the server would load it')[0]}); a warm re-encodes it, or "
+                                "remove it with: exl3tool cache prune --invalid")
+        raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
+
+
+@cache_app.command("verify")
+def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
+    """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
+
+    Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
+    and `exl3tool verify MODEL --exact` checks their weights. A lock path that is not a regular file is invalid too,
+    and so is a symlinked folder below the root (exl3tool never enters it nor writes through it). Leftovers of killed
+    writers (temp files, orphan locks) are counted, each marked held when a live process holds its entry lock.
+    """
+    out = Output(json=json, quiet=quiet)
+    root = existing_cache_dir(cache_dir)
+    infos = [i for i in scan(root, deep=True) if _model_ok(i, model)]
+    entries = [i for i in infos if i.kind == "entry"]
+    valid = [i for i in entries if i.status == "valid"]
+    unchecked = [i for i in entries if i.status == "unchecked"]
+    invalid = [i for i in entries if i.status == "invalid"]
+    bad_locks = [i for i in infos if i.kind == "lock" and i.status == "invalid"]
+    temps = [i for i in infos if i.kind == "temp"]
+    orphans = [i for i in infos if i.kind == "lock" and i.orphan and i.status != "invalid"]
+    stale = [i for i in orphans if not i.held]
+    strays = [i for i in infos if i.kind == "stray"]
+    links = [i for i in strays if i.is_symlink and i.status == "invalid"]
+
+    def rel(i: EntryInfo) -> str:
+        return str(i.path.relative_to(root) if i.path.is_relative_to(root) else i.path)
+
+    if invalid or bad_locks or temps or strays:
+        table = Table(title="Findings")
+        table.add_column("file", overflow="fold")
+        table.add_column("problem", overflow="fold")
+        for i in invalid + bad_locks + temps + strays:
+            table.add_row(rel(i), i.reason)
+        out.table(table)
+    for i in entries:
+        if i.is_symlink and i.status == "valid":
+            out.warn(f"{i.path}: a symlink; the server follows it and loads the target")
+    out.line(
+        f"{plural(len(entries), 'entry', 'entries')}: {len(valid)} valid, {len(unchecked)} unchecked, "
+        f"{len(invalid)} invalid; {plural(len(bad_locks), 'broken lock path')}, "
+        f"{plural(len(temps), 'leftover temp file')} ({sum(1 for i in temps if i.held)} held by a live writer), "
+        f"{plural(len(orphans), 'orphan lock')} ({len(stale)} stale: no live holder), "
+        f"{plural(len(links), 'symlinked folder')}"
+    )
+    if unchecked:
+        out.note(f"{len(unchecked)} entr{'y has' if len(unchecked) == 1 else 'ies have'} no exl3tool checksum "
+                 "(written by the server?): the server would load them; check their weights with: exl3tool verify MODEL --exact "
+                 "(or replace the wrong ones with: exl3tool cache warm MODEL --check-unchecked)")
+    if any(not i.held for i in temps) or stale:
+        out.note("remove leftovers no live process holds with: exl3tool cache prune --temp")
+
+    out.data(
+        {
+            "root": str(root),
+            "entries": len(entries),
+            "valid": len(valid),
+            "unchecked": [_entry_json(i) for i in unchecked],
+            "invalid": [_entry_json(i) for i in invalid],
+            "broken_locks": [_entry_json(i) for i in bad_locks],
+            "temp_files": [_entry_json(i) for i in temps],
+            "orphan_locks": [_entry_json(i) for i in orphans],
+            "stray_files": [_entry_json(i) for i in strays],
+            "stale_locks": [_entry_json(i) for i in stale],
+            "links": [_entry_json(i) for i in links],
+        }
+    )
+    if invalid or bad_locks or links:
+        what = []
+        if invalid:
+            what.append(f"{len(invalid)} invalid entr{'y' if len(invalid) == 1 else 'ies'}")
+        if bad_locks:
+            what.append(f"{len(bad_locks)} broken lock path{'' if len(bad_locks) == 1 else 's'}")
+        if links:
+            what.append(plural(len(links), "symlinked folder"))
+        raise FindingsError(f"{' and '.join(what)} under {root}; remove with: exl3tool cache prune --invalid")
+
+
+@cache_app.command("prune")
+def prune(
+    invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or exl3tool's checksums fail), broken lock paths and symlinked folders (the link, never its target).")] = False,
+    temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and orphan locks that no live process holds.")] = False,
+    older_than: Annotated[
+        Optional[float], typer.Option("--older-than", metavar="DAYS", help="Entries (and leftovers) older than DAYS.")
+    ] = None,
+    records: Annotated[bool, typer.Option("--records", help="Only provenance records whose entries are all gone (every prune drops those too).")] = False,
+    model: ModelIdOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+    cache_dir: CacheDirOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Delete invalid entries, leftovers or old entries: prints the plan (bytes freed) first.
+
+    Lock files of entries that stay are never touched. Provenance records whose entries are all gone (after this prune)
+    are removed with them; --invalid also removes record files that cannot be read as records.
+    Example: exl3tool cache prune --invalid --temp --yes
+    """
+    if not (invalid or temp or records or older_than is not None):
+        raise ConfigError("nothing selected: pass --invalid, --temp, --records and/or --older-than DAYS")
+    if older_than is not None and older_than < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--older-than")
+    out = Output(json=json, quiet=quiet)
+    root = existing_cache_dir(cache_dir)
+    from exl3tool.cache.records import execute_record_prune, plan_record_prune, read_records
+
+    plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model)
+    rplan = plan_record_prune(root, read_records(root, model_prefix=model), invalid=invalid,
+                              removing={info.path for info, _ in plan.items if info.kind == "entry"})
+    table = Table(title=f"Prune plan for {root}")
+    table.add_column("file", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("why", overflow="fold")
+    for info, why in plan.items:
+        table.add_row(str(info.path.relative_to(root)), decimal(info.size), why)
+    for sr, why in rplan.items:
+        table.add_row(str(sr.path.relative_to(root)), decimal(sr.size), why)
+    out.table(table)
+    for info, why in plan.skipped:
+        out.note(f"skipping {info.path}: {why}")
+    out.line(f"{plural(len(plan.items), 'file')}, {decimal(plan.bytes_freed)} to free"
+             + (f"; {plural(len(rplan.items), 'provenance record')}" if rplan.items else ""))
+    result: dict[str, Any] = {
+        "root": str(root),
+        "dry_run": dry_run,
+        "planned": [{**_entry_json(i), "why": why} for i, why in plan.items],
+        "skipped": [{**_entry_json(i), "why": why} for i, why in plan.skipped],
+        "bytes_planned": plan.bytes_freed,
+        "records_planned": [{"path": str(sr.path), "why": why} for sr, why in rplan.items],
+    }
+    if dry_run or not (plan.items or rplan.items):
+        out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
+        return
+    if not yes:
+        if json:
+            raise ConfigError("prune with --json needs --yes (or --dry-run): there is no prompt in JSON mode")
+        try:
+            agreed = typer.confirm(f"Delete {plural(len(plan.items) + len(rplan.items), 'file')}?")
+        except typer.Abort:  # no answer: stdin closed or not a terminal (a script, CI)
+            typer.echo()  # end the prompt's line
+            raise ConfigError("no answer to the prompt (stdin is not interactive): pass --yes to prune without a "
+                              "prompt, or --dry-run to see the plan") from None
+        if not agreed:
+            out.line("nothing removed")
+            out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
+            return
+    done = execute_prune(plan)
+    removed, rerrors, rkept = execute_record_prune(root, rplan)  # after the entries: a record goes with its last entry
+    errors = list(done.errors) + rerrors
+    for line in list(done.kept) + rkept:
+        out.note(line)
+    for line in errors:
+        out.warn(line)
+    out.line(f"freed {decimal(done.freed)}"
+             + (f"; {plural(len(done.kept), 'file')} changed since the plan, kept" if done.kept else "")
+             + (f"; {plural(removed, 'provenance record')} removed" if removed else ""))
+    out.data({**result, "bytes_freed": done.freed, "errors": errors, "kept": list(done.kept) + rkept,
+              "records_removed": removed})
+    if errors:
+        raise InputError(f"{plural(len(errors), 'file')} could not be removed (see warnings); check permissions under {root}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``cache`` group."""
+    app.add_typer(cache_app, name="cache")
+
+
+# --- bundles: `cache export` / `cache import` ------------------------------------------------------------------------
+
+
+def _tp_filter(tp_sizes: Optional[str]) -> Optional[tuple[int, ...]]:
+    from exl3tool.cli.commands.options import parse_positive_ints
+
+    return None if tp_sizes is None else parse_positive_ints(tp_sizes, "--tp-sizes")
+
+
+def _export_report(out: Output, plan, bundle: str, size: int) -> None:
+    if plan.left_out:
+        table = Table(title="left out (invalid)")
+        table.add_column("entry", overflow="fold")
+        table.add_column("why", overflow="fold")
+        for path, why in plan.left_out:
+            table.add_row(path, why)
+        out.table(table)
+    out.line(f"exported {plural(len(plan.entries), 'entry', 'entries')} ({decimal(plan.bytes)}) to {bundle}: a {decimal(size)} bundle; "
+             f"{len(plan.left_out)} invalid left out; cache {plan.root}")
+    out.data({
+        "bundle": bundle, "root": str(plan.root), "entries": len(plan.entries), "bytes": plan.bytes,
+        "bundle_bytes": size, "records": [r.path for r in plan.records],
+        "exported": [{"path": e.path, "digest": e.digest, "size": e.size, "sha256": e.sha256} for e in plan.entries],
+        "left_out": [{"path": p, "reason": why} for p, why in plan.left_out],
+    })
+
+
+@cache_app.command("export")
+def export(
+    out_path: Annotated[str, typer.Argument(metavar="OUT", help="Bundle file to write, or - for stdout.")],
+    model: ModelIdOpt = None,
+    tp_sizes: Annotated[
+        Optional[str], typer.Option("--tp-sizes", help="Only entries of these TP sizes, comma-separated (default: all).")
+    ] = None,
+    cache_dir: CacheDirOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write the valid entries (default: all) into one bundle file: a tar whose first member is the manifest.
+
+    Every entry is loaded as the server would first; invalid ones are never exported and are listed. The same
+    entries always give the same bytes. With OUT `-` the bundle goes to stdout and the report to stderr:
+    exl3tool cache export - --model 3f2a | ssh node exl3tool cache import -
+    Exit codes: 0 every selected entry exported, 1 some invalid ones left out (the bundle holds the rest),
+    2 nothing to export, usage or I/O error.
+    """
+    import contextlib
+    import sys
+
+    from exl3tool.cache.bundle import plan_export, write_bundle, write_bundle_file
+
+    root = existing_cache_dir(cache_dir)
+    if out_path == "-" and sys.stdout.isatty():
+        raise ConfigError("refusing to write a bundle to a terminal; redirect stdout or pipe it (… | exl3tool cache import -)")
+    plan = plan_export(root, model=model, tp_sizes=_tp_filter(tp_sizes))
+    if not plan.entries:
+        what = f" of model {model}" if model else ""
+        raise ConfigError(f"no valid entries{what} under {root} to export"
+                          + (f" ({len(plan.left_out)} invalid left out)" if plan.left_out else "")
+                          + "; check --model / --tp-sizes / --cache-dir")
+    if out_path == "-":
+        size = write_bundle(plan, sys.stdout.buffer)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the bundle: the report goes to stderr
+            _export_report(Output(json=json, quiet=quiet), plan, "-", size)
+    else:
+        size = write_bundle_file(plan, out_path)  # atomic: a failed export never leaves a partial bundle
+        _export_report(Output(json=json, quiet=quiet), plan, out_path, size)
+    if plan.left_out:
+        raise FindingsError(f"{len(plan.left_out)} invalid entr{'y' if len(plan.left_out) == 1 else 'ies'} left out of "
+                            "the bundle; see them with: exl3tool cache verify")
+
+
+@cache_app.command("import")
+def import_(
+    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="Bundle file to read, or - for stdin.")],
+    cache_dir: CacheDirOpt = None,
+    file_mode: FileModeOpt = "0600",
+    against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
+    exact: Annotated[bool, typer.Option("--exact", help="With --against: compare each entry with a fresh encode (verify --exact's rule) instead of the verify bound.")] = False,
+    revision: RevisionOpt = None,
+    bits: BitsOpt = None,
+    layers: LayersOpt = [],
+    exclude: ExcludeOpt = [],
+    shared_experts: SharedOpt = False,
+    quantization_config: QuantizationConfigOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
+    server_path: ServerPathOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Publish a bundle's entries into the cache, treating it as untrusted input.
+
+    Every entry must match the manifest's size and sha256 and pass the server's checks before it is renamed into
+    place (temp file, fsync, atomic rename, entry lock). Links, devices, absolute or '..' paths, extended headers,
+    members not in the manifest, duplicates, paths that do not match their key and oversize headers are refused.
+    A valid entry already present is kept; an invalid one is replaced. Importing a bundle twice changes nothing.
+    With --against MODEL (and the options a warm of MODEL takes) every entry's key must be in MODEL's plan and its
+    weights MODEL's: within the verify bound, or with --exact as `verify --exact` compares; others are refused.
+    docs/deploy.md says what each mode proves.
+    Exit codes: 0 all imported or present, 1 some refused (the rest imported), 2 unreadable bundle or I/O error.
+    Example: exl3tool cache import exl3-cache.tar --cache-dir /srv/exl3-cache --file-mode 0644
+    """
+    import sys
+
+    from exl3tool.cache import CacheStore
+    from exl3tool.cache.bundle import import_bundle
+    from exl3tool.cli.commands.options import parse_file_mode
+
+    out = Output(json=json, quiet=quiet)
+    root = resolve_cache_dir(cache_dir)
+    if against is None:
+        given = [name for name, value in (
+            ("--exact", exact), ("--revision", revision), ("--layers", layers), ("--exclude", exclude),
+            ("--shared-experts", shared_experts), ("--quantization-config", quantization_config),
+            ("--encoder-root", encoder_root), ("--encoder-revision", encoder_revision),
+            ("--encoder-source", encoder_source), ("--server-path", server_path), ("--dtype", dtype != "auto"),
+            ("--device", device != "auto")) if value]
+        if given:
+            raise typer.BadParameter(f"{', '.join(given)} only apply with --against MODEL (the checkpoint the entries "
+                                     "are checked against)", param_hint=given[0])
+    try:
+        store = CacheStore(root, "readwrite", file_mode=parse_file_mode(file_mode))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--file-mode") from None
+    check = None
+    if against is not None:
+        from exl3tool.operations.against import AgainstModel
+        from exl3tool.plan import WarmRequest
+
+        check = AgainstModel.from_request(WarmRequest(
+            model=against, bits=bits, revision=revision, layers=tuple(layers), exclude=tuple(exclude),
+            shared_experts=shared_experts, cache_dir=str(root), device=device, encoder_root=encoder_root,
+            encoder_revision=encoder_revision, encoder_source=encoder_source, server_path=server_path, dtype=dtype,
+            quantization_config=quantization_config), exact=exact)
+    if bundle == "-":
+        report = import_bundle(sys.stdin.buffer, store, source="-", check=check)
+    else:
+        try:
+            fh = open(bundle, "rb")
+        except OSError as exc:
+            raise InputError(f"cannot read the bundle {bundle}: {exc.strerror}") from None
+        with fh:
+            report = import_bundle(fh, store, source=str(Path(bundle).resolve()), check=check)
+    refused = [i for i in report.items if i.status == "refused"]
+    if refused:
+        table = Table(title="refused")
+        table.add_column("member", overflow="fold")
+        table.add_column("why", overflow="fold")
+        for i in refused:
+            table.add_row(i.path, i.reason)
+        out.table(table)
+    out.line(f"{report.count('imported')} imported, {report.count('replaced')} replaced (were invalid), "
+             f"{report.count('present')} already present, {len(refused)} refused; "
+             f"{decimal(report.bytes_written)} written; {plural(report.count('imported', 'record'), 'provenance record')} "
+             f"imported, {report.count('present', 'record')} already there; cache {root}")
+    out.data({
+        "bundle": bundle, "root": str(root), "tool_version": report.tool_version,
+        "against": None if against is None else {"model": against, "exact": exact},
+        "imported": report.count("imported"), "replaced": report.count("replaced"),
+        "present": report.count("present"), "refused": len(refused), "bytes_written": report.bytes_written,
+        "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items
+                    if i.kind == "entry"],
+        "records": [{"path": i.path, "status": i.status, "reason": i.reason} for i in report.items
+                    if i.kind == "record"],
+    })
+    if refused:
+        raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); the rest were "
+                            "imported")

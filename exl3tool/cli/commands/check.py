@@ -1,0 +1,155 @@
+"""`exl3tool cache check`: will the server's look-ups hit? Every miss grouped by cause, one line each with the fix."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from exl3tool.cli.commands.encode import (
+    LAUNCH_PARAMS, ExcludeOpt, LayersOpt, ModelArg, SharedOpt, TpSizesOpt, plan_header, plan_notes, warm_request,
+)
+from exl3tool.cli.commands.launching import EnvFileOpt, LaunchOpt, PidOpt, apply_options, launch_json
+from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.options import (
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt,
+    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt,
+)
+from exl3tool.errors import FindingsError
+from exl3tool.cli.output import Output, plural
+from exl3tool.operations.check import CheckReport, check
+
+__all__ = ["cache_check", "render_check", "check_json", "render_no_lookup"]
+
+
+def _where(cause) -> str:
+    jobs = cause.lookups
+    if not jobs:  # look-ups the plan cannot hold: not counted, each a miss
+        return "look-ups outside the plan (not counted)"
+    layouts = sorted({(j.tp_size, j.tp_rank) for j in jobs})
+    ranks = ",".join(f"tp{w}-rank{r}" for w, r in layouts[:4]) + (" ..." if len(layouts) > 4 else "")
+    return f"{plural(len(jobs), 'look-up')}, e.g. {jobs[0].prefix} ({ranks})"
+
+
+def check_json(report: CheckReport) -> dict[str, Any]:
+    """The `--json` document (fields in docs/cache.md)."""
+    plan = report.plan
+    cause_of = {}
+    for n, c in enumerate(report.causes):
+        for j in c.lookups:
+            cause_of.setdefault(j.digest, []).append(n)
+    lookups = report.lookups
+    return {
+        "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
+        "bits": plan.bits, "dtype": report.dtype, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root),
+        **plan_header(plan),
+        "ok": report.ok, "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
+        "invalid": plan.count("invalid"), "not_looked_up": plan.count("skipped"), "hit_origins": report.hit_origins,
+        "causes": [c.as_json() for c in report.causes],
+        "notes": [f.as_json() for f in report.notes],
+        "records": [{"path": str(sr.path), "error": sr.error} if sr.record is None else
+                    {"path": str(sr.path), "command": sr.record.command, "host": sr.record.host,
+                     "time": sr.record.time, "model_identity": sr.record.model_identity,
+                     "encoder_identity": sr.record.encoder_identity, "entries": len(sr.record.entries)}
+                    for sr in report.records],
+        "seconds": report.seconds,
+        "entries": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
+                     "output_size": j.output_size, "state": j.state, "reason": j.reason, "digest": j.digest,
+                     "path": str(j.path), "causes": cause_of.get(j.digest, [])} for j in lookups],
+    }
+
+
+def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
+    """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix."""
+    plan = report.plan
+    plan_notes(out, plan)
+    for n, cause in enumerate(report.causes, 1):
+        title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",
+                 "unplanned": "miss"}[cause.kind]
+        table = Table(title=Text(f"{n}. {title}: {_where(cause)}"), show_header=False)
+        table.add_column("field", no_wrap=True)
+        table.add_column("what", overflow="fold")
+        for f in cause.findings:
+            table.add_row(f.field.replace("_", " "), f.text)
+            table.add_row("", Text(f"fix: {f.fix}", style="green"))
+        out.table(table)
+    for f in report.notes:
+        out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
+    o = report.hit_origins
+    out.line(f"{plural(len(report.lookups), 'look-up')}: {plan.count('hit')} hit ({o['record']} recorded warms, "
+             f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
+             f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
+             f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
+    out.data({**check_json(report), **(extra or {})})
+
+
+def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict) -> None:
+    """A launch whose server looks nothing up: zero look-ups, each reason, and ``"server_lookup": false``. A finding
+    (exit 1), never "all hit": the cache cannot make this server start warm."""
+    out.line(f"0 look-ups: this launch encodes nothing online, because {reasons[0]}")
+    for line in reasons[1:]:
+        out.line(f"  and {line}")
+    out.data({"ok": False, "server_lookup": False, "lookup_off": list(reasons), "lookups": 0, "hit": 0, "miss": 0,
+              "invalid": 0, "causes": [], "notes": [], **extra})
+
+
+def cache_check(
+    ctx: typer.Context,
+    model: ModelArg = None,
+    revision: RevisionOpt = None,
+    tp_sizes: TpSizesOpt = "1",
+    bits: BitsOpt = None,
+    layers: LayersOpt = [],
+    exclude: ExcludeOpt = [],
+    cache_dir: CacheDirOpt = None,
+    shared_experts: SharedOpt = False,
+    quantization_config: QuantizationConfigOpt = None,
+    dtype: DtypeOpt = "auto",
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
+    server_path: ServerPathOpt = None,
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Will a server started with these settings hit? Every look-up it will make, as hit, miss or invalid.
+
+    Takes `cache warm`'s options and plans exactly as `cache warm --dry-run`; reads entry headers and provenance
+    records only, never encodes or writes. Misses are grouped by cause (model identity component, encoder identity,
+    bits, shape, TP layout, overlay; entries the server wrote itself), one line each with the fix. Run it where the
+    server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error.
+
+    Example: exl3tool cache check /models/GLM-5.3 --tp-sizes 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
+
+    From the server's launch (its TP size; --tp-sizes adds more), or a running server: exl3tool cache check
+    --launch "vllm serve /models/GLM-5.3 -tp 2 --quantization-config '{...}'", exl3tool cache check --pid PID
+    """
+    out = Output(json=json_out, quiet=quiet)
+    request = warm_request(
+        model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
+        cache_dir=cache_dir, shared_experts=shared_experts, quantization_config=quantization_config, dtype=dtype,
+        encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
+        server_path=server_path,
+    )
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
+                                               add_tp_sizes=True, no_lookup="report")
+    if settings is not None and settings.lookup_off:
+        render_no_lookup(out, settings.lookup_off, launch_json(settings))
+        raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
+    report = check(request, environ=environ)
+    render_check(out, report, launch_json(settings))
+    if not report.ok:
+        bad = report.plan.count("miss") + report.plan.count("invalid")
+        what = f"{bad} of {len(report.lookups)} look-ups would not hit"
+        if any(c.kind == "unplanned" for c in report.causes):
+            what += (", and the server makes look-ups outside the plan that would miss" if bad else
+                     f": the {len(report.lookups)} planned look-ups hit, but the server makes others that would miss")
+        raise FindingsError(what if json_out else f"{what}; see the causes above")

@@ -1,0 +1,391 @@
+"""`exl3tool encode` (one TP layout, any mode) and `exl3tool cache warm` (every rank of several TP sizes)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated, Optional
+
+import typer
+from rich.filesize import decimal
+from rich.table import Table
+from rich.text import Text
+
+from exl3tool.cli.commands.launching import (
+    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
+)
+from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.options import (
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
+    LockTimeoutOpt, OverlapOpt, ProgressOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
+)
+from exl3tool.errors import FindingsError
+from exl3tool.cli.output import Output, note_interrupted, plural
+from exl3tool.cli.progress import make_progress, progress_mode
+from exl3tool.plan import WarmPlan, WarmRequest, prepare
+from exl3tool.operations.warm import WarmSummary, warm
+from exl3tool.plan.sharing import reused_from, sharing_figures
+
+__all__ = ["register", "encode", "cache_warm", "warm_request", "LayersOpt", "ExcludeOpt", "SharedOpt", "ModelArg",
+           "TpSizesOpt", "LAUNCH_PARAMS"]
+
+LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
+ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
+GpuMemoryOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GiB", help="GPU memory budget per worker in GiB (default: what the device has free, less 5% or 1 GiB); the encoder sizes its chunks to it and a layer that cannot fit fails with the memory it needed.")]
+ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
+TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
+SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
+
+
+def plan_header(plan: WarmPlan) -> dict:
+    """What the plan was made with: the overlay, the checkpoint kind, whether the server looks entries up, notes."""
+    lp = plan.layer_plan
+    return {
+        "quantization_config": lp.overlay.as_json() if lp is not None and lp.overlay is not None else None,
+        "checkpoint_kind": lp.kind.kind if lp is not None and lp.kind is not None else None,
+        "architecture": lp.architecture if lp is not None else None,
+        "server_lookup": lp.server_lookup if lp is not None else True,
+        "notes": list(lp.notes) if lp is not None else [],
+        "identity_warnings": list(plan.identity_warnings),
+        "fetch": None if plan.fetch is None else {
+            "shards": list(plan.fetch.shards), "shards_total": plan.fetch.shards_total,
+            "bytes_fetched": plan.fetch.bytes_fetched, "index_total_bytes": plan.fetch.index_total_bytes},
+    }
+
+
+def plan_notes(out: Output, plan: WarmPlan) -> None:
+    """The plan's header on stderr: overlay, kind, notes; a warning when the server will not look entries up."""
+    for warning in plan.identity_warnings:
+        out.warn(warning)
+    lp = plan.layer_plan
+    if lp is None:
+        return
+    if lp.overlay is not None:
+        out.note(f"quantization config: {lp.overlay.text}" + (" (default)" if lp.overlay.default else ""))
+    gaps = {e.detail for e in lp.excluded if e.reason == "not_modelled"}  # layers the server encodes, we do not
+    for note in lp.notes:
+        (out.note if lp.server_lookup and note not in gaps else out.warn)(note)
+    if plan.fetch is not None:
+        out.note(plan.fetch.line())
+
+
+def discard_note(out: Output, plan: WarmPlan) -> None:
+    """`encode --mode readonly|off`: say before the first encode that its results will be thrown away."""
+    if plan.mode != "readwrite":
+        what = ("the cache is neither read nor written: every planned layer" if plan.mode == "off" else
+                "the cache is read, never written: every layer missing from it")
+        out.note(f"mode {plan.mode}: {what} is encoded ({plural(len(plan.todo), 'job')}) and the result discarded "
+                 "(a timing or a dry check); --mode readwrite publishes the entries")
+
+
+def _why(j) -> str:
+    if j.state == "skipped" or j.state == "invalid":
+        return j.reason
+    spec = j.rank_job.layer.spec if j.rank_job is not None else "linear"
+    return "--layers glob (the server does not look this entry up)" if spec == "generic" else f"planned ({spec} spec)"
+
+
+def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> None:
+    """The dry-run table: one row per job, then the modules the server does not encode and why."""
+    lp = plan.layer_plan
+    overlay = f", quantization config {lp.overlay.text}" if lp is not None and lp.overlay is not None else ""
+    kind = f", {lp.kind.kind} checkpoint" if lp is not None and lp.kind is not None else ""
+    table = Table(title=f"plan for {plan.model} ({plan.bits} bits, TP {','.join(map(str, plan.tp_sizes))}"
+                        f"{kind}{overlay})")
+    for col in ("layer", "tp", "rank", "shape (in x out)", "tiles", "state", "note"):
+        table.add_column(col, justify="right" if col in ("tp", "rank", "tiles") else "left")
+    for j in plan.jobs:
+        style = {"hit": "green", "miss": "yellow", "invalid": "red", "skipped": "dim"}.get(j.state, "")
+        table.add_row(j.prefix, str(j.tp_size), str(j.tp_rank), f"{j.input_size} x {j.output_size}", str(j.tiles),
+                      Text(j.state, style=style), j.reason)
+    out.table(table)
+    excluded = lp.excluded if lp is not None else ()
+    if excluded and not out.json:
+        ex = Table(title="not encoded by the server")
+        for col in ("layer", "reason"):
+            ex.add_column(col)
+        for e in excluded:
+            ex.add_row(e.prefix, e.detail or e.reason)
+        out.table(ex)
+    plan_notes(out, plan)
+    discard_note(out, plan)
+    looked_up = [j for j in plan.jobs if j.state != "skipped"]
+    todo = plan.todo
+    shares, sharing = reused_from(todo), sharing_figures(todo)
+    out.line(f"{plural(len(plan.jobs), 'job')}: {plan.count('hit')} hit, {plan.count('miss')} miss, "
+             f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; "
+             f"{plural(len(excluded), 'module')} not encoded by the server; {plural(sum(j.tiles for j in looked_up), 'tile')} "
+             f"in all, {plural(sum(j.tiles for j in todo), 'tile')} to encode; cache {plan.cache_root}")
+    out.line(_sharing_line(sharing))
+    out.data({
+        "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
+        "bits": plan.bits, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root), "mode": plan.mode,
+        **plan_header(plan),
+        "tiles": {"total": sum(j.tiles for j in looked_up), "to_encode": sum(j.tiles for j in todo)},
+        "jobs": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
+                  "output_size": j.output_size, "tiles": j.tiles, "state": j.state, "reason": j.reason,
+                  "why": _why(j), "planned_by": j.rank_job.layer.spec if j.rank_job is not None else None,
+                  "digest": j.digest, "path": str(j.path),
+                  **({"reused_from": shares[j.digest]} if j.digest in shares else {})} for j in plan.jobs],
+        "not_planned": [{"prefix": e.prefix, "reason": e.reason, "why": e.detail} for e in excluded],
+        "encodes": sharing["encodes"], "sharing": sharing,
+        **(extra or {}),
+    })
+
+
+def _sharing_line(f: dict) -> str:
+    """How many encodes the pending entries need, and how many one shared encode saves (same rank-local shard)."""
+    share = f"{100 * f['tiles_saved'] / f['tiles']:.1f}%" if f["tiles"] else "0%"
+    return (f"{f['entries']} entries to encode need {f['encodes']} encodes: {f['encodes_saved']} saved by encoding "
+            f"each distinct shard once ({f['tiles_saved']} of {f['tiles']} tiles, {share})")
+
+
+def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = None) -> None:
+    """Counts, failures and the JSON summary."""
+    c = summary.counts
+    failed = [e for e in summary.entries if e.status == "failed"]
+    if failed and not out.json:
+        table = Table(title="failed layers")
+        for col in ("layer", "tp", "rank", "error"):
+            table.add_column(col)
+        for e in failed:
+            table.add_row(e.prefix, str(e.tp_size), str(e.tp_rank), e.error)
+        out.table(table)
+    saved = f" ({summary.encodes} encodes, {summary.encodes_saved} saved by sharing)" if summary.encodes_saved else ""
+    out.line(f"{c['hit']} hit, {c['encoded']} encoded{saved}, {c['skipped']} skipped, {c['failed']} failed; "
+             f"{decimal(summary.bytes_written)} written in {summary.seconds:.1f} s on {summary.device}"
+             f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
+    for st in summary.worker_stats:
+        if st.get("gpu_budget_mib") is not None:
+            out.note(f"worker {st.get('worker', 0)} on {st.get('device')}: GPU memory budget "
+                     f"{st['gpu_budget_mib'] / 1024:.1f} GiB, peak {st.get('peak_cuda_mib', 0) / 1024:.1f} GiB")
+    if summary.record_error:
+        out.warn(summary.record_error)
+    elif summary.record:
+        out.note(f"provenance record {summary.record}" + ("" if summary.record_written else " (already there)"))
+    render_unchecked(out, summary)
+    if extra:
+        from exl3tool.cli.output import to_jsonable
+
+        out.data({**to_jsonable(summary), **extra})
+    else:
+        out.data(summary)
+
+
+def render_unchecked(out: Output, summary: WarmSummary) -> None:
+    """Name every hit without exl3tool's checksum (prefix, TP layout and path), with what --check-unchecked did."""
+    if not summary.unchecked:
+        return
+    checked = any(u.verdict is not None for u in summary.unchecked)
+    n = len(summary.unchecked)
+    if checked:
+        replaced = sum(u.action == "replaced" for u in summary.unchecked)
+        out.warn(f"{plural(n, 'hit')} carried no exl3tool checksum (written by the server?); checked against a fresh encode: "
+                 f"{replaced} replaced, {n - replaced} kept")
+    else:
+        out.warn(f"{plural(n, 'hit')} carry no exl3tool checksum (written by the server?): kept as the server would load them; "
+                 "`cache warm --check-unchecked` or `exl3tool verify MODEL --exact` checks their weights")
+    for u in summary.unchecked:
+        what = f"  {u.verdict}, {u.action or 'kept'}: {u.detail}" if u.verdict is not None else ""
+        out.warn(f"unchecked {u.prefix} tp{u.tp_size}-rank{u.tp_rank} {u.path}{what}")
+
+
+def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm",
+         environ: Optional[dict] = None, extra: Optional[dict] = None, progress_choice: str = "auto") -> None:
+    if dry_run:
+        _, plan, _ = prepare(request, environ=environ)
+        render_plan(out, plan, extra)
+        return
+    mode = progress_mode(progress_choice, terminal=out.stderr.is_terminal, quiet=out.quiet)
+    display = make_progress(mode, out.stderr)
+
+    def on_plan(plan: WarmPlan, ctx, todo) -> None:
+        if ctx.workers > 1:
+            from exl3tool.plan import share_jobs
+
+            todo = share_jobs(todo, ctx.worker, ctx.workers)
+        plan_notes(out, plan)
+        discard_note(out, plan)
+        f = sharing_figures(todo)
+        out.note(f"{plan.model}: {plural(len(plan.jobs), 'job')}, {plan.count('hit')} already cached, "
+                 f"{len(todo)} to encode here ({plural(f['tiles'], 'tile')})"
+                 + (f"; {f['encodes']} encodes ({f['encodes_saved']} saved: same shard)" if f["encodes_saved"] else ""))
+        display.begin(todo)
+
+    def on_checked(u) -> None:
+        out.note(f"checked  {u.prefix} tp{u.tp_size}-rank{u.tp_rank} {u.verdict} ({u.action or 'kept'}) {u.seconds:.1f}s")
+
+    finished = {status: 0 for status in ("hit", "encoded", "skipped", "failed")}
+
+    def on_done(job, result) -> None:
+        finished[result.status] = finished.get(result.status, 0) + 1
+        display.done(job, result)
+
+    try:
+        summary = warm(request, environ=environ, on_start=display.started, on_done=on_done, on_plan=on_plan,
+                       on_tiles=display.tiles, command=command, on_checked=on_checked)
+    except KeyboardInterrupt:  # Ctrl-C: the error document says what this process published before it
+        note_interrupted({"published": finished["encoded"], "counts": dict(finished)})
+        raise
+    finally:
+        display.end()
+    if summary is None:  # a torchrun worker other than 0: worker 0 reports for everyone
+        return
+    render_summary(out, summary, extra)
+    if not summary.ok:
+        where = "the entries with status 'failed'" if out.json else "the list above"
+        raise FindingsError(f"{plural(summary.counts['failed'], 'layer job')} failed; see {where}")
+
+
+# command parameter -> WarmRequest field, for the flags that win over a launch
+LAUNCH_PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path", "bits": "bits",
+                 "dtype": "dtype", "quantization_config": "quantization_config", "encoder_root": "encoder_root",
+                 "encoder_revision": "encoder_revision", "encoder_source": "encoder_source", "cache_dir": "cache_dir",
+                 "tp_sizes": "tp_sizes", "tp_size": "tp_sizes"}
+
+
+def encode(
+    ctx: typer.Context,
+    model: ModelArg = None,
+    revision: RevisionOpt = None,
+    tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
+    tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
+    bits: BitsOpt = None,
+    layers: LayersOpt = [],
+    exclude: ExcludeOpt = [],
+    cache_dir: CacheDirOpt = None,
+    mode: Annotated[str, typer.Option("--mode", help="readwrite (publish), readonly (encode misses, write nothing) or off (no cache).")] = "readwrite",
+    device: DeviceOpt = "auto",
+    shared_experts: SharedOpt = False,
+    quantization_config: QuantizationConfigOpt = None,
+    dtype: DtypeOpt = "auto",
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
+    server_path: ServerPathOpt = None,
+    file_mode: FileModeOpt = "0600",
+    overlap: OverlapOpt = True,
+    gpu_memory: GpuMemoryOpt = None,
+    lock_timeout: LockTimeoutOpt = None,
+    progress: ProgressOpt = "auto",
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
+    dry_run: DryRunOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Encode the eligible layers of MODEL for one TP size into the cache.
+
+    Example: exl3tool encode Qwen/Qwen3-8B --revision main --tp-size 2 --encoder-root /encoders/exllamav3 --encoder-revision v0.0.18 --dry-run
+
+    From the server's launch: exl3tool encode --dry-run --launch "vllm serve /models/M -tp 2 --quantization-config '{...}'"
+    """
+    from exl3tool.cache.settings import CACHE_MODES
+
+    norm = mode.strip().lower()
+    if norm not in CACHE_MODES:
+        raise typer.BadParameter(f"--mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
+    request = WarmRequest(
+        model=model or "", tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
+        revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
+        cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
+        encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
+        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout, gpu_memory_gib=gpu_memory,
+    )
+    out = Output(json=json_out, quiet=quiet)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS)
+    if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
+        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
+    _run(out, request, dry_run, "encode", environ, launch_json(settings), progress_choice=progress)
+
+
+def cache_warm(
+    ctx: typer.Context,
+    model: ModelArg = None,
+    revision: RevisionOpt = None,
+    tp_sizes: TpSizesOpt = "1",
+    bits: BitsOpt = None,
+    layers: LayersOpt = [],
+    exclude: ExcludeOpt = [],
+    cache_dir: CacheDirOpt = None,
+    device: DeviceOpt = "auto",
+    shared_experts: SharedOpt = False,
+    quantization_config: QuantizationConfigOpt = None,
+    dtype: DtypeOpt = "auto",
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
+    server_path: ServerPathOpt = None,
+    file_mode: FileModeOpt = "0600",
+    overlap: OverlapOpt = True,
+    check_unchecked: Annotated[bool, typer.Option("--check-unchecked", help="Re-encode every hit without exl3tool's checksum (e.g. server-written), compare it exactly and replace it if it differs.")] = False,
+    gpu_memory: GpuMemoryOpt = None,
+    lock_timeout: LockTimeoutOpt = None,
+    progress: ProgressOpt = "auto",
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
+    dry_run: DryRunOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Leave the cache as the server would after starting MODEL at each TP size: every layer, every rank.
+
+    Idempotent (a second run is all hits) and resumable (a killed run leaves only complete entries). Hits without
+    exl3tool's checksum (server-written) are kept and named; --check-unchecked re-encodes each, compares it with
+    `verify --exact`'s rule and replaces (entry lock, atomic publish) the ones that differ.
+
+    Under `torchrun --nproc-per-node N -m exl3tool cache warm ...` each process takes a balanced share.
+
+    Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
+
+    Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json
+
+    From the server's launch (its TP size; --tp-sizes adds more): exl3tool cache warm --launch "docker run -v
+    /srv/m:/models/m -v /srv/cache:/cache/exl3-online --env-file server.env IMAGE vllm serve /models/m -tp 2 ..."
+    """
+    request = warm_request(
+        model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
+        cache_dir=cache_dir, device=device, shared_experts=shared_experts, quantization_config=quantization_config,
+        dtype=dtype, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
+        server_path=server_path, file_mode=file_mode, overlap=overlap, lock_timeout=lock_timeout, gpu_memory=gpu_memory,
+    )
+    out = Output(json=json_out, quiet=quiet)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
+                                               add_tp_sizes=True)
+    request = replace(request, check_unchecked=check_unchecked)
+    _run(out, request, dry_run, "cache warm", environ, launch_json(settings), progress_choice=progress)
+
+
+def warm_request(*, model: Optional[str], revision: Optional[str], tp_sizes: str, bits: int, layers: list[str],
+                 exclude: list[str], cache_dir, shared_experts: bool, quantization_config: Optional[str], dtype: str,
+                 encoder_root: Optional[str], encoder_revision: Optional[str], encoder_source: Optional[str],
+                 server_path: Optional[str], device: str = "auto", file_mode: str = "0600",
+                 overlap: bool = True, lock_timeout: Optional[float] = None,
+                 gpu_memory: Optional[float] = None) -> WarmRequest:
+    """The request of `cache warm` from its options: also what `cache check` plans with, so both always agree."""
+    return WarmRequest(
+        model=model or "", tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
+        layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
+        mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
+        encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
+        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout, gpu_memory_gib=gpu_memory,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    from exl3tool.cli.commands.cache import cache_app
+
+    from exl3tool.cli.commands.check import cache_check
+
+    app.command("encode", cls=LaunchCommand)(encode)
+    cache_app.command("warm", cls=LaunchCommand)(cache_warm)
+    cache_app.command("check", cls=LaunchCommand)(cache_check)

@@ -1,0 +1,185 @@
+"""``exl3tool identity``: the model and encoder identities the server would compute, and how."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Optional
+
+import typer
+
+from exl3tool.cache import server_encoder_identity, server_identities
+from exl3tool.cli.commands.launching import (
+    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
+)
+from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.options import (
+    EncoderRevisionOpt,
+    EncoderRootOpt,
+    EncoderSourceOpt,
+    JsonOpt,
+    QuantizationConfigOpt,
+    QuietOpt,
+    RevisionOpt,
+    ServerPathOpt,
+)
+from exl3tool.cli.output import Output
+
+__all__ = ["register", "identity"]
+
+
+def identity(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
+    revision: RevisionOpt = None,
+    server_path: ServerPathOpt = None,
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
+    quantization_config: QuantizationConfigOpt = None,
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Print the model and encoder identities the server derives, how, and the --revision to start it with.
+
+    Warns when a branch or tag was resolved (the server resolves it again when it starts; the full commit hash is
+    always safe). With --encoder-source the local copy's .py files are hashed under the --encoder-root string.
+
+    The identities do not depend on --quantization-config; it is validated as the server does and shown, so one
+    command line can be checked before a warm. Without MODEL and launch, --encoder-root (or --encoder-source) prints
+    the encoder identity alone, e.g. of an `exl3tool encoder-source DIR` export.
+
+    Example: exl3tool identity org/model --encoder-root /encoders/exllamav3 --encoder-revision 1a2b3c
+    """
+    from exl3tool.checkpoint import resolve_overlay
+
+    from exl3tool.plan import WarmRequest
+
+    out = Output(json=json, quiet=quiet)
+    if not model and not launch_input(ctx, launch, pid, env_file).launch_given and given_fields(
+            ctx, {"encoder_root": "encoder_root", "encoder_source": "encoder_source"}):
+        _encoder_only(out, encoder_root, encoder_revision, encoder_source, quantization_config, env_file)
+        return
+    request = WarmRequest(model=model or "", revision=revision, server_path=server_path, encoder_root=encoder_root,
+                          encoder_revision=encoder_revision, encoder_source=encoder_source,
+                          quantization_config=quantization_config)
+    request, launched, environ = apply_options(ctx, out, request, launch, pid, env_file, {
+        "model": "model", "revision": "revision", "server_path": "server_path", "encoder_root": "encoder_root",
+        "encoder_revision": "encoder_revision", "encoder_source": "encoder_source",
+        "quantization_config": "quantization_config"}, need_cache=False, no_lookup="warn")
+    model = request.model
+    overlay = resolve_overlay(request.quantization_config)
+    ids = server_identities(model, revision=request.revision, server_path=request.server_path,
+                            encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
+                            encoder_source=request.encoder_source, environ=environ, view=request.server_view)
+    mid, eid, settings = ids.model, ids.encoder, ids.encoder_settings
+    source = _encoder_from(ctx, settings, launched, env_file)
+    out.fields("Identities", [("model identity", mid.identity), ("model derivation", f"{mid.kind}: {mid.derivation}"),
+                              ("encoder identity", eid.identity),
+                              ("encoder derivation", _encoder_derivation(eid, settings, source))])
+    out.wrapped(f"revision: {mid.revision or '(none)'}")
+    out.wrapped(f"server --revision: {ids.server_revision or '(none)'}: {ids.revision_note}")
+    out.wrapped(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
+    if eid.mode == "files":
+        out.wrapped(f"encoder files hashed from: {eid.files_from}")
+    out.wrapped(f"cache dir: v1/{mid.identity[:20]}/")
+    out.wrapped(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
+    for warning in ids.warnings:
+        out.warn(warning)
+    out.data(
+        {
+            "model": {
+                "name": model,
+                "identity": mid.identity,
+                "kind": mid.kind,
+                "revision": mid.revision,
+                "revision_from": mid.revision_from,
+                "server_revision": ids.server_revision,
+                "server_revision_note": ids.revision_note,
+                "payload": mid.payload,
+                "derivation": mid.derivation,
+            },
+            "encoder": {**_encoder_json(eid, settings), "source_detail": source},
+            "quantization_config": overlay.as_json(),
+            "warnings": list(ids.warnings),
+            **launch_json(launched),
+        }
+    )
+
+
+def _encoder_from(ctx: typer.Context, settings, launched, env_files: list[str]) -> str:
+    """Where the encoder root and revision came from, for people: the launch's sources (an env file, the launch's
+    own -e, a flag) when a launch was read, ``--env-file`` files without one, else the library's own label."""
+    names = {"encoder_root": "VLLM_EXL3_ENCODER_SOURCE", "encoder_revision": "VLLM_EXL3_ENCODER_REVISION"}
+    if launched is not None:
+        found = {field: launched.settings.get(field) for field in names}
+        parts = {field: f"{s.source} {s.detail}".strip() for field, s in found.items() if s is not None}
+    elif env_files:
+        from exl3tool.launch.env import read_env_file
+
+        given = given_fields(ctx, {field: field for field in names})
+        parts = {}
+        for field, variable in names.items():
+            files = [path for path in env_files if variable in read_env_file(path)]
+            if field in given:
+                parts[field] = "flag --" + field.replace("_", "-")
+            elif files:
+                parts[field] = f"env file {files[-1]}"
+            elif variable in os.environ:
+                parts[field] = "environment"
+    else:
+        return settings.source
+    if not parts:
+        return settings.source
+    if len(set(parts.values())) == 1:
+        return next(iter(parts.values()))
+    return "; ".join(f"{field.removeprefix('encoder_')}: {where}" for field, where in parts.items())
+
+
+def _encoder_derivation(eid, settings, source: str | None = None) -> str:
+    if eid.mode == "revision":
+        how = f"revision mode: root {eid.root} + revision {settings.revision.strip()!r}"
+    elif eid.files_from != eid.root:
+        how = f"files mode: every *.py of the local copy {eid.files_from} hashed, keyed with the server's root {eid.root}"
+    else:
+        how = f"files mode: every *.py under {eid.root} hashed"
+    return f"{how} (from {source or settings.source})"
+
+
+def _encoder_json(eid, settings) -> dict:
+    return {"identity": eid.identity, "mode": eid.mode, "root": eid.root, "files_from": eid.files_from,
+            "payload": eid.payload, "source": settings.source}
+
+
+def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Optional[str],
+                  encoder_source: Optional[str], quantization_config: Optional[str], env_files: list[str]) -> None:
+    """The encoder identity alone: no model to derive one for (``model`` is null in --json)."""
+    import os
+
+    from exl3tool.checkpoint import resolve_overlay
+
+    if env_files:
+        raise typer.BadParameter("--env-file needs a launch (--launch, --pid or -- ARGV); without MODEL and launch "
+                                 "give the encoder with --encoder-root and --encoder-revision", param_hint="'--env-file'")
+    overlay = resolve_overlay(quantization_config) if quantization_config else None
+    eid, settings, warnings = server_encoder_identity(encoder_root, encoder_revision, encoder_source, os.environ)
+    out.fields("Identities", [("encoder identity", eid.identity),
+                              ("encoder derivation", _encoder_derivation(eid, settings))])
+    out.wrapped(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
+    if eid.mode == "files":
+        out.wrapped(f"encoder files hashed from: {eid.files_from}")
+    out.wrapped("model: none given (pass MODEL or the server's launch for the model identity and the cache dir)")
+    for warning in warnings:
+        out.warn(warning)
+    out.data({"model": None, "encoder": _encoder_json(eid, settings),
+              "quantization_config": overlay.as_json() if overlay is not None else None, "warnings": list(warnings)})
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``identity`` command."""
+    app.command("identity", cls=LaunchCommand)(identity)

@@ -1,0 +1,156 @@
+"""The launch options every request-building command shares (``--launch``, ``--pid``, ``--env-file``, the argv after
+``--``), the command class that takes that argv, and the thin glue from options to ``exl3tool.launch``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperCommand
+
+from exl3tool.errors import ConfigError
+from exl3tool.cli.output import Output
+
+__all__ = ["LaunchOpt", "LaunchFileOpt", "ComposeOpt", "ServiceOpt", "PidOpt", "EnvFileOpt", "LaunchCommand",
+           "launch_input", "given_fields", "apply_options",
+           "launch_json", "MODEL_HELP"]
+
+LaunchOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--launch", metavar="COMMAND",
+        help="The server's launch, one shell-quoted string: `vllm serve MODEL ...`, `python -m "
+        "vllm.entrypoints.openai.api_server ...`, wrapped (`setsid ./run vllm serve ...`, `env A=1 ...`), or `docker "
+        "run`/`podman run ... IMAGE ...`. Its model, revision, TP size, dtype, --quantization-config, environment "
+        "(VLLM_EXL3_*, cache root) and volumes (paths as the server sees them) give the settings; this command's own "
+        "flags win. Also: the server's argv after `--`.",
+    ),
+]
+LaunchFileOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--launch-file", metavar="FILE",
+        help="The server's launch script (run.sh): read as the shell runs it, straight-line (variables, export, cd, "
+        "exec, source of a readable file, line continuations) to the server's command; if/for/while, functions and "
+        "$(...) whose value is needed are refused naming the line.",
+    ),
+]
+ComposeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--compose", metavar="FILE",
+        help="A docker compose file: the server's service (image, entrypoint, command, environment, env_file, "
+        "volumes, working_dir), ${VAR} interpolated from this environment and the project's .env, as docker compose "
+        "applies them.",
+    ),
+]
+ServiceOpt = Annotated[
+    Optional[str],
+    typer.Option("--service", metavar="NAME",
+                 help="The --compose service that runs the server (default: the only one that runs vllm)."),
+]
+PidOpt = Annotated[
+    Optional[int],
+    typer.Option("--pid", metavar="PID",
+                 help="A running server's process: its command line and environment are read from /proc/PID."),
+]
+EnvFileOpt = Annotated[
+    list[str],
+    typer.Option("--env-file", metavar="FILE",
+                 help="The server's environment in Docker's env-file format (NAME=VALUE lines); repeatable. Below the "
+                 "launch's own -e/--env-file, above this process's environment."),
+]
+MODEL_HELP = ("Hub repo id or local checkpoint directory (here). With --launch/--pid it defaults to the launch's "
+              "model; given, it is the copy read here and the launch's path is the server's.")
+_ARGV_KEY = "exl3tool.launch_argv"
+
+
+class LaunchCommand(TyperCommand):
+    """A command whose words after ``--`` are the server's launch (``exl3tool cache warm -- vllm serve M -tp 2``)."""
+
+    def parse_args(self, ctx, args):
+        if "--" in args:
+            at = args.index("--")
+            ctx.meta[_ARGV_KEY] = tuple(args[at + 1:])
+            args = args[:at]
+        return super().parse_args(ctx, args)
+
+
+def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], env_files: list[str]):
+    """The command's launch options as one ``LaunchInput``."""
+    from exl3tool.launch import LaunchInput
+
+    argv = ctx.meta.get(_ARGV_KEY)
+    if launch is not None and not launch.strip():  # `--launch "$(cat missing.txt)"` in CI: never planned as "no launch"
+        raise typer.BadParameter("the launch is empty; give the server's command line (vllm serve MODEL ...), or leave "
+                                 "--launch out", param_hint="'--launch'")
+    if argv is not None and not argv:
+        raise typer.BadParameter("nothing after `--`: give the server's command line there (vllm serve MODEL ...)")
+    params = ctx.params  # the launch forms every launch-taking command declares beside --launch
+    return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_files), file=params.get("launch_file"),
+                       compose=params.get("compose"), service=params.get("service"))
+
+
+def given_fields(ctx: typer.Context, fields: dict[str, str]) -> set[str]:
+    """WarmRequest field names whose option (``fields``: parameter name -> field) was given on the command line."""
+    out = set()
+    for param, name in fields.items():
+        source = ctx.get_parameter_source(param)
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT"):
+            out.add(name)
+    return out
+
+
+def launch_json(settings) -> dict:
+    """The ``settings`` and ``launch`` keys a command adds to its ``--json`` when a launch was given."""
+    if settings is None:
+        return {}
+    data = settings.as_json()
+    return {"settings": data.pop("settings"), "launch": data}
+
+
+def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str], pid: Optional[int],
+                  env_files: list[str], params: dict[str, str], *, add_tp_sizes: bool = False,
+                  need_cache: bool = True, no_lookup: str = "refuse"):
+    """Fill ``request`` from the launch (the given options win) and say on stderr where each setting came from.
+
+    Returns ``(request, settings or None, the server's environment or None)``; a command without MODEL and without
+    a launch is a usage error. A launch whose server makes no look-up (``settings.lookup_off``) is, by
+    ``no_lookup``: ``"refuse"`` a usage error (nothing to encode or verify for it: exit 2), ``"report"`` left to
+    the command (``cache check`` reports it as a finding), ``"warn"`` said on stderr (``identity``).
+    """
+    from exl3tool.launch import apply_launch
+
+    li = launch_input(ctx, launch, pid, env_files)
+    if not li.launch_given and not request.model:
+        raise typer.BadParameter("give MODEL, or the server's launch with --launch COMMAND, --launch-file FILE, "
+                                 "--compose FILE, --pid PID or -- ARGV",
+                                 param_hint="'MODEL'")
+    request, settings, environ = apply_launch(request, given_fields(ctx, params), li, add_tp_sizes=add_tp_sizes,
+                                              need_cache=need_cache)
+    if settings is not None:
+        out.note(f"launch ({settings.launch.form}, {settings.launch.entry}): the look-up's settings and where each "
+                 "came from:")
+        for line in settings.lines():
+            out.note(f"  {line}")
+        for line in settings.defaulted:
+            out.warn(f"defaulted: {line}")
+        for line in settings.warnings:
+            out.warn(line)
+        for line in settings.notes:
+            out.note(line)
+        ignored = list(settings.launch.ignored) + list(settings.launch.args.ignored)
+        if ignored:
+            out.note("ignored (no effect on a look-up): " + "; ".join(ignored))
+        if settings.lookup_off:
+            why = "; ".join(settings.lookup_off)
+            if no_lookup == "refuse":
+                raise ConfigError(f"this launch makes no cache look-up, so nothing would read what this command "
+                                  f"writes or checks: {why}")
+            if no_lookup == "warn":
+                for line in settings.lookup_off:
+                    out.warn(f"no look-up: {line}")
+                if not request.encoder_root:
+                    raise ConfigError(f"this launch makes no cache look-up ({why}) and names no encoder, so there "
+                                      "is no encoder identity to show; pass --encoder-root")
+    return request, settings, environ

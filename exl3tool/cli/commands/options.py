@@ -1,0 +1,236 @@
+"""Option types shared by commands, so every command spells the same option the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS, trellis_bits
+from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt  # the launch options, shared
+from exl3tool.errors import ConfigError
+from exl3tool.plan.request import SERVING_DTYPES
+
+__all__ = [
+    "LaunchOpt",
+    "PidOpt",
+    "EnvFileOpt",
+    "LaunchCommand",
+    "RevisionOpt",
+    "ServerPathOpt",
+    "EncoderRootOpt",
+    "EncoderRevisionOpt",
+    "EncoderSourceOpt",
+    "FileModeOpt",
+    "CacheDirOpt",
+    "JsonOpt",
+    "QuietOpt",
+    "ModelIdOpt",
+    "OverlapOpt",
+    "LockTimeoutOpt",
+    "ProgressOpt",
+    "BitsOpt",
+    "DtypeOpt",
+    "QuantizationConfigOpt",
+    "resolve_cache_dir",
+    "parse_file_mode",
+    "existing_cache_dir",
+]
+
+RevisionOpt = Annotated[
+    Optional[str],
+    typer.Option("--revision", help="Hub branch, tag or commit (default: main); resolved to the full commit hash."),
+]
+ServerPathOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--server-path",
+        help="The local checkpoint's resolved absolute path on the server (when our copy lives elsewhere; copy with mtimes kept).",
+    ),
+]
+EncoderRootOpt = Annotated[
+    Optional[str],
+    typer.Option("--encoder-root", help="The server's VLLM_EXL3_ENCODER_SOURCE path (default: that env var)."),
+]
+EncoderRevisionOpt = Annotated[
+    Optional[str],
+    typer.Option("--encoder-revision", help="The server's VLLM_EXL3_ENCODER_REVISION (default: that env var)."),
+]
+EncoderSourceOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--encoder-source",
+        metavar="DIR",
+        help="A local copy of the server's encoder package whose .py files are hashed (files mode, no "
+        "--encoder-revision); --encoder-root stays the path string the server uses. Default: the files under "
+        "--encoder-root.",
+    ),
+]
+FileModeOpt = Annotated[
+    str,
+    typer.Option(
+        "--file-mode",
+        help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as another user).",
+    ),
+]
+CacheDirOpt = Annotated[
+    Optional[Path],
+    typer.Option("--cache-dir", help="Cache root (default: the server's, from VLLM_EXL3_ONLINE_CACHE_DIR etc.)."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No notes or progress on stderr.")]
+OverlapOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overlap/--no-overlap",
+        help="Read the next weights and publish finished entries on background threads while encoding (same results).",
+    ),
+]
+LockTimeoutOpt = Annotated[
+    Optional[float],
+    typer.Option(
+        "--lock-timeout",
+        metavar="SECONDS",
+        min=0,
+        help="Give up on an entry whose lock another process has held this long (the job fails, nothing encoded). "
+        "Default: wait while the holder runs; give up only on a stopped holder, or an unidentifiable one with no "
+        "progress for 600 s.",
+    ),
+]
+
+
+def _progress_mode(value: str) -> str:
+    from exl3tool.cli.progress import PROGRESS_MODES
+
+    text = value.strip().lower()
+    if text not in PROGRESS_MODES:
+        raise typer.BadParameter(f"must be one of {', '.join(PROGRESS_MODES)}, got {value!r}")
+    return text
+
+
+ProgressOpt = Annotated[
+    str,
+    typer.Option(
+        "--progress",
+        metavar="auto|bar|lines|none",
+        callback=_progress_mode,
+        help="Progress on stderr: a bar, or log lines (one per job done and a status line every 30 s, with tiles "
+        "done/total, rate and ETA). auto: a bar on a terminal, lines otherwise (a pipe, a CI log); none with --quiet.",
+    ),
+]
+QuantizationConfigOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--quantization-config",
+        metavar="JSON",
+        help="The server's --quantization-config string, exactly as it is started with (keys linear, shared_experts, "
+        "ignore; \"mxfp8\" shorthand). Default: '{\"linear\": {\"weight\": \"mxfp8\"}}', the minimal overlay that "
+        "turns online Trellis on.",
+    ),
+]
+
+
+def _model_id(value: Optional[str]) -> Optional[str]:
+    """``--model`` of the cache commands: a model identity or a hex prefix of one (as ``cache ls`` shows them)."""
+    if value is None:
+        return None
+    text = value.strip().lower()
+    if not text or len(text) > 64 or any(c not in "0123456789abcdef" for c in text):
+        raise typer.BadParameter(f"takes a model identity or a hex prefix of one (as `exl3tool cache ls` and "
+                                 f"`exl3tool identity MODEL` print them), got {value!r}")
+    return text
+
+
+ModelIdOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", callback=_model_id, help="Only entries of this model identity (full or hex prefix)."),
+]
+
+
+def _bits(value: Optional[int]) -> int:
+    """``--bits``: the given value, else the server's VLLM_EXL3_ONLINE_TRELLIS_BITS, else 6; 3..8 either way."""
+    lo, hi = BITS_RANGE
+    if value is None:
+        try:
+            env = trellis_bits()
+        except ConfigError as exc:
+            raise typer.BadParameter(f"{exc} (it is --bits's default; pass --bits or fix the variable)") from None
+        return DEFAULT_BITS if env is None else env
+    if not lo <= value <= hi:
+        raise typer.BadParameter(f"{value} is not from {lo} to {hi} (what the server accepts for {BITS_VAR})")
+    return value
+
+
+BitsOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--bits", callback=_bits, show_default=f"${BITS_VAR}, else {DEFAULT_BITS}",
+        help=f"Trellis bits per weight, {BITS_RANGE[0]} to {BITS_RANGE[1]} (the server's {BITS_VAR}).",
+    ),
+]
+
+
+def _dtype(value: str) -> str:
+    """``--dtype``: exactly one of vLLM's serving dtypes (``exl3tool.plan.SERVING_DTYPES``)."""
+    if value not in SERVING_DTYPES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(SERVING_DTYPES)} (the server's --dtype values)")
+    return value
+
+
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype", callback=_dtype, metavar="|".join(SERVING_DTYPES),
+        help="The server's --dtype, which weights are cast to before encoding: auto (the checkpoint's config dtype; "
+        "float32 checkpoints are served as bfloat16), bfloat16, float16 or float32.",
+    ),
+]
+
+
+def resolve_cache_dir(cache_dir: Path | None) -> Path:
+    """``--cache-dir`` if given, else the server's cache root from the environment."""
+    from exl3tool.cache import cache_root
+
+    return cache_dir if cache_dir is not None else cache_root()
+
+
+def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
+    """Parse a comma-separated option such as ``--tp-sizes 1,2,4`` or ``--rows 1,16``; BadParameter if not positive ints."""
+    if any(not part.strip() for part in text.split(",")):
+        raise typer.BadParameter(f"{option} has an empty item: comma-separated integers like 1,2,4, got {text!r}")
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{option} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise typer.BadParameter(f"{option} must be positive integers, got {text!r}")
+    return values
+
+
+def parse_file_mode(text: str) -> int:
+    """Parse ``--file-mode`` (octal such as 0600 or 0644) and check it as the store does; BadParameter otherwise."""
+    from exl3tool.cache.store import file_mode_problem
+
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise typer.BadParameter(f"--file-mode must be octal like 0600 or 0644, got {text!r}") from None
+    problem = file_mode_problem(mode)
+    if problem:
+        raise typer.BadParameter(f"--file-mode {text} {problem}; use 0600, or 0644 for a server of another user")
+    return mode
+
+
+def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None) -> Path:
+    """``resolve_cache_dir`` (with ``environ``: the server's environment), which must be an existing directory
+    (InputError otherwise, exit 2)."""
+    from exl3tool.cache import cache_root
+    from exl3tool.errors import InputError
+
+    root = cache_dir if cache_dir is not None else cache_root(environ)
+    if not root.exists():
+        raise InputError(f"cache directory {root} does not exist (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
+    if not root.is_dir():
+        raise InputError(f"cache directory {root} is not a directory (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
+    return root

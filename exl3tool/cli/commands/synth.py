@@ -1,0 +1,59 @@
+"""``exl3tool synth``: write a tiny EXL3 checkpoint of a family the server serves, to try the whole flow locally."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
+from exl3tool.cli.commands.options import JsonOpt, QuietOpt
+from exl3tool.cli.output import Output
+
+__all__ = ["register", "synth"]
+
+
+def _family(value: str) -> str:
+    if value not in TINY_FAMILIES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(TINY_FAMILIES)}")
+    return value
+
+
+def synth(
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="New (or empty) folder to write the checkpoint into.")],
+    family: Annotated[str, typer.Option("--family", callback=_family, metavar="|".join(TINY_FAMILIES),
+                                        help="Which served family to write.")] = "qwen3.5",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights (same seed, same bytes).")] = 0,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write a tiny EXL3 checkpoint of a served family (random weights, a few MB) to try warm, verify and ls on.
+
+    The checkpoint is what the server serves (EXL3 routed experts or blocks, BF16 dense linears, the family's
+    real config.json names), so a warm of it plans exactly as for the full-size model, in about a minute on a CPU.
+    Prints the overlay the family's deployments start the server with and the next commands.
+
+    Example: exl3tool synth ./tiny-qwen3.5 --family qwen3.5
+    """
+    out = Output(json=json, quiet=quiet)
+    fam = TINY_FAMILIES[family]
+    path = write_tiny(directory, family, seed=seed)
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    overlay = fam.overlay
+    flag = f" --quantization-config {shlex.quote(overlay)}" if overlay else ""
+    where = shlex.quote(str(path))
+    out.line(f"wrote a tiny {fam.name} EXL3 checkpoint ({fam.architecture}; {len(files)} files, {size:,} bytes) "
+             f"to {path}: {fam.about}")
+    out.line(f"overlay: {overlay or '(the default overlay)'}")
+    out.line("next: exl3tool cache warm " + where + " --tp-sizes 2" + flag
+             + " --encoder-root /opt/exllamav3 --encoder-revision v0.0.18 --cache-dir ./exl3-cache")
+    out.data({"path": str(path), "family": fam.name, "architecture": fam.architecture, "seed": seed,
+              "files": [p.name for p in files], "bytes": size, "quantization_config": overlay, "about": fam.about})
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``synth`` command."""
+    app.command("synth")(synth)

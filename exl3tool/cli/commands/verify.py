@@ -1,0 +1,191 @@
+"""`exl3tool verify`: check every cached layer of a model with the trellis GEMM against FP32 references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from exl3tool.cli.commands.launching import (
+    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
+)
+from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.options import (
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt,
+    QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, parse_positive_ints,
+)
+from exl3tool.errors import ConfigError, FindingsError, InputError
+from exl3tool.cli.output import Output, to_jsonable
+from exl3tool.operations.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_plan
+from exl3tool.plan import WarmRequest, prepare, resolve_device
+from exl3tool.plan.request import serving_torch_dtype
+
+__all__ = ["register", "verify", "report_markdown"]
+
+
+def _fmt(v: Optional[float], spec: str = ".2e") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def report_dict(report: VerifyReport) -> dict:
+    """The JSON document of a verify run (stable keys)."""
+    data = to_jsonable(report)
+    data["ok"] = report.ok
+    data["counts"] = {"pass": sum(c.status == "pass" for c in report.layers), "fail": len(report.failed)}
+    for entry, check in zip(data["layers"], report.layers):
+        entry["kernel_err"] = check.kernel_err
+        entry["quant_err"] = check.quant_err
+    if report.exact:
+        verdicts = [c.exact.verdict for c in report.layers if c.exact is not None]
+        data["counts"]["exact"] = {v: verdicts.count(v) for v in ("identical", "equivalent", "differs", "unproved")}
+        data["differs"] = [{"prefix": c.prefix, "tp_rank": c.tp_rank, "path": c.path, "detail": c.exact.detail}
+                           for c in _differing(report)]
+    return data
+
+
+def _differing(report: VerifyReport) -> list:
+    return [c for c in report.layers if c.exact is not None and c.exact.verdict == "differs"]
+
+
+def _exact_cell(c) -> str:
+    return "-" if c.exact is None else c.exact.verdict
+
+
+def report_markdown(report: VerifyReport) -> str:
+    """A Markdown report for CI artifacts and pull requests."""
+    lines = [
+        f"# exl3tool verify: {report.model}",
+        "",
+        f"- model identity `{report.model_identity}`, {report.bits} bits, TP {report.tp_size}",
+        f"- GEMM: {report.gemm} on {report.device}; activations seed {report.seed}, rows {list(report.rows)}",
+        f"- thresholds: kernel error <= {report.max_kernel_err:.1e}, quantization error <= {report.max_quant_err:.3g}",
+        f"- exact: {'every entry compared with a fresh encode (identical, equivalent, differs or unproved)' if report.exact else 'not run (--exact)'}",
+        f"- result: **{'PASS' if report.ok else 'FAIL'}** ({len(report.layers) - len(report.failed)} pass, {len(report.failed)} fail)",
+        "",
+        "| layer | rank | shape | kernel err | quant err | proxy err | weight MSE | exact | status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in report.layers:
+        status = "pass" if c.status == "pass" else f"FAIL: {c.reason}"
+        lines.append(f"| {c.prefix} | {c.tp_rank} | {c.input_size}x{c.output_size} | {_fmt(c.kernel_err)} | "
+                     f"{_fmt(c.quant_err, '.4f')} | {_fmt(c.proxy_error)} | {_fmt(c.weight_mse)} | {_exact_cell(c)} | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(out: Output, report: VerifyReport, extra: Optional[dict] = None) -> None:
+    table = Table(title=f"verify {report.model} ({report.bits} bits, TP {report.tp_size}, GEMM: {report.gemm})")
+    columns = ["layer", "rank", "shape", "rows", "kernel err", "quant err", "proxy err", "weight MSE"]
+    columns += ["exact", "status"] if report.exact else ["status"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("layer", "status", "shape", "exact") else "right")
+    for c in report.layers:
+        status = Text("pass", style="green") if c.status == "pass" else Text.assemble(("FAIL", "red"), f" {c.reason}")
+        cells = [c.prefix, str(c.tp_rank), f"{c.input_size}x{c.output_size}", ",".join(str(r.rows) for r in c.rows) or "-",
+                 _fmt(c.kernel_err), _fmt(c.quant_err, ".4f"), _fmt(c.proxy_error), _fmt(c.weight_mse)]
+        table.add_row(*cells, *([_exact_cell(c)] if report.exact else []), status)
+    out.table(table)
+    if report.gemm != "triton":
+        out.warn(f"GEMM: {report.gemm}")
+    for c in report.unproved:
+        out.warn(f"{c.prefix} rank {c.tp_rank}: exact check unproved: {c.exact.detail}")
+    out.line(f"{len(report.layers) - len(report.failed)} pass, {len(report.failed)} fail; thresholds kernel "
+             f"{report.max_kernel_err:.1e}, quantization {report.max_quant_err:.3g}; activations seed {report.seed}")
+    out.data({**report_dict(report), **(extra or {})})
+
+
+# command parameter -> WarmRequest field, for the flags that win over a launch
+_PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path", "bits": "bits", "dtype": "dtype",
+           "quantization_config": "quantization_config", "encoder_root": "encoder_root",
+           "encoder_revision": "encoder_revision", "encoder_source": "encoder_source", "cache_dir": "cache_dir",
+           "tp_size": "tp_sizes"}
+
+
+def verify(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
+    revision: RevisionOpt = None,
+    tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
+    tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
+    bits: BitsOpt = None,
+    layers: Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers matching this glob; repeatable.")] = [],
+    exclude: Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")] = [],
+    quantization_config: QuantizationConfigOpt = None,
+    rows: Annotated[str, typer.Option("--rows", help="Comma-separated activation row counts.")] = "1,16,256",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the activations (printed in the report).")] = 0,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
+    max_kernel_err: Annotated[float, typer.Option("--max-kernel-err", help="Largest allowed ||y_gemm - x@W_deq|| / ||x@W_deq||.")] = DEFAULT_KERNEL_ERR,
+    max_quant_err: Annotated[Optional[float], typer.Option("--max-quant-err", help="Largest allowed ||y_gemm - x@W|| / ||x@W|| (default: 1.5x the reference encoder's error for --bits).")] = None,
+    dtype: DtypeOpt = "auto",
+    cache_dir: CacheDirOpt = None,
+    encoder_root: EncoderRootOpt = None,
+    encoder_revision: EncoderRevisionOpt = None,
+    encoder_source: EncoderSourceOpt = None,
+    server_path: ServerPathOpt = None,
+    exact: Annotated[bool, typer.Option("--exact", help="Also re-encode every layer and compare the entry with it (bytes on the platform that wrote it; tile by tile elsewhere): catches a single flipped bit.")] = False,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Also write the report to FILE (.json or .md).")] = None,
+    launch: LaunchOpt = None,
+    pid: PidOpt = None,
+    env_file: EnvFileOpt = [],
+    launch_file: LaunchFileOpt = None,
+    compose: ComposeOpt = None,
+    service: ServiceOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Verify MODEL's cache entries: trellis GEMM vs FP32 references, layer by layer. Reads the cache only.
+
+    With --exact each layer is also re-encoded (as a warm would) and compared with its entry: byte for byte when the
+    entry records this platform, tile by tile (each within 1.25x of the fresh tile's error) when another platform or
+    the server wrote it; a layer that differs fails. Costs one encode per layer.
+
+    Exit codes: 0 every layer passes, 1 any failure (missing, invalid or wrong entry; error over threshold; with
+    --exact an entry that differs from a fresh encode), 2 usage or I/O error.
+
+    Example: exl3tool verify ./my-model --tp-size 2 --rows 1,16,256 --report verify.md
+    """
+    if report is not None and report.suffix.lower() not in (".json", ".md"):
+        raise typer.BadParameter(f"--report must end in .json or .md, got {report}")
+    if report is not None and not report.resolve().parent.is_dir():
+        raise typer.BadParameter(f"--report {report}: folder {report.resolve().parent} does not exist")
+    if not max_kernel_err > 0 or (max_quant_err is not None and not max_quant_err > 0):
+        raise typer.BadParameter("--max-kernel-err and --max-quant-err must be positive")
+    row_counts = parse_positive_ints(rows, "--rows")
+    out = Output(json=json_out, quiet=quiet)
+    request = WarmRequest(
+        model=model or "", tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
+        revision=revision, layers=tuple(layers), exclude=tuple(exclude), cache_dir=cache_dir, mode="readonly",
+        device=device, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
+        server_path=server_path, dtype=dtype, quantization_config=quantization_config,
+    )
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, _PARAMS)
+    if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
+        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
+    # verify only reads: a missing cache is an I/O error, not N failed layers
+    existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ)
+    checkpoint, plan, store = prepare(request, environ=environ)
+    dev = resolve_device(device)
+    torch_dtype = serving_torch_dtype(request.dtype)
+    result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
+                         max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
+                         on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"), exact=exact)
+    render(out, result, launch_json(settings))
+    if report is not None:
+        try:
+            text = report_markdown(result) if report.suffix.lower() == ".md" else json.dumps(report_dict(result), indent=2, sort_keys=True) + "\n"
+            report.write_text(text)
+        except OSError as exc:
+            raise InputError(f"cannot write --report {report}: {exc.strerror}") from exc
+    if not result.layers:
+        raise ConfigError("nothing to do: no layer to verify (check --layers / --exclude and the TP size)")
+    if not result.ok:
+        differing = _differing(result)
+        named = f"; differ from a fresh encode: {', '.join(f'{c.prefix} rank {c.tp_rank}' for c in differing)}" if differing else ""
+        raise FindingsError(f"{len(result.failed)} of {len(result.layers)} layer checks failed{named}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify", cls=LaunchCommand)(verify)

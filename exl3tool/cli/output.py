@@ -1,0 +1,272 @@
+"""One object decides how command results are shown: Rich tables for people, JSON for machines.
+
+Data goes to stdout; progress, notes and warnings go to stderr, so ``--json`` output stays parseable.
+Every string we print is data (paths, layer names, reasons read from cache files), never Rich markup: a
+``[/x]`` in a file name must print as itself, not crash the command. Styles come only from ``Text`` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from exl3tool.text import plural  # re-exported: commands import it from here
+
+__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "plural", "KEY_HEADERS", "json_document_written",
+           "forget_json_document", "fields_text", "note_interrupted", "interrupted_report"]
+
+KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
+LAST_DROPPED = ("status", "state", "error", "tp", "rank")  # left out only after every other column
+LONG_WORD = 16  # a word longer than this (a path) may be folded across lines; shorter ones (numbers) never
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Turn dataclasses, paths and tuples into plain JSON values (stable key order)."""
+    import dataclasses
+    from pathlib import PurePath
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)}  # optional, absent when None
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, PurePath):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return obj.item()
+    return obj
+
+
+def _plain(cell: Any) -> str:
+    """A cell's text without styles (a ``str`` cell is literal text)."""
+    return cell.plain if isinstance(cell, Text) else str(cell)
+
+
+def _literal(cell: Any) -> Any:
+    """A ``str`` as literal ``Text`` (Rich would parse it as markup); anything else unchanged."""
+    return Text(cell) if isinstance(cell, str) else cell
+
+
+def literal_table(table: Table) -> Table:
+    """``table`` with its title and every ``str`` cell made literal text, in place."""
+    table.title = _literal(table.title)
+    for column in table.columns:
+        column._cells = [_literal(c) for c in column._cells]
+    return table
+
+
+def plain_table(table: Table) -> str:
+    """``table`` as text: the title, a header row and one line per row, columns padded to their widest cell.
+
+    >>> t = Table("layer", "error"); t.add_row("model.layers.0.mlp.down_proj", Text("failed", style="red"))
+    >>> t.add_row("model.layers.1.[x]", "[/red] a bracket")
+    >>> print(plain_table(t), end="")
+    layer                         error
+    model.layers.0.mlp.down_proj  failed
+    model.layers.1.[x]            [/red] a bracket
+    """
+    headers = [_plain(c.header) for c in table.columns]
+    columns = [[_plain(cell) for cell in c._cells] for c in table.columns]
+    rows = [list(r) for r in zip(*columns)] if columns else []
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    right = [c.justify == "right" for c in table.columns]
+
+    def fmt(cells: list[str]) -> str:
+        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+        return "  ".join(parts).rstrip() + "\n"
+
+    title = f"{_plain(table.title)}\n" if table.title else ""
+    return title + fmt(headers) + "".join(fmt(r) for r in rows)
+
+
+def fields_text(title: str | None, rows: list[tuple[str, str]], width: int | None) -> str:
+    """``Output.fields`` as text: labels padded to the longest, each value beside its label when the line fits
+    ``width`` (None: always), else below it, indented by two.
+
+    >>> print(fields_text("t", [("key", "v"), ("checksum", "0123456789abcdef")], 20), end="")
+    t
+    key       v
+    checksum
+      0123456789abcdef
+    """
+    pad = max((len(label) for label, _ in rows), default=0)
+    lines = [title] if title else []
+    for label, value in rows:
+        beside = f"{label.ljust(pad)}  {value}".rstrip()
+        if width is None or len(beside) <= width:
+            lines.append(beside)
+        else:
+            lines.append(label)
+            lines += textwrap.wrap(value, width, initial_indent="  ", subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False) or [""]
+    return "".join(line + "\n" for line in lines)
+
+
+def _overhead(table: Table, columns: int) -> int:
+    """The characters a Rich table adds around its cells: padding, and the borders when it has a box."""
+    pad = table.padding[1] + table.padding[3] if isinstance(table.padding, tuple) and len(table.padding) == 4 else 2
+    lines = (columns - 1 + (2 if table.show_edge else 0)) if table.box is not None else 0
+    return columns * pad + lines
+
+
+def fit_table(table: Table, width: int) -> Table | None:
+    """``table`` made to fit ``width`` columns without ever cutting a key column (``KEY_HEADERS``), or None.
+
+    A key column keeps its widest cell's width. The other columns may wrap at spaces down to their longest word
+    (a word longer than ``LONG_WORD``, such as a path, may fold); if that is still too wide, columns are left out,
+    from the right, ``LAST_DROPPED`` ones last, and the caption names them. Every column gets a fixed width, so
+    Rich never shortens one. None when the key columns alone do not fit (print ``plain_table`` instead: the
+    terminal wraps the line, nothing is cut). Tables without a key column come back unchanged.
+    """
+    cols = list(table.columns)
+    keys = [c for c in cols if _plain(c.header) in KEY_HEADERS]
+    if not keys:
+        return table
+    texts = {id(c): [_plain(c.header)] + [_plain(cell) for cell in c._cells] for c in cols}
+
+    def natural(c) -> int:
+        return max(len(line) for text in texts[id(c)] for line in (text.splitlines() or [""]))
+
+    def least(c) -> int:
+        if c in keys or c.no_wrap:
+            return natural(c)
+        words = [len(w) for text in texts[id(c)] for w in text.split()] or [1]
+        return max(1, min(max(words), LONG_WORD))
+
+    kept, dropped = list(cols), []
+    order = [c for c in reversed(cols) if c not in keys and _plain(c.header) not in LAST_DROPPED]
+    order += [c for c in reversed(cols) if c not in keys and _plain(c.header) in LAST_DROPPED]
+    while sum(least(c) for c in kept) + _overhead(table, len(kept)) > width:
+        if not order:
+            return None
+        gone = order.pop(0)
+        kept.remove(gone)
+        dropped.append(gone)
+    widths = {id(c): natural(c) for c in kept}
+    room = width - _overhead(table, len(kept))
+    while sum(widths.values()) > room:  # narrow the column with the most slack above its longest word, by one
+        c = max((c for c in kept if widths[id(c)] > least(c)), key=lambda c: widths[id(c)] - least(c))
+        widths[id(c)] -= 1
+    for c in kept:
+        c.width = widths[id(c)]
+        if c in keys:
+            c.no_wrap = True
+        else:
+            c.overflow = "fold"
+    table.columns[:] = kept
+    if dropped:
+        names = ", ".join(_plain(c.header) for c in cols if c in dropped)
+        table.caption = Text(f"left out at this width: {names} (widen the terminal, pipe the output, or use --json)")
+    return table
+
+
+def _fits(table: Table, console: Console) -> bool:
+    """Whether Rich draws ``table`` at the console's width at its natural size (else it would shrink a column and
+    may cut a cell with "…")."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width
+
+
+@dataclass
+class Output:
+    """Renders results: ``json`` prints only machine output, ``quiet`` drops notes and progress."""
+
+    json: bool = False
+    quiet: bool = False
+    stdout: Console = field(default_factory=lambda: Console(file=sys.stdout, soft_wrap=True))
+    stderr: Console = field(default_factory=lambda: Console(file=sys.stderr, soft_wrap=True))
+
+    def note(self, message: str) -> None:
+        """A diagnostic line on stderr (suppressed by --quiet)."""
+        if not self.quiet:
+            self.stderr.print(message, highlight=False, markup=False)
+
+    def warn(self, message: str) -> None:
+        """A warning on stderr, shown even with --quiet."""
+        self.stderr.print(Text.assemble(("warning:", "yellow"), f" {message}"), highlight=False)
+
+    def table(self, table: Table) -> None:
+        """A table for people; skipped in JSON mode (the caller emits ``data`` instead).
+
+        At a terminal Rich draws it to the window's width, never cutting a layer name (``fit_table``: other
+        columns wrap, then are left out); piped or in a CI log it becomes plain aligned rows that are never cut or
+        folded (a log has no width, and ``encod…`` or ``2.10e…`` would hide the data).
+        """
+        if self.json:
+            return
+        fitted = fit_table(literal_table(table), self.stdout.width) if self.stdout.is_terminal else None
+        if fitted is not None and fitted is table and not _fits(table, self.stdout):
+            fitted = None  # no key column to keep, and too wide: Rich would cut a cell with "…"; plain rows cut none
+        if fitted is not None:
+            self.stdout.print(fitted)
+        else:
+            sys.stdout.write(plain_table(table))
+            sys.stdout.flush()
+
+    def fields(self, title: str | None, rows: list[tuple[str, str]]) -> None:
+        """Label/value lines for people (skipped in JSON mode): a value too long to sit beside its label at the
+        terminal's width goes on the lines below it, indented and wrapped at spaces, so an identity, a checksum or
+        a path is never cut (a single word longer than the line stays whole: the terminal wraps it)."""
+        if self.json:
+            return
+        sys.stdout.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
+        sys.stdout.flush()
+
+    def wrapped(self, message: str) -> None:
+        """A result line on stdout for people (skipped in JSON mode), wrapped at spaces to a terminal's width with
+        the rest indented by two; piped, one line as it is."""
+        if self.json:
+            return
+        if self.stdout.is_terminal and len(message) > self.stdout.width:
+            message = "\n".join(textwrap.wrap(message, self.stdout.width, subsequent_indent="  ",
+                                               break_long_words=False, break_on_hyphens=False))
+        sys.stdout.write(message + "\n")
+        sys.stdout.flush()
+
+    def line(self, message: str) -> None:
+        """A result line on stdout for people; skipped in JSON mode."""
+        if not self.json:
+            self.stdout.print(message, highlight=False, markup=False)
+
+    def data(self, obj: Any) -> None:
+        """The machine-readable result: printed as JSON on stdout in JSON mode."""
+        if self.json:
+            sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
+            sys.stdout.flush()
+            _written.append(True)
+
+
+_written: list[bool] = []  # set once any command printed its JSON document in this process
+_interrupted: dict[str, Any] = {}  # what an interrupted command had done, for its error document
+
+
+def forget_json_document() -> None:
+    """Start a new command: no JSON document written yet (``main`` calls this; tests run many commands)."""
+    _written.clear()
+    _interrupted.clear()
+
+
+def note_interrupted(report: dict[str, Any]) -> None:
+    """Fields the error document of an interrupted command adds (a warm: ``published`` and ``counts``)."""
+    _interrupted.clear()
+    _interrupted.update(report)
+
+
+def interrupted_report() -> dict[str, Any]:
+    """What ``note_interrupted`` recorded for this command (empty when nothing)."""
+    return dict(_interrupted)
+
+
+def json_document_written() -> bool:
+    """Whether a JSON result document went to stdout already (then an error adds no second document)."""
+    return bool(_written)

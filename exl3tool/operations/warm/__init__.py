@@ -1,0 +1,19 @@
+"""Run a plan: encode a model's missing entries into the cache, for one or many TP layouts.
+
+One module per job: ``pipeline`` (encode and publish, with prefetch and publishing threads), ``results`` (per-job
+results and the summary), ``distributed`` (torchrun), ``lockwait`` (entries another process holds), ``unchecked``
+(``--check-unchecked``), ``provenance`` (the records a warm writes) and ``run`` (the whole warm as one call:
+``warm``). The plan it runs is ``exl3tool.plan`` 's.
+"""
+
+from exl3tool.operations.warm.distributed import (
+    DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
+)
+from exl3tool.operations.warm.pipeline import EncodeFn, run_plan
+from exl3tool.operations.warm.results import JobResult, WarmSummary, job_result, summarize
+from exl3tool.operations.warm.run import warm
+
+__all__ = [
+    "JobResult", "WarmSummary", "EncodeFn", "run_plan", "distributed_context", "DistributedContext",
+    "gather_results", "agreed_todo", "worker_stats", "host_threads", "warm", "summarize", "job_result",
+]

@@ -1,0 +1,142 @@
+"""A warm's plan: one job per (layer, TP size, TP rank) with its cache key, entry path and state.
+
+Planning costs only look-ups (hit, miss, invalid, skipped): headers, plus our checksum of every hit hashed from
+the file (no encode, no weights read), so ``--dry-run`` shows exactly what the run will do. ``share_jobs``
+(``sharing``) splits the pending jobs between workers the same way on every process, a share group at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+from exl3tool.cache import CacheKey, CacheStore, ServerIdentities, entry_path
+from exl3tool.cache.store import PRUNE_HINT
+from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
+from exl3tool.plan.sharing import share_jobs  # whole share groups per worker
+
+__all__ = ["WarmJob", "WarmPlan", "build_plan", "share_jobs"]
+
+
+@dataclass(frozen=True)
+class WarmJob:
+    """One (layer, TP size, rank) to encode: its rank-local shape, cache key and state before running."""
+
+    prefix: str
+    tp_size: int
+    tp_rank: int
+    input_size: int
+    output_size: int
+    key: CacheKey
+    path: Path
+    state: str  # "hit" | "miss" | "invalid" (present but would not load) | "skipped"
+    reason: str = ""
+    rank_job: Optional[RankJob] = field(default=None, compare=False, repr=False)
+
+    @property
+    def tiles(self) -> int:
+        return (self.input_size // 16) * (self.output_size // 16)
+
+    @property
+    def digest(self) -> str:
+        return self.key.digest()
+
+
+@dataclass(frozen=True)
+class WarmPlan:
+    """Every job of a warm, with the identities and settings that went into their keys."""
+
+    model: str
+    model_identity: str
+    encoder_identity: str
+    bits: int
+    tp_sizes: tuple[int, ...]
+    cache_root: Path
+    mode: str
+    jobs: tuple[WarmJob, ...]
+    layer_plan: Optional[LayerPlan] = field(default=None, compare=False, repr=False)  # overlay, kind, excluded
+    fetch: Optional[FetchInfo] = None  # what a selective Hub download fetched
+    identity_warnings: tuple[str, ...] = ()  # from server_identities: e.g. a branch revision, an unmappable link
+    identities: Optional[ServerIdentities] = field(default=None, compare=False, repr=False)  # payloads, for records
+
+    def count(self, state: str) -> int:
+        return sum(1 for j in self.jobs if j.state == state)
+
+    @property
+    def todo(self) -> list[WarmJob]:
+        """Jobs that need an encode (missing or invalid entries), largest first."""
+        pending = [j for j in self.jobs if j.state in ("miss", "invalid")]
+        return sorted(pending, key=lambda j: (-j.tiles, j.digest))
+
+
+def _state(store: CacheStore, key: CacheKey, check_hits: bool) -> tuple[str, str]:
+    """(state, reason) of one job's entry: a look-up with our checksum, and what would stop a publish."""
+    if store.mode == "off":
+        return "miss", ""
+    found = store.lookup(key, quick=True, checksum=check_hits)  # the trellis is hashed from the file, not loaded
+    if found.status != "hit" and store.mode == "readwrite":
+        problem = store.obstacle(key)  # what the warm will fail the job on, not the re-encode it cannot do
+        if problem:
+            also = f" (the entry is also invalid: {found.reason})" if found.status == "invalid" else ""
+            return "invalid", f"{problem}{also}; {PRUNE_HINT}"
+    return found.status, found.reason or ""
+
+
+def build_plan(
+    checkpoint: Checkpoint,
+    layer_plan: LayerPlan,
+    *,
+    tp_sizes: Iterable[int],
+    bits: int,
+    model_identity: str,
+    encoder_identity: str,
+    store: CacheStore,
+    tp_ranks: Optional[Iterable[int]] = None,
+    check_hits: bool = True,
+    threads: Optional[int] = None,
+) -> WarmPlan:
+    """One job per (layer, TP size, rank), each looked up in the store (read-only) to learn its state.
+
+    ``check_hits`` (default) hashes every present entry's tensor bytes against its ``exl3tool_sha256``, so an
+    entry whose bytes changed after publishing is ``invalid`` and gets re-encoded; entries without that
+    checksum (server-written) are hits the server would load. The look-ups run on ``threads`` threads
+    (default: up to 8, one per core), since hashing releases the GIL. ``check_hits=False`` skips only
+    the trellis hash (``judge_entry(hash_tensors=False)``; what workers other than 0 use under torchrun, where
+    worker 0's plan rules).
+    """
+    tp_sizes = tuple(sorted(set(int(t) for t in tp_sizes)))
+    wanted = None if tp_ranks is None else set(tp_ranks)
+    rows: list[tuple[RankJob, int, CacheKey, str]] = []
+    for tp in tp_sizes:
+        reasons = {(prefix, rank): reason for prefix, rank, reason in layer_plan.skipped(tp)}
+        for rj in layer_plan.for_tp(tp, include_skipped=True):
+            if wanted is not None and rj.tp_rank not in wanted:
+                continue
+            key = CacheKey.for_layer(
+                model_identity=model_identity, encoder_identity=encoder_identity, prefix=rj.prefix,
+                bits=bits, tp_world_size=tp, tp_rank=rj.tp_rank, input_size=rj.input_size,
+                output_size=rj.output_size,
+            )
+            rows.append((rj, tp, key, reasons.get((rj.prefix, rj.tp_rank), "")))
+    present = [key for rj, _, key, _ in rows if rj.aligned]
+    workers = threads or max(1, min(8, os.cpu_count() or 1))
+    if workers > 1 and len(present) > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="exl3tool-plan") as pool:
+            states = dict(zip((k.digest() for k in present), pool.map(lambda k: _state(store, k, check_hits), present)))
+    else:
+        states = {k.digest(): _state(store, k, check_hits) for k in present}
+    jobs: list[WarmJob] = []
+    for rj, tp, key, reason in rows:
+        state = "skipped"
+        if rj.aligned:
+            state, reason = states[key.digest()]
+        jobs.append(WarmJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key,
+                            entry_path(key, store.root), state, reason, rj))
+    return WarmPlan(
+        model=checkpoint.model, model_identity=model_identity, encoder_identity=encoder_identity, bits=bits,
+        tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs), layer_plan=layer_plan,
+        fetch=checkpoint.fetch,
+    )

@@ -1,0 +1,122 @@
+"""Imports only go down: every module of exl3tool imports only from its own package or packages above it in the
+layer list of docs/architecture.md, and the packages import each other without a cycle.
+
+Every import counts, also one inside a function or under ``TYPE_CHECKING``: a lazy import still ties the layers.
+The package root's lazy public API (``exl3tool/__init__.py``) is the one exception: it is the facade on top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "exl3tool"
+
+# docs/architecture.md's list, top first: a unit imports only from units of its own layer or above.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("exl3tool", "errors", "jsontext", "timing", "text", "knobs"),
+    ("format",),
+    ("kernels",),
+    ("encode",),
+    ("cache", "checkpoint"),
+    ("plan",),
+    ("launch",),
+    ("operations", "serving"),
+    ("cli", "__main__"),
+)
+LEVEL = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+FACADE = PACKAGE / "__init__.py"
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a dotted module name: its first package under exl3tool (``exl3tool`` for the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "exl3tool"
+
+
+def _module_name(path: Path, root: Path = PACKAGE) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, module) of every exl3tool import in ``path`` (a module of the package at ``root``), relative ones
+    resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    here = _module_name(path, root).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "exl3tool"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "exl3tool":
+                continue
+            if module == "exl3tool":  # `from exl3tool import x`: x may be a package (a layer of its own)
+                found += [(node.lineno, f"exl3tool.{a.name}" if (root / a.name).is_dir()
+                           or (root / f"{a.name}.py").exists() else "exl3tool") for a in node.names]
+            else:
+                found.append((node.lineno, module))
+    return found
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(_module_name(p)) for p in MODULES}
+    assert units <= set(LEVEL), f"add these to LAYERS (and docs/architecture.md): {sorted(units - set(LEVEL))}"
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if p != FACADE], ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_imports_only_go_down(path):
+    mine = _unit(_module_name(path))
+    upward = [f"line {line}: {module} ({_unit(module)}, layer {LEVEL[_unit(module)] + 1})"
+              for line, module in _imports(path) if LEVEL.get(_unit(module), 0) > LEVEL[mine]]
+    assert not upward, f"{path.name} ({mine}, layer {LEVEL[mine] + 1}) imports from below: {upward}"
+
+
+def test_packages_import_each_other_without_a_cycle():
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        if path == FACADE:
+            continue
+        mine = _unit(_module_name(path))
+        graph.setdefault(mine, set()).update(u for _, m in _imports(path) if (u := _unit(m)) != mine)
+    state: dict[str, int] = {}
+
+    def visit(unit: str, trail: list[str]) -> None:
+        state[unit] = 1
+        for nxt in sorted(graph.get(unit, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("package import cycle: " + " -> ".join(trail[trail.index(nxt):] + [nxt])
+                                     if nxt in trail else f"{unit} -> {nxt}")
+            if nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[unit] = 2
+
+    for unit in sorted(graph):
+        if unit not in state:
+            visit(unit, [unit])
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The parser finds a lazy relative import and a lazy absolute one going up (so the rule above can fail)."""
+    probe = tmp_path / "exl3tool" / "format" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    (tmp_path / "exl3tool" / "cli").mkdir()
+    probe.write_text("def f():\n    from ..cli import output\n    import exl3tool.plan.request\n"
+                     "    from exl3tool import cli, __version__\n")
+    found = [m for _, m in _imports(probe, tmp_path / "exl3tool")]
+    assert found == ["exl3tool.cli", "exl3tool.plan.request", "exl3tool.cli", "exl3tool"]
+    assert [LEVEL[_unit(m)] > LEVEL["format"] for m in found] == [True, True, True, False]
