@@ -27,7 +27,7 @@ import torch
 
 from exl3tool.format.codebook import check_codebook
 from exl3tool.format.encoded import EncodedLinear
-from exl3tool.format.hadamard import hadamard_left, hadamard_right
+from exl3tool.format.hadamard import hadamard_left, hadamard_right  # noqa: F401 (benchmarks/exact_margins.py patches it here)
 from exl3tool.format.layout import matrix_to_tiles, tile_element_index
 from exl3tool.encode.memory import PROXY_SLAB_ROWS, EncodeMemoryPlan, plan_encode_memory
 from exl3tool.format.signs import reference_signs

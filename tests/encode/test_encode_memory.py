@@ -167,7 +167,6 @@ def test_gpu_memory_on_a_cpu_warm_is_a_config_error():
 
 def test_warm_job_over_its_budget_fails_by_name_with_the_figure(tmp_path, monkeypatch):
     """run_plan with a 1 MiB budget: every job fails, each result naming its layer and the MiB it needed."""
-    from exl3tool.cache import CacheStore
     from exl3tool.checkpoint import write_llama_checkpoint
     from exl3tool.plan import WarmRequest, prepare
     from exl3tool.operations.warm.pipeline import run_plan

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 import exl3tool.encode.online as online
 from exl3tool import __version__
 from exl3tool.cache import CacheKey
-from exl3tool.cache.entry import read_entry, write_entry
+from exl3tool.cache.entry import read_entry
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.operations.exact import compare_exact, fresh_encode
 from exl3tool.operations.verify import verify_plan

@@ -72,7 +72,6 @@ def test_embeddings_stay_close(warmed):
 def test_readme_first_command_is_accepted_as_written(tmp_path, capsys):
     """The README's MiniLM command, every option as printed there, plans its three layers (--dry-run)."""
     import shlex
-    from pathlib import Path
 
     from exl3tool.cli import main
 

@@ -23,7 +23,6 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
-from filelock import Timeout
 
 from exl3tool.cache import CacheStore, Claim, LoadResult
 from exl3tool.cache.store import PRUNE_HINT
