@@ -28,6 +28,16 @@ def golden() -> Path:
     return golden_dir()
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """The tiny Llama (helpers.TINY, seed 0, 2 shards), written once a session: only for tests that just read it
+    (a test that changes its checkpoint writes its own)."""
+    from exl3tool.checkpoint import write_llama_checkpoint
+    from helpers import TINY
+
+    return write_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama") / "M", **TINY)
+
+
 def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)
     if workerinput and "exl3tool_test_seed" in workerinput:  # an xdist worker: the controller's seed

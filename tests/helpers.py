@@ -101,9 +101,18 @@ def make_encoded(k: int = 128, n: int = 256, bits: int = 6, seed: int = 0, proxy
     return EncodedLinear(trellis=trellis, suh=suh, svh=svh, proxy_error=proxy_error, g_scale=1.0, bits=bits)
 
 
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
-ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="test-rev")
-ENC_ARGS = ["--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]
+# --- the constants the tests share (a file that needs another value keeps its own and says why) -----------------
+
+TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)  # the tiny Llama
+TINY_1 = {**TINY, "layers": 1}  # the tiny Llama with one decoder layer: half the jobs
+TINY_REPO = "test-org/tiny-llama"  # its Hub repository id (write_llama_checkpoint's default)
+ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="test-rev")  # WarmRequest's encoder settings
+ENC_ARGS = ["--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]  # the same as flags
+LAUNCH_ENC = ("/opt/exllamav3", "v0.0.18")  # (root, revision): the server's encoder, as tests/data/launches name it
+LINEAR = '{"linear": "mxfp8"}'  # the server's --quantization-config overlays: dense layers only,
+LINEAR_WEIGHT = '{"linear": {"weight": "mxfp8"}}'  # the same in the long form,
+BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'  # and dense layers with the shared experts
+
 
 
 def fake_encode(weight, bits, seed, device, progress=None):
