@@ -20,7 +20,7 @@ from exl3tool.cli import main
 from exl3tool.errors import ConfigError
 from exl3tool.plan import WarmRequest, prepare
 
-from helpers import ENC, ENC_ARGS
+from helpers import ENC, ENC_ARGS, TINY_1
 
 cli._register()
 COMMANDS = (["encode"], ["cache", "warm"], ["verify"])
@@ -29,7 +29,7 @@ COMMANDS = (["encode"], ["cache", "warm"], ["verify"])
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("opts") / "tiny"
-    write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512, seed=2, shards=1)
+    write_llama_checkpoint(path, **TINY_1, seed=2, shards=1)
     return path
 
 

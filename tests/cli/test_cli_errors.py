@@ -25,16 +25,15 @@ from exl3tool.format.encoded import EncodedLinear
 from exl3tool.errors import describe
 from exl3tool.cli.output import plain_table
 
-from helpers import run
+from helpers import ENC_ARGS as ENC, TINY_1, run
 from seeds import fresh_seed
 
-ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cli") / "tiny"
-    write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512,
+    write_llama_checkpoint(path, **TINY_1,
                            seed=fresh_seed(), shards=1)
     return path
 

@@ -21,11 +21,10 @@ from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.cli import _register, app
 
-from helpers import ENCODER_ID, MODEL_ID, exit_code as run, make_encoded
+from helpers import ENC_ARGS as ENC, ENCODER_ID, MODEL_ID, exit_code as run, make_encoded
 from seeds import fresh_seed
 
 REPO = Path(__file__).resolve().parents[2]
-ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 LAYER = "model.layers.0.self_attn.o_proj"  # 256 x 128 in the tiny Llama: 128 tiles, a few seconds to encode
 EXIT_RE = re.compile(r"\bexit(s|ed)?\s+\*{0,2}\d|\bExit codes?:|\bExit \d", re.IGNORECASE)
 

@@ -16,7 +16,7 @@ from exl3tool.cli.output import Output
 from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm.results import job_result, summarize
 
-from helpers import ENC
+from helpers import ENC, TINY_1
 from seeds import fresh_seed
 
 LONG = [f"model.language_model.layers.{i}.self_attn.indexer.wq_b" for i in (10, 11, 12)]
@@ -56,8 +56,7 @@ def test_verify_table_keeps_layer_names_whole(width):
 
 @pytest.mark.parametrize("width", [80, 120])
 def test_plan_and_failure_tables_keep_layer_names_whole(width, tmp_path):
-    model = write_llama_checkpoint(tmp_path / "m", hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1,
-                                   vocab=512, seed=fresh_seed(), shards=1)
+    model = write_llama_checkpoint(tmp_path / "m", **TINY_1, seed=fresh_seed(), shards=1)
     _, plan, _ = prepare(WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(tmp_path / "c"), **ENC))
     out, buf = _terminal(width)
     render_plan(out, plan)

@@ -10,10 +10,9 @@ import pytest
 
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
 
-from helpers import run
+from helpers import ENC_ARGS as ENC, run
 from seeds import fresh_seed
 
-ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 
 
 def _digest(folder: Path) -> str:

@@ -15,10 +15,9 @@ from exl3tool.cache import CacheKey, CacheStore
 from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.cli.output import plural
 
-from helpers import ENCODER_ID, MODEL_ID, make_encoded, run
+from helpers import ENCODER_ID, ENC_ARGS as ENC, MODEL_ID, make_encoded, run
 from seeds import fresh_seed
 
-ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "test-rev"]
 
 
 @pytest.fixture(scope="module")
