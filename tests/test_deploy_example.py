@@ -19,13 +19,12 @@ import yaml
 
 from exl3tool.checkpoint import write_llama_checkpoint
 
-from helpers import server_encoder_identity, server_lookup, server_model_identity
+from helpers import TINY, server_encoder_identity, server_lookup, server_model_identity
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CI = REPO_ROOT / "examples" / "ci"
 DOC = REPO_ROOT / "docs" / "deploy.md"
 SCRIPTS = ("common.sh", "identity-key.sh", "warm.sh", "export.sh", "import.sh", "check.sh", "warm-and-bundle.yml")
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 HD = 64  # head dim of TINY
 TP_SIZES = (1, 2)
 LAYERS = "model.layers.0.self_attn.*"  # qkv_proj and o_proj of layer 0

@@ -12,6 +12,7 @@ import os
 import shutil
 
 import pytest
+from helpers import TINY, TINY_REPO as REPO
 from helpers import CliRunner, completed, server_encoder_identity, server_model_identity, transformers_commit_hash
 
 from exl3tool.cache import resolve_encoder_identity, server_identities
@@ -22,8 +23,6 @@ from exl3tool.errors import ConfigError
 
 _register()
 runner = CliRunner()
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
-REPO = "test-org/tiny-llama"
 SNAP = "c0ffee" + "0" * 34  # a 40-hex snapshots/ folder name
 
 

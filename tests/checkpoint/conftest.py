@@ -10,10 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from exl3tool.checkpoint import write_llama_checkpoint
+from helpers import TINY, TINY_REPO as REPO_ID
 from seeds import fresh_seed
 
-REPO_ID = "test-org/tiny-llama"
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 
 
 @pytest.fixture(scope="session")

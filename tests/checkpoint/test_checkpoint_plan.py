@@ -143,7 +143,7 @@ def _write_moe(path, arch: str, *, shared: bool) -> str:
     return str(write_checkpoint(path, config, t, quantization_config={**qc, "tensor_storage": storage}))
 
 
-BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
+from helpers import BOTH  # noqa: E402
 
 
 def test_qwen3_moe_router_and_shared_experts(tmp_path):

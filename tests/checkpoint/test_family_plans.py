@@ -18,8 +18,7 @@ from exl3tool.errors import ConfigError
 
 from exl3tool.checkpoint.tiny import (QWEN38_OVERLAY, glm53_text, write_glm4_moe, write_glm5, write_glm53, write_mla, write_qwen3_next,
                          write_qwen35)
-
-BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
+from helpers import BOTH
 GLM52_RECIPE = ('{"linear": "mxfp8", "shared_experts": "mxfp8", "ignore": ["re:.*q_a_proj$", '
                 '"re:.*kv_a_proj_with_mqa$", "re:.*mlp\\\\.gate$", "re:.*eh_proj$", "lm_head"]}')
 

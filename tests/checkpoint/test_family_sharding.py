@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 from exl3tool.checkpoint import open_checkpoint, plan_layers, rank_local_weight
 
 from exl3tool.checkpoint.tiny import QWEN3_NEXT, write_glm4_moe, write_glm53, write_mla, write_qwen3_next, write_qwen35
+from helpers import BOTH
 
-BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 
 
 def _tensors(d) -> dict[str, torch.Tensor]:

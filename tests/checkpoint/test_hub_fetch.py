@@ -9,9 +9,9 @@ import huggingface_hub
 from exl3tool.plan import WarmRequest, prepare
 
 from exl3tool.checkpoint.tiny import MLA, Builder, _experts, mla_attention, mla_config
+from helpers import ENC
 
 REPO = "test-org/tiny-mla-exl3"
-ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="fetch-test")
 
 
 def _write(hub, tmp):

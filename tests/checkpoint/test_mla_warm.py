@@ -17,11 +17,10 @@ from exl3tool.operations.verify import verify_plan
 from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm import warm
 
-from helpers import server_lookup
+from helpers import ENC, server_lookup
 from exl3tool.checkpoint.tiny import write_mla
 from seeds import fresh_seed
 
-ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="mla-test")
 OVERLAY = '{"linear": {"weight": "mxfp8"}, "shared_experts": "mxfp8"}'
 BITS = 6
 

@@ -14,8 +14,8 @@ from exl3tool.cli import main
 from exl3tool.errors import ConfigError
 
 from exl3tool.checkpoint.tiny import QWEN38_OVERLAY, write_mla
+from helpers import ENC_ARGS as ENC, LINEAR
 
-ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "overlay-test"]
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
 
 
@@ -120,7 +120,7 @@ def test_generic_layers_mode_says_the_server_will_not_look_up(tmp_path, capsys):
 
 def test_dry_run_json_lists_every_job_and_why(tmp_path, capsys):
     d = write_mla(tmp_path / "m")
-    overlay = '{"linear": "mxfp8"}'
+    overlay = LINEAR
     code, out, err = _cli(["encode", str(d), "--tp-size", "2", "--quantization-config", overlay, "--dry-run",
                            "--json", "--cache-dir", str(tmp_path / "c"), *ENC], capsys)
     assert code == 0, err
@@ -143,7 +143,7 @@ def test_tensors_to_fetch_reads_only_planned_sources(tmp_path):
     d = write_mla(tmp_path / "m")
     names = open_checkpoint(str(d)).tensor_names()
     config = json.loads((d / "config.json").read_text())
-    wanted = tensors_to_fetch(d, config, names, '{"linear": "mxfp8"}')
+    wanted = tensors_to_fetch(d, config, names, LINEAR)
     assert wanted == {
         f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in (
             "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj")

@@ -16,10 +16,9 @@ from exl3tool.plan.sharing import plan_sharing
 
 from test_family_plans import glm53_flash_text
 from exl3tool.checkpoint.tiny import write_glm53, write_mla_from_config
+from helpers import BOTH, LINEAR
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-LINEAR = '{"linear": "mxfp8"}'
-BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 
 
 def figures(plan, tp: int) -> tuple[int, int]:

@@ -16,8 +16,8 @@ from exl3tool.checkpoint.synthetic import exl3_record
 
 from test_overlay import _cli
 from exl3tool.checkpoint.tiny import EXL3_SUMMARY, write_mla
+from helpers import ENC_ARGS as ENC
 
-ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "kinds-test"]
 SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
 SHARED_H = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
 RANK_SLICED = {"format": "exl3-trellis", "bits": 4, "codebook": "mcg", "experts_per_layer": 4, "moe_layers": [1, 1],

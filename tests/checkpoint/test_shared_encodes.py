@@ -19,12 +19,11 @@ from exl3tool.checkpoint import RankJob, open_checkpoint, plan_layers, rank_loca
 from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm import warm
 from exl3tool.plan.sharing import group_jobs, share_jobs, sharing_figures
-from helpers import completed
+from helpers import ENC, LINEAR, completed
 
 from tiny_models import write_glm5, write_glm53
 from seeds import fresh_seed
 
-ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="share-test")
 WQ_B = "model.layers.1.self_attn.indexer.wq_b"
 KV_B = "model.layers.1.self_attn.kv_b_proj"  # sharded: one encode per rank
 
@@ -58,7 +57,7 @@ def test_reads_are_equal_exactly_where_the_plan_replicates(glm5):
 
 
 def test_glm53_g_a_proj_is_shared_across_ranks(tmp_path):
-    plan = plan_layers(open_checkpoint(str(write_glm53(tmp_path / "g"))), overlay='{"linear": "mxfp8"}')
+    plan = plan_layers(open_checkpoint(str(write_glm53(tmp_path / "g"))), overlay=LINEAR)
     shared = {rj.prefix for rj in plan.for_tp(2) if rj.layer.parallel == "replicated"}
     assert shared and all(p.endswith(".g_a_proj") for p in shared)
 

@@ -17,12 +17,10 @@ from exl3tool.checkpoint.tiny import QWEN38_OVERLAY, write_qwen35
 from exl3tool.plan import WarmRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
+from helpers import BOTH, LAUNCH_ENC as ENC, LINEAR_WEIGHT as QC, TINY_1  # noqa: E402
 from helpers import fake_warm, server_encoder_identity, server_lookup, server_model_identity  # noqa: E402
 from seeds import fresh_seed
 
-ENC = ("/opt/exllamav3", "v0.0.18")
-QC = '{"linear": {"weight": "mxfp8"}}'
-BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
 
 
 def _seed() -> int:
@@ -39,8 +37,7 @@ def _server_env(tmp_path: Path, bits: str | None = "6") -> str:
 @pytest.fixture()
 def warmed_llama(tmp_path, monkeypatch):
     """A tiny Llama warmed (fake encoder, real plan and store) as a TP 1 server started with QC looks it up."""
-    model = write_llama_checkpoint(tmp_path / "M", hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1,
-                                   vocab=512, seed=_seed())
+    model = write_llama_checkpoint(tmp_path / "M", **TINY_1, seed=_seed())
     request = WarmRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "c"), bits=6,
                           quantization_config=QC, encoder_root=ENC[0], encoder_revision=ENC[1])
     summary = fake_warm(request, monkeypatch)
@@ -85,8 +82,7 @@ def test_a_launch_without_look_ups_is_a_finding_never_all_hit(warmed_llama, tmp_
 def test_no_look_up_without_an_encoder_is_still_reported(tmp_path, cli):
     """The server needs no encoder when it encodes nothing online: the check says why there are no look-ups
     instead of refusing the launch over the missing VLLM_EXL3_ENCODER_SOURCE."""
-    model = write_llama_checkpoint(tmp_path / "M", hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1,
-                                   vocab=512, seed=_seed())
+    model = write_llama_checkpoint(tmp_path / "M", **TINY_1, seed=_seed())
     code, out, err = cli("cache", "check", "--json", "--launch",
                          f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c vllm serve {model} --quantization-config '{QC}'")
     assert code == 1, err
@@ -95,8 +91,7 @@ def test_no_look_up_without_an_encoder_is_still_reported(tmp_path, cli):
 
 
 def test_an_empty_launch_is_a_usage_error(tmp_path, cli):
-    model = write_llama_checkpoint(tmp_path / "M", hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1,
-                                   vocab=512, seed=_seed())
+    model = write_llama_checkpoint(tmp_path / "M", **TINY_1, seed=_seed())
     for command in (["cache", "check", "--cache-dir", tmp_path / "c"],
                     ["cache", "warm", "--dry-run", "--cache-dir", tmp_path / "c"], ["identity"]):
         code, _, err = cli(*command, str(model), "--encoder-root", ENC[0], "--encoder-revision", ENC[1],

@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 from exl3tool.checkpoint import write_llama_checkpoint
+from helpers import TINY_1 as TINY
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512)
 
 
 def _blocks() -> dict[str, str]:

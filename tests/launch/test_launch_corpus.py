@@ -31,14 +31,13 @@ from exl3tool.checkpoint.tiny import write_qwen35
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
 from fake_server import in_server_view  # noqa: E402
+from helpers import TINY, TINY_REPO as REPO  # noqa: E402
 from helpers import (fake_encode, server_encoder_identity, server_lookup, server_model_identity,  # noqa: E402
                      transformers_commit_hash, tree)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "launches"
 FORMS = {".launch": "launch", ".argv": "argv", ".sh": "launch-file", ".yml": "compose"}
 CASES = sorted(p for p in DATA.iterdir() if p.is_file() and p.suffix in FORMS)
-REPO = "test-org/tiny-llama"
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 DEFAULT_OVERLAY = '{"linear":{"weight":"mxfp8"}}'
 
 

@@ -19,9 +19,7 @@ from test_checkpoint_plan import _write_moe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
 
-BOTH = '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
-ENC = ("/opt/exllamav3", "v0.0.18")
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
+from helpers import BOTH, LAUNCH_ENC as ENC, TINY  # noqa: E402
 
 
 def _retarget(path: Path, arch: str) -> Path:
@@ -132,8 +130,8 @@ def test_every_family_plans_from_its_launch(tmp_path, cli):
     assert planned == {f.name for f in FAMILIES}
 
 
-def test_warm_uses_the_launch_tp_and_adds_tp_sizes(tmp_path, cli):
-    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+def test_warm_uses_the_launch_tp_and_adds_tp_sizes(tmp_path, tiny_llama, cli):
+    model = str(tiny_llama)  # read only
     launch = (f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c "
               f"vllm serve {model} -tp 2 --quantization-config '{BOTH}'")
     code, doc, _ = _plan(cli, "--launch", launch)
@@ -147,8 +145,8 @@ def test_warm_uses_the_launch_tp_and_adds_tp_sizes(tmp_path, cli):
     assert code == 0 and json.loads(out)["tp_sizes"] == [4]
 
 
-def test_json_and_stderr_say_where_settings_came_from(tmp_path, cli):
-    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+def test_json_and_stderr_say_where_settings_came_from(tmp_path, tiny_llama, cli):
+    model = str(tiny_llama)  # read only
     envfile = tmp_path / "server.env"
     envfile.write_text("VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3\nVLLM_EXL3_ENCODER_REVISION=v1\n")
     code, out, err = cli("cache", "warm", "--dry-run", "--json", "--env-file", envfile, "--bits", "4", "--launch",
@@ -209,8 +207,8 @@ def test_model_or_launch_required(cli):
     assert code == 2 and "nothing after" in err
 
 
-def test_verify_reads_the_launch(tmp_path, cli):
-    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+def test_verify_reads_the_launch(tmp_path, tiny_llama, cli):
+    model = str(tiny_llama)  # read only
     launch = (f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c "
               f"vllm serve {model} -tp 2 --quantization-config '{BOTH}'")
     code, _, err = cli("verify", "--launch", launch, "--device", "cpu")
@@ -222,8 +220,8 @@ def test_verify_reads_the_launch(tmp_path, cli):
     assert doc["counts"]["fail"] == len(doc["layers"]) > 0  # nothing warmed yet: every entry missing
 
 
-def test_env_file_without_a_launch(tmp_path, cli):
-    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+def test_env_file_without_a_launch(tmp_path, tiny_llama, cli):
+    model = str(tiny_llama)  # read only
     envfile = tmp_path / "server.env"
     envfile.write_text(f"VLLM_EXL3_ENCODER_SOURCE=/e\nVLLM_EXL3_ENCODER_REVISION=r\nVLLM_EXL3_ONLINE_TRELLIS_BITS=3\n"
                        f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c\n")
@@ -236,8 +234,8 @@ def test_env_file_without_a_launch(tmp_path, cli):
     assert json.loads(out)["encoder_identity"] == doc["encoder_identity"]
 
 
-def test_identity_needs_no_cache_volume_and_hub_launches_keep_their_kind(tmp_path, cli):
-    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+def test_identity_needs_no_cache_volume_and_hub_launches_keep_their_kind(tmp_path, tiny_llama, cli):
+    model = str(tiny_llama)  # read only
     code, out, err = cli("identity", "--json", "--launch",
                          f"docker run -v {model}:/models/M -e VLLM_EXL3_ENCODER_SOURCE=/e "
                          "-e VLLM_EXL3_ENCODER_REVISION=r IMAGE serve /models/M")
@@ -249,13 +247,13 @@ def test_identity_needs_no_cache_volume_and_hub_launches_keep_their_kind(tmp_pat
     assert code == 2 and "Hub repo org/name" in err
 
 
-def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, cli, monkeypatch):
+def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, tiny_llama, cli, monkeypatch):
     import exl3tool.operations.warm.run as req
     from helpers import fake_encode
 
     real = req.run_plan
     monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
-    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+    model = str(tiny_llama)  # read only
     launch = (f"docker run -v {model}:/models/M:ro -v {tmp_path}/cache:/cache/exl3-online "
               "-e VLLM_EXL3_ENCODER_SOURCE=/e -e VLLM_EXL3_ENCODER_REVISION=r -e VLLM_EXL3_ONLINE_TRELLIS_BITS=3 "
               f"-e VLLM_EXL3_ONLINE_CACHE_DIR=/cache/exl3-online IMAGE serve /models/M -tp 2 "
@@ -270,13 +268,13 @@ def test_a_warm_from_the_launch_writes_and_reports_its_settings(tmp_path, cli, m
     assert code == 0 and json.loads(out)["counts"]["hit"] == len(doc["entries"])
 
 
-def test_cache_check_takes_the_launch(tmp_path, cli, monkeypatch):
+def test_cache_check_takes_the_launch(tmp_path, tiny_llama, cli, monkeypatch):
     import exl3tool.operations.warm.run as req
     from helpers import fake_encode
 
     real = req.run_plan
     monkeypatch.setattr(req, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
-    model = str(write_llama_checkpoint(tmp_path / "M", **TINY))
+    model = str(tiny_llama)  # read only
     launch = (f"docker run -v {model}:/models/M:ro -v {tmp_path}/cache:/cache/exl3-online "
               "-e VLLM_EXL3_ENCODER_SOURCE=/e -e VLLM_EXL3_ENCODER_REVISION=r -e VLLM_EXL3_ONLINE_TRELLIS_BITS=6 "
               f"-e VLLM_EXL3_ONLINE_CACHE_DIR=/cache/exl3-online IMAGE serve /models/M -tp 2 "

@@ -15,11 +15,10 @@ from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
 from exl3tool.launch import Explicit, load_launch, resolve_launch
 from exl3tool.launch.proc import read_process
+from helpers import LINEAR as QC, TINY_1 as TINY
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512)
-QC = '{"linear": "mxfp8"}'
 
 
 @pytest.fixture()

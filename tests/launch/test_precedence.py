@@ -12,9 +12,8 @@ from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
 from exl3tool.launch import Explicit, LaunchInput, apply_launch, load_launch, resolve_launch
 from exl3tool.plan import WarmRequest
+from helpers import BOTH, LINEAR as QC, TINY_1 as TINY
 
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512)
-QC = '{"linear": "mxfp8"}'
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +46,11 @@ def test_each_layer_in_order(model, tmp_path):
     # exl3tool's own flags beat everything
     s = resolved(text, env_files=[str(f1)], environ=process,
                  explicit=Explicit(bits=6, encoder_root="/flag", encoder_revision="flag-rev", cache_dir="/x",
-                                   quantization_config='{"linear": "mxfp8", "shared_experts": "mxfp8"}'))
+                                   quantization_config=BOTH))
     got = {k: (v.value, v.source) for k, v in s.settings.items()}
     assert got["bits"] == (6, "flag") and got["encoder_root"] == ("/flag", "flag")
     assert got["encoder_revision"] == ("flag-rev", "flag") and got["cache_dir_here"] == ("/x", "flag")
-    assert s.quantization_config == '{"linear": "mxfp8", "shared_experts": "mxfp8"}'
+    assert s.quantization_config == BOTH
 
 
 def test_defaulted_settings_say_so_and_how_to_pass_them(model):

@@ -27,12 +27,9 @@ from exl3tool.plan import WarmRequest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
 from fake_server import in_server_view  # noqa: E402
+from helpers import LAUNCH_ENC as ENC, LINEAR_WEIGHT as QC, TINY_1 as TINY, TINY_REPO as REPO  # noqa: E402
 from helpers import fake_warm, server_encoder_identity, server_lookup, server_model_identity, transformers_commit_hash  # noqa: E402
 
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512)
-REPO = "test-org/tiny-llama"
-QC = '{"linear": {"weight": "mxfp8"}}'
-ENC = ("/opt/exllamav3", "enc-rev-7")
 SERVER_ENV = {"VLLM_EXL3_ONLINE_TRELLIS_BITS": "6", "VLLM_EXL3_ENCODER_SOURCE": ENC[0],
               "VLLM_EXL3_ENCODER_REVISION": ENC[1], "VLLM_EXL3_ONLINE_CACHE_DIR": "/cache"}
 

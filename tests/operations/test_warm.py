@@ -26,12 +26,9 @@ from exl3tool.format.encoded import EncodedLinear
 from exl3tool.plan import WarmRequest, prepare, share_jobs
 from exl3tool.operations.warm import warm
 
-from helpers import completed
+from helpers import ENC, TINY, TINY_REPO as REPO, completed
 from seeds import fresh_seed
 
-REPO = "test-org/tiny-llama"
-TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
-ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="test-rev")
 
 
 @pytest.fixture(scope="module")

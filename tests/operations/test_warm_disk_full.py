@@ -21,14 +21,14 @@ from exl3tool.cli import main
 from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm import run_plan
 
-from helpers import ENC, ENC_ARGS, fake_encode
+from helpers import ENC, ENC_ARGS, TINY_1, fake_encode
 from seeds import fresh_seed
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("disk") / "tiny"
-    write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, vocab=512,
+    write_llama_checkpoint(path, **TINY_1,
                            seed=fresh_seed(), shards=1)
     return path
 

@@ -26,7 +26,7 @@ from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm import run_plan
 from exl3tool.operations.warm.lockwait import LockWaits
 
-from helpers import ENC, ENC_ARGS, fake_encode
+from helpers import ENC, ENC_ARGS, TINY, fake_encode
 from seeds import fresh_seed
 
 CTX = mp.get_context("forkserver")  # a fork after torch started its thread pools can hang the child
@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("locks") / "tiny"
-    write_llama_checkpoint(path, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512,
+    write_llama_checkpoint(path, **TINY,
                            seed=fresh_seed(), shards=1)
     return path
 
