@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from seeds import fresh_bytes, fresh_seed
 import yaml
 from huggingface_hub import snapshot_download  # imported here: the fake container has no Python library
 
@@ -52,7 +54,7 @@ def _header(path: Path) -> dict:
 
 
 def _seed() -> int:
-    return int.from_bytes(os.urandom(2), "little")
+    return fresh_seed(16)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def sources(tmp_path_factory) -> dict:
     enc = root / "encoder"
     (enc / "exllamav3" / "modules").mkdir(parents=True)
     for rel in ("exllamav3/__init__.py", "exllamav3/modules/quant.py", "exllamav3/modules/trellis.py"):
-        (enc / rel).write_text(f"# {rel}\nTOKEN = {os.urandom(8).hex()!r}\n")
+        (enc / rel).write_text(f"# {rel}\nTOKEN = {fresh_bytes(8).hex()!r}\n")
     src["encoder"] = enc
     images = json.loads((DATA / "images.json").read_text())
     cases = "".join(f"  {shlex.quote(image)}) printf '%s\\n' {shlex.quote(json.dumps(env))} ;;\n"
