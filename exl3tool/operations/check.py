@@ -99,6 +99,33 @@ class CheckReport:
         return (self.plan.count("miss") == 0 and self.plan.count("invalid") == 0
                 and not any(c.kind == "unplanned" for c in self.causes))
 
+    def as_json(self) -> dict[str, Any]:
+        """The `cache check --json` document (fields in docs/cache.md)."""
+        plan = self.plan
+        cause_of: dict[str, list[int]] = {}
+        for n, c in enumerate(self.causes):
+            for j in c.lookups:
+                cause_of.setdefault(j.digest, []).append(n)
+        lookups = self.lookups
+        return {
+            "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
+            "bits": plan.bits, "dtype": self.dtype, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root),
+            **plan.header_json(),
+            "ok": self.ok, "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
+            "invalid": plan.count("invalid"), "not_looked_up": plan.count("skipped"), "hit_origins": self.hit_origins,
+            "causes": [c.as_json() for c in self.causes],
+            "notes": [f.as_json() for f in self.notes],
+            "records": [{"path": str(sr.path), "error": sr.error} if sr.record is None else
+                        {"path": str(sr.path), "command": sr.record.command, "host": sr.record.host,
+                         "time": sr.record.time, "model_identity": sr.record.model_identity,
+                         "encoder_identity": sr.record.encoder_identity, "entries": len(sr.record.entries)}
+                        for sr in self.records],
+            "seconds": self.seconds,
+            "entries": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
+                         "output_size": j.output_size, "state": j.state, "reason": j.reason, "digest": j.digest,
+                         "path": str(j.path), "causes": cause_of.get(j.digest, [])} for j in lookups],
+        }
+
 
 # --- payload comparisons ------------------------------------------------------------------------------------------
 

@@ -15,10 +15,10 @@ from rich.table import Table
 
 from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.cli.commands.group import Exl3Group
-from exl3tool.cli.commands.encode import DeviceOpt, ExcludeOpt, LayersOpt, SharedOpt
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
-    ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, resolve_cache_dir,
+    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
+    FileModeOpt, JsonOpt, LayersOpt, ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
+    existing_cache_dir, request_from_options, resolve_cache_dir,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output, plural
@@ -451,6 +451,7 @@ def export(
 
 @cache_app.command("import")
 def import_(
+    ctx: typer.Context,
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="Bundle file to read, or - for stdin.")],
     cache_dir: CacheDirOpt = None,
     file_mode: FileModeOpt = "0600",
@@ -508,13 +509,9 @@ def import_(
     check = None
     if against is not None:
         from exl3tool.operations.against import AgainstModel
-        from exl3tool.plan import WarmRequest
 
-        check = AgainstModel.from_request(WarmRequest(
-            model=against, bits=bits, revision=revision, layers=tuple(layers), exclude=tuple(exclude),
-            shared_experts=shared_experts, cache_dir=str(root), device=device, encoder_root=encoder_root,
-            encoder_revision=encoder_revision, encoder_source=encoder_source, server_path=server_path, dtype=dtype,
-            quantization_config=quantization_config), exact=exact)
+        request, _ = request_from_options(ctx, skip={"file_mode"}, model=against, cache_dir=str(root))
+        check = AgainstModel.from_request(request, exact=exact)
     if bundle == "-":
         report = import_bundle(sys.stdin.buffer, store, source="-", check=check)
     else:

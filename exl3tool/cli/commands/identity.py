@@ -21,6 +21,7 @@ from exl3tool.cli.commands.options import (
     QuietOpt,
     RevisionOpt,
     ServerPathOpt,
+    request_from_options,
 )
 from exl3tool.cli.output import Output
 
@@ -58,20 +59,14 @@ def identity(
     """
     from exl3tool.checkpoint import resolve_overlay
 
-    from exl3tool.plan import WarmRequest
-
     out = Output(json=json, quiet=quiet)
     if not model and not launch_input(ctx, launch, pid, env_file).launch_given and given_fields(
             ctx, {"encoder_root": "encoder_root", "encoder_source": "encoder_source"}):
         _encoder_only(out, encoder_root, encoder_revision, encoder_source, quantization_config, env_file)
         return
-    request = WarmRequest(model=model or "", revision=revision, server_path=server_path, encoder_root=encoder_root,
-                          encoder_revision=encoder_revision, encoder_source=encoder_source,
-                          quantization_config=quantization_config)
-    request, launched, environ = apply_options(ctx, out, request, launch, pid, env_file, {
-        "model": "model", "revision": "revision", "server_path": "server_path", "encoder_root": "encoder_root",
-        "encoder_revision": "encoder_revision", "encoder_source": "encoder_source",
-        "quantization_config": "quantization_config"}, need_cache=False, no_lookup="warn")
+    request, given = request_from_options(ctx)
+    request, launched, environ = apply_options(ctx, out, request, launch, pid, env_file, given, need_cache=False,
+                                               no_lookup="warn")
     model = request.model
     overlay = resolve_overlay(request.quantization_config)
     ids = server_identities(model, revision=request.revision, server_path=request.server_path,
