@@ -13,7 +13,8 @@ import typer
 from rich.filesize import decimal
 from rich.table import Table
 
-from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.cache import CacheHealth, EntryInfo, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.cache.scan import iso_utc
 from exl3tool.cli.commands.group import Exl3Group
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
@@ -33,11 +34,6 @@ def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
-def _iso(ts: float) -> str:
-    """An mtime as UTC ISO 8601 with milliseconds and ``Z``, as provenance records write their times."""
-    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-
-
 def _ranges(ranks: list[int]) -> str:
     """Ranks as runs: ``0-7``, ``0,2,4-5`` (a TP 8 row stays narrow).
 
@@ -51,33 +47,6 @@ def _ranges(ranks: list[int]) -> str:
         else:
             runs.append([r, r])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def _entry_json(info: EntryInfo) -> dict[str, Any]:
-    """The stable JSON form of one scanned file (every field documented in docs/cache.md)."""
-    return {
-        "path": str(info.path),
-        "kind": info.kind,
-        "digest": info.digest,
-        "status": info.status,
-        "reason": info.reason,
-        "size": info.size,
-        "mtime": info.mtime,
-        "mtime_utc": _iso(info.mtime),
-        "model_dir": info.model_dir,
-        "model_identity": info.model_identity,
-        "tp_world_size": info.tp_world_size,
-        "tp_rank": info.tp_rank,
-        "prefix": info.prefix,
-        "proxy_error": info.proxy_error,
-        "sha256_ok": info.sha256_ok,
-        "is_symlink": info.is_symlink,
-        "orphan": info.orphan,
-        "server_loads": info.loadable,
-        "key": info.key.as_dict() if info.key else None,
-        "checksum_covers": info.covers,
-        "held": info.held,
-    }
 
 
 @cache_app.command("ls")
@@ -111,7 +80,7 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
         ranks = sorted(r for r in g["ranks"] if r is not None)
         table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), _ranges(ranks), str(g["entries"]),
                       str(g["malformed"]), decimal(g["bytes"]), _when(g["newest"]))
-        rows.append({**g, "ranks": ranks, "newest_utc": _iso(g["newest"])})
+        rows.append({**g, "ranks": ranks, "newest_utc": iso_utc(g["newest"])})
     out.table(table)
     from exl3tool.cache.records import group_by_identity, read_records
 
@@ -200,7 +169,7 @@ def show(
     rows += [(f"tensor.{name}", f"{t['dtype']} {t['shape']}") for name, t in sorted(tensors.items())]
     rows += [(f"meta.{name}", value) for name, value in sorted(info.metadata.items()) if name != "cache_key"]
     out.fields(str(path), rows)  # identities and checksums whole: below their label when the line is too short
-    out.data({**_entry_json(info), "tensors": tensors, "metadata": info.metadata})
+    out.data({**info.as_json(), "tensors": tensors, "metadata": info.metadata})
     if info.status == "unchecked":
         out.note(f"{path}: {info.reason}")
     elif info.status != "valid":
@@ -222,17 +191,10 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     """
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
-    infos = [i for i in scan(root, deep=True) if _model_ok(i, model)]
-    entries = [i for i in infos if i.kind == "entry"]
-    valid = [i for i in entries if i.status == "valid"]
-    unchecked = [i for i in entries if i.status == "unchecked"]
-    invalid = [i for i in entries if i.status == "invalid"]
-    bad_locks = [i for i in infos if i.kind == "lock" and i.status == "invalid"]
-    temps = [i for i in infos if i.kind == "temp"]
-    orphans = [i for i in infos if i.kind == "lock" and i.orphan and i.status != "invalid"]
-    stale = [i for i in orphans if not i.held]
-    strays = [i for i in infos if i.kind == "stray"]
-    links = [i for i in strays if i.is_symlink and i.status == "invalid"]
+    health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model)])
+    entries, valid, unchecked, invalid = health.entries, health.valid, health.unchecked, health.invalid
+    bad_locks, temps, orphans, stale = health.broken_locks, health.temp_files, health.orphan_locks, health.stale_locks
+    strays, links = health.stray_files, health.links
 
     def rel(i: EntryInfo) -> str:
         return str(i.path.relative_to(root) if i.path.is_relative_to(root) else i.path)
@@ -261,22 +223,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     if any(not i.held for i in temps) or stale:
         out.note("remove leftovers no live process holds with: exl3tool cache prune --temp")
 
-    out.data(
-        {
-            "root": str(root),
-            "entries": len(entries),
-            "valid": len(valid),
-            "unchecked": [_entry_json(i) for i in unchecked],
-            "invalid": [_entry_json(i) for i in invalid],
-            "broken_locks": [_entry_json(i) for i in bad_locks],
-            "temp_files": [_entry_json(i) for i in temps],
-            "orphan_locks": [_entry_json(i) for i in orphans],
-            "stray_files": [_entry_json(i) for i in strays],
-            "stale_locks": [_entry_json(i) for i in stale],
-            "links": [_entry_json(i) for i in links],
-        }
-    )
-    if invalid or bad_locks or links:
+    out.data(health.as_json())
+    if not health.ok:
         what = []
         if invalid:
             what.append(f"{len(invalid)} invalid entr{'y' if len(invalid) == 1 else 'ies'}")
@@ -335,8 +283,8 @@ def prune(
     result: dict[str, Any] = {
         "root": str(root),
         "dry_run": dry_run,
-        "planned": [{**_entry_json(i), "why": why} for i, why in plan.items],
-        "skipped": [{**_entry_json(i), "why": why} for i, why in plan.skipped],
+        "planned": [{**i.as_json(), "why": why} for i, why in plan.items],
+        "skipped": [{**i.as_json(), "why": why} for i, why in plan.skipped],
         "bytes_planned": plan.bytes_freed,
         "records_planned": [{"path": str(sr.path), "why": why} for sr, why in rplan.items],
     }
@@ -396,12 +344,7 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
         out.table(table)
     out.line(f"exported {plural(len(plan.entries), 'entry', 'entries')} ({decimal(plan.bytes)}) to {bundle}: a {decimal(size)} bundle; "
              f"{len(plan.left_out)} invalid left out; cache {plan.root}")
-    out.data({
-        "bundle": bundle, "root": str(plan.root), "entries": len(plan.entries), "bytes": plan.bytes,
-        "bundle_bytes": size, "records": [r.path for r in plan.records],
-        "exported": [{"path": e.path, "digest": e.digest, "size": e.size, "sha256": e.sha256} for e in plan.entries],
-        "left_out": [{"path": p, "reason": why} for p, why in plan.left_out],
-    })
+    out.data(plan.as_json(bundle, size))
 
 
 @cache_app.command("export")
@@ -521,7 +464,7 @@ def import_(
             raise InputError(f"cannot read the bundle {bundle}: {exc.strerror}") from None
         with fh:
             report = import_bundle(fh, store, source=str(Path(bundle).resolve()), check=check)
-    refused = [i for i in report.items if i.status == "refused"]
+    refused = report.refused
     if refused:
         table = Table(title="refused")
         table.add_column("member", overflow="fold")
@@ -533,16 +476,7 @@ def import_(
              f"{report.count('present')} already present, {len(refused)} refused; "
              f"{decimal(report.bytes_written)} written; {plural(report.count('imported', 'record'), 'provenance record')} "
              f"imported, {report.count('present', 'record')} already there; cache {root}")
-    out.data({
-        "bundle": bundle, "root": str(root), "tool_version": report.tool_version,
-        "against": None if against is None else {"model": against, "exact": exact},
-        "imported": report.count("imported"), "replaced": report.count("replaced"),
-        "present": report.count("present"), "refused": len(refused), "bytes_written": report.bytes_written,
-        "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items
-                    if i.kind == "entry"],
-        "records": [{"path": i.path, "status": i.status, "reason": i.reason} for i in report.items
-                    if i.kind == "record"],
-    })
+    out.data(report.as_json(bundle, None if against is None else {"model": against, "exact": exact}))
     if refused:
         raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); the rest were "
                             "imported")

@@ -1,0 +1,153 @@
+"""The `--json` documents are the library's: each command prints its report's ``as_json()`` (docs/cache.md), so a
+caller of the library gets the same document as a caller of the CLI. Each test runs the command on a tiny case and
+compares its stdout with ``as_json()`` of the very report the command got (or of the same scan, recomputed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import ENC, ENC_ARGS, CliRunner, fake_warm
+
+from exl3tool.cache import CacheHealth, inspect_entry, scan
+from exl3tool.cache.bundle import plan_export
+from exl3tool.checkpoint.tiny import write_tiny
+from exl3tool.cli import _register, app
+from exl3tool.jsontext import to_jsonable
+from exl3tool.plan import WarmRequest, prepare
+
+_register()
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], prog_name="exl3tool")
+
+
+def doc(res) -> dict:
+    return json.loads(res.stdout)
+
+
+def same(a: dict) -> dict:
+    """A report's ``as_json()`` as the CLI prints it (JSON values, the same round trip)."""
+    return json.loads(json.dumps(to_jsonable(a)))
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+    """A tiny Llama warmed at TP 1 and 2 (fake encodes), one entry then broken by a flipped trellis bit."""
+    root = tmp_path_factory.mktemp("reports")
+    model = write_tiny(root / "llama", "llama")
+    mp = pytest.MonkeyPatch()
+    try:
+        summary = fake_warm(WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=root / "cache", **ENC), mp)
+    finally:
+        mp.undo()
+    return model, root / "cache", summary
+
+
+def capture(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` so that every value it returns is kept (the report a command renders)."""
+    real, seen = getattr(module, name), []
+
+    def wrapper(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(module, name, wrapper)
+    return seen
+
+
+def test_cache_check_prints_the_check_reports_document(warmed, monkeypatch):
+    import exl3tool.cli.commands.check as check_cmd
+
+    model, cache, _ = warmed
+    seen = capture(monkeypatch, check_cmd, "check")
+    res = cli("cache", "check", model, "--tp-sizes", "1,2", "--cache-dir", cache, *ENC_ARGS, "--json")
+    assert res.exit_code == 0, res.output
+    [report] = seen
+    assert doc(res) == same(report.as_json())
+    assert doc(res)["hit"] == doc(res)["lookups"] > 0
+
+
+def test_dry_run_prints_the_plans_document(warmed):
+    model, cache, _ = warmed
+    res = cli("cache", "warm", model, "--tp-sizes", "1,2,4", "--cache-dir", cache, *ENC_ARGS, "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    _, plan, _ = prepare(WarmRequest(model=str(model), tp_sizes=(1, 2, 4), cache_dir=cache, **ENC))
+    assert doc(res) == same(plan.as_json())
+    assert {j["state"] for j in doc(res)["jobs"]} >= {"hit", "miss"}  # TP 4 is not warmed
+
+
+def test_cache_warm_prints_the_summarys_document(warmed, monkeypatch):
+    import exl3tool.cli.commands.encode as encode_cmd
+
+    model, cache, _ = warmed
+    seen = capture(monkeypatch, encode_cmd, "warm")
+    res = cli("cache", "warm", model, "--tp-sizes", "2", "--cache-dir", cache, *ENC_ARGS, "--json")
+    assert res.exit_code == 0, res.output
+    [summary] = seen
+    assert doc(res) == same(summary.as_json())
+    assert doc(res)["counts"]["hit"] == len(summary.entries) > 0
+
+
+def test_verify_prints_the_verify_reports_document(warmed, monkeypatch, tmp_path):
+    import exl3tool.cli.commands.verify as verify_cmd
+
+    model, cache, _ = warmed
+    seen = capture(monkeypatch, verify_cmd, "verify_plan")
+    report_file = tmp_path / "verify.json"
+    res = cli("verify", model, "--cache-dir", cache, *ENC_ARGS, "--layers", "*o_proj", "--rows", "1", "--json",
+              "--report", report_file)
+    assert res.exit_code in (0, 1), res.output  # fake encodes: the quantization error may be over the bound
+    [report] = seen
+    assert doc(res) == same(report.as_json())
+    assert json.loads(report_file.read_text()) == doc(res)
+    assert doc(res)["counts"]["pass"] + doc(res)["counts"]["fail"] == len(report.layers) > 0
+
+
+def test_cache_verify_show_and_prune_print_the_scans_documents(warmed, tmp_path):
+    _, cache, summary = warmed
+    root = tmp_path / "cache"
+    import shutil
+
+    shutil.copytree(cache, root)
+    entry = root / Path(summary.entries[0].path).relative_to(cache)
+    data = bytearray(entry.read_bytes())
+    data[-1] ^= 0x20  # our checksum fails: one invalid entry
+    entry.write_bytes(bytes(data))
+    (entry.parent / f".{entry.name}.1-x.tmp").write_bytes(b"half")  # a leftover temp file
+
+    res = cli("cache", "verify", "--cache-dir", root, "--json")
+    assert res.exit_code == 1, res.output
+    health = CacheHealth.of(root, scan(root, deep=True))
+    assert doc(res) == same(health.as_json())
+    assert len(doc(res)["invalid"]) == 1 and len(doc(res)["temp_files"]) == 1 and not health.ok
+
+    res = cli("cache", "show", entry, "--json")
+    info = inspect_entry(entry)
+    shown = doc(res)
+    assert {k: shown[k] for k in info.as_json()} == same(info.as_json())
+
+    res = cli("cache", "prune", "--invalid", "--temp", "--dry-run", "--cache-dir", root, "--json")
+    assert res.exit_code == 0, res.output
+    by_path = {str(i.path): i for i in scan(root, deep=True)}
+    planned = doc(res)["planned"]
+    assert planned and all(p == same({**by_path[p["path"]].as_json(), "why": p["why"]}) for p in planned)
+
+
+def test_export_and_import_print_the_bundles_documents(warmed, tmp_path, monkeypatch):
+    import exl3tool.cache.bundle as bundle_mod
+
+    _, cache, _ = warmed
+    bundle = tmp_path / "b.tar"
+    res = cli("cache", "export", bundle, "--cache-dir", cache, "--json")
+    assert res.exit_code == 0, res.output
+    assert doc(res) == same(plan_export(cache).as_json(str(bundle), bundle.stat().st_size))
+
+    seen = capture(monkeypatch, bundle_mod, "import_bundle")
+    res = cli("cache", "import", bundle, "--cache-dir", tmp_path / "other", "--json")
+    assert res.exit_code == 0, res.output
+    [report] = seen
+    assert doc(res) == same(report.as_json(str(bundle)))
+    assert doc(res)["imported"] == len(doc(res)["entries"]) > 0
