@@ -12,6 +12,7 @@ from helpers import ENC, ENC_ARGS, CliRunner, fake_warm
 
 from exl3tool.cache import CacheHealth, inspect_entry, scan
 from exl3tool.cache.bundle import plan_export
+from exl3tool.cache.listing import list_cache
 from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.cli import _register, app
 from exl3tool.jsontext import to_jsonable
@@ -134,6 +135,30 @@ def test_cache_verify_show_and_prune_print_the_scans_documents(warmed, tmp_path)
     by_path = {str(i.path): i for i in scan(root, deep=True)}
     planned = doc(res)["planned"]
     assert planned and all(p == same({**by_path[p["path"]].as_json(), "why": p["why"]}) for p in planned)
+
+
+def test_cache_ls_prints_the_listings_document(warmed):
+    _, cache, summary = warmed
+    res = cli("cache", "ls", "--cache-dir", cache, "--json")
+    assert res.exit_code == 0, res.output
+    assert doc(res) == same(list_cache(cache).as_json())
+    assert {(g["tp_world_size"], tuple(g["ranks"])) for g in doc(res)["groups"]} == {(1, (0,)), (2, (0, 1))}
+    assert doc(res)["entries"] == len(summary.entries)
+
+
+def test_identity_prints_the_identities_document(warmed, monkeypatch):
+    import exl3tool.cli.commands.identity as identity_cmd
+    from exl3tool.checkpoint import resolve_overlay
+
+    model, _, _ = warmed
+    seen = capture(monkeypatch, identity_cmd, "server_identities")
+    res = cli("identity", model, *ENC_ARGS, "--json")
+    assert res.exit_code == 0, res.output
+    [ids] = seen
+    source = doc(res)["encoder"]["source_detail"]
+    assert doc(res) == same(ids.as_json(str(model), source_detail=source,
+                                        quantization_config=resolve_overlay(None).as_json()))
+    assert doc(res)["model"]["identity"] == ids.model.identity and doc(res)["encoder"]["root"] == ENC["encoder_root"]
 
 
 def test_export_and_import_print_the_bundles_documents(warmed, tmp_path, monkeypatch):

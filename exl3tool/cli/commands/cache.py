@@ -14,7 +14,7 @@ from rich.filesize import decimal
 from rich.table import Table
 
 from exl3tool.cache import CacheHealth, EntryInfo, execute_prune, inspect_entry, plan_prune, scan
-from exl3tool.cache.scan import iso_utc
+from exl3tool.cache.listing import list_cache
 from exl3tool.cli.commands.group import Exl3Group
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
@@ -54,46 +54,20 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
     """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them)."""
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
-    infos = [i for i in scan(root, deep=False) if i.kind == "entry" and _model_ok(i, model)]
-    # One row per (model directory, TP size): an unreadable entry has no identity of its own but sits in its model's
-    # directory; the row shows the full identity that the directory's readable entries carry.
-    groups: dict[tuple[str, int | None], dict[str, Any]] = {}
-    for info in infos:
-        folder = info.model_dir or "?"
-        g = groups.setdefault((folder, info.tp_world_size), {
-            "model_identity": folder, "tp_world_size": info.tp_world_size, "ranks": set(), "entries": 0,
-            "malformed": 0, "bytes": 0, "newest": 0.0,
-        })
-        if info.model_identity and info.model_identity.startswith(folder) and info.status != "invalid":
-            g["model_identity"] = info.model_identity
-        g["ranks"].add(info.tp_rank)
-        g["entries"] += 1
-        g["malformed"] += info.status == "invalid"
-        g["bytes"] += info.size
-        g["newest"] = max(g["newest"], info.mtime)
+    listing = list_cache(root, model=model)
     table = Table(title=f"EXL3 cache {root}", box=None, pad_edge=False, header_style="bold underline")  # 80 columns
     table.add_column("model identity", no_wrap=True, min_width=20)
     for col in ("TP", "ranks", "entries", "malformed", "size", "newest (UTC)"):
         table.add_column(col, justify="right" if col in ("entries", "malformed", "size") else "left", no_wrap=True)
-    rows = []
-    for g in sorted(groups.values(), key=lambda g: (g["model_identity"], g["tp_world_size"] or 0)):
-        ranks = sorted(r for r in g["ranks"] if r is not None)
-        table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), _ranges(ranks), str(g["entries"]),
+    for g in listing.groups:
+        table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), _ranges(g["ranks"]), str(g["entries"]),
                       str(g["malformed"]), decimal(g["bytes"]), _when(g["newest"]))
-        rows.append({**g, "ranks": ranks, "newest_utc": iso_utc(g["newest"])})
     out.table(table)
-    from exl3tool.cache.records import group_by_identity, read_records
-
-    records = read_records(root, model_prefix=model)
-    identities = group_by_identity(root, infos, records)
-    _identity_table(out, identities)
-    for sr in records:
-        if sr.record is None:
-            out.warn(f"{sr.path}: not a provenance record ({sr.error}); remove it with: exl3tool cache prune --invalid")
-    out.line(f"{plural(len(infos), 'entry', 'entries')}, {decimal(sum(i.size for i in infos))}")
-    out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos),
-              "identities": identities,
-              "bad_records": [{"path": str(sr.path), "error": sr.error} for sr in records if sr.record is None]})
+    _identity_table(out, listing.identities)
+    for sr in listing.bad_records:
+        out.warn(f"{sr.path}: not a provenance record ({sr.error}); remove it with: exl3tool cache prune --invalid")
+    out.line(f"{plural(len(listing.infos), 'entry', 'entries')}, {decimal(listing.bytes)}")
+    out.data(listing.as_json())
 
 
 def _identity_table(out: Output, identities: list[dict[str, Any]]) -> None:
