@@ -5,14 +5,17 @@ compares its stdout with ``as_json()`` of the very report the command got (or of
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from helpers import ENC, ENC_ARGS, CliRunner, fake_warm
 
-from exl3tool.cache import CacheHealth, inspect_entry, scan
+from exl3tool.cache import CacheHealth, inspect_entry, plan_prune, scan
 from exl3tool.cache.bundle import plan_export
 from exl3tool.cache.listing import list_cache
+from exl3tool.cache.prune_report import PruneReport
+from exl3tool.cache.records import plan_record_prune, read_records
 from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.cli import _register, app
 from exl3tool.jsontext import to_jsonable
@@ -108,9 +111,10 @@ def test_verify_prints_the_verify_reports_document(warmed, monkeypatch, tmp_path
 
 
 def test_cache_verify_show_and_prune_print_the_scans_documents(warmed, tmp_path):
+    import shutil
+
     _, cache, summary = warmed
     root = tmp_path / "cache"
-    import shutil
 
     shutil.copytree(cache, root)
     entry = root / Path(summary.entries[0].path).relative_to(cache)
@@ -132,9 +136,18 @@ def test_cache_verify_show_and_prune_print_the_scans_documents(warmed, tmp_path)
 
     res = cli("cache", "prune", "--invalid", "--temp", "--dry-run", "--cache-dir", root, "--json")
     assert res.exit_code == 0, res.output
-    by_path = {str(i.path): i for i in scan(root, deep=True)}
-    planned = doc(res)["planned"]
-    assert planned and all(p == same({**by_path[p["path"]].as_json(), "why": p["why"]}) for p in planned)
+    plan = plan_prune(scan(root, deep=True), invalid=True, temp=True)
+    rplan = plan_record_prune(root, read_records(root), invalid=True,
+                              removing={i.path for i, _ in plan.items if i.kind == "entry"})
+    planned = PruneReport(root, plan, rplan, dry_run=True)
+    assert doc(res) == same(planned.as_json())
+    assert {p["kind"] for p in doc(res)["planned"]} >= {"entry", "temp"}
+
+    res = cli("cache", "prune", "--invalid", "--temp", "--yes", "--cache-dir", root, "--json")
+    assert res.exit_code == 0, res.output
+    pruned = same(replace(planned, dry_run=False, freed=plan.bytes_freed).as_json())
+    assert doc(res) == pruned and doc(res)["bytes_freed"] > 0
+    assert not entry.exists()
 
 
 def test_cache_ls_prints_the_listings_document(warmed):

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from exl3tool.cache import CacheHealth, EntryInfo, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.cache.listing import list_cache
+from exl3tool.cache.prune_report import PruneReport
 from exl3tool.cli.commands.group import Exl3Group
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
@@ -254,16 +255,9 @@ def prune(
         out.note(f"skipping {info.path}: {why}")
     out.line(f"{plural(len(plan.items), 'file')}, {decimal(plan.bytes_freed)} to free"
              + (f"; {plural(len(rplan.items), 'provenance record')}" if rplan.items else ""))
-    result: dict[str, Any] = {
-        "root": str(root),
-        "dry_run": dry_run,
-        "planned": [{**i.as_json(), "why": why} for i, why in plan.items],
-        "skipped": [{**i.as_json(), "why": why} for i, why in plan.skipped],
-        "bytes_planned": plan.bytes_freed,
-        "records_planned": [{"path": str(sr.path), "why": why} for sr, why in rplan.items],
-    }
+    report = PruneReport(root, plan, rplan, dry_run)
     if dry_run or not (plan.items or rplan.items):
-        out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
+        out.data(report.as_json())
         return
     if not yes:
         if json:
@@ -276,20 +270,20 @@ def prune(
                               "prompt, or --dry-run to see the plan") from None
         if not agreed:
             out.line("nothing removed")
-            out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
+            out.data(report.as_json())
             return
     done = execute_prune(plan)
-    removed, rerrors, rkept = execute_record_prune(root, rplan)  # after the entries: a record goes with its last entry
-    errors = list(done.errors) + rerrors
-    for line in list(done.kept) + rkept:
+    records_done = execute_record_prune(root, rplan)  # after the entries: a record goes with its last entry
+    report = report.done(done, records_done)
+    errors = report.errors
+    for line in report.kept:
         out.note(line)
     for line in errors:
         out.warn(line)
     out.line(f"freed {decimal(done.freed)}"
              + (f"; {plural(len(done.kept), 'file')} changed since the plan, kept" if done.kept else "")
-             + (f"; {plural(removed, 'provenance record')} removed" if removed else ""))
-    out.data({**result, "bytes_freed": done.freed, "errors": errors, "kept": list(done.kept) + rkept,
-              "records_removed": removed})
+             + (f"; {plural(report.records_removed, 'provenance record')} removed" if report.records_removed else ""))
+    out.data(report.as_json())
     if errors:
         raise InputError(f"{plural(len(errors), 'file')} could not be removed (see warnings); check permissions under {root}")
 
