@@ -96,6 +96,20 @@ class EntryInfo:
         }
 
 
+    def show_json(self) -> dict[str, Any]:
+        """The `cache show --json` document: ``as_json()``, each tensor's dtype and shape (none when the file
+        cannot be read as safetensors: ``status`` says why) and the header's metadata."""
+        tensors: dict[str, Any] = {}
+        try:
+            with safe_open(str(self.path), framework="pt", device="cpu") as fh:
+                for name in fh.keys():
+                    sl = fh.get_slice(name)
+                    tensors[name] = {"dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
+        except Exception:
+            pass
+        return {**self.as_json(), "tensors": tensors, "metadata": self.metadata}
+
+
 def iso_utc(ts: float) -> str:
     """An mtime as UTC ISO 8601 with milliseconds and ``Z``, as provenance records write their times."""
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"

@@ -25,7 +25,7 @@ from exl3tool.text import plural
 from exl3tool.plan.plan import WarmJob, WarmPlan
 from exl3tool.plan.request import WarmRequest, prepare
 
-__all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "model_differences", "encoder_differences"]
+__all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences"]
 
 _SHOWN = 3  # items named per line before "and N more"
 
@@ -125,6 +125,13 @@ class CheckReport:
                          "output_size": j.output_size, "state": j.state, "reason": j.reason, "digest": j.digest,
                          "path": str(j.path), "causes": cause_of.get(j.digest, [])} for j in lookups],
         }
+
+
+def no_lookup_json(reasons: tuple[str, ...]) -> dict[str, Any]:
+    """The `cache check --json` document of a launch whose server looks nothing up (``reasons``: why): zero
+    look-ups and ``"ok": false``, a finding, never "all hit" (docs/cache.md)."""
+    return {"ok": False, "server_lookup": False, "lookup_off": list(reasons), "lookups": 0, "hit": 0, "miss": 0,
+            "invalid": 0, "causes": [], "notes": []}
 
 
 # --- payload comparisons ------------------------------------------------------------------------------------------

@@ -74,6 +74,17 @@ def test_cache_check_prints_the_check_reports_document(warmed, monkeypatch):
     assert doc(res)["hit"] == doc(res)["lookups"] > 0
 
 
+def test_cache_check_of_a_launch_without_look_ups_prints_the_librarys_document(warmed):
+    from exl3tool.operations.check import no_lookup_json
+
+    model, cache, _ = warmed
+    res = cli("cache", "check", "--cache-dir", cache, "--json", "--launch", f"vllm serve {model}")
+    assert res.exit_code == 1, res.output
+    expected = no_lookup_json(tuple(doc(res)["lookup_off"]))
+    assert set(doc(res)) == set(expected) | {"settings", "launch"}
+    assert {k: doc(res)[k] for k in expected} == same(expected) and doc(res)["lookup_off"]
+
+
 def test_dry_run_prints_the_plans_document(warmed):
     model, cache, _ = warmed
     res = cli("cache", "warm", model, "--tp-sizes", "1,2,4", "--cache-dir", cache, *ENC_ARGS, "--dry-run", "--json")
@@ -130,9 +141,10 @@ def test_cache_verify_show_and_prune_print_the_scans_documents(warmed, tmp_path)
     assert len(doc(res)["invalid"]) == 1 and len(doc(res)["temp_files"]) == 1 and not health.ok
 
     res = cli("cache", "show", entry, "--json")
+    assert res.exit_code == 1, res.output
     info = inspect_entry(entry)
-    shown = doc(res)
-    assert {k: shown[k] for k in info.as_json()} == same(info.as_json())
+    assert doc(res) == same(info.show_json())
+    assert doc(res)["status"] == "invalid" and doc(res)["tensors"]["trellis"]["dtype"] == "I16"
 
     res = cli("cache", "prune", "--invalid", "--temp", "--dry-run", "--cache-dir", root, "--json")
     assert res.exit_code == 0, res.output

@@ -122,29 +122,21 @@ def show(
     quiet: QuietOpt = False,
 ) -> None:
     """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not)."""
-    from safetensors import safe_open
-
     out = Output(json=json, quiet=quiet)
     path = _find_entry(resolve_cache_dir(cache_dir), entry)
     try:
         info = inspect_entry(path)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    tensors: dict[str, Any] = {}
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            for name in fh.keys():
-                sl = fh.get_slice(name)
-                tensors[name] = {"dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
-    except Exception:
-        pass
+    shown = info.show_json()
+    tensors = shown["tensors"]
     rows = [("status", info.status + (f" ({info.reason})" if info.reason else "")), ("size", decimal(info.size))]
     if info.key:
         rows += [(f"key.{name}", str(value)) for name, value in sorted(info.key.as_dict().items())]
     rows += [(f"tensor.{name}", f"{t['dtype']} {t['shape']}") for name, t in sorted(tensors.items())]
     rows += [(f"meta.{name}", value) for name, value in sorted(info.metadata.items()) if name != "cache_key"]
     out.fields(str(path), rows)  # identities and checksums whole: below their label when the line is too short
-    out.data({**info.as_json(), "tensors": tensors, "metadata": info.metadata})
+    out.data(shown)
     if info.status == "unchecked":
         out.note(f"{path}: {info.reason}")
     elif info.status != "valid":

@@ -18,7 +18,7 @@ from exl3tool.cli.commands.options import (
 from exl3tool.cli.commands.planview import plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
-from exl3tool.operations.check import CheckReport, check
+from exl3tool.operations.check import CheckReport, check, no_lookup_json
 
 __all__ = ["register", "cache_check", "render_check", "render_no_lookup"]
 
@@ -62,8 +62,7 @@ def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict) -> None
     out.line(f"0 look-ups: this launch encodes nothing online, because {reasons[0]}")
     for line in reasons[1:]:
         out.line(f"  and {line}")
-    out.data({"ok": False, "server_lookup": False, "lookup_off": list(reasons), "lookups": 0, "hit": 0, "miss": 0,
-              "invalid": 0, "causes": [], "notes": [], **extra})
+    out.data({**no_lookup_json(reasons), **extra})
 
 
 def cache_check(
