@@ -201,3 +201,24 @@ def test_export_and_import_print_the_bundles_documents(warmed, tmp_path, monkeyp
     [report] = seen
     assert doc(res) == same(report.as_json(str(bundle)))
     assert doc(res)["imported"] == len(doc(res)["entries"]) > 0
+
+
+def test_encoder_source_prints_the_exports_document(tmp_path, monkeypatch):
+    import exl3tool.serving.encoder_source as source_mod
+    from exl3tool.cache import resolve_encoder_identity
+
+    seen = capture(monkeypatch, source_mod, "write_encoder_source")
+    res = cli("encoder-source", tmp_path / "enc", "--json")
+    assert res.exit_code == 0, res.output
+    [result] = seen
+    assert doc(res) == same(result.as_json(resolve_encoder_identity(result.path)))
+    assert doc(res)["encoder"]["mode"] == "files" and doc(res)["files"]
+
+
+def test_synth_prints_the_checkpoints_document(tmp_path):
+    from exl3tool.checkpoint.tiny import TINY_FAMILIES
+
+    res = cli("synth", tmp_path / "tiny", "--family", "llama", "--seed", "3", "--json")
+    assert res.exit_code == 0, res.output
+    assert doc(res) == same(TINY_FAMILIES["llama"].checkpoint_json(tmp_path / "tiny", 3))
+    assert "config.json" in doc(res)["files"] and doc(res)["bytes"] > 0
