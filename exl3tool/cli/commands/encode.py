@@ -14,7 +14,8 @@ from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOp
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DryRunOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt,
     ExcludeOpt, FileModeOpt, GpuMemoryOpt, JsonOpt, LayersOpt, LockTimeoutOpt, ModelArg, OverlapOpt, ProgressOpt,
-    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpSizesOpt, request_from_options,
+    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpRankOpt, TpSizeOpt, TpSizesOpt,
+    request_from_options,
 )
 from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
@@ -165,8 +166,8 @@ def encode(
     ctx: typer.Context,
     model: ModelArg = None,
     revision: RevisionOpt = None,
-    tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
-    tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
+    tp_size: TpSizeOpt = 1,
+    tp_rank: TpRankOpt = None,
     bits: BitsOpt = None,
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
@@ -201,12 +202,7 @@ def encode(
 
     From the server's launch: exl3tool encode --dry-run --launch "vllm serve /models/M -tp 2 --quantization-config '{...}'"
     """
-    from exl3tool.cache.settings import CACHE_MODES
-
-    norm = mode.strip().lower()
-    if norm not in CACHE_MODES:
-        raise typer.BadParameter(f"--mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
-    request, given = request_from_options(ctx, mode=norm)
+    request, given = request_from_options(ctx)
     out = Output(json=json_out, quiet=quiet)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given)
     if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:

@@ -36,6 +36,8 @@ __all__ = [
     "DtypeOpt",
     "QuantizationConfigOpt",
     "ModelArg",
+    "TpSizeOpt",
+    "TpRankOpt",
     "TpSizesOpt",
     "LayersOpt",
     "ExcludeOpt",
@@ -201,6 +203,8 @@ DtypeOpt = Annotated[
 
 
 ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
+TpSizeOpt = Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")]
+TpRankOpt = Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")]
 TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
 LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
@@ -214,6 +218,16 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _cache_mode(value: str) -> str:
+    """``encode --mode``: readwrite, readonly or off, any case."""
+    from exl3tool.cache.settings import CACHE_MODES
+
+    norm = value.strip().lower()
+    if norm not in CACHE_MODES:
+        raise typer.BadParameter(f"--mode must be one of {', '.join(CACHE_MODES)}, got {value!r}")
+    return norm
+
+
 # Every option that sets a field of the request: option parameter -> (WarmRequest field, the value's conversion).
 # The one table every request-building command (identity, encode, cache warm, cache check, verify, cache import
 # --against) fills its request from; a command declares the options it takes, and the table covers what it declares.
@@ -224,6 +238,7 @@ REQUEST_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "tp_sizes": ("tp_sizes", lambda v: parse_positive_ints(v, "--tp-sizes")),
     "tp_size": ("tp_sizes", lambda v: (v,)),
     "tp_rank": ("tp_ranks", lambda v: None if v is None else (v,)),
+    "mode": ("mode", _cache_mode),
     "bits": ("bits", _same),
     "dtype": ("dtype", _same),
     "quantization_config": ("quantization_config", _same),

@@ -15,7 +15,7 @@ from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOp
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     JsonOpt, LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
-    existing_cache_dir, parse_positive_ints, request_from_options,
+    TpRankOpt, TpSizeOpt, existing_cache_dir, parse_positive_ints, request_from_options,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output
@@ -80,8 +80,8 @@ def verify(
     ctx: typer.Context,
     model: ModelArg = None,
     revision: RevisionOpt = None,
-    tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
-    tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
+    tp_size: TpSizeOpt = 1,
+    tp_rank: TpRankOpt = None,
     bits: BitsOpt = None,
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
