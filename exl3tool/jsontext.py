@@ -12,7 +12,7 @@ from typing import Any
 
 from exl3tool.errors import InputError
 
-__all__ = ["loads_json", "read_json_object"]
+__all__ = ["loads_json", "read_json_object", "to_jsonable"]
 
 
 def loads_json(data: str | bytes | bytearray) -> Any:
@@ -42,3 +42,22 @@ def read_json_object(path: Path) -> dict:
     if not isinstance(data, dict):
         raise InputError(f"{path}: not a JSON object")
     return data
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Turn dataclasses, paths and tuples into plain JSON values (stable key order)."""
+    import dataclasses
+    from pathlib import PurePath
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)}  # optional, absent when None
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, PurePath):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return obj.item()
+    return obj

@@ -120,3 +120,63 @@ def test_the_check_sees_an_upward_import(tmp_path):
     found = [m for _, m in _imports(probe, tmp_path / "exl3tool")]
     assert found == ["exl3tool.cli", "exl3tool.plan.request", "exl3tool.cli", "exl3tool"]
     assert [LEVEL[_unit(m)] > LEVEL["format"] for m in found] == [True, True, True, False]
+
+
+COMMANDS = PACKAGE / "cli" / "commands"
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (node -> nodes it imports) as ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return trail[trail.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, trail + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return None
+
+
+def _command_graph(commands: Path = COMMANDS, root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Which command module imports which (lazy imports included; ``commands/__init__`` registers them all by name,
+    so it is left out): ``{"encode": {"cache", "options", ...}}``."""
+    package = "exl3tool.cli.commands"
+    names = {path.stem for path in commands.glob("*.py")} - {"__init__"}
+    graph = {}
+    for path in sorted(commands.glob("*.py")):
+        if path.stem not in names:
+            continue
+        found = {m.removeprefix(package + ".").split(".")[0] for _, m in _imports(path, root)
+                 if m.startswith(package + ".")}
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):  # `from exl3tool.cli.commands import x`
+            if isinstance(node, ast.ImportFrom) and (node.module == package or (node.level == 1 and not node.module)):
+                found |= {a.name for a in node.names if a.name in names}
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def test_command_modules_import_each_other_without_a_cycle():
+    """Each command module registers its own commands; shared options and views sit in modules of their own, so
+    no command module needs another's import to finish first (issue 37: encode, check and cache formed a circle)."""
+    graph = _command_graph()
+    assert {"encode", "check", "cache", "verify", "options"} <= set(graph)
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+def test_the_command_cycle_check_sees_a_lazy_circle(tmp_path):
+    commands = tmp_path / "exl3tool" / "cli" / "commands"
+    commands.mkdir(parents=True)
+    (commands / "a.py").write_text("from exl3tool.cli.commands.b import x\n")
+    (commands / "b.py").write_text("def f():\n    from exl3tool.cli.commands import c\n")
+    (commands / "c.py").write_text("def g():\n    from .a import y\n")
+    graph = _command_graph(commands, tmp_path / "exl3tool")
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+    assert _find_cycle(graph) == ["a", "b", "c", "a"]

@@ -20,7 +20,7 @@ from exl3tool.cache.identity import (
 )
 from exl3tool.cache.key import CACHE_DISABLED, CacheKey, layer_seed
 from exl3tool.cache.paths import entry_path, lock_path
-from exl3tool.cache.scan import EntryInfo, PrunePlan, PruneResult, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.cache.scan import CacheHealth, EntryInfo, PrunePlan, PruneResult, execute_prune, inspect_entry, plan_prune, scan
 from exl3tool.cache.settings import CACHE_MODES, cache_mode, cache_root
 from exl3tool.cache.store import LOCK_TIMEOUT_S, CacheStore, Claim, LoadResult, Lookup
 
@@ -34,6 +34,7 @@ __all__ = [
     "EncoderIdentity",
     "EncoderSettings",
     "EntryInfo",
+    "CacheHealth",
     "Exl3OnlineNonFiniteError",
     "InvalidEntryError",
     "LoadResult",

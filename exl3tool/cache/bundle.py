@@ -121,6 +121,16 @@ class ExportPlan:
     def bytes(self) -> int:
         return sum(e.size for e in self.entries)
 
+    def as_json(self, bundle: str, bundle_bytes: int) -> dict:
+        """The `cache export --json` document, once written to ``bundle`` (``bundle_bytes`` long; docs/cache.md)."""
+        return {
+            "bundle": bundle, "root": str(self.root), "entries": len(self.entries), "bytes": self.bytes,
+            "bundle_bytes": bundle_bytes, "records": [r.path for r in self.records],
+            "exported": [{"path": e.path, "digest": e.digest, "size": e.size, "sha256": e.sha256}
+                         for e in self.entries],
+            "left_out": [{"path": p, "reason": why} for p, why in self.left_out],
+        }
+
 
 @dataclass(frozen=True)
 class ImportItem:
@@ -151,6 +161,24 @@ class ImportReport:
     @property
     def ok(self) -> bool:
         return self.count("refused") == 0
+
+    @property
+    def refused(self) -> list[ImportItem]:
+        """Every refused member, entries and records (nothing of them was written)."""
+        return [i for i in self.items if i.status == "refused"]
+
+    def as_json(self, bundle: str, against: dict | None = None) -> dict:
+        """The `cache import --json` document for ``bundle`` as given (docs/cache.md); ``against``: the model and
+        mode entries were checked against (``{"model": ..., "exact": ...}``), None without ``--against``."""
+        return {
+            "bundle": bundle, "root": str(self.root), "tool_version": self.tool_version, "against": against,
+            "imported": self.count("imported"), "replaced": self.count("replaced"),
+            "present": self.count("present"), "refused": len(self.refused), "bytes_written": self.bytes_written,
+            "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size}
+                        for i in self.items if i.kind == "entry"],
+            "records": [{"path": i.path, "status": i.status, "reason": i.reason}
+                        for i in self.items if i.kind == "record"],
+        }
 
 
 def _relative(key: CacheKey) -> str:

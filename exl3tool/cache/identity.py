@@ -27,6 +27,7 @@ __all__ = [
     "ModelIdentity",
     "EncoderIdentity",
     "EncoderSettings",
+    "encoder_json",
     "ServerIdentities",
     "server_identities",
     "resolve_model_identity",
@@ -453,6 +454,33 @@ class ServerIdentities:
     server_revision: str | None  # the --revision to start the server with (None: without one, or it does not matter)
     revision_note: str
     warnings: tuple[str, ...] = ()
+
+    def as_json(self, name: str, *, source_detail: str, quantization_config: dict | None) -> dict:
+        """The `identity --json` document (docs/cache.md) of model ``name``: ``source_detail`` says where the
+        encoder's settings came from, ``quantization_config`` is the overlay shown beside them (``as_json()``)."""
+        mid = self.model
+        return {
+            "model": {
+                "name": name,
+                "identity": mid.identity,
+                "kind": mid.kind,
+                "revision": mid.revision,
+                "revision_from": mid.revision_from,
+                "server_revision": self.server_revision,
+                "server_revision_note": self.revision_note,
+                "payload": mid.payload,
+                "derivation": mid.derivation,
+            },
+            "encoder": {**encoder_json(self.encoder, self.encoder_settings), "source_detail": source_detail},
+            "quantization_config": quantization_config,
+            "warnings": list(self.warnings),
+        }
+
+
+def encoder_json(eid: EncoderIdentity, settings: EncoderSettings) -> dict:
+    """An encoder identity as `identity --json` gives it (with or without a model)."""
+    return {"identity": eid.identity, "mode": eid.mode, "root": eid.root, "files_from": eid.files_from,
+            "payload": eid.payload, "source": settings.source}
 
 
 def _revision_advice(mid: ModelIdentity, given: str | None) -> tuple[str | None, str, tuple[str, ...]]:

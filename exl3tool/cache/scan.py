@@ -9,6 +9,7 @@ Symlinked directories are listed, never entered, so a prune never reaches outsid
 
 from __future__ import annotations
 
+import datetime as _dt
 import errno
 import fcntl
 import hashlib
@@ -18,6 +19,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 
@@ -26,7 +28,7 @@ from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import lock_path_unusable
 from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE, link_problem, lock_path
 
-__all__ = ["EntryInfo", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "PruneResult", "lock_is_held", "matches_model"]
+__all__ = ["EntryInfo", "CacheHealth", "iso_utc", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "PruneResult", "lock_is_held", "matches_model"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,108 @@ class EntryInfo:
     @property
     def valid(self) -> bool:
         return self.kind == "entry" and self.status == "valid"
+
+    def as_json(self) -> dict[str, Any]:
+        """The stable JSON form of one scanned file, as `cache show|verify|prune --json` give it (docs/cache.md)."""
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "digest": self.digest,
+            "status": self.status,
+            "reason": self.reason,
+            "size": self.size,
+            "mtime": self.mtime,
+            "mtime_utc": iso_utc(self.mtime),
+            "model_dir": self.model_dir,
+            "model_identity": self.model_identity,
+            "tp_world_size": self.tp_world_size,
+            "tp_rank": self.tp_rank,
+            "prefix": self.prefix,
+            "proxy_error": self.proxy_error,
+            "sha256_ok": self.sha256_ok,
+            "is_symlink": self.is_symlink,
+            "orphan": self.orphan,
+            "server_loads": self.loadable,
+            "key": self.key.as_dict() if self.key else None,
+            "checksum_covers": self.covers,
+            "held": self.held,
+        }
+
+
+    def show_json(self) -> dict[str, Any]:
+        """The `cache show --json` document: ``as_json()``, each tensor's dtype and shape (none when the file
+        cannot be read as safetensors: ``status`` says why) and the header's metadata."""
+        tensors: dict[str, Any] = {}
+        try:
+            with safe_open(str(self.path), framework="pt", device="cpu") as fh:
+                for name in fh.keys():
+                    sl = fh.get_slice(name)
+                    tensors[name] = {"dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
+        except Exception:
+            pass
+        return {**self.as_json(), "tensors": tensors, "metadata": self.metadata}
+
+
+def iso_utc(ts: float) -> str:
+    """An mtime as UTC ISO 8601 with milliseconds and ``Z``, as provenance records write their times."""
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+@dataclass(frozen=True)
+class CacheHealth:
+    """What `cache verify` finds in a scan: entries by verdict, and the lock, temp and stray files beside them."""
+
+    root: Path
+    entries: tuple[EntryInfo, ...]
+    unchecked: tuple[EntryInfo, ...]  # the server loads them; no exl3tool checksum to check them with
+    invalid: tuple[EntryInfo, ...]
+    broken_locks: tuple[EntryInfo, ...]  # lock paths that are not regular files
+    temp_files: tuple[EntryInfo, ...]
+    orphan_locks: tuple[EntryInfo, ...]
+    stale_locks: tuple[EntryInfo, ...]  # orphan locks no live process holds
+    stray_files: tuple[EntryInfo, ...]
+    links: tuple[EntryInfo, ...]  # symlinked folders below the root
+
+    @classmethod
+    def of(cls, root: Path, infos: list[EntryInfo]) -> "CacheHealth":
+        """Sort a deep scan's files (already filtered, e.g. by model) into the report."""
+        entries = [i for i in infos if i.kind == "entry"]
+        orphans = [i for i in infos if i.kind == "lock" and i.orphan and i.status != "invalid"]
+        strays = [i for i in infos if i.kind == "stray"]
+        return cls(
+            root=root, entries=tuple(entries),
+            unchecked=tuple(i for i in entries if i.status == "unchecked"),
+            invalid=tuple(i for i in entries if i.status == "invalid"),
+            broken_locks=tuple(i for i in infos if i.kind == "lock" and i.status == "invalid"),
+            temp_files=tuple(i for i in infos if i.kind == "temp"),
+            orphan_locks=tuple(orphans), stale_locks=tuple(i for i in orphans if not i.held),
+            stray_files=tuple(strays), links=tuple(i for i in strays if i.is_symlink and i.status == "invalid"),
+        )
+
+    @property
+    def valid(self) -> list[EntryInfo]:
+        return [i for i in self.entries if i.status == "valid"]
+
+    @property
+    def ok(self) -> bool:
+        """Nothing the server would fail on: no invalid entry, no broken lock path, no symlinked folder."""
+        return not (self.invalid or self.broken_locks or self.links)
+
+    def as_json(self) -> dict[str, Any]:
+        """The `cache verify --json` document (docs/cache.md)."""
+        return {
+            "root": str(self.root),
+            "entries": len(self.entries),
+            "valid": len(self.valid),
+            "unchecked": [i.as_json() for i in self.unchecked],
+            "invalid": [i.as_json() for i in self.invalid],
+            "broken_locks": [i.as_json() for i in self.broken_locks],
+            "temp_files": [i.as_json() for i in self.temp_files],
+            "orphan_locks": [i.as_json() for i in self.orphan_locks],
+            "stray_files": [i.as_json() for i in self.stray_files],
+            "stale_locks": [i.as_json() for i in self.stale_locks],
+            "links": [i.as_json() for i in self.links],
+        }
 
 
 def _stat(path: Path) -> tuple[int, float]:

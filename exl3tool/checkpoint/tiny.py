@@ -439,6 +439,14 @@ class TinyFamily:
     overlay: Optional[str]  # the --quantization-config its deployments use; None: exl3tool's default overlay
     about: str
 
+    def checkpoint_json(self, path: Path, seed: int) -> dict:
+        """The `synth --json` document of this family's checkpoint written to ``path`` with ``seed`` (docs/cache.md):
+        its files (names, sorted) and their bytes, and the overlay to serve it with."""
+        files = sorted(p for p in Path(path).iterdir() if p.is_file())
+        return {"path": str(path), "family": self.name, "architecture": self.architecture, "seed": seed,
+                "files": [p.name for p in files], "bytes": sum(p.stat().st_size for p in files),
+                "quantization_config": self.overlay, "about": self.about}
+
 
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
     TinyFamily("qwen3.5", "Qwen3_5ForConditionalGeneration", lambda p, s: write_qwen35(p, seed=s), QWEN38_OVERLAY,

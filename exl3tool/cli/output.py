@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from exl3tool.jsontext import to_jsonable  # re-exported: the reports' JSON, as commands print it
 from exl3tool.text import plural  # re-exported: commands import it from here
 
 __all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "plural", "KEY_HEADERS", "json_document_written",
@@ -25,25 +26,6 @@ __all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "plural", "KEY_H
 KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
 LAST_DROPPED = ("status", "state", "error", "tp", "rank")  # left out only after every other column
 LONG_WORD = 16  # a word longer than this (a path) may be folded across lines; shorter ones (numbers) never
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Turn dataclasses, paths and tuples into plain JSON values (stable key order)."""
-    import dataclasses
-    from pathlib import PurePath
-
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)}  # optional, absent when None
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, PurePath):
-        return str(obj)
-    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
-        return obj.item()
-    return obj
 
 
 def _plain(cell: Any) -> str:

@@ -25,7 +25,7 @@ from exl3tool.text import plural
 from exl3tool.plan.plan import WarmJob, WarmPlan
 from exl3tool.plan.request import WarmRequest, prepare
 
-__all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "model_differences", "encoder_differences"]
+__all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences"]
 
 _SHOWN = 3  # items named per line before "and N more"
 
@@ -98,6 +98,40 @@ class CheckReport:
         (a layer the server encodes that exl3tool cannot plan is a miss, counted or not)."""
         return (self.plan.count("miss") == 0 and self.plan.count("invalid") == 0
                 and not any(c.kind == "unplanned" for c in self.causes))
+
+    def as_json(self) -> dict[str, Any]:
+        """The `cache check --json` document (fields in docs/cache.md)."""
+        plan = self.plan
+        cause_of: dict[str, list[int]] = {}
+        for n, c in enumerate(self.causes):
+            for j in c.lookups:
+                cause_of.setdefault(j.digest, []).append(n)
+        lookups = self.lookups
+        return {
+            "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
+            "bits": plan.bits, "dtype": self.dtype, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root),
+            **plan.header_json(),
+            "ok": self.ok, "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
+            "invalid": plan.count("invalid"), "not_looked_up": plan.count("skipped"), "hit_origins": self.hit_origins,
+            "causes": [c.as_json() for c in self.causes],
+            "notes": [f.as_json() for f in self.notes],
+            "records": [{"path": str(sr.path), "error": sr.error} if sr.record is None else
+                        {"path": str(sr.path), "command": sr.record.command, "host": sr.record.host,
+                         "time": sr.record.time, "model_identity": sr.record.model_identity,
+                         "encoder_identity": sr.record.encoder_identity, "entries": len(sr.record.entries)}
+                        for sr in self.records],
+            "seconds": self.seconds,
+            "entries": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
+                         "output_size": j.output_size, "state": j.state, "reason": j.reason, "digest": j.digest,
+                         "path": str(j.path), "causes": cause_of.get(j.digest, [])} for j in lookups],
+        }
+
+
+def no_lookup_json(reasons: tuple[str, ...]) -> dict[str, Any]:
+    """The `cache check --json` document of a launch whose server looks nothing up (``reasons``: why): zero
+    look-ups and ``"ok": false``, a finding, never "all hit" (docs/cache.md)."""
+    return {"ok": False, "server_lookup": False, "lookup_off": list(reasons), "lookups": 0, "hit": 0, "miss": 0,
+            "invalid": 0, "causes": [], "notes": []}
 
 
 # --- payload comparisons ------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ from exl3tool.cache import CacheStore
 from exl3tool.checkpoint import encoder_input, rank_local_weight
 from exl3tool.encode import dequantize_tensors
 from exl3tool.errors import describe
+from exl3tool.jsontext import to_jsonable
 from exl3tool.operations.exact import ExactCheck, compare_exact, fresh_encode
 
 __all__ = [
@@ -113,6 +114,26 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.failed and bool(self.layers)
+
+    @property
+    def differing(self) -> list[LayerCheck]:
+        """Layers whose entry differs from a fresh encode (``--exact``)."""
+        return [c for c in self.layers if c.exact is not None and c.exact.verdict == "differs"]
+
+    def as_json(self) -> dict[str, Any]:
+        """The `verify --json` document, also what ``--report FILE.json`` holds (stable keys, docs/cache.md)."""
+        data = to_jsonable(self)
+        data["ok"] = self.ok
+        data["counts"] = {"pass": sum(c.status == "pass" for c in self.layers), "fail": len(self.failed)}
+        for entry, check in zip(data["layers"], self.layers):
+            entry["kernel_err"] = check.kernel_err
+            entry["quant_err"] = check.quant_err
+        if self.exact:
+            verdicts = [c.exact.verdict for c in self.layers if c.exact is not None]
+            data["counts"]["exact"] = {v: verdicts.count(v) for v in ("identical", "equivalent", "differs", "unproved")}
+            data["differs"] = [{"prefix": c.prefix, "tp_rank": c.tp_rank, "path": c.path, "detail": c.exact.detail}
+                               for c in self.differing]
+        return data
 
 
 GemmFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]

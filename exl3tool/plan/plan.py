@@ -11,12 +11,12 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from exl3tool.cache import CacheKey, CacheStore, ServerIdentities, entry_path
 from exl3tool.cache.store import PRUNE_HINT
 from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
-from exl3tool.plan.sharing import share_jobs  # whole share groups per worker
+from exl3tool.plan.sharing import reused_from, share_jobs, sharing_figures  # whole share groups per worker
 
 __all__ = ["WarmJob", "WarmPlan", "build_plan", "share_jobs"]
 
@@ -44,6 +44,14 @@ class WarmJob:
     def digest(self) -> str:
         return self.key.digest()
 
+    @property
+    def why(self) -> str:
+        """Why the job is in the plan (or, skipped or invalid, its reason), as the dry-run's ``why`` says it."""
+        if self.state == "skipped" or self.state == "invalid":
+            return self.reason
+        spec = self.rank_job.layer.spec if self.rank_job is not None else "linear"
+        return "--layers glob (the server does not look this entry up)" if spec == "generic" else f"planned ({spec} spec)"
+
 
 @dataclass(frozen=True)
 class WarmPlan:
@@ -64,6 +72,42 @@ class WarmPlan:
 
     def count(self, state: str) -> int:
         return sum(1 for j in self.jobs if j.state == state)
+
+    def header_json(self) -> dict[str, Any]:
+        """What the plan was made with, as the ``--json`` of `cache check` and `--dry-run` give it (docs/cache.md):
+        the overlay, the checkpoint kind, whether the server looks entries up, notes, a Hub fetch."""
+        lp = self.layer_plan
+        return {
+            "quantization_config": lp.overlay.as_json() if lp is not None and lp.overlay is not None else None,
+            "checkpoint_kind": lp.kind.kind if lp is not None and lp.kind is not None else None,
+            "architecture": lp.architecture if lp is not None else None,
+            "server_lookup": lp.server_lookup if lp is not None else True,
+            "notes": list(lp.notes) if lp is not None else [],
+            "identity_warnings": list(self.identity_warnings),
+            "fetch": None if self.fetch is None else {
+                "shards": list(self.fetch.shards), "shards_total": self.fetch.shards_total,
+                "bytes_fetched": self.fetch.bytes_fetched, "index_total_bytes": self.fetch.index_total_bytes},
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        """The ``--dry-run --json`` document of `encode` and `cache warm` (fields in docs/cache.md)."""
+        looked_up = [j for j in self.jobs if j.state != "skipped"]
+        todo = self.todo
+        shares, sharing = reused_from(todo), sharing_figures(todo)
+        excluded = self.layer_plan.excluded if self.layer_plan is not None else ()
+        return {
+            "model": self.model, "model_identity": self.model_identity, "encoder_identity": self.encoder_identity,
+            "bits": self.bits, "tp_sizes": list(self.tp_sizes), "cache_root": str(self.cache_root), "mode": self.mode,
+            **self.header_json(),
+            "tiles": {"total": sum(j.tiles for j in looked_up), "to_encode": sum(j.tiles for j in todo)},
+            "jobs": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
+                      "output_size": j.output_size, "tiles": j.tiles, "state": j.state, "reason": j.reason,
+                      "why": j.why, "planned_by": j.rank_job.layer.spec if j.rank_job is not None else None,
+                      "digest": j.digest, "path": str(j.path),
+                      **({"reused_from": shares[j.digest]} if j.digest in shares else {})} for j in self.jobs],
+            "not_planned": [{"prefix": e.prefix, "reason": e.reason, "why": e.detail} for e in excluded],
+            "encodes": sharing["encodes"], "sharing": sharing,
+        }
 
     @property
     def todo(self) -> list[WarmJob]:

@@ -67,6 +67,20 @@ class ExportResult:
     replaced: str
     previous_version: str | None = None
 
+    def as_json(self, encoder) -> dict:
+        """The `encoder-source --json` document (docs/cache.md), with ``encoder``, the encoder identity the
+        export gives (``cache.resolve_encoder_identity`` of ``path``)."""
+        return {
+            "path": self.path,
+            "exl3tool_version": self.exl3tool_version,
+            "files": list(self.files),
+            "replaced": self.replaced,
+            "previous_version": self.previous_version,
+            "server_env": {"VLLM_EXL3_ENCODER_SOURCE": self.path},
+            "encoder": {"identity": encoder.identity, "mode": encoder.mode, "root": encoder.root,
+                        "payload": encoder.payload},
+        }
+
 
 def read_marker(path: str | os.PathLike) -> dict | None:
     """The marker of an earlier export in ``path``, or None when ``path`` holds none (or an unreadable one)."""

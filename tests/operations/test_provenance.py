@@ -130,7 +130,7 @@ def test_no_record_without_a_writable_cache(warmed, monkeypatch, tmp_path):
 
 def test_check_takes_the_options_of_cache_warm():
     """Every option of `cache warm` that can change a look-up is an option of `cache check`, spelled the same (the
-    rest only change how a warm runs); both build their request with `warm_request`."""
+    rest only change how a warm runs); both build their request with `options.request_from_options`."""
     import inspect
 
     from exl3tool.cli.commands.check import cache_check

@@ -11,7 +11,8 @@ def register(app: typer.Typer) -> None:
     """Register every command module that exists on the app."""
     import importlib
 
-    for name in ("identity", "cache", "encode", "verify", "encoder_source", "synth"):  # order matters: encode adds `cache warm`
+    # the order of `--help`'s lists: `cache warm` and `cache check` come after the `cache` group's own commands
+    for name in ("identity", "cache", "encode", "check", "verify", "encoder_source", "synth"):
         try:
             module = importlib.import_module(f"exl3tool.cli.commands.{name}")
         except ModuleNotFoundError as exc:  # a command group not written yet

@@ -13,12 +13,14 @@ import typer
 from rich.filesize import decimal
 from rich.table import Table
 
-from exl3tool.cache import EntryInfo, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.cache import CacheHealth, EntryInfo, execute_prune, inspect_entry, plan_prune, scan
+from exl3tool.cache.listing import list_cache
+from exl3tool.cache.prune_report import PruneReport
 from exl3tool.cli.commands.group import Exl3Group
-from exl3tool.cli.commands.encode import DeviceOpt, ExcludeOpt, LayersOpt, SharedOpt
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
-    ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, resolve_cache_dir,
+    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
+    FileModeOpt, JsonOpt, LayersOpt, ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
+    existing_cache_dir, request_from_options, resolve_cache_dir,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output, plural
@@ -31,11 +33,6 @@ cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, pru
 
 def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
-
-
-def _iso(ts: float) -> str:
-    """An mtime as UTC ISO 8601 with milliseconds and ``Z``, as provenance records write their times."""
-    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -53,78 +50,25 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _entry_json(info: EntryInfo) -> dict[str, Any]:
-    """The stable JSON form of one scanned file (every field documented in docs/cache.md)."""
-    return {
-        "path": str(info.path),
-        "kind": info.kind,
-        "digest": info.digest,
-        "status": info.status,
-        "reason": info.reason,
-        "size": info.size,
-        "mtime": info.mtime,
-        "mtime_utc": _iso(info.mtime),
-        "model_dir": info.model_dir,
-        "model_identity": info.model_identity,
-        "tp_world_size": info.tp_world_size,
-        "tp_rank": info.tp_rank,
-        "prefix": info.prefix,
-        "proxy_error": info.proxy_error,
-        "sha256_ok": info.sha256_ok,
-        "is_symlink": info.is_symlink,
-        "orphan": info.orphan,
-        "server_loads": info.loadable,
-        "key": info.key.as_dict() if info.key else None,
-        "checksum_covers": info.covers,
-        "held": info.held,
-    }
-
-
 @cache_app.command("ls")
 def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them)."""
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
-    infos = [i for i in scan(root, deep=False) if i.kind == "entry" and _model_ok(i, model)]
-    # One row per (model directory, TP size): an unreadable entry has no identity of its own but sits in its model's
-    # directory; the row shows the full identity that the directory's readable entries carry.
-    groups: dict[tuple[str, int | None], dict[str, Any]] = {}
-    for info in infos:
-        folder = info.model_dir or "?"
-        g = groups.setdefault((folder, info.tp_world_size), {
-            "model_identity": folder, "tp_world_size": info.tp_world_size, "ranks": set(), "entries": 0,
-            "malformed": 0, "bytes": 0, "newest": 0.0,
-        })
-        if info.model_identity and info.model_identity.startswith(folder) and info.status != "invalid":
-            g["model_identity"] = info.model_identity
-        g["ranks"].add(info.tp_rank)
-        g["entries"] += 1
-        g["malformed"] += info.status == "invalid"
-        g["bytes"] += info.size
-        g["newest"] = max(g["newest"], info.mtime)
+    listing = list_cache(root, model=model)
     table = Table(title=f"EXL3 cache {root}", box=None, pad_edge=False, header_style="bold underline")  # 80 columns
     table.add_column("model identity", no_wrap=True, min_width=20)
     for col in ("TP", "ranks", "entries", "malformed", "size", "newest (UTC)"):
         table.add_column(col, justify="right" if col in ("entries", "malformed", "size") else "left", no_wrap=True)
-    rows = []
-    for g in sorted(groups.values(), key=lambda g: (g["model_identity"], g["tp_world_size"] or 0)):
-        ranks = sorted(r for r in g["ranks"] if r is not None)
-        table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), _ranges(ranks), str(g["entries"]),
+    for g in listing.groups:
+        table.add_row(g["model_identity"][:20], str(g["tp_world_size"]), _ranges(g["ranks"]), str(g["entries"]),
                       str(g["malformed"]), decimal(g["bytes"]), _when(g["newest"]))
-        rows.append({**g, "ranks": ranks, "newest_utc": _iso(g["newest"])})
     out.table(table)
-    from exl3tool.cache.records import group_by_identity, read_records
-
-    records = read_records(root, model_prefix=model)
-    identities = group_by_identity(root, infos, records)
-    _identity_table(out, identities)
-    for sr in records:
-        if sr.record is None:
-            out.warn(f"{sr.path}: not a provenance record ({sr.error}); remove it with: exl3tool cache prune --invalid")
-    out.line(f"{plural(len(infos), 'entry', 'entries')}, {decimal(sum(i.size for i in infos))}")
-    out.data({"root": str(root), "groups": rows, "entries": len(infos), "bytes": sum(i.size for i in infos),
-              "identities": identities,
-              "bad_records": [{"path": str(sr.path), "error": sr.error} for sr in records if sr.record is None]})
+    _identity_table(out, listing.identities)
+    for sr in listing.bad_records:
+        out.warn(f"{sr.path}: not a provenance record ({sr.error}); remove it with: exl3tool cache prune --invalid")
+    out.line(f"{plural(len(listing.infos), 'entry', 'entries')}, {decimal(listing.bytes)}")
+    out.data(listing.as_json())
 
 
 def _identity_table(out: Output, identities: list[dict[str, Any]]) -> None:
@@ -178,29 +122,21 @@ def show(
     quiet: QuietOpt = False,
 ) -> None:
     """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not)."""
-    from safetensors import safe_open
-
     out = Output(json=json, quiet=quiet)
     path = _find_entry(resolve_cache_dir(cache_dir), entry)
     try:
         info = inspect_entry(path)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    tensors: dict[str, Any] = {}
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            for name in fh.keys():
-                sl = fh.get_slice(name)
-                tensors[name] = {"dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
-    except Exception:
-        pass
+    shown = info.show_json()
+    tensors = shown["tensors"]
     rows = [("status", info.status + (f" ({info.reason})" if info.reason else "")), ("size", decimal(info.size))]
     if info.key:
         rows += [(f"key.{name}", str(value)) for name, value in sorted(info.key.as_dict().items())]
     rows += [(f"tensor.{name}", f"{t['dtype']} {t['shape']}") for name, t in sorted(tensors.items())]
     rows += [(f"meta.{name}", value) for name, value in sorted(info.metadata.items()) if name != "cache_key"]
     out.fields(str(path), rows)  # identities and checksums whole: below their label when the line is too short
-    out.data({**_entry_json(info), "tensors": tensors, "metadata": info.metadata})
+    out.data(shown)
     if info.status == "unchecked":
         out.note(f"{path}: {info.reason}")
     elif info.status != "valid":
@@ -222,17 +158,10 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     """
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
-    infos = [i for i in scan(root, deep=True) if _model_ok(i, model)]
-    entries = [i for i in infos if i.kind == "entry"]
-    valid = [i for i in entries if i.status == "valid"]
-    unchecked = [i for i in entries if i.status == "unchecked"]
-    invalid = [i for i in entries if i.status == "invalid"]
-    bad_locks = [i for i in infos if i.kind == "lock" and i.status == "invalid"]
-    temps = [i for i in infos if i.kind == "temp"]
-    orphans = [i for i in infos if i.kind == "lock" and i.orphan and i.status != "invalid"]
-    stale = [i for i in orphans if not i.held]
-    strays = [i for i in infos if i.kind == "stray"]
-    links = [i for i in strays if i.is_symlink and i.status == "invalid"]
+    health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model)])
+    entries, valid, unchecked, invalid = health.entries, health.valid, health.unchecked, health.invalid
+    bad_locks, temps, orphans, stale = health.broken_locks, health.temp_files, health.orphan_locks, health.stale_locks
+    strays, links = health.stray_files, health.links
 
     def rel(i: EntryInfo) -> str:
         return str(i.path.relative_to(root) if i.path.is_relative_to(root) else i.path)
@@ -261,22 +190,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     if any(not i.held for i in temps) or stale:
         out.note("remove leftovers no live process holds with: exl3tool cache prune --temp")
 
-    out.data(
-        {
-            "root": str(root),
-            "entries": len(entries),
-            "valid": len(valid),
-            "unchecked": [_entry_json(i) for i in unchecked],
-            "invalid": [_entry_json(i) for i in invalid],
-            "broken_locks": [_entry_json(i) for i in bad_locks],
-            "temp_files": [_entry_json(i) for i in temps],
-            "orphan_locks": [_entry_json(i) for i in orphans],
-            "stray_files": [_entry_json(i) for i in strays],
-            "stale_locks": [_entry_json(i) for i in stale],
-            "links": [_entry_json(i) for i in links],
-        }
-    )
-    if invalid or bad_locks or links:
+    out.data(health.as_json())
+    if not health.ok:
         what = []
         if invalid:
             what.append(f"{len(invalid)} invalid entr{'y' if len(invalid) == 1 else 'ies'}")
@@ -332,16 +247,9 @@ def prune(
         out.note(f"skipping {info.path}: {why}")
     out.line(f"{plural(len(plan.items), 'file')}, {decimal(plan.bytes_freed)} to free"
              + (f"; {plural(len(rplan.items), 'provenance record')}" if rplan.items else ""))
-    result: dict[str, Any] = {
-        "root": str(root),
-        "dry_run": dry_run,
-        "planned": [{**_entry_json(i), "why": why} for i, why in plan.items],
-        "skipped": [{**_entry_json(i), "why": why} for i, why in plan.skipped],
-        "bytes_planned": plan.bytes_freed,
-        "records_planned": [{"path": str(sr.path), "why": why} for sr, why in rplan.items],
-    }
+    report = PruneReport(root, plan, rplan, dry_run)
     if dry_run or not (plan.items or rplan.items):
-        out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
+        out.data(report.as_json())
         return
     if not yes:
         if json:
@@ -354,20 +262,20 @@ def prune(
                               "prompt, or --dry-run to see the plan") from None
         if not agreed:
             out.line("nothing removed")
-            out.data({**result, "bytes_freed": 0, "errors": [], "kept": [], "records_removed": 0})
+            out.data(report.as_json())
             return
     done = execute_prune(plan)
-    removed, rerrors, rkept = execute_record_prune(root, rplan)  # after the entries: a record goes with its last entry
-    errors = list(done.errors) + rerrors
-    for line in list(done.kept) + rkept:
+    records_done = execute_record_prune(root, rplan)  # after the entries: a record goes with its last entry
+    report = report.done(done, records_done)
+    errors = report.errors
+    for line in report.kept:
         out.note(line)
     for line in errors:
         out.warn(line)
     out.line(f"freed {decimal(done.freed)}"
              + (f"; {plural(len(done.kept), 'file')} changed since the plan, kept" if done.kept else "")
-             + (f"; {plural(removed, 'provenance record')} removed" if removed else ""))
-    out.data({**result, "bytes_freed": done.freed, "errors": errors, "kept": list(done.kept) + rkept,
-              "records_removed": removed})
+             + (f"; {plural(report.records_removed, 'provenance record')} removed" if report.records_removed else ""))
+    out.data(report.as_json())
     if errors:
         raise InputError(f"{plural(len(errors), 'file')} could not be removed (see warnings); check permissions under {root}")
 
@@ -396,12 +304,7 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
         out.table(table)
     out.line(f"exported {plural(len(plan.entries), 'entry', 'entries')} ({decimal(plan.bytes)}) to {bundle}: a {decimal(size)} bundle; "
              f"{len(plan.left_out)} invalid left out; cache {plan.root}")
-    out.data({
-        "bundle": bundle, "root": str(plan.root), "entries": len(plan.entries), "bytes": plan.bytes,
-        "bundle_bytes": size, "records": [r.path for r in plan.records],
-        "exported": [{"path": e.path, "digest": e.digest, "size": e.size, "sha256": e.sha256} for e in plan.entries],
-        "left_out": [{"path": p, "reason": why} for p, why in plan.left_out],
-    })
+    out.data(plan.as_json(bundle, size))
 
 
 @cache_app.command("export")
@@ -451,6 +354,7 @@ def export(
 
 @cache_app.command("import")
 def import_(
+    ctx: typer.Context,
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="Bundle file to read, or - for stdin.")],
     cache_dir: CacheDirOpt = None,
     file_mode: FileModeOpt = "0600",
@@ -508,13 +412,9 @@ def import_(
     check = None
     if against is not None:
         from exl3tool.operations.against import AgainstModel
-        from exl3tool.plan import WarmRequest
 
-        check = AgainstModel.from_request(WarmRequest(
-            model=against, bits=bits, revision=revision, layers=tuple(layers), exclude=tuple(exclude),
-            shared_experts=shared_experts, cache_dir=str(root), device=device, encoder_root=encoder_root,
-            encoder_revision=encoder_revision, encoder_source=encoder_source, server_path=server_path, dtype=dtype,
-            quantization_config=quantization_config), exact=exact)
+        request, _ = request_from_options(ctx, skip={"file_mode"}, model=against, cache_dir=str(root))
+        check = AgainstModel.from_request(request, exact=exact)
     if bundle == "-":
         report = import_bundle(sys.stdin.buffer, store, source="-", check=check)
     else:
@@ -524,7 +424,7 @@ def import_(
             raise InputError(f"cannot read the bundle {bundle}: {exc.strerror}") from None
         with fh:
             report = import_bundle(fh, store, source=str(Path(bundle).resolve()), check=check)
-    refused = [i for i in report.items if i.status == "refused"]
+    refused = report.refused
     if refused:
         table = Table(title="refused")
         table.add_column("member", overflow="fold")
@@ -536,16 +436,7 @@ def import_(
              f"{report.count('present')} already present, {len(refused)} refused; "
              f"{decimal(report.bytes_written)} written; {plural(report.count('imported', 'record'), 'provenance record')} "
              f"imported, {report.count('present', 'record')} already there; cache {root}")
-    out.data({
-        "bundle": bundle, "root": str(root), "tool_version": report.tool_version,
-        "against": None if against is None else {"model": against, "exact": exact},
-        "imported": report.count("imported"), "replaced": report.count("replaced"),
-        "present": report.count("present"), "refused": len(refused), "bytes_written": report.bytes_written,
-        "entries": [{"path": i.path, "status": i.status, "reason": i.reason, "size": i.size} for i in report.items
-                    if i.kind == "entry"],
-        "records": [{"path": i.path, "status": i.status, "reason": i.reason} for i in report.items
-                    if i.kind == "record"],
-    })
+    out.data(report.as_json(bundle, None if against is None else {"model": against, "exact": exact}))
     if refused:
         raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); the rest were "
                             "imported")

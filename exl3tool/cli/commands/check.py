@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from exl3tool.cli.commands.encode import (
-    LAUNCH_PARAMS, ExcludeOpt, LayersOpt, ModelArg, SharedOpt, TpSizesOpt, plan_header, plan_notes, warm_request,
-)
-from exl3tool.cli.commands.launching import EnvFileOpt, LaunchOpt, PidOpt, apply_options, launch_json
+from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt,
-    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt,
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
+    LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpSizesOpt,
+    request_from_options,
 )
+from exl3tool.cli.commands.planview import plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
-from exl3tool.operations.check import CheckReport, check
+from exl3tool.operations.check import CheckReport, check, no_lookup_json
 
-__all__ = ["cache_check", "render_check", "check_json", "render_no_lookup"]
+__all__ = ["register", "cache_check", "render_check", "render_no_lookup"]
 
 
 def _where(cause) -> str:
@@ -31,34 +30,6 @@ def _where(cause) -> str:
     layouts = sorted({(j.tp_size, j.tp_rank) for j in jobs})
     ranks = ",".join(f"tp{w}-rank{r}" for w, r in layouts[:4]) + (" ..." if len(layouts) > 4 else "")
     return f"{plural(len(jobs), 'look-up')}, e.g. {jobs[0].prefix} ({ranks})"
-
-
-def check_json(report: CheckReport) -> dict[str, Any]:
-    """The `--json` document (fields in docs/cache.md)."""
-    plan = report.plan
-    cause_of = {}
-    for n, c in enumerate(report.causes):
-        for j in c.lookups:
-            cause_of.setdefault(j.digest, []).append(n)
-    lookups = report.lookups
-    return {
-        "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
-        "bits": plan.bits, "dtype": report.dtype, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root),
-        **plan_header(plan),
-        "ok": report.ok, "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
-        "invalid": plan.count("invalid"), "not_looked_up": plan.count("skipped"), "hit_origins": report.hit_origins,
-        "causes": [c.as_json() for c in report.causes],
-        "notes": [f.as_json() for f in report.notes],
-        "records": [{"path": str(sr.path), "error": sr.error} if sr.record is None else
-                    {"path": str(sr.path), "command": sr.record.command, "host": sr.record.host,
-                     "time": sr.record.time, "model_identity": sr.record.model_identity,
-                     "encoder_identity": sr.record.encoder_identity, "entries": len(sr.record.entries)}
-                    for sr in report.records],
-        "seconds": report.seconds,
-        "entries": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
-                     "output_size": j.output_size, "state": j.state, "reason": j.reason, "digest": j.digest,
-                     "path": str(j.path), "causes": cause_of.get(j.digest, [])} for j in lookups],
-    }
 
 
 def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
@@ -82,7 +53,7 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
              f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
              f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
              f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
-    out.data({**check_json(report), **(extra or {})})
+    out.data({**report.as_json(), **(extra or {})})
 
 
 def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict) -> None:
@@ -91,8 +62,7 @@ def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict) -> None
     out.line(f"0 look-ups: this launch encodes nothing online, because {reasons[0]}")
     for line in reasons[1:]:
         out.line(f"  and {line}")
-    out.data({"ok": False, "server_lookup": False, "lookup_off": list(reasons), "lookups": 0, "hit": 0, "miss": 0,
-              "invalid": 0, "causes": [], "notes": [], **extra})
+    out.data({**no_lookup_json(reasons), **extra})
 
 
 def cache_check(
@@ -133,14 +103,9 @@ def cache_check(
     --launch "vllm serve /models/GLM-5.3 -tp 2 --quantization-config '{...}'", exl3tool cache check --pid PID
     """
     out = Output(json=json_out, quiet=quiet)
-    request = warm_request(
-        model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
-        cache_dir=cache_dir, shared_experts=shared_experts, quantization_config=quantization_config, dtype=dtype,
-        encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
-        server_path=server_path,
-    )
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
-                                               add_tp_sizes=True, no_lookup="report")
+    request, given = request_from_options(ctx)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
+                                               no_lookup="report")
     if settings is not None and settings.lookup_off:
         render_no_lookup(out, settings.lookup_off, launch_json(settings))
         raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
@@ -153,3 +118,10 @@ def cache_check(
             what += (", and the server makes look-ups outside the plan that would miss" if bad else
                      f": the {len(report.lookups)} planned look-ups hit, but the server makes others that would miss")
         raise FindingsError(what if json_out else f"{what}; see the causes above")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``cache check`` (to the ``cache`` group)."""
+    from exl3tool.cli.commands.cache import cache_app
+
+    cache_app.command("check", cls=LaunchCommand)(cache_check)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
@@ -10,80 +9,23 @@ from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
 
-from exl3tool.cli.commands.launching import (
-    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
-)
+from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, FileModeOpt, JsonOpt,
-    LockTimeoutOpt, OverlapOpt, ProgressOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, parse_file_mode, parse_positive_ints,
+    BitsOpt, CacheDirOpt, DeviceOpt, DryRunOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt,
+    ExcludeOpt, FileModeOpt, GpuMemoryOpt, JsonOpt, LayersOpt, LockTimeoutOpt, ModelArg, OverlapOpt, ProgressOpt,
+    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpRankOpt, TpSizeOpt, TpSizesOpt,
+    request_from_options,
 )
+from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, note_interrupted, plural
 from exl3tool.cli.progress import make_progress, progress_mode
 from exl3tool.plan import WarmPlan, WarmRequest, prepare
 from exl3tool.operations.warm import WarmSummary, warm
-from exl3tool.plan.sharing import reused_from, sharing_figures
+from exl3tool.plan.sharing import sharing_figures
 
-__all__ = ["register", "encode", "cache_warm", "warm_request", "LayersOpt", "ExcludeOpt", "SharedOpt", "ModelArg",
-           "TpSizesOpt", "LAUNCH_PARAMS"]
-
-LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
-ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
-GpuMemoryOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GiB", help="GPU memory budget per worker in GiB (default: what the device has free, less 5% or 1 GiB); the encoder sizes its chunks to it and a layer that cannot fit fails with the memory it needed.")]
-ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
-TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
-SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
-
-
-def plan_header(plan: WarmPlan) -> dict:
-    """What the plan was made with: the overlay, the checkpoint kind, whether the server looks entries up, notes."""
-    lp = plan.layer_plan
-    return {
-        "quantization_config": lp.overlay.as_json() if lp is not None and lp.overlay is not None else None,
-        "checkpoint_kind": lp.kind.kind if lp is not None and lp.kind is not None else None,
-        "architecture": lp.architecture if lp is not None else None,
-        "server_lookup": lp.server_lookup if lp is not None else True,
-        "notes": list(lp.notes) if lp is not None else [],
-        "identity_warnings": list(plan.identity_warnings),
-        "fetch": None if plan.fetch is None else {
-            "shards": list(plan.fetch.shards), "shards_total": plan.fetch.shards_total,
-            "bytes_fetched": plan.fetch.bytes_fetched, "index_total_bytes": plan.fetch.index_total_bytes},
-    }
-
-
-def plan_notes(out: Output, plan: WarmPlan) -> None:
-    """The plan's header on stderr: overlay, kind, notes; a warning when the server will not look entries up."""
-    for warning in plan.identity_warnings:
-        out.warn(warning)
-    lp = plan.layer_plan
-    if lp is None:
-        return
-    if lp.overlay is not None:
-        out.note(f"quantization config: {lp.overlay.text}" + (" (default)" if lp.overlay.default else ""))
-    gaps = {e.detail for e in lp.excluded if e.reason == "not_modelled"}  # layers the server encodes, we do not
-    for note in lp.notes:
-        (out.note if lp.server_lookup and note not in gaps else out.warn)(note)
-    if plan.fetch is not None:
-        out.note(plan.fetch.line())
-
-
-def discard_note(out: Output, plan: WarmPlan) -> None:
-    """`encode --mode readonly|off`: say before the first encode that its results will be thrown away."""
-    if plan.mode != "readwrite":
-        what = ("the cache is neither read nor written: every planned layer" if plan.mode == "off" else
-                "the cache is read, never written: every layer missing from it")
-        out.note(f"mode {plan.mode}: {what} is encoded ({plural(len(plan.todo), 'job')}) and the result discarded "
-                 "(a timing or a dry check); --mode readwrite publishes the entries")
-
-
-def _why(j) -> str:
-    if j.state == "skipped" or j.state == "invalid":
-        return j.reason
-    spec = j.rank_job.layer.spec if j.rank_job is not None else "linear"
-    return "--layers glob (the server does not look this entry up)" if spec == "generic" else f"planned ({spec} spec)"
+__all__ = ["register", "encode", "cache_warm", "render_plan", "render_summary"]
 
 
 def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> None:
@@ -112,26 +54,13 @@ def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> No
     discard_note(out, plan)
     looked_up = [j for j in plan.jobs if j.state != "skipped"]
     todo = plan.todo
-    shares, sharing = reused_from(todo), sharing_figures(todo)
+    sharing = sharing_figures(todo)
     out.line(f"{plural(len(plan.jobs), 'job')}: {plan.count('hit')} hit, {plan.count('miss')} miss, "
              f"{plan.count('invalid')} invalid, {plan.count('skipped')} skipped; "
              f"{plural(len(excluded), 'module')} not encoded by the server; {plural(sum(j.tiles for j in looked_up), 'tile')} "
              f"in all, {plural(sum(j.tiles for j in todo), 'tile')} to encode; cache {plan.cache_root}")
     out.line(_sharing_line(sharing))
-    out.data({
-        "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
-        "bits": plan.bits, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root), "mode": plan.mode,
-        **plan_header(plan),
-        "tiles": {"total": sum(j.tiles for j in looked_up), "to_encode": sum(j.tiles for j in todo)},
-        "jobs": [{"prefix": j.prefix, "tp_size": j.tp_size, "tp_rank": j.tp_rank, "input_size": j.input_size,
-                  "output_size": j.output_size, "tiles": j.tiles, "state": j.state, "reason": j.reason,
-                  "why": _why(j), "planned_by": j.rank_job.layer.spec if j.rank_job is not None else None,
-                  "digest": j.digest, "path": str(j.path),
-                  **({"reused_from": shares[j.digest]} if j.digest in shares else {})} for j in plan.jobs],
-        "not_planned": [{"prefix": e.prefix, "reason": e.reason, "why": e.detail} for e in excluded],
-        "encodes": sharing["encodes"], "sharing": sharing,
-        **(extra or {}),
-    })
+    out.data({**plan.as_json(), **(extra or {})})
 
 
 def _sharing_line(f: dict) -> str:
@@ -165,12 +94,7 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
     elif summary.record:
         out.note(f"provenance record {summary.record}" + ("" if summary.record_written else " (already there)"))
     render_unchecked(out, summary)
-    if extra:
-        from exl3tool.cli.output import to_jsonable
-
-        out.data({**to_jsonable(summary), **extra})
-    else:
-        out.data(summary)
+    out.data({**summary.as_json(), **(extra or {})})
 
 
 def render_unchecked(out: Output, summary: WarmSummary) -> None:
@@ -238,19 +162,12 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
         raise FindingsError(f"{plural(summary.counts['failed'], 'layer job')} failed; see {where}")
 
 
-# command parameter -> WarmRequest field, for the flags that win over a launch
-LAUNCH_PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path", "bits": "bits",
-                 "dtype": "dtype", "quantization_config": "quantization_config", "encoder_root": "encoder_root",
-                 "encoder_revision": "encoder_revision", "encoder_source": "encoder_source", "cache_dir": "cache_dir",
-                 "tp_sizes": "tp_sizes", "tp_size": "tp_sizes"}
-
-
 def encode(
     ctx: typer.Context,
     model: ModelArg = None,
     revision: RevisionOpt = None,
-    tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
-    tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
+    tp_size: TpSizeOpt = 1,
+    tp_rank: TpRankOpt = None,
     bits: BitsOpt = None,
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
@@ -285,20 +202,9 @@ def encode(
 
     From the server's launch: exl3tool encode --dry-run --launch "vllm serve /models/M -tp 2 --quantization-config '{...}'"
     """
-    from exl3tool.cache.settings import CACHE_MODES
-
-    norm = mode.strip().lower()
-    if norm not in CACHE_MODES:
-        raise typer.BadParameter(f"--mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
-    request = WarmRequest(
-        model=model or "", tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
-        revision=revision, layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts,
-        cache_dir=cache_dir, mode=norm, device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
-        encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout, gpu_memory_gib=gpu_memory,
-    )
+    request, given = request_from_options(ctx)
     out = Output(json=json_out, quiet=quiet)
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given)
     if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
     _run(out, request, dry_run, "encode", environ, launch_json(settings), progress_choice=progress)
@@ -352,40 +258,15 @@ def cache_warm(
     From the server's launch (its TP size; --tp-sizes adds more): exl3tool cache warm --launch "docker run -v
     /srv/m:/models/m -v /srv/cache:/cache/exl3-online --env-file server.env IMAGE vllm serve /models/m -tp 2 ..."
     """
-    request = warm_request(
-        model=model, revision=revision, tp_sizes=tp_sizes, bits=bits, layers=layers, exclude=exclude,
-        cache_dir=cache_dir, device=device, shared_experts=shared_experts, quantization_config=quantization_config,
-        dtype=dtype, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
-        server_path=server_path, file_mode=file_mode, overlap=overlap, lock_timeout=lock_timeout, gpu_memory=gpu_memory,
-    )
+    request, given = request_from_options(ctx)
     out = Output(json=json_out, quiet=quiet)
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, LAUNCH_PARAMS,
-                                               add_tp_sizes=True)
-    request = replace(request, check_unchecked=check_unchecked)
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True)
     _run(out, request, dry_run, "cache warm", environ, launch_json(settings), progress_choice=progress)
 
 
-def warm_request(*, model: Optional[str], revision: Optional[str], tp_sizes: str, bits: int, layers: list[str],
-                 exclude: list[str], cache_dir, shared_experts: bool, quantization_config: Optional[str], dtype: str,
-                 encoder_root: Optional[str], encoder_revision: Optional[str], encoder_source: Optional[str],
-                 server_path: Optional[str], device: str = "auto", file_mode: str = "0600",
-                 overlap: bool = True, lock_timeout: Optional[float] = None,
-                 gpu_memory: Optional[float] = None) -> WarmRequest:
-    """The request of `cache warm` from its options: also what `cache check` plans with, so both always agree."""
-    return WarmRequest(
-        model=model or "", tp_sizes=parse_positive_ints(tp_sizes, "--tp-sizes"), bits=bits, revision=revision,
-        layers=tuple(layers), exclude=tuple(exclude), shared_experts=shared_experts, cache_dir=cache_dir,
-        mode="readwrite", device=device, encoder_root=encoder_root, encoder_revision=encoder_revision,
-        encoder_source=encoder_source, server_path=server_path, dtype=dtype, file_mode=parse_file_mode(file_mode),
-        overlap=overlap, quantization_config=quantization_config, lock_timeout=lock_timeout, gpu_memory_gib=gpu_memory,
-    )
-
-
 def register(app: typer.Typer) -> None:
+    """Add ``encode`` and ``cache warm`` (to the ``cache`` group)."""
     from exl3tool.cli.commands.cache import cache_app
-
-    from exl3tool.cli.commands.check import cache_check
 
     app.command("encode", cls=LaunchCommand)(encode)
     cache_app.command("warm", cls=LaunchCommand)(cache_warm)
-    cache_app.command("check", cls=LaunchCommand)(cache_check)

@@ -43,15 +43,7 @@ def encoder_source(
     out.line(f"encoder identity (files mode, root {eid.root}): {eid.identity}")
     out.note("warm with --encoder-root set to this directory as the server sees it (or one "
              "VLLM_EXL3_ENCODER_REVISION on both sides); exl3tool must be installed in the server's Python")
-    out.data({
-        "path": result.path,
-        "exl3tool_version": result.exl3tool_version,
-        "files": list(result.files),
-        "replaced": result.replaced,
-        "previous_version": result.previous_version,
-        "server_env": {"VLLM_EXL3_ENCODER_SOURCE": result.path},
-        "encoder": {"identity": eid.identity, "mode": eid.mode, "root": eid.root, "payload": eid.payload},
-    })
+    out.data(result.as_json(eid))
 
 
 def register(app: typer.Typer) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from exl3tool.cache import server_encoder_identity, server_identities
+from exl3tool.cache.identity import encoder_json
 from exl3tool.cli.commands.launching import (
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
 )
@@ -21,6 +22,7 @@ from exl3tool.cli.commands.options import (
     QuietOpt,
     RevisionOpt,
     ServerPathOpt,
+    request_from_options,
 )
 from exl3tool.cli.output import Output
 
@@ -58,20 +60,14 @@ def identity(
     """
     from exl3tool.checkpoint import resolve_overlay
 
-    from exl3tool.plan import WarmRequest
-
     out = Output(json=json, quiet=quiet)
     if not model and not launch_input(ctx, launch, pid, env_file).launch_given and given_fields(
             ctx, {"encoder_root": "encoder_root", "encoder_source": "encoder_source"}):
         _encoder_only(out, encoder_root, encoder_revision, encoder_source, quantization_config, env_file)
         return
-    request = WarmRequest(model=model or "", revision=revision, server_path=server_path, encoder_root=encoder_root,
-                          encoder_revision=encoder_revision, encoder_source=encoder_source,
-                          quantization_config=quantization_config)
-    request, launched, environ = apply_options(ctx, out, request, launch, pid, env_file, {
-        "model": "model", "revision": "revision", "server_path": "server_path", "encoder_root": "encoder_root",
-        "encoder_revision": "encoder_revision", "encoder_source": "encoder_source",
-        "quantization_config": "quantization_config"}, need_cache=False, no_lookup="warn")
+    request, given = request_from_options(ctx)
+    request, launched, environ = apply_options(ctx, out, request, launch, pid, env_file, given, need_cache=False,
+                                               no_lookup="warn")
     model = request.model
     overlay = resolve_overlay(request.quantization_config)
     ids = server_identities(model, revision=request.revision, server_path=request.server_path,
@@ -91,25 +87,8 @@ def identity(
     out.wrapped(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
     for warning in ids.warnings:
         out.warn(warning)
-    out.data(
-        {
-            "model": {
-                "name": model,
-                "identity": mid.identity,
-                "kind": mid.kind,
-                "revision": mid.revision,
-                "revision_from": mid.revision_from,
-                "server_revision": ids.server_revision,
-                "server_revision_note": ids.revision_note,
-                "payload": mid.payload,
-                "derivation": mid.derivation,
-            },
-            "encoder": {**_encoder_json(eid, settings), "source_detail": source},
-            "quantization_config": overlay.as_json(),
-            "warnings": list(ids.warnings),
-            **launch_json(launched),
-        }
-    )
+    out.data({**ids.as_json(model, source_detail=source, quantization_config=overlay.as_json()),
+              **launch_json(launched)})
 
 
 def _encoder_from(ctx: typer.Context, settings, launched, env_files: list[str]) -> str:
@@ -151,11 +130,6 @@ def _encoder_derivation(eid, settings, source: str | None = None) -> str:
     return f"{how} (from {source or settings.source})"
 
 
-def _encoder_json(eid, settings) -> dict:
-    return {"identity": eid.identity, "mode": eid.mode, "root": eid.root, "files_from": eid.files_from,
-            "payload": eid.payload, "source": settings.source}
-
-
 def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Optional[str],
                   encoder_source: Optional[str], quantization_config: Optional[str], env_files: list[str]) -> None:
     """The encoder identity alone: no model to derive one for (``model`` is null in --json)."""
@@ -176,7 +150,7 @@ def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Op
     out.wrapped("model: none given (pass MODEL or the server's launch for the model identity and the cache dir)")
     for warning in warnings:
         out.warn(warning)
-    out.data({"model": None, "encoder": _encoder_json(eid, settings),
+    out.data({"model": None, "encoder": encoder_json(eid, settings),
               "quantization_config": overlay.as_json() if overlay is not None else None, "warnings": list(warnings)})
 
 

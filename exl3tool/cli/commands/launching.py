@@ -110,10 +110,11 @@ def launch_json(settings) -> dict:
 
 
 def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str], pid: Optional[int],
-                  env_files: list[str], params: dict[str, str], *, add_tp_sizes: bool = False,
+                  env_files: list[str], given: set[str], *, add_tp_sizes: bool = False,
                   need_cache: bool = True, no_lookup: str = "refuse"):
     """Fill ``request`` from the launch (the given options win) and say on stderr where each setting came from.
 
+    ``request`` and ``given`` (the fields the command line set, which win) come from ``options.request_from_options``.
     Returns ``(request, settings or None, the server's environment or None)``; a command without MODEL and without
     a launch is a usage error. A launch whose server makes no look-up (``settings.lookup_off``) is, by
     ``no_lookup``: ``"refuse"`` a usage error (nothing to encode or verify for it: exit 2), ``"report"`` left to
@@ -126,7 +127,7 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
         raise typer.BadParameter("give MODEL, or the server's launch with --launch COMMAND, --launch-file FILE, "
                                  "--compose FILE, --pid PID or -- ARGV",
                                  param_hint="'MODEL'")
-    request, settings, environ = apply_launch(request, given_fields(ctx, params), li, add_tp_sizes=add_tp_sizes,
+    request, settings, environ = apply_launch(request, given, li, add_tp_sizes=add_tp_sizes,
                                               need_cache=need_cache)
     if settings is not None:
         out.note(f"launch ({settings.launch.form}, {settings.launch.entry}): the look-up's settings and where each "

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Callable, Collection, Optional
 
 import typer
 
 from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS, trellis_bits
-from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt  # the launch options, shared
+from exl3tool.cli.commands.launching import (  # the launch options, shared
+    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, given_fields,
+)
 from exl3tool.errors import ConfigError
 from exl3tool.plan.request import SERVING_DTYPES
 
@@ -33,6 +35,18 @@ __all__ = [
     "BitsOpt",
     "DtypeOpt",
     "QuantizationConfigOpt",
+    "ModelArg",
+    "TpSizeOpt",
+    "TpRankOpt",
+    "TpSizesOpt",
+    "LayersOpt",
+    "ExcludeOpt",
+    "SharedOpt",
+    "DeviceOpt",
+    "DryRunOpt",
+    "GpuMemoryOpt",
+    "REQUEST_OPTIONS",
+    "request_from_options",
     "resolve_cache_dir",
     "parse_file_mode",
     "existing_cache_dir",
@@ -186,6 +200,77 @@ DtypeOpt = Annotated[
         "float32 checkpoints are served as bfloat16), bfloat16, float16 or float32.",
     ),
 ]
+
+
+ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
+TpSizeOpt = Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")]
+TpRankOpt = Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")]
+TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
+LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
+ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
+SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing.")]
+GpuMemoryOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GiB", help="GPU memory budget per worker in GiB (default: what the device has free, less 5% or 1 GiB); the encoder sizes its chunks to it and a layer that cannot fit fails with the memory it needed.")]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _cache_mode(value: str) -> str:
+    """``encode --mode``: readwrite, readonly or off, any case."""
+    from exl3tool.cache.settings import CACHE_MODES
+
+    norm = value.strip().lower()
+    if norm not in CACHE_MODES:
+        raise typer.BadParameter(f"--mode must be one of {', '.join(CACHE_MODES)}, got {value!r}")
+    return norm
+
+
+# Every option that sets a field of the request: option parameter -> (WarmRequest field, the value's conversion).
+# The one table every request-building command (identity, encode, cache warm, cache check, verify, cache import
+# --against) fills its request from; a command declares the options it takes, and the table covers what it declares.
+REQUEST_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "model": ("model", lambda v: v or ""),
+    "revision": ("revision", _same),
+    "server_path": ("server_path", _same),
+    "tp_sizes": ("tp_sizes", lambda v: parse_positive_ints(v, "--tp-sizes")),
+    "tp_size": ("tp_sizes", lambda v: (v,)),
+    "tp_rank": ("tp_ranks", lambda v: None if v is None else (v,)),
+    "mode": ("mode", _cache_mode),
+    "bits": ("bits", _same),
+    "dtype": ("dtype", _same),
+    "quantization_config": ("quantization_config", _same),
+    "layers": ("layers", tuple),
+    "exclude": ("exclude", tuple),
+    "shared_experts": ("shared_experts", _same),
+    "cache_dir": ("cache_dir", _same),
+    "device": ("device", _same),
+    "encoder_root": ("encoder_root", _same),
+    "encoder_revision": ("encoder_revision", _same),
+    "encoder_source": ("encoder_source", _same),
+    "file_mode": ("file_mode", lambda v: parse_file_mode(v)),
+    "overlap": ("overlap", _same),
+    "lock_timeout": ("lock_timeout", _same),
+    "gpu_memory": ("gpu_memory_gib", _same),
+    "check_unchecked": ("check_unchecked", _same),
+}
+
+
+def request_from_options(ctx: typer.Context, *, skip: Collection[str] = (), **fields: Any) -> tuple[Any, set[str]]:
+    """The command's ``WarmRequest`` from its options (``REQUEST_OPTIONS``), and the set of fields its command line
+    gave (what wins over a launch in ``apply_launch``).
+
+    ``fields`` are set by the command itself (``verify``'s mode, ``import --against``'s model) and win over options;
+    ``skip`` names options that are the command's own, not the request's (``cache import``'s ``--file-mode``).
+    """
+    from exl3tool.plan import WarmRequest
+
+    params = {p: spec for p, spec in REQUEST_OPTIONS.items() if p in ctx.params and p not in skip}
+    values = {field: convert(ctx.params[p]) for p, (field, convert) in params.items() if field not in fields}
+    given = given_fields(ctx, {p: field for p, (field, _) in params.items()})
+    return WarmRequest(**values, **fields), given
 
 
 def resolve_cache_dir(cache_dir: Path | None) -> Path:

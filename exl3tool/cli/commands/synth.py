@@ -40,8 +40,8 @@ def synth(
     out = Output(json=json, quiet=quiet)
     fam = TINY_FAMILIES[family]
     path = write_tiny(directory, family, seed=seed)
-    files = sorted(p for p in path.iterdir() if p.is_file())
-    size = sum(p.stat().st_size for p in files)
+    written = fam.checkpoint_json(path, seed)
+    files, size = written["files"], written["bytes"]
     overlay = fam.overlay
     flag = f" --quantization-config {shlex.quote(overlay)}" if overlay else ""
     where = shlex.quote(str(path))
@@ -50,8 +50,7 @@ def synth(
     out.line(f"overlay: {overlay or '(the default overlay)'}")
     out.line("next: exl3tool cache warm " + where + " --tp-sizes 2" + flag
              + " --encoder-root /opt/exllamav3 --encoder-revision v0.0.18 --cache-dir ./exl3-cache")
-    out.data({"path": str(path), "family": fam.name, "architecture": fam.architecture, "seed": seed,
-              "files": [p.name for p in files], "bytes": size, "quantization_config": overlay, "about": fam.about})
+    out.data(written)
 
 
 def register(app: typer.Typer) -> None:

@@ -10,18 +10,17 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from exl3tool.cli.commands.launching import (
-    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json,
-)
+from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, JsonOpt, QuantizationConfigOpt,
-    QuietOpt, RevisionOpt, ServerPathOpt, existing_cache_dir, parse_positive_ints,
+    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
+    JsonOpt, LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
+    TpRankOpt, TpSizeOpt, existing_cache_dir, parse_positive_ints, request_from_options,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
-from exl3tool.cli.output import Output, to_jsonable
+from exl3tool.cli.output import Output
 from exl3tool.operations.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_plan
-from exl3tool.plan import WarmRequest, prepare, resolve_device
+from exl3tool.plan import prepare, resolve_device
 from exl3tool.plan.request import serving_torch_dtype
 
 __all__ = ["register", "verify", "report_markdown"]
@@ -29,26 +28,6 @@ __all__ = ["register", "verify", "report_markdown"]
 
 def _fmt(v: Optional[float], spec: str = ".2e") -> str:
     return "-" if v is None else format(v, spec)
-
-
-def report_dict(report: VerifyReport) -> dict:
-    """The JSON document of a verify run (stable keys)."""
-    data = to_jsonable(report)
-    data["ok"] = report.ok
-    data["counts"] = {"pass": sum(c.status == "pass" for c in report.layers), "fail": len(report.failed)}
-    for entry, check in zip(data["layers"], report.layers):
-        entry["kernel_err"] = check.kernel_err
-        entry["quant_err"] = check.quant_err
-    if report.exact:
-        verdicts = [c.exact.verdict for c in report.layers if c.exact is not None]
-        data["counts"]["exact"] = {v: verdicts.count(v) for v in ("identical", "equivalent", "differs", "unproved")}
-        data["differs"] = [{"prefix": c.prefix, "tp_rank": c.tp_rank, "path": c.path, "detail": c.exact.detail}
-                           for c in _differing(report)]
-    return data
-
-
-def _differing(report: VerifyReport) -> list:
-    return [c for c in report.layers if c.exact is not None and c.exact.verdict == "differs"]
 
 
 def _exact_cell(c) -> str:
@@ -94,29 +73,23 @@ def render(out: Output, report: VerifyReport, extra: Optional[dict] = None) -> N
         out.warn(f"{c.prefix} rank {c.tp_rank}: exact check unproved: {c.exact.detail}")
     out.line(f"{len(report.layers) - len(report.failed)} pass, {len(report.failed)} fail; thresholds kernel "
              f"{report.max_kernel_err:.1e}, quantization {report.max_quant_err:.3g}; activations seed {report.seed}")
-    out.data({**report_dict(report), **(extra or {})})
-
-
-# command parameter -> WarmRequest field, for the flags that win over a launch
-_PARAMS = {"model": "model", "revision": "revision", "server_path": "server_path", "bits": "bits", "dtype": "dtype",
-           "quantization_config": "quantization_config", "encoder_root": "encoder_root",
-           "encoder_revision": "encoder_revision", "encoder_source": "encoder_source", "cache_dir": "cache_dir",
-           "tp_size": "tp_sizes"}
+    out.data({**report.as_json(), **(extra or {})})
 
 
 def verify(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
+    model: ModelArg = None,
     revision: RevisionOpt = None,
-    tp_size: Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")] = 1,
-    tp_rank: Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")] = None,
+    tp_size: TpSizeOpt = 1,
+    tp_rank: TpRankOpt = None,
     bits: BitsOpt = None,
-    layers: Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers matching this glob; repeatable.")] = [],
-    exclude: Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")] = [],
+    layers: LayersOpt = [],
+    exclude: ExcludeOpt = [],
+    shared_experts: SharedOpt = False,
     quantization_config: QuantizationConfigOpt = None,
     rows: Annotated[str, typer.Option("--rows", help="Comma-separated activation row counts.")] = "1,16,256",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the activations (printed in the report).")] = 0,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
+    device: DeviceOpt = "auto",
     max_kernel_err: Annotated[float, typer.Option("--max-kernel-err", help="Largest allowed ||y_gemm - x@W_deq|| / ||x@W_deq||.")] = DEFAULT_KERNEL_ERR,
     max_quant_err: Annotated[Optional[float], typer.Option("--max-quant-err", help="Largest allowed ||y_gemm - x@W|| / ||x@W|| (default: 1.5x the reference encoder's error for --bits).")] = None,
     dtype: DtypeOpt = "auto",
@@ -155,13 +128,8 @@ def verify(
         raise typer.BadParameter("--max-kernel-err and --max-quant-err must be positive")
     row_counts = parse_positive_ints(rows, "--rows")
     out = Output(json=json_out, quiet=quiet)
-    request = WarmRequest(
-        model=model or "", tp_sizes=(tp_size,), tp_ranks=None if tp_rank is None else (tp_rank,), bits=bits,
-        revision=revision, layers=tuple(layers), exclude=tuple(exclude), cache_dir=cache_dir, mode="readonly",
-        device=device, encoder_root=encoder_root, encoder_revision=encoder_revision, encoder_source=encoder_source,
-        server_path=server_path, dtype=dtype, quantization_config=quantization_config,
-    )
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, _PARAMS)
+    request, given = request_from_options(ctx, mode="readonly")
+    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given)
     if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
     # verify only reads: a missing cache is an I/O error, not N failed layers
@@ -175,14 +143,14 @@ def verify(
     render(out, result, launch_json(settings))
     if report is not None:
         try:
-            text = report_markdown(result) if report.suffix.lower() == ".md" else json.dumps(report_dict(result), indent=2, sort_keys=True) + "\n"
+            text = report_markdown(result) if report.suffix.lower() == ".md" else json.dumps(result.as_json(), indent=2, sort_keys=True) + "\n"
             report.write_text(text)
         except OSError as exc:
             raise InputError(f"cannot write --report {report}: {exc.strerror}") from exc
     if not result.layers:
         raise ConfigError("nothing to do: no layer to verify (check --layers / --exclude and the TP size)")
     if not result.ok:
-        differing = _differing(result)
+        differing = result.differing
         named = f"; differ from a fresh encode: {', '.join(f'{c.prefix} rank {c.tp_rank}' for c in differing)}" if differing else ""
         raise FindingsError(f"{len(result.failed)} of {len(result.layers)} layer checks failed{named}")
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
+from exl3tool.jsontext import to_jsonable
 from exl3tool.plan.plan import WarmJob, WarmPlan
 from exl3tool.operations.warm.unchecked import UncheckedHit, unchecked_hits
 
@@ -66,6 +67,10 @@ class WarmSummary:
     @property
     def ok(self) -> bool:
         return self.counts.get("failed", 0) == 0
+
+    def as_json(self) -> dict[str, Any]:
+        """The `cache warm --json` / `encode --json` document: every field, in order (docs/cache.md)."""
+        return to_jsonable(self)
 
 
 def job_result(job: WarmJob, status: str, worker: int, *, path=None, seconds=0.0, bytes_=0, proxy_error=None, error="",

@@ -1,0 +1,77 @@
+"""One options-to-request builder (issue 37): every command that builds a `WarmRequest` takes its request options
+from `options.REQUEST_OPTIONS`, spelled and explained the same everywhere, and fills the request and the set of
+fields its command line gave through `options.request_from_options`."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from helpers import CliRunner
+
+from exl3tool.cli import _register, app
+from exl3tool.cli.commands.options import REQUEST_OPTIONS
+
+_register()
+BUILDERS = (("identity",), ("encode",), ("verify",), ("cache", "warm"), ("cache", "check"), ("cache", "import"))
+
+
+def _command(path: tuple[str, ...]):
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]
+    return command
+
+
+def test_request_options_have_one_spelling_and_help_in_every_command():
+    seen: dict[str, tuple] = {}
+    for path in BUILDERS:
+        for param in _command(path).params:
+            if param.name not in REQUEST_OPTIONS or param.name == "model":  # `cache import`'s MODEL is --against
+                continue
+            shape = (tuple(param.opts), getattr(param, "help", None), param.metavar, getattr(param, "is_flag", None))
+            assert seen.setdefault(param.name, shape) == shape, f"{' '.join(path)} {param.opts}: {shape} != {seen[param.name]}"
+    assert {"layers", "exclude", "device", "shared_experts", "tp_size", "tp_sizes"} <= set(seen)
+
+
+def test_verify_takes_shared_experts_and_builds_its_request_like_encode(monkeypatch, tmp_path):
+    """`verify --shared-experts` reaches the request, with the rest of verify's options, as `encode`'s do."""
+    import exl3tool.cli.commands.encode as encode_cmd
+    import exl3tool.cli.commands.verify as verify_cmd
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(ctx, out, request, launch, pid, env_files, given, **kwargs):
+        seen.append((request, given))
+        raise Stop
+
+    monkeypatch.setattr(verify_cmd, "apply_options", stop)
+    monkeypatch.setattr(encode_cmd, "apply_options", stop)
+    args = ["m", "--shared-experts", "--layers", "*.o_proj", "--exclude", "*.q_proj", "--tp-size", "2", "--tp-rank",
+            "1", "--device", "cpu", "--bits", "5", "--dtype", "bfloat16", "--cache-dir", str(tmp_path)]
+    for command in ("verify", "encode"):
+        res = CliRunner().invoke(app, [command, *args])
+        assert isinstance(res.exception, Stop), res.output
+    (verify, verify_given), (encode, encode_given) = seen
+    assert verify.shared_experts and verify.layers == ("*.o_proj",) and verify.exclude == ("*.q_proj",)
+    assert (verify.tp_sizes, verify.tp_ranks, verify.device, verify.bits, verify.dtype) == ((2,), (1,), "cpu", 5, "bfloat16")
+    assert verify.mode == "readonly" and encode.mode == "readwrite"
+    from dataclasses import replace
+
+    assert replace(verify, mode="readwrite") == encode
+    assert verify_given == encode_given >= {"model", "shared_experts", "layers", "tp_sizes", "tp_ranks", "bits"}
+    assert "encoder_root" not in verify_given  # not given: the launch may set it
+
+
+@pytest.mark.parametrize("path", BUILDERS, ids=" ".join)
+def test_every_request_option_of_a_command_is_in_the_table(path):
+    """A command's options that name a request field go through the table (none is filled by hand)."""
+    from exl3tool.plan import WarmRequest
+
+    fields = {f for f in WarmRequest.__dataclass_fields__}
+    for param in _command(path).params:
+        target = REQUEST_OPTIONS.get(param.name, (None,))[0]
+        assert target is None or target in fields
+        assert param.name not in fields or param.name in REQUEST_OPTIONS, param.name
