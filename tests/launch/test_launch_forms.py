@@ -103,8 +103,8 @@ def test_podman_entrypoint_bash_and_env_file_of_the_run_line(tmp_path, cli, mode
     envfile.write_text(f"QUANTIZATION_CONFIG={QC}\nVLLM_EXL3_ENCODER_SOURCE={ENC[0]}\n"
                        f"VLLM_EXL3_ENCODER_REVISION={ENC[1]}\nVLLM_EXL3_ONLINE_TRELLIS_BITS=5\n")
     launch = (f"podman run -d --name exl3 --device nvidia.com/gpu=all --env-file {envfile} "
-              f"-v {model}:/srv/model:ro,z --mount type=bind,source={cache},target=/root/.cache/vllm/exl3_online "
-              "-e HOME=/root --entrypoint /bin/bash quay.io/example/vllm:exl3 -lc "
+              f"-v {model}:/srv/model:ro,z --mount type=bind,source={cache},target=/home/vllm/.cache/vllm/exl3_online "
+              "-e HOME=/home/vllm --entrypoint /bin/bash quay.io/example/vllm:exl3 -lc "
               "\"vllm serve /srv/model -tp 2 --trust-remote-code "  # \$: kept for the container's shell
               "--quantization-config \\\"\\${QUANTIZATION_CONFIG}\\\"\"")
     code, got, err = _plan(cli, "--launch", launch)
@@ -121,7 +121,7 @@ def _double_quoted(text: str) -> str:
 
 WRAPPER = "; ".join([
     "set -euo pipefail", "cd /", "ln -sf /srv/model /tmp/model-link || true", "rm -f /tmp/vllm.ready",
-    "mkdir -p /root/.cache/vllm", "nvidia-smi -L > /dev/null 2>&1 || true", "ulimit -n 65536",
+    "mkdir -p /home/vllm/.cache/vllm", "nvidia-smi -L > /dev/null 2>&1 || true", "ulimit -n 65536",
     'NSYS=(); if [ "${PROFILE:-0}" = "1" ]; then NSYS=(nsys profile -o /tmp/trace --trace=cuda,nvtx); fi',
     'SPEC_ARGS=(); if [ -n "${SPEC_CONFIG:-}" ]; then SPEC_ARGS=(--speculative-config "${SPEC_CONFIG}"); fi',
     'LMO_ARGS=(); if [ "${LANGUAGE_MODEL_ONLY:-0}" = "1" ]; then LMO_ARGS=(--language-model-only); fi',

@@ -70,7 +70,7 @@ def _server_offline(repo: str, revision, cache: str):
 
 # (the launch's Hub variables, where the host folder is mounted, the server's HF_HUB_CACHE)
 HUB_LAYOUTS = {
-    "HF_HOME": ({"HF_HOME": "/root/.cache/huggingface"}, "/root/.cache/huggingface", "/root/.cache/huggingface/hub"),
+    "HF_HOME": ({"HF_HOME": "/home/vllm/.cache/huggingface"}, "/home/vllm/.cache/huggingface", "/home/vllm/.cache/huggingface/hub"),
     "HF_HUB_CACHE": ({"HF_HUB_CACHE": "/hub-cache"}, None, "/hub-cache"),
     "HOME": ({"HOME": "/home/srv"}, "/home/srv/.cache/huggingface", "/home/srv/.cache/huggingface/hub"),
     "XDG_CACHE_HOME": ({"XDG_CACHE_HOME": "/xdg", "HOME": "/nonexistent"}, "/xdg/huggingface",
@@ -98,27 +98,27 @@ def test_offline_hub_repo_is_the_snapshot_directory(cli, hf, offline, layout, mo
 
 
 def test_offline_revision_follows_refs_and_a_commit_is_taken_as_is(cli, hf):
-    volumes = {"/root/.cache/huggingface": hf["home"], "/cache": hf["cache"]}
-    env = {"HF_HOME": "/root/.cache/huggingface", "HF_HUB_OFFLINE": "1"}
+    volumes = {"/home/vllm/.cache/huggingface": hf["home"], "/cache": hf["cache"]}
+    env = {"HF_HOME": "/home/vllm/.cache/huggingface", "HF_HUB_OFFLINE": "1"}
     for revision in ("v2", hf["main"].name):
         text = _docker(env, volumes, f"--model {REPO} --revision {revision} --quantization-config '{QC}'")
         folder, want = in_server_view(hf["root"], volumes, _server_offline, REPO, revision,
-                                      "/root/.cache/huggingface/hub")
+                                      "/home/vllm/.cache/huggingface/hub")
         got = _identity(cli, text)
         assert got["model"]["identity"] == want and folder.endswith(got["model"]["revision"])
     # a ref the cache does not hold: the server does not start (LocalEntryNotFoundError), so neither does the check
     code, _, err = cli("identity", "--launch", _docker(env, volumes, f"--model {REPO} --revision nope"), "--json")
     assert code == 2 and "refs/nope" in err and "would not start" in err
     with pytest.raises(AssertionError, match="LocalEntryNotFound|Cannot find"):
-        in_server_view(hf["root"], volumes, _server_offline, REPO, "nope", "/root/.cache/huggingface/hub")
+        in_server_view(hf["root"], volumes, _server_offline, REPO, "nope", "/home/vllm/.cache/huggingface/hub")
 
 
 def test_offline_warm_is_a_hit_for_the_server(cli, hf, monkeypatch):
     """The headline case of issue 35: every entry the warm writes is a hit for the server's look-up."""
     monkeypatch.setenv("HF_HOME", str(hf["home"]))  # exl3tool's own Hub cache holds the repo too (a CI host)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    volumes = {"/root/.cache/huggingface": hf["home"], "/cache": hf["cache"]}
-    text = _docker({"HF_HOME": "/root/.cache/huggingface", "HF_HUB_OFFLINE": "1"}, volumes,
+    volumes = {"/home/vllm/.cache/huggingface": hf["home"], "/cache": hf["cache"]}
+    text = _docker({"HF_HOME": "/home/vllm/.cache/huggingface", "HF_HUB_OFFLINE": "1"}, volumes,
                    f"--model {REPO} -tp 2 --quantization-config '{QC}'")
     request, _, _ = apply_launch(WarmRequest(model="", device="cpu"), (), LaunchInput(text=text), add_tp_sizes=True,
                                  environ={})
@@ -127,7 +127,7 @@ def test_offline_warm_is_a_hit_for_the_server(cli, hf, monkeypatch):
     assert len(entries) >= 8 and all(e.status == "encoded" for e in summary.entries)
 
     def server_hits():
-        folder = snapshot_download(repo_id=REPO, cache_dir="/root/.cache/huggingface/hub", local_files_only=True)
+        folder = snapshot_download(repo_id=REPO, cache_dir="/home/vllm/.cache/huggingface/hub", local_files_only=True)
         model = server_model_identity(folder, commit_hash=transformers_commit_hash(folder))
         encoder = server_encoder_identity(*ENC)
         return sum(server_lookup("/cache", model, encoder, p, 6, w, r, k, n) is not None for p, w, r, k, n in entries)
@@ -306,7 +306,7 @@ def test_pid_of_a_docker_server_reads_its_mount_namespace(tmp_path, linked):
                  f"602 600 8:1 {w} /weights rw,relatime - ext4 /dev/sda1 rw\n"
                  f"603 600 8:1 {c} /cache rw,relatime - ext4 /dev/sda1 rw\n")
     argv = ["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "current", "--quantization-config", QC]
-    proc = _proc(tmp_path, 4242, argv, {**SERVER_ENV, "HOME": "/root"}, root="/", cwd="/models",
+    proc = _proc(tmp_path, 4242, argv, {**SERVER_ENV, "HOME": "/home/vllm"}, root="/", cwd="/models",
                  ns="mnt:[4026532999]", mountinfo=mountinfo, host_mountinfo="22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
     s, mid = _pid_identity(proc, 4242)
     assert mid.identity == in_server_view(linked["root"], linked["volumes"], server_model_identity, "/models/current")
@@ -323,7 +323,7 @@ def test_pid_of_a_chrooted_server(tmp_path):
     (chroot / "srv").mkdir()
     (chroot / "cache").mkdir()
     argv = ["vllm", "serve", "../models/current", "--quantization-config", QC]
-    proc = _proc(tmp_path, 4343, argv, {**SERVER_ENV, "HOME": "/root"}, root=str(chroot), cwd=str(chroot / "srv"),
+    proc = _proc(tmp_path, 4343, argv, {**SERVER_ENV, "HOME": "/home/vllm"}, root=str(chroot), cwd=str(chroot / "srv"),
                  ns="mnt:[4026531840]", mountinfo="", host_mountinfo="")
     s, mid = _pid_identity(proc, 4343)
     assert s.server_path == "/models/current"  # its working directory /srv, as it sees it
@@ -354,7 +354,7 @@ def test_pid_of_a_real_server_in_its_own_mount_namespace(cli, tmp_path, linked):
     (tmp_path / "bin" / "vllm").write_text("import time\ntime.sleep(60)\n")
     volumes = {**linked["volumes"], "/opt/bin": tmp_path / "bin"}
     argv = [sys.executable, "/opt/bin/vllm", "serve", "/models/current", "-tp", "2", "--quantization-config", QC]
-    pid = start_server(tmp_path / "server-root", volumes, argv, {**SERVER_ENV, "HOME": "/root"})
+    pid = start_server(tmp_path / "server-root", volumes, argv, {**SERVER_ENV, "HOME": "/home/vllm"})
     try:
         deadline = time.monotonic() + 20
         while b"/opt/bin/vllm" not in Path(f"/proc/{pid}/cmdline").read_bytes():

@@ -15,7 +15,7 @@ from exl3tool.launch.shell import Vars, expand, lex, run_script
 from seeds import fresh_seed
 
 ENV = {"QC": '{"linear": {"weight": "mxfp8"}}', "EXTRA": "  --max-model-len 8192   --port 8000 ", "EMPTY": "",
-       "MODEL": "/models/My Model", "TP": "2", "HOME": "/root"}
+       "MODEL": "/models/My Model", "TP": "2", "HOME": "/home/vllm"}
 LINES = [
     'vllm serve "$MODEL" -tp $TP --quantization-config "${QC}" $EXTRA',
     "vllm serve '$MODEL' \"$MODEL\" $MODEL",
