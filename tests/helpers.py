@@ -124,6 +124,27 @@ def fake_encode(weight, bits, seed, device, progress=None):
                          bits)
 
 
+def warm_one_layer(base: Path, layer: str, seed: int) -> tuple[Path, Path]:
+    """A one-shard tiny Llama under ``base`` with ``layer`` really encoded (CPU) at TP 2: (model, cache)."""
+    from exl3tool.checkpoint import write_llama_checkpoint
+
+    model = write_llama_checkpoint(base / "model", **TINY, seed=seed, shards=1)
+    summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), layers=(layer,), cache_dir=str(base / "cache"),
+                               device="cpu", **ENC))
+    assert summary.counts["encoded"] == 2
+    return model, base / "cache"
+
+
+def refuse_encodes(monkeypatch) -> None:
+    """Any encode fails the test: the command must stop before encoding."""
+    import exl3tool.encode as enc
+
+    def refuse(*a, **k):
+        raise AssertionError("an encode ran")
+
+    monkeypatch.setattr(enc, "encode_linear", refuse)
+
+
 def fake_warm(request: WarmRequest, monkeypatch, calls: list | None = None):
     """``warm(request)`` with ``fake_encode``; ``calls`` collects the (in, out) shape of every encode."""
     import exl3tool.operations.warm.run as req

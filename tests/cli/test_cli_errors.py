@@ -25,7 +25,7 @@ from exl3tool.format.encoded import EncodedLinear
 from exl3tool.errors import describe
 from exl3tool.cli.output import plain_table
 
-from helpers import ENC_ARGS as ENC, TINY_1, run
+from helpers import ENC_ARGS as ENC, TINY_1, run, refuse_encodes
 from seeds import fresh_seed
 
 
@@ -40,13 +40,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def no_encode(monkeypatch):
-    """Any encode fails the test: the command must stop before encoding."""
-    import exl3tool.encode as enc
-
-    def refuse(*a, **k):
-        raise AssertionError("an encode ran")
-
-    monkeypatch.setattr(enc, "encode_linear", refuse)
+    refuse_encodes(monkeypatch)
 
 
 # --- usage errors -------------------------------------------------------------------------------------------

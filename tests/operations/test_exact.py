@@ -21,13 +21,12 @@ import exl3tool.encode.online as online
 from exl3tool import __version__
 from exl3tool.cache import CacheKey
 from exl3tool.cache.entry import read_entry
-from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.operations.exact import compare_exact, fresh_encode
 from exl3tool.operations.verify import verify_plan
 from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm import warm
 
-from helpers import ENC, TINY, completed
+from helpers import ENC, completed, warm_one_layer
 from goldens import golden_case
 from seeds import fresh_seed
 
@@ -131,12 +130,7 @@ def test_golden_reference_encode_is_not_called_different(golden):
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
-    base = tmp_path_factory.mktemp("exact")
-    model = write_llama_checkpoint(base / "model", **TINY, seed=fresh_seed(24), shards=1)
-    summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(base / "cache"),
-                               device="cpu", **ENC))
-    assert summary.counts["encoded"] == 2
-    return model, base / "cache"
+    return warm_one_layer(tmp_path_factory.mktemp("exact"), LAYER, fresh_seed(24))
 
 
 @pytest.fixture

@@ -14,12 +14,10 @@ import pytest
 import torch
 
 from exl3tool.cache.entry import write_entry
-from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.operations.verify import default_quant_err, verify_plan
 from exl3tool.plan import WarmRequest, prepare
-from exl3tool.operations.warm import warm
 
-from helpers import ENC, TINY, completed
+from helpers import ENC, completed, warm_one_layer
 from seeds import fresh_seed
 
 LAYER = "model.layers.1.self_attn.o_proj"
@@ -27,12 +25,7 @@ LAYER = "model.layers.1.self_attn.o_proj"
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
-    base = tmp_path_factory.mktemp("verify")
-    model = write_llama_checkpoint(base / "model", **TINY, seed=fresh_seed(24), shards=1)
-    summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(base / "cache"),
-                               device="cpu", **ENC))
-    assert summary.counts["encoded"] == 2
-    return model, base / "cache"
+    return warm_one_layer(tmp_path_factory.mktemp("verify"), LAYER, fresh_seed(24))
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from exl3tool.cli import main
 from exl3tool.plan import WarmRequest, prepare
 from exl3tool.operations.warm import run_plan
 
-from helpers import ENC, ENC_ARGS, TINY_1, fake_encode
+from helpers import ENC, ENC_ARGS, TINY_1, fake_encode, refuse_encodes
 from seeds import fresh_seed
 
 
@@ -35,12 +35,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def no_encode(monkeypatch):
-    import exl3tool.encode as enc
-
-    def refuse(*a, **k):
-        raise AssertionError("an encode ran")
-
-    monkeypatch.setattr(enc, "encode_linear", refuse)
+    refuse_encodes(monkeypatch)
 
 
 def run(argv, capsys):
