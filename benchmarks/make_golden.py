@@ -18,6 +18,7 @@ them against the worked examples of docs/format.md §3 as well), everything else
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import zlib
@@ -52,6 +53,39 @@ def _reference():
     return q, ext, exl3_module
 
 
+@contextlib.contextmanager
+def _captured(q):
+    """Wrap the reference's ``regularize`` and ``fallback_quant`` for one ``quantize_exl3`` call; yield what they
+    returned: ``su``/``sv`` (the scales before fp16), ``weight_r`` (the regularised weight) and ``encoded`` (the
+    trellis states before packing).
+
+    Why a wrapper: 1.6.5's ``save_reg`` is a file name for a picture of the weights (drawn with a matplotlib call
+    that current matplotlib lacks), not a way to hand the intermediates back. ``quantize_exl3`` looks both names up
+    in its module at call time, so replacing the module attributes reaches it; with a meta Hessian the encode takes
+    the ``fallback_quant`` path (``q_fallback``), so ``su``/``sv`` are final after ``regularize``.
+    """
+    reg: dict = {}
+    regularize, fallback_quant = q.regularize, q.fallback_quant
+
+    def regularize_captured(*a, **kw):
+        result = regularize(*a, **kw)
+        _, weight_r, _, su, sv = result
+        reg.update(weight_r=weight_r.detach().float().cpu().clone(), su=su.detach().float().cpu().flatten().clone(),
+                   sv=sv.detach().float().cpu().flatten().clone())
+        return result
+
+    def fallback_captured(*a, **kw):
+        result = fallback_quant(*a, **kw)
+        reg["encoded"] = result[1].detach().cpu().clone()
+        return result
+
+    q.regularize, q.fallback_quant = regularize_captured, fallback_captured
+    try:
+        yield reg
+    finally:
+        q.regularize, q.fallback_quant = regularize, fallback_quant
+
+
 def seed_of(prefix: str) -> int:
     return zlib.crc32(prefix.encode("utf-8")) & 0x7FFFFFFF
 
@@ -84,19 +118,19 @@ def encode(q, prefix: str, k: int, n: int, weight_seed: int, tag: str, tensors: 
     sv_sign = torch.sign(torch.sign(torch.randn(n, device="cuda")) + 1e-5).cpu()
     h_data = {"H": torch.empty((k, k), device="meta"), "count": 0, "finalized": False, "device": "cuda:0"}
     args = _quant_args(6, "mcg", seed)
-    weight_q, proxy, out = q.quantize_exl3(weight.cuda(), h_data, args, True, save_reg=True, verbose=False)
+    with _captured(q) as reg:
+        weight_q, proxy, out = q.quantize_exl3(weight.cuda(), h_data, args, True, verbose=False)
     g = float(args["g_scale"])
     t = {"weight": weight, "su_sign": su_sign, "sv_sign": sv_sign, "trellis": out["trellis"].cpu(),
          "suh": out["suh"].cpu(), "svh": out["svh"].cpu(), "mcg": out["mcg"].cpu(),
          "g_scale": torch.tensor([g], dtype=torch.float64), "proxy_error": torch.tensor([float(proxy)], dtype=torch.float64),
          "weight_q": weight_q.float().cpu()}
-    reg = args.get("saved_reg") or {}
-    for name in ("su", "sv", "weight_r", "encoded"):  # what save_reg keeps: scales before fp16, W_r, states
+    for name in ("su", "sv", "weight_r", "encoded"):  # scales before fp16, W_r, states (captured above)
         if name in reg:
             t[{"su": "su_f32", "sv": "sv_f32"}.get(name, name)] = reg[name].float().cpu() if name != "encoded" else reg[name].cpu()
     missing = {"su_f32", "sv_f32", "weight_r", "encoded"} - set(t)
     if missing:
-        raise SystemExit(f"{prefix}: the reference did not hand back {sorted(missing)} (save_reg); read its quantize_exl3")
+        raise SystemExit(f"{prefix}: the capture of regularize/fallback_quant missed {sorted(missing)}; read its quantize_exl3")
     tensors.update({f"{tag}.{name}": v.contiguous() for name, v in t.items()})
     meta.update({f"{tag}.prefix": prefix, f"{tag}.seed": str(seed), f"{tag}.weight_seed": str(weight_seed),
                  f"{tag}.shape_in_out": json.dumps([k, n]), f"{tag}.outlier_in_channels": json.dumps(outliers),
