@@ -187,3 +187,20 @@ def test_concurrent_shard_processes_equal_an_unsharded_warm(glm, tmp_path, monke
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
     report = json.loads(check.stdout)
     assert report["ok"] is True and report["lookups"] == report["hit"] == 42
+
+
+@pytest.mark.slow
+def test_torchrun_inside_a_shard_splits_its_slice(glm, tmp_path):
+    """Shard 1 of 2 under torchrun with two gloo workers: both encode, together exactly the shard's slice."""
+    cache = tmp_path / "c"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(FAKE_CLI),
+           "cache", "warm", str(glm), "--tp-sizes", "1,2", *ENC_ARGS, "--cache-dir", str(cache), "--device", "cpu",
+           "--json", "--quiet", "--shard", "1/2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    expected = _plan(glm, tmp_path / "empty", Shard(1, 2)).jobs
+    assert doc["workers"] == 2 and doc["shard"]["index"] == 1
+    assert sorted(e["digest"] for e in doc["entries"]) == sorted(j.digest for j in expected)
+    assert {e["worker"] for e in doc["entries"] if e["status"] == "encoded"} == {0, 1}
+    assert doc["counts"]["encoded"] == len(expected) == len(list((cache / "v1").rglob("*.safetensors")))
