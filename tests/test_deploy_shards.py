@@ -7,7 +7,8 @@
   numbered from 1), all tasks at once; then the check script; ``submit.sh`` runs with a stand-in ``sbatch`` that
   records what it was asked.
 * GitHub Actions: the workflow is parsed; its ``${{ }}`` expressions are filled (an unknown one fails the test) and
-  the ``run`` steps of the pin job, every matrix job (at once) and the check job run in order.
+  the ``run`` steps of the pin job, every matrix job (at once) and the check job run in order, at TP 1,2 (the
+  tiny model's 4 heads do not divide by 8), with the shared cache, HF_HOME and the device (cpu) set by the test.
 
 Each time the shards' reports together name every job of the unsharded plan once, every entry was encoded by one
 shard, the cache holds exactly the plan's entries, and the final check says every look-up hits. ``exl3tool`` on
