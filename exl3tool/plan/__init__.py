@@ -2,7 +2,8 @@
 
 ``request`` (``WarmRequest``: what the server will run with; ``prepare``: checkpoint + identities + layer plan +
 store into a plan), ``plan`` (``WarmPlan``: one job per layer, TP size and rank, each looked up), ``sharing``
-(jobs that read the same weights, shared between workers) and ``shards`` (one shard of a static split of the plan). ``launch/`` fills a request; the operations read it.
+(jobs that read the same weights, shared between workers) and ``shards`` (one shard of a static split of the plan).
+``launch/`` fills a request; the operations read it.
 """
 
 from exl3tool.plan.plan import WarmJob, WarmPlan, build_plan
