@@ -366,3 +366,18 @@ def test_verify_against_source_fails_a_layer_that_is_not_sources(hydrated, capsy
     assert code == 1, err
     doc = json.loads(stdout)
     assert doc["counts"]["fail"] == len(plan.modules) and "quantization error" in doc["layers"][0]["reason"]
+
+
+@pytest.mark.gpu
+def test_gpu_hydrate_verifies_through_the_triton_gemm(tmp_path, capsys):
+    """On a GPU: a real hydrate of the tiny Qwen3.5's layers, each stored layer through the Triton trellis GEMM
+    against SOURCE's FP32 weight (`verify OUT --against SOURCE`), and OUT makes no online look-up."""
+    src = write_tiny(tmp_path / "src", "qwen3.5", seed=fresh_seed())
+    ov = TINY_FAMILIES["qwen3.5"].overlay
+    code, _, err = run(["hydrate", src, tmp_path / "out", "--quantization-config", ov, "--device", "cuda"], capsys)
+    assert code == 0, err
+    assert server_online_lookups(tmp_path / "out", ONLINE["qwen3.5"]) == []
+    code, stdout, err = run(["verify", tmp_path / "out", "--against", src, "--device", "cuda", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["gemm"] == "triton" and doc["counts"] == {"pass": 10, "fail": 0}
