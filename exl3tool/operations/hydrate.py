@@ -509,46 +509,52 @@ def _assemble(plan: HydratePlan, temp: Path, results: dict[str, dict[str, torch.
     return linked, copied
 
 
+def _share(modules: list[HydrateModule], workers: int) -> list[list[HydrateModule]]:
+    """Modules split between workers by tiles, largest first, each to the least loaded (the same on every worker)."""
+    shares: list[list[HydrateModule]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for m in sorted(modules, key=lambda m: (-(m.source.in_features * m.source.out_features), m.module)):
+        w = load.index(min(load))
+        shares[w].append(m)
+        load[w] += m.source.in_features * m.source.out_features
+    return shares
+
+
 def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeFn] = None,
-            on_layer: Optional[LayerFn] = None) -> HydrateReport:
+            on_layer: Optional[LayerFn] = None) -> Optional[HydrateReport]:
     """Run ``plan``: encode (or reuse) every module, write OUT atomically. Returns the report.
 
     A run killed at any point leaves SOURCE untouched and OUT absent; the same command resumes from the per-layer
     results kept in the temporary folder beside OUT and writes the same bytes. ``encode`` replaces the encoder
-    (tests); ``on_layer(done, total, module, seconds, reused)`` hears of each module.
+    (tests); ``on_layer(done, total, module, seconds, reused)`` hears of each module. Under ``torchrun`` each
+    process encodes its share (by tiles) on its GPU, and worker 0 writes OUT and returns the report (None elsewhere).
     """
+    from exl3tool.operations.warm.distributed import distributed_context
     from exl3tool.plan.request import resolve_device
 
     start = time.perf_counter()
     if plan.already_stored:
         return HydrateReport(plan, 0, 0, 0, 0, plan.bytes_before, 0.0, noop=True)
-    dev = resolve_device(device)
-    _check_paths(plan.source, plan.out)
+    ctx = distributed_context()
+    dev = resolve_device(device, ctx.local_rank)
     temp = _temp_dir(plan.out)
     work = temp / _WORK
-    job = _job_json(plan)
-    if temp.exists():
-        known = (work / "job.json").read_text() if (work / "job.json").is_file() else None
-        if known != job:
-            raise ConfigError(f"{temp}: a partial hydrate with other settings (or not exl3tool's) is there; remove "
-                              "it to start over, or run the command that made it to resume it")
     mods = plan.modules
     fingerprints = {m.module: _fingerprint(plan, m) for m in mods}
-    pending = [m for m in mods if _load_result(_result_path(work, m.module), fingerprints[m.module]) is None]
-    _free_space_check(plan, temp, pending)
-    try:
-        (work / "layers").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"{plan.out.parent}: cannot create {temp.name} there ({exc.strerror}); choose a "
-                         "writable folder for OUT") from None
-    if not (work / "job.json").is_file():
-        (work / "job.json").write_text(job)
-    results: dict[str, dict[str, torch.Tensor]] = {}
+    if ctx.worker == 0:
+        _prepare_temp(plan, temp, work, fingerprints)
+    if ctx.initialised:
+        import torch.distributed as dist
+
+        dist.barrier()
+    mine = _share(mods, ctx.workers)[ctx.worker] if ctx.initialised else mods
     encoded = reused = 0
-    for i, m in enumerate(mods, 1):
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for i, m in enumerate(mine, 1):
         t0 = time.perf_counter()
         path = _result_path(work, m.module)
         got = _load_result(path, fingerprints[m.module])
+        was_kept = got is not None
         if got is None:
             enc = _encode_module(plan, m, encode, dev)
             got = exl3_tensors_of(m.module, enc.trellis, enc.suh, enc.svh)
@@ -558,9 +564,45 @@ def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeF
             reused += 1
         results[m.module] = got
         if on_layer is not None:
-            on_layer(i, len(mods), m.module, time.perf_counter() - t0, m not in pending)
+            on_layer(i, len(mine), m.module, time.perf_counter() - t0, was_kept)
+    if ctx.initialised:
+        import torch.distributed as dist
+
+        counts: Optional[list] = [None] * ctx.workers if ctx.worker == 0 else None
+        dist.gather_object((encoded, reused), counts, dst=0)
+        if ctx.worker != 0:
+            return None
+        assert counts is not None
+        encoded, reused = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        for m in mods:  # the other workers' results, from the folder they wrote them to
+            if m.module not in results:
+                got = _load_result(_result_path(work, m.module), fingerprints[m.module])
+                if got is None:
+                    raise InputError(f"{m.module}: a worker's result is missing from {work}; run the command again "
+                                     "to resume")
+                results[m.module] = got
     linked, copied = _assemble(plan, temp, results)
     shutil.rmtree(work)
     os.rename(temp, plan.out)
     after = sum((plan.out / f).stat().st_size for f in _files(plan.out))
     return HydrateReport(plan, encoded, reused, linked, copied, after, round(time.perf_counter() - start, 3))
+
+
+def _prepare_temp(plan: HydratePlan, temp: Path, work: Path, fingerprints: dict[str, str]) -> None:
+    """Worker 0, before any encode: OUT still free, the temporary folder ours (or new), room for what is written."""
+    _check_paths(plan.source, plan.out)
+    job = _job_json(plan)
+    if temp.exists():
+        known = (work / "job.json").read_text() if (work / "job.json").is_file() else None
+        if known != job:
+            raise ConfigError(f"{temp}: a partial hydrate with other settings (or not exl3tool's) is there; remove "
+                              "it to start over, or run the command that made it to resume it")
+    pending = [m for m in plan.modules if _load_result(_result_path(work, m.module), fingerprints[m.module]) is None]
+    _free_space_check(plan, temp, pending)
+    try:
+        (work / "layers").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{plan.out.parent}: cannot create {temp.name} there ({exc.strerror}); choose a "
+                         "writable folder for OUT") from None
+    if not (work / "job.json").is_file():
+        (work / "job.json").write_text(job)

@@ -381,3 +381,23 @@ def test_gpu_hydrate_verifies_through_the_triton_gemm(tmp_path, capsys):
     assert code == 0, err
     doc = json.loads(stdout)
     assert doc["gemm"] == "triton" and doc["counts"] == {"pass": 10, "fail": 0}
+
+
+@pytest.mark.slow
+def test_torchrun_two_workers_split_the_modules_and_write_the_same_bytes(tmp_path):
+    """Two gloo workers on the CPU share the modules (each stderr names only its own), worker 0 writes OUT: the
+    bytes of a one-process hydrate."""
+    src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
+    clean = tmp_path / "clean"
+    hydrate(plan_hydrate(_request(src, "llama"), clean), device="cpu", encode=weight_encode)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), str(HERE / "operations")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "operations" / "hydrate_child.py"), "hydrate", str(src), str(tmp_path / "out"), "--device", "cpu",
+           "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["encoded"] == 14 and doc["modules_stored"] == 14
+    assert r.stderr.count("[1/7]") == 2  # two shares of 7 modules each
+    assert {k: v[3] for k, v in tree(tmp_path / "out").items()} == {k: v[3] for k, v in tree(clean).items()}

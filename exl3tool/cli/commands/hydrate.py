@@ -55,7 +55,8 @@ def hydrate_command(
     The layers are `cache warm`'s plan at TP 1 (bits, overlay and dtype as the server's; a launch gives them), each
     checked for the fork's loader at every --tp-sizes size. Changed shards are rewritten (kept tensors byte for
     byte), the rest hard-linked or copied, the index and tensor_storage rewritten; OUT appears only when complete.
-    A killed run resumes from the temporary folder beside OUT. A checkpoint already hydrated is a no-op.
+    A killed run resumes from the temporary folder beside OUT. A checkpoint already hydrated is a no-op. Under
+    `torchrun --nproc-per-node N -m exl3tool hydrate ...` each process encodes a share on its GPU.
 
     Exit codes: 0 written (or nothing to do: already stored), 2 usage, configuration or I/O error, 130 interrupted.
 
@@ -74,7 +75,8 @@ def hydrate_command(
         out.warn(f"left BF16: {prefix}: {why}")
     if plan.already_stored:
         out.line(f"nothing to do: {plan.source} is hydrated already ({plan.already_stored}); nothing written")
-        out.data({**plan.as_json(), **extra} if dry_run else {**hydrate(plan).as_json(), **extra})
+        report = None if dry_run else hydrate(plan)
+        out.data({**(plan.as_json() if report is None else report.as_json()), **extra})
         return
     mods = plan.modules
     if dry_run or not quiet:
@@ -97,6 +99,8 @@ def hydrate_command(
             print(f"[{done}/{total}] {module}: {what}", file=sys.stderr, flush=True)
 
     report = hydrate(plan, device=request.device, on_layer=on_layer)
+    if report is None:  # a torchrun worker other than 0: worker 0 writes OUT and reports
+        return
     out.line(f"wrote {plan.out}: {plural(len(mods), 'module')} stored as EXL3 K{plan.bits} ({report.encoded} encoded, "
              f"{report.reused} kept from an interrupted run), {_mib(plan.bytes_before)} -> {_mib(report.bytes_after)}, "
              f"{report.seconds:.1f} s")
