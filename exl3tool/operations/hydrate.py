@@ -261,8 +261,28 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     overlay = resolve_overlay(request.quantization_config, shared_experts=request.shared_experts)
     checkpoint = open_checkpoint(str(source), hf_overrides=parse_hf_overrides(request.hf_overrides))
     layers, exclude = list(request.layers) or None, list(request.exclude) or None
-    layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
-                             language_model_only=request.language_model_only)
+    try:
+        layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
+                                 language_model_only=request.language_model_only)
+    except ConfigError:
+        if not layers:
+            raise
+        # --layers matching only stored modules: a re-run on OUT of a hydrate made with the same globs is a no-op
+        layer_plan = plan_layers(checkpoint, overlay=overlay, language_model_only=request.language_model_only)
+        import fnmatch
+
+        picked = [e for e in layer_plan.excluded if any(fnmatch.fnmatchcase(e.prefix, g) for g in layers)]
+        if not picked or any(e.reason != "stored_exl3" for e in picked) or not _hydrated_by_us(
+                checkpoint, _storage_location(checkpoint)):
+            raise
+        files = _files(source)
+        total = sum((source / f).stat().st_size for f in files)
+        return HydratePlan(source=source, out=out_path, model=str(source), bits=request.bits,
+                           tp_sizes=tuple(sorted(set(request.tp_sizes or (1,)))), dtype=str(checkpoint.dtype)
+                           .removeprefix("torch."), layers=(), left_bf16=(), not_planned=(), changed_shards=(),
+                           unchanged_files=tuple(files), bytes_before=total, bytes_after=total,
+                           storage_file=_storage_location(checkpoint), checkpoint=checkpoint,
+                           already_stored=f"every layer --layers selects is stored ({plural(len(picked), 'module')})")
     kind = layer_plan.kind
     if kind is not None and kind.kind != "exl3":
         raise ConfigError(

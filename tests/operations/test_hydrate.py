@@ -319,6 +319,8 @@ def test_real_encode_decodes_within_k6_error_and_equals_the_warm_entry(tmp_path,
     for name in ("trellis", "suh", "svh"):
         assert hit[0][name].tobytes() == t[name].numpy().tobytes()
     assert int(t["mcg"]) == -877912083 and t["mcg"].shape == ()
+    code, stdout, err = run(["hydrate", tmp_path / "out", tmp_path / "again", "--layers", layer], capsys)
+    assert code == 0 and "nothing to do" in stdout and not (tmp_path / "again").exists(), err  # the same globs again
     # verify OUT --against SOURCE: the stored layer through the GEMM (reference path on a CPU) passes; against
     # another checkpoint's weights it fails
     code, stdout, err = run(["verify", tmp_path / "out", "--against", src, "--device", "cpu", "--json"], capsys)
