@@ -444,6 +444,7 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists() or dst.is_symlink():
         dst.unlink()
+    src = src.resolve()  # a Hub snapshot's files are links into ../../blobs: link or copy what they point at
     try:
         os.link(src, dst)
         return True

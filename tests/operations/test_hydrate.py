@@ -403,3 +403,27 @@ def test_torchrun_two_workers_split_the_modules_and_write_the_same_bytes(tmp_pat
     assert doc["encoded"] == 14 and doc["modules_stored"] == 14
     assert r.stderr.count("[1/7]") == 2  # two shares of 7 modules each
     assert {k: v[3] for k, v in tree(tmp_path / "out").items()} == {k: v[3] for k, v in tree(clean).items()}
+
+
+def test_inline_storage_and_a_hub_snapshot_source(tmp_path):
+    """tensor_storage inline in config.json gets the records there; a Hub-cache snapshot (files are links into
+    blobs/) gives OUT real files, never links that point back into the cache."""
+    snap = write_llama_checkpoint(tmp_path / "plain", hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256,
+                                  layers=1, vocab=64, shards=2, hub_cache=tmp_path / "hub", seed=fresh_seed())
+    out = tmp_path / "out"
+    hydrate(plan_hydrate(WarmRequest(model=str(snap)), out), device="cpu", encode=weight_encode)
+    online = {k: v for k, v in _llama().items() if ".layers.0." in k}
+    assert server_online_lookups(snap, online) == list(online) and server_online_lookups(out, online) == []
+    assert not [p for p in out.rglob("*") if p.is_symlink()]
+    src = tmp_path / "inline"
+    shutil.copytree(tmp_path / "plain", src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["tensor_storage"] = json.loads((src / "quantization_config.json").read_text())["tensor_storage"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    (src / "quantization_config.json").unlink()
+    plan = plan_hydrate(WarmRequest(model=str(src)), tmp_path / "out2")
+    assert plan.storage_file == "config.json"
+    hydrate(plan, device="cpu", encode=weight_encode)
+    assert server_online_lookups(tmp_path / "out2", online) == []
+    assert "model.layers.0.self_attn.o_proj" in json.loads((tmp_path / "out2" / "config.json").read_text())[
+        "quantization_config"]["tensor_storage"]
