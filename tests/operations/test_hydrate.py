@@ -427,3 +427,19 @@ def test_inline_storage_and_a_hub_snapshot_source(tmp_path):
     assert server_online_lookups(tmp_path / "out2", online) == []
     assert "model.layers.0.self_attn.o_proj" in json.loads((tmp_path / "out2" / "config.json").read_text())[
         "quantization_config"]["tensor_storage"]
+
+
+def test_launch_gives_bits_overlay_and_tp_size(tmp_path, capsys):
+    """From the server's launch: its VLLM_EXL3_ONLINE_TRELLIS_BITS, overlay and TP size make the plan."""
+    src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
+    launch = ("VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3 VLLM_EXL3_ONLINE_TRELLIS_BITS=5 vllm serve /models/llama -tp 2 "
+              "--quantization-config '{\"linear\": \"mxfp8\", \"ignore\": [\"re:.*down_proj$\"]}'")
+    code, stdout, err = run(["hydrate", src, tmp_path / "out", "--dry-run", "--json", "--leave-unaligned",
+                             "--launch", launch], capsys)
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["bits"] == 5 and doc["tp_sizes"] == [2] and doc["settings"]
+    stored = {m["module"] for layer in doc["layers"] for m in layer["modules"]}
+    assert stored == {f"model.layers.{i}.{m}" for i in range(2)
+                      for m in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")}  # down_proj ignored, qkv left
+    assert [d["prefix"] for d in doc["left_bf16"]] == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
