@@ -443,3 +443,28 @@ def test_launch_gives_bits_overlay_and_tp_size(tmp_path, capsys):
     assert stored == {f"model.layers.{i}.{m}" for i in range(2)
                       for m in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")}  # down_proj ignored, qkv left
     assert [d["prefix"] for d in doc["left_bf16"]] == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
+
+
+def test_inexpressible_kinds_are_refused_with_why(tmp_path, capsys):
+    """A rank-sliced routed-expert checkpoint and a GLM-5.3 routed-only scope: the fork never reads a tensor_storage
+    record for them, so hydrate refuses, saying why and what to do instead."""
+    from exl3tool.checkpoint.tiny import write_mla
+
+    model = write_mla(tmp_path / "m", seed=fresh_seed())
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["hybrid_tr3_tail"] = {"format": "exl3-trellis", "bits": 4, "codebook": "mcg", "experts_per_layer": 4,
+                              "moe_layers": [1, 1], "tp": 2,
+                              "tensor_schema": "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"}
+    cfg["quantization_config"]["tensor_storage"] = json.loads((model / "quantization_config.json").read_text())[
+        "tensor_storage"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run(["hydrate", model, tmp_path / "out", "--tp-sizes", "2"], capsys)
+    assert code == 2 and "a rank_sliced checkpoint cannot be hydrated" in _one_line(err)
+    _nothing_left(tmp_path, tmp_path / "out")
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    from fleet_models import write_model  # the GLM-5.3-Flash geometry the scope accepts, header-only shards
+
+    scoped = write_model(tmp_path / "scoped", "glm53-flash", real_layers=())
+    code, _, err = run(["hydrate", scoped, tmp_path / "out", "--tp-sizes", "2"], capsys)
+    assert code == 2 and "a glm53_routed_experts_only checkpoint cannot be hydrated" in _one_line(err), err
+    _nothing_left(tmp_path, tmp_path / "out")
