@@ -91,7 +91,7 @@ class HydratePlan:
     changed_shards: tuple[str, ...]
     unchanged_files: tuple[str, ...]
     bytes_before: int  # every file of SOURCE
-    bytes_after: int  # every file of OUT (changed shards' headers estimated)
+    bytes_after: int  # every file of OUT, estimated: tensor bytes change; headers and JSON files grow a little
     storage_file: str  # where tensor_storage lives: quantization_config.json or config.json (inline)
     already_stored: str = ""  # non-empty: nothing to do, every online layer is stored already (why)
     checkpoint: Any = field(default=None, compare=False, repr=False)

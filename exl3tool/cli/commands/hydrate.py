@@ -79,7 +79,7 @@ def hydrate_command(
         out.data({**(plan.as_json() if report is None else report.as_json()), **extra})
         return
     mods = plan.modules
-    if dry_run or not quiet:
+    if dry_run:
         for layer in plan.layers:
             for m in layer.modules:
                 s = m.source
