@@ -30,7 +30,7 @@ from exl3tool.errors import ConfigError, InputError
 from exl3tool.text import plural
 
 __all__ = ["HydrateLayer", "HydratePlan", "HydrateReport", "plan_hydrate", "hydrate", "stored_only_reason",
-           "TEMP_SUFFIX"]
+           "TEMP_SUFFIX", "temp_dir"]
 
 TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name>.hydrate-partial"
 _WORK = ".hydrate"  # inside the temporary folder: per-layer results and the job's settings
@@ -377,7 +377,8 @@ def _job_json(plan: HydratePlan) -> str:
                        "modules": [m.module for m in plan.modules]}, sort_keys=True)
 
 
-def _temp_dir(out: Path) -> Path:
+def temp_dir(out: Path) -> Path:
+    """The temporary folder a hydrate into ``out`` writes in, beside it."""
     return out.parent / f".{out.name}{TEMP_SUFFIX}"
 
 
@@ -558,7 +559,7 @@ def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeF
         return HydrateReport(plan, 0, 0, 0, 0, plan.bytes_before, 0.0, noop=True)
     ctx = distributed_context()
     dev = resolve_device(device, ctx.local_rank)
-    temp = _temp_dir(plan.out)
+    temp = temp_dir(plan.out)
     work = temp / _WORK
     mods = plan.modules
     fingerprints = {m.module: _fingerprint(plan, m) for m in mods}

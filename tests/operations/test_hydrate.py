@@ -468,3 +468,33 @@ def test_inexpressible_kinds_are_refused_with_why(tmp_path, capsys):
     code, _, err = run(["hydrate", scoped, tmp_path / "out", "--tp-sizes", "2"], capsys)
     assert code == 2 and "a glm53_routed_experts_only checkpoint cannot be hydrated" in _one_line(err), err
     _nothing_left(tmp_path, tmp_path / "out")
+
+
+def test_disk_filling_during_the_run_keeps_the_results_and_resumes(tmp_path, capsys, monkeypatch):
+    """ENOSPC at the third module: one error line, a line saying where the results are kept, no OUT; the same
+    command then reuses the two kept modules and writes OUT."""
+    import errno
+
+    import exl3tool.operations.hydrate as hy
+
+    src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
+    monkeypatch.setattr("exl3tool.encode.encode_linear", lambda w, **k: weight_encode(w, k["bits"], k["seed"], "cpu"))
+    real, saved = hy._save_result, []
+
+    def save(path, tensors, fingerprint):
+        if len(saved) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        saved.append(path)
+        real(path, tensors, fingerprint)
+
+    monkeypatch.setattr(hy, "_save_result", save)
+    out = tmp_path / "out"
+    code, _, err = run(["hydrate", src, out, "--device", "cpu"], capsys)
+    assert code == 2 and "No space left on device" in _one_line(err) and "kept in" in err
+    assert not out.exists()
+    monkeypatch.setattr(hy, "_save_result", real)
+    code, stdout, err = run(["hydrate", src, out, "--device", "cpu", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["reused"] == 2 and doc["encoded"] == 12
+    assert server_online_lookups(out, ONLINE["llama"]) == []

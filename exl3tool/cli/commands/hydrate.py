@@ -98,7 +98,15 @@ def hydrate_command(
             what = "kept from an interrupted run" if reused else f"encoded in {seconds:.1f} s"
             print(f"[{done}/{total}] {module}: {what}", file=sys.stderr, flush=True)
 
-    report = hydrate(plan, device=request.device, on_layer=on_layer)
+    try:
+        report = hydrate(plan, device=request.device, on_layer=on_layer)
+    except (KeyboardInterrupt, OSError):
+        from exl3tool.operations.hydrate import temp_dir
+
+        if temp_dir(plan.out).exists():
+            out.warn(f"stopped: the modules encoded so far are kept in {temp_dir(plan.out)}; OUT was not written; "
+                     "run the same command again to resume (or remove that folder)")
+        raise
     if report is None:  # a torchrun worker other than 0: worker 0 writes OUT and reports
         return
     out.line(f"wrote {plan.out}: {plural(len(mods), 'module')} stored as EXL3 K{plan.bits} ({report.encoded} encoded, "
