@@ -357,3 +357,38 @@ def server_online_lookups(root, modules: dict[str, tuple[str, ...]]) -> list[str
             assert svh.dtype == np.float16 and svh.shape == (tr.shape[1] * 16,) and (tr.shape[1] * 16) % 128 == 0
             assert mcg.dtype == np.int32 and mcg.size == 1 and int(mcg.reshape(())) == MCG_MARKER
     return online
+
+
+def spec_dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, bits: int) -> np.ndarray:
+    """An MCG-codebook EXL3 layer's (in, out) weight in float64, decoded with numpy from /work/shared/spec's
+    exl3-format.md as restated in docs/format.md (§4.3 words, §4.5 state extraction, §3.3 MCG, §5.2 positions,
+    §1.4 W = diag(suh) B_k Q B_n diag(svh)); no exl3tool code."""
+    k_bits = bits
+    tk, tn, width = trellis.shape
+    assert width == 16 * k_bits
+    t16 = trellis.reshape(tk * tn, width).view(np.uint16).astype(np.uint64)
+    words = t16[:, 0::2] | (t16[:, 1::2] << np.uint64(16))  # U[m] = T[2m] | T[2m+1] << 16
+    nw = 8 * k_bits
+    i = np.arange(256)
+    b0 = i * k_bits + k_bits - 16 + 256 * k_bits
+    b1 = b0 + 16
+    w0, w1 = (b0 // 32) % nw, ((b1 - 1) // 32) % nw
+    shift = (32 * ((b1 - 1) // 32 + 1) - b1).astype(np.uint64)
+    states = (((words[:, w0] << np.uint64(32)) | words[:, w1]) >> shift) & np.uint64(0xFFFF)
+    x = (states * np.uint64(0xCBAC1FED)) & np.uint64(0xFFFFFFFF)
+    x = (x & np.uint64(0x8FFF8FFF)) ^ np.uint64(0x3B603B60)
+    lo = (x & np.uint64(0xFFFF)).astype(np.uint16).view(np.float16).astype(np.float64)
+    hi = (x >> np.uint64(16)).astype(np.uint16).view(np.float16).astype(np.float64)
+    values = (lo + hi).astype(np.float16).astype(np.float64).reshape(tk, tn, 256)
+    p = np.arange(256)
+    t, j = p // 8, p % 8
+    row, col = 2 * (t % 4) + (j & 1) + 8 * ((j >> 1) & 1), t // 4 + 8 * (j >> 2)
+    q = np.zeros((tk, 16, tn, 16))
+    q[:, row, :, col] = values.transpose(2, 0, 1)  # (256, tk, tn) -> the (row, col) of each position
+    q = q.reshape(tk * 16, tn * 16)
+    h = np.array([[(-1) ** bin(a & b).count("1") for b in range(128)] for a in range(128)], dtype=np.float64)
+    hn = h / np.sqrt(128.0)
+    k, n = q.shape
+    q = np.einsum("ab,ibn->ian", hn, q.reshape(k // 128, 128, n)).reshape(k, n)  # B_k Q
+    q = np.einsum("kjb,bc->kjc", q.reshape(k, n // 128, 128), hn).reshape(k, n)  # (B_k Q) B_n
+    return suh.astype(np.float64)[:, None] * q * svh.astype(np.float64)[None, :]

@@ -28,7 +28,7 @@ from exl3tool.operations.hydrate import TEMP_SUFFIX, hydrate, plan_hydrate
 from exl3tool.plan import WarmRequest
 
 from helpers import (ENC, run, server_encoder_identity, server_lookup, server_model_identity, server_online_lookups,
-                     tree)
+                     spec_dequantize, tree)
 from seeds import fresh_seed
 
 HERE = Path(__file__).resolve().parents[1]
@@ -293,42 +293,60 @@ def test_killed_and_resumed_gives_the_same_bytes(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(f".*{TEMP_SUFFIX}"))
 
 
+# one unfused layer per family (and a fused one: GLM-5.3's dense gate/up), each a few seconds of CPU encode
+REAL = {"llama": "model.layers.0.self_attn.o_proj", "qwen3.5": f"{QWEN}.3.self_attn.o_proj",
+        "deepseek-v3": "model.layers.0.self_attn.o_proj", "glm5.3": f"{GLM}.0.mlp.gate_up_proj"}
+
+
 @pytest.mark.slow
-def test_real_encode_decodes_within_k6_error_and_equals_the_warm_entry(tmp_path, capsys):
-    """The real CPU encoder on one layer: the stored layer decodes to SOURCE's weight within the K6 error, and its
-    bytes are the TP 1 entry `cache warm` writes."""
-    from exl3tool.format.decode import dequantize_tensors
+@pytest.mark.parametrize("family", FAMILIES)
+def test_real_encode_decodes_within_k6_error_and_equals_the_warm_entry(family, tmp_path, capsys):
+    """The real CPU encoder: each stored module decodes (the tests' numpy decoder from the spec) to SOURCE's weight
+    within the K6 error; an unfused layer's bytes are the TP 1 entry `cache warm` writes; `verify --against` passes
+    on SOURCE and fails on other weights."""
+    from safetensors.torch import load_file
+
     from exl3tool.operations.warm import warm
 
-    src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
-    layer = "model.layers.0.self_attn.o_proj"
-    report = hydrate(plan_hydrate(_request(src, "llama", layers=(layer,)), tmp_path / "out"), device="cpu")
-    assert report.encoded == 1
-    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as fh:
-        t = {s: fh.get_tensor(f"{layer}.{s}") for s in ("trellis", "suh", "svh", "mcg")}
-    with safe_open(str(src / "model.safetensors"), framework="pt") as fh:
-        w = fh.get_tensor(f"{layer}.weight").float().t()
-    got = dequantize_tensors(t["trellis"], t["suh"], t["svh"], 6)
-    rel = float((got - w).square().mean().sqrt() / w.square().mean().sqrt())
-    assert rel < 0.03, rel  # K6 trellis: about 1.5 % RMS on a Gaussian weight
-    cache = tmp_path / "cache"
-    warm(WarmRequest(model=str(src), tp_sizes=(1,), layers=(layer,), cache_dir=str(cache), device="cpu", **ENC))
-    hit = server_lookup(cache, server_model_identity(str(src)),
-                        server_encoder_identity(ENC["encoder_root"], ENC["encoder_revision"]), layer, 6, 1, 0, 256, 128)
-    assert hit is not None
-    for name in ("trellis", "suh", "svh"):
-        assert hit[0][name].tobytes() == t[name].numpy().tobytes()
-    assert int(t["mcg"]) == -877912083 and t["mcg"].shape == ()
-    code, stdout, err = run(["hydrate", tmp_path / "out", tmp_path / "again", "--layers", layer], capsys)
-    assert code == 0 and "nothing to do" in stdout and not (tmp_path / "again").exists(), err  # the same globs again
-    # verify OUT --against SOURCE: the stored layer through the GEMM (reference path on a CPU) passes; against
-    # another checkpoint's weights it fails
+    src = write_tiny(tmp_path / "src", family, seed=fresh_seed())
+    layer = REAL[family]
+    plan = plan_hydrate(_request(src, family, layers=(layer,)), tmp_path / "out")
+    report = hydrate(plan, device="cpu")
+    assert report.encoded == len(plan.modules) >= 1
+    stored, before = {}, {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        stored.update(load_file(f))
+    for f in src.glob("*.safetensors"):
+        before.update(load_file(f))
+    for m in plan.modules:
+        t = {s: stored[f"{m.module}.{s}"] for s in ("trellis", "suh", "svh", "mcg")}
+        got = spec_dequantize(t["trellis"].numpy(), t["suh"].numpy(), t["svh"].numpy(), 6)
+        w = before[f"{m.module}.weight"].float().t().double().numpy()
+        rel = float(np.sqrt(((got - w) ** 2).mean() / (w ** 2).mean()))
+        assert rel < 0.03, (m.module, rel)  # K6 trellis: about 1.8 % RMS on a Gaussian weight
+        assert int(t["mcg"]) == -877912083 and t["mcg"].shape == ()
+    ov = TINY_FAMILIES[family].overlay
+    if len(plan.modules) == 1:
+        m = plan.modules[0]
+        cache = tmp_path / "cache"
+        warm(WarmRequest(model=str(src), tp_sizes=(1,), layers=(layer,), cache_dir=str(cache), device="cpu",
+                         quantization_config=ov, **ENC))
+        hit = server_lookup(cache, server_model_identity(str(src)),
+                            server_encoder_identity(ENC["encoder_root"], ENC["encoder_revision"]), layer, 6, 1, 0,
+                            m.source.in_features, m.source.out_features)
+        assert hit is not None
+        for name in ("trellis", "suh", "svh"):
+            assert hit[0][name].tobytes() == stored[f"{m.module}.{name}"].numpy().tobytes()
+    quant = ["--quantization-config", ov] if ov else []
     code, stdout, err = run(["verify", tmp_path / "out", "--against", src, "--device", "cpu", "--json"], capsys)
     assert code == 0, err
     doc = json.loads(stdout)
-    assert doc["counts"] == {"pass": 1, "fail": 0} and doc["gemm"].startswith("reference") and "no CUDA" in err
-    other = write_tiny(tmp_path / "other", "llama", seed=fresh_seed())
+    assert doc["counts"] == {"pass": len(plan.modules), "fail": 0} and doc["gemm"].startswith("reference")
+    assert "no CUDA" in err
+    other = write_tiny(tmp_path / "other", family, seed=fresh_seed())
     assert run(["verify", tmp_path / "out", "--against", other, "--device", "cpu"], capsys)[0] == 1
+    code, stdout, err = run(["hydrate", tmp_path / "out", tmp_path / "again", "--layers", layer, *quant], capsys)
+    assert code == 0 and "nothing to do" in stdout and not (tmp_path / "again").exists(), err  # the same globs again
 
 
 def test_seed_of_a_fused_source_is_its_own_name(hydrated):
