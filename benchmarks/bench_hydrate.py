@@ -37,16 +37,22 @@ QWEN38_OVERLAY = ('{"linear":{"weight":"mxfp8"},"ignore":["re:.*visual\\\\..*","
 OVERLAYS = {"qwen38-27b": QWEN38_OVERLAY, "glm5": '{"linear": "mxfp8", "shared_experts": "mxfp8"}'}
 
 
-def shapes_of(model: str, work: Path, bits: int) -> Counter:
+def shapes_of(model: str, work: Path, bits: int, tiny: bool = False) -> Counter:
+    """(K, N) -> how many modules `exl3tool hydrate` stores with that shape (its plan, headers only)."""
     from exl3tool.operations.hydrate import plan_hydrate
     from exl3tool.plan import WarmRequest
 
-    src = write_model(work / model, model, real_layers=())
+    src = write_model(work / model, model, real_layers=(), tiny=tiny)
     plan = plan_hydrate(WarmRequest(model=str(src), quantization_config=OVERLAYS[model], bits=bits), work / f"{model}-out")
     return Counter((m.source.in_features, m.source.out_features) for m in plan.modules)
 
 
 def timed(fn, device) -> tuple[float, int]:
+    """Seconds of ``fn()`` and the peak GPU memory it allocated above what was allocated before (0 on a CPU)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start, 0
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -56,7 +62,7 @@ def timed(fn, device) -> tuple[float, int]:
     return time.perf_counter() - start, torch.cuda.max_memory_allocated(device) - base
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reference", default=None, help="exllamav3 1.6.5 package directory (loaded as the fork loads it)")
     ap.add_argument("--models", default="qwen38-27b,glm5")
@@ -64,18 +70,21 @@ def main() -> None:
     ap.add_argument("--per-shape", action="store_true", help="time each distinct shape once, multiply by its count")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds after which no new shape is started")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_hydrate needs a CUDA GPU")
-    from exl3tool.encode import encode_linear
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run, with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="the models' tiny configs (tests/test_bench_hydrate.py)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_hydrate needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
+    import exl3tool.encode as enc
 
-    device = torch.device("cuda", 0)
+    encode_linear = enc.encode_linear
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     ref = load_quantize_exl3(args.reference, package="_exllamav3_reference") if args.reference else None
     start = time.perf_counter()
-    doc = {"gpu": torch.cuda.get_device_name(device), "bits": args.bits, "per_shape": args.per_shape, "models": {}}
+    doc = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "bits": args.bits, "per_shape": args.per_shape, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
-            counts = shapes_of(model, Path(tmp), args.bits)
+            counts = shapes_of(model, Path(tmp), args.bits, args.tiny)
             rows, partial = [], False
             for (k, n), count in sorted(counts.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
                 if time.perf_counter() - start > args.time_budget:
