@@ -516,3 +516,22 @@ def test_disk_filling_during_the_run_keeps_the_results_and_resumes(tmp_path, cap
     doc = json.loads(stdout)
     assert doc["reused"] == 2 and doc["encoded"] == 12
     assert server_online_lookups(out, ONLINE["llama"]) == []
+
+
+def test_unchanged_files_are_copied_where_links_fail(tmp_path, monkeypatch):
+    """No hard links (another filesystem): the unchanged files are copied, same bytes and times."""
+    import errno
+
+    src = write_tiny(tmp_path / "src", "deepseek-v3", seed=fresh_seed())
+
+    def no_link(a, b):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_link)
+    plan = plan_hydrate(_request(src, "deepseek-v3"), tmp_path / "out")
+    report = hydrate(plan, device="cpu", encode=weight_encode)
+    assert report.linked == 0 and report.copied == len(plan.unchanged_files) >= 1
+    for rel in plan.unchanged_files:
+        a, b = src / rel, tmp_path / "out" / rel
+        assert a.read_bytes() == b.read_bytes() and a.stat().st_mtime_ns == b.stat().st_mtime_ns
+        assert a.stat().st_ino != b.stat().st_ino
