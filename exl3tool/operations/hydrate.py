@@ -52,14 +52,15 @@ class HydrateModule:
     weight_bytes: int
     exl3_bytes: int
     record_key: str = ""  # its tensor_storage key: the module, or the vLLM name where the fork cannot find that
+    stored_as: str = ""  # the prefix of its EXL3 tensors: the module, or its primary spelling for an aliased path
 
     @property
     def module(self) -> str:
-        return self.source.module
+        return self.stored_as or self.source.module
 
     def as_json(self) -> dict[str, Any]:
         s = self.source
-        return {"module": s.module, "record_key": self.record_key, "in_features": s.in_features, "out_features": s.out_features, "seed": self.seed,
+        return {"module": self.module, "weight": s.weight, "record_key": self.record_key, "in_features": s.in_features, "out_features": s.out_features, "seed": self.seed,
                 "shard": self.shard, "bytes_before": self.weight_bytes, "bytes_after": self.exl3_bytes}
 
 
@@ -220,6 +221,16 @@ def _source_prefix(layer, index: int, packed: dict) -> str:
     return f"{base}.{name}" if base else name
 
 
+def _primary_spelling(module: str, aliases) -> str:
+    """A module found under a family's alternative checkpoint path (GLM-5.3's ``self_attn.forget_gate.f_b_proj``)
+    under its primary one (``self_attn.f_b_proj``, the released checkpoints' layout, which the model loads as is):
+    where hydrate writes its EXL3 tensors."""
+    for primary, alternative in aliases:
+        if module.endswith("." + alternative):
+            return module[: -len(alternative)] + primary
+    return module
+
+
 def _record_key(module: str, vllm_name: str, mapper) -> str:
     """``module`` when the fork finds a record under it for ``vllm_name`` (its spellings after the model's mapper),
     else ``vllm_name`` (a checkpoint path the model renames on load, e.g. GLM-5.3's ``forget_gate.f_b_proj``)."""
@@ -318,6 +329,7 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     family = layer_plan.family
     packed = family.packed(layer_plan.text) if family is not None and layer_plan.text is not None else {}
     mapper = family.storage_mapper if family is not None else ()
+    aliases = family.aliases if family is not None else ()
     for job in warm_plan.jobs:
         if job.state == "skipped":
             continue  # a TP 1 server keeps it MXFP8 (not 128-aligned): no look-up, nothing to store
@@ -333,9 +345,10 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
             info = checkpoint.info(s.weight)
             k, n = s.in_features, s.out_features
             exl3 = tensor_nbytes((k // 16, n // 16, 16 * request.bits), "I16") + 2 * (k + n) + 4
-            key = _record_key(s.module, _source_prefix(layer, i, packed), mapper)
+            stored_as = _primary_spelling(s.module, aliases)
+            key = _record_key(stored_as, _source_prefix(layer, i, packed), mapper)
             mods.append(HydrateModule(s, _layer_seed(layer, s), info.file.name,
-                                      tensor_nbytes(info.shape, info.dtype_code), exl3, key))
+                                      tensor_nbytes(info.shape, info.dtype_code), exl3, key, stored_as))
         hydrated.append(HydrateLayer(layer.prefix, layer.parallel, tuple(mods)))
     if left and not leave_unaligned:
         first, why = left[0]
@@ -499,7 +512,7 @@ def _assemble(plan: HydratePlan, temp: Path, results: dict[str, dict[str, torch.
         for suffix in EXL3_SUFFIXES:
             t = results[m.module][f"{m.module}.{suffix}"]
             rec[f"{m.module}.{suffix}"] = (tuple(t.shape), DTYPE_CODES[t.dtype])
-        bias = f"{m.module}.bias"
+        bias = f"{m.source.module}.bias"
         if plan.checkpoint.has_tensor(bias):
             info = plan.checkpoint.info(bias)
             rec[bias] = (tuple(info.shape), info.dtype_code)
@@ -516,7 +529,8 @@ def _assemble(plan: HydratePlan, temp: Path, results: dict[str, dict[str, torch.
         index.setdefault("metadata", {})["total_size"] = total
         _write_json(temp / _INDEX, index, 2)
     records = {m.record_key or m.module: storage_record(m.module, shapes[m.module], plan.bits) for m in plan.modules}
-    note = {"bits": plan.bits, "tp_sizes": list(plan.tp_sizes), "modules": sorted(records),
+    note = {"bits": plan.bits, "tp_sizes": list(plan.tp_sizes),
+            "modules": {m.module: m.source.weight for m in sorted(plan.modules, key=lambda m: m.module)},
             "left_bf16": [p for p, _ in plan.left_bf16]}
     if plan.storage_file == "config.json":
         cfg = json.loads((plan.source / "config.json").read_text())

@@ -277,23 +277,20 @@ def verify_hydrated(
     hydrated, original = open_checkpoint(out), open_checkpoint(source)
     qc = read_json(Path(hydrated.root) / "quantization_config.json") or {}
     note = qc.get("exl3tool_hydrate") or (hydrated.config.get("quantization_config") or {}).get("exl3tool_hydrate")
-    storage = qc.get("tensor_storage") or (hydrated.config.get("quantization_config") or {}).get("tensor_storage") or {}
-    if not isinstance(note, dict) or not note.get("modules"):
+    if not isinstance(note, dict) or not isinstance(note.get("modules"), dict) or not note["modules"]:
         raise ConfigError(f"{out}: not written by `exl3tool hydrate` (no exl3tool_hydrate note beside tensor_storage); "
                           "verify a cache with `exl3tool verify MODEL` instead")
     bits = int(note.get("bits", 6))
     gemm, gemm_name = pick_gemm(device)
     quant_limit = default_quant_err(bits) if max_quant_err is None else max_quant_err
     checks: list[LayerCheck] = []
-    for key in note["modules"]:
-        names = {n.rsplit(".", 1)[-1]: n for n in (storage.get(key) or {}).get("stored_tensors", {})}
-        module = names.get("trellis", f"{key}.trellis").rsplit(".", 1)[0]
+    for module, source_weight in note["modules"].items():  # EXL3 tensor prefix -> SOURCE's weight it replaced
         start = time.perf_counter()
         try:
             tensors = {s: hydrated.get_tensor(f"{module}.{s}") for s in ("trellis", "suh", "svh")}
             k, n = tensors["suh"].shape[0], tensors["svh"].shape[0]
             base = dict(prefix=module, tp_size=1, tp_rank=0, input_size=k, output_size=n)
-            weight = encoder_input(original.read(f"{module}.weight").to(dtype or original.dtype))
+            weight = encoder_input(original.read(source_weight).to(dtype or original.dtype))
             row_checks, rel, mse = verify_entry(tensors, weight, bits=bits, rows=rows, seed=seed, device=device,
                                                 gemm=gemm)
         except Exception as exc:

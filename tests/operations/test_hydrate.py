@@ -109,9 +109,8 @@ def test_every_other_tensor_and_file_is_source_bytes(hydrated):
     before, after = _tensors(src), _tensors(out)
     removed = {n for n in before if n not in after}
     added = {n for n in after if n not in before}
-    stored = {m.module for m in plan.modules}
-    assert removed == {f"{m}.weight" for m in stored}
-    assert added == {f"{m}.{s}" for m in stored for s in ("trellis", "suh", "svh", "mcg")}
+    assert removed == {m.source.weight for m in plan.modules}
+    assert added == {f"{m.module}.{s}" for m in plan.modules for s in ("trellis", "suh", "svh", "mcg")}
     assert all(before[n] == after[n] for n in before if n in after)
     for f in sorted(p.name for p in src.iterdir()):
         if f.endswith(".safetensors") and any(m.shard == f for m in plan.modules) or f in (
@@ -321,7 +320,7 @@ def test_real_encode_decodes_within_k6_error_and_equals_the_warm_entry(family, t
     for m in plan.modules:
         t = {s: stored[f"{m.module}.{s}"] for s in ("trellis", "suh", "svh", "mcg")}
         got = spec_dequantize(t["trellis"].numpy(), t["suh"].numpy(), t["svh"].numpy(), 6)
-        w = before[f"{m.module}.weight"].float().t().double().numpy()
+        w = before[m.source.weight].float().t().double().numpy()
         rel = float(np.sqrt(((got - w) ** 2).mean() / (w ** 2).mean()))
         assert rel < 0.03, (m.module, rel)  # K6 trellis: about 1.8 % RMS on a Gaussian weight
         assert int(t["mcg"]) == -877912083 and t["mcg"].shape == ()

@@ -83,7 +83,7 @@ def hydrate_command(
         for layer in plan.layers:
             for m in layer.modules:
                 s = m.source
-                out.line(f"{s.module}  [{s.in_features} x {s.out_features}]  {_mib(m.weight_bytes)} -> "
+                out.line(f"{m.module}  [{s.in_features} x {s.out_features}]  {_mib(m.weight_bytes)} -> "
                          f"{_mib(m.exl3_bytes)}  ({layer.prefix}, {layer.parallel})")
     head = (f"{plural(len(mods), 'module')} of {plural(len(plan.layers), 'layer')} to store as EXL3 K{plan.bits} "
             f"(TP {','.join(map(str, plan.tp_sizes))}); {plural(len(plan.changed_shards), 'shard')} rewritten, "
