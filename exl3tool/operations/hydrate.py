@@ -258,6 +258,18 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     encode online (a BF16 model, a plan with no layer), kinds whose stored layers the fork reads another way
     (rank-sliced routed experts, the GLM-5.3 routed-only scope), and layers a server at one of the TP sizes could
     not slice (unless ``leave_unaligned``: they stay BF16 and the plan lists them).
+    Example: ``hydrate(plan_hydrate(WarmRequest(model="./m", tp_sizes=(1, 2)), "./m-k6"))``.
+
+    Args:
+        request: the server's settings (``WarmRequest``): SOURCE as ``model``, bits, overlay, dtype, the TP sizes
+            OUT must serve, ``layers`` / ``exclude``.
+        out: the new checkpoint folder.
+        leave_unaligned: keep BF16 (and list) the layers a server at one of the TP sizes could not slice.
+        environ: the environment the plan's defaults are read from (None: ``os.environ``).
+
+    Returns:
+        A ``HydratePlan`` (``as_json()``: the ``--dry-run --json`` document); ``already_stored`` says why there is
+        nothing to do when SOURCE is hydrated already.
     """
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay
     from exl3tool.checkpoint.overrides import parse_hf_overrides
@@ -564,6 +576,15 @@ def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeF
     results kept in the temporary folder beside OUT and writes the same bytes. ``encode`` replaces the encoder
     (tests); ``on_layer(done, total, module, seconds, reused)`` hears of each module. Under ``torchrun`` each
     process encodes its share (by tiles) on its GPU, and worker 0 writes OUT and returns the report (None elsewhere).
+
+    Args:
+        plan: ``plan_hydrate``'s result.
+        device: auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.
+        encode: an encoder ``(weight [K, N] float32, bits, seed, device) -> EncodedLinear`` (None: ``encode_linear``).
+        on_layer: hears of each module done.
+
+    Returns:
+        A ``HydrateReport`` (``as_json()``: the ``--json`` document), or None on a torchrun worker other than 0.
     """
     from exl3tool.operations.warm.distributed import distributed_context
     from exl3tool.plan.request import resolve_device
