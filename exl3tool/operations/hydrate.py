@@ -310,8 +310,8 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     if kind is not None and kind.kind != "exl3":
         raise ConfigError(
             f"{source}: a {kind.kind} checkpoint cannot be hydrated: the fork reads its stored layers "
-            + ("from rank-sliced routed-expert tensors and config.json only, never a tensor_storage record"
-               if kind.kind == "rank_sliced" else
+            + ("from config.json alone (its rank-sliced metadata, never quantization_config.json) and its routed "
+               "experts per rank, a format exl3tool does not write" if kind.kind == "rank_sliced" else
                "under the glm53_routed_experts_only scope, which counts every dense linear as BF16 whatever is "
                "stored (and needs the scope's inline config)")
             + "; serve it with a warm cache instead (`exl3tool cache warm`)")
