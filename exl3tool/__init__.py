@@ -26,6 +26,8 @@ _API: dict[str, str] = {
     "warm": "exl3tool.operations.warm.run",
     "check": "exl3tool.operations.check",
     "verify_plan": "exl3tool.operations.verify",
+    "plan_hydrate": "exl3tool.operations.hydrate",
+    "hydrate": "exl3tool.operations.hydrate",
     "encode_linear": "exl3tool.encode.online",
     "EncodedLinear": "exl3tool.format.encoded",
     "dequantize": "exl3tool.format.decode",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from exl3tool.launch.request import apply_launch
     from exl3tool.launch.resolve import resolve_launch
     from exl3tool.operations.check import check
+    from exl3tool.operations.hydrate import hydrate, plan_hydrate
     from exl3tool.operations.verify import verify_plan
     from exl3tool.operations.warm.run import warm
     from exl3tool.plan.request import WarmRequest, prepare

@@ -293,3 +293,102 @@ def server_encoder_identity(package_root: str, revision: str | None = None) -> s
         assert files, "the server refuses an encoder source without .py files"
         payload = {"root": str(root), "files": files}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# --- the fork's view of a stored EXL3 layer, from docs/layer-plan.md §2 and docs/hydrate.md (no exl3tool code) ---
+
+MCG_MARKER = -877912083  # 0xCBAC1FED as int32: the fork checks the stored mcg sentinel's value
+
+
+def fork_spellings(prefix: str) -> list[str]:
+    """The names the fork tries for ``prefix`` in tensor_storage: itself, ``model.`` toggled, and every ``model`` /
+    ``language_model`` segment collapsed (each also with ``model.`` added or removed)."""
+    out = [prefix, prefix[len("model."):] if prefix.startswith("model.") else "model." + prefix]
+    parts = prefix.split(".")
+    for removable in ("model", "language_model"):
+        for i in range(len(parts) - 1):
+            if parts[i] == removable:
+                collapsed = ".".join(parts[:i] + parts[i + 1:])
+                out += [collapsed, "model." + collapsed]
+                if collapsed.startswith("model."):
+                    out.append(collapsed[len("model."):])
+    return list(dict.fromkeys(out))
+
+
+def _checkpoint_tensors(root: Path) -> dict[str, np.ndarray]:
+    """Every tensor but BF16 ones (numpy has no bfloat16; the EXL3 tensors are int16, fp16 and int32)."""
+    tensors: dict[str, np.ndarray] = {}
+    for shard in sorted(Path(root).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as fh:
+            for name in fh.keys():
+                t = fh.get_tensor(name)
+                if t.dtype != torch.bfloat16:
+                    tensors[name] = t.numpy()
+    return tensors
+
+
+def server_online_lookups(root, modules: dict[str, tuple[str, ...]]) -> list[str]:
+    """Of ``modules`` (vLLM prefix -> its packed source leaves; () for an unfused module), the ones a server of the
+    checkpoint at ``root`` encodes online: those not stored as EXL3. A module is stored when every source has an
+    ``exl3`` record under one of its spellings whose trellis / suh / svh / mcg tensors are in the shards with the
+    fork's dtypes, shapes and mcg sentinel; a record without its tensors fails the test (the server would not load)."""
+    root = Path(root)
+    qc_file = root / "quantization_config.json"
+    storage = json.loads(qc_file.read_text()).get("tensor_storage", {}) if qc_file.is_file() else {}
+    inline = json.loads((root / "config.json").read_text()).get("quantization_config", {}).get("tensor_storage")
+    storage = inline or storage
+    tensors = _checkpoint_tensors(root)
+    online = []
+    for prefix, leaves in modules.items():
+        base = prefix.rsplit(".", 1)[0]
+        sources = [f"{base}.{leaf}" for leaf in leaves] or [prefix]
+        records = [next((storage[s] for s in fork_spellings(src) if s in storage), None) for src in sources]
+        stored = [r is not None and r.get("quant_format") == "exl3" for r in records]
+        assert all(stored) or not any(stored), f"{prefix}: partly stored, the server refuses the checkpoint"
+        if not all(stored):
+            online.append(prefix)
+            continue
+        for rec in records:
+            names = {n.rsplit(".", 1)[-1]: n for n in rec["stored_tensors"]}
+            assert {"trellis", "suh", "svh", "mcg"} <= set(names), f"{prefix}: record {sorted(names)}"
+            tr, suh, svh, mcg = (tensors[names[s]] for s in ("trellis", "suh", "svh", "mcg"))
+            assert tr.dtype == np.int16 and tr.ndim == 3 and tr.shape[2] % 16 == 0
+            assert suh.dtype == np.float16 and suh.shape == (tr.shape[0] * 16,) and (tr.shape[0] * 16) % 128 == 0
+            assert svh.dtype == np.float16 and svh.shape == (tr.shape[1] * 16,) and (tr.shape[1] * 16) % 128 == 0
+            assert mcg.dtype == np.int32 and mcg.size == 1 and int(mcg.reshape(())) == MCG_MARKER
+    return online
+
+
+def spec_dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, bits: int) -> np.ndarray:
+    """An MCG-codebook EXL3 layer's (in, out) weight in float64, decoded with numpy from /work/shared/spec's
+    exl3-format.md as restated in docs/format.md (§4.3 words, §4.5 state extraction, §3.3 MCG, §5.2 positions,
+    §1.4 W = diag(suh) B_k Q B_n diag(svh)); no exl3tool code."""
+    k_bits = bits
+    tk, tn, width = trellis.shape
+    assert width == 16 * k_bits
+    t16 = trellis.reshape(tk * tn, width).view(np.uint16).astype(np.uint64)
+    words = t16[:, 0::2] | (t16[:, 1::2] << np.uint64(16))  # U[m] = T[2m] | T[2m+1] << 16
+    nw = 8 * k_bits
+    i = np.arange(256)
+    b0 = i * k_bits + k_bits - 16 + 256 * k_bits
+    b1 = b0 + 16
+    w0, w1 = (b0 // 32) % nw, ((b1 - 1) // 32) % nw
+    shift = (32 * ((b1 - 1) // 32 + 1) - b1).astype(np.uint64)
+    states = (((words[:, w0] << np.uint64(32)) | words[:, w1]) >> shift) & np.uint64(0xFFFF)
+    x = (states * np.uint64(0xCBAC1FED)) & np.uint64(0xFFFFFFFF)
+    x = (x & np.uint64(0x8FFF8FFF)) ^ np.uint64(0x3B603B60)
+    lo = (x & np.uint64(0xFFFF)).astype(np.uint16).view(np.float16).astype(np.float64)
+    hi = (x >> np.uint64(16)).astype(np.uint16).view(np.float16).astype(np.float64)
+    values = (lo + hi).astype(np.float16).astype(np.float64).reshape(tk, tn, 256)
+    p = np.arange(256)
+    t, j = p // 8, p % 8
+    row, col = 2 * (t % 4) + (j & 1) + 8 * ((j >> 1) & 1), t // 4 + 8 * (j >> 2)
+    q = np.zeros((tk, 16, tn, 16))
+    q[:, row, :, col] = values.transpose(2, 0, 1)  # (256, tk, tn) -> the (row, col) of each position
+    q = q.reshape(tk * 16, tn * 16)
+    h = np.array([[(-1) ** bin(a & b).count("1") for b in range(128)] for a in range(128)], dtype=np.float64)
+    hn = h / np.sqrt(128.0)
+    k, n = q.shape
+    q = np.einsum("ab,ibn->ian", hn, q.reshape(k // 128, 128, n)).reshape(k, n)  # B_k Q
+    q = np.einsum("kjb,bc->kjc", q.reshape(k, n // 128, 128), hn).reshape(k, n)  # (B_k Q) B_n
+    return suh.astype(np.float64)[:, None] * q * svh.astype(np.float64)[None, :]

@@ -37,6 +37,8 @@ COMMANDS: tuple[tuple[str, str], ...] = (
                        "bytes."),
     ("synth", "Write a tiny EXL3 checkpoint of a served family (random weights, a few MB) to try warm, verify and "
               "ls on."),
+    ("hydrate", "Write OUT: SOURCE with every layer the server would encode online stored as EXL3 (no cache "
+                "needed)."),
     ("cache", "Warm, check, list, show, verify, prune, export and import the online EXL3 cache."),
 )
 

@@ -87,6 +87,7 @@ class CheckReport:
     hit_origins: dict[str, int]
     records: tuple[StoredRecord, ...]
     seconds: float
+    stored: str = ""  # non-empty: the server looks nothing up because every online layer is stored (hydrated)
 
     @property
     def lookups(self) -> list[WarmJob]:
@@ -111,7 +112,7 @@ class CheckReport:
             "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
             "bits": plan.bits, "dtype": self.dtype, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root),
             **plan.header_json(),
-            "ok": self.ok, "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
+            "stored_only": self.stored or None, "ok": self.ok, "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
             "invalid": plan.count("invalid"), "not_looked_up": plan.count("skipped"), "hit_origins": self.hit_origins,
             "causes": [c.as_json() for c in self.causes],
             "notes": [f.as_json() for f in self.notes],
@@ -423,6 +424,9 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
         A ``CheckReport``: every look-up's state and, for each miss or invalid entry, its causes.
     """
     start = time.perf_counter()
+    stored = _stored_only(request, environ)
+    if stored is not None:
+        return stored
     checkpoint, plan, store = prepare(replace(request, mode="readonly"), environ=environ)  # the warm's verdicts
     dtype = _resolved_dtype(request, checkpoint)
     records = read_records(plan.cache_root)
@@ -458,6 +462,39 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
     notes += _unplanned_notes(plan, cache, records)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4))
+
+
+def _stored_only(request: WarmRequest, environ: Optional[dict]) -> Optional[CheckReport]:
+    """A report of zero look-ups when the local checkpoint stores every layer the server would encode online (a
+    hydrated checkpoint, `exl3tool hydrate`): the rule is ``operations.hydrate.stored_only_reason``. None otherwise
+    (also for Hub models: their plan is ``prepare``'s, which fetches only what it needs)."""
+    import os
+
+    from exl3tool.cache import cache_root
+    from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay
+    from exl3tool.checkpoint.overrides import parse_hf_overrides
+    from exl3tool.errors import Exl3ToolError
+    from exl3tool.operations.hydrate import stored_only_reason
+
+    if not os.path.isdir(os.path.expanduser(request.model)):
+        return None
+    start = time.perf_counter()
+    try:
+        checkpoint = open_checkpoint(request.model, hf_overrides=parse_hf_overrides(request.hf_overrides))
+        layer_plan = plan_layers(checkpoint, overlay=resolve_overlay(request.quantization_config,
+                                                                     shared_experts=request.shared_experts),
+                                 layers=list(request.layers) or None, exclude=list(request.exclude) or None,
+                                 language_model_only=request.language_model_only)
+    except Exl3ToolError:
+        return None  # prepare says it, as for any check
+    why = stored_only_reason(layer_plan, tuple(request.tp_sizes))
+    if not why:
+        return None
+    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    plan = WarmPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
+                    tp_sizes=tuple(request.tp_sizes), cache_root=root, mode="readonly", jobs=(), layer_plan=layer_plan)
+    return CheckReport(plan, _resolved_dtype(request, checkpoint), (), (), {o: 0 for o in ORIGINS}, (),
+                       round(time.perf_counter() - start, 4), stored=why)
 
 
 def _unplanned_causes(plan: WarmPlan) -> list[Cause]:

@@ -31,7 +31,7 @@ from exl3tool.operations.exact import ExactCheck, compare_exact, fresh_encode
 
 __all__ = [
     "QUANT_ERR_GOLDEN", "DEFAULT_KERNEL_ERR", "default_quant_err", "LayerCheck", "VerifyReport",
-    "verify_plan", "verify_entry",
+    "verify_plan", "verify_entry", "verify_hydrated",
 ]
 
 # sqrt(MSE) of the reference tile quantizer on unit-variance Gaussian tiles (golden README, mcg), i.e.
@@ -256,3 +256,59 @@ def verify_plan(
     return VerifyReport(model=plan.model, model_identity=plan.model_identity, bits=plan.bits, tp_size=tp,
                         device=str(device), gemm=gemm_name, seed=seed, rows=tuple(rows), max_kernel_err=max_kernel_err,
                         max_quant_err=quant_limit, layers=tuple(checks), exact=exact)
+
+
+def verify_hydrated(
+    out: str, source: str, *, rows: tuple[int, ...] = (1, 16, 256), seed: int = 0,
+    device: torch.device = torch.device("cpu"), max_kernel_err: float = DEFAULT_KERNEL_ERR,
+    max_quant_err: Optional[float] = None, dtype: Optional[torch.dtype] = None,
+    on_done: Optional[Callable[[LayerCheck], None]] = None,
+) -> VerifyReport:
+    """`verify OUT --against SOURCE`: every module `exl3tool hydrate` stored in ``out`` (its ``exl3tool_hydrate``
+    note), through the trellis GEMM (Triton on CUDA, the reference path elsewhere) against the FP32 weight that
+    ``source`` holds for it, with ``verify_plan``'s checks and thresholds. Never writes.
+    """
+    from pathlib import Path
+
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.checkpoint.serving import read_json
+    from exl3tool.errors import ConfigError
+
+    hydrated, original = open_checkpoint(out), open_checkpoint(source)
+    qc = read_json(Path(hydrated.root) / "quantization_config.json") or {}
+    note = qc.get("exl3tool_hydrate") or (hydrated.config.get("quantization_config") or {}).get("exl3tool_hydrate")
+    if not isinstance(note, dict) or not isinstance(note.get("modules"), dict) or not note["modules"]:
+        raise ConfigError(f"{out}: not written by `exl3tool hydrate` (no exl3tool_hydrate note beside tensor_storage); "
+                          "verify a cache with `exl3tool verify MODEL` instead")
+    bits = int(note.get("bits", 6))
+    gemm, gemm_name = pick_gemm(device)
+    quant_limit = default_quant_err(bits) if max_quant_err is None else max_quant_err
+    checks: list[LayerCheck] = []
+    for module, source_weight in note["modules"].items():  # EXL3 tensor prefix -> SOURCE's weight it replaced
+        start = time.perf_counter()
+        try:
+            tensors = {s: hydrated.get_tensor(f"{module}.{s}") for s in ("trellis", "suh", "svh")}
+            k, n = tensors["suh"].shape[0], tensors["svh"].shape[0]
+            base = dict(prefix=module, tp_size=1, tp_rank=0, input_size=k, output_size=n)
+            weight = encoder_input(original.read(source_weight).to(dtype or original.dtype))
+            row_checks, rel, mse = verify_entry(tensors, weight, bits=bits, rows=rows, seed=seed, device=device,
+                                                gemm=gemm)
+        except Exception as exc:
+            check = LayerCheck(prefix=module, tp_size=1, tp_rank=0, input_size=0, output_size=0, status="fail",
+                               reason=describe(exc), seconds=time.perf_counter() - start)
+        else:
+            problems = []
+            k_err, q_err = max(r.kernel_err for r in row_checks), max(r.quant_err for r in row_checks)
+            if not k_err <= max_kernel_err:
+                problems.append(f"kernel error {k_err:.2e} > {max_kernel_err:.1e}")
+            if not q_err <= quant_limit:
+                problems.append(f"quantization error {q_err:.3g} > {quant_limit:.3g} (the stored layer is not SOURCE's)")
+            check = LayerCheck(**base, status="fail" if problems else "pass", reason="; ".join(problems),
+                               path=str(hydrated.info(f"{module}.trellis").file), rows=row_checks, weight_rel_err=rel,
+                               weight_mse=mse, seconds=time.perf_counter() - start)
+        checks.append(check)
+        if on_done:
+            on_done(check)
+    return VerifyReport(model=str(out), model_identity="", bits=bits, tp_size=1, device=str(device), gemm=gemm_name,
+                        seed=seed, rows=tuple(rows), max_kernel_err=max_kernel_err, max_quant_err=quant_limit,
+                        layers=tuple(checks))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,11 @@ CLAIMS = [
     ("docs/deploy.md", "* **A shard with no job** (N larger than the plan's encodes) is success (exit 0)", "shards"),
     ("docs/deploy.md", "A plan with no work at all stays a usage error (exit 2), as unsharded.", "shards"),
     ("docs/deploy.md", "whole plan; it exits 0 only when every shard ran.", "shards"),
+    ("help: hydrate", "Exit codes: 0 written (or nothing to do: already stored), 2 usage", "hydrate"),
+    ("docs/hydrate.md", "Exit codes: 0 written or nothing to do", "hydrate"),
+    ("docs/hydrate.md", "## Refusals (one line, exit 2, nothing written)", "hydrate"),
+    ("docs/hydrate.md", "OUT is a no-op (exit 0", "hydrate"),
+    ("docs/hydrate.md", "every online layer is stored` and exits 0", "hydrate"),
 ]
 
 
@@ -114,7 +120,7 @@ def _help_texts() -> dict[str, str]:
 
 def stated_lines() -> list[tuple[str, str]]:
     """(where, text) of every line or help text that states an exit code."""
-    found = [(rel, line) for rel in ("README.md", "docs/cache.md", "docs/deploy.md") for line in _doc_lines(rel)
+    found = [(rel, line) for rel in ("README.md", "docs/cache.md", "docs/deploy.md", "docs/hydrate.md") for line in _doc_lines(rel)
              if EXIT_RE.search(line)]
     return found + [(where, text) for where, text in _help_texts().items() if EXIT_RE.search(text)]
 
@@ -377,6 +383,23 @@ def scenario_exact(m, tmp, monkeypatch):
     assert run(argv) == 0
     _flip(next(Path(cache).rglob("*.safetensors")))
     assert run(argv) == 1
+
+
+def scenario_hydrate(m, tmp, monkeypatch):
+    assert run(["hydrate", m["good"], tmp / "out", "--dry-run"]) == 0
+    assert run(["hydrate", m["good"], m["good"] / "out", "--dry-run"]) == 2  # OUT inside SOURCE
+    assert run(["hydrate", m["plain"], tmp / "out"]) == 2  # a BF16 model: nothing the server encodes online
+    import exl3tool.operations.hydrate as hy
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hy, "hydrate", interrupted)
+    assert run(["hydrate", m["good"], tmp / "out"]) == 130
+    monkeypatch.undo()
+    real_plan = hy.plan_hydrate  # a checkpoint whose online layers are stored already: nothing to do, exit 0
+    monkeypatch.setattr(hy, "plan_hydrate", lambda *a, **k: replace(real_plan(*a, **k), already_stored="stored"))
+    assert run(["hydrate", m["good"], tmp / "out"]) == 0 and not (tmp / "out").exists()
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}

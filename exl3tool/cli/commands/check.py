@@ -35,6 +35,10 @@ def _where(cause) -> str:
 def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
     """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix."""
     plan = report.plan
+    if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing
+        out.line(f"0 look-ups: {report.stored}; the server encodes nothing online and needs no cache")
+        out.data({**report.as_json(), **(extra or {})})
+        return
     plan_notes(out, plan)
     for n, cause in enumerate(report.causes, 1):
         title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",

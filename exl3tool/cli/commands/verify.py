@@ -19,7 +19,7 @@ from exl3tool.cli.commands.options import (
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output
-from exl3tool.operations.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_plan
+from exl3tool.operations.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_hydrated, verify_plan
 from exl3tool.plan import prepare, resolve_device
 from exl3tool.plan.request import serving_torch_dtype
 
@@ -99,6 +99,7 @@ def verify(
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     exact: Annotated[bool, typer.Option("--exact", help="Also re-encode every layer and compare the entry with it (bytes on the platform that wrote it; tile by tile elsewhere): catches a single flipped bit.")] = False,
+    against: Annotated[Optional[str], typer.Option("--against", metavar="SOURCE", help="MODEL is a checkpoint `exl3tool hydrate` wrote from SOURCE: check its stored layers against SOURCE's weights (no cache).")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Also write the report to FILE (.json or .md).")] = None,
     launch: LaunchOpt = None,
     pid: PidOpt = None,
@@ -132,14 +133,23 @@ def verify(
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given)
     if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
-    # verify only reads: a missing cache is an I/O error, not N failed layers
-    existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ)
-    checkpoint, plan, store = prepare(request, environ=environ)
     dev = resolve_device(device)
     torch_dtype = serving_torch_dtype(request.dtype)
-    result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
-                         max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
-                         on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"), exact=exact)
+    if against is not None:  # a hydrated checkpoint: its stored layers against SOURCE's weights, no cache
+        if not dev.type == "cuda":
+            out.note("no CUDA device: the stored layers go through the reference GEMM path (the Triton kernel is "
+                     "not run), as verify does on a CPU")
+        result = verify_hydrated(request.model, against, rows=row_counts, seed=seed, device=dev,
+                                 max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
+                                 on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} {c.reason}"))
+    else:
+        # verify only reads: a missing cache is an I/O error, not N failed layers
+        existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ)
+        checkpoint, plan, store = prepare(request, environ=environ)
+        result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
+                             max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
+                             on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"),
+                             exact=exact)
     render(out, result, launch_json(settings))
     if report is not None:
         try:

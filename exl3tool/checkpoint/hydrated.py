@@ -1,0 +1,237 @@
+"""A checkpoint whose online-encoded layers are stored as EXL3: the format rules `exl3tool hydrate` writes by.
+
+Ground truth (docs/hydrate.md cites each rule): the fork's ``vllm/model_executor/layers/quantization/exl3.py``
+(``Exl3LinearMethod``, ``Exl3Config._validate_storage_metadata`` / ``_storage_entry`` / ``_linear_prefix_is_exl3``)
+and exllamav3's ``conversion/quant_config.py`` (the ``tensor_storage`` record).
+
+* Per *source* module (``q_proj``, not the fused ``qkv_proj``): ``<m>.trellis`` int16 ``(K/16, N/16, 16*bits)``,
+  ``<m>.suh`` fp16 ``(K,)``, ``<m>.svh`` fp16 ``(N,)``, ``<m>.mcg`` int32 0-dim holding 0xCBAC1FED; ``<m>.bias`` (if
+  any) stays as it was; ``<m>.weight`` is removed.
+* One ``tensor_storage`` record per stored module: ``quant_format: "exl3"``, ``bits_per_weight``,
+  ``mcg_multiplier`` and ``stored_tensors`` (name -> shape, n_bytes, dtype), as exllamav3 writes them.
+* The fork loads a fused module's sources as separate shards (each owns its Hadamard signs), slices them per TP rank
+  in 128-blocks (``_shard_tensors_for_tensor_parallel``): ``hydration_problem`` says where that cannot work.
+
+Also: ``write_shard`` streams a safetensors file whose kept tensors are copied byte for byte from the source shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from exl3tool.checkpoint.plan import ALIGN, PlannedLayer, qkv_partition
+from exl3tool.errors import InputError
+from exl3tool.format.codebook import CODEBOOK_MARKERS
+
+__all__ = ["MCG_MULTIPLIER", "EXL3_SUFFIXES", "stored_module", "exl3_tensors_of", "storage_record", "shard_groups",
+           "hydration_problem", "source_modules", "SourceModule", "read_header", "write_shard", "DTYPE_CODES",
+           "tensor_nbytes"]
+
+MCG_MULTIPLIER = 0xCBAC1FED  # exl3.py _MCG_SENTINEL; exllamav3 records it as mcg_multiplier
+EXL3_SUFFIXES = ("trellis", "suh", "svh", "mcg")
+DTYPE_CODES = {torch.int16: "I16", torch.int32: "I32", torch.float16: "F16", torch.bfloat16: "BF16",
+               torch.float32: "F32"}
+_CODE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def stored_module(weight_name: str) -> str:
+    """The checkpoint module of a ``.weight`` tensor: the prefix its EXL3 tensors and record are keyed by."""
+    return weight_name.removesuffix(".weight")
+
+
+def exl3_tensors_of(module: str, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The four tensors one stored EXL3 linear holds (exllamav3's ``LinearEXL3.get_tensors`` with the MCG codebook)."""
+    return {f"{module}.trellis": trellis.detach().to("cpu", torch.int16).contiguous(),
+            f"{module}.suh": suh.detach().to("cpu", torch.float16).contiguous(),
+            f"{module}.svh": svh.detach().to("cpu", torch.float16).contiguous(),
+            f"{module}.mcg": torch.tensor(CODEBOOK_MARKERS["mcg"], dtype=torch.int32)}
+
+
+def tensor_nbytes(shape: Iterable[int], code: str) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * _CODE_BYTES[code]
+
+
+def storage_record(module: str, tensors: dict[str, tuple[tuple[int, ...], str]], bits: int) -> dict:
+    """The ``tensor_storage`` record of one stored module; ``tensors`` maps every tensor under ``module`` (the EXL3
+    ones and a kept bias) to ``(shape, safetensors dtype code)``."""
+    torch_names = {v: str(k) for k, v in DTYPE_CODES.items()}
+    stored = {name: {"shape": list(shape), "n_bytes": tensor_nbytes(shape, code),
+                     "dtype": torch_names.get(code, code)}
+              for name, (shape, code) in sorted(tensors.items())}
+    return {"stored_tensors": stored, "quant_format": "exl3", "bits_per_weight": int(bits),
+            "mcg_multiplier": MCG_MULTIPLIER}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# which layers can be stored, and at which TP sizes
+
+
+@dataclass(frozen=True)
+class SourceModule:
+    """One checkpoint matrix of a planned layer: its ``.weight`` tensor, shape and the fused parts it holds."""
+
+    weight: str
+    module: str
+    in_features: int
+    out_features: int
+    parts: tuple[int, ...]  # indices into the layer's part_sizes
+    offsets: tuple[int, ...]  # first row of each part in this source
+
+
+def source_modules(layer: PlannedLayer, rows: dict[str, int]) -> list[SourceModule]:
+    """The layer's sources with the parts each holds (``rows``: output rows of each source tensor)."""
+    held: dict[int, list[tuple[int, int]]] = {}
+    for j in range(len(layer.part_sizes)):
+        s, first = layer.part_location(j)
+        held.setdefault(s, []).append((j, first))
+    out = []
+    for s, name in enumerate(layer.sources):
+        parts = held.get(s, [])
+        out.append(SourceModule(name, stored_module(name), layer.in_features, rows[name],
+                                tuple(j for j, _ in parts), tuple(o for _, o in parts)))
+    return out
+
+
+def shard_groups(layer: PlannedLayer) -> list[tuple[int, ...]]:
+    """The shard ids ``Exl3LinearMethod._shard_ids_for_layer`` gives the fused module, as groups of part indices:
+    one part per shard, except ``in_proj_qkvz`` whose first source holds q, k and v (shard ``(0, 1, 2)``)."""
+    n = len(layer.part_sizes)
+    if n == 1:
+        return [(0,)]
+    if layer.prefix.endswith("in_proj_qkvz") and n == 4:
+        return [(0, 1, 2), (3,)]
+    return [(j,) for j in range(n)]
+
+
+def _part_rank_slices(layer: PlannedLayer, tp: int, part: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of a column-sliced part on every rank, within the part's full rows (the fork's starts)."""
+    if layer.parallel == "qkv":
+        out = []
+        for r in range(tp):
+            heads_r, kv_r, _, kr = qkv_partition(layer, tp, r)
+            hd, vhd = layer.head_dim or 0, layer.v_head_dim or 0
+            size = (heads_r * hd, kv_r * hd, kv_r * vhd)[part]
+            out.append(((r if part == 0 else kr) * size, size))
+        return out
+    n = layer.part_sizes[part]
+    return [(r * (n // tp), n // tp) for r in range(tp)]
+
+
+def hydration_problem(layer: PlannedLayer, sources: list[SourceModule], tp_sizes: Iterable[int]) -> Optional[str]:
+    """Why this layer cannot be stored as EXL3 for a server at one of ``tp_sizes``, or None when it can.
+
+    The fork (``Exl3LinearMethod``) loads each source as one shard, checks its full K and N are 128-aligned, and at
+    TP > 1 narrows row-parallel layers' ``suh`` / trellis rows at ``rank * K_r`` and column-parallel parts' ``svh`` /
+    trellis columns at ``shard_rank * size`` (k and v: ``rank // replicas``): every start and size 128-aligned.
+    Replicated layers are never sliced. A fused part every rank holds whole would be sliced anyway: not storable.
+    """
+    groups = shard_groups(layer)
+    if layer.fused_source or len(groups) != len(sources) or any(
+            tuple(s.parts) != g for s, g in zip(sources, groups, strict=True)):
+        held = ", ".join(f"{s.module} holds {len(s.parts)} part(s)" for s in sources)
+        return (f"the checkpoint's sources do not match the shards the fork loads for {layer.prefix} ({held}); "
+                "a stored EXL3 module needs one checkpoint matrix per shard")
+    for s in sources:
+        bad = [f"{what} {n}" for what, n in (("K", s.in_features), ("N", s.out_features)) if n % ALIGN]
+        if bad:
+            return (f"{s.module}: {' and '.join(bad)} not a multiple of {ALIGN}; the fork refuses a stored EXL3 "
+                    "matrix that is not 128-aligned")
+    for tp in sorted(set(tp_sizes)):
+        if tp == 1 or layer.parallel == "replicated":
+            continue
+        if layer.parallel == "row":
+            if layer.in_features % tp or (layer.in_features // tp) % ALIGN:
+                return (f"at TP {tp} each rank's input slice is K/{tp} = {layer.in_features / tp:g} columns, not a "
+                        f"multiple of {ALIGN}")
+            continue
+        if layer.replicated_parts:
+            return f"at TP {tp} the fork would slice a fused part every rank holds whole (part {layer.replicated_parts[0]})"
+        for s in sources:
+            for part, offset in zip(s.parts, s.offsets, strict=True):
+                for start, size in _part_rank_slices(layer, tp, part):
+                    if (offset + start) % ALIGN or size % ALIGN:
+                        return (f"{s.module}: at TP {tp} a rank's output slice starts at row {offset + start} with "
+                                f"{size} rows, not {ALIGN}-aligned")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# safetensors, byte for byte
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """``(header dict, data start)`` of a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n).decode("utf-8"))
+    except (OSError, ValueError, struct.error) as exc:
+        raise InputError(f"{path}: cannot read its safetensors header ({exc})") from None
+    return header, 8 + n
+
+
+def write_shard(dest: Path, source: Optional[Path], order: list[tuple[str, object]], metadata: Optional[dict]) -> int:
+    """Write a safetensors file at ``dest`` (fsynced) and return its size.
+
+    ``order`` lists the tensors in file order: ``(name, None)`` copies that tensor's bytes unchanged from ``source``;
+    ``(name, tensor)`` writes a new one. ``metadata`` is the header's ``__metadata__`` (kept from the source shard).
+    """
+    src_header, src_start = read_header(source) if source is not None else ({}, 0)
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    offset = 0
+    plan: list[tuple[str, object, int]] = []
+    for name, tensor in order:
+        if tensor is None:
+            rec = src_header[name]
+            lo, hi = rec["data_offsets"]
+            header[name] = {"dtype": rec["dtype"], "shape": rec["shape"], "data_offsets": [offset, offset + hi - lo]}
+            plan.append((name, None, hi - lo))
+            offset += hi - lo
+        else:
+            assert isinstance(tensor, torch.Tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            header[name] = {"dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            plan.append((name, tensor, nbytes))
+            offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(dest, "wb") as out:
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
+        src = open(source, "rb") if source is not None else None
+        try:
+            for name, tensor, nbytes in plan:
+                if tensor is None:
+                    assert src is not None
+                    lo = src_header[name]["data_offsets"][0]
+                    src.seek(src_start + lo)
+                    left = nbytes
+                    while left:
+                        chunk = src.read(min(left, 1 << 24))
+                        if not chunk:
+                            raise InputError(f"{source}: ends inside tensor {name!r}; the shard is truncated")
+                        out.write(chunk)
+                        left -= len(chunk)
+                else:
+                    assert isinstance(tensor, torch.Tensor)
+                    out.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        finally:
+            if src is not None:
+                src.close()
+        out.flush()
+        os.fsync(out.fileno())
+    return dest.stat().st_size
