@@ -94,6 +94,11 @@ class WarmRequest:
     language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
     server_view: Optional[Any] = None  # a launch's filesystem map (cache.serverfs.ServerView): server_path resolves there
     hf_overrides: Optional[str] = None  # the server's --hf-overrides JSON, applied to config.json before planning
+    # encoder parity (operations.parity): write under an encoder identity that is not exl3tool's own even when a
+    # probe encode differs; the server's image (and its runner) a probe may run the image's encoder in
+    trust_encoder_identity: bool = False
+    encoder_image: Optional[str] = None
+    encoder_image_runner: Optional[str] = None
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):

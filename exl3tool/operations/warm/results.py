@@ -58,6 +58,7 @@ class WarmSummary:
     record: Optional[str] = None  # the provenance record of this warm's entries (exl3tool.cache.records)
     record_written: bool = False  # False: the same record was already there (or none was written)
     record_error: str = ""  # why no record could be written (the entries are complete without one)
+    encoder_parity: Optional[dict] = None  # operations.parity's verdict before the first write (None: none written)
 
     @property
     def encodes_saved(self) -> int:
