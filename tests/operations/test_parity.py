@@ -230,3 +230,38 @@ def test_the_images_encoder_runs_in_the_image(tmp_path, monkeypatch):
     call = (tmp_path / "calls.log").read_text()
     assert "'--rm'" in call and "'--pull=never'" in call and "'--network=none'" in call
     assert f"'{FORK_ROOT}'" in call  # the encoder's path inside the image
+
+
+# ---- on a GPU (the lead's run): exllamav3 1.6.5 itself as the other encoder ------------------------------------------
+# EXL3TOOL_REFERENCE_SOURCE=/tmp/site/exllamav3 PYTHONPATH=$PWD:/tmp/site python3 -m pytest -q -m gpu \
+#     tests/operations/test_parity.py      (the wheel installed as benchmarks/gpu_callers.sh does)
+
+def _cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+@pytest.mark.gpu
+def test_exllamav3_1_6_5_is_identical_by_construction_and_by_probe_on_the_gpu():
+    """The release exl3tool is bit-exact with: its unpacked package's listing is OWN_LISTINGS' (construction), and
+    under a revision string (no construction) the probe on the GPU gives the same bytes as exl3tool's encoder."""
+    _cuda()
+    src = os.environ.get("EXL3TOOL_REFERENCE_SOURCE")
+    if not src:
+        pytest.skip("EXL3TOOL_REFERENCE_SOURCE is not set (the exllamav3 1.6.5 package directory)")
+    files = resolve_encoder_identity("/opt/exllamav3", source=src)
+    assert own_encoder(files).startswith("the hashed files are byte for byte exllamav3 1.6.5")
+    p = encoder_parity(resolve_encoder_identity("/opt/exllamav3", "v1.6.5"), bits=6, device="cuda:0",
+                       encoder_source=src)
+    assert (p.status, p.basis) == ("identical", "probe"), p.detail
+    assert p.probe["theirs"]["device"].startswith("cuda") and p.probe["theirs"] == p.probe["ours"]
+
+
+@pytest.mark.gpu
+def test_a_different_encoder_differs_on_the_gpu(tmp_path):
+    _cuda()
+    eid = resolve_encoder_identity(FORK_ROOT, FORK_REV)
+    p = encoder_parity(eid, bits=4, device="cuda:0", encoder_source=str(_fake_encoder(tmp_path / "fork")))
+    assert (p.status, p.basis) == ("differs", "probe") and p.probe["ours"]["device"].startswith("cuda")
