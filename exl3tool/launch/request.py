@@ -14,7 +14,7 @@ from exl3tool.launch.load import load_launch
 from exl3tool.launch.resolve import Explicit, LaunchSettings, ServerLaunch, resolve_launch
 from exl3tool.plan.request import WarmRequest
 
-__all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS"]
+__all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS", "launch_image"]
 
 # WarmRequest fields a command's own flags can give (and so win over the launch)
 EXPLICIT_FIELDS = ("model", "revision", "server_path", "tp_sizes", "dtype", "bits", "quantization_config",
@@ -138,3 +138,13 @@ def _with_image(server: ServerLaunch, layers: EnvLayers, launch: LaunchInput) ->
     env = {**image.env_values(), **own}
     server = replace(server, env=env, image=image, image_name=image.name, image_note="", process_env=False)
     return server, EnvLayers(env, layers.files, None, container=True)
+
+
+def launch_image(launch: LaunchInput, settings: Optional[LaunchSettings]) -> Optional[ImageSettings]:
+    """The server's image as ``apply_launch`` read it (``settings.image`` with a launch; ``--image`` without one),
+    or None: where its labels are read (a server release is picked from ``local-inference.vllm.integration.tree``)."""
+    if settings is not None:
+        return settings.image
+    if launch.image or launch.image_inspect:
+        return image_settings(launch.image, launch.image_inspect)  # read again: the runtime's answer is cached
+    return None

@@ -20,6 +20,7 @@ import pytest
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.launch import LaunchInput, apply_launch
 from exl3tool.launch.image import published_images, read_image, table_image
+from exl3tool.launch.request import launch_image
 from exl3tool.plan import WarmRequest
 from helpers import TINY, server_encoder_identity
 from seeds import fresh_seed
@@ -203,6 +204,11 @@ def test_labels_reach_the_launch_settings(tmp_path, model):
     want = json.loads((DATA / name).read_text())[0]["Config"]["Labels"]
     assert settings.image_labels == want and settings.image.source == "inspect file"
     assert request.encoder_image == _tag(name) and request.encoder_image_runner == "docker"
+    assert launch_image(launch, settings) is settings.image
+    alone = LaunchInput(image=_tag(name), image_inspect=str(DATA / name))  # --image without a launch
+    request, settings, environ = apply_launch(WarmRequest(model="m"), set(), alone, environ={"HOME": "/root"})
+    assert settings is None and launch_image(alone, None).labels == want
+    assert environ["VLLM_EXL3_ENCODER_REVISION"] == FORK_REV and request.encoder_image == _tag(name)
 
 
 def test_published_table_rows():

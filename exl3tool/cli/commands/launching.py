@@ -151,10 +151,10 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
     request, settings, environ = apply_launch(request, given, li, add_tp_sizes=add_tp_sizes,
                                               need_cache=need_cache)
     if settings is None and li.image:  # no launch: the image's ENV is the server's environment
-        from exl3tool.launch.image import image_settings
+        from exl3tool.launch.request import launch_image
 
-        image = image_settings(li.image, li.image_inspect)
-        for line in (image.describe(), *image.notes):
+        image = launch_image(li, None)
+        for line in (image.describe(), *image.notes) if image is not None else ():
             out.note(line)
     if settings is not None:
         out.note(f"launch ({settings.launch.form}, {settings.launch.entry}): the look-up's settings and where each "
