@@ -54,8 +54,8 @@ class ImageSettings:
 
     def env_values(self) -> dict[str, EnvValue]:
         """The ENV as the lowest layer of the server's environment, each value saying where it came from."""
-        how = self.how()
-        return {k: EnvValue(v, "launch env", f"ENV of the image {self.name} ({how})") for k, v in self.env.items()}
+        return {k: EnvValue(v, "launch env", f"ENV of the image {self.name} ({self.source})")
+                for k, v in self.env.items()}
 
     def how(self) -> str:
         if self.source == "inspect file":
