@@ -218,11 +218,11 @@ def encoder_parity(eid, *, bits: int, device: str = "cpu", encoder_source: Optio
     if why:
         return EncoderParity("identical", "construction", why, eid.identity)
     where, reason = _other(eid, encoder_source=encoder_source, image=image, runner=runner)
-    fix = ("pass --encoder-source DIR (a copy of the server's encoder package, the folder holding modules/), or "
-           "--image NAME where docker or podman can run it, to compare; or make the server run exl3tool's encoder "
-           "(`exl3tool encoder-source`)")
+    fix = ("to compare, pass --encoder-source DIR (a copy of the server's encoder, the folder holding modules/) or "
+           "run where docker/podman has the image; or make the server run exl3tool's encoder (`exl3tool "
+           "encoder-source`, docs/images.md)")
     if where is None:
-        return EncoderParity("unverified", "none", f"{reason}; nothing proves it writes exl3tool's bytes: {fix}",
+        return EncoderParity("unverified", "none", f"{reason}, so nothing shows it writes exl3tool's bytes; {fix}",
                              eid.identity)
     kind, target, how = where
     request = _request(bits, device)
