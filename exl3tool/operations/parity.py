@@ -109,8 +109,11 @@ def probe_weight(shape: tuple[int, int] = PROBE_SHAPE):
 
 
 def _request(bits: int, device: str) -> dict:
+    """The probe request the child reads: the weight's bf16 bytes (base64), bits, the fork's seed, the device."""
+    import torch
+
     w = probe_weight()
-    raw = w.contiguous().view(__import__("torch").int16).numpy().tobytes()
+    raw = w.contiguous().view(torch.int16).numpy().tobytes()
     return {"shape": list(w.shape), "weight": base64.b64encode(raw).decode("ascii"), "bits": bits,
             "seed": zlib.crc32(PROBE_PREFIX.encode("utf-8")) & 0x7FFFFFFF, "device": device}
 
