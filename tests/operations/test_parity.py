@@ -124,6 +124,12 @@ def test_an_unverified_encoder_identity_is_said_recorded_and_reported(tmp_path, 
                          "--encoder-root", FORK_ROOT, "--encoder-revision", FORK_REV, "--device", "cpu", "--json")
     assert [p["status"] for p in json.loads(out)["encoder_parity"]] == ["unverified"]
     assert "encoder parity unverified" in err
+    # a bundle carries the verdict to the server host, where cache check reports it the same
+    bundle, there = tmp_path / "b.tar", tmp_path / "there"
+    assert cli("cache", "export", str(bundle), "--cache-dir", str(cache))[0] == 0
+    assert cli("cache", "import", str(bundle), "--cache-dir", str(there))[0] == 0
+    code, out, err = cli(*[str(there) if a == str(cache) else a for a in check], "--json")
+    assert code == 0 and [n["field"] for n in json.loads(out)["notes"]].count("encoder_parity") == 1, err
 
 
 def test_exl3tools_own_encoder_is_identical_by_construction(tmp_path, cli, model, fake_layers, monkeypatch):
