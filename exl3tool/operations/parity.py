@@ -11,8 +11,8 @@ checks that claim:
 * **a probe** otherwise: one small layer (``PROBE_SHAPE``, a fixed bf16 weight) encoded by that encoder, loaded
   and called as the fork's loader does (``serving.parity_probe``), and by exl3tool's own, on one device; the
   tensors the server keeps (trellis, suh, svh) compared byte for byte: ``identical`` or ``differs``. The other
-  encoder is a local copy (the files a files-mode identity hashes, or ``--encoder-source DIR`` for a revision) run
-  in a subprocess, or the image's own copy run with ``docker|podman run --rm`` (only when the runtime is on PATH;
+  encoder is a local copy (the files a files-mode identity hashes, ``--encoder-source DIR`` for a revision, or the
+  server's root itself when it is on this host) run in a subprocess, or the image's own copy run with ``docker|podman run --rm`` (only when the runtime is on PATH;
   never pulled). Bytes from two platforms (a GPU in the image, the CPU here) are not compared.
 * **unverified** when no copy of the other encoder can run here: said in one line, recorded, reported by
   ``cache check`` and ``verify``.
@@ -188,13 +188,15 @@ def _ours_cached(request_json: str, device: str) -> dict:
 
 
 def _other(eid, *, encoder_source: Optional[str], image: Optional[str], runner: Optional[str],
-           which=shutil.which) -> tuple[Optional[tuple[str, str, str]], str]:
+           root_here: Optional[str] = None, which=shutil.which) -> tuple[Optional[tuple[str, str, str]], str]:
     """Where the other encoder can run: ("local", dir, how) or ("image", runner path, how); else None and why."""
     root = json.loads(eid.payload)["root"]
     if encoder_source:
         return ("local", encoder_source, f"--encoder-source {encoder_source}"), ""
     if eid.mode == "files" and eid.files_from:
         return ("local", eid.files_from, f"the files the identity hashes ({eid.files_from})"), ""
+    if root_here and os.path.isfile(os.path.join(root_here, "modules", "quant", "exl3_lib", "quantize.py")):
+        return ("local", root_here, f"the server's encoder root {root} as found here ({root_here})"), ""
     if image:
         order = ("podman", "docker") if runner == "podman" else ("docker", "podman")
         path = next((p for t in order if (p := which(t))), None)
@@ -207,7 +209,8 @@ def _other(eid, *, encoder_source: Optional[str], image: Optional[str], runner: 
 
 
 def encoder_parity(eid, *, bits: int, device: str = "cpu", encoder_source: Optional[str] = None,
-                   image: Optional[str] = None, runner: Optional[str] = None) -> EncoderParity:
+                   image: Optional[str] = None, runner: Optional[str] = None,
+                   root_here: Optional[str] = None) -> EncoderParity:
     """The parity of the encoder identity ``eid`` with exl3tool's encoder (see the module docstring).
 
     Args:
@@ -216,11 +219,13 @@ def encoder_parity(eid, *, bits: int, device: str = "cpu", encoder_source: Optio
         device: where both encoders run the probe (``cpu``, ``cuda:N``).
         encoder_source: a local copy of the server's encoder (``--encoder-source``), for a revision identity.
         image, runner: the server's image and its runner, to run the image's own encoder in.
+        root_here: where the server's encoder root is on this host (its own path for a server here, through a
+            launch's mounts for a container; None when it is inside an image): run there when it holds an encoder.
     """
     why = own_encoder(eid)
     if why:
         return EncoderParity("identical", "construction", why, eid.identity)
-    where, reason = _other(eid, encoder_source=encoder_source, image=image, runner=runner)
+    where, reason = _other(eid, encoder_source=encoder_source, image=image, runner=runner, root_here=root_here)
     fix = ("to compare, pass --encoder-source DIR (a copy of the server's encoder, the folder holding modules/) or "
            "run where docker/podman has the image; or make the server run exl3tool's encoder (`exl3tool "
            "encoder-source`, docs/images.md)")

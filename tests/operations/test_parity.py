@@ -183,6 +183,11 @@ def test_a_different_encoder_is_refused_and_trust_writes_it(tmp_path, cli, model
     probe = record["encoder_parity"]["probe"]
     assert probe["theirs"]["tensors"]["trellis"]["sha256"] != probe["ours"]["tensors"]["trellis"]["sha256"]
     assert all(_served(model, cache, FORK_ROOT, FORK_REV))
+    # a server on this host: its encoder root is here, so that copy is the one probed (no --encoder-source)
+    code, _, err = cli("cache", "warm", str(model), "--tp-sizes", "2", "--layers", LAYER, "--cache-dir",
+                       str(tmp_path / "c2"), "--device", "cpu", "--encoder-root", str(fake),
+                       "--encoder-revision", FORK_REV)
+    assert code == 2 and "encoder parity differs" in err and f"as found here ({fake})" in err, err
 
 
 @pytest.mark.slow

@@ -137,9 +137,11 @@ def _parity(plan: WarmPlan, request: WarmRequest, device: torch.device) -> Optio
         return None
     from exl3tool.operations.parity import check_parity, encoder_parity
 
-    parity = encoder_parity(plan.identities.encoder, bits=plan.bits, device=str(device),
-                            encoder_source=request.encoder_source, image=request.encoder_image,
-                            runner=request.encoder_image_runner)
+    eid = plan.identities.encoder
+    view = request.server_view  # a launch's filesystem: where the server's encoder root is here, if anywhere
+    root_here = view.to_host(eid.root) if view is not None else eid.root
+    parity = encoder_parity(eid, bits=plan.bits, device=str(device), encoder_source=request.encoder_source,
+                            image=request.encoder_image, runner=request.encoder_image_runner, root_here=root_here)
     check_parity(parity, request.trust_encoder_identity)
     return parity
 
