@@ -44,4 +44,7 @@ def test_py_typed_ships():
     from pathlib import Path
 
     assert (Path(exl3tool.__file__).parent / "py.typed").is_file()
-    assert 'exl3tool = ["py.typed"]' in (Path(exl3tool.__file__).parents[1] / "pyproject.toml").read_text()
+    # with the published images' table (data the launch reads, docs/images.md)
+    assert 'exl3tool = ["py.typed", "launch/images.json"]' in (
+        Path(exl3tool.__file__).parents[1] / "pyproject.toml").read_text()
+    assert (Path(exl3tool.__file__).parent / "launch" / "images.json").is_file()

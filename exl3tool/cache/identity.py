@@ -526,7 +526,8 @@ def server_encoder_identity(
 def _encoder_warnings(eid: EncoderIdentity, settings: EncoderSettings) -> tuple[str, ...]:
     if eid.mode == "revision":
         if settings.source_dir is not None:
-            return ("--encoder-source is not used: with an encoder revision the server hashes no files",)
+            return ("--encoder-source is not used for the identity: with an encoder revision the server hashes no "
+                    "files (a warm runs it as the local copy of the server's encoder in its encoder parity probe)",)
         return ()
     if eid.files_from and not os.path.isfile(os.path.join(eid.files_from, *_QUANTIZE_PY)):
         return (f"{eid.files_from} holds no {'/'.join(_QUANTIZE_PY)}: the server's VLLM_EXL3_ENCODER_SOURCE is the "

@@ -123,6 +123,9 @@ class ProvenanceRecord:
     settings: RecordSettings
     entries: tuple[RecordEntry, ...]
     imported: Optional[dict[str, str]] = None  # {time, host, tool_version, bundle} when it came in a bundle
+    # encoder parity of the warm that wrote the entries (operations.parity): {status, basis, detail,
+    # encoder_identity, probe}; None when this command established none (nothing written, or an older record)
+    encoder_parity: Optional[dict[str, Any]] = None
 
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -135,6 +138,8 @@ class ProvenanceRecord:
         }
         if self.imported is not None:
             doc["imported"] = dict(self.imported)
+        if self.encoder_parity is not None:
+            doc["encoder_parity"] = dict(self.encoder_parity)
         return doc
 
     def fingerprint(self) -> str:
@@ -196,8 +201,9 @@ def write_record(root: str | Path, record: ProvenanceRecord, *, file_mode: int =
         raise OSError(errno.ELOOP, problem)
     if path.is_file() and not path.is_symlink():
         try:
-            if parse_record(path.read_bytes()).fingerprint() == record.fingerprint():
-                return path, False
+            there = parse_record(path.read_bytes())
+            if there.fingerprint() == record.fingerprint() and record.encoder_parity in (None, there.encoder_parity):
+                return path, False  # (a new parity verdict replaces the record: the claim it makes changed)
         except (OSError, ValueError):
             pass  # a broken or foreign file at our name: replace it
     data = record_bytes(record)
@@ -364,7 +370,7 @@ def parse_record(data: bytes) -> ProvenanceRecord:
     except UnicodeDecodeError:
         raise ValueError("record is not UTF-8") from None
     _keys(doc, "record", {"format", "format_version", "command", "tool_version", "host", "time", "model", "encoder",
-                          "settings", "entries"}, frozenset({"imported"}))
+                          "settings", "entries"}, frozenset({"imported", "encoder_parity"}))
     if doc["format"] != RECORD_FORMAT or doc["format_version"] != RECORD_VERSION:
         raise ValueError(f"not an {RECORD_FORMAT} record of version {RECORD_VERSION}")
     if doc["command"] not in COMMANDS:
@@ -380,20 +386,44 @@ def parse_record(data: bytes) -> ProvenanceRecord:
     if imported is not None:
         _keys(imported, "imported", {"time", "host", "tool_version", "bundle"})
         imported = {k: _str(imported[k], f"imported.{k}", 4096) for k in ("time", "host", "tool_version", "bundle")}
+    parity = doc.get("encoder_parity")
+    if parity is not None:
+        parity = _parity(parity, eid)
     return ProvenanceRecord(
         command=doc["command"], tool_version=_str(doc["tool_version"], "tool_version"), host=_str(doc["host"], "host"),
         time=time, model_name=_str(model["name"], "model.name", 4096), model_identity=mid, model_payload=mpayload,
         encoder_identity=eid, encoder_payload=epayload, settings=_settings(doc["settings"]),
-        entries=_entries(doc["entries"]), imported=imported)
+        entries=_entries(doc["entries"]), imported=imported, encoder_parity=parity)
+
+
+PARITY_STATUSES = ("identical", "differs", "unverified")  # operations.parity's verdicts
+PARITY_BASES = ("construction", "probe", "none")
+
+
+def _parity(obj: Any, encoder_identity: str) -> dict[str, Any]:
+    """The ``encoder_parity`` member: status, basis and detail checked; the probe's digests kept as an object."""
+    p = _keys(obj, "encoder_parity", {"status", "basis", "detail", "encoder_identity", "probe"})
+    if p["status"] not in PARITY_STATUSES:
+        raise ValueError(f"encoder_parity.status is not one of {', '.join(PARITY_STATUSES)}")
+    if p["basis"] not in PARITY_BASES:
+        raise ValueError(f"encoder_parity.basis is not one of {', '.join(PARITY_BASES)}")
+    if _hex64(p["encoder_identity"], "encoder_parity.encoder_identity") != encoder_identity:
+        raise ValueError("encoder_parity.encoder_identity is not the record's encoder identity")
+    if p["probe"] is not None and not isinstance(p["probe"], dict):
+        raise ValueError("encoder_parity.probe is not an object")
+    return {"status": p["status"], "basis": p["basis"], "detail": _str(p["detail"], "encoder_parity.detail", 4096),
+            "encoder_identity": p["encoder_identity"], "probe": p["probe"]}
 
 
 def new_record(*, command: str, model_name: str, model_identity: str, model_payload: str, encoder_identity: str,
-               encoder_payload: str, settings: RecordSettings, entries: list[RecordEntry]) -> ProvenanceRecord:
+               encoder_payload: str, settings: RecordSettings, entries: list[RecordEntry],
+               encoder_parity: Optional[dict[str, Any]] = None) -> ProvenanceRecord:
     """A record made here and now (tool version, host, UTC time filled in)."""
     return ProvenanceRecord(command=command, tool_version=__version__, host=printable(socket.gethostname()) or "?",
                             time=now_utc(), model_name=printable(model_name), model_identity=model_identity,
                             model_payload=model_payload, encoder_identity=encoder_identity,
-                            encoder_payload=encoder_payload, settings=settings, entries=tuple(entries))
+                            encoder_payload=encoder_payload, settings=settings, entries=tuple(entries),
+                            encoder_parity=encoder_parity)
 
 
 

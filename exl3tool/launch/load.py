@@ -147,7 +147,7 @@ def container_launch(run: ContainerRun, form: str, environ: Mapping[str, str],
         command = [*entrypoint_words, *command]
     elif run.entrypoint is not None and run.entrypoint.strip():
         command = [*shlex.split(run.entrypoint), *command]
-    base_env, image_note = image_env(run.runner, run.image)
+    base_env, image_note, image = image_env(run.runner, run.image)
     base_env = {**base_env, **run.env}
     if run.env_host:
         base_env = {**{k: EnvValue(v, "launch env", "podman --env-host") for k, v in environ.items()}, **base_env}
@@ -165,8 +165,9 @@ def container_launch(run: ContainerRun, form: str, environ: Mapping[str, str],
         notes.append(f"the words after the image {run.image} are read as the arguments of an entrypoint "
                      "`vllm serve` (as in vLLM's images); give --entrypoint to say otherwise")
     ignored = tuple(f"{w} ({run.runner} run option)" for w in run.ignored)
-    return _server(command, inner, form, dict(base_env), run.paths, run.workdir, ignored, tuple(notes),
-                   image_note=image_note and f"{image_note} (image {run.image})")
+    launch = _server(command, inner, form, dict(base_env), run.paths, run.workdir, ignored, tuple(notes),
+                     image_note=image_note and f"{image_note} (image {run.image})")
+    return replace(launch, image=image, image_name=run.image)
 
 
 def launch_from_words(words: Sequence[str], *, environ: Optional[Mapping[str, str]] = None,

@@ -8,12 +8,13 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from exl3tool.errors import ConfigError
-from exl3tool.launch.env import read_env_file
+from exl3tool.launch.env import EnvLayers, read_env_file
+from exl3tool.launch.image import ImageSettings, image_settings, same_image
 from exl3tool.launch.load import load_launch
-from exl3tool.launch.resolve import Explicit, LaunchSettings, resolve_launch
+from exl3tool.launch.resolve import Explicit, LaunchSettings, ServerLaunch, resolve_launch
 from exl3tool.plan.request import WarmRequest
 
-__all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS"]
+__all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS", "launch_image"]
 
 # WarmRequest fields a command's own flags can give (and so win over the launch)
 EXPLICIT_FIELDS = ("model", "revision", "server_path", "tp_sizes", "dtype", "bits", "quantization_config",
@@ -31,6 +32,8 @@ class LaunchInput:
     file: Optional[str] = None  # --launch-file
     compose: Optional[str] = None  # --compose FILE
     service: Optional[str] = None  # --service NAME (of --compose)
+    image: Optional[str] = None  # --image NAME: the server's image (its ENV, labels, entrypoint)
+    image_inspect: Optional[str] = None  # --image-inspect FILE: that image's saved `docker image inspect`
 
     @property
     def launch_given(self) -> bool:
@@ -39,11 +42,14 @@ class LaunchInput:
 
 
 def _env_only(request: WarmRequest, given: Collection[str], files: tuple[str, ...],
-              environ: Mapping[str, str]) -> tuple[WarmRequest, dict[str, str]]:
-    """``--env-file`` without a launch: the files' variables over ours, for the server's settings."""
+              environ: Mapping[str, str], image: Optional[ImageSettings] = None) -> tuple[WarmRequest, dict[str, str]]:
+    """``--env-file`` / ``--image`` without a launch: the files' variables over the image's ENV over ours, for the
+    server's settings."""
     from exl3tool.cache.settings import trellis_bits
 
     merged = dict(environ)
+    if image is not None:
+        merged.update(image.env)
     for path in files:
         merged.update({k: v.value for k, v in read_env_file(path, environ=environ).items()})
     if "bits" not in given:
@@ -77,14 +83,17 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
     if not launch.launch_given:
         if launch.service is not None:
             raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
-        if not launch.env_files:
+        image = image_settings(launch.image, launch.image_inspect) if launch.image or launch.image_inspect else None
+        if not launch.env_files and image is None:
             return request, None, None
-        request, merged = _env_only(request, given, launch.env_files, environ)
+        request, merged = _env_only(request, given, launch.env_files, environ, image)
+        if image is not None:
+            request = replace(request, encoder_image=image.name or None)
         return request, None, merged
     loaded = load_launch(text=launch.text, argv=launch.argv, pid=launch.pid, env_files=launch.env_files,
                          environ=environ, cwd=cwd, file=launch.file, compose=launch.compose, service=launch.service)
     assert loaded is not None
-    server, layers = loaded
+    server, layers = _with_image(*loaded, launch)
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})
     settings = resolve_launch(server, layers, explicit, need_cache=need_cache)
     tp_sizes: tuple[int, ...]
@@ -104,6 +113,38 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
         encoder_root=settings.encoder_root, encoder_revision=settings.encoder_revision,
         encoder_source=settings.encoder_source, cache_dir=settings.cache_dir or request.cache_dir,
         language_model_only=settings.language_model_only, server_view=settings.view,
-        hf_overrides=settings.hf_overrides,
+        hf_overrides=settings.hf_overrides, encoder_image=server.image_name or None,
+        encoder_image_runner=server.form if server.form in ("docker", "podman") else None,
     )
     return out, settings, settings.environ
+
+
+def _with_image(server: ServerLaunch, layers: EnvLayers, launch: LaunchInput) -> tuple[ServerLaunch, EnvLayers]:
+    """The launch with ``--image`` / ``--image-inspect`` applied: a container launch's image read from the saved
+    inspect document (its ENV replacing what was read for it), or the image a host command or a compose service
+    runs in (its ENV the lowest layer; this process's environment is then not the server's)."""
+    if not launch.image and not launch.image_inspect:
+        return server, layers
+    container = server.form in ("docker", "podman")
+    if container and launch.image and server.image_name and not same_image(launch.image, server.image_name):
+        raise ConfigError(f"--image {launch.image}: the launch runs the image {server.image_name}; give one image "
+                          "(drop --image, or fix the launch)")
+    name = server.image_name if container else (launch.image or "")
+    runner = server.form if container else None
+    image = image_settings(name, launch.image_inspect, runner)
+    if server.form == "pid":  # its environment is the process's own, the image's ENV included
+        return replace(server, image=image, image_name=image.name), layers
+    own = {k: v for k, v in server.env.items() if not v.detail.startswith("ENV of the image ")}
+    env = {**image.env_values(), **own}
+    server = replace(server, env=env, image=image, image_name=image.name, image_note="", process_env=False)
+    return server, EnvLayers(env, layers.files, None, container=True)
+
+
+def launch_image(launch: LaunchInput, settings: Optional[LaunchSettings]) -> Optional[ImageSettings]:
+    """The server's image as ``apply_launch`` read it (``settings.image`` with a launch; ``--image`` without one),
+    or None: where its labels are read (a server release is picked from ``local-inference.vllm.integration.tree``)."""
+    if settings is not None:
+        return settings.image
+    if launch.image or launch.image_inspect:
+        return image_settings(launch.image, launch.image_inspect)  # read again: the runtime's answer is cached
+    return None

@@ -73,6 +73,8 @@ class ServerLaunch:
     notes: tuple[str, ...] = ()
     pid: Optional[int] = None
     image_note: str = ""  # why the image's ENV could not be read ("" when read, or no image)
+    image: Optional[Any] = None  # the image's settings (launch.image.ImageSettings) when read
+    image_name: str = ""  # the image the launch runs ("" when none)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,12 @@ class LaunchSettings:
     view: Optional[PathMap] = None  # the server's filesystem, when its model path is resolved there (not ours)
     hf_overrides: Optional[str] = None  # the launch's --hf-overrides, as canonical JSON
     lookup_off: tuple[str, ...] = ()  # why the launched server makes no look-up at all ("" reasons: it makes some)
+    image_labels: dict[str, str] = field(default_factory=dict)  # the server image's labels (launch.image), as read
+
+    @property
+    def image(self) -> Optional[Any]:
+        """The server image's settings (``launch.image.ImageSettings``: ENV, labels, entrypoint, their source)."""
+        return self.launch.image
 
     @property
     def server_lookup(self) -> bool:
@@ -133,6 +141,7 @@ class LaunchSettings:
             "defaulted": list(self.defaulted), "warnings": list(self.warnings), "notes": list(self.notes),
             "ignored": list(self.launch.ignored) + list(self.launch.args.ignored),
             "unknown": list(self.launch.args.unknown),
+            "image": self.launch.image.as_json() if self.launch.image is not None else None,
         }
 
     def lines(self) -> list[str]:
@@ -730,8 +739,16 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     hf_overrides = _hf_overrides(b, args)
     return LaunchSettings(
         launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,
-        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings), tuple(launch.notes) + tuple(b.notes),
-        view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides)
+        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings),
+        _image_lines(launch) + tuple(launch.notes) + tuple(b.notes),
+        view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides,
+        image_labels=dict(launch.image.labels) if launch.image is not None else {})
+
+
+def _image_lines(launch: ServerLaunch) -> tuple[str, ...]:
+    """Which source gave the image's settings (and what was tried first), for the notes."""
+    image = launch.image
+    return (image.describe(), *image.notes) if image is not None else ()
 
 
 def _hf_overrides(b: _Builder, args: ServerArgs) -> Optional[str]:

@@ -460,6 +460,7 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
     causes += _unplanned_causes(plan)
     notes += _dtype_notes(lookups, records, plan, dtype)
     notes += _unplanned_notes(plan, cache, records)
+    notes += _parity_notes(lookups, records, plan)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4))
 
@@ -686,3 +687,17 @@ def _unplanned_notes(plan: WarmPlan, cache: Optional[_Cache], records: list[Stor
     return [Finding("overlay", f"{len(extra)} layer(s) warmed that this launch does not plan (e.g. {_more(extra)})",
                     "harmless (unused entries); if the server should encode them, start it with the warm's "
                     "--quantization-config")]
+
+
+def _parity_notes(lookups: list[WarmJob], records: list[StoredRecord], plan: WarmPlan) -> list[Finding]:
+    """Hits exl3tool wrote under an encoder identity whose parity with exl3tool's encoder is not proved
+    (``operations.parity``: unverified, or written with --trust-encoder-identity although it differs)."""
+    from exl3tool.operations.parity import parity_line, recorded_parity
+
+    hits = [j.digest for j in lookups if j.state == "hit"]
+    out = []
+    for item in recorded_parity(records, plan.model_identity, plan.encoder_identity, hits):
+        if item["status"] != "identical":
+            what, fix = parity_line(item)
+            out.append(Finding("encoder_parity", what, fix))
+    return out

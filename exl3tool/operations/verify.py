@@ -101,6 +101,8 @@ class VerifyReport:
     max_quant_err: float
     layers: tuple[LayerCheck, ...] = field(default_factory=tuple)
     exact: bool = False  # every entry was also compared with a fresh encode
+    # the provenance records' encoder parity verdicts of the entries checked (operations.parity.recorded_parity)
+    encoder_parity: tuple[dict, ...] = field(default_factory=tuple)
 
     @property
     def unproved(self) -> list[LayerCheck]:
@@ -253,9 +255,14 @@ def verify_plan(
         checks.append(check)
         if on_done:
             on_done(check)
+    from exl3tool.cache.records import read_records
+    from exl3tool.operations.parity import recorded_parity
+
+    parity = recorded_parity(read_records(plan.cache_root), plan.model_identity, plan.encoder_identity,
+                             [j.digest for j in plan.jobs if j.state == "hit"])
     return VerifyReport(model=plan.model, model_identity=plan.model_identity, bits=plan.bits, tp_size=tp,
                         device=str(device), gemm=gemm_name, seed=seed, rows=tuple(rows), max_kernel_err=max_kernel_err,
-                        max_quant_err=quant_limit, layers=tuple(checks), exact=exact)
+                        max_quant_err=quant_limit, layers=tuple(checks), exact=exact, encoder_parity=tuple(parity))
 
 
 def verify_hydrated(

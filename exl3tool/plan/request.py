@@ -96,6 +96,11 @@ class WarmRequest:
     server_view: Optional[Any] = None  # a launch's filesystem map (cache.serverfs.ServerView): server_path resolves there
     hf_overrides: Optional[str] = None  # the server's --hf-overrides JSON, applied to config.json before planning
     shard: Optional[Shard] = None  # ``plan.shards.Shard``: plan (and warm) only this shard's slice (``cache warm --shard``)
+    # encoder parity (operations.parity): write under an encoder identity that is not exl3tool's own even when a
+    # probe encode differs; the server's image (and its runner) a probe may run the image's encoder in
+    trust_encoder_identity: bool = False
+    encoder_image: Optional[str] = None
+    encoder_image_runner: Optional[str] = None
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):

@@ -21,7 +21,8 @@ from pathlib import Path
 from exl3tool import __version__
 from exl3tool.errors import ConfigError
 
-__all__ = ["MARKER", "QUANTIZE_PY", "ExportResult", "quantize_py_text", "read_marker", "write_encoder_source"]
+__all__ = ["MARKER", "QUANTIZE_PY", "ExportResult", "quantize_py_text", "read_marker", "write_encoder_source",
+           "is_current_export"]
 
 QUANTIZE_PY = ("modules", "quant", "exl3_lib", "quantize.py")
 MARKER = ".exl3tool-encoder-source.json"
@@ -100,6 +101,11 @@ def _current(path: Path) -> bool:
                 and (path / MARKER).read_text(encoding="utf-8") == _marker_text())
     except OSError:
         return False
+
+
+def is_current_export(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is this exl3tool version's export, exactly (its only ``.py`` file the generated one)."""
+    return _current(Path(path))
 
 
 def _write_tree(root: Path, *, chmod_root: bool = True) -> None:

@@ -162,7 +162,7 @@ def test_encoder_source_hashes_the_copy_and_keys_the_server_root(trees):
     # With a revision nothing is hashed; the source is named as unused.
     s = server_identities(str(trees["local"]), encoder_root="/opt/exllamav3", encoder_revision="v1",
                           encoder_source=str(trees["enc_local"]))
-    assert s.encoder.mode == "revision" and any("--encoder-source is not used" in w for w in s.warnings)
+    assert s.encoder.mode == "revision" and any("--encoder-source is not used for the identity" in w for w in s.warnings)
     # A folder that is not the package (no modules/quant/exl3_lib/quantize.py) is warned about.
     s = server_identities(str(trees["local"]), encoder_root="/opt/exllamav3", encoder_source=str(trees["base"] / "ci"))
     assert any("package folder" in w for w in s.warnings)

@@ -136,7 +136,8 @@ def test_check_takes_the_options_of_cache_warm():
     from exl3tool.cli.commands.check import cache_check
     from exl3tool.cli.commands.encode import cache_warm
 
-    run_only = {"device", "file_mode", "overlap", "dry_run", "lock_timeout", "progress", "gpu_memory", "check_unchecked"}
+    run_only = {"device", "file_mode", "overlap", "dry_run", "lock_timeout", "progress", "gpu_memory", "check_unchecked",
+                "trust_encoder_identity"}  # whether a warm may write (encoder parity), not where it looks
     warm_params = inspect.signature(cache_warm).parameters
     check_params = inspect.signature(cache_check).parameters
     assert set(check_params) == set(warm_params) - run_only

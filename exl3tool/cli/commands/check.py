@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
-from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
     LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpSizesOpt,
@@ -91,6 +91,8 @@ def cache_check(
     launch_file: LaunchFileOpt = None,
     compose: ComposeOpt = None,
     service: ServiceOpt = None,
+    image: ImageOpt = None,
+    image_inspect: ImageInspectOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

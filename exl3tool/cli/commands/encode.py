@@ -12,11 +12,11 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
-from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DryRunOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt,
     ExcludeOpt, FileModeOpt, GpuMemoryOpt, JsonOpt, LayersOpt, LockTimeoutOpt, ModelArg, OverlapOpt, ProgressOpt,
-    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpRankOpt, TpSizeOpt, TpSizesOpt,
+    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpRankOpt, TpSizeOpt, TpSizesOpt, TrustEncoderOpt,
     request_from_options,
 )
 from exl3tool.cli.commands.planview import discard_note, plan_notes
@@ -156,9 +156,15 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
         finished[result.status] = finished.get(result.status, 0) + 1
         display.done(job, result)
 
+    def on_parity(parity) -> None:
+        if parity.status == "identical":
+            out.note(parity.line())
+        else:  # unverified, or differs written under --trust-encoder-identity: one line
+            out.warn(parity.line())
+
     try:
         summary = warm(request, environ=environ, on_start=display.started, on_done=on_done, on_plan=on_plan,
-                       on_tiles=display.tiles, command=command, on_checked=on_checked)
+                       on_tiles=display.tiles, command=command, on_checked=on_checked, on_parity=on_parity)
     except KeyboardInterrupt:  # Ctrl-C: the error document says what this process published before it
         note_interrupted({"published": finished["encoded"], "counts": dict(finished)})
         raise
@@ -202,6 +208,9 @@ def encode(
     launch_file: LaunchFileOpt = None,
     compose: ComposeOpt = None,
     service: ServiceOpt = None,
+    image: ImageOpt = None,
+    image_inspect: ImageInspectOpt = None,
+    trust_encoder_identity: TrustEncoderOpt = False,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -271,6 +280,9 @@ def cache_warm(
     service: ServiceOpt = None,
     shard_option: ShardOpt = None,  # with --shard-count and the task's environment: resolve_shard, not the table
     shard_count: ShardCountOpt = None,
+    image: ImageOpt = None,
+    image_inspect: ImageInspectOpt = None,
+    trust_encoder_identity: TrustEncoderOpt = False,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,

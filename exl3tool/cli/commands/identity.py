@@ -12,7 +12,7 @@ from exl3tool.cache.identity import encoder_json
 from exl3tool.cli.commands.launching import (
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
 )
-from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
     EncoderRevisionOpt,
     EncoderRootOpt,
@@ -44,6 +44,8 @@ def identity(
     launch_file: LaunchFileOpt = None,
     compose: ComposeOpt = None,
     service: ServiceOpt = None,
+    image: ImageOpt = None,
+    image_inspect: ImageInspectOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

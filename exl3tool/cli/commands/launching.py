@@ -11,7 +11,7 @@ from typer.core import TyperCommand
 from exl3tool.errors import ConfigError
 from exl3tool.cli.output import Output
 
-__all__ = ["LaunchOpt", "LaunchFileOpt", "ComposeOpt", "ServiceOpt", "PidOpt", "EnvFileOpt", "LaunchCommand",
+__all__ = ["LaunchOpt", "LaunchFileOpt", "ComposeOpt", "ServiceOpt", "ImageOpt", "ImageInspectOpt", "PidOpt", "EnvFileOpt", "LaunchCommand",
            "launch_input", "given_fields", "apply_options",
            "launch_json", "MODEL_HELP"]
 
@@ -48,6 +48,23 @@ ServiceOpt = Annotated[
     Optional[str],
     typer.Option("--service", metavar="NAME",
                  help="The --compose service that runs the server (default: the only one that runs vllm)."),
+]
+ImageOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--image", metavar="NAME",
+        help="The server's image: its ENV (below the launch's -e), labels and entrypoint, read with `docker|podman "
+        "image inspect` (never pulled), else --image-inspect, else exl3tool's table of the fork's published images "
+        "(docs/images.md). Also the image a parity probe may run the encoder in.",
+    ),
+]
+ImageInspectOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--image-inspect", metavar="FILE",
+        help="The server image's settings as saved by `docker image inspect NAME > FILE` where the image is (no "
+        "runtime needed here); wins over inspecting the image here.",
+    ),
 ]
 PidOpt = Annotated[
     Optional[int],
@@ -88,7 +105,8 @@ def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], 
         raise typer.BadParameter("nothing after `--`: give the server's command line there (vllm serve MODEL ...)")
     params = ctx.params  # the launch forms every launch-taking command declares beside --launch
     return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_files), file=params.get("launch_file"),
-                       compose=params.get("compose"), service=params.get("service"))
+                       compose=params.get("compose"), service=params.get("service"), image=params.get("image"),
+                       image_inspect=params.get("image_inspect"))
 
 
 def given_fields(ctx: typer.Context, fields: dict[str, str]) -> set[str]:
@@ -123,12 +141,21 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
     from exl3tool.launch import apply_launch
 
     li = launch_input(ctx, launch, pid, env_files)
+    if li.image_inspect is not None and not li.image and not li.launch_given:
+        raise typer.BadParameter("--image-inspect FILE is the saved inspect document of the server's image: give "
+                                 "--image NAME or a docker/podman launch with it", param_hint="'--image-inspect'")
     if not li.launch_given and not request.model:
         raise typer.BadParameter("give MODEL, or the server's launch with --launch COMMAND, --launch-file FILE, "
                                  "--compose FILE, --pid PID or -- ARGV",
                                  param_hint="'MODEL'")
     request, settings, environ = apply_launch(request, given, li, add_tp_sizes=add_tp_sizes,
                                               need_cache=need_cache)
+    if settings is None and li.image:  # no launch: the image's ENV is the server's environment
+        from exl3tool.launch.request import launch_image
+
+        image = launch_image(li, None)
+        for line in (image.describe(), *image.notes) if image is not None else ():
+            out.note(line)
     if settings is not None:
         out.note(f"launch ({settings.launch.form}, {settings.launch.entry}): the look-up's settings and where each "
                  "came from:")

@@ -27,6 +27,7 @@ __all__ = [
     "FileModeOpt",
     "CacheDirOpt",
     "JsonOpt",
+    "TrustEncoderOpt",
     "QuietOpt",
     "ModelIdOpt",
     "OverlapOpt",
@@ -91,6 +92,14 @@ FileModeOpt = Annotated[
 CacheDirOpt = Annotated[
     Optional[Path],
     typer.Option("--cache-dir", help="Cache root (default: the server's, from VLLM_EXL3_ONLINE_CACHE_DIR etc.)."),
+]
+TrustEncoderOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-encoder-identity",
+        help="Write entries under an encoder identity that is not exl3tool's own even when a probe encode with that "
+        "encoder gave other bytes (encoder parity `differs`; recorded so in the provenance). Default: refuse.",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No notes or progress on stderr.")]
@@ -255,6 +264,7 @@ REQUEST_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "lock_timeout": ("lock_timeout", _same),
     "gpu_memory": ("gpu_memory_gib", _same),
     "check_unchecked": ("check_unchecked", _same),
+    "trust_encoder_identity": ("trust_encoder_identity", _same),
 }
 
 

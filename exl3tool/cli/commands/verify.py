@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
-from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     JsonOpt, LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
@@ -107,6 +107,8 @@ def verify(
     launch_file: LaunchFileOpt = None,
     compose: ComposeOpt = None,
     service: ServiceOpt = None,
+    image: ImageOpt = None,
+    image_inspect: ImageInspectOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -151,6 +153,12 @@ def verify(
                              on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} rank {c.tp_rank} {c.reason}"),
                              exact=exact)
     render(out, result, launch_json(settings))
+    from exl3tool.operations.parity import parity_line
+
+    for item in result.encoder_parity:  # what the warms that wrote these entries could prove of their encoder
+        if item["status"] != "identical":
+            what, fix = parity_line(item)
+            out.warn(f"{what}; {fix}")
     if report is not None:
         try:
             text = report_markdown(result) if report.suffix.lower() == ".md" else json.dumps(result.as_json(), indent=2, sort_keys=True) + "\n"

@@ -28,7 +28,8 @@ def plan_settings(plan: WarmPlan, dtype: Optional[str], checkpoint_dtype: object
         server_lookup=lp.server_lookup if lp is not None else True)
 
 
-def warm_record(summary: WarmSummary, plan: WarmPlan, settings: RecordSettings, command: str) -> Optional[ProvenanceRecord]:
+def warm_record(summary: WarmSummary, plan: WarmPlan, settings: RecordSettings,
+                command: str) -> Optional[ProvenanceRecord]:
     """The record of ``summary``'s entries (encoded: ``written``, hit: ``found``); None when it has none."""
     ids = plan.identities
     if ids is None:
@@ -39,7 +40,8 @@ def warm_record(summary: WarmSummary, plan: WarmPlan, settings: RecordSettings, 
         return None
     return new_record(command=command, model_name=plan.model, model_identity=ids.model.identity,
                       model_payload=ids.model.payload, encoder_identity=ids.encoder.identity,
-                      encoder_payload=ids.encoder.payload, settings=settings, entries=entries)
+                      encoder_payload=ids.encoder.payload, settings=settings, entries=entries,
+                      encoder_parity=summary.encoder_parity if any(e.status == "written" for e in entries) else None)
 
 
 def record_warm(summary: WarmSummary, plan: WarmPlan, checkpoint, request, store: CacheStore, *,

@@ -60,6 +60,7 @@ class WarmSummary:
     record_error: str = ""  # why no record could be written (the entries are complete without one)
     # ``cache warm --shard``: this shard's index, count, source, jobs and cost beside the whole plan's (absent unsharded)
     shard: Optional[dict] = field(default=None, metadata={"omit_none": True})
+    encoder_parity: Optional[dict] = None  # operations.parity's verdict before the first write (None: none written)
 
     @property
     def encodes_saved(self) -> int:

@@ -17,6 +17,7 @@ from exl3tool.cache.entry import entry_bytes
 from exl3tool.operations.warm.distributed import (
     DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
 )
+from exl3tool.operations.parity import EncoderParity
 from exl3tool.operations.warm.pipeline import run_plan
 from exl3tool.operations.warm.results import JobResult, WarmSummary, job_result, summarize
 from exl3tool.operations.warm.unchecked import UncheckedHit, check_unchecked
@@ -49,6 +50,7 @@ def warm(
     on_plan: Optional[Callable[[WarmPlan, DistributedContext, list[WarmJob]], None]] = None,
     on_tiles: Optional[Callable[[WarmJob, int], None]] = None,
     on_checked: Optional[Callable[[UncheckedHit], None]] = None,
+    on_parity: Optional[Callable[[EncoderParity], None]] = None,
     command: str = "cache warm",
 ) -> Optional[WarmSummary]:
     """Plan and run a warm; under torchrun each process runs its share and worker 0 returns the summary.
@@ -66,6 +68,8 @@ def warm(
         environ: the environment identities and the cache root are read from (None: ``os.environ``).
         on_start, on_done, on_plan, on_tiles, on_checked: progress callbacks (a job starts, ends, the plan is known,
             tiles are quantized, an unchecked hit was checked).
+        on_parity: hears the encoder parity verdict before the first write (``operations.parity``); a ``differs``
+            verdict raises ConfigError (exit 2) instead, unless ``request.trust_encoder_identity``.
         command: the command recorded in the entries' provenance.
 
     Returns:
@@ -83,7 +87,11 @@ def warm(
     dtype = serving_torch_dtype(request.dtype)
     budget = _memory_budget(device, request.gpu_memory_gib)
     todo = agreed_todo(ctx, plan)
+    parity = None
     if todo and store.mode == "readwrite":
+        parity = _parity(plan, request, device)  # before anything is written: may we write under this identity?
+        if on_parity and parity is not None:
+            on_parity(parity)
         store.check_writable()  # fail in a second, not after encoding every layer
         from exl3tool.encode.online import encoder_platform
 
@@ -114,12 +122,28 @@ def warm(
     everything, stats = gathered
     summary = summarize(plan, everything, device=str(device), workers=ctx.workers, seconds=time.perf_counter() - start,
                         unchecked=unchecked)
-    summary = replace(summary, worker_stats=stats)
+    summary = replace(summary, worker_stats=stats, encoder_parity=parity.as_json() if parity is not None else None)
     if store.mode == "readwrite":  # provenance of what this warm wrote or found, beside the entries (``command``)
         from exl3tool.operations.warm.provenance import record_warm
 
         summary = record_warm(summary, plan, checkpoint, request, store, command=command)
     return summary
+
+
+def _parity(plan: WarmPlan, request: WarmRequest, device: torch.device) -> Optional[EncoderParity]:
+    """The encoder parity of the plan's encoder identity (every worker decides it before writing, same verdict);
+    ConfigError on ``differs`` unless trusted."""
+    if plan.identities is None:
+        return None
+    from exl3tool.operations.parity import check_parity, encoder_parity
+
+    eid = plan.identities.encoder
+    view = request.server_view  # a launch's filesystem: where the server's encoder root is here, if anywhere
+    root_here = view.to_host(eid.root) if view is not None else eid.root
+    parity = encoder_parity(eid, bits=plan.bits, device=str(device), encoder_source=request.encoder_source,
+                            image=request.encoder_image, runner=request.encoder_image_runner, root_here=root_here)
+    check_parity(parity, request.trust_encoder_identity)
+    return parity
 
 
 def _with_replaced(results: list[JobResult], plan: WarmPlan, checked: list[UncheckedHit]) -> list[JobResult]:
