@@ -17,7 +17,7 @@ __all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS"]
 
 # WarmRequest fields a command's own flags can give (and so win over the launch)
 EXPLICIT_FIELDS = ("model", "revision", "server_path", "tp_sizes", "dtype", "bits", "quantization_config",
-                   "encoder_root", "encoder_revision", "encoder_source", "cache_dir")
+                   "encoder_root", "encoder_revision", "encoder_source", "cache_dir", "server_release")
 
 
 @dataclass(frozen=True)
@@ -41,16 +41,12 @@ class LaunchInput:
 def _env_only(request: WarmRequest, given: Collection[str], files: tuple[str, ...],
               environ: Mapping[str, str]) -> tuple[WarmRequest, dict[str, str]]:
     """``--env-file`` without a launch: the files' variables over ours, for the server's settings."""
-    from exl3tool.cache.settings import trellis_bits
+    from exl3tool.cache.settings import server_bits
 
     merged = dict(environ)
     for path in files:
         merged.update({k: v.value for k, v in read_env_file(path, environ=environ).items()})
-    if "bits" not in given:
-        bits = trellis_bits(merged)
-        if bits is not None:
-            request = replace(request, bits=bits)
-    return request, merged
+    return replace(request, bits=server_bits(request.bits if "bits" in given else None, merged)), merged
 
 
 def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInput, *, add_tp_sizes: bool = False,
@@ -78,7 +74,10 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
         if launch.service is not None:
             raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
         if not launch.env_files:
-            return request, None, None
+            from exl3tool.cache.settings import server_bits
+
+            # what prepare() would decide: resolved here so a bad variable fails before any other check
+            return replace(request, bits=server_bits(request.bits, environ)), None, None
         request, merged = _env_only(request, given, launch.env_files, environ)
         return request, None, merged
     loaded = load_launch(text=launch.text, argv=launch.argv, pid=launch.pid, env_files=launch.env_files,
@@ -104,6 +103,6 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
         encoder_root=settings.encoder_root, encoder_revision=settings.encoder_revision,
         encoder_source=settings.encoder_source, cache_dir=settings.cache_dir or request.cache_dir,
         language_model_only=settings.language_model_only, server_view=settings.view,
-        hf_overrides=settings.hf_overrides,
+        hf_overrides=settings.hf_overrides, server_release=settings.server_release,
     )
     return out, settings, settings.environ

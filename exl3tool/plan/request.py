@@ -72,7 +72,7 @@ class WarmRequest:
     model: str
     tp_sizes: tuple[int, ...] = (1,)
     tp_ranks: Optional[tuple[int, ...]] = None
-    bits: int = 6
+    bits: Optional[int] = None  # None: the server's VLLM_EXL3_ONLINE_TRELLIS_BITS of ``environ``, else 6
     revision: Optional[str] = None
     layers: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
@@ -94,6 +94,7 @@ class WarmRequest:
     language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
     server_view: Optional[Any] = None  # a launch's filesystem map (cache.serverfs.ServerView): server_path resolves there
     hf_overrides: Optional[str] = None  # the server's --hf-overrides JSON, applied to config.json before planning
+    server_release: Optional[str] = None  # the fork's release whose rules apply (exl3tool.releases; None: the newest)
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -114,12 +115,13 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch
     from exl3tool.errors import ConfigError
 
-    from exl3tool.cache.settings import BITS_RANGE
+    from exl3tool.cache.settings import server_bits
 
     resolve_device(request.device)  # a bad --device fails before any work, --dry-run included
-    lo, hi = BITS_RANGE
-    if not lo <= request.bits <= hi:
-        raise ConfigError(f"--bits {request.bits}: must be from {lo} to {hi} (what the server accepts)")
+    request = replace(request, bits=server_bits(request.bits, environ))
+    from exl3tool.releases import default_release
+
+    release = default_release(request.server_release)[0]
     serving_torch_dtype(request.dtype)  # a ConfigError for anything the server cannot run with
     if any(t < 1 for t in request.tp_sizes):
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
@@ -146,7 +148,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
                              language_model_only=request.language_model_only)
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
-    root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, release)
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
                       model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,

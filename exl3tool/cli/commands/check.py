@@ -11,7 +11,7 @@ from rich.text import Text
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
     LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpSizesOpt,
     request_from_options,
 )
@@ -79,6 +79,7 @@ def cache_check(
     dtype: DtypeOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    server_release: ServerReleaseOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     launch: LaunchOpt = None,

@@ -13,7 +13,7 @@ from rich.text import Text
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
+    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     JsonOpt, LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
     TpRankOpt, TpSizeOpt, existing_cache_dir, parse_positive_ints, request_from_options,
 )
@@ -96,6 +96,7 @@ def verify(
     cache_dir: CacheDirOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    server_release: ServerReleaseOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     exact: Annotated[bool, typer.Option("--exact", help="Also re-encode every layer and compare the entry with it (bytes on the platform that wrote it; tile by tile elsewhere): catches a single flipped bit.")] = False,
@@ -133,7 +134,7 @@ def verify(
     if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
     # verify only reads: a missing cache is an I/O error, not N failed layers
-    existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ)
+    existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ, request.server_release)
     checkpoint, plan, store = prepare(request, environ=environ)
     dev = resolve_device(device)
     torch_dtype = serving_torch_dtype(request.dtype)
