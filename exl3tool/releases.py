@@ -26,7 +26,7 @@ from exl3tool.errors import ConfigError
 __all__ = [
     "CacheModule", "ServerRelease", "RELEASES", "CACHE_MODULES", "NEWEST", "release", "release_from_labels",
     "default_release", "KEY_VARIABLES", "NO_KEY_VARIABLES", "variable_note", "server_vllm_root", "server_cache_root",
-    "RELEASE_LABELS", "MXFP8_BLOCK", "unaligned_start_failure", "R7_SCHEMA", "GLM53_SCOPE", "edit_distance",
+    "RELEASE_LABELS", "MXFP8_BLOCK", "unaligned_start_failure", "UNALIGNED_FIX", "R7_SCHEMA", "GLM53_SCOPE", "edit_distance",
 ]
 
 MXFP8_BLOCK = 32  # the MXFP8 fallback's block: its create_weights refuses a K_r that is not a multiple of it
@@ -281,8 +281,12 @@ def unaligned_start_failure(k_r: int, rel: ServerRelease) -> Optional[str]:
     if not rel.online_cache or k_r % MXFP8_BLOCK == 0:
         return None
     return (f"K_r={k_r} is not a multiple of {MXFP8_BLOCK}: {rel.name} builds a 128-unaligned shard with the MXFP8 "
-            f"online method, whose create_weights raises (\"MXFP8 requires input_size_per_partition ({k_r}) to be "
-            f"divisible by {MXFP8_BLOCK}\") (fork issue #311; the fix, PR #312, is not in any release)")
+            f"online method, whose create_weights raises \"MXFP8 requires input_size_per_partition ({k_r}) to be "
+            f"divisible by {MXFP8_BLOCK}\" (fork issue #311)")
+
+
+UNALIGNED_FIX = ("add the layer to the overlay's ignore list (it then stays BF16), or serve at a TP size where its K_r is "
+                 f"a multiple of {MXFP8_BLOCK}; the fork's fix (PR #312: such a shard stays BF16) is in no release yet")
 
 
 # --- variables --------------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
 
     checkpoint = open_checkpoint(  # a Hub download fetches only the shards holding planned tensors
         request.model, revision=request.revision, hf_overrides=parse_hf_overrides(request.hf_overrides),
-        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude))
+        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude, release))
     mode = request.mode
     identity_warnings: tuple[str, ...] = ()
     if mode == "off":
@@ -145,7 +145,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
         )
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
     layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
-                             language_model_only=request.language_model_only)
+                             language_model_only=request.language_model_only, release=release)
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, release)

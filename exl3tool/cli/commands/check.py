@@ -36,6 +36,8 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix."""
     plan = report.plan
     plan_notes(out, plan)
+    for f in report.start_failures:
+        out.warn(f"{f.text}; fix: {f.fix}")
     for n, cause in enumerate(report.causes, 1):
         title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",
                  "unplanned": "miss"}[cause.kind]
@@ -112,6 +114,8 @@ def cache_check(
         raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
+    if report.start_failures:
+        raise FindingsError(report.start_failures[0].text)
     if not report.ok:
         bad = report.plan.count("miss") + report.plan.count("invalid")
         what = f"{bad} of {len(report.lookups)} look-ups would not hit"
