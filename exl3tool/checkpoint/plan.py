@@ -186,8 +186,8 @@ def _skip_reason(k_r: int, n_r: int) -> str | None:
     bad = [f"{what} {n} is not a multiple of {ALIGN}" for what, n in (("K_r", k_r), ("N_r", n_r)) if n % ALIGN]
     if not bad:
         return None
-    return ("; ".join(bad) + "; the server builds this layer with the MXFP8 online method, no cache entry (a K_r "
-            "that is not a multiple of 32 fails the server's start: cache check says so)")
+    return ("; ".join(bad) + "; the server leaves this layer unencoded (MXFP8 online method), no cache entry (a "
+            "K_r that is not a multiple of 32 fails the server's start: cache check says so)")
 
 
 @dataclass(frozen=True)
