@@ -282,6 +282,36 @@ def _server_path(path: str, launch: ServerLaunch, what: str) -> str:
                       "(give -w/--workdir in the launch or an absolute path)")
 
 
+OBJECT_STORAGE_SCHEMES = ("s3://", "gs://", "az://")  # vLLM's runai_utils.SUPPORTED_SCHEMES
+
+
+def _object_storage(b: _Builder, name: str, how: str) -> None:
+    """An object-storage model (``s3://``, ``gs://``, ``az://``): vLLM's ``ModelConfig.
+    maybe_pull_model_tokenizer_for_runai`` pulls its ``*.json``, ``*.py`` and ``*.model`` files into
+    ``$VLLM_ASSETS_CACHE/model_streamer/<sha256(url)[:8]>`` (``VLLM_ASSETS_CACHE`` default:
+    ``$XDG_CACHE_HOME/vllm/assets``, else ``~/.cache/vllm/assets``; ``vllm/transformers_utils/runai_utils.py``,
+    ``vllm/envs.py``), serves that folder and streams the weights with runai_streamer. The fork's model identity is
+    then that folder's: its path, its config files' digests and no shard (none is pulled). exl3tool plans from a
+    local checkpoint's shards and does not reproduce that identity: refused, naming the folder."""
+    if not name.lower().startswith(OBJECT_STORAGE_SCHEMES):
+        return
+    import hashlib
+
+    assets = b.env("VLLM_ASSETS_CACHE")
+    if assets is not None:
+        root = assets.value
+    else:
+        xdg, home = b.env("XDG_CACHE_HOME"), b.env("HOME")
+        base = xdg.value if xdg is not None else posixpath.join(home.value if home is not None else "~", ".cache")
+        root = posixpath.join(base, "vllm", "assets")
+    folder = posixpath.join(root, "model_streamer", hashlib.sha256(name.encode()).hexdigest()[:8])
+    raise ConfigError(
+        f"the launch's model {name} ({how}) is in object storage: vLLM pulls its config files into {folder} and "
+        "serves that folder, streaming the weights with --load-format runai_streamer; the fork then keys entries by "
+        "that folder (its path, its config files' sha256, no shard), which exl3tool does not reproduce from a local "
+        "copy: serve the model from a local folder or a Hub id with a pinned --revision for a warmed start")
+
+
 def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, Optional[str]]:
     """(what exl3tool reads, the server's path for --server-path or None) and the model settings."""
     raw = _arg(launch.args, "model")
@@ -300,6 +330,7 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         return explicit.model, explicit.server_path  # type: ignore[return-value]
     name, how = raw
     b.arg("model", name, how)
+    _object_storage(b, name, how)
     paths = launch.paths
     local_here: Optional[str] = None
     server: Optional[str] = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -20,7 +20,7 @@ from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
 from exl3tool.operations.check import CheckReport, check, no_lookup_json
 
-__all__ = ["register", "cache_check", "render_check", "render_no_lookup"]
+__all__ = ["register", "cache_check", "render_check", "render_no_lookup", "check_nodes"]
 
 
 def _where(cause) -> str:
@@ -90,6 +90,10 @@ def cache_check(
     launch_file: LaunchFileOpt = None,
     compose: ComposeOpt = None,
     service: ServiceOpt = None,
+    nodes: Annotated[list[str], typer.Option(
+        "--nodes", metavar="[NAME=]FILE",
+        help="Compare the identities of a fleet before a rollout instead: one `exl3tool identity --json` document "
+             "(or provenance record) gathered on each node; names the field that differs (docs/deploy.md).")] = [],
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -106,6 +110,9 @@ def cache_check(
     --launch "vllm serve /models/GLM-5.3 -tp 2 --quantization-config '{...}'", exl3tool cache check --pid PID
     """
     out = Output(json=json_out, quiet=quiet)
+    if nodes:
+        check_nodes(out, nodes)
+        return
     request, given = request_from_options(ctx)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
                                                no_lookup="report")
@@ -123,6 +130,25 @@ def cache_check(
             what += (", and the server makes look-ups outside the plan that would miss" if bad else
                      f": the {len(report.lookups)} planned look-ups hit, but the server makes others that would miss")
         raise FindingsError(what if json_out else f"{what}; see the causes above")
+
+
+def check_nodes(out: Output, specs: list[str]) -> None:
+    """``cache check --nodes``: every node's identities against the first node's, one line per differing field."""
+    from exl3tool.operations.fleet import compare_nodes
+
+    report = compare_nodes(specs)
+    for name, f in report.differences:
+        out.line(f"{name}: {f.text}")
+        out.line(f"  fix: {f.fix}")
+    ref = report.nodes[0].name
+    if report.ok:
+        out.line(f"{plural(len(report.nodes), 'node')}: the same model and encoder identity as {ref} (model "
+                 f"{report.nodes[0].model_identity[:20]}): entries warmed for one hit on every node")
+    out.data(report.as_json())
+    if not report.ok:
+        differ = sorted({name for name, _ in report.differences})
+        raise FindingsError(f"{plural(len(differ), 'node')} of {len(report.nodes)} compute other identities than "
+                            f"{ref} ({', '.join(differ)}): entries warmed on {ref} miss there")
 
 
 def register(app: typer.Typer) -> None:
