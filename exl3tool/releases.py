@@ -227,7 +227,8 @@ def release_from_labels(labels: Optional[Mapping[str, str]]) -> Optional[ServerR
     if tree:
         found = [r for r in RELEASES if r.tree == tree]
         if found:
-            return max(found, key=lambda r: r.date)  # a tree shipped twice: the rules are the same (same files)
+            # a tree shipped by several releases: the same files, the same rules; the latest name
+            return max(found, key=lambda r: (r.date, int(r.name.rpartition("-r")[2])))
     name = (labels.get(RELEASE_LABELS[1]) or "").strip()
     return _BY_NAME.get(_canonical(name)) if name else None
 

@@ -225,3 +225,39 @@ def test_a_release_without_the_online_cache_looks_nothing_up(tiny_llama, tmp_pat
                          capsys)
     doc = json.loads(out)
     assert code == 1 and doc["server_lookup"] is False and "no online EXL3 cache" in doc["lookup_off"][0]
+
+
+def test_the_images_label_selects_the_release_of_a_launch(tiny_llama, tmp_path, monkeypatch):
+    """An image labelled with gilded-gnosis-r33's integration tree gets the older cache module's root: its server
+    ignores XDG_CACHE_HOME. (The image reader sets ``image_labels`` on the launch's settings.)"""
+    import exl3tool.launch.request as req
+    from exl3tool.launch import LaunchInput, apply_launch
+
+    from helpers import server_cache_root
+
+    real = req.resolve_launch
+    tree = release("gilded-gnosis-r33").tree
+
+    def labelled(*args, **kwargs):
+        settings = real(*args, **kwargs)
+        object.__setattr__(settings, "image_labels", {"local-inference.vllm.integration.tree": tree})
+        return settings
+
+    monkeypatch.setattr(req, "resolve_launch", labelled)
+    env = {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    launch = (f"env HOME={env['HOME']} XDG_CACHE_HOME={env['XDG_CACHE_HOME']} VLLM_EXL3_ONLINE_TRELLIS_BITS=6 "
+              f"VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r vllm serve {tiny_llama} "
+              f"--quantization-config {shlex.quote(LINEAR)}")
+    request, settings, _ = apply_launch(WarmRequest(model=""), set(), LaunchInput(text=launch), environ={})
+    assert request.server_release == settings.server_release == "gilded-gnosis-r33"
+    assert settings.settings["server_release"].source == "image label"
+    assert request.cache_dir == str(server_cache_root(env, "older"))
+    request, settings, _ = apply_launch(WarmRequest(model="", server_release="ii-r18"), {"server_release"},
+                                        LaunchInput(text=launch), environ={})
+    assert request.cache_dir == str(server_cache_root(env, "newer"))  # --server-release wins over the label
+
+
+def test_a_release_without_the_online_cache_checked_without_a_launch(tiny_llama, tmp_path, capsys):
+    code, out, err = run(["cache", "check", str(tiny_llama), "--server-release", "ii-r3", "--cache-dir",
+                          str(tmp_path), "--json", *ENC_ARGS], capsys)
+    assert code == 1 and json.loads(out)["server_lookup"] is False and "ships no online EXL3 cache" in out

@@ -86,6 +86,14 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
     server, layers = loaded
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})
     settings = resolve_launch(server, layers, explicit, need_cache=need_cache)
+    if explicit.server_release is None:
+        # the image's labels (read with the launch's image) may name the release: its rules, not the newest's
+        from exl3tool.releases import release_from_labels
+
+        labels = getattr(settings, "image_labels", None) or {}
+        named = release_from_labels(labels)
+        if named is not None and named.name != settings.server_release:
+            settings = resolve_launch(server, layers, explicit, need_cache=need_cache, labels=dict(labels))
     tp_sizes: tuple[int, ...]
     if add_tp_sizes:
         extra = tuple(request.tp_sizes) if "tp_sizes" in given else ()

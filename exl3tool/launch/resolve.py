@@ -623,7 +623,7 @@ def _parallel(b: _Builder, args: ServerArgs) -> None:
 
 
 def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, *,
-                   need_cache: bool = True) -> LaunchSettings:
+                   need_cache: bool = True, labels: Optional[dict[str, str]] = None) -> LaunchSettings:
     """The settings of every look-up the launched server makes, with sources; ConfigError (exit 2) naming the flag
     or variable for what the server would refuse or exl3tool cannot reproduce. ``need_cache`` False (``identity``)
     lets a cache root exl3tool cannot reach be a warning.
@@ -632,6 +632,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         launch, layers: ``load_launch``'s result.
         explicit: the settings a command's own flags give (they win over the launch's).
         need_cache: False where a command reads and writes no cache.
+        labels: the image's labels, when known (one may name the server release: ``exl3tool.releases``).
 
     Returns:
         ``LaunchSettings``: each setting with its source, the defaults taken, and ``lookup_off``.
@@ -650,7 +651,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         if close:
             raise ConfigError(unknown_flag_message(args.unknown, close))
         b.warnings.append(unknown_flag_warning(args.unknown))
-    _release(b, explicit, off)
+    _release(b, explicit, off, labels)
     quant = _arg(args, "quantization")
     if quant is not None:
         b.arg("quantization", quant[0], quant[1])
@@ -803,10 +804,10 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides, server_release=b.release.name)
 
 
-def _release(b: _Builder, explicit: Explicit, off: list[str]) -> None:
+def _release(b: _Builder, explicit: Explicit, off: list[str], labels: Optional[dict[str, str]]) -> None:
     """The server release whose rules apply: ``--server-release``, else the one the image's labels name, else the
     newest (``exl3tool.releases.default_release``); a release without the online cache looks nothing up."""
-    labels = getattr(b.launch, "image_labels", None) or getattr(b.layers, "image_labels", None) or {}
+    labels = labels or getattr(b.launch, "image_labels", None) or getattr(b.layers, "image_labels", None) or {}
     b.release, how = default_release(explicit.server_release, labels)
     source = "flag" if explicit.server_release else ("image label" if how == "the image's labels" else "default")
     b.put("server_release", b.release.name, source, how)

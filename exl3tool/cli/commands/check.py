@@ -116,6 +116,14 @@ def cache_check(
     request, given = request_from_options(ctx)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
                                                no_lookup="report")
+    from exl3tool.releases import default_release
+
+    rel = default_release(request.server_release)[0]
+    if settings is None and not rel.online_cache:
+        reason = (f"{rel.name} ships no online EXL3 cache (exl3_online_cache.py arrived with gilded-gnosis-r20 and "
+                  "infernal-invocation-r5): the server encodes at start-up and looks nothing up")
+        render_no_lookup(out, (reason,), {})
+        raise FindingsError("this server makes no cache look-up: a warm cache changes nothing for it")
     if settings is not None and settings.lookup_off:
         render_no_lookup(out, settings.lookup_off, launch_json(settings))
         raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
