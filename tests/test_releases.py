@@ -190,6 +190,11 @@ def test_a_tilde_encoder_root_with_a_miss_means_the_server_does_not_start(tiny_l
                for j in plan.jobs if j.state != "skipped")
     code, _, err = run(args, capsys)
     assert code == 0 and "will not start" not in err  # every look-up hits: the encoder is never imported
+    code, out, _ = run(["identity", str(tiny_llama), "--encoder-root", "~/exllamav3", "--encoder-revision", "r",
+                        "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["encoder"]["identity"] == eid  # reported, and the identity is the server's
+    assert any("starts with ~" in w and "import does not" in w for w in doc["warnings"])
 
 
 # --- variables of newer launches ----------------------------------------------------------------------------------
