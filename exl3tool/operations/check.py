@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from exl3tool.cache.key import CacheKey
+from exl3tool.checkpoint.plan import ALIGN, LayerPlan, plan_layers, rank_sizes
+from exl3tool.errors import ConfigError
 from exl3tool.cache.records import ORIGINS, StoredRecord, entry_origin, overlay_digest, printable, read_records
 from exl3tool.text import plural
 from exl3tool.plan.plan import WarmJob, WarmPlan
@@ -463,26 +465,41 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
     notes += _unplanned_notes(plan, cache, records)
     release = default_release(request.server_release)[0]
     notes += _lock_notes(lookups, release)
-    failures = start_failures(plan, request, release)
+    full = plan.layer_plan
+    if full is not None and full.server_lookup and (request.layers or request.exclude):
+        try:  # the server builds every layer, not only the ones --layers selects
+            full = plan_layers(checkpoint, overlay=full.overlay, language_model_only=request.language_model_only,
+                               release=release)
+        except ConfigError:
+            pass
+    failures = start_failures(plan, request, release, full)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4), tuple(failures), release.name)
 
 
-def start_failures(plan: WarmPlan, request: WarmRequest, release: ServerRelease) -> list[Finding]:
+def start_failures(plan: WarmPlan, request: WarmRequest, release: ServerRelease,
+                   full: Optional[LayerPlan] = None) -> list[Finding]:
     """Why a server of ``release`` started as ``request`` describes fails at start-up, whatever the cache holds:
     a 128-unaligned shard whose K_r is not a multiple of 32 (the MXFP8 fallback raises: fork issue #311), and an
-    encoder root with ``~`` when some look-up misses (the server's import does not expand it)."""
+    encoder root with ``~`` when some look-up misses (the server's import does not expand it). ``full``: the layer
+    plan without ``--layers``/``--exclude`` (the server builds every layer; default: the plan's)."""
     out: list[Finding] = []
-    seen: dict[tuple[str, int], WarmJob] = {}
-    for j in plan.jobs:
-        if j.state == "skipped" and unaligned_start_failure(j.input_size, release) is not None:
-            seen.setdefault((j.prefix, j.tp_size), j)
+    seen: dict[tuple[str, int], int] = {}
+    lp = full or plan.layer_plan
+    for tp in plan.tp_sizes:
+        for layer in (lp.layers if lp is not None and lp.server_lookup else ()):
+            try:
+                k_r, n_r = rank_sizes(layer, tp)
+            except (ValueError, ConfigError):
+                continue  # a TP size this layer cannot be sharded at: the plan says so itself
+            if (k_r % ALIGN or n_r % ALIGN) and unaligned_start_failure(k_r, release) is not None:
+                seen.setdefault((layer.prefix, tp), k_r)
     if seen:
-        first = next(iter(seen.values()))
+        (prefix, tp), k_r = next(iter(seen.items()))
         others = [f"{p} (TP {t})" for p, t in list(seen)[1:4]]
         more = f"; also {', '.join(others)}" + (" ..." if len(seen) > 4 else "") if others else ""
-        out.append(Finding("start", f"this server will not start: {first.prefix} at TP {first.tp_size}: "
-                                    f"{unaligned_start_failure(first.input_size, release)}{more}", UNALIGNED_FIX))
+        out.append(Finding("start", f"this server will not start: {prefix} at TP {tp}: "
+                                    f"{unaligned_start_failure(k_r, release)}{more}", UNALIGNED_FIX))
     root = request.encoder_root or ""
     misses = [j for j in plan.jobs if j.state in ("miss", "invalid")]
     if root.startswith("~") and misses and not release.encoder_source_tilde_expanded_for_import:

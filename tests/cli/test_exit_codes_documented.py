@@ -308,6 +308,7 @@ def scenario_start_failure(m, tmp, monkeypatch):
                                   vocab=512, shards=1)
     argv = ["cache", "check", wide, "--cache-dir", tmp / "c", "--quantization-config", '{"linear": "mxfp8"}', *ENC]
     assert run(argv) == 1  # a miss or not: the server does not start
+    assert run([*argv, "--layers", "model.layers.0.self_attn.o_proj"]) == 1  # it builds every layer, not those
 
 
 def scenario_cache_check(m, tmp, monkeypatch):
