@@ -126,3 +126,28 @@ def test_entry_path_is_the_servers_everywhere(tmp_path):
     record = ProvenanceRecord.__new__(ProvenanceRecord)
     object.__setattr__(record, "model_identity", mid)
     assert entry_file(tmp_path, record, RecordEntry(key.digest(), key.prefix, 4, 3, "written")) == want
+
+
+def test_a_warm_for_an_older_release_with_xdg_cache_home_hits_its_server(tiny_llama, tmp_path, monkeypatch):
+    """Before: exl3tool wrote under $XDG_CACHE_HOME/vllm/exl3_online, where a Gilded Gnosis r33 server never looks
+    (its root is ~/.cache/vllm/exl3_online): every look-up missed. The independent server decides."""
+    from helpers import fake_warm, server_encoder_identity, server_lookup, server_model_identity
+
+    env = {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    request = WarmRequest(model=str(tiny_llama), quantization_config=LINEAR, server_release="gilded-gnosis-r33",
+                          **ENC)
+    fake_warm(request, monkeypatch)
+    _, plan, _ = prepare(request)
+    mid = server_model_identity(str(tiny_llama))
+    eid = server_encoder_identity(ENC["encoder_root"], ENC["encoder_revision"])
+    jobs = [j for j in plan.jobs if j.state != "skipped"]
+
+    def hits(root) -> int:
+        return sum(bool(server_lookup(root, mid, eid, j.prefix, 6, 1, j.tp_rank, j.input_size, j.output_size))
+                   for j in jobs)
+
+    assert jobs and hits(server_cache_root(env, "older")) == len(jobs)
+    assert hits(server_cache_root(env, "newer")) == 0 and server_cache_root(env, "newer") != \
+        server_cache_root(env, "older")
