@@ -18,6 +18,7 @@ them against the worked examples of docs/format.md §3 as well), everything else
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import zlib
@@ -52,6 +53,53 @@ def _reference():
     return q, ext, exl3_module
 
 
+@contextlib.contextmanager
+def _captured(q):
+    """Wrap the reference's ``regularize`` and ``fallback_quant`` for one ``quantize_exl3`` call; yield what they
+    returned: ``su``/``sv`` (the scales before fp16), ``weight_r`` (the regularised weight) and ``encoded`` (the
+    trellis states before packing).
+
+    Why a wrapper: 1.6.5's ``save_reg`` is a file name for a picture of the weights (drawn with a matplotlib call
+    that current matplotlib lacks), not a way to hand the intermediates back. ``quantize_exl3`` looks both names up
+    in its module at call time, so replacing the module attributes reaches it; with a meta Hessian the encode takes
+    the ``fallback_quant`` path (``q_fallback``), so ``su``/``sv`` are final after ``regularize``.
+    """
+    reg: dict = {}
+    regularize, fallback_quant = q.regularize, q.fallback_quant
+
+    def regularize_captured(*a, **kw):
+        result = regularize(*a, **kw)
+        _, weight_r, _, su, sv = result
+        reg.update(weight_r=weight_r.detach().float().cpu().clone(), su=su.detach().float().cpu().flatten().clone(),
+                   sv=sv.detach().float().cpu().flatten().clone())
+        return result
+
+    def fallback_captured(*a, **kw):
+        result = fallback_quant(*a, **kw)
+        reg["encoded"] = result[1].detach().cpu().clone()
+        return result
+
+    q.regularize, q.fallback_quant = regularize_captured, fallback_captured
+    try:
+        yield reg
+    finally:
+        q.regularize, q.fallback_quant = regularize, fallback_quant
+
+
+def _previous(previous: Path, fname: str, name: str, draw):
+    """An input tensor of the committed set (so a regeneration is compared on the same inputs), else a fresh draw.
+
+    The first goldens drew a few inputs in ways this script does not repeat (the real tiles' positions, the
+    Hadamard and GEMM activations); the reference's outputs are what is regenerated and compared.
+    """
+    path = previous / f"{fname}.safetensors"
+    if path.is_file():
+        with safe_open(str(path), "pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    return draw()
+
+
 def seed_of(prefix: str) -> int:
     return zlib.crc32(prefix.encode("utf-8")) & 0x7FFFFFFF
 
@@ -84,19 +132,19 @@ def encode(q, prefix: str, k: int, n: int, weight_seed: int, tag: str, tensors: 
     sv_sign = torch.sign(torch.sign(torch.randn(n, device="cuda")) + 1e-5).cpu()
     h_data = {"H": torch.empty((k, k), device="meta"), "count": 0, "finalized": False, "device": "cuda:0"}
     args = _quant_args(6, "mcg", seed)
-    weight_q, proxy, out = q.quantize_exl3(weight.cuda(), h_data, args, True, save_reg=True, verbose=False)
+    with _captured(q) as reg:
+        weight_q, proxy, out = q.quantize_exl3(weight.cuda(), h_data, args, True, verbose=False)
     g = float(args["g_scale"])
     t = {"weight": weight, "su_sign": su_sign, "sv_sign": sv_sign, "trellis": out["trellis"].cpu(),
          "suh": out["suh"].cpu(), "svh": out["svh"].cpu(), "mcg": out["mcg"].cpu(),
          "g_scale": torch.tensor([g], dtype=torch.float64), "proxy_error": torch.tensor([float(proxy)], dtype=torch.float64),
          "weight_q": weight_q.float().cpu()}
-    reg = args.get("saved_reg") or {}
-    for name in ("su", "sv", "weight_r", "encoded"):  # what save_reg keeps: scales before fp16, W_r, states
+    for name in ("su", "sv", "weight_r", "encoded"):  # scales before fp16, W_r, states (captured above)
         if name in reg:
             t[{"su": "su_f32", "sv": "sv_f32"}.get(name, name)] = reg[name].float().cpu() if name != "encoded" else reg[name].cpu()
     missing = {"su_f32", "sv_f32", "weight_r", "encoded"} - set(t)
     if missing:
-        raise SystemExit(f"{prefix}: the reference did not hand back {sorted(missing)} (save_reg); read its quantize_exl3")
+        raise SystemExit(f"{prefix}: the capture of regularize/fallback_quant missed {sorted(missing)}; read its quantize_exl3")
     tensors.update({f"{tag}.{name}": v.contiguous() for name, v in t.items()})
     meta.update({f"{tag}.prefix": prefix, f"{tag}.seed": str(seed), f"{tag}.weight_seed": str(weight_seed),
                  f"{tag}.shape_in_out": json.dumps([k, n]), f"{tag}.outlier_in_channels": json.dumps(outliers),
@@ -105,11 +153,12 @@ def encode(q, prefix: str, k: int, n: int, weight_seed: int, tag: str, tensors: 
     return t
 
 
-def tiles_file(q, e2e: dict) -> tuple[dict, dict]:
+def tiles_file(q, e2e: dict, previous: Path) -> tuple[dict, dict]:
     perm = q.tensor_core_perm("cuda:0").cpu().to(torch.int32)
     gauss = torch.randn(512, 256, generator=torch.Generator().manual_seed(GAUSS_SEED))
     w_r = e2e["case2.weight_r"]
-    positions = torch.stack(torch.meshgrid(torch.arange(0, 24, 3), torch.arange(0, 96, 12), indexing="ij"), -1).reshape(-1, 2)
+    positions = _previous(previous, "tiles_golden", "real_tile_positions", lambda: torch.stack(
+        torch.meshgrid(torch.arange(0, 24, 3), torch.arange(0, 96, 12), indexing="ij"), -1).reshape(-1, 2))
     real = torch.stack([w_r[16 * i:16 * i + 16, 16 * j:16 * j + 16].reshape(-1)[perm.long()] for i, j in positions.tolist()])
     tensors = {"tensor_core_perm": perm, "real_tile_positions": positions.to(torch.int32)}
     meta = {"gauss_seed": str(GAUSS_SEED), "real_source": "encode_e2e case2 weight_r, tensor-core order"}
@@ -144,14 +193,21 @@ def reconstruct_file(q, ext, previous: Path) -> tuple[dict, dict]:
     h = torch.empty_like(eye)
     ext.had_r_128(eye, h, None, None, 1.0)  # rows of H / sqrt(128), from the reference's own transform
     tensors["had128"] = torch.round(h[:, :128].cpu() * 128 ** 0.5)
-    x = torch.randn(8, 256, generator=gen)
+    x = _previous(previous, "reconstruct_k6", "had.x", lambda: torch.randn(8, 256, generator=gen))
     y = x.clone().cuda()
     ext.had_r_128(x.cuda(), y, None, None, 1.0)
     tensors["had.x"], tensors["had.y"] = x, y.cpu()
+    # the fp16 path with an input sign vector (pre_scale), as the GEMM applies suh
+    pre = _previous(previous, "reconstruct_k6", "had.pre_scale",
+                    lambda: torch.sign(torch.randn(256, generator=gen) + 1e-5).half())
+    x16 = x.half()
+    y16 = torch.empty_like(x16).cuda()
+    ext.had_r_128(x16.cuda(), y16, pre.cuda(), None, 1.0)
+    tensors["had.x16"], tensors["had.pre_scale"], tensors["had.y16_pre"] = x16, pre, y16.cpu()
     return tensors, meta
 
 
-def gemm_file(q, exl3_module) -> tuple[dict, dict]:
+def gemm_file(q, exl3_module, previous: Path) -> tuple[dict, dict]:
     tensors, meta = {}, {"weight_recipe": RECIPE}
     prefix, k, n, weight_seed = GEMM_CASE
     enc = encode(q, prefix, k, n, weight_seed, "enc", tensors, meta)
@@ -163,7 +219,7 @@ def gemm_file(q, exl3_module) -> tuple[dict, dict]:
     tensors["inner_weight"] = layer.get_inner_weight_tensor().half().cpu()
     gen = torch.Generator().manual_seed(weight_seed)
     for m in (1, 16, 128, 256):
-        x = torch.randn(m, k, generator=gen).half()
+        x = _previous(previous, "gemm_k6", f"x_m{m}", lambda: torch.randn(m, k, generator=gen).half())
         tensors[f"x_m{m}"], tensors[f"y_m{m}"] = x, layer.forward(x.cuda(), {}).cpu()
     return tensors, meta
 
@@ -182,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     e2e, e2e_meta = {}, {"weight_recipe": RECIPE, "description": "online quantize_exl3, K=6, mcg, meta Hessian"}
     for tag, (prefix, k, n, weight_seed) in CASES.items():
         encode(q, prefix, k, n, weight_seed, tag, e2e, e2e_meta)
-    files = {"encode_e2e": (e2e, e2e_meta), "tiles_golden": tiles_file(q, e2e), "reconstruct_k6": reconstruct_file(q, ext, args.previous),
-             "gemm_k6": gemm_file(q, exl3_module)}
+    files = {"encode_e2e": (e2e, e2e_meta), "tiles_golden": tiles_file(q, e2e, args.previous), "reconstruct_k6": reconstruct_file(q, ext, args.previous),
+             "gemm_k6": gemm_file(q, exl3_module, args.previous)}
     for name, (tensors, meta) in files.items():
         write_safetensors(args.out / f"{name}.safetensors", tensors, meta)
         print(f"{args.out / name}.safetensors: {len(tensors)} tensors")

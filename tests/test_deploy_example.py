@@ -24,7 +24,8 @@ from helpers import TINY, server_encoder_identity, server_lookup, server_model_i
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CI = REPO_ROOT / "examples" / "ci"
 DOC = REPO_ROOT / "docs" / "deploy.md"
-SCRIPTS = ("common.sh", "identity-key.sh", "warm.sh", "export.sh", "import.sh", "check.sh", "warm-and-bundle.yml")
+SCRIPTS = ("common.sh", "identity-key.sh", "warm.sh", "export.sh", "import.sh", "check.sh", "warm-and-bundle.yml",
+           "warm-shards.yml")  # warm-shards.yml: run by tests/test_deploy_shards.py
 HD = 64  # head dim of TINY
 TP_SIZES = (1, 2)
 LAYERS = "model.layers.0.self_attn.*"  # qkv_proj and o_proj of layer 0

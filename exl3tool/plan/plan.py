@@ -17,6 +17,7 @@ from exl3tool.cache import CacheKey, CacheStore, ServerIdentities, entry_path
 from exl3tool.cache.store import PRUNE_HINT
 from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
 from exl3tool.plan.sharing import reused_from, share_jobs, sharing_figures  # whole share groups per worker
+from exl3tool.plan.shards import Shard, ShardInfo, shard_info, shard_slice
 
 __all__ = ["WarmJob", "WarmPlan", "build_plan", "share_jobs"]
 
@@ -69,6 +70,7 @@ class WarmPlan:
     fetch: Optional[FetchInfo] = None  # what a selective Hub download fetched
     identity_warnings: tuple[str, ...] = ()  # from server_identities: e.g. a branch revision, an unmappable link
     identities: Optional[ServerIdentities] = field(default=None, compare=False, repr=False)  # payloads, for records
+    shard: Optional[ShardInfo] = None  # ``cache warm --shard``: ``jobs`` are this shard's slice (``shards``)
 
     def count(self, state: str) -> int:
         return sum(1 for j in self.jobs if j.state == state)
@@ -107,7 +109,15 @@ class WarmPlan:
                       **({"reused_from": shares[j.digest]} if j.digest in shares else {})} for j in self.jobs],
             "not_planned": [{"prefix": e.prefix, "reason": e.reason, "why": e.detail} for e in excluded],
             "encodes": sharing["encodes"], "sharing": sharing,
+            **({"shard": self.shard.as_json()} if self.shard is not None else {}),
         }
+
+    @property
+    def all_skipped(self) -> bool:
+        """Whether the server looks no entry of the whole plan up (every shard's jobs skipped)."""
+        if self.shard is not None:
+            return self.shard.plan_entries == 0
+        return all(j.state == "skipped" for j in self.jobs)
 
     @property
     def todo(self) -> list[WarmJob]:
@@ -141,6 +151,7 @@ def build_plan(
     tp_ranks: Optional[Iterable[int]] = None,
     check_hits: bool = True,
     threads: Optional[int] = None,
+    shard: Optional[Shard] = None,
 ) -> WarmPlan:
     """One job per (layer, TP size, rank), each looked up in the store (read-only) to learn its state.
 
@@ -150,6 +161,9 @@ def build_plan(
     (default: up to 8, one per core), since hashing releases the GIL. ``check_hits=False`` skips only
     the trellis hash (``judge_entry(hash_tensors=False)``; what workers other than 0 use under torchrun, where
     worker 0's plan rules).
+
+    ``shard`` keeps only that shard's slice of the jobs (``shards.shard_slice``, decided before any look-up, from
+    the plan alone) and looks up only those; the plan's ``shard`` holds its figures beside the whole plan's.
     """
     tp_sizes = tuple(sorted(set(int(t) for t in tp_sizes)))
     wanted = None if tp_ranks is None else set(tp_ranks)
@@ -165,6 +179,14 @@ def build_plan(
                 output_size=rj.output_size,
             )
             rows.append((rj, tp, key, reasons.get((rj.prefix, rj.tp_rank), "")))
+    info = None
+    if shard is not None:  # the slice from the plan alone (states unknown yet: looked-up jobs as "miss")
+        unlooked = [WarmJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key, entry_path(key, store.root),
+                            "miss" if rj.aligned else "skipped", reason, rj) for rj, tp, key, reason in rows]
+        mine = shard_slice(unlooked, shard)
+        info = shard_info(shard, unlooked, mine)
+        kept = {j.digest for j in mine}
+        rows = [row for row in rows if row[2].digest() in kept]
     present = [key for rj, _, key, _ in rows if rj.aligned]
     workers = threads or max(1, min(8, os.cpu_count() or 1))
     if workers > 1 and len(present) > 1:
@@ -182,5 +204,5 @@ def build_plan(
     return WarmPlan(
         model=checkpoint.model, model_identity=model_identity, encoder_identity=encoder_identity, bits=bits,
         tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs), layer_plan=layer_plan,
-        fetch=checkpoint.fetch,
+        fetch=checkpoint.fetch, shard=info,
     )

@@ -14,6 +14,7 @@ import torch
 
 from exl3tool.cache import CacheStore
 from exl3tool.plan.plan import build_plan
+from exl3tool.plan.shards import Shard
 from exl3tool.text import plural
 
 __all__ = ["SERVING_DTYPES", "WarmRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype"]
@@ -94,6 +95,7 @@ class WarmRequest:
     language_model_only: bool = False  # the server's --language-model-only: its vision tower is not built
     server_view: Optional[Any] = None  # a launch's filesystem map (cache.serverfs.ServerView): server_path resolves there
     hf_overrides: Optional[str] = None  # the server's --hf-overrides JSON, applied to config.json before planning
+    shard: Optional[Shard] = None  # ``plan.shards.Shard``: plan (and warm) only this shard's slice (``cache warm --shard``)
     server_release: Optional[str] = None  # the fork's release whose rules apply (exl3tool.releases; None: the newest)
 
 
@@ -152,11 +154,12 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
                       model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,
-                      check_hits=check_hits)
-    if request.tp_sizes and all(j.state == "skipped" for j in plan.jobs):  # no TP size: a plan of layers only (import --against)
+                      check_hits=check_hits, shard=request.shard)
+    if request.tp_sizes and plan.all_skipped:  # no TP size: a plan of layers only (import --against)
         tps = ",".join(map(str, plan.tp_sizes))
+        jobs = plan.shard.plan_jobs if plan.shard is not None else len(plan.jobs)
         raise ConfigError(f"{checkpoint.model}: nothing to do at TP {tps}: the server keeps every planned layer MXFP8 "
-                          f"there ({plural(len(plan.jobs), 'rank job')}, rank-local sizes not 128-aligned) and looks no "
+                          f"there ({plural(jobs, 'rank job')}, rank-local sizes not 128-aligned) and looks no "
                           "entry up; try another TP size")
     if identity_warnings:
         plan = replace(plan, identity_warnings=identity_warnings)

@@ -76,6 +76,10 @@ CLAIMS = [
     ("docs/cache.md", "exits 2 with both figures when they do not fit", "disk_full"),
     ("README.md", "A layer that `differs` fails (exit 1)", "exact"),
     ("docs/deploy.md", "cache as it was; the rest are imported (exit 1)", "bundles"),
+    ("docs/deploy.md", "* **Errors** are one line, exit 2, before any work: `--shard 3/2`", "shards"),
+    ("docs/deploy.md", "* **A shard with no job** (N larger than the plan's encodes) is success (exit 0)", "shards"),
+    ("docs/deploy.md", "A plan with no work at all stays a usage error (exit 2), as unsharded.", "shards"),
+    ("docs/deploy.md", "whole plan; it exits 0 only when every shard ran.", "shards"),
 ]
 
 
@@ -291,6 +295,29 @@ def scenario_warm(m, tmp, monkeypatch):
     assert run(["cache", "warm", m["nan"], "--layers", LAYER, "--cache-dir", tmp / "c", "--quiet", *ENC]) == 1
     assert not list((tmp / "c").rglob("*.safetensors"))  # nothing published for the failed layer
     assert run(["cache", "warm", m["good"], "--cache-dir", tmp / "c", "--tp-sizes", "x", *ENC]) == 2
+
+
+def scenario_shards(m, tmp, monkeypatch):
+    base = ["cache", "warm", m["good"], "--cache-dir", tmp / "c", "--quiet", *ENC]
+    for argv in (["--shard", "3/2"], ["--shard", "0/0"], ["--shard", "x/y"], ["--shard-count", "2"]):
+        assert run([*base, "--dry-run", *argv]) == 2, argv
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")  # an index variable without a count
+    assert run([*base, "--dry-run"]) == 2
+    monkeypatch.delenv("JOB_COMPLETION_INDEX")
+    ignore_all = '{"linear": {"weight": "mxfp8"}, "ignore": ["re:.*"]}'
+    assert run([*base, "--dry-run", "--shard", "0/2", "--quantization-config", ignore_all]) == 2
+    assert run([*base, "--layers", LAYER, "--shard", "1/2"]) == 0  # one job, two shards: shard 1 has none
+    assert not (tmp / "c" / "v1").exists()
+
+    import exl3tool.operations.warm.run as warm_run
+    from helpers import fake_encode
+
+    real = warm_run.run_plan
+    monkeypatch.setattr(warm_run, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
+    two = ["--layers", LAYER, "--layers", "model.layers.1.self_attn.o_proj"]
+    check = ["cache", "check", m["good"], "--cache-dir", tmp / "c", "--quiet", *ENC, *two]
+    assert run([*base, *two, "--shard", "0/2"]) == 0 and run(check) == 1  # one shard ran: the other's entry misses
+    assert run([*base, *two, "--shard", "1/2"]) == 0 and run(check) == 0
 
 
 def scenario_verify_model(m, tmp, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
@@ -24,6 +26,7 @@ from exl3tool.cli.progress import make_progress, progress_mode
 from exl3tool.plan import WarmPlan, WarmRequest, prepare
 from exl3tool.operations.warm import WarmSummary, warm
 from exl3tool.plan.sharing import sharing_figures
+from exl3tool.plan.shards import parse_shard, resolve_shard
 
 __all__ = ["register", "encode", "cache_warm", "render_plan", "render_summary"]
 
@@ -60,6 +63,8 @@ def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> No
              f"{plural(len(excluded), 'module')} not encoded by the server; {plural(sum(j.tiles for j in looked_up), 'tile')} "
              f"in all, {plural(sum(j.tiles for j in todo), 'tile')} to encode; cache {plan.cache_root}")
     out.line(_sharing_line(sharing))
+    if plan.shard is not None:
+        out.note(plan.shard.note)  # which shard, and what said so
     out.data({**plan.as_json(), **(extra or {})})
 
 
@@ -82,7 +87,10 @@ def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = No
             table.add_row(e.prefix, str(e.tp_size), str(e.tp_rank), e.error)
         out.table(table)
     saved = f" ({summary.encodes} encodes, {summary.encodes_saved} saved by sharing)" if summary.encodes_saved else ""
-    out.line(f"{c['hit']} hit, {c['encoded']} encoded{saved}, {c['skipped']} skipped, {c['failed']} failed; "
+    shard = ""
+    if summary.shard is not None:
+        shard = f"shard {summary.shard['index']}/{summary.shard['count']}: "
+    out.line(f"{shard}{c['hit']} hit, {c['encoded']} encoded{saved}, {c['skipped']} skipped, {c['failed']} failed; "
              f"{decimal(summary.bytes_written)} written in {summary.seconds:.1f} s on {summary.device}"
              f" ({summary.workers} worker{'s' if summary.workers != 1 else ''}); cache {summary.cache_root}")
     for st in summary.worker_stats:
@@ -131,6 +139,8 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
             todo = share_jobs(todo, ctx.worker, ctx.workers)
         plan_notes(out, plan)
         discard_note(out, plan)
+        if plan.shard is not None:
+            out.note(plan.shard.note)
         f = sharing_figures(todo)
         out.note(f"{plan.model}: {plural(len(plan.jobs), 'job')}, {plan.count('hit')} already cached, "
                  f"{len(todo)} to encode here ({plural(f['tiles'], 'tile')})"
@@ -211,6 +221,26 @@ def encode(
     _run(out, request, dry_run, "encode", environ, launch_json(settings), progress_choice=progress)
 
 
+def _shard_option(value: Optional[str]) -> Optional[str]:
+    """``--shard I/N``: checked here so a bad value is a usage error before any work."""
+    if value is not None:
+        try:
+            parse_shard(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+ShardOpt = Annotated[Optional[str], typer.Option(
+    "--shard", metavar="I/N", callback=_shard_option,
+    help="Warm only shard I of N (0-based) of the plan: a static split by encode cost, the same on every task. "
+    "Default: a scheduler's index, JOB_COMPLETION_INDEX (Kubernetes, with --shard-count) or SLURM_ARRAY_TASK_ID; "
+    "0/1 is the whole plan.")]
+ShardCountOpt = Annotated[Optional[int], typer.Option(
+    "--shard-count", metavar="N", min=1,
+    help="The shard count where the scheduler gives only the index (a Kubernetes Indexed Job's spec.completions).")]
+
+
 def cache_warm(
     ctx: typer.Context,
     model: ModelArg = None,
@@ -241,6 +271,8 @@ def cache_warm(
     launch_file: LaunchFileOpt = None,
     compose: ComposeOpt = None,
     service: ServiceOpt = None,
+    shard_option: ShardOpt = None,  # with --shard-count and the task's environment: resolve_shard, not the table
+    shard_count: ShardCountOpt = None,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -251,7 +283,9 @@ def cache_warm(
     exl3tool's checksum (server-written) are kept and named; --check-unchecked re-encodes each, compares it with
     `verify --exact`'s rule and replaces (entry lock, atomic publish) the ones that differ.
 
-    Under `torchrun --nproc-per-node N -m exl3tool cache warm ...` each process takes a balanced share.
+    Under `torchrun --nproc-per-node N -m exl3tool cache warm ...` each process takes a balanced share. Across
+    hosts, --shard I/N (or a Kubernetes Indexed Job's or Slurm array's index) takes shard I of a static split; every
+    shard done, `cache check` over the whole plan hits everything (docs/deploy.md, "Sharded warms").
 
     Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
 
@@ -263,6 +297,8 @@ def cache_warm(
     request, given = request_from_options(ctx)
     out = Output(json=json_out, quiet=quiet)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True)
+    # the task's own environment (a scheduler's variables), never the server's
+    request = replace(request, shard=resolve_shard(shard_option, shard_count, os.environ))
     _run(out, request, dry_run, "cache warm", environ, launch_json(settings), progress_choice=progress)
 
 

@@ -58,6 +58,8 @@ class WarmSummary:
     record: Optional[str] = None  # the provenance record of this warm's entries (exl3tool.cache.records)
     record_written: bool = False  # False: the same record was already there (or none was written)
     record_error: str = ""  # why no record could be written (the entries are complete without one)
+    # ``cache warm --shard``: this shard's index, count, source, jobs and cost beside the whole plan's (absent unsharded)
+    shard: Optional[dict] = field(default=None, metadata={"omit_none": True})
 
     @property
     def encodes_saved(self) -> int:
@@ -98,4 +100,5 @@ def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers:
         quantization_config=lp.overlay.as_json() if lp is not None and lp.overlay is not None else None,
         server_lookup=lp.server_lookup if lp is not None else True,
         unchecked=list(unchecked if unchecked is not None else unchecked_hits(plan)),
+        shard=plan.shard.as_json() if plan.shard is not None else None,
     )
