@@ -269,3 +269,9 @@ def test_a_release_without_the_online_cache_checked_without_a_launch(tiny_llama,
     code, out, err = run(["cache", "check", str(tiny_llama), "--server-release", "ii-r3", "--cache-dir",
                           str(tmp_path), "--json", *ENC_ARGS], capsys)
     assert code == 1 and json.loads(out)["server_lookup"] is False and "ships no online EXL3 cache" in out
+
+
+def test_nothing_to_warm_for_a_release_without_the_online_cache(tiny_llama, tmp_path, capsys):
+    code, _, err = run(["cache", "warm", str(tiny_llama), "--server-release", "gilded-gnosis-r19", "--dry-run",
+                        "--cache-dir", str(tmp_path), *ENC_ARGS], capsys)
+    assert code == 2 and "gilded-gnosis-r19 ships no online EXL3 cache" in err

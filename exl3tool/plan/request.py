@@ -124,6 +124,10 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     from exl3tool.releases import default_release
 
     release = default_release(request.server_release)[0]
+    if not release.online_cache:
+        raise ConfigError(f"{release.name} ships no online EXL3 cache (it arrived with gilded-gnosis-r20 and "
+                          "infernal-invocation-r5): its server encodes at start-up and looks nothing up, so there is "
+                          "nothing to plan; check --server-release (docs/releases.md)")
     serving_torch_dtype(request.dtype)  # a ConfigError for anything the server cannot run with
     if any(t < 1 for t in request.tp_sizes):
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
