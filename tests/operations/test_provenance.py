@@ -136,7 +136,8 @@ def test_check_takes_the_options_of_cache_warm():
     from exl3tool.cli.commands.check import cache_check
     from exl3tool.cli.commands.encode import cache_warm
 
-    run_only = {"device", "file_mode", "overlap", "dry_run", "lock_timeout", "progress", "gpu_memory", "check_unchecked"}
+    run_only = {"device", "file_mode", "overlap", "dry_run", "lock_timeout", "progress", "gpu_memory", "check_unchecked",
+                "shard_option", "shard_count"}  # --shard I/N splits a warm's work; the server's look-ups are the same
     warm_params = inspect.signature(cache_warm).parameters
     check_params = inspect.signature(cache_check).parameters
     check_only = {"nodes"}  # cache check --nodes: a fleet's identities compared, no look-up (tests/test_fleet.py)
