@@ -392,3 +392,30 @@ def spec_dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, bits:
     q = np.einsum("ab,ibn->ian", hn, q.reshape(k // 128, 128, n)).reshape(k, n)  # B_k Q
     q = np.einsum("kjb,bc->kjc", q.reshape(k, n // 128, 128), hn).reshape(k, n)  # (B_k Q) B_n
     return suh.astype(np.float64)[:, None] * q * svh.astype(np.float64)[None, :]
+# The fork's releases, independently of exl3tool.releases: which version of exl3_online_cache.py each ships
+# (blackwell-llm-docker patches/releases/<release>/vllm/integration.patch): "older" (Gilded Gnosis r20..r33),
+# "newer" (Gilded Gnosis r34, Infernal Invocation r5..r18).
+def server_cache_module(release: str) -> str:
+    line, _, n = release.rpartition("-r")
+    if line == "gilded-gnosis":
+        return "newer" if int(n) >= 34 else "older"
+    assert line == "infernal-invocation" and int(n) >= 5, release
+    return "newer"
+
+
+def server_cache_root(environ: dict, module: str = "newer") -> Path:
+    """The server's cache root (docs/cache-format.md §1.4) written from the two versions of its cache module, with
+    ``os.path.expanduser`` under ``environ``'s HOME: the older reads ``VLLM_CACHE_ROOT`` or a literal
+    ``~/.cache/vllm`` (``XDG_CACHE_HOME`` never), the newer vLLM's ``envs.VLLM_CACHE_ROOT``."""
+    def expand(p: str) -> str:
+        if p == "~" or p.startswith("~/"):
+            return environ.get("HOME", os.path.expanduser("~")) + p[1:]
+        return p
+
+    configured = environ.get("VLLM_EXL3_ONLINE_CACHE_DIR")
+    if configured and configured.strip():
+        return Path(expand(configured))
+    if module == "older":
+        return Path(expand(environ.get("VLLM_CACHE_ROOT", "~/.cache/vllm"))) / "exl3_online"
+    base = environ.get("XDG_CACHE_HOME", os.path.join(expand("~"), ".cache"))
+    return Path(expand(environ.get("VLLM_CACHE_ROOT", os.path.join(base, "vllm")))) / "exl3_online"

@@ -29,7 +29,7 @@ from typing import BinaryIO
 from exl3tool import __version__
 from exl3tool.cache.entry import EntryContents, judge_entry
 from exl3tool.cache.key import HEX64, CacheKey
-from exl3tool.cache.paths import entry_path
+from exl3tool.cache.paths import entry_path, entry_relpath
 from exl3tool.cache.records import (
     RECORD_LIMIT, RECORD_NAME_RE, RECORDS_DIR, ProvenanceRecord, parse_record, printable, read_records, record_bytes,
     write_record,
@@ -462,7 +462,7 @@ def _record_problem(record: ProvenanceRecord, wanted: dict[str, tuple[BundleEntr
     """Why a bundle's record does not describe the bundle's entries, or None: every digest must be an entry of the
     manifest whose key carries the record's identities, bits, layer, TP size and rank."""
     for e in record.entries:
-        rel = f"v1/{record.model_identity[:20]}/tp{e.tp_size}-rank{e.tp_rank}/{e.digest}.safetensors"
+        rel = entry_relpath(record.model_identity, e.tp_size, e.tp_rank, e.digest)
         found = wanted.get(rel)
         if found is None:
             return f"entry {e.digest[:16]} ({printable(e.prefix)}) is not in the bundle's manifest"

@@ -26,6 +26,7 @@ from safetensors.torch import save as _st_save
 
 from exl3tool import __version__
 from exl3tool.cache.key import CacheKey
+from exl3tool.cache.paths import layout_parts
 from exl3tool.jsontext import loads_json
 
 __all__ = [
@@ -324,7 +325,7 @@ def _path_problem(path: Path, key: CacheKey) -> str | None:
     """Why ``path`` is not where the server looks ``key`` up (file name, model and TP folders), or None."""
     if path.name != f"{key.digest()}.safetensors":
         return "file name is not the digest of the stored cache_key"
-    if (path.parent.parent.name, path.parent.name) != (key.model_identity[:20], f"tp{key.tp_world_size}-rank{key.tp_rank}"):
+    if (path.parent.parent.name, path.parent.name) != layout_parts(key.model_identity, key.tp_world_size, key.tp_rank)[1:]:
         return "entry sits in the wrong model or tp directory for its key"
     return None
 

@@ -524,16 +524,21 @@ def server_encoder_identity(
 
 
 def _encoder_warnings(eid: EncoderIdentity, settings: EncoderSettings) -> tuple[str, ...]:
+    tilde: tuple[str, ...] = ()
+    if settings.root.startswith("~"):  # every release (exl3tool.releases: encoder_source_tilde_expanded_for_import)
+        tilde = (f"VLLM_EXL3_ENCODER_SOURCE={settings.root} starts with ~: the server's identity expands it, its "
+                 "encoder import does not (Path(...).resolve()), so any miss fails the server's start; give the "
+                 "absolute path (the identity stays the same)",)
     if eid.mode == "revision":
         if settings.source_dir is not None:
-            return ("--encoder-source is not used for the identity: with an encoder revision the server hashes no "
-                    "files (a warm runs it as the local copy of the server's encoder in its encoder parity probe)",)
-        return ()
+            return tilde + ("--encoder-source is not used for the identity: with an encoder revision the server hashes no "
+                            "files (a warm runs it as the local copy of the server's encoder in its encoder parity probe)",)
+        return tilde
     if eid.files_from and not os.path.isfile(os.path.join(eid.files_from, *_QUANTIZE_PY)):
-        return (f"{eid.files_from} holds no {'/'.join(_QUANTIZE_PY)}: the server's VLLM_EXL3_ENCODER_SOURCE is the "
+        return tilde + (f"{eid.files_from} holds no {'/'.join(_QUANTIZE_PY)}: the server's VLLM_EXL3_ENCODER_SOURCE is the "
                 "exllamav3 package folder (the one holding modules/); a different folder hashes a different file set "
                 "and cannot load the encoder on a miss",)
-    return ()
+    return tilde
 
 
 def server_identities(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from exl3tool.cache.key import CacheKey
 
-__all__ = ["entry_path", "lock_path", "link_below_root", "link_problem", "ENTRY_SUFFIX", "LOCK_SUFFIX", "TEMP_RE", "ENTRY_RE", "LOCK_RE", "LAYOUT_RE"]
+__all__ = ["entry_path", "entry_relpath", "layout_parts", "lock_path", "link_below_root", "link_problem", "ENTRY_SUFFIX", "LOCK_SUFFIX", "TEMP_RE", "ENTRY_RE", "LOCK_RE", "LAYOUT_RE"]
 
 ENTRY_SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
@@ -19,19 +19,28 @@ TEMP_RE = re.compile(r"^\.([0-9a-f]{64})\.safetensors\..*\.tmp$")
 LAYOUT_RE = re.compile(r"^tp([0-9]+)-rank([0-9]+)$")
 
 
+def layout_parts(model_identity: str, tp_size: int, tp_rank: int, schema: int = 1) -> tuple[str, str, str]:
+    """The three folders of an entry below the cache root: ``v<schema>``, the model identity's first 20 characters,
+    ``tp<W>-rank<R>``. The one place the layout is spelled (the store, records, bundles, scans and verdicts ask here).
+
+    >>> layout_parts("c9ab4d59bf201df6de4427b1", 2, 1)
+    ('v1', 'c9ab4d59bf201df6de44', 'tp2-rank1')
+    """
+    return f"v{schema}", model_identity[:20], f"tp{tp_size}-rank{tp_rank}"
+
+
+def entry_relpath(model_identity: str, tp_size: int, tp_rank: int, digest: str, schema: int = 1) -> str:
+    """An entry's path relative to the cache root, with ``/`` (a bundle's manifest names entries so)."""
+    return "/".join((*layout_parts(model_identity, tp_size, tp_rank, schema), f"{digest}{ENTRY_SUFFIX}"))
+
+
 def entry_path(key: CacheKey, root: str | Path) -> Path:
     """The file the server looks up for ``key`` under cache root ``root``.
 
     >>> entry_path(key, "/cache/exl3").parts[-3:-1]   # doctest: +SKIP
     ('c9ab4d59bf201df6de44', 'tp2-rank1')
     """
-    return (
-        Path(root)
-        / f"v{key.schema}"
-        / key.model_identity[:20]
-        / f"tp{key.tp_world_size}-rank{key.tp_rank}"
-        / f"{key.digest()}{ENTRY_SUFFIX}"
-    )
+    return Path(root) / entry_relpath(key.model_identity, key.tp_world_size, key.tp_rank, key.digest(), key.schema)
 
 
 def lock_path(path: str | Path) -> Path:

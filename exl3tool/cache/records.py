@@ -31,7 +31,7 @@ from exl3tool import __version__
 from exl3tool.cache.entry import atomic_write
 from exl3tool.cache.identity import model_payload_digest
 from exl3tool.cache.key import HEX64, canonical_dumps
-from exl3tool.cache.paths import link_problem
+from exl3tool.cache.paths import entry_relpath, link_problem
 from exl3tool.jsontext import loads_json
 
 __all__ = [
@@ -432,8 +432,7 @@ def new_record(*, command: str, model_name: str, model_identity: str, model_payl
 
 def entry_file(root: str | Path, record: ProvenanceRecord, entry: RecordEntry) -> Path:
     """The entry file a record's entry names (its key's path: the record's model identity, TP size and rank)."""
-    return Path(root) / "v1" / record.model_identity[:20] / f"tp{entry.tp_size}-rank{entry.tp_rank}" / (
-        f"{entry.digest}.safetensors")
+    return Path(root) / entry_relpath(record.model_identity, entry.tp_size, entry.tp_rank, entry.digest)
 
 
 def group_by_identity(root: str | Path, infos: list, records: list[StoredRecord]) -> list[dict[str, Any]]:

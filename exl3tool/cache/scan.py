@@ -26,7 +26,7 @@ from safetensors import safe_open
 from exl3tool.cache.entry import describe_unreadable, judge_entry, parse_proxy_error
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.locks import lock_path_unusable
-from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE, link_problem, lock_path
+from exl3tool.cache.paths import ENTRY_RE, LAYOUT_RE, LOCK_RE, TEMP_RE, layout_parts, link_problem, lock_path
 
 __all__ = ["EntryInfo", "CacheHealth", "iso_utc", "PrunePlan", "scan", "inspect_entry", "plan_prune", "execute_prune", "PruneResult", "lock_is_held", "matches_model"]
 
@@ -226,7 +226,8 @@ def _check_entry(path: Path, digest: str, model_dir: str | None, world: int | No
     if hashlib.sha256(stored.encode("utf-8")).hexdigest() != digest:
         out["reason"] = "file name is not the digest of the stored cache_key"
         return out
-    if model_dir is not None and (key.model_identity[:20], key.tp_world_size, key.tp_rank) != (model_dir, world, rank):
+    if model_dir is not None and layout_parts(key.model_identity, key.tp_world_size, key.tp_rank)[1:] != (
+            model_dir, f"tp{world}-rank{rank}"):
         out["reason"] = "entry sits in the wrong model or tp directory for its key"
         return out
     if not deep:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exl3tool.errors import ConfigError
 
+if TYPE_CHECKING:
+    from exl3tool.releases import ServerRelease
+
 __all__ = ["CACHE_MODES", "BITS_RANGE", "DEFAULT_BITS", "BITS_VAR", "cache_mode", "cache_root", "trellis_bits",
-           "vllm_cache_root"]
+           "server_bits", "vllm_cache_root"]
 
 CACHE_MODES = ("off", "readonly", "readwrite")
 BITS_RANGE = (3, 8)  # what the server accepts for VLLM_EXL3_ONLINE_TRELLIS_BITS (docs/cache-format.md §1.2)
@@ -61,23 +65,50 @@ def trellis_bits(environ: Mapping[str, str] | None = None) -> int | None:
     return bits
 
 
-def vllm_cache_root(environ: Mapping[str, str] | None = None) -> Path:
-    """vLLM's ``VLLM_CACHE_ROOT``: ``~``-expanded env value, else ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``.
+def server_bits(bits: int | None, environ: Mapping[str, str] | None = None) -> int:
+    """The key's ``bits``: ``bits`` when given, else the server's ``VLLM_EXL3_ONLINE_TRELLIS_BITS``, else 6.
 
-    Mirrors ``os.getenv`` semantics: a variable set to an empty string counts as set.
+    The one place this default lives: ``prepare`` (the library) and every command's ``--bits`` reach it, so a
+    ``WarmRequest`` without bits plans what ``cache warm`` plans under the same environment. Either way the value
+    must be from 3 to 8 (ConfigError naming the option or the variable).
+
+    >>> server_bits(None, {"VLLM_EXL3_ONLINE_TRELLIS_BITS": "4"}), server_bits(8, {"VLLM_EXL3_ONLINE_TRELLIS_BITS": "4"})
+    (4, 8)
     """
+    lo, hi = BITS_RANGE
+    if bits is None:
+        env = trellis_bits(environ)
+        return DEFAULT_BITS if env is None else env
+    if isinstance(bits, bool) or not isinstance(bits, int) or not lo <= bits <= hi:
+        raise ConfigError(f"--bits {bits}: must be from {lo} to {hi} (what the server accepts)")
+    return bits
+
+
+def _expanduser(path: str, env: Mapping[str, str]) -> str:
+    """``os.path.expanduser`` with ``env``'s HOME when it has one (the server's), else this process's."""
+    if (path == "~" or path.startswith("~/")) and env.get("HOME"):
+        return env["HOME"].rstrip("/") + path[1:] or "/"
+    return os.path.expanduser(path)
+
+
+def vllm_cache_root(environ: Mapping[str, str] | None = None, release: "ServerRelease | None" = None) -> Path:
+    """vLLM's cache root as ``release``'s cache module computes it (``exl3tool.releases.server_vllm_root``; None:
+    the newest release), ``~``-expanded: newer releases ``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else
+    ``~/.cache/vllm``; older ones (Gilded Gnosis up to r33) ignore ``XDG_CACHE_HOME``.
+    """
+    from exl3tool.releases import server_vllm_root
+
     env = _env(environ)
-    default_root = env.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
-    return Path(os.path.expanduser(env.get("VLLM_CACHE_ROOT", os.path.join(default_root, "vllm"))))
+    return Path(_expanduser(server_vllm_root(env.get, release)[0], env))
 
 
-def cache_root(environ: Mapping[str, str] | None = None) -> Path:
-    """The server's cache root: ``VLLM_EXL3_ONLINE_CACHE_DIR`` (not stripped, not resolved) or ``<VLLM_CACHE_ROOT>/exl3_online``.
+def cache_root(environ: Mapping[str, str] | None = None, release: "ServerRelease | None" = None) -> Path:
+    """The server's cache root: ``VLLM_EXL3_ONLINE_CACHE_DIR`` (not stripped, not resolved) or
+    ``<VLLM_CACHE_ROOT>/exl3_online`` (``exl3tool.releases.server_cache_root``, the one rule, per release).
 
     A relative value stays relative (the server takes it relative to its own working directory).
     """
+    from exl3tool.releases import server_cache_root
+
     env = _env(environ)
-    value = env.get("VLLM_EXL3_ONLINE_CACHE_DIR")
-    if value is not None and value.strip() != "":
-        return Path(os.path.expanduser(value))
-    return vllm_cache_root(env) / "exl3_online"
+    return Path(_expanduser(server_cache_root(env.get, release)[0], env))

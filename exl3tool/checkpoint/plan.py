@@ -25,6 +25,7 @@ from exl3tool.checkpoint.serving import (
 )
 from exl3tool.checkpoint.source import QUANT_CONFIG, Checkpoint
 from exl3tool.errors import ConfigError, InputError
+from exl3tool.releases import ServerRelease
 
 __all__ = ["PlannedLayer", "RankJob", "LayerPlan", "Excluded", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN",
            "is_shared_expert_projection", "tensors_to_fetch"]
@@ -185,7 +186,8 @@ def _skip_reason(k_r: int, n_r: int) -> str | None:
     bad = [f"{what} {n} is not a multiple of {ALIGN}" for what, n in (("K_r", k_r), ("N_r", n_r)) if n % ALIGN]
     if not bad:
         return None
-    return "; ".join(bad) + "; the server keeps this layer unencoded (MXFP8/BF16), no cache entry"
+    return ("; ".join(bad) + "; the server leaves this layer unencoded (MXFP8 online method), no cache entry (a "
+            "K_r that is not a multiple of 32 fails the server's start: cache check says so)")
 
 
 @dataclass(frozen=True)
@@ -407,7 +409,8 @@ def _as_overlay(overlay: Overlay | str | None) -> Overlay:
 
 
 def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None, layers: list[str] | None = None,
-                exclude: list[str] | None = None, language_model_only: bool = False) -> LayerPlan:
+                exclude: list[str] | None = None, language_model_only: bool = False,
+                release: "ServerRelease | None" = None) -> LayerPlan:
     """Plan the server's online-encoded linears for ``checkpoint`` (headers only, no weights read).
 
     ``overlay`` is the server's ``--quantization-config`` (parsed ``Overlay`` or the JSON string; default: the
@@ -430,7 +433,7 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
     arch = checkpoint.architecture
     family = family_for(arch)
     quant_file = read_json(checkpoint.root / QUANT_CONFIG)
-    view = serving_view(checkpoint.config, quant_file, family.storage_mapper if family else ())
+    view = serving_view(checkpoint.config, quant_file, family.storage_mapper if family else (), release)
     serialized: list[str] = []
     excluded: list[Excluded] = []
     notes: list[str] = list(view.kind.notes) if view.kind else []
@@ -498,7 +501,8 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
 
 
 def tensors_to_fetch(root: Path, config: dict, names: Iterable[str], overlay: Overlay | str | None = None,
-                     layers: list[str] | None = None, exclude: list[str] | None = None) -> set[str]:
+                     layers: list[str] | None = None, exclude: list[str] | None = None,
+                     release: "ServerRelease | None" = None) -> set[str]:
     """The tensor names ``plan_layers`` will read, from the config, the EXL3 metadata and the index only.
 
     A Hub download fetches just the shards holding these: for an EXL3 checkpoint of a large MoE only the BF16
@@ -511,7 +515,7 @@ def tensors_to_fetch(root: Path, config: dict, names: Iterable[str], overlay: Ov
     if family is None:
         return {n for n in names if n.endswith(".weight") and _matches(n.removesuffix(".weight"), layers)
                 and not _never(n.removesuffix(".weight"))} if layers else set()
-    view = serving_view(config, read_json(root / QUANT_CONFIG), family.storage_mapper)
+    view = serving_view(config, read_json(root / QUANT_CONFIG), family.storage_mapper, release)
     if view.refusal and not layers:
         return set()
     base_layers = _checkpoint_layers(family, names)

@@ -24,6 +24,7 @@ from exl3tool.checkpoint.families import Family, ModuleTemplate, text_config
 from exl3tool.checkpoint.overlay import Overlay
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.jsontext import read_json_object
+from exl3tool.releases import GLM53_SCOPE, R7_SCHEMA, ServerRelease, default_release
 
 __all__ = [
     "NotServable", "CheckpointKind", "Route", "serving_kind", "storage_candidates", "StorageMap", "route_family",
@@ -31,7 +32,6 @@ __all__ = [
     "REASONS",
 ]
 
-GLM53_SCOPE = "glm53_routed_experts_only"
 RANK_SLICED_FORMAT = "exl3-trellis"
 NO_STORAGE_REASON = (
     "EXL3 requires quantization_config.json with a non-empty tensor_storage map. For branch-indexed Hugging Face "
@@ -235,8 +235,37 @@ def _glm53_scope(qc: Mapping[str, Any], text: Mapping[str, Any]) -> None:
                           f"got {linear!r}")
 
 
+def _r7(qc: Mapping[str, Any]) -> bool:
+    """An r7 routed-expert checkpoint (``r7_routed_experts.schema``): ``Exl3Config.override_quantization_method``
+    takes it as EXL3 whatever its ``quant_method``; ``from_config`` then checks the block (the server's messages)."""
+    r7 = qc.get("r7_routed_experts")
+    if r7 is None:
+        return False
+    if not isinstance(r7, dict):
+        raise NotServable("r7_routed_experts must be an object")
+    if r7.get("schema") != R7_SCHEMA:
+        return False  # not the server's r7 kind: the quant_method decides
+    if r7.get("codebook") != "mcg" or r7.get("bits") != "mixed_tensor":
+        raise NotServable("R7 EXL3 requires codebook='mcg' and bits='mixed_tensor'")
+    layers = r7.get("moe_layers")
+    ints = isinstance(layers, (list, tuple)) and len(layers) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in layers)
+    if not ints or layers[0] < 0 or layers[1] < layers[0]:
+        raise NotServable("R7 EXL3 moe_layers must be two non-negative JSON integers [first, last] with last >= first")
+    ks = r7.get("k_values")
+    if not isinstance(ks, (list, tuple)) or not ks:
+        raise NotServable("R7 EXL3 k_values must be a non-empty list")
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in ks):
+        raise NotServable("R7 EXL3 k_values must contain JSON integers")
+    bad = sorted(set(ks) - {3, 4, 5})
+    if bad:
+        raise NotServable(f"R7 EXL3 has unsupported k_values: {bad}")
+    return True
+
+
 def serving_kind(config: Mapping[str, Any], quant_file: Optional[Mapping[str, Any]],
-                 mapper: Iterable[tuple[str, Optional[str]]] = ()) -> CheckpointKind:
+                 mapper: Iterable[tuple[str, Optional[str]]] = (), release: "ServerRelease | None" = None,
+                 ) -> CheckpointKind:
     """The checkpoint's kind as ``Exl3Config.maybe_update_config`` reads it; NotServable with the server's reason.
 
     ``config`` is config.json, ``quant_file`` quantization_config.json (None when absent), ``mapper`` the model's
@@ -248,12 +277,16 @@ def serving_kind(config: Mapping[str, Any], quant_file: Optional[Mapping[str, An
     hybrid = config.get("hybrid_tr3_tail", text.get("hybrid_tr3_tail"))
     rank_sliced = isinstance(hybrid, dict) and hybrid.get("format") == RANK_SLICED_FORMAT
     glm53 = qc.get("scope") == GLM53_SCOPE
-    if qc.get("quant_method") != "exl3" and not rank_sliced:
+    rel = release or default_release()[0]
+    r7 = _r7(qc) if rel.r7_checkpoints else False
+    if qc.get("quant_method") != "exl3" and not rank_sliced and not r7 and not glm53:
         method = qc.get("quant_method")
+        older = (f"; {rel.name} does not read r7_routed_experts checkpoints (gilded-gnosis-r34 and "
+                 "infernal-invocation-r5 on do)" if isinstance(qc.get("r7_routed_experts"), dict) else "")
         raise NotServable(
             f"not an EXL3 checkpoint (config.json quantization_config.quant_method is {method!r}): the fork encodes "
             "layers online, and looks cache entries up, only for EXL3 checkpoints served with the overlay"
-            + ("; a plain BF16/FP16 checkpoint gets no online EXL3 at all" if method is None else "")
+            + ("; a plain BF16/FP16 checkpoint gets no online EXL3 at all" if method is None else "") + older
         )
     inline = qc.get("tensor_storage") or {}
     if glm53:
@@ -270,7 +303,9 @@ def serving_kind(config: Mapping[str, Any], quant_file: Optional[Mapping[str, An
     if not isinstance(storage, dict) or not storage:
         raise NotServable(NO_STORAGE_REASON)
     _validate_records(storage)
-    return CheckpointKind("exl3", StorageMap.build(storage, mapper))
+    notes = ((f"r7 routed-expert checkpoint ({R7_SCHEMA}): taken as EXL3 whatever its quant_method "
+              f"({qc.get('quant_method')!r}), as {rel.name} does",) if r7 else ())
+    return CheckpointKind("exl3", StorageMap.build(storage, mapper), notes=notes)
 
 
 @dataclass(frozen=True)
@@ -330,10 +365,11 @@ class ServingView:
 
 
 def serving_view(config: Mapping[str, Any], quant_file: Optional[Mapping[str, Any]],
-                 mapper: Iterable[tuple[str, Optional[str]]] = ()) -> ServingView:
+                 mapper: Iterable[tuple[str, Optional[str]]] = (), release: "ServerRelease | None" = None,
+                 ) -> ServingView:
     """``serving_kind`` without raising: a refused checkpoint still gets its storage map for experiments."""
     try:
-        kind = serving_kind(config, quant_file, mapper)
+        kind = serving_kind(config, quant_file, mapper, release)
         return ServingView(kind, None, kind.storage)
     except NotServable as e:
         qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}

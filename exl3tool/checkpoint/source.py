@@ -231,18 +231,18 @@ class Checkpoint:
 
 
 def hub_cache_dir() -> Path:
-    """The Hub cache as huggingface_hub would pick it, read from the environment now (not at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.path.expandvars(os.path.expanduser(os.environ["HF_HUB_CACHE"])))
-    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
-        return Path(os.path.expandvars(os.path.expanduser(os.environ["HUGGINGFACE_HUB_CACHE"])))
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
-    return Path(os.path.expandvars(os.path.expanduser(home))) / "hub"
+    """The Hub cache as huggingface_hub would pick it, read from the environment now (not at import): the one rule,
+    ``exl3tool.cache.hub.hub_cache_dir``."""
+    from exl3tool.cache.hub import hub_cache_dir as _hub_cache_dir
+
+    return _hub_cache_dir()
 
 
 def _env_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    """huggingface_hub's offline switch (HF_HUB_OFFLINE, else TRANSFORMERS_OFFLINE): ``exl3tool.cache.hub``'s rule."""
+    from exl3tool.cache.hub import hub_offline
+
+    return hub_offline()
 
 
 def _snapshot_hash(directory: Path) -> str | None:

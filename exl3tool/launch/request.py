@@ -18,7 +18,7 @@ __all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS", "launch_image"]
 
 # WarmRequest fields a command's own flags can give (and so win over the launch)
 EXPLICIT_FIELDS = ("model", "revision", "server_path", "tp_sizes", "dtype", "bits", "quantization_config",
-                   "encoder_root", "encoder_revision", "encoder_source", "cache_dir")
+                   "encoder_root", "encoder_revision", "encoder_source", "cache_dir", "server_release")
 
 
 @dataclass(frozen=True)
@@ -45,18 +45,14 @@ def _env_only(request: WarmRequest, given: Collection[str], files: tuple[str, ..
               environ: Mapping[str, str], image: Optional[ImageSettings] = None) -> tuple[WarmRequest, dict[str, str]]:
     """``--env-file`` / ``--image`` without a launch: the files' variables over the image's ENV over ours, for the
     server's settings."""
-    from exl3tool.cache.settings import trellis_bits
+    from exl3tool.cache.settings import server_bits
 
     merged = dict(environ)
     if image is not None:
         merged.update(image.env)
     for path in files:
         merged.update({k: v.value for k, v in read_env_file(path, environ=environ).items()})
-    if "bits" not in given:
-        bits = trellis_bits(merged)
-        if bits is not None:
-            request = replace(request, bits=bits)
-    return request, merged
+    return replace(request, bits=server_bits(request.bits if "bits" in given else None, merged)), merged
 
 
 def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInput, *, add_tp_sizes: bool = False,
@@ -85,10 +81,19 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
             raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
         image = image_settings(launch.image, launch.image_inspect) if launch.image or launch.image_inspect else None
         if not launch.env_files and image is None:
-            return request, None, None
+            from exl3tool.cache.settings import server_bits
+
+            # what prepare() would decide: resolved here so a bad variable fails before any other check
+            return replace(request, bits=server_bits(request.bits, environ)), None, None
         request, merged = _env_only(request, given, launch.env_files, environ, image)
         if image is not None:
             request = replace(request, encoder_image=image.name or None)
+            if request.server_release is None:  # the release the image's labels name, as with a launch
+                from exl3tool.releases import release_from_labels
+
+                named = release_from_labels(dict(image.labels))
+                if named is not None:
+                    request = replace(request, server_release=named.name)
         return request, None, merged
     loaded = load_launch(text=launch.text, argv=launch.argv, pid=launch.pid, env_files=launch.env_files,
                          environ=environ, cwd=cwd, file=launch.file, compose=launch.compose, service=launch.service)
@@ -96,6 +101,14 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
     server, layers = _with_image(*loaded, launch)
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})
     settings = resolve_launch(server, layers, explicit, need_cache=need_cache)
+    if explicit.server_release is None:
+        # the image's labels (read with the launch's image) may name the release: its rules, not the newest's
+        from exl3tool.releases import release_from_labels
+
+        labels = getattr(settings, "image_labels", None) or {}
+        named = release_from_labels(labels)
+        if named is not None and named.name != settings.server_release:
+            settings = resolve_launch(server, layers, explicit, need_cache=need_cache, labels=dict(labels))
     tp_sizes: tuple[int, ...]
     if add_tp_sizes:
         extra = tuple(request.tp_sizes) if "tp_sizes" in given else ()
@@ -115,6 +128,7 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
         language_model_only=settings.language_model_only, server_view=settings.view,
         hf_overrides=settings.hf_overrides, encoder_image=server.image_name or None,
         encoder_image_runner=server.form if server.form in ("docker", "podman") else None,
+        server_release=settings.server_release,
     )
     return out, settings, settings.environ
 

@@ -21,9 +21,12 @@ from exl3tool.errors import ConfigError
 from exl3tool.launch.container import PathMap
 from exl3tool.launch.env import EnvLayers, EnvValue
 from exl3tool.launch.parse import ServerArgs
+from exl3tool.releases import (
+    ServerRelease, default_release, edit_distance, server_cache_root, server_vllm_root, variable_note,
+)
 
 __all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_launch", "SEQUENCE_PARALLEL_ALL2ALL",
-           "unknown_flag_message"]
+           "unknown_flag_message", "unknown_flag_warning", "close_flag_matches"]
 
 # the fork's ParallelConfig.use_sequence_parallel_moe: these all2all backends with EP, TP > 1 and DP > 1
 SEQUENCE_PARALLEL_ALL2ALL = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "mori",
@@ -92,6 +95,7 @@ class Explicit:
     encoder_revision: Optional[str] = None
     encoder_source: Optional[str] = None
     cache_dir: Optional[str] = None
+    server_release: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ class LaunchSettings:
     view: Optional[PathMap] = None  # the server's filesystem, when its model path is resolved there (not ours)
     hf_overrides: Optional[str] = None  # the launch's --hf-overrides, as canonical JSON
     lookup_off: tuple[str, ...] = ()  # why the launched server makes no look-up at all ("" reasons: it makes some)
+    server_release: Optional[str] = None  # the release whose rules were applied (exl3tool.releases)
     image_labels: dict[str, str] = field(default_factory=dict)  # the server image's labels (launch.image), as read
 
     @property
@@ -153,24 +158,42 @@ class LaunchSettings:
         return out
 
 
-def unknown_flag_message(unknown: tuple[str, ...]) -> str:
-    """One line for flags the server's parser does not know (it refuses the whole line), with the closest names."""
-    import difflib
-
+def close_flag_matches(unknown: tuple[str, ...]) -> dict[str, str]:
+    """Unknown flags within edit distance 2 of a flag the server knows (a typo the server refuses), each with that
+    flag; the rest are taken for flags of a newer release than exl3tool's table."""
     from exl3tool.launch.flags import VLLM_FLAGS, VLLM_SHORT
 
-    word = unknown[0].split(" ", 1)[0]
-    flag = word.partition("=")[0]
-    if flag.startswith("--"):
-        name = flag[2:].partition(".")[0]
-        close = [f"--{m}" for m in difflib.get_close_matches(name, sorted(VLLM_FLAGS), n=1, cutoff=0.75)]
-    else:
-        close = difflib.get_close_matches(flag, sorted(VLLM_SHORT), n=1, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(close)}?" if close else "; check the spelling against `vllm serve --help`"
-    more = f" (and {len(unknown) - 1} more: {', '.join(u.split(' ', 1)[0] for u in unknown[1:4])})" \
-        if len(unknown) > 1 else ""
+    out: dict[str, str] = {}
+    for u in unknown:
+        flag = u.split(" ", 1)[0].partition("=")[0]
+        name, names, spell = ((flag[2:].partition(".")[0], VLLM_FLAGS, "--{}") if flag.startswith("--")
+                              else (flag, VLLM_SHORT, "{}"))
+        # nearest first; among equals, the longest shared start (-tpp: -tp before -dpp)
+        known = [(edit_distance(name, k), -len(os.path.commonprefix([name, k])), k) for k in names]
+        best = min(known, default=None)
+        if best is not None and 0 < best[0] <= 2:
+            out[flag] = spell.format(best[2])
+    return out
+
+
+def unknown_flag_message(unknown: tuple[str, ...], close: Optional[dict[str, str]] = None) -> str:
+    """One line for an unknown flag that is a close match of a known one (a typo: vLLM refuses the line)."""
+    close = close_flag_matches(unknown) if close is None else close
+    flag, near = next(iter(close.items())) if close else (unknown[0].split(" ", 1)[0].partition("=")[0], "")
+    hint = f"; did you mean {near}?" if near else "; check the spelling against `vllm serve --help`"
+    others = [f for f in (u.split(" ", 1)[0].partition("=")[0] for u in unknown) if f != flag]
+    more = f" (and {len(others)} more: {', '.join(others[:3])})" if others else ""
     return (f"the launch's {flag} is not a flag of the server: vLLM refuses the line (unrecognized arguments), so "
             f"this server never starts{more}{hint}")
+
+
+def unknown_flag_warning(unknown: tuple[str, ...]) -> str:
+    """One line naming flags exl3tool's table does not know and that are no typo of one it knows: every fork release
+    adds flags, so they are taken as changing no look-up (check them if a hit is missed)."""
+    names = ", ".join(u.split(" ", 1)[0].partition("=")[0] for u in unknown)
+    return (f"flags exl3tool does not know: {names}; taken as flags of a newer server release that change no "
+            "look-up (none is within 2 edits of a known flag); if one changes the model, TP size, dtype or overlay, "
+            "pass it to exl3tool as its own option")
 
 
 def _where_env(launch: ServerLaunch) -> str:
@@ -230,6 +253,7 @@ class _Builder:
         self.warnings: list[str] = []
         self.notes: list[str] = []
         self.view: Optional[PathMap] = None  # set when the identity is computed in the server's filesystem
+        self.release: ServerRelease = default_release()[0]  # the server release whose rules apply
 
     def put(self, name: str, value: Any, source: str, detail: str = "") -> Any:
         self.settings[name] = Setting(value, source, detail)
@@ -267,6 +291,36 @@ def _server_path(path: str, launch: ServerLaunch, what: str) -> str:
                       "(give -w/--workdir in the launch or an absolute path)")
 
 
+OBJECT_STORAGE_SCHEMES = ("s3://", "gs://", "az://")  # vLLM's runai_utils.SUPPORTED_SCHEMES
+
+
+def _object_storage(b: _Builder, name: str, how: str) -> None:
+    """An object-storage model (``s3://``, ``gs://``, ``az://``): vLLM's ``ModelConfig.
+    maybe_pull_model_tokenizer_for_runai`` pulls its ``*.json``, ``*.py`` and ``*.model`` files into
+    ``$VLLM_ASSETS_CACHE/model_streamer/<sha256(url)[:8]>`` (``VLLM_ASSETS_CACHE`` default:
+    ``$XDG_CACHE_HOME/vllm/assets``, else ``~/.cache/vllm/assets``; ``vllm/transformers_utils/runai_utils.py``,
+    ``vllm/envs.py``), serves that folder and streams the weights with runai_streamer. The fork's model identity is
+    then that folder's: its path, its config files' digests and no shard (none is pulled). exl3tool plans from a
+    local checkpoint's shards and does not reproduce that identity: refused, naming the folder."""
+    if not name.lower().startswith(OBJECT_STORAGE_SCHEMES):
+        return
+    import hashlib
+
+    assets = b.env("VLLM_ASSETS_CACHE")
+    if assets is not None:
+        root = assets.value
+    else:
+        xdg, home = b.env("XDG_CACHE_HOME"), b.env("HOME")
+        base = xdg.value if xdg is not None else posixpath.join(home.value if home is not None else "~", ".cache")
+        root = posixpath.join(base, "vllm", "assets")
+    folder = posixpath.join(root, "model_streamer", hashlib.sha256(name.encode()).hexdigest()[:8])
+    raise ConfigError(
+        f"the launch's model {name} ({how}) is in object storage: vLLM pulls its config files into {folder} and "
+        "serves that folder, streaming the weights with --load-format runai_streamer; the fork then keys entries by "
+        "that folder (its path, its config files' sha256, no shard), which exl3tool does not reproduce from a local "
+        "copy: serve the model from a local folder or a Hub id with a pinned --revision for a warmed start")
+
+
 def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, Optional[str]]:
     """(what exl3tool reads, the server's path for --server-path or None) and the model settings."""
     raw = _arg(launch.args, "model")
@@ -285,6 +339,7 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         return explicit.model, explicit.server_path  # type: ignore[return-value]
     name, how = raw
     b.arg("model", name, how)
+    _object_storage(b, name, how)
     paths = launch.paths
     local_here: Optional[str] = None
     server: Optional[str] = None
@@ -416,36 +471,46 @@ def _seen(paths: PathMap, server: str) -> Optional[str]:
 def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache: bool = True) -> str:
     """The server's cache root (setting ``cache_dir``) and where exl3tool writes it (``cache_dir_here``); without
     ``need_cache`` (``identity``) a root exl3tool cannot reach is a warning, not an error, and ``""`` returned."""
-    item = b.env("VLLM_EXL3_ONLINE_CACHE_DIR")
-    server: Optional[str] = None
-    if item is not None and item.value.strip():
-        server = b.put_env("cache_dir", "VLLM_EXL3_ONLINE_CACHE_DIR", item)
+    def get(var: str) -> Optional[str]:
+        it = b.env(var)
+        return None if it is None else it.value
+
+    rel = b.release
+    _legacy_cache_dir(b, rel)
+    server: Optional[str]
+    server, var = server_cache_root(get, rel)  # the one rule (exl3tool.releases), per release
+    home = b.env("HOME")
+    if var:
+        item = b.env(var)
+        assert item is not None
+        if var == "VLLM_EXL3_ONLINE_CACHE_DIR":
+            b.put_env("cache_dir", var, item)
+        else:
+            where = "VLLM_CACHE_ROOT/exl3_online" if var == "VLLM_CACHE_ROOT" else "XDG_CACHE_HOME/vllm/exl3_online"
+            b.put("cache_dir", server, item.source, f"{where} ({item.detail or item.source})")
+    elif home is not None:
+        server = posixpath.join(home.value, server[2:])
+        b.put("cache_dir", server, "default", f"~/.cache/vllm/exl3_online with HOME={home.value}")
+    elif explicit.cache_dir is None and not need_cache:
+        b.warnings.append("the server's cache root is under the container's HOME, which the launch does not give")
+        return ""
+    elif explicit.cache_dir is None:
+        raise ConfigError("the server's cache root is ~/.cache/vllm/exl3_online of the container's HOME, which "
+                          "the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
+                          "--env-file) or exl3tool's --cache-dir")
     else:
-        root = b.env("VLLM_CACHE_ROOT")
-        xdg = b.env("XDG_CACHE_HOME")
-        home = b.env("HOME")
-        _legacy_cache_dir(b, root, xdg, home)
-        if root is not None:
-            base, via = root.value, root
-            server = posixpath.join(base, "exl3_online")
-            b.put("cache_dir", server, via.source, f"VLLM_CACHE_ROOT/exl3_online ({via.detail or via.source})")
-        elif xdg is not None:
-            server = posixpath.join(xdg.value, "vllm", "exl3_online")
-            b.put("cache_dir", server, xdg.source, f"XDG_CACHE_HOME/vllm/exl3_online ({xdg.detail or xdg.source})")
-        elif home is not None:
-            server = posixpath.join(home.value, ".cache", "vllm", "exl3_online")
-            b.put("cache_dir", server, "default", f"~/.cache/vllm/exl3_online with HOME={home.value}")
-        elif explicit.cache_dir is None and not need_cache:
-            b.warnings.append("the server's cache root is under the container's HOME, which the launch does not give")
-            return ""
-        elif explicit.cache_dir is None:
-            raise ConfigError("the server's cache root is ~/.cache/vllm/exl3_online of the container's HOME, which "
-                              "the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
-                              "--env-file) or exl3tool's --cache-dir")
-        if server is not None and root is None:
-            b.defaulted.append("VLLM_EXL3_ONLINE_CACHE_DIR and VLLM_CACHE_ROOT were not given: the server's cache "
-                               f"root is its default {server}; "
-                               + _how_to_pass(launch, "VLLM_EXL3_ONLINE_CACHE_DIR"))
+        server = None
+    if var in ("", "XDG_CACHE_HOME") and server is not None:
+        b.defaulted.append("VLLM_EXL3_ONLINE_CACHE_DIR and VLLM_CACHE_ROOT were not given: the server's cache "
+                           f"root is its default {server}; "
+                           + _how_to_pass(launch, "VLLM_EXL3_ONLINE_CACHE_DIR"))
+    xdg = b.env("XDG_CACHE_HOME")
+    module = rel.cache_module
+    if not var.startswith("VLLM_") and xdg is not None and module is not None and not module.xdg_cache_home:
+        b.warnings.append(f"XDG_CACHE_HOME={xdg.value} is ignored by {rel.name}'s cache module (its root is "
+                          "VLLM_CACHE_ROOT, else ~/.cache/vllm: Gilded Gnosis up to r33): the server's cache is "
+                          f"{server or '~/.cache/vllm/exl3_online'}; newer releases would use "
+                          f"{posixpath.join(xdg.value, 'vllm', 'exl3_online')}")
     if server is not None and server.startswith("~"):
         home = b.env("HOME")
         if home is None:
@@ -474,22 +539,22 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     return here
 
 
-def _legacy_cache_dir(b: _Builder, root: Optional[EnvValue], xdg: Optional[EnvValue],
-                      home: Optional[EnvValue]) -> None:
+def _legacy_cache_dir(b: _Builder, rel: ServerRelease) -> None:
     """``VLLM_CACHE_DIR``, which deployments set as if it named vLLM's cache root: the fork's ``vllm/envs.py`` reads
-    ``VLLM_CACHE_ROOT`` only (default ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``; ``VLLM_CACHE_DIR`` appears
-    nowhere in its history), so it changes nothing; a warning when the root it seems to name is not the server's."""
+    ``VLLM_CACHE_ROOT`` only (``VLLM_CACHE_DIR`` appears nowhere in its history), so it changes nothing; a warning
+    when the root it seems to name is not the server's (``exl3tool.releases.server_vllm_root``)."""
     item = b.env("VLLM_CACHE_DIR")
     if item is None:
         return
-    if root is not None:
-        actual = root.value
-    elif xdg is not None:
-        actual = posixpath.join(xdg.value, "vllm")
-    elif home is not None:
-        actual = posixpath.join(home.value, ".cache", "vllm")
-    else:
-        actual = "~/.cache/vllm"
+
+    def get(var: str) -> Optional[str]:
+        it = b.env(var)
+        return None if it is None else it.value
+
+    actual, var = server_vllm_root(get, rel)
+    home = b.env("HOME")
+    if not var and home is not None:
+        actual = posixpath.join(home.value, actual[2:])
     b.put_env("vllm_cache_dir", "VLLM_CACHE_DIR", item)
     b.settings["vllm_cache_dir"] = Setting(item.value, item.source, b.settings["vllm_cache_dir"].detail
                                            + ": not read by the server (vLLM's root is VLLM_CACHE_ROOT)")
@@ -567,7 +632,7 @@ def _parallel(b: _Builder, args: ServerArgs) -> None:
 
 
 def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, *,
-                   need_cache: bool = True) -> LaunchSettings:
+                   need_cache: bool = True, labels: Optional[dict[str, str]] = None) -> LaunchSettings:
     """The settings of every look-up the launched server makes, with sources; ConfigError (exit 2) naming the flag
     or variable for what the server would refuse or exl3tool cannot reproduce. ``need_cache`` False (``identity``)
     lets a cache root exl3tool cannot reach be a warning.
@@ -576,6 +641,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         launch, layers: ``load_launch``'s result.
         explicit: the settings a command's own flags give (they win over the launch's).
         need_cache: False where a command reads and writes no cache.
+        labels: the image's labels, when known (one may name the server release: ``exl3tool.releases``).
 
     Returns:
         ``LaunchSettings``: each setting with its source, the defaults taken, and ``lookup_off``.
@@ -587,10 +653,14 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     if args.refused:
         flag, why = args.refused[0]
         raise ConfigError(f"the launch's {flag} is not supported by exl3tool: {why}")
-    if args.unknown:
-        raise ConfigError(unknown_flag_message(args.unknown))
     b = _Builder(launch, layers)
     off: list[str] = []  # why the server makes no look-up (each alone is enough)
+    if args.unknown:
+        close = close_flag_matches(args.unknown)
+        if close:
+            raise ConfigError(unknown_flag_message(args.unknown, close))
+        b.warnings.append(unknown_flag_warning(args.unknown))
+    _release(b, explicit, off, labels)
     quant = _arg(args, "quantization")
     if quant is not None:
         b.arg("quantization", quant[0], quant[1])
@@ -742,13 +812,31 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings),
         _image_lines(launch) + tuple(launch.notes) + tuple(b.notes),
         view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides,
-        image_labels=dict(launch.image.labels) if launch.image is not None else {})
+        image_labels=dict(launch.image.labels) if launch.image is not None else {},
+        server_release=b.release.name)
 
 
 def _image_lines(launch: ServerLaunch) -> tuple[str, ...]:
     """Which source gave the image's settings (and what was tried first), for the notes."""
     image = launch.image
     return (image.describe(), *image.notes) if image is not None else ()
+
+
+def _release(b: _Builder, explicit: Explicit, off: list[str], labels: Optional[dict[str, str]]) -> None:
+    """The server release whose rules apply: ``--server-release``, else the one the image's labels name, else the
+    newest (``exl3tool.releases.default_release``); a release without the online cache looks nothing up."""
+    image = getattr(b.launch, "image", None)
+    labels = labels or (dict(image.labels) if image is not None else {})
+    b.release, how = default_release(explicit.server_release, labels)
+    source = "flag" if explicit.server_release else ("image label" if how == "the image's labels" else "default")
+    b.put("server_release", b.release.name, source, how)
+    if not b.release.online_cache:
+        off.append(f"{b.release.name} ships no online EXL3 cache (exl3_online_cache.py arrived with "
+                   "gilded-gnosis-r20 and infernal-invocation-r5): the server encodes at start-up and looks nothing up")
+    for var, item in sorted(b.layers.merged().items()):
+        note = variable_note(var, item)
+        if note is not None:
+            b.notes.append(note)
 
 
 def _hf_overrides(b: _Builder, args: ServerArgs) -> Optional[str]:

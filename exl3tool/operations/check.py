@@ -20,12 +20,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from exl3tool.cache.key import CacheKey
+from exl3tool.checkpoint.plan import ALIGN, LayerPlan, plan_layers, rank_sizes
+from exl3tool.errors import ConfigError
 from exl3tool.cache.records import ORIGINS, StoredRecord, entry_origin, overlay_digest, printable, read_records
 from exl3tool.text import plural
 from exl3tool.plan.plan import WarmJob, WarmPlan
 from exl3tool.plan.request import WarmRequest, prepare
+from exl3tool.releases import UNALIGNED_FIX, ServerRelease, default_release, unaligned_start_failure
 
-__all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences"]
+__all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences",
+           "start_failures"]
 
 _SHOWN = 3  # items named per line before "and N more"
 
@@ -88,6 +92,8 @@ class CheckReport:
     records: tuple[StoredRecord, ...]
     seconds: float
     stored: str = ""  # non-empty: the server looks nothing up because every online layer is stored (hydrated)
+    start_failures: tuple[Finding, ...] = ()  # why this server will not start at all (the release's rules)
+    server_release: str = ""  # the release whose rules were applied (exl3tool.releases)
 
     @property
     def lookups(self) -> list[WarmJob]:
@@ -98,7 +104,7 @@ class CheckReport:
         """Every look-up the server makes hits: no miss, no invalid entry, and no look-up predicted outside the plan
         (a layer the server encodes that exl3tool cannot plan is a miss, counted or not)."""
         return (self.plan.count("miss") == 0 and self.plan.count("invalid") == 0
-                and not any(c.kind == "unplanned" for c in self.causes))
+                and not any(c.kind == "unplanned" for c in self.causes) and not self.start_failures)
 
     def as_json(self) -> dict[str, Any]:
         """The `cache check --json` document (fields in docs/cache.md)."""
@@ -112,7 +118,8 @@ class CheckReport:
             "model": plan.model, "model_identity": plan.model_identity, "encoder_identity": plan.encoder_identity,
             "bits": plan.bits, "dtype": self.dtype, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root),
             **plan.header_json(),
-            "stored_only": self.stored or None, "ok": self.ok, "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
+            "stored_only": self.stored or None, "ok": self.ok, "server_release": self.server_release,
+            "start_failures": [f.as_json() for f in self.start_failures], "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
             "invalid": plan.count("invalid"), "not_looked_up": plan.count("skipped"), "hit_origins": self.hit_origins,
             "causes": [c.as_json() for c in self.causes],
             "notes": [f.as_json() for f in self.notes],
@@ -461,8 +468,78 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
     notes += _dtype_notes(lookups, records, plan, dtype)
     notes += _unplanned_notes(plan, cache, records)
     notes += _parity_notes(lookups, records, plan)
+    release = default_release(request.server_release)[0]
+    notes += _lock_notes(lookups, release)
+    full = plan.layer_plan
+    if full is not None and full.server_lookup and (request.layers or request.exclude):
+        try:  # the server builds every layer, not only the ones --layers selects
+            full = plan_layers(checkpoint, overlay=full.overlay, language_model_only=request.language_model_only,
+                               release=release)
+        except ConfigError:
+            pass
+    failures = start_failures(plan, request, release, full)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
-                       round(time.perf_counter() - start, 4))
+                       round(time.perf_counter() - start, 4), tuple(failures), release.name)
+
+
+def start_failures(plan: WarmPlan, request: WarmRequest, release: ServerRelease,
+                   full: Optional[LayerPlan] = None) -> list[Finding]:
+    """Why a server of ``release`` started as ``request`` describes fails at start-up, whatever the cache holds:
+    a 128-unaligned shard whose K_r is not a multiple of 32 (the MXFP8 fallback raises: fork issue #311), and an
+    encoder root with ``~`` when some look-up misses (the server's import does not expand it). ``full``: the layer
+    plan without ``--layers``/``--exclude`` (the server builds every layer; default: the plan's)."""
+    out: list[Finding] = []
+    seen: dict[tuple[str, int], int] = {}
+    lp = full or plan.layer_plan
+    for tp in plan.tp_sizes:
+        for layer in (lp.layers if lp is not None and lp.server_lookup else ()):
+            try:
+                k_r, n_r = rank_sizes(layer, tp)
+            except (ValueError, ConfigError):
+                continue  # a TP size this layer cannot be sharded at: the plan says so itself
+            if (k_r % ALIGN or n_r % ALIGN) and unaligned_start_failure(k_r, release) is not None:
+                seen.setdefault((layer.prefix, tp), k_r)
+    if seen:
+        (prefix, tp), k_r = next(iter(seen.items()))
+        others = [f"{p} (TP {t})" for p, t in list(seen)[1:4]]
+        more = f"; also {', '.join(others)}" + (" ..." if len(seen) > 4 else "") if others else ""
+        out.append(Finding("start", f"this server will not start: {prefix} at TP {tp}: "
+                                    f"{unaligned_start_failure(k_r, release)}{more}", UNALIGNED_FIX))
+    root = request.encoder_root or ""
+    misses = [j for j in plan.jobs if j.state in ("miss", "invalid")]
+    if root.startswith("~") and misses and not release.encoder_source_tilde_expanded_for_import:
+        out.append(Finding(
+            "encoder_source",
+            f"this server will not start: VLLM_EXL3_ENCODER_SOURCE={root} starts with ~, which the encoder identity "
+            f"expands but the server's encoder import does not ({release.name}'s _load_exl3_online_quantizer takes "
+            f"Path({root!r}).resolve(), a folder {root.split('/')[0]} under its working directory), so its first "
+            f"online encode ({plural(len(misses), 'look-up')} miss, e.g. {misses[0].prefix}) fails the start",
+            "set VLLM_EXL3_ENCODER_SOURCE to the absolute path (the identity is the same: the server expands ~ for "
+            "it), or warm every look-up so the server never imports its encoder"))
+    return out
+
+
+def _lock_notes(lookups: list[WarmJob], release: ServerRelease) -> list[Finding]:
+    """Entry locks held now (a warm running): what the release's server does when it reaches one at start-up."""
+    from exl3tool.cache.locks import lock_holders
+    from exl3tool.cache.paths import lock_path
+
+    held = []
+    for j in lookups:
+        lock = lock_path(j.path)
+        if lock.exists() and lock_holders(lock):
+            held.append(j)
+    module = release.cache_module
+    if not held or module is None:
+        return []
+    if module.lock_timeout_s is None:
+        what = (f"{release.name}'s entry lock has no timeout: a server starting now waits on each of them for as "
+                "long as the warm holds it")
+    else:
+        what = (f"{release.name}'s server waits up to {module.lock_timeout_s:.0f} s on each, then encodes that layer "
+                "without the cache")
+    return [Finding("lock", f"{plural(len(held), 'entry lock')} held now (a warm is running), e.g. "
+                            f"{held[0].prefix}: {what}", "let the warm finish before starting the server")]
 
 
 def _stored_only(request: WarmRequest, environ: Optional[dict]) -> Optional[CheckReport]:

@@ -73,7 +73,7 @@ class WarmRequest:
     model: str
     tp_sizes: tuple[int, ...] = (1,)
     tp_ranks: Optional[tuple[int, ...]] = None
-    bits: int = 6
+    bits: Optional[int] = None  # None: the server's VLLM_EXL3_ONLINE_TRELLIS_BITS of ``environ``, else 6
     revision: Optional[str] = None
     layers: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
@@ -101,6 +101,7 @@ class WarmRequest:
     trust_encoder_identity: bool = False
     encoder_image: Optional[str] = None
     encoder_image_runner: Optional[str] = None
+    server_release: Optional[str] = None  # the fork's release whose rules apply (exl3tool.releases; None: the newest)
 
 
 def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
@@ -121,12 +122,17 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch
     from exl3tool.errors import ConfigError
 
-    from exl3tool.cache.settings import BITS_RANGE
+    from exl3tool.cache.settings import server_bits
 
     resolve_device(request.device)  # a bad --device fails before any work, --dry-run included
-    lo, hi = BITS_RANGE
-    if not lo <= request.bits <= hi:
-        raise ConfigError(f"--bits {request.bits}: must be from {lo} to {hi} (what the server accepts)")
+    request = replace(request, bits=server_bits(request.bits, environ))
+    from exl3tool.releases import default_release
+
+    release = default_release(request.server_release)[0]
+    if not release.online_cache:
+        raise ConfigError(f"{release.name} ships no online EXL3 cache (it arrived with gilded-gnosis-r20 and "
+                          "infernal-invocation-r5): its server encodes at start-up and looks nothing up, so there is "
+                          "nothing to plan; check --server-release (docs/releases.md)")
     serving_torch_dtype(request.dtype)  # a ConfigError for anything the server cannot run with
     if any(t < 1 for t in request.tp_sizes):
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
@@ -136,7 +142,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
 
     checkpoint = open_checkpoint(  # a Hub download fetches only the shards holding planned tensors
         request.model, revision=request.revision, hf_overrides=parse_hf_overrides(request.hf_overrides),
-        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude))
+        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude, release))
     mode = request.mode
     identity_warnings: tuple[str, ...] = ()
     if mode == "off":
@@ -150,10 +156,10 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
         )
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
     layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
-                             language_model_only=request.language_model_only)
+                             language_model_only=request.language_model_only, release=release)
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
-    root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, release)
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
                       model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,

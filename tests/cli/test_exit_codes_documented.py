@@ -66,6 +66,7 @@ CLAIMS = [
     ("README.md", "and exits 1 (never \"all hit\": the cache cannot make that server start warm)", "launch_refusals"),
     ("README.md", "`encode` and `verify` exit 2 (nothing would read what they write)", "launch_refusals"),
     ("README.md", "A flag the fork's parser does not know is refused (exit 2)", "launch_refusals"),
+    ("docs/cache.md", "| `start_failures` | why this server will not start", "start_failure"),
     ("docs/deploy.md", "missing stops the warm (exit 2: without it the server runs no online", "launch_refusals"),
     ("docs/deploy.md", "and `cache check` says \"0 look-ups\" and exits 1", "launch_refusals"),
     ("README.md", "is refused naming it and its line (exit 2)", "launch_forms"),
@@ -330,6 +331,17 @@ def scenario_verify_model(m, tmp, monkeypatch):
     missing = "model.layers.1.self_attn.o_proj"  # never warmed
     assert run(["verify", m["good"], "--layers", missing, "--cache-dir", m["cache"], "--quiet", *ENC]) == 1
     assert run(["verify", m["good"], "--cache-dir", tmp / "nope", *ENC]) == 2
+
+
+def scenario_start_failure(m, tmp, monkeypatch):
+    """A 128-unaligned shard whose K_r is not a multiple of 32 (4304, fork issue #311): the server does not start."""
+    from exl3tool.checkpoint import write_llama_checkpoint
+
+    wide = write_llama_checkpoint(tmp / "wide", hidden=256, heads=4, kv_heads=2, intermediate=4304, layers=1,
+                                  vocab=512, shards=1)
+    argv = ["cache", "check", wide, "--cache-dir", tmp / "c", "--quantization-config", '{"linear": "mxfp8"}', *ENC]
+    assert run(argv) == 1  # a miss or not: the server does not start
+    assert run([*argv, "--layers", "model.layers.0.self_attn.o_proj"]) == 1  # it builds every layer, not those
 
 
 def scenario_cache_check(m, tmp, monkeypatch):

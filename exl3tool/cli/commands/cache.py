@@ -18,7 +18,7 @@ from exl3tool.cache.listing import list_cache
 from exl3tool.cache.prune_report import PruneReport
 from exl3tool.cli.commands.group import Exl3Group
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
+    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     FileModeOpt, JsonOpt, LayersOpt, ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
     existing_cache_dir, request_from_options, resolve_cache_dir,
 )
@@ -370,6 +370,7 @@ def import_(
     device: DeviceOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    server_release: ServerReleaseOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     json: JsonOpt = False,

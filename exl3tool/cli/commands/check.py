@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -11,7 +11,7 @@ from rich.text import Text
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
+    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
     LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpSizesOpt,
     request_from_options,
 )
@@ -20,7 +20,7 @@ from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
 from exl3tool.operations.check import CheckReport, check, no_lookup_json
 
-__all__ = ["register", "cache_check", "render_check", "render_no_lookup"]
+__all__ = ["register", "cache_check", "render_check", "render_no_lookup", "check_nodes"]
 
 
 def _where(cause) -> str:
@@ -40,6 +40,8 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
         out.data({**report.as_json(), **(extra or {})})
         return
     plan_notes(out, plan)
+    for f in report.start_failures:
+        out.warn(f"{f.text}; fix: {f.fix}")
     for n, cause in enumerate(report.causes, 1):
         title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",
                  "unplanned": "miss"}[cause.kind]
@@ -83,6 +85,7 @@ def cache_check(
     dtype: DtypeOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    server_release: ServerReleaseOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     launch: LaunchOpt = None,
@@ -93,6 +96,10 @@ def cache_check(
     service: ServiceOpt = None,
     image: ImageOpt = None,
     image_inspect: ImageInspectOpt = None,
+    nodes: Annotated[list[str], typer.Option(
+        "--nodes", metavar="[NAME=]FILE",
+        help="Compare the identities of a fleet before a rollout instead: one `exl3tool identity --json` document "
+             "(or provenance record) gathered on each node; names the field that differs (docs/deploy.md).")] = [],
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -109,14 +116,27 @@ def cache_check(
     --launch "vllm serve /models/GLM-5.3 -tp 2 --quantization-config '{...}'", exl3tool cache check --pid PID
     """
     out = Output(json=json_out, quiet=quiet)
+    if nodes:
+        check_nodes(out, nodes)
+        return
     request, given = request_from_options(ctx)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
                                                no_lookup="report")
+    from exl3tool.releases import default_release
+
+    rel = default_release(request.server_release)[0]
+    if settings is None and not rel.online_cache:
+        reason = (f"{rel.name} ships no online EXL3 cache (exl3_online_cache.py arrived with gilded-gnosis-r20 and "
+                  "infernal-invocation-r5): the server encodes at start-up and looks nothing up")
+        render_no_lookup(out, (reason,), {})
+        raise FindingsError("this server makes no cache look-up: a warm cache changes nothing for it")
     if settings is not None and settings.lookup_off:
         render_no_lookup(out, settings.lookup_off, launch_json(settings))
         raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
+    if report.start_failures:
+        raise FindingsError(report.start_failures[0].text)
     if not report.ok:
         bad = report.plan.count("miss") + report.plan.count("invalid")
         what = f"{bad} of {len(report.lookups)} look-ups would not hit"
@@ -124,6 +144,25 @@ def cache_check(
             what += (", and the server makes look-ups outside the plan that would miss" if bad else
                      f": the {len(report.lookups)} planned look-ups hit, but the server makes others that would miss")
         raise FindingsError(what if json_out else f"{what}; see the causes above")
+
+
+def check_nodes(out: Output, specs: list[str]) -> None:
+    """``cache check --nodes``: every node's identities against the first node's, one line per differing field."""
+    from exl3tool.operations.fleet import compare_nodes
+
+    report = compare_nodes(specs)
+    for name, f in report.differences:
+        out.line(f"{name}: {f.text}")
+        out.line(f"  fix: {f.fix}")
+    ref = report.nodes[0].name
+    if report.ok:
+        out.line(f"{plural(len(report.nodes), 'node')}: the same model and encoder identity as {ref} (model "
+                 f"{report.nodes[0].model_identity[:20]}): entries warmed for one hit on every node")
+    out.data(report.as_json())
+    if not report.ok:
+        differ = sorted({name for name, _ in report.differences})
+        raise FindingsError(f"{plural(len(differ), 'node')} of {len(report.nodes)} compute other identities than "
+                            f"{ref} ({', '.join(differ)}): entries warmed on {ref} miss there")
 
 
 def register(app: typer.Typer) -> None:

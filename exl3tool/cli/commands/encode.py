@@ -14,7 +14,7 @@ from rich.text import Text
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DeviceOpt, DryRunOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt,
+    BitsOpt, CacheDirOpt, DeviceOpt, DryRunOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt,
     ExcludeOpt, FileModeOpt, GpuMemoryOpt, JsonOpt, LayersOpt, LockTimeoutOpt, ModelArg, OverlapOpt, ProgressOpt,
     QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpRankOpt, TpSizeOpt, TpSizesOpt, TrustEncoderOpt,
     request_from_options,
@@ -195,6 +195,7 @@ def encode(
     dtype: DtypeOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    server_release: ServerReleaseOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",
@@ -264,6 +265,7 @@ def cache_warm(
     dtype: DtypeOpt = "auto",
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    server_release: ServerReleaseOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     file_mode: FileModeOpt = "0600",

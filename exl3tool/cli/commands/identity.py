@@ -14,7 +14,7 @@ from exl3tool.cli.commands.launching import (
 )
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    EncoderRevisionOpt,
+    EncoderRevisionOpt, ServerReleaseOpt,
     EncoderRootOpt,
     EncoderSourceOpt,
     JsonOpt,
@@ -36,6 +36,7 @@ def identity(
     server_path: ServerPathOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    server_release: ServerReleaseOpt = None,
     encoder_source: EncoderSourceOpt = None,
     quantization_config: QuantizationConfigOpt = None,
     launch: LaunchOpt = None,

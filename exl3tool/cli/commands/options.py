@@ -7,11 +7,10 @@ from typing import Annotated, Any, Callable, Collection, Optional
 
 import typer
 
-from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS, trellis_bits
+from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS
 from exl3tool.cli.commands.launching import (  # the launch options, shared
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, given_fields,
 )
-from exl3tool.errors import ConfigError
 from exl3tool.plan.request import SERVING_DTYPES
 
 __all__ = [
@@ -71,6 +70,15 @@ EncoderRootOpt = Annotated[
 EncoderRevisionOpt = Annotated[
     Optional[str],
     typer.Option("--encoder-revision", help="The server's VLLM_EXL3_ENCODER_REVISION (default: that env var)."),
+]
+ServerReleaseOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--server-release", metavar="NAME",
+        help="The fork release the server runs (e.g. gilded-gnosis-r33, infernal-invocation-r18), whose cache root, "
+             "lock and start-up rules apply (docs/releases.md). Default: the one the image's labels name, else the "
+             "newest.",
+    ),
 ]
 EncoderSourceOpt = Annotated[
     Optional[str],
@@ -171,16 +179,11 @@ ModelIdOpt = Annotated[
 ]
 
 
-def _bits(value: Optional[int]) -> int:
-    """``--bits``: the given value, else the server's VLLM_EXL3_ONLINE_TRELLIS_BITS, else 6; 3..8 either way."""
+def _bits(value: Optional[int]) -> Optional[int]:
+    """``--bits``: the given value (3..8); not given: None, and the library's ``server_bits`` takes the server's
+    VLLM_EXL3_ONLINE_TRELLIS_BITS, else 6 (one rule for the library and every command)."""
     lo, hi = BITS_RANGE
-    if value is None:
-        try:
-            env = trellis_bits()
-        except ConfigError as exc:
-            raise typer.BadParameter(f"{exc} (it is --bits's default; pass --bits or fix the variable)") from None
-        return DEFAULT_BITS if env is None else env
-    if not lo <= value <= hi:
+    if value is not None and not lo <= value <= hi:
         raise typer.BadParameter(f"{value} is not from {lo} to {hi} (what the server accepts for {BITS_VAR})")
     return value
 
@@ -237,6 +240,13 @@ def _cache_mode(value: str) -> str:
     return norm
 
 
+def _server_release(value: Optional[str]) -> Optional[str]:
+    """``--server-release``: the release's canonical name (a usage error naming the known releases otherwise)."""
+    from exl3tool.releases import release
+
+    return None if value is None else release(value).name
+
+
 # Every option that sets a field of the request: option parameter -> (WarmRequest field, the value's conversion).
 # The one table every request-building command (identity, encode, cache warm, cache check, verify, cache import
 # --against) fills its request from; a command declares the options it takes, and the table covers what it declares.
@@ -265,6 +275,7 @@ REQUEST_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "gpu_memory": ("gpu_memory_gib", _same),
     "check_unchecked": ("check_unchecked", _same),
     "trust_encoder_identity": ("trust_encoder_identity", _same),
+    "server_release": ("server_release", _server_release),
 }
 
 
@@ -317,13 +328,15 @@ def parse_file_mode(text: str) -> int:
     return mode
 
 
-def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None) -> Path:
+def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None, server_release: str | None = None) -> Path:
     """``resolve_cache_dir`` (with ``environ``: the server's environment), which must be an existing directory
     (InputError otherwise, exit 2)."""
     from exl3tool.cache import cache_root
     from exl3tool.errors import InputError
 
-    root = cache_dir if cache_dir is not None else cache_root(environ)
+    from exl3tool.releases import default_release
+
+    root = cache_dir if cache_dir is not None else cache_root(environ, default_release(server_release)[0])
     if not root.exists():
         raise InputError(f"cache directory {root} does not exist (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
     if not root.is_dir():

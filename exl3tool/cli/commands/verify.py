@@ -13,7 +13,7 @@ from rich.text import Text
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
+    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     JsonOpt, LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
     TpRankOpt, TpSizeOpt, existing_cache_dir, parse_positive_ints, request_from_options,
 )
@@ -96,6 +96,7 @@ def verify(
     cache_dir: CacheDirOpt = None,
     encoder_root: EncoderRootOpt = None,
     encoder_revision: EncoderRevisionOpt = None,
+    server_release: ServerReleaseOpt = None,
     encoder_source: EncoderSourceOpt = None,
     server_path: ServerPathOpt = None,
     exact: Annotated[bool, typer.Option("--exact", help="Also re-encode every layer and compare the entry with it (bytes on the platform that wrote it; tile by tile elsewhere): catches a single flipped bit.")] = False,
@@ -146,7 +147,7 @@ def verify(
                                  on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} {c.reason}"))
     else:
         # verify only reads: a missing cache is an I/O error, not N failed layers
-        existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ)
+        existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ, request.server_release)
         checkpoint, plan, store = prepare(request, environ=environ)
         result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
                              max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,

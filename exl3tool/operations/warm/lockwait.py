@@ -36,12 +36,14 @@ from typing import Callable, Optional
 
 from exl3tool.cache.locks import Holder, lock_holder_processes, process_state
 from exl3tool.plan.plan import WarmJob
+from exl3tool.releases import CACHE_MODULES
 
 __all__ = ["LockWaits", "POLL_S", "STUCK_AFTER_S", "UNKNOWN_AFTER_S", "progress_stamp"]
 
 POLL_S = 1.0  # how often a deferred job is retried
 STUCK_AFTER_S = 60.0  # a holder stopped this long is stuck
-UNKNOWN_AFTER_S = 600.0  # an unidentifiable holder with no sign of progress this long is stuck (the server's time-out)
+# an unidentifiable holder with no sign of progress this long is stuck: the newer cache module's lock time-out
+UNKNOWN_AFTER_S = float(CACHE_MODULES["newer"].lock_timeout_s or 600.0)
 STOPPED = ("T", "t")
 log = logging.getLogger(__name__)
 
