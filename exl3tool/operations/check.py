@@ -479,7 +479,8 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
             pass
     failures = start_failures(plan, request, release, full)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
-                       round(time.perf_counter() - start, 4), tuple(failures), release.name)
+                       round(time.perf_counter() - start, 4), start_failures=tuple(failures),
+                       server_release=release.name)
 
 
 def start_failures(plan: WarmPlan, request: WarmRequest, release: ServerRelease,

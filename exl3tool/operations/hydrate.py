@@ -273,8 +273,10 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     """
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay
     from exl3tool.checkpoint.overrides import parse_hf_overrides
+    from exl3tool.cache.settings import server_bits
     from exl3tool.plan.request import prepare, serving_torch_dtype
 
+    request = replace(request, bits=server_bits(request.bits, os.environ if environ is None else environ))
     if not os.path.isdir(os.path.expanduser(request.model)):
         raise InputError(f"SOURCE {request.model}: not a checkpoint folder; hydrate reads a local checkpoint "
                          "(download a Hub model first, e.g. `hf download REPO --local-dir DIR`)")

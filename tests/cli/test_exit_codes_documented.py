@@ -77,6 +77,8 @@ CLAIMS = [
     ("docs/cache.md", "exits 2 with both figures when they do not fit", "disk_full"),
     ("README.md", "A layer that `differs` fails (exit 1)", "exact"),
     ("docs/deploy.md", "cache as it was; the rest are imported (exit 1)", "bundles"),
+    ("docs/cache.md", "Neither changes a hit or an exit code", "parity"),
+    ("docs/deploy.md", "a difference refuses the warm (exit 2)", "parity"),
     ("docs/deploy.md", "* **Errors** are one line, exit 2, before any work: `--shard 3/2`", "shards"),
     ("docs/deploy.md", "* **A shard with no job** (N larger than the plan's encodes) is success (exit 0)", "shards"),
     ("docs/deploy.md", "A plan with no work at all stays a usage error (exit 2), as unsharded.", "shards"),
@@ -324,6 +326,37 @@ def scenario_shards(m, tmp, monkeypatch):
     check = ["cache", "check", m["good"], "--cache-dir", tmp / "c", "--quiet", *ENC, *two]
     assert run([*base, *two, "--shard", "0/2"]) == 0 and run(check) == 1  # one shard ran: the other's entry misses
     assert run([*base, *two, "--shard", "1/2"]) == 0 and run(check) == 0
+
+
+def scenario_parity(m, tmp, monkeypatch):
+    """An encoder copy that writes other bytes refuses the warm (2); trusted, it writes (0); the recorded verdict is
+    a note of cache check, not a miss (0)."""
+    import textwrap
+
+    import exl3tool.operations.warm.run as warm_run
+    from helpers import fake_encode
+
+    lib = tmp / "fork-encoder" / "modules" / "quant" / "exl3_lib"
+    lib.mkdir(parents=True)
+    (lib / "quantize.py").write_text(textwrap.dedent('''
+        import torch
+
+        def quantize_exl3(weight, H_data, quant_args, return_weight_q=False, verbose=False):
+            k, n = weight.shape
+            g = torch.Generator().manual_seed(quant_args["seed"] + 1)
+            t = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * quant_args["K"]), generator=g, dtype=torch.int32)
+            quant_args["q_fallback"] = True
+            return None, 0.5, {"trellis": t.to(torch.int16), "suh": torch.ones(k, dtype=torch.float16),
+                               "svh": torch.ones(n, dtype=torch.float16), "mcg": torch.tensor(1)}
+    '''))
+    real = warm_run.run_plan
+    monkeypatch.setattr(warm_run, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": fake_encode}))
+    enc = ["--encoder-root", "/opt/exllamav3-python/exllamav3", "--encoder-revision", "704aefd",
+           "--encoder-source", tmp / "fork-encoder"]
+    base = ["cache", "warm", m["good"], "--layers", LAYER, "--cache-dir", tmp / "c", "--device", "cpu", "--quiet", *enc]
+    assert run(base) == 2 and not (tmp / "c" / "v1").exists()
+    assert run([*base, "--trust-encoder-identity"]) == 0
+    assert run(["cache", "check", m["good"], "--layers", LAYER, "--cache-dir", tmp / "c", "--quiet", *enc]) == 0
 
 
 def scenario_verify_model(m, tmp, monkeypatch):
