@@ -45,13 +45,13 @@ RECORDED_COMMANDS = (
     "vllm", "python", "python3", "python3.10", "python3.11", "python3.12", "python3.13", "python3.14", "pip", "pip3",
     "uv", "uvx", "torchrun", "ray", "docker", "podman", "nerdctl", "nvidia-docker", "kubectl", "hf",
     "huggingface-cli", "nvidia-smi", "curl", "wget", "git", "ssh", "scp", "sudo", "su", "nsys", "ncu", "numactl",
-    "taskset", "mkdir", "rm", "rmdir", "cp", "mv", "ln", "touch", "chmod", "chown", "install", "rsync", "truncate",
+    "taskset", "env", "setsid", "nohup", "nice", "ionice", "stdbuf", "timeout", "chrt", "runuser", "gosu", "su-exec", "setpriv", "mkdir", "rm", "rmdir", "cp", "mv", "ln", "touch", "chmod", "chown", "install", "rsync", "truncate",
     "dd", "sleep", "kill", "pkill", "killall", "systemctl", "service", "apt-get", "apt", "yum", "dnf", "conda",
     "mount", "umount",
 )
 _PASS_THROUGH = ("tee",)  # recorded, stdin copied to stdout (no file written)
 _DROP = ("BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PROMPT_COMMAND", "CDPATH", "GLOBIGNORE", "EXL3TOOL_RUN",
-         "EXL3TOOL_LAUNCHER_DIRS")
+         "EXL3TOOL_LAUNCHER_DIRS", "EXL3TOOL_VIEW", "EXL3TOOL_UNEXPORTED")
 _BASH_OWN = ("SHLVL", "_", "OLDPWD", "PWD")  # set by bash itself, not by the launcher
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -61,9 +61,18 @@ _RECORDER = r"""#!/bin/sh
 d="$EXL3TOOL_RUN/rec/$$"
 n="${0##*/}"
 if [ "$n" = record ]; then printf '%s\0' "$@" > "$d.argv"; else printf '%s\0' "$n" "$@" > "$d.argv"; fi
-env -0 > "$d.env"
+command -p env -0 > "$d.env"
 pwd > "$d.cwd"
-case "$n" in tee) exec cat ;; esac
+if [ "$n" = record ]; then n="${1##*/}"; shift; fi
+case "$n" in
+  tee) exec cat ;;
+  # tried for real, which reaches only this run's memory (/tmp, /var/tmp, /run and a container view are in memory,
+  # the rest is read-only): a folder made for a log file is there for the launcher's next command
+  mkdir|touch|ln|cp|mv|rm|rmdir|chmod|chown|install|truncate) command -p "$n" "$@" 2>/dev/null ;;
+esac
+case " $n $* " in  # the server (or its container) starts: the launcher would wait on it, so the reading ends here
+  *vllm*serve*|*" docker "*" run "*|*" podman "*" run "*|*" nerdctl "*" run "*) kill -KILL -1 2>/dev/null ;;
+esac
 exit 0
 """
 
@@ -83,6 +92,25 @@ __exl3tool_script() {  # REPLY: the launcher script $1 names (a path of the imag
   [[ $first == '#!'*sh* ]] || return 1
   REPLY=$p
 }
+__exl3tool_unexported() {  # server variables the shell set but did not export: the server does not see them
+  local n u=() e=" $(compgen -e | tr '\n' ' ') "
+  for n in $(compgen -v); do
+    case $n in VLLM_*|HF_*|XDG_*|HUGGINGFACE_*|TRANSFORMERS_*) [[ $e == *" $n "* ]] || u+=("$n") ;; esac
+  done
+  EXL3TOOL_UNEXPORTED="${u[*]}"
+}
+__exl3tool_record() {
+  local EXL3TOOL_UNEXPORTED
+  __exl3tool_unexported
+  EXL3TOOL_UNEXPORTED=$EXL3TOOL_UNEXPORTED "$EXL3TOOL_RUN/record" "$@"
+}
+for __exl3tool_n in vllm python python3 docker podman nerdctl torchrun; do
+  eval "$__exl3tool_n() { __exl3tool_record $__exl3tool_n \"\$@\"; }"
+done
+unset __exl3tool_n
+ulimit() {  # limits a container may raise, this sandbox may not: asked for, taken as given
+  builtin ulimit "$@" 2>/dev/null || true
+}
 exec() {
   while [[ $# -gt 0 && $1 == -* ]]; do
     case $1 in -a) shift ;; --) shift; break ;; esac
@@ -94,13 +122,21 @@ exec() {
     shift
     builtin exec bash "$REPLY" "$@"
   fi
-  "$EXL3TOOL_RUN/record" "$@"
+  __exl3tool_record "$@"
   builtin exit 0
 }
 __exl3tool_exit() {  # the environment a launcher exports when it ends (its DRY_RUN=1 mode prints, then exits)
   "$EXL3TOOL_RUN/record" __exl3tool_exit__ "${SHLVL:-0}"
 }
 trap __exl3tool_exit EXIT
+if [[ -n ${EXL3TOOL_VIEW:-} ]]; then  # inside a container's view: a folder the image has, absent here, is made
+  cd() {                             # empty in the view's memory (what is inside the image is not known here)
+    builtin cd "$@" 2>/dev/null && return 0
+    local d=${!#}
+    [[ $# -gt 0 && $d != -* ]] && /bin/mkdir -p -- "$d" 2>/dev/null
+    builtin cd "$@"
+  }
+fi
 command_not_found_handle() {  # a tool of the image that this machine lacks: recorded, taken as succeeding
   "$EXL3TOOL_RUN/record" "$@"
   return 0
@@ -148,7 +184,6 @@ if (: > /.exl3tool-write-probe) 2>/dev/null || [ -e /dev/nvidia0 ]; then
   echo "the sandbox is not read-only" >&2
   exit 97
 fi
-export PATH="$launcher_path"
 if [ "$view" != - ]; then
   root=$run/root
   mkdir "$root"
@@ -169,9 +204,22 @@ if [ "$view" != - ]; then
   done < "$view"
   mkdir -p "$root$run"
   mount --rbind "$run" "$root$run"
-  exec chroot "$root" "$@"
+  chroot=$(command -v chroot)
+  export PATH="$launcher_path"
+  "$chroot" "$root" "$@" && status=0 || status=$?
+else
+  export PATH="$launcher_path"
+  "$@" && status=0 || status=$?  # not exec'd: as init of the namespace this shell outlives a recorder's kill -1
 fi
-exec "$@"
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+i=0  # what the launcher left running in the background (a server started with &): a few seconds to be recorded
+while [ $i -lt 60 ]; do
+  set -- /proc/[0-9]*
+  [ $# -gt 1 ] || break
+  sleep 0.05
+  i=$((i + 1))
+done
+exit $status
 """
 
 
@@ -184,6 +232,7 @@ class Recorded:
     cwd: str
     at_exit: bool = False  # not a command: the environment a bash process exported when it ended
     level: int = 0  # at_exit: that shell's nesting (SHLVL)
+    unexported: tuple[str, ...] = ()  # server variables (VLLM_*, HF_*, XDG_*) the shell set without exporting them
 
 
 @dataclass
@@ -200,16 +249,22 @@ class LauncherRun:
 _problem: Optional[str] = None
 
 
+def _tool(name: str) -> Optional[str]:
+    """The system's ``name`` (bash, unshare): on PATH, else in the system's folders."""
+    return shutil.which(name) or shutil.which(name, path=_DEFAULT_PATH)
+
+
 def sandbox_problem() -> str:
     """Why a launcher cannot be run in the sandbox on this machine ("" when it can): no bash, no unshare, or user
     namespaces refused (a container without them, ``kernel.unprivileged_userns_clone=0``)."""
     global _problem
     if _problem is None:
-        if shutil.which("bash") is None or shutil.which("unshare") is None:
+        if _tool("bash") is None or _tool("unshare") is None:
             _problem = "bash and unshare (util-linux) are needed to run a launcher read-only"
         else:
             try:
-                done = subprocess.run(["unshare", "-Urmn", "true"], capture_output=True, text=True, timeout=20)
+                done = subprocess.run([_tool("unshare") or "unshare", "-Urmn", "true"], capture_output=True, text=True,
+                                      timeout=20)
                 _problem = "" if done.returncode == 0 else (
                     f"user namespaces are not allowed here (unshare -Urmn: {done.stderr.strip() or done.returncode})")
             except (OSError, subprocess.TimeoutExpired) as exc:
@@ -241,6 +296,7 @@ def _read_records(run: str, path_given: Optional[str]) -> list[Recorded]:
         for pair in pairs:
             k, _, v = pair.decode("utf-8", "surrogateescape").partition("=")
             env[k] = v
+        unexported = tuple(env.get("EXL3TOOL_UNEXPORTED", "").split())
         env = {k: v for k, v in _clean(env).items() if k not in _BASH_OWN}
         if path_given is None:
             env.pop("PATH", None)
@@ -249,7 +305,7 @@ def _read_records(run: str, path_given: Optional[str]) -> list[Recorded]:
         words = tuple(a.decode("utf-8", "surrogateescape") for a in argv)
         at_exit = words[:1] == ("__exl3tool_exit__",)
         level = int(words[1]) if at_exit and len(words) > 1 and words[1].isdigit() else 0
-        out.append((int(name[:-5]), Recorded(() if at_exit else words, env, cwd, at_exit, level)))
+        out.append((int(name[:-5]), Recorded(() if at_exit else words, env, cwd, at_exit, level, unexported)))
     return [r for _, r in sorted(out, key=lambda t: t[0])]
 
 
@@ -284,8 +340,8 @@ def run_launcher(argv: Sequence[str], *, environ: Mapping[str, str], cwd: Option
         os.chmod(recorder, 0o755)
         for name in (*RECORDED_COMMANDS, *_PASS_THROUGH):
             os.symlink(recorder, os.path.join(bindir, name))
-        bash = shutil.which("bash")
-        assert bash is not None
+        bash = _tool("bash")
+        assert bash is not None  # sandbox_problem() said so
         os.symlink(bash, os.path.join(bindir, "bash"))
         prelude = os.path.join(run, "prelude.sh")
         with open(prelude, "w", encoding="utf-8") as fh:
@@ -307,9 +363,12 @@ def run_launcher(argv: Sequence[str], *, environ: Mapping[str, str], cwd: Option
         env = _clean(environ)
         env.update(PATH=f"{bindir}:{path_given or _DEFAULT_PATH}", BASH_ENV=prelude, EXL3TOOL_RUN=run,
                    EXL3TOOL_LAUNCHER_DIRS=":".join(launcher_dirs))
+        if mounts is not None:
+            env["EXL3TOOL_VIEW"] = "1"
         where = cwd or ("/" if mounts is not None else os.getcwd())
-        inner = ["/bin/sh", "-c", 'cd "$1" 2>/dev/null || cd /; shift; exec "$@"', "cd", where, *argv]
-        command = ["unshare", "-Urmnpf", "--kill-child", "--mount-proc", "/bin/sh", setup, run, view, *inner]
+        inner = ["/bin/sh", "-c", 'cd "$1" 2>/dev/null || { [ -n "${EXL3TOOL_VIEW:-}" ] && /bin/mkdir -p "$1" && cd "$1"; } '
+                 '|| cd /; shift; exec "$@"', "cd", where, *argv]
+        command = [_tool("unshare") or "unshare", "-Urmnpf", "--kill-child", "--mount-proc", "/bin/sh", setup, run, view, *inner]
         try:
             done = subprocess.run(command, env=env, input=stdin, capture_output=True, text=True, timeout=timeout,
                                   errors="replace", cwd="/")
@@ -332,6 +391,7 @@ class LauncherStart:
     cwd: str
     how: str  # "exec" (the command it starts, recorded) | "DRY_RUN=1" (its dry run's Command: line)
     notes: tuple[str, ...] = ()
+    unexported: tuple[str, ...] = ()  # server variables the launcher set without exporting them
 
 
 def dry_run_command(stdout: str) -> Optional[list[str]]:
@@ -347,11 +407,11 @@ def dry_run_command(stdout: str) -> Optional[list[str]]:
 
 
 def _others(run: LauncherRun, server: Optional[Recorded]) -> tuple[str, ...]:
-    ran = [shlex.join(r.argv[:3]) for r in run.records if not r.at_exit and r is not server]
+    ran = [shlex.join(r.argv[:2]) for r in run.records if not r.at_exit and r is not server]
     if not ran:
         return ()
     shown = "; ".join(dict.fromkeys(ran))
-    return (f"the launcher also ran, recorded but not run: {shown[:300]}",)
+    return (f"the launcher also ran, recorded but not run: {shown[:400]}",)
 
 
 def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server, cwd: Optional[str] = None,
@@ -364,7 +424,7 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
     servers = [r for r in first.records if not r.at_exit and is_server(list(r.argv))]
     if servers:
         r = servers[-1]
-        return LauncherStart(r.argv, r.env, r.cwd, "exec", _others(first, r))
+        return LauncherStart(r.argv, r.env, r.cwd, "exec", _others(first, r), r.unexported)
     runs = [first]
     if "DRY_RUN" not in environ or DRY_RUN_COMMAND not in first.stdout:
         runs.append(run_launcher(argv, environ={**environ, "DRY_RUN": "1"}, cwd=cwd, launcher_dirs=launcher_dirs,
@@ -373,7 +433,7 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
         if servers:
             r = servers[-1]
             return LauncherStart(r.argv, {k: v for k, v in r.env.items() if k != "DRY_RUN"}, r.cwd, "exec",
-                                 _others(runs[-1], r))
+                                 _others(runs[-1], r), r.unexported)
     for run, added in zip(runs, (False, True)):
         words = dry_run_command(run.stdout)
         exits = [r for r in run.records if r.at_exit]
