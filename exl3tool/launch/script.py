@@ -82,7 +82,9 @@ __exl3tool_script() {  # REPLY: the launcher script $1 names (a path of the imag
   local p=$1 d IFS=:
   if [[ $p != */* ]]; then p=$(type -P -- "$p") || return 1; fi
   if [[ ! -f $p ]]; then
-    for d in $EXL3TOOL_LAUNCHER_DIRS; do
+    local top=${BASH_SOURCE[${#BASH_SOURCE[@]}-1]}  # this shell's script: its folder holds its sibling launchers
+    [[ $top == */* ]] || top=./$top
+    for d in $EXL3TOOL_LAUNCHER_DIRS "${top%/*}"; do
       [[ -n $d && -f $d/${p##*/} ]] && { p=$d/${p##*/}; break; }
     done
   fi
