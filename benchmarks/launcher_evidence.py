@@ -2,8 +2,9 @@
 (exl3tool 0.x ``launch/shell.py``, walked in Python) or the system's bash in the read-only sandbox
 (``launch/script.py``). docs/launch.md quotes the figures.
 
-    git clone https://github.com/local-inference-lab/blackwell-llm-docker && \\
-    python benchmarks/launcher_evidence.py blackwell-llm-docker/launchers [--reader home-made|bash|both]
+    git clone https://github.com/local-inference-lab/blackwell-llm-docker
+    git show 51229ee:exl3tool/launch/shell.py > /tmp/home_made_shell.py   # the deleted reader, from history
+    python benchmarks/launcher_evidence.py blackwell-llm-docker/launchers --home-made /tmp/home_made_shell.py
 
 Each case is an operator's invocation (the variables compose passes, then the script); "accepted" means the reader
 found the vllm server's command, and the encoder variables it prints are what the server would get.
@@ -30,9 +31,20 @@ CASES = [  # (script, the operator's variables)
 ]
 
 
+HOME_MADE = ""  # the deleted reader's file (--home-made)
+
+
 def home_made(directory: str, script: str, variables: str) -> str:
-    from exl3tool.launch.shell import run_script  # the home-made reader (deleted once bash won)
+    import importlib.util
+
     from exl3tool.launch.parse import find_server
+    spec = importlib.util.spec_from_file_location("home_made_shell", HOME_MADE)
+    module = sys.modules.get("home_made_shell")
+    if module is None:
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules["home_made_shell"] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    run_script = module.run_script
     text = f"{variables} ./{script}".strip()
     with open(os.path.join(directory, script), encoding="utf-8") as fh:
         body = fh.read()
@@ -68,20 +80,21 @@ def real_bash(directory: str, script: str, variables: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("directory")
-    ap.add_argument("--reader", choices=("home-made", "bash", "both"), default="both")
+    ap.add_argument("--home-made", metavar="FILE", default="",
+                    help="the deleted home-made reader (git show 51229ee:exl3tool/launch/shell.py); without it only "
+                    "bash is measured")
     a = ap.parse_args()
+    global HOME_MADE
+    HOME_MADE = a.home_made
     readers = {"home-made": home_made, "bash": real_bash}
-    chosen = list(readers) if a.reader == "both" else [a.reader]
+    chosen = list(readers) if HOME_MADE else ["bash"]
     counts = dict.fromkeys(chosen, 0)
     for script, variables in CASES:
         if not os.path.exists(os.path.join(a.directory, script)):
             continue
         for name in chosen:
             t = time.perf_counter()
-            try:
-                said = readers[name](a.directory, script, variables)
-            except ImportError as exc:
-                said = f"refused: reader not present ({exc})"
+            said = readers[name](a.directory, script, variables)
             counts[name] += said.startswith("accepted")
             print(f"{script:32} {name:9} {time.perf_counter() - t:5.2f}s {said}")
     n = sum(os.path.exists(os.path.join(a.directory, s)) for s, _ in CASES)
