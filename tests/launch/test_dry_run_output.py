@@ -107,3 +107,24 @@ def test_docker_env_files_stay_literal_and_docker_run_env_files_too(tmp_path):
     env.write_text("VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3\nVLLM_EXL3_ENCODER_REVISION=''\n")
     assert "VLLM_EXL3_ENCODER_REVISION" not in read_env_file(str(env))
     assert read_env_file(str(env), dry_run_form=False)["VLLM_EXL3_ENCODER_REVISION"].value == "''"
+
+
+def test_dry_run_output_as_the_launch(tmp_path, cli, setup):
+    """--launch-file of the whole DRY_RUN output: its Command: line is the server's command, its KEY lines the
+    environment (the revision '' unset: the encoder's files are hashed, as the independent server does)."""
+    model, enc, cache = setup
+    dry = tmp_path / "dryrun.txt"
+    dry.write_text(_dry_run_text(model, enc, cache))
+    code, out, err = cli("cache", "warm", "--json", "--launch-file", dry)
+    assert code == 0, err
+    code, out, err = cli("cache", "check", "--json", "--launch-file", dry)
+    doc = json.loads(out)
+    assert code == 0 and doc["lookups"] == len(doc["entries"]) > 0, err
+    assert doc["settings"]["tp_size"]["value"] == 2 and doc["settings"]["encoder_revision"]["value"] is None
+    assert all(_server_hits(model, enc, cache, None, doc))
+    # the KEY lines without their Command: line are no launch: one line saying what to give
+    dry.write_text("".join(line for line in dry.read_text().splitlines(True) if not line.startswith("Command:"))
+                   .replace("VLLM_EXL3_ENCODER_REVISION=''", "VLLM_EXL3_ENCODER_REVISION=$'r\\t1'"))
+    code, _, err = cli("identity", "--launch-file", dry)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and "without its Command: line" in lines[0], err

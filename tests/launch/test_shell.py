@@ -232,3 +232,17 @@ def test_a_launcher_that_never_starts_a_server_is_stopped(tmp_path):
 
     with pytest.raises(ConfigError, match="more than 2 s"):
         script.run_launcher(["bash", "-c", "while :; do :; done"], environ={}, cwd=str(tmp_path), timeout=2)
+
+
+def test_without_user_namespaces_a_launcher_is_not_run(tmp_path, monkeypatch, cli):
+    """No sandbox, no run: one line saying to give the launcher's DRY_RUN output instead."""
+    import exl3tool.launch.script as script
+
+    monkeypatch.setattr(script, "_problem", "user namespaces are not allowed here (unshare -Urmn: Operation not "
+                                            "permitted)")
+    (tmp_path / "run.sh").write_text("touch marker\nexec vllm serve /m\n")
+    code, _, err = cli("identity", "--launch-file", tmp_path / "run.sh")
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and "user namespaces are not allowed" in lines[0], err
+    assert "DRY_RUN=1" in lines[0] and "--launch-file dryrun.txt" in lines[0]
+    assert not (tmp_path / "marker").exists()
