@@ -19,7 +19,7 @@ from exl3tool.errors import ConfigError
 if TYPE_CHECKING:
     from exl3tool.cache.serverfs import ServerView
 
-__all__ = ["ResolvedRevision", "resolve_hub_revision", "hub_cache_dir", "hub_offline"]
+__all__ = ["ResolvedRevision", "resolve_hub_revision", "hub_cache_dir", "hub_offline", "server_hub_cache"]
 
 _FULL_HASH = re.compile(r"^[0-9a-f]{40}$")
 _HEX = re.compile(r"^[0-9a-f]{4,40}$")
@@ -101,6 +101,16 @@ def _cache_here(environ: Mapping[str, str] | None, view: "ServerView | None") ->
         return cache
     here = view.to_host(str(cache)) if cache.is_absolute() else None
     return Path(here) if here is not None else hub_cache_dir(None)
+
+
+def server_hub_cache(environ: Mapping[str, str] | None, view: "ServerView | None") -> Path | None:
+    """Where a launch's server keeps its Hub cache, here (its volume's folder); None when it is not on a volume
+    (inside the image) or the server runs on this host's own paths."""
+    if view is None:
+        return None
+    cache = hub_cache_dir(environ)
+    here = view.to_host(str(cache)) if cache.is_absolute() else None
+    return Path(here) if here is not None and here != str(cache) else None
 
 
 def resolve_hub_revision(

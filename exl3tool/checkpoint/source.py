@@ -252,7 +252,7 @@ def _snapshot_hash(directory: Path) -> str | None:
 
 
 def _download(model: str, revision: str | None, token: str | bool | None, local_files_only: bool | None,
-              select: Selector | None = None) -> tuple[Path, list[str] | None]:
+              select: Selector | None = None, hub_cache: str | Path | None = None) -> tuple[Path, list[str] | None]:
     """Resolve a repo id to a snapshot folder; offline (env or argument) never touches the network.
 
     Returns the folder and, when ``select`` chose a subset, the shard files fetched (None: every shard).
@@ -261,7 +261,7 @@ def _download(model: str, revision: str | None, token: str | bool | None, local_
     from huggingface_hub import snapshot_download
 
     offline = _env_offline() if local_files_only is None else bool(local_files_only)
-    cache = hub_cache_dir()
+    cache = Path(hub_cache) if hub_cache is not None else hub_cache_dir()
     rev = revision or "main"
     try:
         # First the small files, which pin the commit; then only the shards the index names (a repo may also
@@ -365,7 +365,7 @@ def _index_total(root: Path) -> Optional[int]:
 
 def open_checkpoint(model: str, *, revision: str | None = None, token: str | bool | None = None,
                     local_files_only: bool | None = None, select: Selector | None = None,
-                    hf_overrides: dict[str, Any] | None = None) -> Checkpoint:
+                    hf_overrides: dict[str, Any] | None = None, hub_cache: str | Path | None = None) -> Checkpoint:
     """Open ``model`` (a directory, a .safetensors file, or a Hub repo id) without loading weights.
 
     ``select`` (Hub repos with an index): given the snapshot's small files, the tensor names the plan needs; only
@@ -378,6 +378,8 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
         model: a directory, a .safetensors file or a Hub repo id.
         revision, token, local_files_only: the Hub's (a branch, tag or commit; the token; never download).
         select, hf_overrides: as described above.
+        hub_cache: the Hub cache a repo id is read from (default: this environment's); a launch's server reads its
+            own, through its volumes.
 
     Returns:
         A ``Checkpoint``: config, tensor index, dtype and (for the Hub) the commit and what was fetched.
@@ -389,7 +391,7 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
         if base_select is not None:
             select = lambda root, config, names: base_select(root, apply_hf_overrides(config, hf_overrides), names)  # noqa: E731
         checkpoint = open_checkpoint(model, revision=revision, token=token, local_files_only=local_files_only,
-                                     select=select)
+                                     select=select, hub_cache=hub_cache)
         checkpoint.config = apply_hf_overrides(checkpoint.config, hf_overrides)
         checkpoint.config_dtype = _config_dtype(checkpoint.config, checkpoint.root / "config.json")
         checkpoint.dtype = serving_dtype(checkpoint.config_dtype)
@@ -410,7 +412,7 @@ def open_checkpoint(model: str, *, revision: str | None = None, token: str | boo
         root = local
         chosen = None
     else:
-        root, chosen = _download(model, revision, token, local_files_only, select)
+        root, chosen = _download(model, revision, token, local_files_only, select, hub_cache)
 
     config = _load_config(root / "config.json")
     if (root / INDEX_NAME).is_file():

@@ -193,7 +193,7 @@ def parse_run(runner: str, words: list[str], *, environ: Optional[Mapping[str, s
             elif role == "env_file":
                 path = os.path.join(cwd, os.path.expanduser(value))
                 for key, item in read_env_file(path, environ=env_src, label=f"the launch's {runner} run --env-file",
-                                               source="launch env").items():
+                                               source="launch env", dry_run_form=False).items():
                     env[key] = item
             elif role == "volume":
                 mounts.append(_volume(value, cwd))

@@ -12,12 +12,13 @@ from typing import Callable, Optional
 
 from exl3tool.errors import ConfigError
 from exl3tool.launch.container import ContainerRun, PathMap, parse_run
-from exl3tool.launch.env import EnvLayers, EnvValue, read_env_file
+from exl3tool.launch.env import EnvLayers, EnvValue, is_dry_run_output, read_dry_run_env, read_env_file
 from exl3tool.launch.image import image_env
 from exl3tool.launch.parse import ASSIGNMENT, ServerStart, find_server, parse_server_args
 from exl3tool.launch.proc import read_process
 from exl3tool.launch.resolve import ServerLaunch
-from exl3tool.launch.shell import SHELLS, ScriptResult, run_script
+from exl3tool.launch.shell import SHELLS, ScriptResult, container_view, run_file, script_changes
+from exl3tool.launch.script import dry_run_command, read_launcher
 
 __all__ = ["load_launch", "launch_from_words"]
 
@@ -37,7 +38,7 @@ def _reader(paths: PathMap):
 
 
 def _text_reader(paths: PathMap, cwd: Optional[str]) -> Callable[[str], Optional[str]]:
-    """Read a script or a sourced file the launch names (through its path map); None when it cannot be read."""
+    """Read a script the launch names (through its path map); None when it cannot be read here."""
     def read(path: str) -> Optional[str]:
         if not posixpath.isabs(path):
             if paths.container or cwd is None:
@@ -52,40 +53,66 @@ def _text_reader(paths: PathMap, cwd: Optional[str]) -> Callable[[str], Optional
     return read
 
 
-def _script_file(words: list[str], read: Callable[[str], Optional[str]]) -> Optional[tuple[str, str]]:
-    """``bash FILE ...`` / ``FILE ...`` (a shell script with a #! line): the file's text and its name, or None."""
+def _script_file(words: list[str], read: Callable[[str], Optional[str]],
+                 launcher_dirs: Sequence[str] = ()) -> Optional[tuple[str, list[str], str]]:
+    """``bash FILE ARGS`` / ``FILE ARGS`` (a shell script with a #! line): the script's path (as its machine sees it,
+    or a same-named launcher in ``launcher_dirs``), its arguments and its name; None when the words run no script."""
     if not words:
         return None
     if words[0].rsplit("/", 1)[-1] in SHELLS:
-        rest = [w for w in words[1:]]
+        rest = list(words[1:])
         while rest and rest[0].startswith(("-", "+")):
             if "c" in rest[0][1:] and not rest[0].startswith("--"):
                 return None  # a -c script, not a file
             rest = rest[1:]
         if not rest:
             return None
-        text = read(rest[0])
-        return (text, rest[0]) if text is not None else None
-    if "/" in words[0] or words[0].endswith(".sh"):
-        text = read(words[0])
-        if text is not None and text.startswith("#!") and any(
-                t.rsplit("/", 1)[-1] in SHELLS for t in text.split("\n", 1)[0][2:].split()):
-            return text, words[0]
-    return None
+        path, args = rest[0], rest[1:]
+    elif "/" in words[0] or words[0].endswith(".sh"):
+        path, args = words[0], words[1:]
+    else:
+        return None
+    text = read(path)
+    if text is None:
+        for d in launcher_dirs:  # the image's copy of a launcher: the same-named file beside the launch
+            candidate = os.path.join(d, path.rsplit("/", 1)[-1])
+            if os.path.isfile(candidate):
+                with open(candidate, encoding="utf-8", errors="replace") as fh:
+                    text = fh.read()
+                path = candidate
+                break
+    if text is None:
+        return None
+    if words[0].rsplit("/", 1)[-1] not in SHELLS and not (text.startswith("#!") and any(
+            t.rsplit("/", 1)[-1] in SHELLS for t in text.split("\n", 1)[0][2:].split())):
+        return None
+    return path, list(args), words[0] if words[0].rsplit("/", 1)[-1] not in SHELLS else path
 
 
 def _find(words: list[str], env: Optional[Mapping[str, str]], read: Callable[[str], Optional[str]],
-          workdir: Optional[str] = None) -> Optional[ServerStart]:
-    """The server in ``words``, also inside a script file it runs (``bash /scripts/serve.sh``, an entrypoint)."""
-    start = find_server(words, env)
+          workdir: Optional[str] = None, paths: Optional[PathMap] = None,
+          launcher_dirs: Sequence[str] = ()) -> Optional[ServerStart]:
+    """The server in ``words``, also inside a script file it runs (``bash /scripts/serve.sh``, an entrypoint),
+    which bash runs in the read-only sandbox: in the container's view when ``paths`` is a container's."""
+    mounts = None
+    if paths is not None and paths.container:
+        mounts = [(m.host, m.inside) for m in paths.mounts if m.host is not None]
+    if mounts is not None:
+        with container_view(mounts, launcher_dirs):
+            start = find_server(words, env)
+    else:
+        start = find_server(words, env)
     if start is not None:
         return start
-    found = _script_file(words, read)
+    found = _script_file(words, read, launcher_dirs)
     if found is None:
         return None
-    text, name = found
-    result = run_script(text, environ=dict(env or {}), where=name, workdir=workdir, read_file=read,
-                        is_server=lambda w, _cwd=None: find_server(w) is not None, strict=env is not None)
+    path, args, name = found
+    if mounts is None and not posixpath.isabs(path) and workdir:
+        path = posixpath.join(workdir, path)
+    dirs = (*launcher_dirs, posixpath.dirname(path)) if posixpath.isabs(path) and mounts is None else launcher_dirs
+    result = run_file(path, args, environ=dict(env or {}), where=name, workdir=workdir, mounts=mounts,
+                      launcher_dirs=dirs, is_server=lambda w: find_server(w) is not None, strict=env is not None)
     if result is None and env is None:
         return None  # only looking: a script that starts no server is not the launch's server
     if result is None:
@@ -138,7 +165,8 @@ def _container(words: list[str], start: ServerStart, environ: Mapping[str, str],
 
 
 def container_launch(run: ContainerRun, form: str, environ: Mapping[str, str],
-                     entrypoint_words: Optional[Sequence[str]] = None, notes: Sequence[str] = ()) -> ServerLaunch:
+                     entrypoint_words: Optional[Sequence[str]] = None, notes: Sequence[str] = (),
+                     launcher_dirs: Sequence[str] = ()) -> ServerLaunch:
     """The launch a container start gives (``docker``/``podman run``, a compose service): the image's ENV below the
     run's own environment, the server found in its entrypoint and command (also inside a script they run)."""
     command = list(run.command)
@@ -152,7 +180,7 @@ def container_launch(run: ContainerRun, form: str, environ: Mapping[str, str],
     if run.env_host:
         base_env = {**{k: EnvValue(v, "launch env", "podman --env-host") for k, v in environ.items()}, **base_env}
     inner = _find(command, {k: v.value for k, v in base_env.items()}, _text_reader(run.paths, run.workdir),
-                  run.workdir)
+                  run.workdir, run.paths, launcher_dirs)
     if inner is None and command[:1] == ["serve"]:
         inner = ServerStart("vllm", 1, "vllm serve (the image's entrypoint: vllm)")
     if inner is None and (run.entrypoint is not None or entrypoint_words):
@@ -205,22 +233,44 @@ def _clears_environment(prefix: list[str]) -> str:
     return ""
 
 
-def _from_text(text: str, where: str, environ: Mapping[str, str], cwd: str) -> ServerLaunch:
-    """A launch written as shell text (``--launch``, ``--launch-file``): walked as the shell runs it on this host."""
+def _from_dry_run(text: str, where: str, environ: Mapping[str, str], cwd: str) -> Optional[ServerLaunch]:
+    """A launcher's ``DRY_RUN=1`` output (``KEY=%q`` lines, ``Command: ...``): the command, with those variables as
+    the launch's environment (quoting undone, an empty value unset); None when ``text`` is not that form."""
+    lines = text.splitlines()
+    if not is_dry_run_output(lines):
+        return None
+    words = dry_run_command(text)
+    if words is None:
+        raise ConfigError(f"{where} is a launcher's DRY_RUN output without its Command: line (the server's command); "
+                          "give the whole output, or give the KEY lines with --env-file and the command with --launch")
+    exports = read_dry_run_env(lines, where, label=where, source="launch env")
+    launch = launch_from_words(words, environ={**environ, **{k: v.value for k, v in exports.items()}}, cwd=cwd,
+                               exports=exports)
+    return replace(launch, notes=(*launch.notes, f"{where} was read as a launcher's DRY_RUN=1 output: its KEY=%q lines "
+                                  "are the server's environment (an empty value is unset), its Command: line the "
+                                  "server's command"))
+
+
+def _from_text(text: str, where: str, environ: Mapping[str, str], cwd: str, *, file: Optional[str] = None,
+               ) -> ServerLaunch:
+    """A launch written as shell text (``--launch``) or a script (``--launch-file``): run by bash in the read-only
+    sandbox (``launch.script``) as it would run on this host; or a launcher's DRY_RUN output."""
     if not text.strip():
         raise ConfigError(f"{where} is empty: give the server's command line (vllm serve MODEL ...)")
-    read = _text_reader(PathMap(), cwd)
-    result = run_script(text, environ=environ, where=where, workdir=cwd, read_file=read,
-                        is_server=lambda w, here: _find(w, None, _text_reader(PathMap(), here), here) is not None)
-    if result is None:
+    dry = _from_dry_run(text, where, environ, cwd)
+    if dry is not None:
+        return dry
+    argv = ["bash", file] if file is not None else ["bash", "-c", text]
+    dirs = [os.path.dirname(file)] if file is not None else [cwd]
+    start = read_launcher(argv, environ=environ, cwd=cwd, launcher_dirs=dirs, where=where,
+                          is_server=lambda w: find_server(w) is not None)
+    if start is None:
         raise ConfigError(f"{where}: " + _NOT_FOUND)
-    exports = {n: EnvValue(v, "launch env", w) for n, (v, w) in result.exports.items()}
-    for name, value in result.prefix_env:
-        exports[name] = EnvValue(value, "launch env", f"{name}=... before the server ({where} line {result.line})")
-    launch = launch_from_words(result.words, environ=result.environ, cwd=result.workdir or cwd, exports=exports,
-                               workdir=result.workdir if result.workdir != cwd else None)
-    notes = [*result.notes, *(f"{where} sets {n} (line {line}) but does not export it: the server does not see it"
-                              for n, line in result.unexported.items() if n.startswith(("VLLM_", "HF_", "XDG_")))]
+    changed, unset_notes = script_changes(start, environ, where)
+    exports = {n: EnvValue(v, "launch env", w) for n, (v, w) in changed.items()}
+    launch = launch_from_words(start.argv, environ=start.env, cwd=start.cwd or cwd, exports=exports,
+                               workdir=start.cwd if start.cwd and start.cwd != cwd else None)
+    notes = [*start.notes, *unset_notes]
     return replace(launch, notes=(*launch.notes, *notes)) if notes else launch
 
 
@@ -273,7 +323,10 @@ def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = N
         from exl3tool.launch.compose import compose_run
 
         run, entrypoint, notes = compose_run(compose, service, environ=environ)
-        launch = container_launch(run, run.runner, environ, entrypoint, notes)
+        project = os.path.dirname(os.path.abspath(os.path.join(cwd, compose)))
+        dirs = [d for d in (project, os.path.join(project, "launchers"), os.path.join(project, "..", "launchers"))
+                if os.path.isdir(d)]  # an entrypoint inside the image (/usr/local/bin/serve-*.sh): the repo's copy
+        launch = container_launch(run, run.runner, environ, entrypoint, notes, launcher_dirs=dirs)
     elif argv:
         launch = launch_from_words(argv, environ=environ, cwd=cwd)
     elif file is not None:
@@ -284,7 +337,7 @@ def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = N
             raise ConfigError(f"--launch-file {file}: cannot read it ({exc.strerror or exc})") from None
         except UnicodeDecodeError:
             raise ConfigError(f"--launch-file {file}: not a text file (a shell script is expected)") from None
-        launch = _from_text(body, file, environ, cwd)
+        launch = _from_text(body, file, environ, cwd, file=os.path.join(cwd, file))
     else:
         launch = _from_text(text or "", "--launch", environ, cwd)
     container = launch.form in ("docker", "podman")

@@ -140,9 +140,15 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     layers, exclude = list(request.layers) or None, list(request.exclude) or None
     from exl3tool.checkpoint.overrides import parse_hf_overrides
 
+    hub_cache = None
+    if request.server_view is not None:  # a launch's server reads a repo id from its own Hub cache (a volume)
+        from exl3tool.cache.hub import server_hub_cache
+
+        hub_cache = server_hub_cache(environ, request.server_view)
     checkpoint = open_checkpoint(  # a Hub download fetches only the shards holding planned tensors
         request.model, revision=request.revision, hf_overrides=parse_hf_overrides(request.hf_overrides),
-        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude, release))
+        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude, release),
+        hub_cache=hub_cache)
     mode = request.mode
     identity_warnings: tuple[str, ...] = ()
     if mode == "off":

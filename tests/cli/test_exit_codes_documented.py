@@ -70,8 +70,6 @@ CLAIMS = [
     ("docs/deploy.md", "missing stops the warm (exit 2: without it the server runs no online", "launch_refusals"),
     ("docs/deploy.md", "and `cache check` says \"0 look-ups\" and exits 1", "launch_refusals"),
     ("README.md", "is refused naming it and its line (exit 2)", "launch_forms"),
-    ("docs/deploy.md", "variable without a default stops the command (exit 2)", "launch_forms"),
-    ("docs/deploy.md", "**Refused, naming the file and line (exit 2)**", "launch_forms"),
     ("docs/deploy.md", "stops the warm with exit 2 naming it", "launch_refusals"),
     ("README.md", "(exit 2 with both figures) before its first encode", "disk_full"),
     ("docs/cache.md", "exits 2 with both figures when they do not fit", "disk_full"),

@@ -38,7 +38,7 @@ from helpers import (fake_encode, server_encoder_identity, server_lookup, server
                      transformers_commit_hash, tree)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "launches"
-FORMS = {".launch": "launch", ".argv": "argv", ".sh": "launch-file", ".yml": "compose"}
+FORMS = {".launch": "launch", ".argv": "argv", ".sh": "launch-file", ".yml": "compose", ".dryrun": "launch-file"}
 CASES = sorted(p for p in DATA.iterdir() if p.is_file() and p.suffix in FORMS)
 DEFAULT_OVERLAY = '{"linear":{"weight":"mxfp8"}}'
 
@@ -163,6 +163,7 @@ def _materialize(path: Path, sources: dict, root: Path) -> Case:
             if f.is_file():
                 (d / f.relative_to(extra)).parent.mkdir(parents=True, exist_ok=True)
                 (d / f.relative_to(extra)).write_text(fill(f.read_text()))
+                (d / f.relative_to(extra)).chmod(f.stat().st_mode & 0o777)  # a launcher keeps its x bit
     text = fill(path.read_text())
     body = "\n".join(line for line in text.splitlines() if not line.startswith("#|"))
     form = FORMS[path.suffix]
@@ -183,11 +184,12 @@ def _server(case: Case, entries: list[tuple]) -> dict:
     huggingface_hub's own snapshot_download), the identities it computes, and its look-up of each entry."""
     s = case.server
     model, hub_cache, root = case.sub(s["model"]), s.get("hf_hub_cache"), case.sub(s["cache_root"])
-    enc_root, enc_rev, bits, tp = s["encoder_root"], s["encoder_revision"], s["bits"], s["tp"]
+    enc_root, enc_rev, bits, tp = case.sub(s["encoder_root"]), s["encoder_revision"], s["bits"], s["tp"]
+    revision = case.sub(s.get("revision"))  # a Hub repo served online: the revision the server is started with
 
     def answer():
         folder = snapshot_download(repo_id=model, cache_dir=hub_cache, local_files_only=True) if hub_cache else model
-        mid = server_model_identity(folder, commit_hash=transformers_commit_hash(folder))
+        mid = server_model_identity(folder, revision=revision, commit_hash=transformers_commit_hash(folder))
         eid = server_encoder_identity(enc_root, enc_rev)
         hits = [server_lookup(root, mid, eid, prefix, bits, tp, rank, k, n) is not None
                 for prefix, rank, k, n in entries]
@@ -221,7 +223,7 @@ def _reference_plan(cli, case: Case, tmp: Path) -> set[tuple]:
     args = [model, "--tp-sizes", s["tp"], "--bits", s["bits"], "--quantization-config", s["overlay"],
             "--encoder-root", s["encoder_root"], "--cache-dir", tmp / "reference-cache"]
     args += (["--encoder-revision", s["encoder_revision"]] if s["encoder_revision"]
-             else ["--encoder-source", case.host_path(s["encoder_root"])])
+             else ["--encoder-source", case.host_path(case.sub(s["encoder_root"]))])
     code, out, err = cli("cache", "warm", "--dry-run", "--json", *args)
     assert code == 0, err
     return {(j["prefix"], j["tp_size"], j["tp_rank"], j["input_size"], j["output_size"])
@@ -233,9 +235,13 @@ def _settings_agree(case: Case, settings: dict) -> None:
     s = case.server
     value = {k: v["value"] for k, v in settings.items()}
     assert value["tp_size"] == s["tp"] and value["bits"] == s["bits"], value
-    assert value["encoder_root"] == s["encoder_root"] and value["encoder_revision"] == s["encoder_revision"], value
+    assert value["encoder_root"] == case.sub(s["encoder_root"]), value
+    assert value["encoder_revision"] == s["encoder_revision"], value
     assert value["cache_dir"] == case.sub(s["cache_root"]), value
     assert json.loads(value["quantization_config"]) == json.loads(s["overlay"]), value
+    if s.get("revision"):  # a Hub repo served online: named by its id, pinned to the commit
+        assert (value["model"], value["revision"]) == (s["model"], case.sub(s["revision"])), value
+        return
     served = value.get("server_path_resolved") or value.get("server_path") or value["model_here"]
     assert served == case.resolved(), value
 
@@ -251,7 +257,7 @@ def _perturb(case: Case) -> None:
         link.unlink()
         os.symlink(what[2], link)
     elif what[0] == "edit-encoder":
-        f = case.host_path(case.server["encoder_root"]) / "modules" / "quant.py"
+        f = case.host_path(case.sub(case.server["encoder_root"])) / "modules" / "quant.py"
         f.write_text(f.read_text() + "# patched\n")
     else:
         raise AssertionError(f"{case.path.name}: unknown perturbation {what}")
@@ -294,7 +300,8 @@ def test_launch_case(path, sources, tmp_path, cli, case_env, monkeypatch):
     assert code == 0, err
     ident = json.loads(out)
     server = _server(case, [])
-    assert server["resolved"] == case.resolved()
+    if not case.server.get("revision"):  # a Hub repo served online has no folder; its identity names the repo
+        assert server["resolved"] == case.resolved()
     assert (ident["model"]["identity"], ident["encoder"]["identity"]) == (server["model"], server["encoder"])
 
     expect = case.header["expect"]

@@ -1,18 +1,26 @@
-"""The shell reader against the shell itself: the words exl3tool reads from a line are the words ``bash`` (and
-``dash``, where present) passes to the command, for quoting, escapes, expansions and field splitting."""
+"""Launcher scripts run by the system's bash in the read-only sandbox (``launch.script``, via ``launch.shell``):
+the words and environment exl3tool records for the server are the ones bash passes (quoting, escapes, expansions,
+field splitting, arrays, ``if``/``case``/functions), and reading a launcher leaves no trace outside its temporary
+folder: no file written, no network, no daemon socket, no GPU, no process left behind."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Optional
 
 import pytest
 
 from exl3tool.errors import ConfigError
-from exl3tool.launch.shell import Vars, expand, lex, run_script
+from exl3tool.launch.script import read_launcher, run_launcher, sandbox_problem
+from exl3tool.launch.shell import run_script
 from seeds import fresh_seed
+
+pytestmark = pytest.mark.skipif(bool(shutil.which("bash") is None or sandbox_problem()),
+                                reason=f"no sandbox here: {sandbox_problem() if shutil.which('bash') else 'no bash'}")
 
 ENV = {"QC": '{"linear": {"weight": "mxfp8"}}', "EXTRA": "  --max-model-len 8192   --port 8000 ", "EMPTY": "",
        "MODEL": "/models/My Model", "TP": "2", "HOME": "/home/vllm"}
@@ -21,91 +29,64 @@ LINES = [
     "vllm serve '$MODEL' \"$MODEL\" $MODEL",
     'x ${UNSET-a b} ${EMPTY-d} ${EMPTY:-e f} "${UNSET:-g h}" ${TP:+-tp $TP} ${UNSET:+no} ${TP:=3}',
     'x a\\ b "c\\"d" \'e\\f\' "\\$TP" \\$TP "a"b\'c\' "" \'\' $EMPTY "$EMPTY"',
-    "x pre${TP}post pre$EXTRA\"post\" ${#TP} $'tab\\there'",
+    "x pre${TP}post pre$EXTRA\"post\" ${#TP} $'tab\\there' $'nl\\nx' é",
     'x --quantization-config.ignore+ lm_head,re:.*x$ "$" a$ "a$@" ""$@',
     'x "$@" $@ "${@}" y',
     'x a=b --flag="$QC" "--flag2=$EXTRA"',
 ]
+_SERVER = {"is_server": lambda w, cwd: w[:1] == ["vllm"], "where": "t"}
 
 
 def _bash_words(line: str, shell: str = "bash") -> list[str]:
-    """What the shell passes as arguments for ``line`` (its first word replaced by printf)."""
-    # a first fixed argument: printf with no argument at all still prints its format once (an empty word)
+    """What the shell passes as arguments for ``line`` (its first word replaced by printf), outside any sandbox."""
     script = "set --\nprintf '%s\\0' start " + line.split(" ", 1)[1]
     done = subprocess.run([shell, "-c", script], env=ENV, capture_output=True, check=True)
     return done.stdout.decode().split("\0")[1:-1]
 
 
-def _ours(line: str) -> list[str]:
-    vars = Vars(ENV)
-    (cmd,) = lex(line)
-    return [f for w in cmd.words[1:] for f in expand(w, vars, "t", cmd.line)]
+def _recorded(line: str, env: Optional[dict] = None) -> Optional[list[str]]:
+    """The server's words exl3tool records for ``exec vllm ARGS`` (the line's first word replaced by vllm)."""
+    result = run_script("exec vllm " + line.split(" ", 1)[1], environ=env if env is not None else ENV, **_SERVER)
+    return None if result is None else result.words[1:]
 
 
 @pytest.mark.parametrize("line", LINES)
 def test_words_are_the_shells(line):
-    if shutil.which("bash") is None:
-        pytest.skip("no bash here to compare with")
-    assert _ours(line) == _bash_words(line)
-    if shutil.which("dash") is not None and "$'" not in line:  # dash has no $'...'
-        assert _ours(line) == _bash_words(line, "dash")
+    assert _recorded(line) == _bash_words(line)
 
 
 def test_random_quoting_agrees_with_bash():
-    """Fresh random words of quotes, escapes and expansions, each compared with bash."""
-    if shutil.which("bash") is None:
-        pytest.skip("no bash here to compare with")
+    """Fresh random words of quotes, escapes and expansions, each compared with bash run directly."""
     rng = random.Random(fresh_seed(63))
     pieces = ['"${MODEL}"', "${EXTRA}", "'$TP'", '"${QC}"', "${EMPTY:-z}", "a\\ b", '"x y"', "''", "${EMPTY}",
-              "${TP}q",
-              '"\\$TP"', "--k=${TP}", "p", '"a"\'b\'c']
-    for _ in range(40):
-        words = []
-        for _ in range(rng.randint(1, 5)):
-            words.append("".join(rng.choice(pieces) for _ in range(rng.randint(1, 3))))
-        line = "x " + " ".join(words)
-        assert _ours(line) == _bash_words(line), line
+              "${TP}q", '"\\$TP"', "--k=${TP}", "p", '"a"\'b\'c']
+    lines = []
+    for _ in range(12):
+        words = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 5))]
+        lines.append("x " + " ".join(words))
+    script = "".join(f"printf '%s\\0' {line[2:]}; printf '\\1'\n" for line in lines)  # one bash for all
+    want = subprocess.run(["bash", "-c", script], env=ENV, capture_output=True, check=True).stdout.decode()
+    ours = "".join("\0".join(_recorded(line) or []) + ("\0" if _recorded(line) else "") + "\1" for line in lines)
+    assert ours == want, lines
 
 
-def test_commands_lines_and_redirections():
-    cmds = lex("A=1 \\\n  vllm serve /m > /log 2>&1 &\n# note\necho 'a;b' && cd /x || exit 1 | tee y\n")
-    assert [(c.line, c.after) for c in cmds] == [(1, ";"), (4, ";"), (4, "&&"), (4, "||"), (4, "|")]
-    words = [[f for w in c.words for f in expand(w, Vars({}), "t", c.line)] for c in cmds]
-    assert words[0] == ["A=1", "vllm", "serve", "/m"] and words[1] == ["echo", "a;b"]
+def test_environment_exports_and_scope():
+    """What the server's environment holds: exported and set -a variables, a NAME=VALUE prefix; not a plain
+    assignment (noted), not an unset variable."""
+    result = run_script("set -a\nA=1\nset +a\nB=2\nexport C=$B\nunset HOME\nVLLM_X=7\nD=4 exec vllm serve x\n",
+                        environ={"HOME": "/h", "E": "5", "HF_HOME": "/hf"}, **_SERVER)
+    assert result.words == ["vllm", "serve", "x"]
+    assert {k: v for k, v in result.environ.items() if k != "PATH"} == {"E": "5", "A": "1", "C": "2", "D": "4",
+                                                                      "HF_HOME": "/hf"}
+    assert set(result.exports) == {"A", "C", "D"} and result.exports["C"] == ("2", "set by t (run by bash)")
+    assert any("sets VLLM_X but does not export it" in n for n in result.notes), result.notes
 
 
-def test_script_walk_exports_and_scope():
-    result = run_script("set -a\nA=1\nset +a\nB=2\nexport C=$B\nunset HOME\nD=4 exec vllm serve x\n",
-                        environ={"HOME": "/h", "E": "5"}, is_server=lambda w, cwd: w[:1] == ["vllm"], where="s.sh")
-    assert result.words == ["vllm", "serve", "x"] and result.prefix_env == [("D", "4")]
-    assert set(result.exports) == {"A", "C"} and result.unexported == {"B": 4}
-    assert result.environ == {"E": "5", "A": "1", "C": "2", "D": "4"}
-    assert result.exports["C"] == ("2", "export C=... in s.sh line 5")
-
-
-@pytest.mark.parametrize("text, match", [
-    ("vllm serve $1", r"\$1 is the script's argument 1"),
-    ("vllm serve ${X:?give X}", r"\$X is not set \(give X\)"),
-    ("vllm serve ${X/a/b}", "a form exl3tool does not follow"),
-    ("vllm serve 'open", "single quote is not closed"),
-    ("vllm serve `hostname`", "command substitution"),
-    ("vllm serve $((1+1))", "arithmetic expansion"),
-])
-def test_refusals_name_what(text, match):
-    with pytest.raises(ConfigError, match=match):
-        run_script(text, environ={}, is_server=lambda w, cwd: w[:1] == ["vllm"], where="t")
-
-
-# --- arrays and if ... fi, against bash ----------------------------------------------------------------------------
-
-_SERVER = {"is_server": lambda w, cwd: w[:1] == ["x"], "where": "t"}
-
+# --- arrays, if ... fi, case, functions: bash itself --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def bash_x(tmp_path_factory):
-    """Runs a script with bash; the command ``x`` (on PATH, so ``exec x`` works) prints the words it gets."""
-    if shutil.which("bash") is None:
-        pytest.skip("no bash here to compare with")
+    """Runs a script with bash, outside the sandbox; ``x`` (on PATH, so ``exec x`` works) prints its words."""
     bin_dir = tmp_path_factory.mktemp("bin")
     (bin_dir / "x").write_text("#!/bin/sh\nprintf '%s\\0' start \"$@\"\n")
     (bin_dir / "x").chmod(0o755)
@@ -117,10 +98,9 @@ def bash_x(tmp_path_factory):
     return run
 
 
-def _our_script_words(script: str, env: dict[str, str], **kw) -> list[str]:
-    result = run_script(script, environ=env, **_SERVER, **kw)
-    assert result is not None, script
-    return result.words[1:]
+def _our_script_words(script: str, env: dict[str, str]) -> Optional[list[str]]:
+    result = run_script(script.replace("exec x", "exec vllm"), environ=env, **_SERVER)
+    return None if result is None else result.words[1:]
 
 
 _VALUES = ["", "a b", " lead", "trail ", "x", "-n", "=", "!", "two  spaces", "1"]
@@ -164,7 +144,7 @@ def _random_script(rng: random.Random) -> str:
 def test_random_arrays_and_ifs_agree_with_bash(bash_x):
     """Fresh random values, arrays and if/elif/else/&&/|| over them: the words the server line gets are bash's."""
     rng = random.Random(fresh_seed(64))
-    for _ in range(60):
+    for _ in range(15):
         env = {"A": rng.choice(_VALUES), "B": rng.choice(_VALUES), "C": rng.choice(_VALUES),
                "N": str(rng.randint(-5, 20)), "M": str(rng.randint(-5, 20))}
         script = _random_script(rng)
@@ -173,65 +153,96 @@ def test_random_arrays_and_ifs_agree_with_bash(bash_x):
 
 @pytest.mark.parametrize("script", [
     'set -u\nA=()\nexec x "${A[@]}" y\n',
-    'A=()\nV=v\nexec x "$A" "${A[2]}" "${#A[0]}" "${V[1]}" "${V[0]}"\n',  # a known array's missing element: ""
-    'A=("" "")\nexec x x${A[@]}y ${A[@]} "${A[@]}"\n',
-    "V=' '\nexec x x${V}y $V\"\" \"\"$V\n",
-    'E=""\nif [ -n $E ]; then exec x taken; fi\nexec x not\n',  # [ -n ] is one argument: true
-    'A=(a "b c")\nA=z\nexec x "${A[@]}" "${#A[1]}" "${A[0]}"\n',  # a scalar assignment sets element 0
-    'S=s\nS+=(t u)\nexec x "${S[@]}"\n',
+    'A=(a "b c")\nA=z\nexec x "${A[@]}" "${#A[1]}" "${A[0]}"\n',
     'declare -a D=(1 "2 3")\nexport E=e\nexec x "${D[@]}" $E\n',
-    'A=(a\n  # a comment\n  "b c"\n)\nexec x "${A[@]}"\n',
-    'if [ 007 -eq 7 ] && [ " 5" -gt +4 ]; then exec x yes; else exec x no; fi\n',
-    'if [[ -n "${U:-}" && $U = x ]]; then exec x a; elif [[ -z ${U:-} ]]; then exec x b; fi\n',
     'if [ "${N:-0}" = 1 ]; then if true; then exec x inner; fi; fi\nexec x outer\n',
+    'A=1\ncase "$A" in\n  1) exec x one ;;\nesac\n',
+    'f() { exec x "$@" f; }\nf a "b c"\n',
+    'for i in 1 2; do A+=("$i"); done\nexec x "${A[@]}" "$(echo sub)" $((1+2))\n',
+    'declare -A M=([k]=v)\nexec x "${M[k]}"\n',
+    'A=(a b)\nexec x ${A[*]} "${A[@]:1}" ${A[-1]}\n',
+    '(exec x in-subshell)\n',
     'false || exit 0\nexec x after-exit\n',
-    'true && ARR=(t)\nfalse && ARR=(f)\n[ -z "" ] || ARR+=(no)\nexec x "${ARR[@]}"\n',
 ])
 def test_script_forms_agree_with_bash(bash_x, script):
-    want = bash_x(script, {})
-    result = run_script(script, environ={}, **_SERVER)
-    assert (result.words[1:] if result is not None else None) == want, script  # None: exited before x
+    assert _our_script_words(script, {}) == bash_x(script, {}), script  # None: exited before x
 
 
-def test_file_tests_use_the_files_exl3tool_can_read():
-    """``[ -f PATH ]`` is known when exl3tool reads the file (true, and -d false); otherwise refused."""
-    files = {"/srv/env.sh": "A=1\n"}
-    script = ('if [ -f /srv/env.sh ] && ! [ -d /srv/env.sh ]; then . /srv/env.sh; fi\n'
-              'if [ -e "" ]; then A=2; fi\nexec x "$A"\n')
-    assert _our_script_words(script, {}, read_file=files.get) == ["1"]
-    with pytest.raises(ConfigError, match=r"t line 1: \[ -f /srv/other \] asks about a file in the server's"):
-        run_script("if [ -f /srv/other ]; then A=1; fi\nexec x\n", environ={}, read_file=files.get, **_SERVER)
-    # a test whose result is unknown may guard what changes nothing; not what does
-    assert _our_script_words("[ -d /cache ] || mkdir -p /cache\n[ -f /x ] || exit 1\nexec x a\n", {}) == ["a"]
-    with pytest.raises(ConfigError, match=r"t line 2: this command runs by the result of the test before &&"):
-        run_script("A=0\n[ -f /x ] && A=1\nexec x $A\n", environ={}, **_SERVER)
+# --- the sandbox: no trace outside its temporary folder ------------------------------------------------------------
+
+HOSTILE = """#!/bin/bash
+# what a launcher may do on its way to the server: none of it may reach this machine
+mkdir -p /cache/x "$WATCH/made-by-mkdir" 2>/dev/null
+/bin/mkdir -p "$WATCH/made-by-bin-mkdir" 2>/dev/null
+touch "$WATCH/touched" 2>/dev/null
+echo written > "$WATCH/redirected" 2>/dev/null
+echo appended >> "$WATCH/existing" 2>/dev/null
+/bin/rm -f "$WATCH/existing" 2>/dev/null
+rm -rf "$WATCH" 2>/dev/null
+/usr/bin/env rm -rf "$WATCH" 2>/dev/null
+ln -s / "$WATCH/link" 2>/dev/null
+curl -fsS https://huggingface.co/api/models -o "$WATCH/curl.json" 2>/dev/null
+/usr/bin/curl -fsS https://huggingface.co -o "$WATCH/curl2.json" 2>/dev/null
+python3 -c "open('$WATCH/py', 'w').write('x')" 2>/dev/null
+hf download some/model --local-dir "$WATCH/hf" 2>/dev/null
+docker pull vllm/vllm-openai:latest 2>/dev/null
+(sleep 300 &) 2>/dev/null
+/bin/sleep 300 &
+[ -e /dev/nvidia0 ] && echo "gpu visible" >&2
+[ -S /run/docker.sock ] || [ -S /var/run/docker.sock ] && echo "docker socket visible" >&2
+nvidia-smi -L
+exec vllm serve /models/M --tensor-parallel-size 2
+"""
 
 
-@pytest.mark.parametrize("text, line, match", [
-    ('A=1\ncase "$A" in\n  1) exec x ;;\nesac\n', 2, "a case statement"),
-    ("while true; do\n  exec x\ndone\n", 1, r"a loop \(while"),
-    ("A=(a b)\nexec x ${A[*]}\n", 2, r"\$\{A\[\*\]\} \(the array joined with IFS\)"),
-    ('A=(a b)\nexec x "${#A[*]}"\n', 2, r"the array joined with IFS"),
-    ('A=(a b)\nexec x "${A[@]:1}"\n', 2, "an array form exl3tool does not follow"),
-    ("A=(a b)\nexec x ${A[-1]}\n", 2, "an array form"),
-    ("declare -A M=([k]=v)\nexec x\n", 1, r"associative array \(declare -A\)"),
-    ("A=()\nA[0]=x\nexec x\n", 2, r"an array element assignment A\[0\]"),
-    ("A=([1]=x)\nexec x\n", 1, r"an array element with its index"),
-    ("A=(a\nexec x\n", 1, r"an array's \( is not closed"),
-    ('set -euo pipefail\nA=()\nexec x "${A[0]}"\n', 3, r"the array A has no element 0\) and set -u stops"),
-    ("\n\nif [ -f /models/m/config.json ]; then A=1; fi\nexec x\n", 3, "asks about a file in the server's"),
-    ("if grep -q a /etc/x; then A=1; fi\nexec x\n", 1, "the condition 'grep -q a /etc/x' is only known"),
-    ('if [ -n "$UNSET" ]; then A=1; fi\nexec x\n', 1, r"\$UNSET is not set"),
-    ('if [ -n "$(hostname)" ]; then A=1; fi\nexec x\n', 1, "command substitution"),
-    ('if [[ $HOSTNAME == gpu* ]]; then A=1; fi\nexec x\n', 1, "glob match is not followed"),
-    ("if [ a -a b ]; then A=1; fi\nexec x\n", 1, r"\[ a -a b \] is a test exl3tool does not follow"),
-    ('if [ "x" -eq 1 ]; then A=1; fi\nexec x\n', 1, r"-eq compares integers and 'x'"),
-    ("if [[ 010 -eq 8 ]]; then A=1; fi\nexec x\n", 1, "compares integers"),  # octal in [[ ]]
-    ("if [[ a < b ]]; then A=1; fi\nexec x\n", 1, "a redirection in a test"),
-    ("if true; then\n  A=1\nexec x\n", 1, "the if is not closed with fi"),
-    ("A=1\nfi\nexec x\n", 2, "'fi' outside an if"),
-    ("f() { exec x; }\nf\n", 1, "a function definition"),
-])
-def test_refusals_name_the_line(text, line, match):
-    with pytest.raises(ConfigError, match=rf"^t line {line}: .*{match}"):
-        run_script(text, environ={"HOSTNAME": "gpu1"}, **_SERVER)
+def test_reading_a_launcher_leaves_no_trace(tmp_path):
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    (watch / "existing").write_text("kept\n")
+    script = tmp_path / "hostile.sh"
+    script.write_text(HOSTILE)
+    script.chmod(0o755)
+    before = {p: p.read_bytes() for p in watch.rglob("*")}
+    temps = set(os.listdir("/tmp"))
+    start = read_launcher(["bash", str(script)], environ={"WATCH": str(watch), "PATH": os.environ["PATH"]},
+                          cwd=str(tmp_path), is_server=lambda w: w[:2] == ["vllm", "serve"], where="hostile.sh")
+    assert start is not None and start.argv == ("vllm", "serve", "/models/M", "--tensor-parallel-size", "2")
+    assert {p: p.read_bytes() for p in watch.rglob("*")} == before  # nothing written, removed or linked
+    assert not Path("/cache/x").exists()
+    assert set(os.listdir("/tmp")) - temps == set()  # the run's own folder is gone too
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "sleep 300" not in ps  # every process of the sandbox ended with it
+    assert any("curl" in n and "docker pull" in n for n in start.notes), start.notes  # recorded, not run
+
+
+def test_the_sandbox_has_no_network_no_gpu_no_daemon_socket(tmp_path):
+    probe = ("[ -e /dev/nvidia0 ] && echo gpu; [ -e /run/docker.sock ] && echo docker; "
+             "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\\n' ' '; echo; cat /dev/null && echo devnull; ( : > /etc/x ) 2>/dev/null "
+             "&& echo etc-writable; echo scratch > /tmp/exl3tool-probe && echo tmp-scratch; exec vllm serve /m")
+    run = run_launcher(["bash", "-c", probe], environ={"PATH": os.environ["PATH"]}, cwd=str(tmp_path))
+    lines = run.stdout.split("\n")
+    assert "gpu" not in lines and "docker" not in lines and "etc-writable" not in lines
+    assert lines[0].split() == ["lo"]  # a network namespace of its own: loopback only, down
+    assert "devnull" in lines and "tmp-scratch" in lines  # /tmp is writable, in memory
+    assert not Path("/tmp/exl3tool-probe").exists()
+
+
+def test_a_launcher_that_never_starts_a_server_is_stopped(tmp_path):
+    import exl3tool.launch.script as script
+
+    with pytest.raises(ConfigError, match="more than 2 s"):
+        script.run_launcher(["bash", "-c", "while :; do :; done"], environ={}, cwd=str(tmp_path), timeout=2)
+
+
+def test_without_user_namespaces_a_launcher_is_not_run(tmp_path, monkeypatch, cli):
+    """No sandbox, no run: one line saying to give the launcher's DRY_RUN output instead."""
+    import exl3tool.launch.script as script
+
+    monkeypatch.setattr(script, "_problem", "user namespaces are not allowed here (unshare -Urmn: Operation not "
+                                            "permitted)")
+    (tmp_path / "run.sh").write_text("touch marker\nexec vllm serve /m\n")
+    code, _, err = cli("identity", "--launch-file", tmp_path / "run.sh")
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and "user namespaces are not allowed" in lines[0], err
+    assert "DRY_RUN=1" in lines[0] and "--launch-file dryrun.txt" in lines[0]
+    assert not (tmp_path / "marker").exists()

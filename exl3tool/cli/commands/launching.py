@@ -30,9 +30,9 @@ LaunchFileOpt = Annotated[
     Optional[str],
     typer.Option(
         "--launch-file", metavar="FILE",
-        help="The server's launch script (run.sh): read as the shell runs it, straight-line (variables, export, cd, "
-        "exec, source of a readable file, line continuations) to the server's command; if/for/while, functions and "
-        "$(...) whose value is needed are refused naming the line.",
+        help="The server's launch script (run.sh, a launcher serve-*.sh), run by this machine's bash in a read-only "
+        "sandbox (no network, nothing written, the server's command recorded, not run; docs/launch.md); or a "
+        "launcher's DRY_RUN=1 output (KEY=%q lines and a Command: line).",
     ),
 ]
 ComposeOpt = Annotated[

@@ -1,0 +1,1 @@
+../launchers/serve-family.sh
