@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperCommand
 
 from exl3tool import __version__
-from exl3tool.cli.commands.group import ClickException, Exl3Group, UsageError
+from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, UsageError
 from exl3tool.errors import Exl3ToolError, describe
 from exl3tool.text import plural
 
@@ -85,7 +85,8 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,  # Click's help: never cuts an option name, wraps help under long ones, and needs no rich
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
+    context_settings={"help_option_names": HELP_OPTIONS},  # -h and --help, inherited by every command
 )
 
 
@@ -168,10 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     json_mode = "--json" in args
     if "exl3tool.cli.output" in sys.modules:  # not imported: no document written (`--help` stays light)
         sys.modules["exl3tool.cli.output"].forget_json_document()
-    try:  # the root imports a command's module (which may refuse an environment variable) when it is chosen
-        from exl3tool.knobs import read_knobs
-
-        read_knobs()  # every EXL3TOOL_* variable checked before a command runs: a bad one is one line, exit 2
+    try:  # every EXL3TOOL_* variable is checked when a command runs (Exl3Command.invoke), never for its help
         rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
         if rc == 130:  # typer turns Ctrl-C into Exit(130), which non-standalone Click returns (no command does)
             _interrupted(json_mode)

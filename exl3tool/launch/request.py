@@ -59,7 +59,7 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
     """``request`` with the launch's settings where the command's own flags (``given``: WarmRequest field names set
     on the command line) did not set them; also the settings with their sources and the server's environment.
 
-    ``add_tp_sizes`` (``cache warm``): the launch's TP size comes first and ``--tp-sizes``, when given, adds more;
+    ``add_tp_sizes`` (``cache warm``): the launch's TP size comes first and ``--tp-size``, when given, adds more;
     otherwise a given ``--tp-size`` wins over the launch's. Without a launch the request is returned as is (with
     ``--env-file`` variables applied). ``need_cache`` False: a command that writes and reads no cache (``identity``).
 

@@ -726,7 +726,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     else:
         b.put("cache_mode", "readwrite", "default", "VLLM_EXL3_ONLINE_CACHE_MODE not given")
     if explicit.tp_sizes:
-        b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-sizes / --tp-size")
+        b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-size")
     hf_overrides = _hf_overrides(b, args)
     return LaunchSettings(
         launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,

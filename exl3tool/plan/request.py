@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
-from exl3tool.cache import CacheStore
-from exl3tool.plan.plan import build_plan
 from exl3tool.text import plural
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, the store and the plan are imported where they are used: the CLI's option tables read SERVING_DTYPES
+# from here, and `--help` must not pull in torch.
 
 __all__ = ["SERVING_DTYPES", "WarmRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype"]
 
@@ -30,6 +32,8 @@ def serving_torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     """
     if name is None or name == "auto":
         return None
+    import torch
+
     if name not in SERVING_DTYPES:
         from exl3tool.errors import ConfigError
 
@@ -43,6 +47,8 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     A bare `cuda` gets the same index as `auto` would, so the result always names one GPU (which
     ``torch.cuda.set_device`` and the per-device kernel caches need).
     """
+    import torch
+
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -147,6 +153,9 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    from exl3tool.cache.store import CacheStore
+    from exl3tool.plan.plan import build_plan
+
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
                       model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,

@@ -279,12 +279,11 @@ def test_verify_usage_and_io_errors_exit_2_before_any_check(model, tmp_path, cap
 
 
 def test_ctrl_c_says_the_cache_is_consistent_and_how_to_resume(model, tmp_path, capsys, monkeypatch):
-    import exl3tool.cli.commands.verify as verify_cmd
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(verify_cmd, "prepare", interrupted)
+    monkeypatch.setattr("exl3tool.plan.request.prepare", interrupted)  # verify imports it when it runs
     (tmp_path / "cache").mkdir()
     code, out, err = run(["verify", str(model), "--cache-dir", str(tmp_path / "cache"), "--json", *ENC], capsys)
     assert code == 130 and "interrupted" in err and "run the same command again to resume" in err

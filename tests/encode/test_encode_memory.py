@@ -144,12 +144,11 @@ def test_plan_peak_never_exceeds_any_budget_it_accepts():
 def test_gpu_memory_option_reaches_the_request(command, monkeypatch):
     from helpers import CliRunner
 
-    import exl3tool.cli.commands.encode as encode_cmd
     from exl3tool.cli import _register, app
 
     _register()
     seen = []
-    monkeypatch.setattr(encode_cmd, "warm", lambda request, **kw: seen.append(request.gpu_memory_gib))
+    monkeypatch.setattr("exl3tool.operations.warm.warm", lambda request, **kw: seen.append(request.gpu_memory_gib))
     for flag in ([], ["--gpu-memory", "24"], ["--gpu-memory", "7.5"]):
         r = CliRunner().invoke(app, [*command, "test-org/x", "--cache-dir", "/nonexistent", *flag])
         assert r.exit_code == 0, r.output

@@ -469,12 +469,11 @@ def test_group_timeout_outlasts_gloos_default():
 def test_overlap_flag_reaches_the_request(command, monkeypatch):
     from helpers import CliRunner
 
-    import exl3tool.cli.commands.encode as encode_cmd
     from exl3tool.cli import _register, app
 
     _register()
     seen = []
-    monkeypatch.setattr(encode_cmd, "warm", lambda request, **kw: seen.append(request.overlap))  # None: nothing to report
+    monkeypatch.setattr("exl3tool.operations.warm.warm", lambda request, **kw: seen.append(request.overlap))  # None: nothing to report
     for flag in ([], ["--no-overlap"], ["--overlap"]):
         r = CliRunner().invoke(app, [*command, REPO, "--cache-dir", "/nonexistent", *flag])
         assert r.exit_code == 0, r.output

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.filesize import decimal
 from rich.table import Table
 
-from exl3tool.cache import CacheHealth, EntryInfo, execute_prune, inspect_entry, plan_prune, scan
-from exl3tool.cache.listing import list_cache
-from exl3tool.cache.prune_report import PruneReport
-from exl3tool.cli.commands.group import Exl3Group
+from exl3tool.cli.commands.group import Exl3Command, Exl3Group
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     FileModeOpt, JsonOpt, LayersOpt, ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
@@ -24,6 +21,11 @@ from exl3tool.cli.commands.options import (
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output, plural
+
+if TYPE_CHECKING:
+    from exl3tool.cache.scan import EntryInfo
+
+# The library (and torch through it) is imported inside each command, where the work happens: `--help` stays light.
 
 __all__ = ["cache_app", "register"]
 
@@ -50,9 +52,11 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-@cache_app.command("ls")
+@cache_app.command("ls", cls=Exl3Command)
 def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them)."""
+    from exl3tool.cache.listing import list_cache
+
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
     listing = list_cache(root, model=model)
@@ -114,7 +118,7 @@ def _find_entry(root: Path, entry: str) -> Path:
     return found[0]
 
 
-@cache_app.command("show")
+@cache_app.command("show", cls=Exl3Command)
 def show(
     entry: Annotated[str, typer.Argument(metavar="ENTRY", help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
     cache_dir: CacheDirOpt = None,
@@ -122,6 +126,8 @@ def show(
     quiet: QuietOpt = False,
 ) -> None:
     """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not)."""
+    from exl3tool.cache.scan import inspect_entry
+
     out = Output(json=json, quiet=quiet)
     path = _find_entry(resolve_cache_dir(cache_dir), entry)
     try:
@@ -147,7 +153,7 @@ def show(
         raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
 
 
-@cache_app.command("verify")
+@cache_app.command("verify", cls=Exl3Command)
 def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
@@ -156,6 +162,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     and so is a symlinked folder below the root (exl3tool never enters it nor writes through it). Leftovers of killed
     writers (temp files, orphan locks) are counted, each marked held when a live process holds its entry lock.
     """
+    from exl3tool.cache.scan import CacheHealth, scan
+
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
     health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model)])
@@ -202,7 +210,7 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
         raise FindingsError(f"{' and '.join(what)} under {root}; remove with: exl3tool cache prune --invalid")
 
 
-@cache_app.command("prune")
+@cache_app.command("prune", cls=Exl3Command)
 def prune(
     invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or exl3tool's checksums fail), broken lock paths and symlinked folders (the link, never its target).")] = False,
     temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and orphan locks that no live process holds.")] = False,
@@ -229,7 +237,9 @@ def prune(
         raise typer.BadParameter("must be >= 0", param_hint="--older-than")
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
+    from exl3tool.cache.prune_report import PruneReport
     from exl3tool.cache.records import execute_record_prune, plan_record_prune, read_records
+    from exl3tool.cache.scan import execute_prune, plan_prune, scan
 
     plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model)
     rplan = plan_record_prune(root, read_records(root, model_prefix=model), invalid=invalid,
@@ -291,7 +301,7 @@ def register(app: typer.Typer) -> None:
 def _tp_filter(tp_sizes: Optional[str]) -> Optional[tuple[int, ...]]:
     from exl3tool.cli.commands.options import parse_positive_ints
 
-    return None if tp_sizes is None else parse_positive_ints(tp_sizes, "--tp-sizes")
+    return None if tp_sizes is None else parse_positive_ints(tp_sizes, "--tp-size")
 
 
 def _export_report(out: Output, plan, bundle: str, size: int) -> None:
@@ -307,12 +317,13 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
     out.data(plan.as_json(bundle, size))
 
 
-@cache_app.command("export")
+@cache_app.command("export", cls=Exl3Command)
 def export(
     out_path: Annotated[str, typer.Argument(metavar="OUT", help="Bundle file to write, or - for stdout.")],
     model: ModelIdOpt = None,
     tp_sizes: Annotated[
-        Optional[str], typer.Option("--tp-sizes", help="Only entries of these TP sizes, comma-separated (default: all).")
+        Optional[str], typer.Option("--tp-size", "-tp", "--tp-sizes", metavar="N[,N...]",
+                                    help="Only entries of these TP sizes, comma-separated (default: all).")
     ] = None,
     cache_dir: CacheDirOpt = None,
     json: JsonOpt = False,
@@ -339,7 +350,7 @@ def export(
         what = f" of model {model}" if model else ""
         raise ConfigError(f"no valid entries{what} under {root} to export"
                           + (f" ({len(plan.left_out)} invalid left out)" if plan.left_out else "")
-                          + "; check --model / --tp-sizes / --cache-dir")
+                          + "; check --model / --tp-size / --cache-dir")
     if out_path == "-":
         size = write_bundle(plan, sys.stdout.buffer)
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the bundle: the report goes to stderr
@@ -352,7 +363,7 @@ def export(
                             "the bundle; see them with: exl3tool cache verify")
 
 
-@cache_app.command("import")
+@cache_app.command("import", cls=Exl3Command)
 def import_(
     ctx: typer.Context,
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="Bundle file to read, or - for stdin.")],
@@ -389,8 +400,8 @@ def import_(
     """
     import sys
 
-    from exl3tool.cache import CacheStore
     from exl3tool.cache.bundle import import_bundle
+    from exl3tool.cache.store import CacheStore
     from exl3tool.cli.commands.options import parse_file_mode
 
     out = Output(json=json, quiet=quiet)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.table import Table
@@ -18,7 +18,11 @@ from exl3tool.cli.commands.options import (
 from exl3tool.cli.commands.planview import plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
-from exl3tool.operations.check import CheckReport, check, no_lookup_json
+
+if TYPE_CHECKING:
+    from exl3tool.operations.check import CheckReport
+
+# The library (and torch through it) is imported inside the functions, where the work happens: `--help` stays light.
 
 __all__ = ["register", "cache_check", "render_check", "render_no_lookup"]
 
@@ -59,6 +63,8 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
 def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict) -> None:
     """A launch whose server looks nothing up: zero look-ups, each reason, and ``"server_lookup": false``. A finding
     (exit 1), never "all hit": the cache cannot make this server start warm."""
+    from exl3tool.operations.check import no_lookup_json
+
     out.line(f"0 look-ups: this launch encodes nothing online, because {reasons[0]}")
     for line in reasons[1:]:
         out.line(f"  and {line}")
@@ -97,9 +103,9 @@ def cache_check(
     bits, shape, TP layout, overlay; entries the server wrote itself), one line each with the fix. Run it where the
     server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error.
 
-    Example: exl3tool cache check /models/GLM-5.3 --tp-sizes 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
+    Example: exl3tool cache check /models/GLM-5.3 --tp-size 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
 
-    From the server's launch (its TP size; --tp-sizes adds more), or a running server: exl3tool cache check
+    From the server's launch (its TP size; --tp-size adds more), or a running server: exl3tool cache check
     --launch "vllm serve /models/GLM-5.3 -tp 2 --quantization-config '{...}'", exl3tool cache check --pid PID
     """
     out = Output(json=json_out, quiet=quiet)
@@ -109,6 +115,8 @@ def cache_check(
     if settings is not None and settings.lookup_off:
         render_no_lookup(out, settings.lookup_off, launch_json(settings))
         raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
+    from exl3tool.operations.check import check
+
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
     if not report.ok:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.filesize import decimal
@@ -21,9 +21,12 @@ from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, note_interrupted, plural
 from exl3tool.cli.progress import make_progress, progress_mode
-from exl3tool.plan import WarmPlan, WarmRequest, prepare
-from exl3tool.operations.warm import WarmSummary, warm
-from exl3tool.plan.sharing import sharing_figures
+
+if TYPE_CHECKING:
+    from exl3tool.operations.warm import WarmSummary
+    from exl3tool.plan import WarmPlan, WarmRequest
+
+# The library (and torch through it) is imported inside the functions, where the work happens: `--help` stays light.
 
 __all__ = ["register", "encode", "cache_warm", "render_plan", "render_summary"]
 
@@ -42,6 +45,8 @@ def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> No
         table.add_row(j.prefix, str(j.tp_size), str(j.tp_rank), f"{j.input_size} x {j.output_size}", str(j.tiles),
                       Text(j.state, style=style), j.reason)
     out.table(table)
+    from exl3tool.plan.sharing import sharing_figures
+
     excluded = lp.excluded if lp is not None else ()
     if excluded and not out.json:
         ex = Table(title="not encoded by the server")
@@ -117,6 +122,10 @@ def render_unchecked(out: Output, summary: WarmSummary) -> None:
 
 def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm",
          environ: Optional[dict] = None, extra: Optional[dict] = None, progress_choice: str = "auto") -> None:
+    from exl3tool.operations.warm import warm
+    from exl3tool.plan.request import prepare
+    from exl3tool.plan.sharing import sharing_figures
+
     if dry_run:
         _, plan, _ = prepare(request, environ=environ)
         render_plan(out, plan, extra)
@@ -253,9 +262,9 @@ def cache_warm(
 
     Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
 
-    Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json
+    Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-size 1,2,4,8 --json
 
-    From the server's launch (its TP size; --tp-sizes adds more): exl3tool cache warm --launch "docker run -v
+    From the server's launch (its TP size; --tp-size adds more): exl3tool cache warm --launch "docker run -v
     /srv/m:/models/m -v /srv/cache:/cache/exl3-online --env-file server.env IMAGE vllm serve /models/m -tp 2 ..."
     """
     request, given = request_from_options(ctx)

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from exl3tool.cli.commands.group import Exl3Command
 from exl3tool.cli.commands.options import JsonOpt, QuietOpt
 from exl3tool.cli.output import Output
 
@@ -48,4 +49,4 @@ def encoder_source(
 
 def register(app: typer.Typer) -> None:
     """Add the ``encoder-source`` command."""
-    app.command("encoder-source")(encoder_source)
+    app.command("encoder-source", cls=Exl3Command)(encoder_source)

@@ -1,11 +1,19 @@
-"""The command-group class every exl3tool group uses, and Click's exception classes as this Typer raises them."""
+"""The command and group classes every exl3tool command uses, and Click's exception classes as this Typer raises
+them."""
 
 from __future__ import annotations
 
-import typer
-from typer.core import TyperArgument, TyperGroup, TyperOption
+import types
+from contextlib import contextmanager
 
-__all__ = ["Exl3Group", "ClickException", "UsageError"]
+import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
+
+__all__ = ["Exl3Group", "Exl3Command", "ClickException", "UsageError", "HIDDEN_ALIASES", "HELP_OPTIONS"]
+
+HELP_OPTIONS = ["-h", "--help"]  # the root's context_settings: every command's context inherits them
+# Old spellings still accepted and left out of the help, for one release (CHANGELOG.md): old -> new
+HIDDEN_ALIASES = {"--tp-sizes": "--tp-size"}
 
 
 def _click_class(name: str) -> type:
@@ -35,13 +43,44 @@ def _argument_type(self, ctx):
     return None
 
 
-if _value_type is not None:  # older typers print Click's own type names: nothing to mend
-    TyperOption.display_type_rich = _help_type
-    TyperArgument.display_type_rich = _argument_type
+@contextmanager
+def _help_params(command, ctx):
+    """While ``command``'s help is formatted: its options' rows as Click writes them (``_help_type``; set on each
+    option, never on Typer's classes) and without the hidden old spellings (``HIDDEN_ALIASES``)."""
+    saved = []
+    for param in command.get_params(ctx):
+        saved.append((param, param.opts))
+        param.opts = [o for o in param.opts if o not in HIDDEN_ALIASES] or param.opts
+        if _value_type is not None:  # older typers print Click's own type names: nothing to mend
+            mend = _help_type if isinstance(param, TyperOption) else _argument_type
+            param.display_type_rich = types.MethodType(mend, param)
+    try:
+        yield
+    finally:
+        for param, opts in saved:
+            param.opts = opts
+
+
+class Exl3Command(TyperCommand):
+    """Every exl3tool command: Click's help layout, old spellings hidden, the knobs checked before it runs."""
+
+    def invoke(self, ctx):
+        from exl3tool.knobs import read_knobs
+
+        read_knobs()  # every EXL3TOOL_* variable, once its options parsed: a bad one is one line, exit 2
+        return super().invoke(ctx)
+
+    def format_options(self, ctx, formatter) -> None:
+        with _help_params(self, ctx):
+            super().format_options(ctx, formatter)
 
 
 class Exl3Group(TyperGroup):
     """A command group that shows its help (exit 0) when called bare, and points misplaced commands to their group."""
+
+    def format_options(self, ctx, formatter) -> None:
+        with _help_params(self, ctx):
+            super().format_options(ctx, formatter)
 
     def format_commands(self, ctx, formatter) -> None:
         """The commands section, each with its whole first sentence wrapped under it (Click cuts it to the width

@@ -7,8 +7,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from exl3tool.cache import server_encoder_identity, server_identities
-from exl3tool.cache.identity import encoder_json
 from exl3tool.cli.commands.launching import (
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
 )
@@ -58,6 +56,7 @@ def identity(
 
     Example: exl3tool identity org/model --encoder-root /encoders/exllamav3 --encoder-revision 1a2b3c
     """
+    from exl3tool.cache.identity import server_identities
     from exl3tool.checkpoint import resolve_overlay
 
     out = Output(json=json, quiet=quiet)
@@ -135,6 +134,7 @@ def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Op
     """The encoder identity alone: no model to derive one for (``model`` is null in --json)."""
     import os
 
+    from exl3tool.cache.identity import encoder_json, server_encoder_identity
     from exl3tool.checkpoint import resolve_overlay
 
     if env_files:

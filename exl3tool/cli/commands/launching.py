@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperCommand
-
+from exl3tool.cli.commands.group import Exl3Command
 from exl3tool.errors import ConfigError
 from exl3tool.cli.output import Output
 
@@ -65,7 +64,7 @@ MODEL_HELP = ("Hub repo id or local checkpoint directory (here). With --launch/-
 _ARGV_KEY = "exl3tool.launch_argv"
 
 
-class LaunchCommand(TyperCommand):
+class LaunchCommand(Exl3Command):
     """A command whose words after ``--`` are the server's launch (``exl3tool cache warm -- vllm serve M -tp 2``)."""
 
     def parse_args(self, ctx, args):

@@ -203,9 +203,11 @@ DtypeOpt = Annotated[
 
 
 ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
-TpSizeOpt = Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")]
+TpSizeOpt = Annotated[int, typer.Option("--tp-size", "-tp", min=1, help="Tensor-parallel world size of the server.")]
 TpRankOpt = Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")]
-TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
+# one spelling with encode/verify's (and vLLM's -tp); --tp-sizes: the old one, hidden (group.HIDDEN_ALIASES)
+TpSizesOpt = Annotated[str, typer.Option("--tp-size", "-tp", "--tp-sizes", metavar="N[,N...]",
+                                         help="Comma-separated TP sizes; every rank of each is warmed.")]
 LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
@@ -235,7 +237,7 @@ REQUEST_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "model": ("model", lambda v: v or ""),
     "revision": ("revision", _same),
     "server_path": ("server_path", _same),
-    "tp_sizes": ("tp_sizes", lambda v: parse_positive_ints(v, "--tp-sizes")),
+    "tp_sizes": ("tp_sizes", lambda v: parse_positive_ints(v, "--tp-size")),
     "tp_size": ("tp_sizes", lambda v: (v,)),
     "tp_rank": ("tp_ranks", lambda v: None if v is None else (v,)),
     "mode": ("mode", _cache_mode),
@@ -281,7 +283,7 @@ def resolve_cache_dir(cache_dir: Path | None) -> Path:
 
 
 def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
-    """Parse a comma-separated option such as ``--tp-sizes 1,2,4`` or ``--rows 1,16``; BadParameter if not positive ints."""
+    """Parse a comma-separated option such as ``--tp-size 1,2,4`` or ``--rows 1,16``; BadParameter if not positive ints."""
     if any(not part.strip() for part in text.split(",")):
         raise typer.BadParameter(f"{option} has an empty item: comma-separated integers like 1,2,4, got {text!r}")
     try:

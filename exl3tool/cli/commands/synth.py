@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
+from exl3tool.cli.commands.group import Exl3Command
 from exl3tool.cli.commands.options import JsonOpt, QuietOpt
 from exl3tool.cli.output import Output
 
@@ -48,11 +49,11 @@ def synth(
     out.line(f"wrote a tiny {fam.name} EXL3 checkpoint ({fam.architecture}; {len(files)} files, {size:,} bytes) "
              f"to {path}: {fam.about}")
     out.line(f"overlay: {overlay or '(the default overlay)'}")
-    out.line("next: exl3tool cache warm " + where + " --tp-sizes 2" + flag
+    out.line("next: exl3tool cache warm " + where + " --tp-size 2" + flag
              + " --encoder-root /opt/exllamav3 --encoder-revision v0.0.18 --cache-dir ./exl3-cache")
     out.data(written)
 
 
 def register(app: typer.Typer) -> None:
     """Add the ``synth`` command."""
-    app.command("synth")(synth)
+    app.command("synth", cls=Exl3Command)(synth)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -19,9 +19,12 @@ from exl3tool.cli.commands.options import (
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output
-from exl3tool.operations.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_plan
-from exl3tool.plan import prepare, resolve_device
-from exl3tool.plan.request import serving_torch_dtype
+from exl3tool.operations.bounds import DEFAULT_KERNEL_ERR
+
+if TYPE_CHECKING:
+    from exl3tool.operations.verify import VerifyReport
+
+# The library (and torch through it) is imported inside the command, where the work happens: `--help` stays light.
 
 __all__ = ["register", "verify", "report_markdown"]
 
@@ -134,6 +137,9 @@ def verify(
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
     # verify only reads: a missing cache is an I/O error, not N failed layers
     existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ)
+    from exl3tool.operations.verify import verify_plan
+    from exl3tool.plan.request import prepare, resolve_device, serving_torch_dtype
+
     checkpoint, plan, store = prepare(request, environ=environ)
     dev = resolve_device(device)
     torch_dtype = serving_torch_dtype(request.dtype)

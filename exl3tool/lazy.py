@@ -1,0 +1,35 @@
+"""Packages whose names load on first use (PEP 562), so that importing a package, or one light module of it (the
+CLI's option tables read ``cache.settings`` and ``plan.request``), does not import torch through its siblings.
+
+A package lists, per submodule, the names it re-exports::
+
+    __getattr__, __dir__ = lazy_exports(__name__, {"exl3tool.cache.entry": ("write_entry", ...), ...})
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(package: str, exports: dict[str, tuple[str, ...]]) -> tuple[Callable[[str], Any],
+                                                                               Callable[[], list[str]]]:
+    """The ``__getattr__`` and ``__dir__`` of ``package``: each name of ``exports`` imported from its submodule on
+    first use and then kept on the package, as an eager ``from submodule import name`` would have."""
+    where = {name: module for module, names in exports.items() for name in names}
+
+    def __getattr__(name: str) -> Any:
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(where))
+
+    return __getattr__, __dir__
