@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,11 +18,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from exl3tool.errors import InputError
 from exl3tool.jsontext import to_jsonable  # re-exported: the reports' JSON, as commands print it
 from exl3tool.text import plural  # re-exported: commands import it from here
 
 __all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "plural", "KEY_HEADERS", "json_document_written",
-           "forget_json_document", "fields_text", "note_interrupted", "interrupted_report"]
+           "forget_json_document", "fields_text", "note_interrupted", "interrupted_report", "stdout_errors"]
 
 KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
 LAST_DROPPED = ("status", "state", "error", "tp", "rank")  # left out only after every other column
@@ -159,6 +161,19 @@ def _fits(table: Table, console: Console) -> bool:
     return Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width
 
 
+@contextmanager
+def stdout_errors():
+    """A failed write to stdout (a full disk, ``> /dev/full``) as one line, exit 2; a reader that closed the pipe
+    (``| head``) stays a ``BrokenPipeError``, which ``main`` ends quietly."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise InputError(f"cannot write the output to stdout: {exc.strerror or exc} (check where stdout goes, "
+                         "e.g. the disk a redirect writes to)") from exc
+
+
 @dataclass
 class Output:
     """Renders results: ``json`` prints only machine output, ``quiet`` drops notes and progress."""
@@ -189,11 +204,12 @@ class Output:
         fitted = fit_table(literal_table(table), self.stdout.width) if self.stdout.is_terminal else None
         if fitted is not None and fitted is table and not _fits(table, self.stdout):
             fitted = None  # no key column to keep, and too wide: Rich would cut a cell with "…"; plain rows cut none
-        if fitted is not None:
-            self.stdout.print(fitted)
-        else:
-            sys.stdout.write(plain_table(table))
-            sys.stdout.flush()
+        with stdout_errors():
+            if fitted is not None:
+                self.stdout.print(fitted)
+            else:
+                sys.stdout.write(plain_table(table))
+                sys.stdout.flush()
 
     def fields(self, title: str | None, rows: list[tuple[str, str]]) -> None:
         """Label/value lines for people (skipped in JSON mode): a value too long to sit beside its label at the
@@ -201,8 +217,9 @@ class Output:
         a path is never cut (a single word longer than the line stays whole: the terminal wraps it)."""
         if self.json:
             return
-        sys.stdout.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
-        sys.stdout.flush()
+        with stdout_errors():
+            sys.stdout.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
+            sys.stdout.flush()
 
     def wrapped(self, message: str) -> None:
         """A result line on stdout for people (skipped in JSON mode), wrapped at spaces to a terminal's width with
@@ -212,20 +229,23 @@ class Output:
         if self.stdout.is_terminal and len(message) > self.stdout.width:
             message = "\n".join(textwrap.wrap(message, self.stdout.width, subsequent_indent="  ",
                                                break_long_words=False, break_on_hyphens=False))
-        sys.stdout.write(message + "\n")
-        sys.stdout.flush()
+        with stdout_errors():
+            sys.stdout.write(message + "\n")
+            sys.stdout.flush()
 
     def line(self, message: str) -> None:
         """A result line on stdout for people; skipped in JSON mode."""
         if not self.json:
-            self.stdout.print(message, highlight=False, markup=False)
+            with stdout_errors():
+                self.stdout.print(message, highlight=False, markup=False)
 
     def data(self, obj: Any) -> None:
         """The machine-readable result: printed as JSON on stdout in JSON mode."""
         if self.json:
-            sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
-            sys.stdout.flush()
-            _written.append(True)
+            _written.append(True)  # even if it cannot be written: an error document would follow a partial one
+            with stdout_errors():
+                sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
+                sys.stdout.flush()
 
 
 _written: list[bool] = []  # set once any command printed its JSON document in this process

@@ -13,7 +13,7 @@ from exl3tool.launch.load import load_launch
 from exl3tool.launch.resolve import Explicit, LaunchSettings, resolve_launch
 from exl3tool.plan.request import WarmRequest
 
-__all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS"]
+__all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS", "environment_lookup_off"]
 
 # WarmRequest fields a command's own flags can give (and so win over the launch)
 EXPLICIT_FIELDS = ("model", "revision", "server_path", "tp_sizes", "dtype", "bits", "quantization_config",
@@ -51,6 +51,18 @@ def _env_only(request: WarmRequest, given: Collection[str], files: tuple[str, ..
         if bits is not None:
             request = replace(request, bits=bits)
     return request, merged
+
+
+def environment_lookup_off(environ: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
+    """Without a launch, this environment is the server's: why a server started in it makes no look-up (its
+    ``VLLM_EXL3_ONLINE_CACHE_MODE=off``), as ``LaunchSettings.lookup_off`` says it for a launch; () when it makes
+    some. A value the server refuses is a ConfigError naming it, as it is in a launch."""
+    from exl3tool.cache.settings import cache_mode
+
+    if cache_mode(os.environ if environ is None else environ) == "off":
+        return ("VLLM_EXL3_ONLINE_CACHE_MODE=off in this environment: the server encodes every layer at start-up "
+                "and never reads the cache (unset it, or give the server's launch with --launch)",)
+    return ()
 
 
 def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInput, *, add_tp_sizes: bool = False,

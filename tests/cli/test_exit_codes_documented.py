@@ -165,12 +165,10 @@ def scenario_general(m, tmp, monkeypatch):
     assert run(["cache", "verify", "--cache-dir", tmp / "bad"]) == 1
     assert run(["cache", "ls", "--no-such-option"]) == 2
 
-    import exl3tool.cli.commands.encode as enc
-
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(enc, "warm", interrupted)
+    monkeypatch.setattr("exl3tool.operations.warm.warm", interrupted)  # `cache warm` imports it when it runs
     assert run(["cache", "warm", m["good"], "--cache-dir", tmp / "c", *ENC]) == 130
 
 

@@ -429,9 +429,12 @@ def test_overlap_interrupt_stops_threads_and_leaves_no_lock(offline, tmp_path):
             raise KeyboardInterrupt
         return fake_encode(*a)
 
+    reported = []
     with pytest.raises(KeyboardInterrupt):
-        run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=encode)
+        run_plan(plan, checkpoint, store, device=torch.device("cpu"), encode=encode,
+                 on_done=lambda job, result: reported.append(result.status))
     assert len([p for p in tmp_path.rglob("*.safetensors")]) == 1
+    assert reported == ["encoded"]  # the publish in flight at Ctrl-C is reported: `published` is exact
     assert not [t for t in threading.enumerate() if t.name.startswith("exl3tool-")]
     _no_leftovers(store, plan)
 

@@ -17,7 +17,7 @@ from exl3tool.cli.commands.group import Exl3Command, Exl3Group
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     FileModeOpt, JsonOpt, LayersOpt, ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
-    existing_cache_dir, request_from_options, resolve_cache_dir,
+    MODEL_WANTED, existing_cache_dir, non_empty, request_from_options, resolve_cache_dir,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output, plural
@@ -120,7 +120,7 @@ def _find_entry(root: Path, entry: str) -> Path:
 
 @cache_app.command("show", cls=Exl3Command)
 def show(
-    entry: Annotated[str, typer.Argument(metavar="ENTRY", help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
+    entry: Annotated[str, typer.Argument(metavar="ENTRY", parser=non_empty("an entry file or its digest"), help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
     cache_dir: CacheDirOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -319,7 +319,7 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
 
 @cache_app.command("export", cls=Exl3Command)
 def export(
-    out_path: Annotated[str, typer.Argument(metavar="OUT", help="Bundle file to write, or - for stdout.")],
+    out_path: Annotated[str, typer.Argument(metavar="OUT", parser=non_empty("a file, or - for stdout"), help="Bundle file to write, or - for stdout.")],
     model: ModelIdOpt = None,
     tp_sizes: Annotated[
         Optional[str], typer.Option("--tp-size", "-tp", "--tp-sizes", metavar="N[,N...]",
@@ -352,7 +352,13 @@ def export(
                           + (f" ({len(plan.left_out)} invalid left out)" if plan.left_out else "")
                           + "; check --model / --tp-size / --cache-dir")
     if out_path == "-":
-        size = write_bundle(plan, sys.stdout.buffer)
+        try:
+            size = write_bundle(plan, sys.stdout.buffer)
+        except BrokenPipeError:  # not `| head`'s "enough": the importer on the other end got a cut bundle
+            raise InputError("the reader of stdout closed the pipe before the bundle was whole; run the export "
+                             "again (an import publishes only entries that match the manifest)") from None
+        except OSError as exc:
+            raise InputError(f"cannot write the bundle to stdout: {exc.strerror or exc}") from None
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the bundle: the report goes to stderr
             _export_report(Output(json=json, quiet=quiet), plan, "-", size)
     else:
@@ -366,10 +372,10 @@ def export(
 @cache_app.command("import", cls=Exl3Command)
 def import_(
     ctx: typer.Context,
-    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="Bundle file to read, or - for stdin.")],
+    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", parser=non_empty("a file, or - for stdin"), help="Bundle file to read, or - for stdin.")],
     cache_dir: CacheDirOpt = None,
     file_mode: FileModeOpt = "0600",
-    against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
+    against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", parser=non_empty(MODEL_WANTED), help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="With --against: compare each entry with a fresh encode (verify --exact's rule) instead of the verify bound.")] = False,
     revision: RevisionOpt = None,
     bits: BitsOpt = None,
@@ -449,5 +455,8 @@ def import_(
              f"imported, {report.count('present', 'record')} already there; cache {root}")
     out.data(report.as_json(bundle, None if against is None else {"model": against, "exact": exact}))
     if refused:
-        raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); the rest were "
-                            "imported")
+        kept = report.count("imported") + report.count("replaced") + report.count("present")
+        rest = (f"the other {plural(kept, 'entry', 'entries')} are in the cache ({report.count('imported')} imported, "
+                f"{report.count('replaced')} replaced, {report.count('present')} already there)" if kept else
+                "no entry was imported")
+        raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); {rest}")

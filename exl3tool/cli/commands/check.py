@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
+from exl3tool.cli.commands.launching import lookup_off
 from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
@@ -60,12 +61,12 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     out.data({**report.as_json(), **(extra or {})})
 
 
-def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict) -> None:
+def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict, what: str = "launch") -> None:
     """A launch whose server looks nothing up: zero look-ups, each reason, and ``"server_lookup": false``. A finding
     (exit 1), never "all hit": the cache cannot make this server start warm."""
     from exl3tool.operations.check import no_lookup_json
 
-    out.line(f"0 look-ups: this launch encodes nothing online, because {reasons[0]}")
+    out.line(f"0 look-ups: this {what} encodes nothing online, because {reasons[0]}")
     for line in reasons[1:]:
         out.line(f"  and {line}")
     out.data({**no_lookup_json(reasons), **extra})
@@ -112,9 +113,11 @@ def cache_check(
     request, given = request_from_options(ctx)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
                                                no_lookup="report")
-    if settings is not None and settings.lookup_off:
-        render_no_lookup(out, settings.lookup_off, launch_json(settings))
-        raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
+    off = lookup_off(settings, environ)
+    if off:
+        what = "launch" if settings is not None else "environment"
+        render_no_lookup(out, off, launch_json(settings), what)
+        raise FindingsError(f"this {what} makes no cache look-up: a warm cache changes nothing for it")
     from exl3tool.operations.check import check
 
     report = check(request, environ=environ)

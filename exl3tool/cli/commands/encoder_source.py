@@ -7,14 +7,14 @@ from typing import Annotated
 import typer
 
 from exl3tool.cli.commands.group import Exl3Command
-from exl3tool.cli.commands.options import JsonOpt, QuietOpt
+from exl3tool.cli.commands.options import JsonOpt, QuietOpt, non_empty
 from exl3tool.cli.output import Output
 
 __all__ = ["register", "encoder_source"]
 
 
 def encoder_source(
-    directory: Annotated[str, typer.Argument(metavar="DIR", help="Directory to write; the server's "
+    directory: Annotated[str, typer.Argument(metavar="DIR", parser=non_empty("a directory (`.` for this one)"), help="Directory to write; the server's "
                                              "VLLM_EXL3_ENCODER_SOURCE (e.g. /opt/exl3tool-encoder).")],
     force: Annotated[bool, typer.Option("--force", help="Replace DIR's whole content even if it is not an "
                                         "earlier export.")] = False,

@@ -11,7 +11,7 @@ from typer.core import TyperCommand, TyperGroup, TyperOption
 
 __all__ = ["Exl3Group", "Exl3Command", "ClickException", "UsageError", "HIDDEN_ALIASES", "HELP_OPTIONS"]
 
-HELP_OPTIONS = ["-h", "--help"]  # the root's context_settings: every command's context inherits them
+HELP_OPTIONS = ["--help", "-h"]  # the root's context_settings, inherited by every command ("Try ... --help")
 # Old spellings still accepted and left out of the help, for one release (CHANGELOG.md): old -> new
 HIDDEN_ALIASES = {"--tp-sizes": "--tp-size"}
 

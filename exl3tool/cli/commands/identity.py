@@ -20,6 +20,8 @@ from exl3tool.cli.commands.options import (
     QuietOpt,
     RevisionOpt,
     ServerPathOpt,
+    MODEL_WANTED,
+    non_empty,
     request_from_options,
 )
 from exl3tool.cli.output import Output
@@ -29,7 +31,7 @@ __all__ = ["register", "identity"]
 
 def identity(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", parser=non_empty(MODEL_WANTED), help=MODEL_HELP)] = None,
     revision: RevisionOpt = None,
     server_path: ServerPathOpt = None,
     encoder_root: EncoderRootOpt = None,

@@ -15,6 +15,8 @@ from exl3tool.errors import ConfigError
 from exl3tool.plan.request import SERVING_DTYPES
 
 __all__ = [
+    "non_empty",
+    "MODEL_WANTED",
     "LaunchOpt",
     "PidOpt",
     "EnvFileOpt",
@@ -88,9 +90,23 @@ FileModeOpt = Annotated[
         help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as another user).",
     ),
 ]
+def non_empty(want: str, convert: Callable[[str], Any] = str) -> Callable[[str], Any]:
+    """A parser refusing an empty value (``""`` would silently mean this directory), else ``convert(value)``;
+    ``want`` says what to give instead."""
+
+    def parse(value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise typer.BadParameter(f"empty; give {want}")
+        return value if not isinstance(value, str) else convert(value)
+
+    return parse
+
+
 CacheDirOpt = Annotated[
     Optional[Path],
-    typer.Option("--cache-dir", help="Cache root (default: the server's, from VLLM_EXL3_ONLINE_CACHE_DIR etc.)."),
+    typer.Option("--cache-dir", parser=non_empty("a directory (`.` for this one), or leave --cache-dir out for the server's", Path),
+                 metavar="PATH",
+                 help="Cache root (default: the server's, from VLLM_EXL3_ONLINE_CACHE_DIR etc.)."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No notes or progress on stderr.")]
@@ -202,7 +218,8 @@ DtypeOpt = Annotated[
 ]
 
 
-ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
+MODEL_WANTED = "a Hub repo id or a checkpoint directory (`.` for this one)"
+ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", parser=non_empty(MODEL_WANTED), help=MODEL_HELP)]
 TpSizeOpt = Annotated[int, typer.Option("--tp-size", "-tp", min=1, help="Tensor-parallel world size of the server.")]
 TpRankOpt = Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")]
 # one spelling with encode/verify's (and vLLM's -tp); --tp-sizes: the old one, hidden (group.HIDDEN_ALIASES)

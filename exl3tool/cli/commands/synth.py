@@ -10,7 +10,7 @@ import typer
 
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
 from exl3tool.cli.commands.group import Exl3Command
-from exl3tool.cli.commands.options import JsonOpt, QuietOpt
+from exl3tool.cli.commands.options import JsonOpt, QuietOpt, non_empty
 from exl3tool.cli.output import Output
 
 __all__ = ["register", "synth"]
@@ -23,7 +23,7 @@ def _family(value: str) -> str:
 
 
 def synth(
-    directory: Annotated[Path, typer.Argument(metavar="DIR", help="New (or empty) folder to write the checkpoint into.")],
+    directory: Annotated[Path, typer.Argument(metavar="DIR", parser=non_empty("a directory (`.` for this one)", Path), help="New (or empty) folder to write the checkpoint into.")],
     family: Annotated[str, typer.Option("--family", callback=_family, metavar="|".join(TINY_FAMILIES),
                                         help="Which served family to write.")] = "qwen3.5",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights (same seed, same bytes).")] = 0,
