@@ -101,12 +101,23 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             if name == "__metadata__":
                 continue
             code, shape, offs = rec["dtype"], tuple(int(d) for d in rec["shape"]), rec["data_offsets"]
+            if len(offs) == 2 and isinstance(offs[1], int) and offs[1] > size - 8 - n >= 0:
+                truncated = max(8 + n + o[1] for o in (r["data_offsets"] for k, r in header.items()
+                                                       if k != "__metadata__") if isinstance(o[1], int))
+                raise _Truncated(f"{path}: truncated: its header places tensors up to byte {truncated:,}, the file "
+                                 f"has {size:,} bytes (an interrupted copy or download?); copy or download it again")
             if code not in _ST_DTYPES or len(offs) != 2 or not 0 <= offs[0] <= offs[1] <= size - 8 - n:
                 raise ValueError(f"bad record for tensor {name!r}")
             out[name] = TensorInfo(name, path, code, shape)
+    except _Truncated as e:
+        raise InputError(str(e)) from None
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{path}: corrupt safetensors header ({e}); re-download or re-save the file") from None
     return out
+
+
+class _Truncated(Exception):
+    """A shard shorter than its own header says (a cut copy), not a corrupt header."""
 
 
 def _config_dtype(config: dict[str, Any], config_path: Path) -> torch.dtype | None:

@@ -495,8 +495,27 @@ def write_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:
     """
     if family not in TINY_FAMILIES:
         raise ConfigError(f"--family {family!r}: not one of {', '.join(TINY_FAMILIES)}")
+    import os
+    import shutil
+    import tempfile
+
     root = Path(path)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise InputError(f"{root}: exists and is not an empty directory; give a new folder (a checkpoint written "
                          "over another would mix their files)")
-    return TINY_FAMILIES[family].write(root, seed)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # written beside it and renamed into place: a full disk or Ctrl-C leaves no partial checkpoint
+    temp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".partial", dir=root.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temp, 0o777 & ~umask)  # a folder as mkdir makes it (mkdtemp's is private)
+    try:
+        TINY_FAMILIES[family].write(temp, seed)
+        os.replace(temp, root)  # over a new or empty folder
+    except BaseException as exc:
+        shutil.rmtree(temp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise InputError(f"{root}: cannot write the checkpoint ({exc.strerror or exc}); nothing was left "
+                             "behind") from None
+        raise
+    return root

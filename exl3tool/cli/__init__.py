@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperCommand
 
 from exl3tool import __version__
-from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, UsageError
+from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, ReaderGone, UsageError
 from exl3tool.errors import Exl3ToolError, describe
 from exl3tool.text import plural
 
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail("aborted", 2, json_mode)
     except KeyboardInterrupt:
         _interrupted(json_mode)
-    except BrokenPipeError:
+    except (BrokenPipeError, ReaderGone):
         _reader_gone()
     except ClickException as exc:  # usage errors: Click's own usage line, "Try ... --help" and the message
         _fail(exc.format_message(), exc.exit_code, json_mode, show_usage=exc.show)

@@ -21,6 +21,7 @@ from exl3tool.errors import ConfigError
 from exl3tool.launch.container import PathMap
 from exl3tool.launch.env import EnvLayers, EnvValue
 from exl3tool.launch.parse import ServerArgs
+from exl3tool.plan.request import DTYPE_SPELLINGS, serving_dtype_name
 
 __all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_launch", "SEQUENCE_PARALLEL_ALL2ALL",
            "unknown_flag_message"]
@@ -28,8 +29,6 @@ __all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_lau
 # the fork's ParallelConfig.use_sequence_parallel_moe: these all2all backends with EP, TP > 1 and DP > 1
 SEQUENCE_PARALLEL_ALL2ALL = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "mori",
                              "nixl_ep")
-_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
-           "float": "float32"}  # the fork's ModelDType values, to exl3tool's --dtype
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "npcache", "dummy", "fastsafetensors", "instanttensor")
 _HOW_TO_PASS = ("an image may set it in its ENV: pass it with -e NAME=VALUE in the launch or in an --env-file "
                 "FILE, or read a running server with --pid PID")
@@ -622,10 +621,10 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     if explicit.dtype is not None:
         dtype = b.put("dtype", explicit.dtype, "flag", "--dtype")
     elif dtype_arg is not None:
-        mapped = _DTYPES.get(dtype_arg[0].strip().lower())
+        mapped = serving_dtype_name(dtype_arg[0])
         if mapped is None:
             raise ConfigError(f"the launch's {dtype_arg[1]} {dtype_arg[0]!r} is not one of the server's dtypes "
-                              f"({', '.join(_DTYPES)})")
+                              f"({', '.join(DTYPE_SPELLINGS)})")
         dtype = b.arg("dtype", mapped, dtype_arg[1] + (f" {dtype_arg[0]}" if mapped != dtype_arg[0] else ""))
     else:
         dtype = b.put("dtype", "auto", "default", "not given: the checkpoint's config dtype")

@@ -18,10 +18,24 @@ if TYPE_CHECKING:
 # torch, the store and the plan are imported where they are used: the CLI's option tables read SERVING_DTYPES
 # from here, and `--help` must not pull in torch.
 
-__all__ = ["SERVING_DTYPES", "WarmRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype"]
+__all__ = ["SERVING_DTYPES", "DTYPE_SPELLINGS", "serving_dtype_name", "WarmRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype"]
 
 # vLLM's --dtype values a server can run with; "auto" is the checkpoint's config dtype, float32 served as bfloat16
 SERVING_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# every spelling of the server's --dtype (the fork's ModelDType values) -> exl3tool's name: one table for the
+# commands' --dtype and a launch's
+DTYPE_SPELLINGS = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+                   "float32": "float32", "float": "float32"}
+
+
+def serving_dtype_name(value: str) -> Optional[str]:
+    """``value`` as the server reads its --dtype (any case, ``half`` and ``float`` included), in exl3tool's
+    spelling (one of SERVING_DTYPES); None when the server refuses it.
+
+    >>> serving_dtype_name("half"), serving_dtype_name(" BFloat16 "), serving_dtype_name("fp8")
+    ('float16', 'bfloat16', None)
+    """
+    return DTYPE_SPELLINGS.get(value.strip().lower())
 
 
 def serving_torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:

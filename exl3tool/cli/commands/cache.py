@@ -359,8 +359,9 @@ def export(
                              "again (an import publishes only entries that match the manifest)") from None
         except OSError as exc:
             raise InputError(f"cannot write the bundle to stdout: {exc.strerror or exc}") from None
-        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the bundle: the report goes to stderr
-            _export_report(Output(json=json, quiet=quiet), plan, "-", size)
+        if json or not quiet:  # stdout carries the bundle: the report goes to stderr, and --quiet drops it
+            with contextlib.redirect_stdout(sys.stderr):
+                _export_report(Output(json=json, quiet=quiet), plan, "-", size)
     else:
         size = write_bundle_file(plan, out_path)  # atomic: a failed export never leaves a partial bundle
         _export_report(Output(json=json, quiet=quiet), plan, out_path, size)

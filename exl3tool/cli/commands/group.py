@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-__all__ = ["Exl3Group", "Exl3Command", "ClickException", "UsageError", "HIDDEN_ALIASES", "HELP_OPTIONS"]
+__all__ = ["Exl3Group", "Exl3Command", "ReaderGone", "ClickException", "UsageError", "HIDDEN_ALIASES", "HELP_OPTIONS"]
 
 HELP_OPTIONS = ["--help", "-h"]  # the root's context_settings, inherited by every command ("Try ... --help")
 # Old spellings still accepted and left out of the help, for one release (CHANGELOG.md): old -> new
@@ -68,11 +68,18 @@ class Exl3Command(TyperCommand):
         from exl3tool.knobs import read_knobs
 
         read_knobs()  # every EXL3TOOL_* variable, once its options parsed: a bad one is one line, exit 2
-        return super().invoke(ctx)
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as exc:  # past Click, which would make it exit 1: ``main`` ends it quietly
+            raise ReaderGone() from exc
 
     def format_options(self, ctx, formatter) -> None:
         with _help_params(self, ctx):
             super().format_options(ctx, formatter)
+
+
+class ReaderGone(Exception):
+    """stdout's reader closed the pipe (``exl3tool cache ls --json | head``)."""
 
 
 class Exl3Group(TyperGroup):

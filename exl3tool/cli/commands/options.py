@@ -12,7 +12,7 @@ from exl3tool.cli.commands.launching import (  # the launch options, shared
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, given_fields,
 )
 from exl3tool.errors import ConfigError
-from exl3tool.plan.request import SERVING_DTYPES
+from exl3tool.plan.request import DTYPE_SPELLINGS, SERVING_DTYPES, serving_dtype_name
 
 __all__ = [
     "non_empty",
@@ -202,10 +202,12 @@ BitsOpt = Annotated[
 
 
 def _dtype(value: str) -> str:
-    """``--dtype``: exactly one of vLLM's serving dtypes (``exl3tool.plan.SERVING_DTYPES``)."""
-    if value not in SERVING_DTYPES:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(SERVING_DTYPES)} (the server's --dtype values)")
-    return value
+    """``--dtype``: one of the server's spellings (``half`` too, as a launch's), as exl3tool names it."""
+    name = serving_dtype_name(value)
+    if name is None:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(DTYPE_SPELLINGS)} (the server's --dtype "
+                                 "values)")
+    return name
 
 
 DtypeOpt = Annotated[
@@ -213,7 +215,7 @@ DtypeOpt = Annotated[
     typer.Option(
         "--dtype", callback=_dtype, metavar="|".join(SERVING_DTYPES),
         help="The server's --dtype, which weights are cast to before encoding: auto (the checkpoint's config dtype; "
-        "float32 checkpoints are served as bfloat16), bfloat16, float16 or float32.",
+        "float32 checkpoints are served as bfloat16), bfloat16, float16 (half) or float32 (float).",
     ),
 ]
 
