@@ -135,6 +135,7 @@ def test_import_twice_changes_nothing_and_replaces_invalid(cache, tmp_path):
     assert code == 0 and (doc["replaced"], doc["present"]) == (1, 5) and victim.read_bytes() == good
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_pipe_between_processes(cache, tmp_path):
     env = dict(os.environ)
     export = subprocess.Popen([sys.executable, "-m", "exl3tool", "cache", "export", "-", "--cache-dir", str(cache)],

@@ -175,6 +175,7 @@ def test_piped_dry_run_lists_full_layer_names(model, tmp_path, capsys):
     assert max(len(ln) for ln in out.splitlines()) > 80  # not folded to a terminal width
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_encode_reports_tiles_inside_a_layer():
     from exl3tool.encode import encode_linear
 

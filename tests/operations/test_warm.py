@@ -201,6 +201,7 @@ def test_torchrun_two_cpu_workers_split_the_plan(hub, tmp_path):
     assert mine.keys() == theirs.keys() and [k for k in mine if mine[k] != theirs[k]] == []
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_non_finite_weight_fails_that_layer_only(tmp_path):
     """A NaN in layer 0's o_proj: that job fails by name, nothing is published for it, layer 1 still encodes."""
     plain = write_llama_checkpoint(tmp_path / "m", **TINY, seed=3, shards=1)
