@@ -44,3 +44,23 @@ def test_importing_the_packages_imports_no_torch():
     assert out.returncode == 0, out.stderr
     modules = json.loads(out.stdout)
     assert "torch" not in modules and "numpy" not in modules
+
+
+def test_importing_changes_nothing_in_the_process():
+    """No import-time side effects (issue 44): importing the CPU Viterbi leaves numba's threading layer alone (it is
+    chosen at the first launch), and the CLI's command classes leave Typer's classes unpatched."""
+    code = """
+import numba, typer.core
+layer, help_type = numba.config.THREADING_LAYER, typer.core.TyperOption.display_type_rich
+import exl3tool.kernels.viterbi_numba as v
+import exl3tool.cli.commands.group
+assert numba.config.THREADING_LAYER == layer, numba.config.THREADING_LAYER
+assert typer.core.TyperOption.display_type_rich is help_type
+v._threading_layer()  # what quantize_tiles_numba does before its first launch (no JIT compile here)
+print(numba.config.THREADING_LAYER)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**env, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["workqueue"]  # chosen before the first launch

@@ -22,7 +22,7 @@ from exl3tool.errors import InputError
 from exl3tool.jsontext import loads_json, read_json_object
 
 __all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype",
-           "HUB_PATTERNS", "QUANT_CONFIG", "Selector"]
+           "QUANT_CONFIG", "Selector"]
 
 # The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
 # only the shards it names. quantization_config.json says which layers an EXL3 checkpoint already stores
@@ -30,7 +30,6 @@ __all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cach
 INDEX_NAME = "model.safetensors.index.json"
 QUANT_CONFIG = "quantization_config.json"
 SMALL_FILES = ["config.json", INDEX_NAME, QUANT_CONFIG]
-HUB_PATTERNS = [*SMALL_FILES, "*.safetensors"]
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 

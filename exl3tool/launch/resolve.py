@@ -124,14 +124,14 @@ class LaunchSettings:
         return not self.lookup_off
 
     def as_json(self) -> dict:
-        """The ``launch`` block of ``--json``: form, settings with sources, defaulted, ignored and unknown flags."""
+        """The ``launch`` block of ``--json``: form, settings with sources, defaulted and ignored flags (a launch
+        with a flag the fork does not know is refused before this exists)."""
         return {
             "form": self.launch.form, "entry": self.launch.entry, "pid": self.launch.pid,
             "server_lookup": self.server_lookup, "lookup_off": list(self.lookup_off),
             "settings": {k: v.as_json() for k, v in self.settings.items()},
             "defaulted": list(self.defaulted), "warnings": list(self.warnings), "notes": list(self.notes),
             "ignored": list(self.launch.ignored) + list(self.launch.args.ignored),
-            "unknown": list(self.launch.args.unknown),
         }
 
     def lines(self) -> list[str]:
