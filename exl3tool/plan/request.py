@@ -167,11 +167,6 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
-    if root_dir.exists() and not root_dir.is_dir():  # --dry-run included: a plan for a cache that cannot exist
-        from exl3tool.errors import InputError
-
-        raise InputError(f"cache directory {root_dir} is not a directory (check --cache-dir or "
-                         "VLLM_EXL3_ONLINE_CACHE_DIR)")
     from exl3tool.cache.store import CacheStore
     from exl3tool.plan.plan import build_plan
 

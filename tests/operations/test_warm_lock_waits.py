@@ -358,6 +358,7 @@ def _poll_for_torn_files(cache: str, keys, stop, errors, polls) -> None:
 
 
 @pytest.mark.parametrize("warms", [2, 8])
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_warms_on_one_cache_encode_each_entry_once(model, tmp_path, warms):
     cache, marks = tmp_path / "cache", tmp_path / "marks"
     marks.mkdir()

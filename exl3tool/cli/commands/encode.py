@@ -127,6 +127,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
     from exl3tool.plan.sharing import sharing_figures
 
     if dry_run:
+        _refuse_a_file_as_cache(request, environ)  # a real warm refuses it before its first encode
         _, plan, _ = prepare(request, environ=environ)
         render_plan(out, plan, extra)
         return
@@ -169,6 +170,20 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
     if not summary.ok:
         where = "the entries with status 'failed'" if out.json else "the list above"
         raise FindingsError(f"{plural(summary.counts['failed'], 'layer job')} failed; see {where}")
+
+
+def _refuse_a_file_as_cache(request: WarmRequest, environ: Optional[dict]) -> None:
+    """A dry run for a cache root that is a file would plan writes that can never happen: exit 2, as the warm
+    itself would (``cache check`` reports it as its finding instead)."""
+    from pathlib import Path
+
+    from exl3tool.cache.settings import cache_root
+    from exl3tool.errors import InputError
+
+    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    if root.exists() and not root.is_dir():
+        raise InputError(f"cache directory {root} is not a directory (check --cache-dir or "
+                         "VLLM_EXL3_ONLINE_CACHE_DIR)")
 
 
 def encode(

@@ -3,6 +3,7 @@ them."""
 
 from __future__ import annotations
 
+import importlib
 import types
 from contextlib import contextmanager
 
@@ -61,8 +62,56 @@ def _help_params(command, ctx):
             param.opts = opts
 
 
+_HelpFormatter = typer.Context.formatter_class  # Click's, as this Typer vendors it
+_textwrap = importlib.import_module(_HelpFormatter.__module__.rsplit(".", 1)[0] + "._textwrap")
+
+
+class _WholeWords(_textwrap.TextWrapper):
+    """Click's wrapper, never cutting a word (a variable, a flag, a path) nor breaking it at a hyphen."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.break_long_words = False
+        self.break_on_hyphens = False
+
+
+@contextmanager
+def _whole_words():
+    """While one help block is written: Click's ``wrap_text`` (which imports its TextWrapper at each call) wraps
+    with ``_WholeWords``; put back after, so nothing outside a help page changes."""
+    wrapper = _textwrap.TextWrapper
+    _textwrap.TextWrapper = _WholeWords
+    try:
+        yield
+    finally:
+        _textwrap.TextWrapper = wrapper
+
+
+class Exl3Formatter(_HelpFormatter):
+    """Help pages that never split a token: words wrap whole, and on a narrow terminal the options' column is
+    narrower (help text at least 38 characters wide) so that the longest words still fit the line."""
+
+    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
+        with _whole_words():
+            super().write_dl(rows, min(col_max, max(12, self.width - 40)), col_spacing)
+
+    def write_text(self, text: str) -> None:
+        with _whole_words():
+            super().write_text(text)
+
+    def write_usage(self, prog: str, args: str = "", prefix=None) -> None:
+        with _whole_words():
+            super().write_usage(prog, args, prefix)
+
+
+class Exl3Context(typer.Context):
+    formatter_class = Exl3Formatter
+
+
 class Exl3Command(TyperCommand):
     """Every exl3tool command: Click's help layout, old spellings hidden, the knobs checked before it runs."""
+
+    context_class = Exl3Context
 
     def invoke(self, ctx):
         from exl3tool.knobs import read_knobs
@@ -84,6 +133,8 @@ class ReaderGone(Exception):
 
 class Exl3Group(TyperGroup):
     """A command group that shows its help (exit 0) when called bare, and points misplaced commands to their group."""
+
+    context_class = Exl3Context
 
     def format_options(self, ctx, formatter) -> None:
         with _help_params(self, ctx):

@@ -24,8 +24,8 @@ def _family(value: str) -> str:
 
 def synth(
     directory: Annotated[Path, typer.Argument(metavar="DIR", parser=non_empty("a directory (`.` for this one)", Path), help="New (or empty) folder to write the checkpoint into.")],
-    family: Annotated[str, typer.Option("--family", callback=_family, metavar="|".join(TINY_FAMILIES),
-                                        help="Which served family to write.")] = "qwen3.5",
+    family: Annotated[str, typer.Option("--family", callback=_family, metavar="FAMILY",
+                                        help=f"Which served family to write: {', '.join(TINY_FAMILIES)}.")] = "qwen3.5",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights (same seed, same bytes).")] = 0,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
