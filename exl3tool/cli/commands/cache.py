@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["cache_app", "register"]
 
 cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, prune, export and import the online EXL3 cache.",
+                        epilog="Exit codes: each command's --help states its own; all use 0 ok, 1 findings, 2 usage, "
+                        "configuration or I/O error, 130 interrupted.",
                         no_args_is_help=True, cls=Exl3Group, rich_markup_mode=None)  # Click's help: see cli.py
 
 
@@ -54,7 +56,10 @@ def _ranges(ranks: list[int]) -> str:
 
 @cache_app.command("ls", cls=Exl3Command)
 def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
-    """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them)."""
+    """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them).
+
+    Exit codes: 0 listed (an empty cache too), 2 no such cache directory, usage or I/O error.
+    """
     from exl3tool.cache.listing import list_cache
 
     out = Output(json=json, quiet=quiet)
@@ -125,7 +130,10 @@ def show(
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not)."""
+    """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not).
+
+    Exit codes: 0 the server loads it, 1 it would not (or exl3tool's checksums fail), 2 no such entry or usage error.
+    """
     from exl3tool.cache.scan import inspect_entry
 
     out = Output(json=json, quiet=quiet)
@@ -161,6 +169,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     and `exl3tool verify MODEL --exact` checks their weights. A lock path that is not a regular file is invalid too,
     and so is a symlinked folder below the root (exl3tool never enters it nor writes through it). Leftovers of killed
     writers (temp files, orphan locks) are counted, each marked held when a live process holds its entry lock.
+    Exit codes: 0 every entry valid or unchecked, 1 invalid entries, broken lock paths or symlinked folders, 2 no
+    such cache directory or usage error.
     """
     from exl3tool.cache.scan import CacheHealth, scan
 
@@ -230,6 +240,8 @@ def prune(
     Lock files of entries that stay are never touched. Provenance records whose entries are all gone (after this prune)
     are removed with them; --invalid also removes record files that cannot be read as records.
     Example: exl3tool cache prune --invalid --temp --yes
+    Exit codes: 0 removed, nothing to remove or declined, 2 nothing selected, usage error or a file that could not
+    be removed.
     """
     if not (invalid or temp or records or older_than is not None):
         raise ConfigError("nothing selected: pass --invalid, --temp, --records and/or --older-than DAYS")

@@ -225,6 +225,8 @@ def encode(
     Example: exl3tool encode Qwen/Qwen3-8B --revision main --tp-size 2 --encoder-root /encoders/exllamav3 --encoder-revision v0.0.18 --dry-run
 
     From the server's launch: exl3tool encode --dry-run --launch "vllm serve /models/M -tp 2 --quantization-config '{...}'"
+
+    Exit codes: 0 every layer present, 1 some layers failed, 2 usage, configuration or I/O error, 130 interrupted.
     """
     request, given = request_from_options(ctx)
     out = Output(json=json_out, quiet=quiet)

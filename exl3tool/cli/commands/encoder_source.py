@@ -30,6 +30,8 @@ def encoder_source(
     non-empty directory only with --force.
 
     Example: exl3tool encoder-source /opt/exl3tool-encoder
+
+    Exit codes: 0 written or already current, 2 a directory it may not replace, usage or I/O error.
     """
     from exl3tool.cache import resolve_encoder_identity
     from exl3tool.serving.encoder_source import write_encoder_source

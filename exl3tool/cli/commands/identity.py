@@ -57,6 +57,8 @@ def identity(
     the encoder identity alone, e.g. of an `exl3tool encoder-source DIR` export.
 
     Example: exl3tool identity org/model --encoder-root /encoders/exllamav3 --encoder-revision 1a2b3c
+
+    Exit codes: 0 printed, 2 usage or configuration error (no encoder root, a revision that does not resolve).
     """
     from exl3tool.cache.identity import server_identities
     from exl3tool.checkpoint import resolve_overlay

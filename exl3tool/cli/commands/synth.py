@@ -37,6 +37,8 @@ def synth(
     Prints the overlay the family's deployments start the server with and the next commands.
 
     Example: exl3tool synth ./tiny-qwen3.5 --family qwen3.5
+
+    Exit codes: 0 written, 2 usage or I/O error (a folder that is not empty, a full disk: nothing is left behind).
     """
     out = Output(json=json, quiet=quiet)
     fam = TINY_FAMILIES[family]
