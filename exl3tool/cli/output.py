@@ -22,12 +22,10 @@ from exl3tool.errors import InputError
 from exl3tool.jsontext import to_jsonable  # re-exported: the reports' JSON, as commands print it
 from exl3tool.text import plural  # re-exported: commands import it from here
 
-__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "plural", "KEY_HEADERS", "json_document_written",
+__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "fold_rows", "plural", "KEY_HEADERS", "json_document_written",
            "forget_json_document", "fields_text", "note_interrupted", "interrupted_report", "stdout_errors"]
 
 KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
-LAST_DROPPED = ("status", "state", "error", "tp", "rank")  # left out only after every other column
-LONG_WORD = 16  # a word longer than this (a path) may be folded across lines; shorter ones (numbers) never
 
 
 def _plain(cell: Any) -> str:
@@ -103,18 +101,15 @@ def _overhead(table: Table, columns: int) -> int:
 
 
 def fit_table(table: Table, width: int) -> Table | None:
-    """``table`` made to fit ``width`` columns without ever cutting a key column (``KEY_HEADERS``), or None.
+    """``table`` made to fit ``width`` columns without splitting any word of any cell, or None.
 
-    A key column keeps its widest cell's width. The other columns may wrap at spaces down to their longest word
-    (a word longer than ``LONG_WORD``, such as a path, may fold); if that is still too wide, columns are left out,
-    from the right, ``LAST_DROPPED`` ones last, and the caption names them. Every column gets a fixed width, so
-    Rich never shortens one. None when the key columns alone do not fit (print ``plain_table`` instead: the
-    terminal wraps the line, nothing is cut). Tables without a key column come back unchanged.
+    A key column (``KEY_HEADERS``) and a ``no_wrap`` one keep their widest cell's width; the others may wrap at
+    spaces down to their longest word, never below it. Every column gets a fixed width, so Rich never shortens or
+    folds one. None when even that is wider than ``width``: then ``fold_rows`` prints each row as label/value
+    lines, so no column is left out and no word is cut.
     """
     cols = list(table.columns)
     keys = [c for c in cols if _plain(c.header) in KEY_HEADERS]
-    if not keys:
-        return table
     texts = {id(c): [_plain(c.header)] + [_plain(cell) for cell in c._cells] for c in cols}
 
     def natural(c) -> int:
@@ -123,42 +118,53 @@ def fit_table(table: Table, width: int) -> Table | None:
     def least(c) -> int:
         if c in keys or c.no_wrap:
             return natural(c)
-        words = [len(w) for text in texts[id(c)] for w in text.split()] or [1]
-        return max(1, min(max(words), LONG_WORD))
+        return max([len(w) for text in texts[id(c)] for w in text.split()] or [1])
 
-    kept, dropped = list(cols), []
-    order = [c for c in reversed(cols) if c not in keys and _plain(c.header) not in LAST_DROPPED]
-    order += [c for c in reversed(cols) if c not in keys and _plain(c.header) in LAST_DROPPED]
-    while sum(least(c) for c in kept) + _overhead(table, len(kept)) > width:
-        if not order:
-            return None
-        gone = order.pop(0)
-        kept.remove(gone)
-        dropped.append(gone)
-    widths = {id(c): natural(c) for c in kept}
-    room = width - _overhead(table, len(kept))
+    if sum(least(c) for c in cols) + _overhead(table, len(cols)) > width:
+        return None
+    widths = {id(c): natural(c) for c in cols}
+    room = width - _overhead(table, len(cols))
     while sum(widths.values()) > room:  # narrow the column with the most slack above its longest word, by one
-        c = max((c for c in kept if widths[id(c)] > least(c)), key=lambda c: widths[id(c)] - least(c))
+        c = max((c for c in cols if widths[id(c)] > least(c)), key=lambda c: widths[id(c)] - least(c))
         widths[id(c)] -= 1
-    for c in kept:
+    for c in cols:
         c.width = widths[id(c)]
-        if c in keys:
-            c.no_wrap = True
-        else:
-            c.overflow = "fold"
-    table.columns[:] = kept
-    if dropped:
-        names = ", ".join(_plain(c.header) for c in cols if c in dropped)
-        table.caption = Text(f"left out at this width: {names} (widen the terminal, pipe the output, or use --json)")
+        c.no_wrap = c in keys or c.no_wrap
     return table
 
 
-def _fits(table: Table, console: Console) -> bool:
-    """Whether Rich draws ``table`` at the console's width at its natural size (else it would shrink a column and
-    may cut a cell with "…")."""
-    from rich.measure import Measurement
+def fold_rows(table: Table, width: int) -> str:
+    """``table`` as label/value lines, one block per row (``fields_text``: a value too long beside its label goes
+    below it, wrapped at spaces): what a terminal too narrow for the table's columns gets, every cell whole.
 
-    return Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width
+    >>> t = Table("layer", "error", title="failed layers"); t.add_row("model.layers.0.mlp.down_proj", "no space left")
+    >>> print(fold_rows(t, 30), end="")
+    failed layers
+    layer
+      model.layers.0.mlp.down_proj
+    error  no space left
+    """
+    headers = [_plain(c.header) for c in table.columns]
+    columns = [[_plain(cell) for cell in c._cells] for c in table.columns]
+    blocks = [fields_text(None, list(zip(headers, row)), width) for row in zip(*columns)] if columns else []
+    title = f"{_plain(table.title)}\n" if table.title else ""
+    return title + "\n".join(blocks)
+
+
+def whole_words(message: str, console: Console) -> str:
+    """``message`` for ``console``: at a terminal narrower than it, wrapped at spaces with the rest indented by two
+    (a word longer than the line stays whole); elsewhere (a log, a pipe) one line as it is.
+
+    >>> from io import StringIO
+    >>> print(whole_words("model.layers.0.mlp.down_proj: encoded", Console(file=StringIO(), width=20,
+    ...                                                                  force_terminal=True)))
+    model.layers.0.mlp.down_proj:
+      encoded
+    """
+    if not console.is_terminal or len(message) <= console.width:
+        return message
+    return "\n".join("\n".join(textwrap.wrap(line, console.width, subsequent_indent="  ", break_long_words=False,
+                                             break_on_hyphens=False)) or line for line in message.split("\n"))
 
 
 @contextmanager
@@ -184,32 +190,33 @@ class Output:
     stderr: Console = field(default_factory=lambda: Console(file=sys.stderr, soft_wrap=True))
 
     def note(self, message: str) -> None:
-        """A diagnostic line on stderr (suppressed by --quiet)."""
+        """A diagnostic line on stderr (suppressed by --quiet); at a terminal wrapped at spaces (``whole_words``)."""
         if not self.quiet:
-            self.stderr.print(message, highlight=False, markup=False)
+            self.stderr.print(whole_words(message, self.stderr), highlight=False, markup=False)
 
     def warn(self, message: str) -> None:
         """A warning on stderr, shown even with --quiet."""
-        self.stderr.print(Text.assemble(("warning:", "yellow"), f" {message}"), highlight=False)
+        text = whole_words("warning: " + message, self.stderr)
+        self.stderr.print(Text.assemble(("warning:", "yellow"), text[len("warning:"):]), highlight=False)
 
     def table(self, table: Table) -> None:
         """A table for people; skipped in JSON mode (the caller emits ``data`` instead).
 
-        At a terminal Rich draws it to the window's width, never cutting a layer name (``fit_table``: other
-        columns wrap, then are left out); piped or in a CI log it becomes plain aligned rows that are never cut or
-        folded (a log has no width, and ``encod…`` or ``2.10e…`` would hide the data).
+        At a terminal Rich draws it to the window's width, never splitting a word (``fit_table``: columns wrap at
+        spaces); too wide for that, each row becomes label/value lines (``fold_rows``), no column left out. Piped or
+        in a CI log it becomes plain aligned rows that are never cut or folded (a log has no width, and ``encod…``
+        or ``2.10e…`` would hide the data).
         """
         if self.json:
             return
-        fitted = fit_table(literal_table(table), self.stdout.width) if self.stdout.is_terminal else None
-        if fitted is not None and fitted is table and not _fits(table, self.stdout):
-            fitted = None  # no key column to keep, and too wide: Rich would cut a cell with "…"; plain rows cut none
+        terminal = self.stdout.is_terminal
+        fitted = fit_table(literal_table(table), self.stdout.width) if terminal else None
         with stdout_errors():
             if fitted is not None:
                 self.stdout.print(fitted)
             else:
-                sys.stdout.write(plain_table(table))
-                sys.stdout.flush()
+                self.stdout.file.write(fold_rows(table, self.stdout.width) if terminal else plain_table(table))
+                self.stdout.file.flush()
 
     def fields(self, title: str | None, rows: list[tuple[str, str]]) -> None:
         """Label/value lines for people (skipped in JSON mode): a value too long to sit beside its label at the
@@ -234,10 +241,10 @@ class Output:
             sys.stdout.flush()
 
     def line(self, message: str) -> None:
-        """A result line on stdout for people; skipped in JSON mode."""
+        """A result line on stdout for people; skipped in JSON mode. At a terminal wrapped at spaces."""
         if not self.json:
             with stdout_errors():
-                self.stdout.print(message, highlight=False, markup=False)
+                self.stdout.print(whole_words(message, self.stdout), highlight=False, markup=False)
 
     def data(self, obj: Any) -> None:
         """The machine-readable result: printed as JSON on stdout in JSON mode."""
