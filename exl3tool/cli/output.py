@@ -147,7 +147,8 @@ def fold_rows(table: Table, width: int) -> str:
     headers = [_plain(c.header) for c in table.columns]
     columns = [[_plain(cell) for cell in c._cells] for c in table.columns]
     blocks = [fields_text(None, list(zip(headers, row)), width) for row in zip(*columns)] if columns else []
-    title = f"{_plain(table.title)}\n" if table.title else ""
+    title = "\n".join(textwrap.wrap(_plain(table.title), width, subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False)) + "\n" if table.title else ""
     return title + "\n".join(blocks)
 
 
@@ -213,6 +214,9 @@ class Output:
         fitted = fit_table(literal_table(table), self.stdout.width) if terminal else None
         with stdout_errors():
             if fitted is not None:
+                title, fitted.title = fitted.title, None  # above it, wrapped at spaces (Rich folds a long word)
+                if title:
+                    self.stdout.print(whole_words(_plain(title), self.stdout), highlight=False, markup=False)
                 self.stdout.print(fitted)
             else:
                 self.stdout.file.write(fold_rows(table, self.stdout.width) if terminal else plain_table(table))
