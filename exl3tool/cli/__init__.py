@@ -25,9 +25,9 @@ from exl3tool.text import plural
 __all__ = ["app", "main", "debug_enabled", "COMMANDS"]
 
 # Every top-level command and the first sentence of its help, in the order `exl3tool --help` lists them. The root
-# lists these without importing a command module (each pulls in torch through the cache library: ~2 s), and
-# imports them all only when a command runs or shows its own help, as huggingface_hub's `hf` registers its
-# commands. tests/cli/test_cli_lazy.py checks each line against the command's own help.
+# lists these without importing a command module, and imports them all only when a command runs or shows its own
+# help, as huggingface_hub's `hf` registers its commands; the command modules import the library (torch) only when
+# they run. tests/cli/test_cli_lazy.py checks each line against the command's own help.
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("identity", "Print the model and encoder identities the server derives, how, and the --revision to start it "
                  "with."),
