@@ -121,6 +121,6 @@ def test_shell_completion_completes_commands_and_options(tmp_path):
     assert complete("exl3tool enc") == ["encode", "encoder-source"]
     assert complete("exl3tool cache w") == ["warm"]
     assert "--tp-size" in complete("exl3tool cache warm --tp")
-    script = subprocess.run([sys.executable, "-m", "exl3tool", "--show-completion", "bash"], capture_output=True,
-                            text=True, timeout=60, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    script = subprocess.run([sys.executable, "-m", "exl3tool", "--show-completion"], capture_output=True, text=True,
+                            timeout=60, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo), "SHELL": "/bin/bash"})
     assert script.returncode == 0 and "_EXL3TOOL_COMPLETE=complete_bash" in script.stdout
