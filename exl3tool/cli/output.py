@@ -12,15 +12,15 @@ import sys
 import textwrap
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from exl3tool.errors import InputError
 from exl3tool.jsontext import to_jsonable  # re-exported: the reports' JSON, as commands print it
 from exl3tool.text import plural  # re-exported: commands import it from here
+
+if TYPE_CHECKING:  # rich is imported where output is drawn: `--help` never imports it
+    from rich.console import Console
+    from rich.table import Table
 
 __all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "fold_rows", "plural", "KEY_HEADERS", "json_document_written",
            "forget_json_document", "fields_text", "note_interrupted", "interrupted_report", "stdout_errors"]
@@ -30,11 +30,13 @@ KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader loo
 
 def _plain(cell: Any) -> str:
     """A cell's text without styles (a ``str`` cell is literal text)."""
-    return cell.plain if isinstance(cell, Text) else str(cell)
+    return cell.plain if hasattr(cell, "plain") else str(cell)  # a rich Text, or any value
 
 
 def _literal(cell: Any) -> Any:
     """A ``str`` as literal ``Text`` (Rich would parse it as markup); anything else unchanged."""
+    from rich.text import Text
+
     return Text(cell) if isinstance(cell, str) else cell
 
 
@@ -49,6 +51,7 @@ def literal_table(table: Table) -> Table:
 def plain_table(table: Table) -> str:
     """``table`` as text: the title, a header row and one line per row, columns padded to their widest cell.
 
+    >>> from rich.table import Table; from rich.text import Text
     >>> t = Table("layer", "error"); t.add_row("model.layers.0.mlp.down_proj", Text("failed", style="red"))
     >>> t.add_row("model.layers.1.[x]", "[/red] a bracket")
     >>> print(plain_table(t), end="")
@@ -137,6 +140,7 @@ def fold_rows(table: Table, width: int) -> str:
     """``table`` as label/value lines, one block per row (``fields_text``: a value too long beside its label goes
     below it, wrapped at spaces): what a terminal too narrow for the table's columns gets, every cell whole.
 
+    >>> from rich.table import Table
     >>> t = Table("layer", "error", title="failed layers"); t.add_row("model.layers.0.mlp.down_proj", "no space left")
     >>> print(fold_rows(t, 30), end="")
     failed layers
@@ -156,7 +160,7 @@ def whole_words(message: str, console: Console) -> str:
     """``message`` for ``console``: at a terminal narrower than it, wrapped at spaces with the rest indented by two
     (a word longer than the line stays whole); elsewhere (a log, a pipe) one line as it is.
 
-    >>> from io import StringIO
+    >>> from io import StringIO; from rich.console import Console
     >>> print(whole_words("model.layers.0.mlp.down_proj: encoded", Console(file=StringIO(), width=20,
     ...                                                                  force_terminal=True)))
     model.layers.0.mlp.down_proj:
@@ -181,14 +185,20 @@ def stdout_errors():
                          "e.g. the disk a redirect writes to)") from exc
 
 
+def _console(file) -> Console:
+    from rich.console import Console
+
+    return Console(file=file, soft_wrap=True)
+
+
 @dataclass
 class Output:
     """Renders results: ``json`` prints only machine output, ``quiet`` drops notes and progress."""
 
     json: bool = False
     quiet: bool = False
-    stdout: Console = field(default_factory=lambda: Console(file=sys.stdout, soft_wrap=True))
-    stderr: Console = field(default_factory=lambda: Console(file=sys.stderr, soft_wrap=True))
+    stdout: Console = field(default_factory=lambda: _console(sys.stdout))
+    stderr: Console = field(default_factory=lambda: _console(sys.stderr))
 
     def note(self, message: str) -> None:
         """A diagnostic line on stderr (suppressed by --quiet); at a terminal wrapped at spaces (``whole_words``)."""
@@ -197,6 +207,8 @@ class Output:
 
     def warn(self, message: str) -> None:
         """A warning on stderr, shown even with --quiet."""
+        from rich.text import Text
+
         text = whole_words("warning: " + message, self.stderr)
         self.stderr.print(Text.assemble(("warning:", "yellow"), text[len("warning:"):]), highlight=False)
 

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.filesize import decimal
-from rich.table import Table
 
 from exl3tool.cli.commands.group import Exl3Command, Exl3Group
 from exl3tool.cli.commands.options import (
@@ -60,6 +59,8 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
 
     Exit codes: 0 listed (an empty cache too), 2 no such cache directory, usage or I/O error.
     """
+    from rich.table import Table
+
     from exl3tool.cache.listing import list_cache
 
     out = Output(json=json, quiet=quiet)
@@ -172,6 +173,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     Exit codes: 0 every entry valid or unchecked, 1 invalid entries, broken lock paths or symlinked folders, 2 no
     such cache directory or usage error.
     """
+    from rich.table import Table
+
     from exl3tool.cache.scan import CacheHealth, scan
 
     out = Output(json=json, quiet=quiet)
@@ -243,6 +246,8 @@ def prune(
     Exit codes: 0 removed, nothing to remove or declined, 2 nothing selected, usage error or a file that could not
     be removed.
     """
+    from rich.table import Table
+
     if not (invalid or temp or records or older_than is not None):
         raise ConfigError("nothing selected: pass --invalid, --temp, --records and/or --older-than DAYS")
     if older_than is not None and older_than < 0:
@@ -317,6 +322,8 @@ def _tp_filter(tp_sizes: Optional[str]) -> Optional[tuple[int, ...]]:
 
 
 def _export_report(out: Output, plan, bundle: str, size: int) -> None:
+    from rich.table import Table
+
     if plan.left_out:
         table = Table(title="left out (invalid)")
         table.add_column("entry", overflow="fold")
@@ -417,6 +424,8 @@ def import_(
     Exit codes: 0 all imported or present, 1 some refused (the rest imported), 2 unreadable bundle or I/O error.
     Example: exl3tool cache import exl3-cache.tar --cache-dir /srv/exl3-cache --file-mode 0644
     """
+    from rich.table import Table
+
     import sys
 
     from exl3tool.cache.bundle import import_bundle

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import lookup_off
@@ -39,6 +37,9 @@ def _where(cause) -> str:
 
 def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
     """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix."""
+    from rich.table import Table
+    from rich.text import Text
+
     plan = report.plan
     plan_notes(out, plan)
     for n, cause in enumerate(report.causes, 1):

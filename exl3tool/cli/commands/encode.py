@@ -6,8 +6,6 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.filesize import decimal
-from rich.table import Table
-from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
@@ -20,7 +18,6 @@ from exl3tool.cli.commands.options import (
 from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, note_interrupted, plural
-from exl3tool.cli.progress import make_progress, progress_mode
 
 if TYPE_CHECKING:
     from exl3tool.operations.warm import WarmSummary
@@ -33,6 +30,9 @@ __all__ = ["register", "encode", "cache_warm", "render_plan", "render_summary"]
 
 def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> None:
     """The dry-run table: one row per job, then the modules the server does not encode and why."""
+    from rich.table import Table
+    from rich.text import Text
+
     lp = plan.layer_plan
     overlay = f", quantization config {lp.overlay.text}" if lp is not None and lp.overlay is not None else ""
     kind = f", {lp.kind.kind} checkpoint" if lp is not None and lp.kind is not None else ""
@@ -77,6 +77,8 @@ def _sharing_line(f: dict) -> str:
 
 def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = None) -> None:
     """Counts, failures and the JSON summary."""
+    from rich.table import Table
+
     c = summary.counts
     failed = [e for e in summary.entries if e.status == "failed"]
     if failed and not out.json:
@@ -122,6 +124,7 @@ def render_unchecked(out: Output, summary: WarmSummary) -> None:
 
 def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm",
          environ: Optional[dict] = None, extra: Optional[dict] = None, progress_choice: str = "auto") -> None:
+    from exl3tool.cli.progress import make_progress, progress_mode
     from exl3tool.operations.warm import warm
     from exl3tool.plan.request import prepare
     from exl3tool.plan.sharing import sharing_figures

@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
@@ -59,6 +57,9 @@ def report_markdown(report: VerifyReport) -> str:
 
 
 def render(out: Output, report: VerifyReport, extra: Optional[dict] = None) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=f"verify {report.model} ({report.bits} bits, TP {report.tp_size}, GEMM: {report.gemm})")
     columns = ["layer", "rank", "shape", "rows", "kernel err", "quant err", "proxy err", "weight MSE"]
     columns += ["exact", "status"] if report.exact else ["status"]
