@@ -105,7 +105,8 @@ KNOBS: tuple[Knob, ...] = (
     # Running exl3tool
     Knob(PREFIX + "DEBUG", "flag", False, "adds the traceback to an error's one line", blank_default=True),
     Knob(PREFIX + "THREADS", "int", None, "host threads per process in a warm (unset: torch's own setting, or under "
-         "torchrun the host's cores shared out)", minimum=1, blank_default=True),
+         "torchrun the host's cores shared out; at most 1024: torch's OpenMP pool crashes the process on far more)",
+         minimum=1, maximum=1024, blank_default=True),
     Knob(PREFIX + "DIST_TIMEOUT_S", "float", 24 * 3600.0, "seconds a torchrun worker waits in a collective",
          minimum=0, above=True, blank_default=True),
     Knob(PREFIX + "MINILM_DIR", "path", None, "the MiniLM checkpoint of the quality check (unset: the "

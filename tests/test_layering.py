@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "exl3tool"
 
 # docs/architecture.md's list, top first: a unit imports only from units of its own layer or above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("exl3tool", "errors", "jsontext", "timing", "text", "knobs", "releases"),
+    ("exl3tool", "errors", "jsontext", "timing", "text", "knobs", "releases", "lazy"),
     ("format",),
     ("kernels",),
     ("encode",),

@@ -5,24 +5,23 @@ Everything here reproduces the server's behaviour byte for byte; see each module
 
 from __future__ import annotations
 
-from exl3tool.cache.entry import Exl3OnlineNonFiniteError, InvalidEntryError, tensor_sha256, validate_entry, write_entry
-from exl3tool.cache.hub import ResolvedRevision, resolve_hub_revision
-from exl3tool.cache.identity import (
-    EncoderIdentity,
-    EncoderSettings,
-    ModelIdentity,
-    ServerIdentities,
-    encoder_settings,
-    resolve_encoder_identity,
-    resolve_model_identity,
-    server_encoder_identity,
-    server_identities,
-)
-from exl3tool.cache.key import CACHE_DISABLED, CacheKey, layer_seed
-from exl3tool.cache.paths import entry_path, lock_path
-from exl3tool.cache.scan import CacheHealth, EntryInfo, PrunePlan, PruneResult, execute_prune, inspect_entry, plan_prune, scan
-from exl3tool.cache.settings import CACHE_MODES, cache_mode, cache_root
-from exl3tool.cache.store import LOCK_TIMEOUT_S, CacheStore, Claim, LoadResult, Lookup
+from exl3tool.lazy import lazy_exports
+
+# Each name is imported from its module on first use: the CLI's `--help` reads cache.settings without torch.
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "exl3tool.cache.entry": ("Exl3OnlineNonFiniteError", "InvalidEntryError", "tensor_sha256", "validate_entry",
+                             "write_entry"),
+    "exl3tool.cache.hub": ("ResolvedRevision", "resolve_hub_revision"),
+    "exl3tool.cache.identity": ("EncoderIdentity", "EncoderSettings", "ModelIdentity", "ServerIdentities",
+                                "encoder_settings", "resolve_encoder_identity", "resolve_model_identity",
+                                "server_encoder_identity", "server_identities"),
+    "exl3tool.cache.key": ("CACHE_DISABLED", "CacheKey", "layer_seed"),
+    "exl3tool.cache.paths": ("entry_path", "lock_path"),
+    "exl3tool.cache.scan": ("CacheHealth", "EntryInfo", "PrunePlan", "PruneResult", "execute_prune", "inspect_entry",
+                            "plan_prune", "scan"),
+    "exl3tool.cache.settings": ("CACHE_MODES", "cache_mode", "cache_root"),
+    "exl3tool.cache.store": ("LOCK_TIMEOUT_S", "CacheStore", "Claim", "LoadResult", "Lookup"),
+})
 
 __all__ = [
     "CACHE_DISABLED",

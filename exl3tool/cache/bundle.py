@@ -473,22 +473,26 @@ def _record_problem(record: ProvenanceRecord, wanted: dict[str, tuple[BundleEntr
     return None
 
 
-def _import_record(member: _Member, size_sha: tuple[int, str], wanted: dict[str, tuple[BundleEntry, CacheKey]],
-                   store: CacheStore, source: str) -> ImportItem:
-    """Check one provenance record member as untrusted input and write it (atomically) into the store's root."""
-    data = member.read(member.size)
+def _import_record(name: str, data: bytes, size_sha: tuple[int, str], wanted: dict[str, tuple[BundleEntry, CacheKey]],
+                   kept: set[str], store: CacheStore, source: str) -> ImportItem:
+    """Check one provenance record member (``name``, its bytes) as untrusted input and write it (atomically) into
+    the store's root, when at least one of its entries is in the cache now (``kept``: imported or present)."""
     if hashlib.sha256(data).hexdigest() != size_sha[1]:
-        return ImportItem(member.name, "refused", "its bytes differ from the manifest's sha256", kind="record")
+        return ImportItem(name, "refused", "its bytes differ from the manifest's sha256", kind="record")
     try:
         record = parse_record(data)
     except ValueError as exc:
-        return ImportItem(member.name, "refused", f"not a valid provenance record: {printable(str(exc))}", kind="record")
-    if f"{RECORDS_DIR}/{record.relative_path}" != member.name:
-        return ImportItem(member.name, "refused", f"its content names it {RECORDS_DIR}/{record.relative_path}",
+        return ImportItem(name, "refused", f"not a valid provenance record: {printable(str(exc))}", kind="record")
+    if f"{RECORDS_DIR}/{record.relative_path}" != name:
+        return ImportItem(name, "refused", f"its content names it {RECORDS_DIR}/{record.relative_path}",
                           kind="record")
     problem = _record_problem(record, wanted)
     if problem:
-        return ImportItem(member.name, "refused", problem, kind="record")
+        return ImportItem(name, "refused", problem, kind="record")
+    if not any(f"v1/{record.model_identity[:20]}/tp{e.tp_size}-rank{e.tp_rank}/{e.digest}.safetensors" in kept
+               for e in record.entries):
+        return ImportItem(name, "refused", "none of its entries was imported (nothing for it to describe)",
+                          kind="record")
     from exl3tool.cache.records import new_record
 
     here = new_record(command="cache import", model_name="", model_identity=record.model_identity,
@@ -501,9 +505,9 @@ def _import_record(member: _Member, size_sha: tuple[int, str], wanted: dict[str,
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        return ImportItem(member.name, "refused", f"the cache cannot take it: {exc.strerror}", kind="record")
-    return ImportItem(member.name, "imported" if written else "present",
-                      "" if written else "the same record is already there (kept)", member.size, kind="record")
+        return ImportItem(name, "refused", f"the cache cannot take it: {exc.strerror}", kind="record")
+    return ImportItem(name, "imported" if written else "present",
+                      "" if written else "the same record is already there (kept)", len(data), kind="record")
 
 
 def _check_record(rec: object) -> tuple[BundleEntry, CacheKey]:
@@ -602,6 +606,7 @@ def import_bundle(stream: BinaryIO, store: CacheStore, *, source: str = "", chec
     items += record_refusals
     refused_in_manifest = {i.path for i in items}
     done: set[str] = set()
+    held_records: list[tuple[str, bytes]] = []
     names: set[str] = {MANIFEST_NAME}
     extended: str | None = None
     try:
@@ -617,8 +622,8 @@ def import_bundle(stream: BinaryIO, store: CacheStore, *, source: str = "", chec
                 if member.size != records[member.name][0]:
                     items.append(ImportItem(member.name, "refused", f"{member.size} bytes, but the manifest says "
                                                                     f"{records[member.name][0]}", kind="record"))
-                else:
-                    items.append(_import_record(member, records[member.name], wanted, store, source))
+                else:  # written after the entries: a record whose entries were all refused is refused too
+                    held_records.append((member.name, member.read(member.size)))
                 done.add(member.name)
                 continue
             record = wanted.get(member.name)
@@ -631,6 +636,9 @@ def import_bundle(stream: BinaryIO, store: CacheStore, *, source: str = "", chec
                 continue
             done.add(member.name)
             items.append(_import_one(member, *record, store, check))
+        kept = {i.path for i in items if i.kind == "entry" and i.status in ("imported", "replaced", "present")}
+        for name, data in held_records:
+            items.append(_import_record(name, data, records[name], wanted, kept, store, source))
     except BundleError as exc:
         raise BundleError(f"{exc}; {_progress(items)} before that") from None
     except OSError as exc:

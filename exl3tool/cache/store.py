@@ -507,7 +507,10 @@ class CacheStore:
             return "present"
         path = self.path(key)
         self._no_links(path)
+        new_dirs = [d for d in reversed(path.parents) if d.is_relative_to(self.root) and d != self.root
+                    and not d.exists()]  # v1/, the model's and the rank's folder, outermost first
         path.parent.mkdir(parents=True, exist_ok=True)
+        new_lock = not os.path.lexists(lock_path(path))
         lock = self._lock(path)
         acquire_with_notice(lock, self.lock_timeout, path)
         try:
@@ -517,5 +520,28 @@ class CacheStore:
                 return "present"
             atomic_write(path, write, file_mode=self.file_mode, check=check)
             return "replaced" if found.status == "invalid" else "published"
+        except BaseException:  # refused or failed: leave no lock file or folder of ours for an entry not there
+            lock.__exit__(None, None, None)
+            self._undo_claim(path, new_lock, new_dirs)
+            raise
         finally:
             lock.__exit__(None, None, None)
+
+    def _undo_claim(self, path: Path, new_lock: bool, new_dirs: list[Path]) -> None:
+        """After a refused import: remove the lock file this import created (when no entry is there and no
+        process holds it) and the folders it created, if empty."""
+        from exl3tool.cache.scan import lock_is_held
+
+        if path.exists():
+            return
+        lock = lock_path(path)
+        if new_lock and not lock_is_held(lock):
+            try:
+                lock.unlink()
+            except OSError:
+                return
+        for folder in reversed(new_dirs):
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                return

@@ -2,38 +2,23 @@
 
 from __future__ import annotations
 
-from exl3tool.checkpoint.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for
-from exl3tool.checkpoint.overlay import (
-    DEFAULT_OVERLAY_JSON,
-    Overlay,
-    QuantSpec,
-    is_shared_expert_projection,
-    parse_overlay,
-    resolve_overlay,
-    should_ignore_layer,
-)
-from exl3tool.checkpoint.plan import (
-    ALIGN,
-    Excluded,
-    LayerPlan,
-    PlannedLayer,
-    RankJob,
-    plan_layers,
-    qkv_partition,
-    rank_sizes,
-    tensors_to_fetch,
-)
-from exl3tool.checkpoint.serving import CheckpointKind, NotServable, StorageMap, serving_kind, storage_candidates
-from exl3tool.checkpoint.sharding import RankReads, encoder_input, rank_local_weight, rank_reads, rank_row_ranges
-from exl3tool.checkpoint.source import (
-    Checkpoint,
-    FetchInfo,
-    TensorInfo,
-    hub_cache_dir,
-    open_checkpoint,
-    serving_dtype,
-)
-from exl3tool.checkpoint.synthetic import write_checkpoint, write_llama_checkpoint
+from exl3tool.lazy import lazy_exports
+
+# Each name is imported from its module on first use (exl3tool.lazy): importing the package imports none.
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "exl3tool.checkpoint.families": ("FAMILIES", "SUPPORTED_ARCHITECTURES", "Family", "ModuleTemplate", "family_for"),
+    "exl3tool.checkpoint.overlay": ("DEFAULT_OVERLAY_JSON", "Overlay", "QuantSpec", "is_shared_expert_projection",
+                                    "parse_overlay", "resolve_overlay", "should_ignore_layer"),
+    "exl3tool.checkpoint.plan": ("ALIGN", "Excluded", "LayerPlan", "PlannedLayer", "RankJob", "plan_layers",
+                                 "qkv_partition", "rank_sizes", "tensors_to_fetch"),
+    "exl3tool.checkpoint.serving": ("CheckpointKind", "NotServable", "StorageMap", "serving_kind",
+                                    "storage_candidates"),
+    "exl3tool.checkpoint.sharding": ("RankReads", "encoder_input", "rank_local_weight", "rank_reads",
+                                     "rank_row_ranges"),
+    "exl3tool.checkpoint.source": ("Checkpoint", "FetchInfo", "TensorInfo", "hub_cache_dir", "open_checkpoint",
+                                   "serving_dtype"),
+    "exl3tool.checkpoint.synthetic": ("write_checkpoint", "write_llama_checkpoint"),
+})
 
 __all__ = [
     "ALIGN",

@@ -22,7 +22,7 @@ from exl3tool.errors import InputError
 from exl3tool.jsontext import loads_json, read_json_object
 
 __all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype",
-           "HUB_PATTERNS", "QUANT_CONFIG", "Selector"]
+           "QUANT_CONFIG", "Selector"]
 
 # The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
 # only the shards it names. quantization_config.json says which layers an EXL3 checkpoint already stores
@@ -30,7 +30,6 @@ __all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cach
 INDEX_NAME = "model.safetensors.index.json"
 QUANT_CONFIG = "quantization_config.json"
 SMALL_FILES = ["config.json", INDEX_NAME, QUANT_CONFIG]
-HUB_PATTERNS = [*SMALL_FILES, "*.safetensors"]
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
@@ -101,12 +100,23 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             if name == "__metadata__":
                 continue
             code, shape, offs = rec["dtype"], tuple(int(d) for d in rec["shape"]), rec["data_offsets"]
+            if len(offs) == 2 and isinstance(offs[1], int) and offs[1] > size - 8 - n >= 0:
+                truncated = max(8 + n + o[1] for o in (r["data_offsets"] for k, r in header.items()
+                                                       if k != "__metadata__") if isinstance(o[1], int))
+                raise _Truncated(f"{path}: truncated: its header places tensors up to byte {truncated:,}, the file "
+                                 f"has {size:,} bytes (an interrupted copy or download?); copy or download it again")
             if code not in _ST_DTYPES or len(offs) != 2 or not 0 <= offs[0] <= offs[1] <= size - 8 - n:
                 raise ValueError(f"bad record for tensor {name!r}")
             out[name] = TensorInfo(name, path, code, shape)
+    except _Truncated as e:
+        raise InputError(str(e)) from None
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{path}: corrupt safetensors header ({e}); re-download or re-save the file") from None
     return out
+
+
+class _Truncated(Exception):
+    """A shard shorter than its own header says (a cut copy), not a corrupt header."""
 
 
 def _config_dtype(config: dict[str, Any], config_path: Path) -> torch.dtype | None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from exl3tool.checkpoint.synthetic import exl3_record, exl3_tensors, write_checkpoint, write_llama_checkpoint
 from exl3tool.errors import ConfigError, InputError
 
 __all__ = ["TinyFamily", "TINY_FAMILIES", "write_tiny", "QWEN38_OVERLAY", "EXL3_SUMMARY", "Builder",
@@ -28,6 +27,14 @@ EXL3_SUMMARY = {"quant_method": "exl3", "version": "0.0.43", "bits": 4.0, "head_
 # The Qwen3.8-27B EXL3 recipe of the fork's deployments (issue 11), exactly as the server is started with.
 QWEN38_OVERLAY = ('{"linear":{"weight":"mxfp8"},"ignore":["re:.*visual\\\\..*","re:.*in_proj_a$",'
                   '"re:.*in_proj_b$","re:.*in_proj_ba$","re:.*mtp\\\\..*","lm_head"]}')
+
+
+def _exl3_record(module: str, in_features: int, out_features: int) -> dict:
+    """checkpoint.synthetic's record. The writers there (torch) are imported only when a checkpoint is written:
+    `synth --help` reads TINY_FAMILIES without torch."""
+    from exl3tool.checkpoint.synthetic import exl3_record
+
+    return exl3_record(module, in_features, out_features)
 
 
 class Builder:
@@ -44,13 +51,17 @@ class Builder:
                record: str | None = None) -> None:
         """A linear ``module``: BF16 ``.weight``, or EXL3 tensors with a storage record under ``record`` (a spelling)."""
         if exl3:
+            from exl3tool.checkpoint.synthetic import exl3_tensors
+
             self.tensors += exl3_tensors(module, in_features, out_features)
-            self.storage[record or module] = exl3_record(module, in_features, out_features)
+            self.storage[record or module] = _exl3_record(module, in_features, out_features)
         else:
             self.tensors.append((f"{module}.weight", (out_features, in_features)))
 
     def write(self, path: Path, config: dict, *, shards: int = 1, seed: int = 0, inline_storage: bool = False,
               storage: bool = True, **kw) -> Path:
+        from exl3tool.checkpoint.synthetic import write_checkpoint
+
         config = copy.deepcopy(config)
         quant = None
         if storage and not inline_storage:
@@ -305,7 +316,7 @@ def write_mla_from_config(path: Path, config: dict, *, header_only: bool = True,
             m = cfg["moe_intermediate_size"]
             for e in range(cfg["n_routed_experts"]):
                 for proj, (o, k) in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
-                    b.storage[f"{p}.mlp.experts.{e}.{proj}"] = exl3_record(f"{p}.mlp.experts.{e}.{proj}", k, o)
+                    b.storage[f"{p}.mlp.experts.{e}.{proj}"] = _exl3_record(f"{p}.mlp.experts.{e}.{proj}", k, o)
     return b.write(path, cfg, shards=shards, header_only=header_only)
 
 
@@ -463,10 +474,16 @@ TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
     TinyFamily("glm4.5", "Glm4MoeForCausalLM", lambda p, s: write_glm4_moe(p, seed=s), None,
                "GLM-4.5/4.6 MoE: layer 0 dense, layers 1-2 MoE with 2 shared experts, a nextn layer"),
     TinyFamily("llama", "LlamaForCausalLM",
-               lambda p, s: write_llama_checkpoint(p, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256, layers=2,
+               lambda p, s: _write_llama(p, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256, layers=2,
                                                    vocab=64, seed=s, shards=1), None,
                "Llama: 2 decoder layers, every linear BF16, lm_head stored as EXL3"),
 )}
+
+
+def _write_llama(path: Path, **kw) -> Path:
+    from exl3tool.checkpoint.synthetic import write_llama_checkpoint
+
+    return write_llama_checkpoint(path, **kw)
 
 
 def write_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:
@@ -478,8 +495,27 @@ def write_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:
     """
     if family not in TINY_FAMILIES:
         raise ConfigError(f"--family {family!r}: not one of {', '.join(TINY_FAMILIES)}")
+    import os
+    import shutil
+    import tempfile
+
     root = Path(path)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise InputError(f"{root}: exists and is not an empty directory; give a new folder (a checkpoint written "
                          "over another would mix their files)")
-    return TINY_FAMILIES[family].write(root, seed)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # written beside it and renamed into place: a full disk or Ctrl-C leaves no partial checkpoint
+    temp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".partial", dir=root.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temp, 0o777 & ~umask)  # a folder as mkdir makes it (mkdtemp's is private)
+    try:
+        TINY_FAMILIES[family].write(temp, seed)
+        os.replace(temp, root)  # over a new or empty folder
+    except BaseException as exc:
+        shutil.rmtree(temp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise InputError(f"{root}: cannot write the checkpoint ({exc.strerror or exc}); nothing was left "
+                             "behind") from None
+        raise
+    return root

@@ -18,16 +18,16 @@ import typer
 from typer.core import TyperCommand
 
 from exl3tool import __version__
-from exl3tool.cli.commands.group import ClickException, Exl3Group, UsageError
+from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, ReaderGone, UsageError
 from exl3tool.errors import Exl3ToolError, describe
 from exl3tool.text import plural
 
 __all__ = ["app", "main", "debug_enabled", "COMMANDS"]
 
 # Every top-level command and the first sentence of its help, in the order `exl3tool --help` lists them. The root
-# lists these without importing a command module (each pulls in torch through the cache library: ~2 s), and
-# imports them all only when a command runs or shows its own help, as huggingface_hub's `hf` registers its
-# commands. tests/cli/test_cli_lazy.py checks each line against the command's own help.
+# lists these without importing a command module, and imports them all only when a command runs or shows its own
+# help, as huggingface_hub's `hf` registers its commands; the command modules import the library (torch) only when
+# they run. tests/cli/test_cli_lazy.py checks each line against the command's own help.
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("identity", "Print the model and encoder identities the server derives, how, and the --revision to start it "
                  "with."),
@@ -87,7 +87,8 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,  # Click's help: never cuts an option name, wraps help under long ones, and needs no rich
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
+    context_settings={"help_option_names": HELP_OPTIONS},  # -h and --help, inherited by every command
 )
 
 
@@ -144,9 +145,31 @@ def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None, ext
     else:
         print(f"error: {message}", file=sys.stderr)
     if json_mode and not _json_document_written():  # a findings error follows its own report: one document
-        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code, **(extra or {})}, indent=2) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code, **(extra or {})}, indent=2) + "\n")
+            sys.stdout.flush()
+        except OSError:  # stdout is what failed (full, closed): the line on stderr is the report
+            _drop_stdout()
     sys.exit(exit_code)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what it could not write stays silent."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _reader_gone() -> None:
+    """stdout's reader closed the pipe (``exl3tool cache ls --json | head``): it read what it wanted; end quietly,
+    exit 0, as ``head`` would not want a traceback or an error line (a ``cache export -`` whose reader stops early
+    is an error of its own)."""
+    _drop_stdout()
+    sys.exit(0)
 
 
 def _interrupted(json_mode: bool) -> None:
@@ -164,16 +187,33 @@ def _json_document_written() -> bool:
     return output is not None and output.json_document_written()
 
 
+def _ensure_stderr() -> None:
+    """Started with stderr closed (``2>&-``): give fd 2 to /dev/null, so that diagnostics and progress go nowhere
+    instead of failing, or going into whatever file took fd 2 (stdout's JSON included)."""
+    import fcntl
+    import os
+
+    try:
+        writable = fcntl.fcntl(2, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except OSError:
+        writable = False
+    if not writable:  # closed, or taken by a file the interpreter (or a shim) opened to read
+        fd = os.open(os.devnull, os.O_WRONLY)
+        if fd != 2:
+            os.dup2(fd, 2)
+            os.close(fd)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turning every error into one line and an exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     json_mode = "--json" in args
+    _ensure_stderr()
     if "exl3tool.cli.output" in sys.modules:  # not imported: no document written (`--help` stays light)
         sys.modules["exl3tool.cli.output"].forget_json_document()
-    try:  # the root imports a command's module (which may refuse an environment variable) when it is chosen
-        from exl3tool.knobs import read_knobs
-
-        read_knobs()  # every EXL3TOOL_* variable checked before a command runs: a bad one is one line, exit 2
+    try:  # every EXL3TOOL_* variable is checked when a command runs (Exl3Command.invoke), never for its help
         rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
         if rc == 130:  # typer turns Ctrl-C into Exit(130), which non-standalone Click returns (no command does)
             _interrupted(json_mode)
@@ -189,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail("aborted", 2, json_mode)
     except KeyboardInterrupt:
         _interrupted(json_mode)
+    except (BrokenPipeError, ReaderGone):
+        _reader_gone()
     except ClickException as exc:  # usage errors: Click's own usage line, "Try ... --help" and the message
         _fail(exc.format_message(), exc.exit_code, json_mode, show_usage=exc.show)
     except (ValueError, OSError) as exc:  # bad values and I/O problems raised below the commands

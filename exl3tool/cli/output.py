@@ -10,31 +10,33 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-
+from exl3tool.errors import InputError
 from exl3tool.jsontext import to_jsonable  # re-exported: the reports' JSON, as commands print it
 from exl3tool.text import plural  # re-exported: commands import it from here
 
-__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "plural", "KEY_HEADERS", "json_document_written",
-           "forget_json_document", "fields_text", "note_interrupted", "interrupted_report"]
+if TYPE_CHECKING:  # rich is imported where output is drawn: `--help` never imports it
+    from rich.console import Console
+    from rich.table import Table
+
+__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "fold_rows", "plural", "KEY_HEADERS", "json_document_written",
+           "forget_json_document", "fields_text", "note_interrupted", "interrupted_report", "stdout_errors"]
 
 KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
-LAST_DROPPED = ("status", "state", "error", "tp", "rank")  # left out only after every other column
-LONG_WORD = 16  # a word longer than this (a path) may be folded across lines; shorter ones (numbers) never
 
 
 def _plain(cell: Any) -> str:
     """A cell's text without styles (a ``str`` cell is literal text)."""
-    return cell.plain if isinstance(cell, Text) else str(cell)
+    return cell.plain if hasattr(cell, "plain") else str(cell)  # a rich Text, or any value
 
 
 def _literal(cell: Any) -> Any:
     """A ``str`` as literal ``Text`` (Rich would parse it as markup); anything else unchanged."""
+    from rich.text import Text
+
     return Text(cell) if isinstance(cell, str) else cell
 
 
@@ -49,6 +51,7 @@ def literal_table(table: Table) -> Table:
 def plain_table(table: Table) -> str:
     """``table`` as text: the title, a header row and one line per row, columns padded to their widest cell.
 
+    >>> from rich.table import Table; from rich.text import Text
     >>> t = Table("layer", "error"); t.add_row("model.layers.0.mlp.down_proj", Text("failed", style="red"))
     >>> t.add_row("model.layers.1.[x]", "[/red] a bracket")
     >>> print(plain_table(t), end="")
@@ -101,18 +104,15 @@ def _overhead(table: Table, columns: int) -> int:
 
 
 def fit_table(table: Table, width: int) -> Table | None:
-    """``table`` made to fit ``width`` columns without ever cutting a key column (``KEY_HEADERS``), or None.
+    """``table`` made to fit ``width`` columns without splitting any word of any cell, or None.
 
-    A key column keeps its widest cell's width. The other columns may wrap at spaces down to their longest word
-    (a word longer than ``LONG_WORD``, such as a path, may fold); if that is still too wide, columns are left out,
-    from the right, ``LAST_DROPPED`` ones last, and the caption names them. Every column gets a fixed width, so
-    Rich never shortens one. None when the key columns alone do not fit (print ``plain_table`` instead: the
-    terminal wraps the line, nothing is cut). Tables without a key column come back unchanged.
+    A key column (``KEY_HEADERS``) and a ``no_wrap`` one keep their widest cell's width; the others may wrap at
+    spaces down to their longest word, never below it. Every column gets a fixed width, so Rich never shortens or
+    folds one. None when even that is wider than ``width``: then ``fold_rows`` prints each row as label/value
+    lines, so no column is left out and no word is cut.
     """
     cols = list(table.columns)
     keys = [c for c in cols if _plain(c.header) in KEY_HEADERS]
-    if not keys:
-        return table
     texts = {id(c): [_plain(c.header)] + [_plain(cell) for cell in c._cells] for c in cols}
 
     def natural(c) -> int:
@@ -121,42 +121,74 @@ def fit_table(table: Table, width: int) -> Table | None:
     def least(c) -> int:
         if c in keys or c.no_wrap:
             return natural(c)
-        words = [len(w) for text in texts[id(c)] for w in text.split()] or [1]
-        return max(1, min(max(words), LONG_WORD))
+        return max([len(w) for text in texts[id(c)] for w in text.split()] or [1])
 
-    kept, dropped = list(cols), []
-    order = [c for c in reversed(cols) if c not in keys and _plain(c.header) not in LAST_DROPPED]
-    order += [c for c in reversed(cols) if c not in keys and _plain(c.header) in LAST_DROPPED]
-    while sum(least(c) for c in kept) + _overhead(table, len(kept)) > width:
-        if not order:
-            return None
-        gone = order.pop(0)
-        kept.remove(gone)
-        dropped.append(gone)
-    widths = {id(c): natural(c) for c in kept}
-    room = width - _overhead(table, len(kept))
+    if sum(least(c) for c in cols) + _overhead(table, len(cols)) > width:
+        return None
+    widths = {id(c): natural(c) for c in cols}
+    room = width - _overhead(table, len(cols))
     while sum(widths.values()) > room:  # narrow the column with the most slack above its longest word, by one
-        c = max((c for c in kept if widths[id(c)] > least(c)), key=lambda c: widths[id(c)] - least(c))
+        c = max((c for c in cols if widths[id(c)] > least(c)), key=lambda c: widths[id(c)] - least(c))
         widths[id(c)] -= 1
-    for c in kept:
+    for c in cols:
         c.width = widths[id(c)]
-        if c in keys:
-            c.no_wrap = True
-        else:
-            c.overflow = "fold"
-    table.columns[:] = kept
-    if dropped:
-        names = ", ".join(_plain(c.header) for c in cols if c in dropped)
-        table.caption = Text(f"left out at this width: {names} (widen the terminal, pipe the output, or use --json)")
+        c.no_wrap = c in keys or c.no_wrap
     return table
 
 
-def _fits(table: Table, console: Console) -> bool:
-    """Whether Rich draws ``table`` at the console's width at its natural size (else it would shrink a column and
-    may cut a cell with "…")."""
-    from rich.measure import Measurement
+def fold_rows(table: Table, width: int) -> str:
+    """``table`` as label/value lines, one block per row (``fields_text``: a value too long beside its label goes
+    below it, wrapped at spaces): what a terminal too narrow for the table's columns gets, every cell whole.
 
-    return Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width
+    >>> from rich.table import Table
+    >>> t = Table("layer", "error", title="failed layers"); t.add_row("model.layers.0.mlp.down_proj", "no space left")
+    >>> print(fold_rows(t, 30), end="")
+    failed layers
+    layer
+      model.layers.0.mlp.down_proj
+    error  no space left
+    """
+    headers = [_plain(c.header) for c in table.columns]
+    columns = [[_plain(cell) for cell in c._cells] for c in table.columns]
+    blocks = [fields_text(None, list(zip(headers, row)), width) for row in zip(*columns)] if columns else []
+    title = "\n".join(textwrap.wrap(_plain(table.title), width, subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False)) + "\n" if table.title else ""
+    return title + "\n".join(blocks)
+
+
+def whole_words(message: str, console: Console) -> str:
+    """``message`` for ``console``: at a terminal narrower than it, wrapped at spaces with the rest indented by two
+    (a word longer than the line stays whole); elsewhere (a log, a pipe) one line as it is.
+
+    >>> from io import StringIO; from rich.console import Console
+    >>> print(whole_words("model.layers.0.mlp.down_proj: encoded", Console(file=StringIO(), width=20,
+    ...                                                                  force_terminal=True)))
+    model.layers.0.mlp.down_proj:
+      encoded
+    """
+    if not console.is_terminal or len(message) <= console.width:
+        return message
+    return "\n".join("\n".join(textwrap.wrap(line, console.width, subsequent_indent="  ", break_long_words=False,
+                                             break_on_hyphens=False)) or line for line in message.split("\n"))
+
+
+@contextmanager
+def stdout_errors():
+    """A failed write to stdout (a full disk, ``> /dev/full``) as one line, exit 2; a reader that closed the pipe
+    (``| head``) stays a ``BrokenPipeError``, which ``main`` ends quietly."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise InputError(f"cannot write the output to stdout: {exc.strerror or exc} (check where stdout goes, "
+                         "e.g. the disk a redirect writes to)") from exc
+
+
+def _console(file) -> Console:
+    from rich.console import Console
+
+    return Console(file=file, soft_wrap=True)
 
 
 @dataclass
@@ -165,35 +197,42 @@ class Output:
 
     json: bool = False
     quiet: bool = False
-    stdout: Console = field(default_factory=lambda: Console(file=sys.stdout, soft_wrap=True))
-    stderr: Console = field(default_factory=lambda: Console(file=sys.stderr, soft_wrap=True))
+    stdout: Console = field(default_factory=lambda: _console(sys.stdout))
+    stderr: Console = field(default_factory=lambda: _console(sys.stderr))
 
     def note(self, message: str) -> None:
-        """A diagnostic line on stderr (suppressed by --quiet)."""
+        """A diagnostic line on stderr (suppressed by --quiet); at a terminal wrapped at spaces (``whole_words``)."""
         if not self.quiet:
-            self.stderr.print(message, highlight=False, markup=False)
+            self.stderr.print(whole_words(message, self.stderr), highlight=False, markup=False)
 
     def warn(self, message: str) -> None:
         """A warning on stderr, shown even with --quiet."""
-        self.stderr.print(Text.assemble(("warning:", "yellow"), f" {message}"), highlight=False)
+        from rich.text import Text
+
+        text = whole_words("warning: " + message, self.stderr)
+        self.stderr.print(Text.assemble(("warning:", "yellow"), text[len("warning:"):]), highlight=False)
 
     def table(self, table: Table) -> None:
         """A table for people; skipped in JSON mode (the caller emits ``data`` instead).
 
-        At a terminal Rich draws it to the window's width, never cutting a layer name (``fit_table``: other
-        columns wrap, then are left out); piped or in a CI log it becomes plain aligned rows that are never cut or
-        folded (a log has no width, and ``encod…`` or ``2.10e…`` would hide the data).
+        At a terminal Rich draws it to the window's width, never splitting a word (``fit_table``: columns wrap at
+        spaces); too wide for that, each row becomes label/value lines (``fold_rows``), no column left out. Piped or
+        in a CI log it becomes plain aligned rows that are never cut or folded (a log has no width, and ``encod…``
+        or ``2.10e…`` would hide the data).
         """
         if self.json:
             return
-        fitted = fit_table(literal_table(table), self.stdout.width) if self.stdout.is_terminal else None
-        if fitted is not None and fitted is table and not _fits(table, self.stdout):
-            fitted = None  # no key column to keep, and too wide: Rich would cut a cell with "…"; plain rows cut none
-        if fitted is not None:
-            self.stdout.print(fitted)
-        else:
-            sys.stdout.write(plain_table(table))
-            sys.stdout.flush()
+        terminal = self.stdout.is_terminal
+        fitted = fit_table(literal_table(table), self.stdout.width) if terminal else None
+        with stdout_errors():
+            if fitted is not None:
+                title, fitted.title = fitted.title, None  # above it, wrapped at spaces (Rich folds a long word)
+                if title:
+                    self.stdout.print(whole_words(_plain(title), self.stdout), highlight=False, markup=False)
+                self.stdout.print(fitted)
+            else:
+                self.stdout.file.write(fold_rows(table, self.stdout.width) if terminal else plain_table(table))
+                self.stdout.file.flush()
 
     def fields(self, title: str | None, rows: list[tuple[str, str]]) -> None:
         """Label/value lines for people (skipped in JSON mode): a value too long to sit beside its label at the
@@ -201,8 +240,9 @@ class Output:
         a path is never cut (a single word longer than the line stays whole: the terminal wraps it)."""
         if self.json:
             return
-        sys.stdout.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
-        sys.stdout.flush()
+        with stdout_errors():
+            sys.stdout.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
+            sys.stdout.flush()
 
     def wrapped(self, message: str) -> None:
         """A result line on stdout for people (skipped in JSON mode), wrapped at spaces to a terminal's width with
@@ -212,20 +252,23 @@ class Output:
         if self.stdout.is_terminal and len(message) > self.stdout.width:
             message = "\n".join(textwrap.wrap(message, self.stdout.width, subsequent_indent="  ",
                                                break_long_words=False, break_on_hyphens=False))
-        sys.stdout.write(message + "\n")
-        sys.stdout.flush()
+        with stdout_errors():
+            sys.stdout.write(message + "\n")
+            sys.stdout.flush()
 
     def line(self, message: str) -> None:
-        """A result line on stdout for people; skipped in JSON mode."""
+        """A result line on stdout for people; skipped in JSON mode. At a terminal wrapped at spaces."""
         if not self.json:
-            self.stdout.print(message, highlight=False, markup=False)
+            with stdout_errors():
+                self.stdout.print(whole_words(message, self.stdout), highlight=False, markup=False)
 
     def data(self, obj: Any) -> None:
         """The machine-readable result: printed as JSON on stdout in JSON mode."""
         if self.json:
-            sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
-            sys.stdout.flush()
-            _written.append(True)
+            _written.append(True)  # even if it cannot be written: an error document would follow a partial one
+            with stdout_errors():
+                sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
+                sys.stdout.flush()
 
 
 _written: list[bool] = []  # set once any command printed its JSON document in this process

@@ -206,8 +206,10 @@ class EndOfName:
         self.text, self.head = text, head  # ``head`` (``preparing ``) is always shown whole
 
     def __rich_console__(self, console, options):
-        yield Text(self.head + elide_start(self.text, options.max_width - len(self.head)), no_wrap=True,
-                   overflow="crop")
+        room = options.max_width
+        # the head only when the name's end still fits beside it (never "preparing …_proj"): the name comes first
+        head = self.head if room - len(self.head) >= min(len(self.text), NAME_END) else ""
+        yield Text(head + elide_start(self.text, room - len(head)), no_wrap=True, overflow="crop")
 
     def __rich_measure__(self, console, options):
         from rich.measure import Measurement
@@ -215,15 +217,23 @@ class EndOfName:
         return Measurement(len(self.head) + min(len(self.text), 8), len(self.head) + len(self.text))
 
 
+NAME_END = 24  # what a job name needs to be told apart: ``mlp.down_proj tp8-rank3``
+
+
 def elide_start(text: str, width: int) -> str:
-    """``text`` in ``width`` characters: whole when it fits, else ``…`` and its end.
+    """``text`` in ``width`` characters: whole when it fits, else ``…`` and its end, from a name's part (after a
+    ``.``) when one starts in the last ``width`` characters.
 
     >>> elide_start("language_model.model.layers.12.mlp.down_proj tp2-rank1", 30)
-    '…rs.12.mlp.down_proj tp2-rank1'
+    '…12.mlp.down_proj tp2-rank1'
     """
     if len(text) <= width:
         return text
-    return "…" + text[len(text) - max(width - 1, 0):] if width > 0 else ""
+    if width <= 0:
+        return ""
+    end = text[len(text) - max(width - 1, 0):]
+    dot = end.find(".")
+    return "…" + (end[dot + 1:] if 0 <= dot < len(end) - 1 else end)
 
 
 class _NameColumn(ProgressColumn):
@@ -245,10 +255,11 @@ class BarProgress(WarmProgress):
     the figures; jobs done/total beside tiles done/total; it says "preparing" until a job's first tiles arrive."""
 
     def __init__(self, console: Console) -> None:
-        self.progress = Progress(
-            SpinnerColumn(), _NameColumn(table_column=Column(ratio=1, no_wrap=True, min_width=8)),
-            BarColumn(bar_width=12), _JobsColumn(), MofNCompleteColumn(), _RateColumn(), TimeRemainingColumn(),
-            console=console, transient=True, expand=True)
+        # below 100 columns the rate goes, below 80 the bar: the job name's end keeps room to be read
+        columns = [SpinnerColumn(), _NameColumn(table_column=Column(ratio=1, no_wrap=True, min_width=8)),
+                   *([BarColumn(bar_width=12)] if console.width >= 80 else []), _JobsColumn(), MofNCompleteColumn(),
+                   *([_RateColumn()] if console.width >= 100 else []), TimeRemainingColumn()]
+        self.progress = Progress(*columns, console=console, transient=True, expand=True)
         self.task = None
         self.counts = _Counts(time.monotonic)
 

@@ -39,12 +39,19 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-# numba's default "omp" layer (GNU OpenMP) leaves its workers spinning after each parallel call; on a
-# 2-core box that made the torch work that follows (Hadamards, the torch reference) 15x slower. The
-# workqueue layer sleeps. Respect an explicit choice, and this only takes effect before numba's first
-# parallel launch in the process.
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
+
+
+def _threading_layer() -> None:
+    """numba's default "omp" layer (GNU OpenMP) leaves its workers spinning after each parallel call; on a 2-core
+    box that made the torch work that follows (Hadamards, the torch reference) 15x slower. The workqueue layer
+    sleeps. Chosen before this module's first parallel launch (never at import: importing changes nothing in the
+    process), and only when nothing chose one (an explicit NUMBA_THREADING_LAYER stands)."""
+    if "NUMBA_THREADING_LAYER" not in os.environ and not _launched:
+        numba.config.THREADING_LAYER = "workqueue"
+    _launched.append(True)
+
+
+_launched: list[bool] = []
 
 __all__ = ["quantize_tiles_numba"]
 
@@ -57,8 +64,6 @@ _I0FFF = np.int32(0xFFF)
 _I13 = np.int32(13)
 _I1 = np.int32(1)
 _IMASK = np.int32(~0x1FFF)
-_I1FFF = np.int32(0x1FFF)
-_I1000 = np.int32(0x1000)
 
 
 @njit(cache=True, inline="always")
@@ -361,5 +366,6 @@ def quantize_tiles_numba(x: np.ndarray, bits: int, dec16: np.ndarray, force_gene
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.shape[0] == 0:
         return np.empty((0, 256), dtype=np.int32)
+    _threading_layer()
     nthreads = max(1, min(numba.get_num_threads(), x.shape[0]))
     return _quantize_tiles_kernel(x, bits, dec64, decl, nthreads, force_generic)

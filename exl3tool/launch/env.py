@@ -21,15 +21,8 @@ from typing import Optional
 
 from exl3tool.errors import ConfigError
 
-__all__ = ["EnvValue", "EnvLayers", "read_env_file", "LOOKUP_VARS", "is_dry_run_output", "shell_word",
-           "DRY_RUN_COMMAND"]
+__all__ = ["EnvValue", "EnvLayers", "read_env_file", "is_dry_run_output", "shell_word", "DRY_RUN_COMMAND"]
 
-# the variables the server reads for its look-ups (docs/cache-format.md §1.2, §1.4) and for a Hub model's files
-LOOKUP_VARS = (
-    "VLLM_EXL3_ONLINE_TRELLIS_BITS", "VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION",
-    "VLLM_EXL3_ONLINE_CACHE_DIR", "VLLM_EXL3_ONLINE_CACHE_MODE", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "HOME",
-    "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_CACHE_DIR",
-)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["ServerFlag", "SERVER_FLAGS", "VLLM_FLAGS", "VLLM_BOOLEANS", "server_flag", "ContainerFlag",
-           "CONTAINER_FLAGS", "container_flag", "SERVER_PROGRAMS"]
+           "CONTAINER_FLAGS", "container_flag"]
 
 # every long option of the fork's `vllm serve` (without the leading --)
 VLLM_FLAGS: frozenset[str] = frozenset("""
@@ -160,10 +160,6 @@ VLLM_SHORT: dict[str, str] = {"-tp": "tensor-parallel-size", "-pp": "pipeline-pa
 def server_flag(name: str) -> ServerFlag | None:
     """The table row for a long name (without --) or a short alias, or None when it does not matter."""
     return _BY_NAME.get(name) or _BY_ALIAS.get(name)
-
-
-# programs whose arguments are the server's command line once found in a launch (see parse.find_server)
-SERVER_PROGRAMS = ("vllm",)
 
 
 @dataclass(frozen=True)

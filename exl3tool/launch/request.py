@@ -14,7 +14,7 @@ from exl3tool.launch.load import load_launch
 from exl3tool.launch.resolve import Explicit, LaunchSettings, ServerLaunch, resolve_launch
 from exl3tool.plan.request import WarmRequest
 
-__all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS", "launch_image"]
+__all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS", "launch_image", "environment_lookup_off"]
 
 # WarmRequest fields a command's own flags can give (and so win over the launch)
 EXPLICIT_FIELDS = ("model", "revision", "server_path", "tp_sizes", "dtype", "bits", "quantization_config",
@@ -55,13 +55,25 @@ def _env_only(request: WarmRequest, given: Collection[str], files: tuple[str, ..
     return replace(request, bits=server_bits(request.bits if "bits" in given else None, merged)), merged
 
 
+def environment_lookup_off(environ: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
+    """Without a launch, this environment is the server's: why a server started in it makes no look-up (its
+    ``VLLM_EXL3_ONLINE_CACHE_MODE=off``), as ``LaunchSettings.lookup_off`` says it for a launch; () when it makes
+    some. A value the server refuses is a ConfigError naming it, as it is in a launch."""
+    from exl3tool.cache.settings import cache_mode
+
+    if cache_mode(os.environ if environ is None else environ) == "off":
+        return ("VLLM_EXL3_ONLINE_CACHE_MODE=off in this environment: the server encodes every layer at start-up "
+                "and never reads the cache (unset it, or give the server's launch with --launch)",)
+    return ()
+
+
 def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInput, *, add_tp_sizes: bool = False,
                  environ: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, need_cache: bool = True,
                  ) -> tuple[WarmRequest, Optional[LaunchSettings], Optional[dict[str, str]]]:
     """``request`` with the launch's settings where the command's own flags (``given``: WarmRequest field names set
     on the command line) did not set them; also the settings with their sources and the server's environment.
 
-    ``add_tp_sizes`` (``cache warm``): the launch's TP size comes first and ``--tp-sizes``, when given, adds more;
+    ``add_tp_sizes`` (``cache warm``): the launch's TP size comes first and ``--tp-size``, when given, adds more;
     otherwise a given ``--tp-size`` wins over the launch's. Without a launch the request is returned as is (with
     ``--env-file`` variables applied). ``need_cache`` False: a command that writes and reads no cache (``identity``).
 

@@ -24,6 +24,7 @@ from exl3tool.launch.parse import ServerArgs
 from exl3tool.releases import (
     ServerRelease, default_release, edit_distance, server_cache_root, server_vllm_root, variable_note,
 )
+from exl3tool.plan.request import DTYPE_SPELLINGS, serving_dtype_name
 
 __all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_launch", "SEQUENCE_PARALLEL_ALL2ALL",
            "unknown_flag_message", "unknown_flag_warning", "close_flag_matches"]
@@ -31,8 +32,6 @@ __all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_lau
 # the fork's ParallelConfig.use_sequence_parallel_moe: these all2all backends with EP, TP > 1 and DP > 1
 SEQUENCE_PARALLEL_ALL2ALL = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "mori",
                              "nixl_ep")
-_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
-           "float": "float32"}  # the fork's ModelDType values, to exl3tool's --dtype
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "npcache", "dummy", "fastsafetensors", "instanttensor")
 _HOW_TO_PASS = ("an image may set it in its ENV: pass it with -e NAME=VALUE in the launch or in an --env-file "
                 "FILE, or read a running server with --pid PID")
@@ -138,14 +137,14 @@ class LaunchSettings:
         return not self.lookup_off
 
     def as_json(self) -> dict:
-        """The ``launch`` block of ``--json``: form, settings with sources, defaulted, ignored and unknown flags."""
+        """The ``launch`` block of ``--json``: form, settings with sources, defaulted and ignored flags (a launch
+        with a flag the fork does not know is refused before this exists)."""
         return {
             "form": self.launch.form, "entry": self.launch.entry, "pid": self.launch.pid,
             "server_lookup": self.server_lookup, "lookup_off": list(self.lookup_off),
             "settings": {k: v.as_json() for k, v in self.settings.items()},
             "defaulted": list(self.defaulted), "warnings": list(self.warnings), "notes": list(self.notes),
             "ignored": list(self.launch.ignored) + list(self.launch.args.ignored),
-            "unknown": list(self.launch.args.unknown),
             "image": self.launch.image.as_json() if self.launch.image is not None else None,
         }
 
@@ -701,10 +700,10 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     if explicit.dtype is not None:
         dtype = b.put("dtype", explicit.dtype, "flag", "--dtype")
     elif dtype_arg is not None:
-        mapped = _DTYPES.get(dtype_arg[0].strip().lower())
+        mapped = serving_dtype_name(dtype_arg[0])
         if mapped is None:
             raise ConfigError(f"the launch's {dtype_arg[1]} {dtype_arg[0]!r} is not one of the server's dtypes "
-                              f"({', '.join(_DTYPES)})")
+                              f"({', '.join(DTYPE_SPELLINGS)})")
         dtype = b.arg("dtype", mapped, dtype_arg[1] + (f" {dtype_arg[0]}" if mapped != dtype_arg[0] else ""))
     else:
         dtype = b.put("dtype", "auto", "default", "not given: the checkpoint's config dtype")
@@ -805,7 +804,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     else:
         b.put("cache_mode", "readwrite", "default", "VLLM_EXL3_ONLINE_CACHE_MODE not given")
     if explicit.tp_sizes:
-        b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-sizes / --tp-size")
+        b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-size")
     hf_overrides = _hf_overrides(b, args)
     return LaunchSettings(
         launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,

@@ -391,7 +391,7 @@ def _overlay_findings(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache, ours: 
     if ref is None and not pair_present:
         return [Finding("absent", f"{len(prefixes)} layer(s) have no entry in the cache at any TP size (e.g. "
                                   f"{_more(prefixes)}), and no warm of this model is recorded",
-                        f"warm them: exl3tool cache warm MODEL --tp-sizes {','.join(map(str, plan.tp_sizes))} with "
+                        f"warm them: exl3tool cache warm MODEL --tp-size {','.join(map(str, plan.tp_sizes))} with "
                         "the server's settings and --cache-dir")]
     text = f"{len(prefixes)} layer(s) planned here that the warm did not (e.g. {_more(prefixes)})"
     if ref is not None:
@@ -638,7 +638,7 @@ def _miss_causes(misses: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
             "tp_layout", f"{plural(len(prefixes), 'layer')} (e.g. {_more(prefixes)}) are 128-aligned at TP {tps} "
                          f"but not at TP {warmed}, the TP size(s) warmed, where the server keeps them MXFP8: the "
                          "warm had nothing to encode for them",
-            f"warm with --tp-sizes {tps} (add it to the warm's list)"),)))
+            f"warm with --tp-size {tps} (add it to the warm's list)"),)))
     if rest:
         groups[("layers",)] = [(j, None) for j in rest]
     for group, items in groups.items():
@@ -654,7 +654,7 @@ def _miss_causes(misses: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
             sizes = group[2]
             findings.append(Finding("tp_layout", f"these layers were warmed at TP {','.join(map(str, sizes))} only; "
                                                  f"these look-ups are at TP {first.tp_size}",
-                                    f"warm with --tp-sizes {first.tp_size} (add it to the warm's list)"))
+                                    f"warm with --tp-size {first.tp_size} (add it to the warm's list)"))
         findings += _identity_findings(fields, first.key, near, plan, cache)
         if not fields:  # same key, yet the look-up missed: a file the server's is_file() does not see
             findings.append(Finding("path", "an entry with this very key exists elsewhere", "check the cache root"))

@@ -6,12 +6,16 @@ store into a plan), ``plan`` (``WarmPlan``: one job per layer, TP size and rank,
 ``launch/`` fills a request; the operations read it.
 """
 
-from exl3tool.plan.plan import WarmJob, WarmPlan, build_plan
-from exl3tool.plan.request import (
-    SERVING_DTYPES, WarmRequest, nothing_to_do, prepare, resolve_device, serving_torch_dtype,
-)
-from exl3tool.plan.sharing import share_jobs
-from exl3tool.plan.shards import Shard, resolve_shard
+from exl3tool.lazy import lazy_exports
+
+# Each name is imported from its module on first use (exl3tool.lazy): importing the package imports none.
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "exl3tool.plan.plan": ("WarmJob", "WarmPlan", "build_plan"),
+    "exl3tool.plan.request": ("SERVING_DTYPES", "WarmRequest", "nothing_to_do", "prepare", "resolve_device",
+                              "serving_torch_dtype"),
+    "exl3tool.plan.sharing": ("share_jobs",),
+    "exl3tool.plan.shards": ("Shard", "resolve_shard"),
+})
 
 __all__ = ["WarmJob", "WarmPlan", "build_plan", "share_jobs", "SERVING_DTYPES", "WarmRequest", "nothing_to_do",
            "prepare", "resolve_device", "serving_torch_dtype", "Shard", "resolve_shard"]

@@ -8,19 +8,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
-from exl3tool.cache import CacheStore
-from exl3tool.plan.plan import build_plan
-from exl3tool.plan.shards import Shard
 from exl3tool.text import plural
 
-__all__ = ["SERVING_DTYPES", "WarmRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype"]
+if TYPE_CHECKING:
+    import torch
+
+    from exl3tool.plan.shards import Shard
+
+# torch, the store and the plan are imported where they are used: the CLI's option tables read SERVING_DTYPES
+# from here, and `--help` must not pull in torch.
+
+__all__ = ["SERVING_DTYPES", "DTYPE_SPELLINGS", "serving_dtype_name", "WarmRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype"]
 
 # vLLM's --dtype values a server can run with; "auto" is the checkpoint's config dtype, float32 served as bfloat16
 SERVING_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# every spelling of the server's --dtype (the fork's ModelDType values) -> exl3tool's name: one table for the
+# commands' --dtype and a launch's
+DTYPE_SPELLINGS = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+                   "float32": "float32", "float": "float32"}
+
+
+def serving_dtype_name(value: str) -> Optional[str]:
+    """``value`` as the server reads its --dtype (any case, ``half`` and ``float`` included), in exl3tool's
+    spelling (one of SERVING_DTYPES); None when the server refuses it.
+
+    >>> serving_dtype_name("half"), serving_dtype_name(" BFloat16 "), serving_dtype_name("fp8")
+    ('float16', 'bfloat16', None)
+    """
+    return DTYPE_SPELLINGS.get(value.strip().lower())
 
 
 def serving_torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -31,6 +48,8 @@ def serving_torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     """
     if name is None or name == "auto":
         return None
+    import torch
+
     if name not in SERVING_DTYPES:
         from exl3tool.errors import ConfigError
 
@@ -44,6 +63,8 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     A bare `cuda` gets the same index as `auto` would, so the result always names one GPU (which
     ``torch.cuda.set_device`` and the per-device kernel caches need).
     """
+    import torch
+
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -166,6 +187,9 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
     root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, release)
+    from exl3tool.cache.store import CacheStore
+    from exl3tool.plan.plan import build_plan
+
     store = CacheStore(root_dir, mode, file_mode=request.file_mode)
     plan = build_plan(checkpoint, layer_plan, tp_sizes=request.tp_sizes, bits=request.bits,
                       model_identity=model_id, encoder_identity=encoder_id, store=store, tp_ranks=request.tp_ranks,

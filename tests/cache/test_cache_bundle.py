@@ -135,6 +135,7 @@ def test_import_twice_changes_nothing_and_replaces_invalid(cache, tmp_path):
     assert code == 0 and (doc["replaced"], doc["present"]) == (1, 5) and victim.read_bytes() == good
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_pipe_between_processes(cache, tmp_path):
     env = dict(os.environ)
     export = subprocess.Popen([sys.executable, "-m", "exl3tool", "cache", "export", "-", "--cache-dir", str(cache)],
@@ -371,3 +372,31 @@ def test_export_to_an_unwritable_place_names_the_bundle_and_leaves_nothing(cache
     assert f"cannot write the bundle {out}" in err
     assert ".tmp" not in err  # the user's path, not our temp file
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_every_entry_refused_says_so_and_leaves_no_lock_or_folder(cache, tmp_path, monkeypatch):
+    """Issue 44: an import that refuses every entry says that nothing was imported (not "the rest were imported")
+    and leaves no lock file and no empty folder for the entries it refused."""
+    import exl3tool.cache.bundle as bundle_mod
+
+    bundle = tmp_path / "b.tar"
+    assert cli("cache", "export", str(bundle), "--cache-dir", str(cache))[0] == 1  # the two broken ones left out
+
+    def refuse(path, key):
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(bundle_mod, "judge_entry", refuse)
+    root = tmp_path / "target"
+    code, _, err = cli("cache", "import", str(bundle), "--cache-dir", str(root))
+    assert code == 1 and "6 bundle members refused" in err and "no entry was imported" in err
+    assert "the rest" not in err
+    assert [p for p in root.rglob("*")] == []  # no lock, no v1/<model>/tp<N>-rank<R> folder, no temp file
+
+
+def test_quiet_export_to_stdout_writes_only_the_bundle(cache):
+    """`cache export - -q`: the bundle on stdout and nothing on stderr but the one line of its findings exit."""
+    code, out, err = cli("cache", "export", "-", "--cache-dir", str(cache), "-q")
+    assert code == 1 and out[:512].rstrip(b"\0").startswith(b"manifest.json")
+    assert "exported" not in err and "left out (invalid)" not in err
+    code, out, err = cli("cache", "export", "-", "--cache-dir", str(cache))
+    assert "exported 6 entries" in err  # without -q the report goes to stderr

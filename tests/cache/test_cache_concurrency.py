@@ -150,6 +150,7 @@ def _check_after_kill(root: Path, ks: list[CacheKey], size: int) -> list:
     return infos
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_sigkill_never_leaves_a_visible_partial_entry(tmp_path):
     root = tmp_path / "cache"
     size = 512

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from exl3tool.cache import CacheKey, validate_entry, write_entry
 
 from helpers import ENCODER_ID, MODEL_ID, make_encoded
@@ -23,6 +25,7 @@ write_entry({path!r}, KEY, e.tensors(), e.proxy_error)
 """
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_same_inputs_same_bytes_across_calls_and_processes(tmp_path):
     e = make_encoded()
     blobs = {write_entry(tmp_path / f"{i}" / "e.safetensors", KEY, e.tensors(), e.proxy_error).read_bytes() for i in range(8)}

@@ -56,6 +56,7 @@ def trees(tmp_path_factory):
     return dict(base=base, local=local, server=server, enc_local=enc_local, enc_server=enc_server)
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_server_path_gives_one_identity_in_identity_encode_warm_and_verify(trees):
     """o_proj of layer 0 at TP 1 (one 256 x 256 entry): encode publishes it, warm finds it, verify passes it."""
     cache = trees["base"] / "cache-agree"

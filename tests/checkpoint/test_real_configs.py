@@ -32,6 +32,7 @@ def deepseek_v3(tmp_path_factory) -> str:
     return str(write_mla_from_config(tmp_path_factory.mktemp("dsv3") / "m", config))
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_deepseek_v3_sizing(deepseek_v3):
     plan = plan_layers(open_checkpoint(deepseek_v3), overlay=LINEAR)
     # 61 x (fused_qkv_a_proj, q_b_proj, kv_b_proj, o_proj) + 3 dense MLPs x 2; fused_qkv_a_proj is

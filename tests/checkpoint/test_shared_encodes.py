@@ -84,6 +84,7 @@ def test_share_jobs_keeps_each_group_on_one_worker(glm5, tmp_path):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_one_encode_published_under_every_key_byte_for_byte(glm5, tmp_path, overlap):
     """wq_b at TP 1, 2, 4 (7 entries) from one encode, each file with its own key and checksum and byte for byte
     what a warm of that one (TP size, rank) alone writes."""

@@ -71,15 +71,29 @@ def plan_bits(model, cache, *extra, **env) -> int:
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
-@pytest.mark.parametrize("value", ["int8", "nonsense", "half", "float64", "BFloat16"])
+@pytest.mark.parametrize("value", ["int8", "nonsense", "fp16", "float64", "bf16"])
 def test_dtype_outside_the_serving_dtypes_is_a_usage_error(env, model, tmp_path, command, value):
     """Before: `--dtype int8` published zeros under the real key, `nonsense` failed late with AttributeError."""
     res = invoke([*command, str(model), "--dtype", value, "--cache-dir", str(tmp_path / "c"), "--dry-run", *ENC_ARGS]
                  if command != ["verify"] else
                  [*command, str(model), "--dtype", value, "--cache-dir", str(tmp_path / "c"), *ENC_ARGS])
     assert res.exit_code == 2, res.output
-    assert "--dtype" in res.output and "auto, bfloat16, float16, float32" in res.output
+    assert "--dtype" in res.output and "auto, bfloat16, float16, half, float32, float" in res.output
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("spelling,name", [("half", "float16"), ("float", "float32"), ("BFloat16", "bfloat16")])
+def test_dtype_spellings_the_server_takes_are_taken_by_every_command_and_the_launch(spelling, name, tmp_path):
+    """Issue 44: `--dtype half` was refused by the commands and taken by a launch; one table now (vLLM's ModelDType
+    spellings, any case, as the launch reads them)."""
+    from exl3tool.cli.commands.options import _dtype
+    from exl3tool.launch.load import load_launch
+    from exl3tool.launch.resolve import Explicit, resolve_launch
+
+    assert _dtype(spelling) == name
+    server, layers = load_launch(argv=("vllm", "serve", str(tmp_path), "--dtype", spelling, "--quantization-config",
+                                       '{"linear": "mxfp8"}'), environ={"VLLM_EXL3_ENCODER_SOURCE": "/e"})
+    assert resolve_launch(server, layers, Explicit(), need_cache=False).dtype == name
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)

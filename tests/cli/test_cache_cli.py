@@ -142,6 +142,7 @@ def test_cache_app_is_importable_for_other_commands():
     assert {c.name for c in cache_app.registered_commands} >= {"ls", "show", "verify", "prune"}
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_real_entry_point_exit_codes(cache):
     """Through `python -m exl3tool` (cli.main): findings exit 1 with one error line and parseable --json."""
     import subprocess

@@ -175,6 +175,7 @@ def test_piped_dry_run_lists_full_layer_names(model, tmp_path, capsys):
     assert max(len(ln) for ln in out.splitlines()) > 80  # not folded to a terminal width
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_encode_reports_tiles_inside_a_layer():
     from exl3tool.encode import encode_linear
 
@@ -279,12 +280,11 @@ def test_verify_usage_and_io_errors_exit_2_before_any_check(model, tmp_path, cap
 
 
 def test_ctrl_c_says_the_cache_is_consistent_and_how_to_resume(model, tmp_path, capsys, monkeypatch):
-    import exl3tool.cli.commands.verify as verify_cmd
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(verify_cmd, "prepare", interrupted)
+    monkeypatch.setattr("exl3tool.plan.request.prepare", interrupted)  # verify imports it when it runs
     (tmp_path / "cache").mkdir()
     code, out, err = run(["verify", str(model), "--cache-dir", str(tmp_path / "cache"), "--json", *ENC], capsys)
     assert code == 130 and "interrupted" in err and "run the same command again to resume" in err

@@ -155,7 +155,6 @@ def test_a_small_write_shows_in_kilobytes(warmed, capsys):
 
 
 def test_an_interrupted_warm_says_what_it_published(warmed, monkeypatch, capsys):
-    import exl3tool.cli.commands.encode as encode_cmd
 
     model, cache, summary = warmed
     n = random.Random(SEED).randrange(1, 5)
@@ -166,7 +165,7 @@ def test_an_interrupted_warm_says_what_it_published(warmed, monkeypatch, capsys)
         on_done(types.SimpleNamespace(digest="h", tiles=1), replace(summary.entries[0], status="hit"))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(encode_cmd, "warm", interrupted)
+    monkeypatch.setattr("exl3tool.operations.warm.warm", interrupted)
     from helpers import exit_code
 
     code = exit_code(["cache", "warm", model, "--cache-dir", cache, "--json", "--quiet", *ENC_ARGS])
@@ -208,7 +207,7 @@ def test_bar_shows_the_end_of_the_layer_name_and_jobs(width):
     name = f"{jobs[3].prefix} tp8-rank{jobs[3].tp_rank}"
     assert len(text) <= width and "3/6 jobs" in text
     shown = text.split(" ")[1:]
-    shown = " ".join(shown[:shown.index(next(w for w in shown if w.startswith(("━", "╸", "╺"))))])
+    shown = " ".join(shown[:shown.index(next(w for w in shown if w.startswith(("━", "╸", "╺"))))]).rstrip()
     assert shown.startswith("…") and name.endswith(shown[1:]) and len(shown) >= 16, (shown, text)
 
 

@@ -57,6 +57,14 @@ CLAIMS = [
     ("help: cache warm", "Exit codes: 0 all present, 1 some layers failed", "warm"),
     ("help: verify", "Exit codes: 0 every layer passes", "verify_model"),
     ("help: exl3tool", "Exit codes: 0 ok; 1 findings", "general"),
+    ("help: cache ls", "Exit codes: 0 listed (an empty cache too), 2 no such cache directory", "missing_cache_dir"),
+    ("help: cache show", "Exit codes: 0 the server loads it, 1 it would not", "cache_commands"),
+    ("help: cache verify", "Exit codes: 0 every entry valid or unchecked, 1 invalid entries", "invalid_entry"),
+    ("help: cache prune", "Exit codes: 0 removed, nothing to remove or declined, 2 nothing selected", "prune_unremovable"),
+    ("help: encode", "Exit codes: 0 every layer present, 1 some layers failed", "small_commands"),
+    ("help: identity", "Exit codes: 0 printed, 2 usage or configuration error", "small_commands"),
+    ("help: synth", "Exit codes: 0 written, 2 usage or I/O error", "small_commands"),
+    ("help: encoder-source", "Exit codes: 0 written or already current, 2 a directory", "small_commands"),
     ("README.md", "with the fix; exit 1 on any miss", "cache_check"),
     ("docs/cache.md", "Exit 0 when every look-up hits, 1 when", "cache_check"),
     ("docs/deploy.md", "exits 0 when every look-up hits, 1 when any misses", "cache_check"),
@@ -176,12 +184,10 @@ def scenario_general(m, tmp, monkeypatch):
     assert run(["cache", "verify", "--cache-dir", tmp / "bad"]) == 1
     assert run(["cache", "ls", "--no-such-option"]) == 2
 
-    import exl3tool.cli.commands.encode as enc
-
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(enc, "warm", interrupted)
+    monkeypatch.setattr("exl3tool.operations.warm.warm", interrupted)  # `cache warm` imports it when it runs
     assert run(["cache", "warm", m["good"], "--cache-dir", tmp / "c", *ENC]) == 130
 
 
@@ -199,6 +205,23 @@ def scenario_already_done(m, tmp, monkeypatch):
     assert run(["cache", "warm", m["good"], "--layers", LAYER, "--cache-dir", m["cache"], "--quiet", *ENC]) == 0
     _cache(tmp / "c")
     assert run(["cache", "prune", "--invalid", "--yes", "--cache-dir", tmp / "c"]) == 0
+
+
+def scenario_small_commands(m, tmp, monkeypatch):
+    """The exit codes of synth, identity, encoder-source and encode's findings (issue 44: every --help states them)."""
+    assert run(["synth", tmp / "s", "--family", "llama", "-q"]) == 0
+    assert run(["synth", tmp / "s", "--family", "llama", "-q"]) == 2  # not empty now
+    monkeypatch.delenv("VLLM_EXL3_ENCODER_SOURCE", raising=False)
+    assert run(["identity", m["good"]]) == 2  # no encoder root
+    assert run(["identity", m["good"], *ENC]) == 0
+    assert run(["encoder-source", tmp / "e"]) == 0
+    (tmp / "other").mkdir()
+    (tmp / "other" / "x.py").write_text("")
+    assert run(["encoder-source", tmp / "other"]) == 2  # another directory: only with --force
+    from helpers import refuse_encodes
+
+    refuse_encodes(monkeypatch)  # every encode fails: encode's findings exit
+    assert run(["encode", m["good"], "--layers", LAYER, "--cache-dir", tmp / "c", "-q", *ENC]) == 1
 
 
 def scenario_bare_group(m, tmp, monkeypatch):
@@ -452,6 +475,9 @@ def test_every_claim_names_a_scenario():
     assert {s for _, _, s in CLAIMS} == set(SCENARIOS)
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+SLOW = {"already_done", "exact"}  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(SCENARIOS)])
 def test_scenario_exits_as_documented(name, models, tmp_path, monkeypatch):
     SCENARIOS[name](models, tmp_path, monkeypatch)

@@ -4,6 +4,8 @@ compares its stdout with ``as_json()`` of the very report the command got (or of
 
 from __future__ import annotations
 
+import importlib
+
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -63,10 +65,9 @@ def capture(monkeypatch, module, name: str) -> list:
 
 
 def test_cache_check_prints_the_check_reports_document(warmed, monkeypatch):
-    import exl3tool.cli.commands.check as check_cmd
 
     model, cache, _ = warmed
-    seen = capture(monkeypatch, check_cmd, "check")
+    seen = capture(monkeypatch, importlib.import_module("exl3tool.operations.check"), "check")  # the command imports it when run
     res = cli("cache", "check", model, "--tp-sizes", "1,2", "--cache-dir", cache, *ENC_ARGS, "--json")
     assert res.exit_code == 0, res.output
     [report] = seen
@@ -95,10 +96,9 @@ def test_dry_run_prints_the_plans_document(warmed):
 
 
 def test_cache_warm_prints_the_summarys_document(warmed, monkeypatch):
-    import exl3tool.cli.commands.encode as encode_cmd
 
     model, cache, _ = warmed
-    seen = capture(monkeypatch, encode_cmd, "warm")
+    seen = capture(monkeypatch, importlib.import_module("exl3tool.operations.warm"), "warm")  # the command imports it when run
     res = cli("cache", "warm", model, "--tp-sizes", "2", "--cache-dir", cache, *ENC_ARGS, "--json")
     assert res.exit_code == 0, res.output
     [summary] = seen
@@ -107,10 +107,9 @@ def test_cache_warm_prints_the_summarys_document(warmed, monkeypatch):
 
 
 def test_verify_prints_the_verify_reports_document(warmed, monkeypatch, tmp_path):
-    import exl3tool.cli.commands.verify as verify_cmd
 
     model, cache, _ = warmed
-    seen = capture(monkeypatch, verify_cmd, "verify_plan")
+    seen = capture(monkeypatch, importlib.import_module("exl3tool.operations.verify"), "verify_plan")  # the command imports it when run
     report_file = tmp_path / "verify.json"
     res = cli("verify", model, "--cache-dir", cache, *ENC_ARGS, "--layers", "*o_proj", "--rows", "1", "--json",
               "--report", report_file)
@@ -172,11 +171,10 @@ def test_cache_ls_prints_the_listings_document(warmed):
 
 
 def test_identity_prints_the_identities_document(warmed, monkeypatch):
-    import exl3tool.cli.commands.identity as identity_cmd
     from exl3tool.checkpoint import resolve_overlay
 
     model, _, _ = warmed
-    seen = capture(monkeypatch, identity_cmd, "server_identities")
+    seen = capture(monkeypatch, importlib.import_module("exl3tool.cache.identity"), "server_identities")  # the command imports it when run
     res = cli("identity", model, *ENC_ARGS, "--json")
     assert res.exit_code == 0, res.output
     [ids] = seen

@@ -75,3 +75,52 @@ def test_every_request_option_of_a_command_is_in_the_table(path):
         target = REQUEST_OPTIONS.get(param.name, (None,))[0]
         assert target is None or target in fields
         assert param.name not in fields or param.name in REQUEST_OPTIONS, param.name
+
+
+@pytest.mark.parametrize("spelling", ["--tp-size", "-tp", "--tp-sizes"])
+@pytest.mark.parametrize("path", [("cache", "warm"), ("cache", "check"), ("encode",), ("verify",)], ids=" ".join)
+def test_tp_size_has_one_spelling_and_the_old_one_still_works(monkeypatch, path, spelling):
+    """`--tp-size` (and vLLM's `-tp`) in every command; `--tp-sizes`, the old spelling of warm/check, is a hidden
+    alias for one release (CHANGELOG.md): the same request from each."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(ctx, out, request, *args, **kwargs):
+        seen.append(request)
+        raise Stop
+
+    for module in ("encode", "check", "verify"):
+        monkeypatch.setattr(f"exl3tool.cli.commands.{module}.apply_options", stop)
+    res = CliRunner().invoke(app, [*path, "m", spelling, "2", "--cache-dir", "/nonexistent"])
+    if spelling == "--tp-sizes" and path in (("encode",), ("verify",)):  # never a spelling of theirs
+        assert res.exit_code == 2 and "No such option: --tp-sizes" in res.output
+        return
+    assert isinstance(res.exception, Stop), res.output
+    assert seen[0].tp_sizes == (2,)
+
+
+def test_shell_completion_completes_commands_and_options(tmp_path):
+    """`--install-completion`/`--show-completion` are there, and the completion itself answers (bash's protocol)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "_EXL3TOOL_COMPLETE": "complete_bash"}
+
+    def complete(words: str) -> list[str]:
+        cword = str(len(words.split()) - 1)
+        out = subprocess.run([sys.executable, "-m", "exl3tool"], env={**env, "COMP_WORDS": words, "COMP_CWORD": cword},
+                             capture_output=True, text=True, timeout=60, cwd=repo)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert complete("exl3tool enc") == ["encode", "encoder-source"]
+    assert complete("exl3tool cache w") == ["warm"]
+    assert "--tp-size" in complete("exl3tool cache warm --tp")
+    script = subprocess.run([sys.executable, "-m", "exl3tool", "--show-completion"], capture_output=True, text=True,
+                            timeout=60, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo), "SHELL": "/bin/bash"})
+    assert script.returncode == 0 and "_EXL3TOOL_COMPLETE=complete_bash" in script.stdout

@@ -45,6 +45,7 @@ def test_tile_element_index_gathers_the_tiles_of_matrix_to_tiles():
         assert torch.equal(full[:, :, tile_position(r, c)], w[r::16, c::16])
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_encode_under_the_smallest_budget_gives_the_same_bytes():
     k, n, seed = 128, 512, 41  # 256 tiles: chunks of MIN_CHUNK_TILES (the search's chunking: test below)
     w = _weight(k, n, seed)
@@ -60,6 +61,7 @@ def test_encode_under_the_smallest_budget_gives_the_same_bytes():
     assert torch.equal(w, _weight(k, n, seed))  # the caller's weight is never written
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_chunked_quantize_regularized_equals_one_pass_over_all_tiles():
     w_r = _weight(64, 384, 7) * 60.0
     states, q_r, proxy = quantize_regularized(w_r, 6, chunk_tiles=37)  # chunks cut tile rows anywhere
@@ -74,6 +76,7 @@ def test_chunked_quantize_regularized_equals_one_pass_over_all_tiles():
     assert torch.equal(pack_trellis(states, 6), pack_trellis(ref_states.reshape(states.shape), 6))
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_scale_mse_does_not_depend_on_the_chunk():
     tiles = torch.randn(50, 256) * torch.empty(50, 1).uniform_(0.5, 2.0)
     assert scale_mse(tiles, [0.7, 1.1], 4, chunk_tiles=13) == scale_mse(tiles, [0.7, 1.1], 4)
@@ -144,12 +147,11 @@ def test_plan_peak_never_exceeds_any_budget_it_accepts():
 def test_gpu_memory_option_reaches_the_request(command, monkeypatch):
     from helpers import CliRunner
 
-    import exl3tool.cli.commands.encode as encode_cmd
     from exl3tool.cli import _register, app
 
     _register()
     seen = []
-    monkeypatch.setattr(encode_cmd, "warm", lambda request, **kw: seen.append(request.gpu_memory_gib))
+    monkeypatch.setattr("exl3tool.operations.warm.warm", lambda request, **kw: seen.append(request.gpu_memory_gib))
     for flag in ([], ["--gpu-memory", "24"], ["--gpu-memory", "7.5"]):
         r = CliRunner().invoke(app, [*command, "test-org/x", "--cache-dir", "/nonexistent", *flag])
         assert r.exit_code == 0, r.output
@@ -184,6 +186,7 @@ def test_warm_job_over_its_budget_fails_by_name_with_the_figure(tmp_path, monkey
     assert not list((tmp_path / "c").rglob("*.safetensors"))
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_cpu_host_peak_of_every_phase_is_within_the_plan():
     """A CPU encode of a 128 MiB weight, measured in a fresh process (``bench_encode_memory.py --phases``): the
     resident peak of every phase stays within the plan's figure for it, and the whole within the plan's peak.

@@ -39,7 +39,12 @@ def test_encode_on_cuda_matches_golden(golden, tag):
     tiles_eq = (enc.trellis.cpu() == g[f"{tag}.trellis"]).all(-1).float().mean().item()
     g_rel = abs(enc.g_scale - g[f"{tag}.g_scale"].item()) / g[f"{tag}.g_scale"].item()
     print(f"{tag}: suh {suh_eq:.4f} svh {svh_eq:.4f} equal, trellis tiles {tiles_eq:.4f} equal, g rel diff {g_rel:.2e}")
-    assert suh_eq > 0.99 and svh_eq > 0.99 and g_rel < 1e-3
+    # docs/format.md 9.2: on a GPU exl3tool reproduces every golden encode byte for byte (the reference ran there,
+    # cuBLAS order and all); a CPU gets ~92 % of the tiles (tests/encode/test_online.py says why)
+    assert tiles_eq == 1.0, f"{tag}: {1 - tiles_eq:.2%} of the trellis tiles differ from the golden encode"
+    assert torch.equal(enc.trellis.cpu(), g[f"{tag}.trellis"])
+    same_g = torch.tensor(enc.g_scale, dtype=torch.float32) == g[f"{tag}.g_scale"].float()  # g as fp32 holds it
+    assert suh_eq == 1.0 and svh_eq == 1.0 and bool(same_g), (suh_eq, svh_eq, g_rel)
     w_deq = dequantize(enc).cpu()
     assert ((w_deq - w).norm() / w.norm()).item() < 0.0179 * 1.1
 

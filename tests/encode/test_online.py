@@ -121,6 +121,7 @@ def test_sample_scale_tiles_layout():
     assert torch.equal(sample_scale_tiles(w, 2), sample * _f32(1.018))
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_scale_mse_is_fp32_mean_of_rescaled_error():
     tiles = torch.randn(6, 256) * 1.2
     from exl3tool.encode.viterbi import quantize_tiles
@@ -147,6 +148,7 @@ def _spec_search(w_rot: torch.Tensor, bits: int) -> float:
     return max(scales[b] + off * _FINE_STEP, 0.01)
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_search_global_scale_without_duplicate_tiles_is_the_spec_result():
     """A sample of distinct tiles (the extreme tiles off the diagonal band): the search works on the sample's own
     rows in the sample's order, and gives the spec's g. (An encode of such a layer once took the sorted tile
@@ -166,6 +168,7 @@ def test_search_global_scale_without_duplicate_tiles_is_the_spec_result():
 
 
 @pytest.mark.parametrize("k, n, bits", [(128, 128, 6), (256, 128, 2)])
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_search_global_scale_quantizes_each_pair_once_with_the_spec_result(monkeypatch, k, n, bits):
     from exl3tool.encode import online
     from exl3tool.encode.online import sample_scale_index, search_global_scale
@@ -192,6 +195,7 @@ def test_search_global_scale_quantizes_each_pair_once_with_the_spec_result(monke
 
 
 @pytest.mark.parametrize("tag, rows", [("case0", None), ("case1", 128)])
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_quantize_regularized_byte_identical(golden, tag, rows):
     """The reference's weight_r in, its states and trellis out (case1: the first 8 tile rows, for time)."""
     gold = _load(golden, "encode_e2e", tag)
@@ -225,6 +229,7 @@ def case0_encode(golden):
     return gold, enc, time.perf_counter() - start
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_encode_linear_case0_against_golden(case0_encode):
     gold, enc, seconds = case0_encode
     assert enc.trellis.shape == gold["trellis"].shape and enc.trellis.dtype == torch.int16
@@ -267,6 +272,7 @@ def fresh_encodes():
     return seed, w, enc
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_encode_is_deterministic(fresh_encodes):
     _, _, enc = fresh_encodes
     a, b = enc[(6, 0)], enc[(6, 1)]
@@ -274,6 +280,7 @@ def test_encode_is_deterministic(fresh_encodes):
     assert a.g_scale == b.g_scale and a.proxy_error == b.proxy_error
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_dequantized_error_like_the_reference(fresh_encodes):
     _, w, enc = fresh_encodes
     errors = {}
@@ -287,6 +294,7 @@ def test_dequantized_error_like_the_reference(fresh_encodes):
     assert errors[4] > 2 * errors[6] and errors[6] > 2 * errors[8]  # ~ one halving per extra bit
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_signs_default_to_reference_signs(fresh_encodes):
     seed, _, enc = fresh_encodes
     su_sign, sv_sign = reference_signs(seed, 256, 256)

@@ -64,6 +64,7 @@ def _fresh_tiles(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     "K,cb,rows", [(8, "mcg", [0, 2, 3]), (5, "mul1", [3]), (3, "3inst", [1]), (1, "mcg", [2]), (6, "mcg", [0])]
 )
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_numba_matches_torch_reference(K, cb, rows):
     x = _fresh_tiles(1000 + K)[rows]  # the torch path is slow on CPU: a few tiles only
     v_n, s_n = quantize_tiles(x, K, cb, backend="numba")

@@ -399,6 +399,7 @@ _SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (
 
 
 @pytest.mark.parametrize("regime", ["small_m", "small_m_trans", "small_m_fma_rows", "large_m"])
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_sm90_offline_compile(regime):
     """Compile the default configs for sm_90 without a GPU (Triton's bundled ptxas): catches PTX/inline-asm
     errors and shared-memory overuse before a device run. Skipped where triton cannot target CUDA offline."""

@@ -354,6 +354,7 @@ _MATRIX_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_interpreter_matrix_launch_equals_gathered_tiles():
     """viterbi_matrix reads tiles where they lie and writes their squared error over them: the same states as
     viterbi_tiles on the gathered tiles, and (x - q)^2 with q those tiles' values (fresh weight, K=6)."""
@@ -440,6 +441,7 @@ _BLOCK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_interpreter_even_row_block_whole_row_equals_scattered(tmp_path):
     """At K >= 6 the traceback reads an odd row's (NL, NL) block of the even row before it as the whole row,
     transposed and each column repeated (one contiguous load): the same block as NL x NL scattered loads, and

@@ -148,4 +148,4 @@ def test_a_miss_from_the_tp_size_is_blamed_on_the_tp_size_not_the_overlay(tmp_pa
         if {(j["prefix"], j["tp_rank"]) for j in c["lookups"]} & down:
             assert "overlay" not in c["fields"], c
     [f] = [f for c in tp_causes for f in c["findings"] if "128-aligned" in f["text"]]
-    assert "--tp-sizes 2" in f["fix"] and "TP 4" in f["text"]
+    assert "--tp-size 2" in f["fix"] and "TP 4" in f["text"]

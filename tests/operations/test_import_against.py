@@ -27,6 +27,10 @@ from exl3tool.operations.warm import warm
 from helpers import ENC, ENC_ARGS, TINY, make_encoded
 from seeds import fresh_seed
 
+# every test here shares a module fixture that encodes on the CPU (30-100 s on 2 shared cores, --durations):
+# the full suite only (issue 44)
+pytestmark = pytest.mark.slow
+
 _register()
 LAYER = "model.layers.1.self_attn.o_proj"
 

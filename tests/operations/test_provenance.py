@@ -262,7 +262,7 @@ def test_another_tp_size(warmed):
     code, doc, _ = check_cli(replace(request, tp_sizes=(2,)))
     assert code == 1 and doc["miss"] == doc["lookups"] > 0
     [f] = findings(doc, "tp_layout")
-    assert "warmed at TP 1 only; these look-ups are at TP 2" in f["text"] and "--tp-sizes 2" in f["fix"]
+    assert "warmed at TP 1 only; these look-ups are at TP 2" in f["text"] and "--tp-size 2" in f["fix"]
     assert [c["fields"] for c in doc["causes"]] == [["tp_layout"]]  # same identities, bits: TP is the only cause
 
 

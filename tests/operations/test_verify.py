@@ -20,6 +20,10 @@ from exl3tool.plan import WarmRequest, prepare
 from helpers import ENC, completed, warm_one_layer
 from seeds import fresh_seed
 
+# every test here shares a module fixture that encodes on the CPU (30-100 s on 2 shared cores, --durations):
+# the full suite only (issue 44)
+pytestmark = pytest.mark.slow
+
 LAYER = "model.layers.1.self_attn.o_proj"
 
 

@@ -177,6 +177,7 @@ def test_an_unknown_holder_is_waited_for_while_the_model_makes_progress(model, t
 # --- beside a process that holds a lock as the server does -------------------------------------------------
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_held_entry_waits_while_other_jobs_run_then_is_a_hit(model, tmp_path):
     """The holder publishes only after the warm encoded every other job: the warm cannot have blocked on it."""
     checkpoint, plan, store = prepare(_request(model, tmp_path / "cache"))
@@ -284,6 +285,7 @@ def test_a_stopped_holder_is_given_up_on(model, tmp_path):
     assert {r.status for d, r in by.items() if d != held.digest} == {"encoded"}
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_a_stopped_holder_is_noticed_within_seconds_while_another_job_encodes(model, tmp_path, caplog):
     """The warm is busy with one long encode (8 s) when the holder of another entry's lock is stopped: the give-up
     (stopped for 1 s here; 60 s by default) is logged within 5 s of the stop, long before that encode ends, saying
@@ -356,6 +358,7 @@ def _poll_for_torn_files(cache: str, keys, stop, errors, polls) -> None:
 
 
 @pytest.mark.parametrize("warms", [2, 8])
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_warms_on_one_cache_encode_each_entry_once(model, tmp_path, warms):
     cache, marks = tmp_path / "cache", tmp_path / "marks"
     marks.mkdir()

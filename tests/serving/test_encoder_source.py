@@ -238,6 +238,7 @@ def test_calls_from_threads_give_the_sequential_bytes():
         assert results[i][0] == again[0] and all(torch.equal(a, b) for a, b in zip(results[i][1:], again[1:]))
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_import_like_the_fork_is_light(export):
     """Loading the export as the fork does touches no CUDA, compiles nothing and leaves the CLI out."""
     code = (
@@ -255,6 +256,7 @@ def test_import_like_the_fork_is_light(export):
     assert out.stdout.split() == ["exl3tool.serving.quantize_api", "[]", "False"]
 
 
+@pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_generated_file_refuses_another_exl3tool_version(export):
     code = (
         "import exl3tool; exl3tool.__version__ = '9.9.9'\n"

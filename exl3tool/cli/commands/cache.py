@@ -7,27 +7,30 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.filesize import decimal
-from rich.table import Table
 
-from exl3tool.cache import CacheHealth, EntryInfo, execute_prune, inspect_entry, plan_prune, scan
-from exl3tool.cache.listing import list_cache
-from exl3tool.cache.prune_report import PruneReport
-from exl3tool.cli.commands.group import Exl3Group
+from exl3tool.cli.commands.group import Exl3Command, Exl3Group
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     FileModeOpt, JsonOpt, LayersOpt, ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
-    existing_cache_dir, request_from_options, resolve_cache_dir,
+    MODEL_WANTED, existing_cache_dir, non_empty, request_from_options, resolve_cache_dir,
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output, plural
 
+if TYPE_CHECKING:
+    from exl3tool.cache.scan import EntryInfo
+
+# The library (and torch through it) is imported inside each command, where the work happens: `--help` stays light.
+
 __all__ = ["cache_app", "register"]
 
 cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, prune, export and import the online EXL3 cache.",
+                        epilog="Exit codes: each command's --help states its own; all use 0 ok, 1 findings, 2 usage, "
+                        "configuration or I/O error, 130 interrupted.",
                         no_args_is_help=True, cls=Exl3Group, rich_markup_mode=None)  # Click's help: see cli.py
 
 
@@ -50,9 +53,16 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-@cache_app.command("ls")
+@cache_app.command("ls", cls=Exl3Command)
 def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
-    """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them)."""
+    """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them).
+
+    Exit codes: 0 listed (an empty cache too), 2 no such cache directory, usage or I/O error.
+    """
+    from rich.table import Table
+
+    from exl3tool.cache.listing import list_cache
+
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
     listing = list_cache(root, model=model)
@@ -114,14 +124,19 @@ def _find_entry(root: Path, entry: str) -> Path:
     return found[0]
 
 
-@cache_app.command("show")
+@cache_app.command("show", cls=Exl3Command)
 def show(
-    entry: Annotated[str, typer.Argument(metavar="ENTRY", help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
+    entry: Annotated[str, typer.Argument(metavar="ENTRY", parser=non_empty("an entry file or its digest"), help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
     cache_dir: CacheDirOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not)."""
+    """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not).
+
+    Exit codes: 0 the server loads it, 1 it would not (or exl3tool's checksums fail), 2 no such entry or usage error.
+    """
+    from exl3tool.cache.scan import inspect_entry
+
     out = Output(json=json, quiet=quiet)
     path = _find_entry(resolve_cache_dir(cache_dir), entry)
     try:
@@ -147,7 +162,7 @@ def show(
         raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
 
 
-@cache_app.command("verify")
+@cache_app.command("verify", cls=Exl3Command)
 def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
@@ -155,7 +170,13 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     and `exl3tool verify MODEL --exact` checks their weights. A lock path that is not a regular file is invalid too,
     and so is a symlinked folder below the root (exl3tool never enters it nor writes through it). Leftovers of killed
     writers (temp files, orphan locks) are counted, each marked held when a live process holds its entry lock.
+    Exit codes: 0 every entry valid or unchecked, 1 invalid entries, broken lock paths or symlinked folders, 2 no
+    such cache directory or usage error.
     """
+    from rich.table import Table
+
+    from exl3tool.cache.scan import CacheHealth, scan
+
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
     health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model)])
@@ -202,7 +223,7 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
         raise FindingsError(f"{' and '.join(what)} under {root}; remove with: exl3tool cache prune --invalid")
 
 
-@cache_app.command("prune")
+@cache_app.command("prune", cls=Exl3Command)
 def prune(
     invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or exl3tool's checksums fail), broken lock paths and symlinked folders (the link, never its target).")] = False,
     temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and orphan locks that no live process holds.")] = False,
@@ -222,14 +243,20 @@ def prune(
     Lock files of entries that stay are never touched. Provenance records whose entries are all gone (after this prune)
     are removed with them; --invalid also removes record files that cannot be read as records.
     Example: exl3tool cache prune --invalid --temp --yes
+    Exit codes: 0 removed, nothing to remove or declined, 2 nothing selected, usage error or a file that could not
+    be removed.
     """
+    from rich.table import Table
+
     if not (invalid or temp or records or older_than is not None):
         raise ConfigError("nothing selected: pass --invalid, --temp, --records and/or --older-than DAYS")
     if older_than is not None and older_than < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--older-than")
     out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
+    from exl3tool.cache.prune_report import PruneReport
     from exl3tool.cache.records import execute_record_prune, plan_record_prune, read_records
+    from exl3tool.cache.scan import execute_prune, plan_prune, scan
 
     plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model)
     rplan = plan_record_prune(root, read_records(root, model_prefix=model), invalid=invalid,
@@ -291,10 +318,12 @@ def register(app: typer.Typer) -> None:
 def _tp_filter(tp_sizes: Optional[str]) -> Optional[tuple[int, ...]]:
     from exl3tool.cli.commands.options import parse_positive_ints
 
-    return None if tp_sizes is None else parse_positive_ints(tp_sizes, "--tp-sizes")
+    return None if tp_sizes is None else parse_positive_ints(tp_sizes, "--tp-size")
 
 
 def _export_report(out: Output, plan, bundle: str, size: int) -> None:
+    from rich.table import Table
+
     if plan.left_out:
         table = Table(title="left out (invalid)")
         table.add_column("entry", overflow="fold")
@@ -307,12 +336,13 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
     out.data(plan.as_json(bundle, size))
 
 
-@cache_app.command("export")
+@cache_app.command("export", cls=Exl3Command)
 def export(
-    out_path: Annotated[str, typer.Argument(metavar="OUT", help="Bundle file to write, or - for stdout.")],
+    out_path: Annotated[str, typer.Argument(metavar="OUT", parser=non_empty("a file, or - for stdout"), help="Bundle file to write, or - for stdout.")],
     model: ModelIdOpt = None,
     tp_sizes: Annotated[
-        Optional[str], typer.Option("--tp-sizes", help="Only entries of these TP sizes, comma-separated (default: all).")
+        Optional[str], typer.Option("--tp-size", "-tp", "--tp-sizes", metavar="N[,N...]",
+                                    help="Only entries of these TP sizes, comma-separated (default: all).")
     ] = None,
     cache_dir: CacheDirOpt = None,
     json: JsonOpt = False,
@@ -339,11 +369,18 @@ def export(
         what = f" of model {model}" if model else ""
         raise ConfigError(f"no valid entries{what} under {root} to export"
                           + (f" ({len(plan.left_out)} invalid left out)" if plan.left_out else "")
-                          + "; check --model / --tp-sizes / --cache-dir")
+                          + "; check --model / --tp-size / --cache-dir")
     if out_path == "-":
-        size = write_bundle(plan, sys.stdout.buffer)
-        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the bundle: the report goes to stderr
-            _export_report(Output(json=json, quiet=quiet), plan, "-", size)
+        try:
+            size = write_bundle(plan, sys.stdout.buffer)
+        except BrokenPipeError:  # not `| head`'s "enough": the importer on the other end got a cut bundle
+            raise InputError("the reader of stdout closed the pipe before the bundle was whole; run the export "
+                             "again (an import publishes only entries that match the manifest)") from None
+        except OSError as exc:
+            raise InputError(f"cannot write the bundle to stdout: {exc.strerror or exc}") from None
+        if json or not quiet:  # stdout carries the bundle: the report goes to stderr, and --quiet drops it
+            with contextlib.redirect_stdout(sys.stderr):
+                _export_report(Output(json=json, quiet=quiet), plan, "-", size)
     else:
         size = write_bundle_file(plan, out_path)  # atomic: a failed export never leaves a partial bundle
         _export_report(Output(json=json, quiet=quiet), plan, out_path, size)
@@ -352,13 +389,13 @@ def export(
                             "the bundle; see them with: exl3tool cache verify")
 
 
-@cache_app.command("import")
+@cache_app.command("import", cls=Exl3Command)
 def import_(
     ctx: typer.Context,
-    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="Bundle file to read, or - for stdin.")],
+    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", parser=non_empty("a file, or - for stdin"), help="Bundle file to read, or - for stdin.")],
     cache_dir: CacheDirOpt = None,
     file_mode: FileModeOpt = "0600",
-    against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
+    against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", parser=non_empty(MODEL_WANTED), help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="With --against: compare each entry with a fresh encode (verify --exact's rule) instead of the verify bound.")] = False,
     revision: RevisionOpt = None,
     bits: BitsOpt = None,
@@ -388,10 +425,12 @@ def import_(
     Exit codes: 0 all imported or present, 1 some refused (the rest imported), 2 unreadable bundle or I/O error.
     Example: exl3tool cache import exl3-cache.tar --cache-dir /srv/exl3-cache --file-mode 0644
     """
+    from rich.table import Table
+
     import sys
 
-    from exl3tool.cache import CacheStore
     from exl3tool.cache.bundle import import_bundle
+    from exl3tool.cache.store import CacheStore
     from exl3tool.cli.commands.options import parse_file_mode
 
     out = Output(json=json, quiet=quiet)
@@ -439,5 +478,8 @@ def import_(
              f"imported, {report.count('present', 'record')} already there; cache {root}")
     out.data(report.as_json(bundle, None if against is None else {"model": against, "exact": exact}))
     if refused:
-        raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); the rest were "
-                            "imported")
+        kept = report.count("imported") + report.count("replaced") + report.count("present")
+        rest = (f"the other {plural(kept, 'entry', 'entries')} are in the cache ({report.count('imported')} imported, "
+                f"{report.count('replaced')} replaced, {report.count('present')} already there)" if kept else
+                "no entry was imported")
+        raise FindingsError(f"{plural(len(refused), 'bundle member')} refused (nothing of them was written); {rest}")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
+from exl3tool.cli.commands.launching import lookup_off
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
@@ -18,7 +17,11 @@ from exl3tool.cli.commands.options import (
 from exl3tool.cli.commands.planview import plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
-from exl3tool.operations.check import CheckReport, check, no_lookup_json
+
+if TYPE_CHECKING:
+    from exl3tool.operations.check import CheckReport
+
+# The library (and torch through it) is imported inside the functions, where the work happens: `--help` stays light.
 
 __all__ = ["register", "cache_check", "render_check", "render_no_lookup", "check_nodes"]
 
@@ -34,6 +37,9 @@ def _where(cause) -> str:
 
 def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
     """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix."""
+    from rich.table import Table
+    from rich.text import Text
+
     plan = report.plan
     if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing
         out.line(f"0 look-ups: {report.stored}; the server encodes nothing online and needs no cache")
@@ -62,10 +68,12 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     out.data({**report.as_json(), **(extra or {})})
 
 
-def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict) -> None:
+def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict, what: str = "launch") -> None:
     """A launch whose server looks nothing up: zero look-ups, each reason, and ``"server_lookup": false``. A finding
     (exit 1), never "all hit": the cache cannot make this server start warm."""
-    out.line(f"0 look-ups: this launch encodes nothing online, because {reasons[0]}")
+    from exl3tool.operations.check import no_lookup_json
+
+    out.line(f"0 look-ups: this {what} encodes nothing online, because {reasons[0]}")
     for line in reasons[1:]:
         out.line(f"  and {line}")
     out.data({**no_lookup_json(reasons), **extra})
@@ -110,9 +118,9 @@ def cache_check(
     bits, shape, TP layout, overlay; entries the server wrote itself), one line each with the fix. Run it where the
     server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error.
 
-    Example: exl3tool cache check /models/GLM-5.3 --tp-sizes 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
+    Example: exl3tool cache check /models/GLM-5.3 --tp-size 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
 
-    From the server's launch (its TP size; --tp-sizes adds more), or a running server: exl3tool cache check
+    From the server's launch (its TP size; --tp-size adds more), or a running server: exl3tool cache check
     --launch "vllm serve /models/GLM-5.3 -tp 2 --quantization-config '{...}'", exl3tool cache check --pid PID
     """
     out = Output(json=json_out, quiet=quiet)
@@ -130,9 +138,13 @@ def cache_check(
                   "infernal-invocation-r5): the server encodes at start-up and looks nothing up")
         render_no_lookup(out, (reason,), {})
         raise FindingsError("this server makes no cache look-up: a warm cache changes nothing for it")
-    if settings is not None and settings.lookup_off:
-        render_no_lookup(out, settings.lookup_off, launch_json(settings))
-        raise FindingsError("this launch makes no cache look-up: a warm cache changes nothing for it")
+    off = lookup_off(settings, environ)
+    if off:
+        what = "launch" if settings is not None else "environment"
+        render_no_lookup(out, off, launch_json(settings), what)
+        raise FindingsError(f"this {what} makes no cache look-up: a warm cache changes nothing for it")
+    from exl3tool.operations.check import check
+
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
     if report.start_failures:

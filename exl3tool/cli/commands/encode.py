@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.filesize import decimal
-from rich.table import Table
-from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
@@ -22,17 +20,22 @@ from exl3tool.cli.commands.options import (
 from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, note_interrupted, plural
-from exl3tool.cli.progress import make_progress, progress_mode
-from exl3tool.plan import WarmPlan, WarmRequest, prepare
-from exl3tool.operations.warm import WarmSummary, warm
-from exl3tool.plan.sharing import sharing_figures
 from exl3tool.plan.shards import parse_shard, resolve_shard
+
+if TYPE_CHECKING:
+    from exl3tool.operations.warm import WarmSummary
+    from exl3tool.plan import WarmPlan, WarmRequest
+
+# The library (and torch through it) is imported inside the functions, where the work happens: `--help` stays light.
 
 __all__ = ["register", "encode", "cache_warm", "render_plan", "render_summary"]
 
 
 def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> None:
     """The dry-run table: one row per job, then the modules the server does not encode and why."""
+    from rich.table import Table
+    from rich.text import Text
+
     lp = plan.layer_plan
     overlay = f", quantization config {lp.overlay.text}" if lp is not None and lp.overlay is not None else ""
     kind = f", {lp.kind.kind} checkpoint" if lp is not None and lp.kind is not None else ""
@@ -45,6 +48,8 @@ def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> No
         table.add_row(j.prefix, str(j.tp_size), str(j.tp_rank), f"{j.input_size} x {j.output_size}", str(j.tiles),
                       Text(j.state, style=style), j.reason)
     out.table(table)
+    from exl3tool.plan.sharing import sharing_figures
+
     excluded = lp.excluded if lp is not None else ()
     if excluded and not out.json:
         ex = Table(title="not encoded by the server")
@@ -77,6 +82,8 @@ def _sharing_line(f: dict) -> str:
 
 def render_summary(out: Output, summary: WarmSummary, extra: Optional[dict] = None) -> None:
     """Counts, failures and the JSON summary."""
+    from rich.table import Table
+
     c = summary.counts
     failed = [e for e in summary.entries if e.status == "failed"]
     if failed and not out.json:
@@ -125,7 +132,13 @@ def render_unchecked(out: Output, summary: WarmSummary) -> None:
 
 def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm",
          environ: Optional[dict] = None, extra: Optional[dict] = None, progress_choice: str = "auto") -> None:
+    from exl3tool.cli.progress import make_progress, progress_mode
+    from exl3tool.operations.warm import warm
+    from exl3tool.plan.request import prepare
+    from exl3tool.plan.sharing import sharing_figures
+
     if dry_run:
+        _refuse_a_file_as_cache(request, environ)  # a real warm refuses it before its first encode
         _, plan, _ = prepare(request, environ=environ)
         render_plan(out, plan, extra)
         return
@@ -178,6 +191,20 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
         raise FindingsError(f"{plural(summary.counts['failed'], 'layer job')} failed; see {where}")
 
 
+def _refuse_a_file_as_cache(request: WarmRequest, environ: Optional[dict]) -> None:
+    """A dry run for a cache root that is a file would plan writes that can never happen: exit 2, as the warm
+    itself would (``cache check`` reports it as its finding instead)."""
+    from pathlib import Path
+
+    from exl3tool.cache.settings import cache_root
+    from exl3tool.errors import InputError
+
+    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    if root.exists() and not root.is_dir():
+        raise InputError(f"cache directory {root} is not a directory (check --cache-dir or "
+                         "VLLM_EXL3_ONLINE_CACHE_DIR)")
+
+
 def encode(
     ctx: typer.Context,
     model: ModelArg = None,
@@ -221,6 +248,8 @@ def encode(
     Example: exl3tool encode Qwen/Qwen3-8B --revision main --tp-size 2 --encoder-root /encoders/exllamav3 --encoder-revision v0.0.18 --dry-run
 
     From the server's launch: exl3tool encode --dry-run --launch "vllm serve /models/M -tp 2 --quantization-config '{...}'"
+
+    Exit codes: 0 every layer present, 1 some layers failed, 2 usage, configuration or I/O error, 130 interrupted.
     """
     request, given = request_from_options(ctx)
     out = Output(json=json_out, quiet=quiet)
@@ -301,9 +330,9 @@ def cache_warm(
 
     Exit codes: 0 all present, 1 some layers failed, 2 usage or configuration error.
 
-    Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-sizes 1,2,4,8 --json
+    Example: exl3tool cache warm meta-llama/Llama-3.1-8B-Instruct --revision main --tp-size 1,2,4,8 --json
 
-    From the server's launch (its TP size; --tp-sizes adds more): exl3tool cache warm --launch "docker run -v
+    From the server's launch (its TP size; --tp-size adds more): exl3tool cache warm --launch "docker run -v
     /srv/m:/models/m -v /srv/cache:/cache/exl3-online --env-file server.env IMAGE vllm serve /models/m -tp 2 ..."
     """
     request, given = request_from_options(ctx)

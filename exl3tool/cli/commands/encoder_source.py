@@ -6,14 +6,15 @@ from typing import Annotated
 
 import typer
 
-from exl3tool.cli.commands.options import JsonOpt, QuietOpt
+from exl3tool.cli.commands.group import Exl3Command
+from exl3tool.cli.commands.options import JsonOpt, QuietOpt, non_empty
 from exl3tool.cli.output import Output
 
 __all__ = ["register", "encoder_source"]
 
 
 def encoder_source(
-    directory: Annotated[str, typer.Argument(metavar="DIR", help="Directory to write; the server's "
+    directory: Annotated[str, typer.Argument(metavar="DIR", parser=non_empty("a directory (`.` for this one)"), help="Directory to write; the server's "
                                              "VLLM_EXL3_ENCODER_SOURCE (e.g. /opt/exl3tool-encoder).")],
     force: Annotated[bool, typer.Option("--force", help="Replace DIR's whole content even if it is not an "
                                         "earlier export.")] = False,
@@ -29,6 +30,8 @@ def encoder_source(
     non-empty directory only with --force.
 
     Example: exl3tool encoder-source /opt/exl3tool-encoder
+
+    Exit codes: 0 written or already current, 2 a directory it may not replace, usage or I/O error.
     """
     from exl3tool.cache import resolve_encoder_identity
     from exl3tool.serving.encoder_source import write_encoder_source
@@ -48,4 +51,4 @@ def encoder_source(
 
 def register(app: typer.Typer) -> None:
     """Add the ``encoder-source`` command."""
-    app.command("encoder-source")(encoder_source)
+    app.command("encoder-source", cls=Exl3Command)(encoder_source)

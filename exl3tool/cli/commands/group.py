@@ -1,11 +1,20 @@
-"""The command-group class every exl3tool group uses, and Click's exception classes as this Typer raises them."""
+"""The command and group classes every exl3tool command uses, and Click's exception classes as this Typer raises
+them."""
 
 from __future__ import annotations
 
-import typer
-from typer.core import TyperArgument, TyperGroup, TyperOption
+import importlib
+import types
+from contextlib import contextmanager
 
-__all__ = ["Exl3Group", "ClickException", "UsageError"]
+import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
+
+__all__ = ["Exl3Group", "Exl3Command", "ReaderGone", "ClickException", "UsageError", "HIDDEN_ALIASES", "HELP_OPTIONS"]
+
+HELP_OPTIONS = ["--help", "-h"]  # the root's context_settings, inherited by every command ("Try ... --help")
+# Old spellings still accepted and left out of the help, for one release (CHANGELOG.md): old -> new
+HIDDEN_ALIASES = {"--tp-sizes": "--tp-size"}
 
 
 def _click_class(name: str) -> type:
@@ -35,13 +44,101 @@ def _argument_type(self, ctx):
     return None
 
 
-if _value_type is not None:  # older typers print Click's own type names: nothing to mend
-    TyperOption.display_type_rich = _help_type
-    TyperArgument.display_type_rich = _argument_type
+@contextmanager
+def _help_params(command, ctx):
+    """While ``command``'s help is formatted: its options' rows as Click writes them (``_help_type``; set on each
+    option, never on Typer's classes) and without the hidden old spellings (``HIDDEN_ALIASES``)."""
+    saved = []
+    for param in command.get_params(ctx):
+        saved.append((param, param.opts))
+        param.opts = [o for o in param.opts if o not in HIDDEN_ALIASES] or param.opts
+        if _value_type is not None:  # older typers print Click's own type names: nothing to mend
+            mend = _help_type if isinstance(param, TyperOption) else _argument_type
+            param.display_type_rich = types.MethodType(mend, param)
+    try:
+        yield
+    finally:
+        for param, opts in saved:
+            param.opts = opts
+
+
+_HelpFormatter = typer.Context.formatter_class  # Click's, as this Typer vendors it
+_textwrap = importlib.import_module(_HelpFormatter.__module__.rsplit(".", 1)[0] + "._textwrap")
+
+
+class _WholeWords(_textwrap.TextWrapper):
+    """Click's wrapper, never cutting a word (a variable, a flag, a path) nor breaking it at a hyphen."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.break_long_words = False
+        self.break_on_hyphens = False
+
+
+@contextmanager
+def _whole_words():
+    """While one help block is written: Click's ``wrap_text`` (which imports its TextWrapper at each call) wraps
+    with ``_WholeWords``; put back after, so nothing outside a help page changes."""
+    wrapper = _textwrap.TextWrapper
+    _textwrap.TextWrapper = _WholeWords
+    try:
+        yield
+    finally:
+        _textwrap.TextWrapper = wrapper
+
+
+class Exl3Formatter(_HelpFormatter):
+    """Help pages that never split a token: words wrap whole, and on a narrow terminal the options' column is
+    narrower (help text at least 38 characters wide) so that the longest words still fit the line."""
+
+    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
+        with _whole_words():
+            super().write_dl(rows, min(col_max, max(12, self.width - 40)), col_spacing)
+
+    def write_text(self, text: str) -> None:
+        with _whole_words():
+            super().write_text(text)
+
+    def write_usage(self, prog: str, args: str = "", prefix=None) -> None:
+        with _whole_words():
+            super().write_usage(prog, args, prefix)
+
+
+class Exl3Context(typer.Context):
+    formatter_class = Exl3Formatter
+
+
+class Exl3Command(TyperCommand):
+    """Every exl3tool command: Click's help layout, old spellings hidden, the knobs checked before it runs."""
+
+    context_class = Exl3Context
+
+    def invoke(self, ctx):
+        from exl3tool.knobs import read_knobs
+
+        read_knobs()  # every EXL3TOOL_* variable, once its options parsed: a bad one is one line, exit 2
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as exc:  # past Click, which would make it exit 1: ``main`` ends it quietly
+            raise ReaderGone() from exc
+
+    def format_options(self, ctx, formatter) -> None:
+        with _help_params(self, ctx):
+            super().format_options(ctx, formatter)
+
+
+class ReaderGone(Exception):
+    """stdout's reader closed the pipe (``exl3tool cache ls --json | head``)."""
 
 
 class Exl3Group(TyperGroup):
     """A command group that shows its help (exit 0) when called bare, and points misplaced commands to their group."""
+
+    context_class = Exl3Context
+
+    def format_options(self, ctx, formatter) -> None:
+        with _help_params(self, ctx):
+            super().format_options(ctx, formatter)
 
     def format_commands(self, ctx, formatter) -> None:
         """The commands section, each with its whole first sentence wrapped under it (Click cuts it to the width

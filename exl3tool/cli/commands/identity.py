@@ -7,8 +7,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from exl3tool.cache import server_encoder_identity, server_identities
-from exl3tool.cache.identity import encoder_json
 from exl3tool.cli.commands.launching import (
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
 )
@@ -22,6 +20,8 @@ from exl3tool.cli.commands.options import (
     QuietOpt,
     RevisionOpt,
     ServerPathOpt,
+    MODEL_WANTED,
+    non_empty,
     request_from_options,
 )
 from exl3tool.cli.output import Output
@@ -31,7 +31,7 @@ __all__ = ["register", "identity"]
 
 def identity(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)] = None,
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", parser=non_empty(MODEL_WANTED), help=MODEL_HELP)] = None,
     revision: RevisionOpt = None,
     server_path: ServerPathOpt = None,
     encoder_root: EncoderRootOpt = None,
@@ -60,7 +60,10 @@ def identity(
     the encoder identity alone, e.g. of an `exl3tool encoder-source DIR` export.
 
     Example: exl3tool identity org/model --encoder-root /encoders/exllamav3 --encoder-revision 1a2b3c
+
+    Exit codes: 0 printed, 2 usage or configuration error (no encoder root, a revision that does not resolve).
     """
+    from exl3tool.cache.identity import server_identities
     from exl3tool.checkpoint import resolve_overlay
 
     out = Output(json=json, quiet=quiet)
@@ -138,6 +141,7 @@ def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Op
     """The encoder identity alone: no model to derive one for (``model`` is null in --json)."""
     import os
 
+    from exl3tool.cache.identity import encoder_json, server_encoder_identity
     from exl3tool.checkpoint import resolve_overlay
 
     if env_files:

@@ -6,14 +6,13 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperCommand
-
+from exl3tool.cli.commands.group import Exl3Command
 from exl3tool.errors import ConfigError
 from exl3tool.cli.output import Output
 
 __all__ = ["LaunchOpt", "LaunchFileOpt", "ComposeOpt", "ServiceOpt", "ImageOpt", "ImageInspectOpt", "PidOpt", "EnvFileOpt", "LaunchCommand",
            "launch_input", "given_fields", "apply_options",
-           "launch_json", "MODEL_HELP"]
+           "launch_json", "lookup_off", "MODEL_HELP"]
 
 LaunchOpt = Annotated[
     Optional[str],
@@ -82,7 +81,7 @@ MODEL_HELP = ("Hub repo id or local checkpoint directory (here). With --launch/-
 _ARGV_KEY = "exl3tool.launch_argv"
 
 
-class LaunchCommand(TyperCommand):
+class LaunchCommand(Exl3Command):
     """A command whose words after ``--`` are the server's launch (``exl3tool cache warm -- vllm serve M -tp 2``)."""
 
     def parse_args(self, ctx, args):
@@ -170,15 +169,25 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
         ignored = list(settings.launch.ignored) + list(settings.launch.args.ignored)
         if ignored:
             out.note("ignored (no effect on a look-up): " + "; ".join(ignored))
-        if settings.lookup_off:
-            why = "; ".join(settings.lookup_off)
-            if no_lookup == "refuse":
-                raise ConfigError(f"this launch makes no cache look-up, so nothing would read what this command "
-                                  f"writes or checks: {why}")
-            if no_lookup == "warn":
-                for line in settings.lookup_off:
-                    out.warn(f"no look-up: {line}")
-                if not request.encoder_root:
-                    raise ConfigError(f"this launch makes no cache look-up ({why}) and names no encoder, so there "
-                                      "is no encoder identity to show; pass --encoder-root")
+    off = lookup_off(settings, environ)
+    if off:
+        why = "; ".join(off)
+        what = "launch" if settings is not None else "environment"
+        if no_lookup == "refuse":
+            raise ConfigError(f"this {what} makes no cache look-up, so nothing would read what this command "
+                              f"writes or checks: {why}")
+        if no_lookup == "warn":
+            for line in off:
+                out.warn(f"no look-up: {line}")
+            if not request.encoder_root:
+                raise ConfigError(f"this {what} makes no cache look-up ({why}) and names no encoder, so there "
+                                  "is no encoder identity to show; pass --encoder-root")
     return request, settings, environ
+
+
+def lookup_off(settings, environ) -> tuple[str, ...]:
+    """Why the server makes no look-up: its launch's reasons, or without a launch this environment's (the
+    ``--env-file`` variables over it)."""
+    from exl3tool.launch.request import environment_lookup_off
+
+    return settings.lookup_off if settings is not None else environment_lookup_off(environ)

@@ -11,9 +11,11 @@ from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS
 from exl3tool.cli.commands.launching import (  # the launch options, shared
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, given_fields,
 )
-from exl3tool.plan.request import SERVING_DTYPES
+from exl3tool.plan.request import DTYPE_SPELLINGS, SERVING_DTYPES, serving_dtype_name
 
 __all__ = [
+    "non_empty",
+    "MODEL_WANTED",
     "LaunchOpt",
     "PidOpt",
     "EnvFileOpt",
@@ -97,9 +99,23 @@ FileModeOpt = Annotated[
         help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as another user).",
     ),
 ]
+def non_empty(want: str, convert: Callable[[str], Any] = str) -> Callable[[str], Any]:
+    """A parser refusing an empty value (``""`` would silently mean this directory), else ``convert(value)``;
+    ``want`` says what to give instead."""
+
+    def parse(value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise typer.BadParameter(f"empty; give {want}")
+        return value if not isinstance(value, str) else convert(value)
+
+    return parse
+
+
 CacheDirOpt = Annotated[
     Optional[Path],
-    typer.Option("--cache-dir", help="Cache root (default: the server's, from VLLM_EXL3_ONLINE_CACHE_DIR etc.)."),
+    typer.Option("--cache-dir", parser=non_empty("a directory (`.` for this one), or leave --cache-dir out for the server's", Path),
+                 metavar="PATH",
+                 help="Cache root (default: the server's, from VLLM_EXL3_ONLINE_CACHE_DIR etc.)."),
 ]
 TrustEncoderOpt = Annotated[
     bool,
@@ -198,10 +214,12 @@ BitsOpt = Annotated[
 
 
 def _dtype(value: str) -> str:
-    """``--dtype``: exactly one of vLLM's serving dtypes (``exl3tool.plan.SERVING_DTYPES``)."""
-    if value not in SERVING_DTYPES:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(SERVING_DTYPES)} (the server's --dtype values)")
-    return value
+    """``--dtype``: one of the server's spellings (``half`` too, as a launch's), as exl3tool names it."""
+    name = serving_dtype_name(value)
+    if name is None:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(DTYPE_SPELLINGS)} (the server's --dtype "
+                                 "values)")
+    return name
 
 
 DtypeOpt = Annotated[
@@ -209,15 +227,18 @@ DtypeOpt = Annotated[
     typer.Option(
         "--dtype", callback=_dtype, metavar="|".join(SERVING_DTYPES),
         help="The server's --dtype, which weights are cast to before encoding: auto (the checkpoint's config dtype; "
-        "float32 checkpoints are served as bfloat16), bfloat16, float16 or float32.",
+        "float32 checkpoints are served as bfloat16), bfloat16, float16 (half) or float32 (float).",
     ),
 ]
 
 
-ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help=MODEL_HELP)]
-TpSizeOpt = Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel world size of the server.")]
+MODEL_WANTED = "a Hub repo id or a checkpoint directory (`.` for this one)"
+ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", parser=non_empty(MODEL_WANTED), help=MODEL_HELP)]
+TpSizeOpt = Annotated[int, typer.Option("--tp-size", "-tp", min=1, help="Tensor-parallel world size of the server.")]
 TpRankOpt = Annotated[Optional[int], typer.Option("--tp-rank", help="Only this rank (default: every rank).")]
-TpSizesOpt = Annotated[str, typer.Option("--tp-sizes", help="Comma-separated TP sizes; every rank of each is warmed.")]
+# one spelling with encode/verify's (and vLLM's -tp); --tp-sizes: the old one, hidden (group.HIDDEN_ALIASES)
+TpSizesOpt = Annotated[str, typer.Option("--tp-size", "-tp", "--tp-sizes", metavar="N[,N...]",
+                                         help="Comma-separated TP sizes; every rank of each is warmed.")]
 LayersOpt = Annotated[list[str], typer.Option("--layers", metavar="GLOB", help="Only layers whose prefix (or, for unknown architectures, checkpoint tensor name without .weight) matches this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", metavar="GLOB", help="Leave out layers matching this glob; repeatable.")]
 SharedOpt = Annotated[bool, typer.Option("--shared-experts", help="Add a shared_experts spec to the default overlay (with --quantization-config, put it in that string instead).")]
@@ -254,7 +275,7 @@ REQUEST_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "model": ("model", lambda v: v or ""),
     "revision": ("revision", _same),
     "server_path": ("server_path", _same),
-    "tp_sizes": ("tp_sizes", lambda v: parse_positive_ints(v, "--tp-sizes")),
+    "tp_sizes": ("tp_sizes", lambda v: parse_positive_ints(v, "--tp-size")),
     "tp_size": ("tp_sizes", lambda v: (v,)),
     "tp_rank": ("tp_ranks", lambda v: None if v is None else (v,)),
     "mode": ("mode", _cache_mode),
@@ -302,7 +323,7 @@ def resolve_cache_dir(cache_dir: Path | None) -> Path:
 
 
 def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
-    """Parse a comma-separated option such as ``--tp-sizes 1,2,4`` or ``--rows 1,16``; BadParameter if not positive ints."""
+    """Parse a comma-separated option such as ``--tp-size 1,2,4`` or ``--rows 1,16``; BadParameter if not positive ints."""
     if any(not part.strip() for part in text.split(",")):
         raise typer.BadParameter(f"{option} has an empty item: comma-separated integers like 1,2,4, got {text!r}")
     try:

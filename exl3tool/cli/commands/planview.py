@@ -3,8 +3,12 @@ commands that plan, `encode`, `cache warm` and `cache check`, so none of them im
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from exl3tool.cli.output import Output, plural
-from exl3tool.plan import WarmPlan
+
+if TYPE_CHECKING:
+    from exl3tool.plan import WarmPlan
 
 __all__ = ["plan_notes", "discard_note"]
 

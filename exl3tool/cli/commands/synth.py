@@ -9,7 +9,8 @@ from typing import Annotated
 import typer
 
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
-from exl3tool.cli.commands.options import JsonOpt, QuietOpt
+from exl3tool.cli.commands.group import Exl3Command
+from exl3tool.cli.commands.options import JsonOpt, QuietOpt, non_empty
 from exl3tool.cli.output import Output
 
 __all__ = ["register", "synth"]
@@ -22,9 +23,9 @@ def _family(value: str) -> str:
 
 
 def synth(
-    directory: Annotated[Path, typer.Argument(metavar="DIR", help="New (or empty) folder to write the checkpoint into.")],
-    family: Annotated[str, typer.Option("--family", callback=_family, metavar="|".join(TINY_FAMILIES),
-                                        help="Which served family to write.")] = "qwen3.5",
+    directory: Annotated[Path, typer.Argument(metavar="DIR", parser=non_empty("a directory (`.` for this one)", Path), help="New (or empty) folder to write the checkpoint into.")],
+    family: Annotated[str, typer.Option("--family", callback=_family, metavar="FAMILY",
+                                        help=f"Which served family to write: {', '.join(TINY_FAMILIES)}.")] = "qwen3.5",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights (same seed, same bytes).")] = 0,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -36,6 +37,8 @@ def synth(
     Prints the overlay the family's deployments start the server with and the next commands.
 
     Example: exl3tool synth ./tiny-qwen3.5 --family qwen3.5
+
+    Exit codes: 0 written, 2 usage or I/O error (a folder that is not empty, a full disk: nothing is left behind).
     """
     out = Output(json=json, quiet=quiet)
     fam = TINY_FAMILIES[family]
@@ -48,11 +51,11 @@ def synth(
     out.line(f"wrote a tiny {fam.name} EXL3 checkpoint ({fam.architecture}; {len(files)} files, {size:,} bytes) "
              f"to {path}: {fam.about}")
     out.line(f"overlay: {overlay or '(the default overlay)'}")
-    out.line("next: exl3tool cache warm " + where + " --tp-sizes 2" + flag
+    out.line("next: exl3tool cache warm " + where + " --tp-size 2" + flag
              + " --encoder-root /opt/exllamav3 --encoder-revision v0.0.18 --cache-dir ./exl3-cache")
     out.data(written)
 
 
 def register(app: typer.Typer) -> None:
     """Add the ``synth`` command."""
-    app.command("synth")(synth)
+    app.command("synth", cls=Exl3Command)(synth)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
@@ -19,9 +17,12 @@ from exl3tool.cli.commands.options import (
 )
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output
-from exl3tool.operations.verify import DEFAULT_KERNEL_ERR, VerifyReport, verify_hydrated, verify_plan
-from exl3tool.plan import prepare, resolve_device
-from exl3tool.plan.request import serving_torch_dtype
+from exl3tool.operations.bounds import DEFAULT_KERNEL_ERR
+
+if TYPE_CHECKING:
+    from exl3tool.operations.verify import VerifyReport
+
+# The library (and torch through it) is imported inside the command, where the work happens: `--help` stays light.
 
 __all__ = ["register", "verify", "report_markdown"]
 
@@ -56,6 +57,9 @@ def report_markdown(report: VerifyReport) -> str:
 
 
 def render(out: Output, report: VerifyReport, extra: Optional[dict] = None) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=f"verify {report.model} ({report.bits} bits, TP {report.tp_size}, GEMM: {report.gemm})")
     columns = ["layer", "rank", "shape", "rows", "kernel err", "quant err", "proxy err", "weight MSE"]
     columns += ["exact", "status"] if report.exact else ["status"]
@@ -136,6 +140,9 @@ def verify(
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given)
     if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
         raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
+    from exl3tool.operations.verify import verify_hydrated, verify_plan
+    from exl3tool.plan.request import prepare, resolve_device, serving_torch_dtype
+
     dev = resolve_device(device)
     torch_dtype = serving_torch_dtype(request.dtype)
     if against is not None:  # a hydrated checkpoint: its stored layers against SOURCE's weights, no cache

@@ -6,12 +6,16 @@ results and the summary), ``distributed`` (torchrun), ``lockwait`` (entries anot
 ``warm``). The plan it runs is ``exl3tool.plan`` 's.
 """
 
-from exl3tool.operations.warm.distributed import (
-    DistributedContext, agreed_todo, distributed_context, gather_results, host_threads, worker_stats,
-)
-from exl3tool.operations.warm.pipeline import EncodeFn, run_plan
-from exl3tool.operations.warm.results import JobResult, WarmSummary, job_result, summarize
-from exl3tool.operations.warm.run import warm
+from exl3tool.lazy import lazy_exports
+
+# Each name is imported from its module on first use (exl3tool.lazy): importing the package imports none.
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "exl3tool.operations.warm.distributed": ("DistributedContext", "agreed_todo", "distributed_context",
+                                             "gather_results", "host_threads", "worker_stats"),
+    "exl3tool.operations.warm.pipeline": ("EncodeFn", "run_plan"),
+    "exl3tool.operations.warm.results": ("JobResult", "WarmSummary", "job_result", "summarize"),
+    "exl3tool.operations.warm.run": ("warm",),
+})
 
 __all__ = [
     "JobResult", "WarmSummary", "EncodeFn", "run_plan", "distributed_context", "DistributedContext",

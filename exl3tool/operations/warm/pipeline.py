@@ -321,6 +321,10 @@ class _Pipeline:
         try:
             with self.waits.watching():  # a stuck holder is noticed while this thread encodes other jobs
                 self._run_jobs(jobs, prefetch, publisher)
+        except KeyboardInterrupt:
+            publisher.shutdown(wait=True)  # in-flight publishes complete and release their locks,
+            self._finish_ready()  # and are reported: an interrupted warm counts every entry it published
+            raise
         finally:
             prefetch.close()
             publisher.shutdown(wait=True)  # in-flight publishes complete and release their locks
