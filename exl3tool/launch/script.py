@@ -50,15 +50,15 @@ RECORDED_COMMANDS = (
     "mount", "umount",
 )
 _PASS_THROUGH = ("tee",)  # recorded, stdin copied to stdout (no file written)
-_DROP = ("BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PROMPT_COMMAND", "CDPATH", "GLOBIGNORE", "EXL3TOOL_RUN",
-         "EXL3TOOL_LAUNCHER_DIRS", "EXL3TOOL_VIEW", "EXL3TOOL_UNEXPORTED")
+_DROP = ("BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PROMPT_COMMAND", "CDPATH", "GLOBIGNORE", "X3T_SANDBOX_RUN",
+         "X3T_SANDBOX_LAUNCHER_DIRS", "X3T_SANDBOX_VIEW", "X3T_SANDBOX_UNEXPORTED")
 _BASH_OWN = ("SHLVL", "_", "OLDPWD", "PWD")  # set by bash itself, not by the launcher
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
 _RECORDER = r"""#!/bin/sh
 # exl3tool: record this command (argv, environment, directory) and run nothing
-d="$EXL3TOOL_RUN/rec/$$"
+d="$X3T_SANDBOX_RUN/rec/$$"
 n="${0##*/}"
 if [ "$n" = record ]; then printf '%s\0' "$@" > "$d.argv"; else printf '%s\0' "$n" "$@" > "$d.argv"; fi
 command -p env -0 > "$d.env"
@@ -84,7 +84,7 @@ __exl3tool_script() {  # REPLY: the launcher script $1 names (a path of the imag
   if [[ ! -f $p ]]; then
     local top=${BASH_SOURCE[${#BASH_SOURCE[@]}-1]}  # this shell's script: its folder holds its sibling launchers
     [[ $top == */* ]] || top=./$top
-    for d in $EXL3TOOL_LAUNCHER_DIRS "${top%/*}"; do
+    for d in $X3T_SANDBOX_LAUNCHER_DIRS "${top%/*}"; do
       [[ -n $d && -f $d/${p##*/} ]] && { p=$d/${p##*/}; break; }
     done
   fi
@@ -99,12 +99,12 @@ __exl3tool_unexported() {  # server variables the shell set but did not export: 
   for n in $(compgen -v); do
     case $n in VLLM_*|HF_*|XDG_*|HUGGINGFACE_*|TRANSFORMERS_*) [[ $e == *" $n "* ]] || u+=("$n") ;; esac
   done
-  EXL3TOOL_UNEXPORTED="${u[*]}"
+  X3T_SANDBOX_UNEXPORTED="${u[*]}"
 }
 __exl3tool_record() {
-  local EXL3TOOL_UNEXPORTED
+  local X3T_SANDBOX_UNEXPORTED
   __exl3tool_unexported
-  EXL3TOOL_UNEXPORTED=$EXL3TOOL_UNEXPORTED "$EXL3TOOL_RUN/record" "$@"
+  X3T_SANDBOX_UNEXPORTED=$X3T_SANDBOX_UNEXPORTED "$X3T_SANDBOX_RUN/record" "$@"
 }
 for __exl3tool_n in vllm python python3 docker podman nerdctl torchrun; do
   eval "$__exl3tool_n() { __exl3tool_record $__exl3tool_n \"\$@\"; }"
@@ -120,7 +120,7 @@ exec() {
   done
   [[ $# -eq 0 ]] && return 0  # exec with redirections only: nothing replaces the shell
   local REPLY=
-  if [[ ! -e $EXL3TOOL_RUN/bin/${1##*/} ]] && __exl3tool_script "$1"; then
+  if [[ ! -e $X3T_SANDBOX_RUN/bin/${1##*/} ]] && __exl3tool_script "$1"; then
     shift
     builtin exec bash "$REPLY" "$@"
   fi
@@ -128,10 +128,10 @@ exec() {
   builtin exit 0
 }
 __exl3tool_exit() {  # the environment a launcher exports when it ends (its DRY_RUN=1 mode prints, then exits)
-  "$EXL3TOOL_RUN/record" __exl3tool_exit__ "${SHLVL:-0}"
+  "$X3T_SANDBOX_RUN/record" __exl3tool_exit__ "${SHLVL:-0}"
 }
 trap __exl3tool_exit EXIT
-if [[ -n ${EXL3TOOL_VIEW:-} ]]; then  # inside a container's view: a folder the image has, absent here, is made
+if [[ -n ${X3T_SANDBOX_VIEW:-} ]]; then  # inside a container's view: a folder the image has, absent here, is made
   cd() {                             # empty in the view's memory (what is inside the image is not known here)
     builtin cd "$@" 2>/dev/null && return 0
     local d=${!#}
@@ -140,7 +140,7 @@ if [[ -n ${EXL3TOOL_VIEW:-} ]]; then  # inside a container's view: a folder the 
   }
 fi
 command_not_found_handle() {  # a tool of the image that this machine lacks: recorded, taken as succeeding
-  "$EXL3TOOL_RUN/record" "$@"
+  "$X3T_SANDBOX_RUN/record" "$@"
   return 0
 }
 """
@@ -298,7 +298,7 @@ def _read_records(run: str, path_given: Optional[str]) -> list[Recorded]:
         for pair in pairs:
             k, _, v = pair.decode("utf-8", "surrogateescape").partition("=")
             env[k] = v
-        unexported = tuple(env.get("EXL3TOOL_UNEXPORTED", "").split())
+        unexported = tuple(env.get("X3T_SANDBOX_UNEXPORTED", "").split())
         env = {k: v for k, v in _clean(env).items() if k not in _BASH_OWN}
         if path_given is None:
             env.pop("PATH", None)
@@ -363,12 +363,12 @@ def run_launcher(argv: Sequence[str], *, environ: Mapping[str, str], cwd: Option
                         fh.write(f"{d}\t{d}\n")
         path_given = environ.get("PATH")
         env = _clean(environ)
-        env.update(PATH=f"{bindir}:{path_given or _DEFAULT_PATH}", BASH_ENV=prelude, EXL3TOOL_RUN=run,
-                   EXL3TOOL_LAUNCHER_DIRS=":".join(launcher_dirs))
+        env.update(PATH=f"{bindir}:{path_given or _DEFAULT_PATH}", BASH_ENV=prelude, X3T_SANDBOX_RUN=run,
+                   X3T_SANDBOX_LAUNCHER_DIRS=":".join(launcher_dirs))
         if mounts is not None:
-            env["EXL3TOOL_VIEW"] = "1"
+            env["X3T_SANDBOX_VIEW"] = "1"
         where = cwd or ("/" if mounts is not None else os.getcwd())
-        inner = ["/bin/sh", "-c", 'cd "$1" 2>/dev/null || { [ -n "${EXL3TOOL_VIEW:-}" ] && /bin/mkdir -p "$1" && cd "$1"; } '
+        inner = ["/bin/sh", "-c", 'cd "$1" 2>/dev/null || { [ -n "${X3T_SANDBOX_VIEW:-}" ] && /bin/mkdir -p "$1" && cd "$1"; } '
                  '|| cd /; shift; exec "$@"', "cd", where, *argv]
         command = [_tool("unshare") or "unshare", "-Urmnpf", "--kill-child", "--mount-proc", "/bin/sh", setup, run, view, *inner]
         try:

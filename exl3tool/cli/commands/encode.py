@@ -20,7 +20,6 @@ from exl3tool.cli.commands.options import (
 from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, note_interrupted, plural
-from exl3tool.plan.shards import parse_shard, resolve_shard
 
 if TYPE_CHECKING:
     from exl3tool.operations.warm import WarmSummary
@@ -263,6 +262,8 @@ def _shard_option(value: Optional[str]) -> Optional[str]:
     """``--shard I/N``: checked here so a bad value is a usage error before any work."""
     if value is not None:
         try:
+            from exl3tool.plan.shards import parse_shard
+
             parse_shard(value)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
@@ -339,6 +340,8 @@ def cache_warm(
     out = Output(json=json_out, quiet=quiet)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True)
     # the task's own environment (a scheduler's variables), never the server's
+    from exl3tool.plan.shards import resolve_shard
+
     request = replace(request, shard=resolve_shard(shard_option, shard_count, os.environ))
     _run(out, request, dry_run, "cache warm", environ, launch_json(settings), progress_choice=progress)
 

@@ -38,7 +38,7 @@ def hydrate_command(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     leave_unaligned: Annotated[bool, typer.Option(
-        "--leave-unaligned", help="Keep BF16 the layers a server at one of --tp-sizes could not slice in 128-blocks "
+        "--leave-unaligned", help="Keep BF16 the layers a server at one of --tp-size could not slice in 128-blocks "
         "(default: refuse, naming the first).")] = False,
     launch: LaunchOpt = None,
     pid: PidOpt = None,
@@ -53,14 +53,14 @@ def hydrate_command(
     """Write OUT: SOURCE with every layer the server would encode online stored as EXL3 (no cache needed).
 
     The layers are `cache warm`'s plan at TP 1 (bits, overlay and dtype as the server's; a launch gives them), each
-    checked for the fork's loader at every --tp-sizes size. Changed shards are rewritten (kept tensors byte for
+    checked for the fork's loader at every --tp-size size. Changed shards are rewritten (kept tensors byte for
     byte), the rest hard-linked or copied, the index and tensor_storage rewritten; OUT appears only when complete.
     A killed run resumes from the temporary folder beside OUT. A checkpoint already hydrated is a no-op. Under
     `torchrun --nproc-per-node N -m exl3tool hydrate ...` each process encodes a share on its GPU.
 
     Exit codes: 0 written (or nothing to do: already stored), 2 usage, configuration or I/O error, 130 interrupted.
 
-    Example: exl3tool hydrate /models/Qwen3.8-27B-exl3 /models/Qwen3.8-27B-exl3-hydrated --bits 6 --tp-sizes 1,2
+    Example: exl3tool hydrate /models/Qwen3.8-27B-exl3 /models/Qwen3.8-27B-exl3-hydrated --bits 6 --tp-size 1,2
     --quantization-config "$OVERLAY"
     """
     from exl3tool.operations.hydrate import hydrate, plan_hydrate
