@@ -629,6 +629,7 @@ def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeF
 
         counts: Optional[list] = [None] * ctx.workers if ctx.worker == 0 else None
         dist.gather_object((encoded, reused), counts, dst=0)
+        dist.destroy_process_group()  # before any worker exits: gloo's threads abort a process that leaves them running
         if ctx.worker != 0:
             return None
         assert counts is not None

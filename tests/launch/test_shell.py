@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -195,7 +196,10 @@ exec vllm serve /models/M --tensor-parallel-size 2
 """
 
 
-def test_reading_a_launcher_leaves_no_trace(tmp_path):
+def test_reading_a_launcher_leaves_no_trace(tmp_path, monkeypatch):
+    own_tmp = tmp_path / "tmp"  # this test's own temporary folder: other workers' launcher runs come and go in /tmp
+    own_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
     watch = tmp_path / "watch"
     watch.mkdir()
     (watch / "existing").write_text("kept\n")
@@ -203,13 +207,12 @@ def test_reading_a_launcher_leaves_no_trace(tmp_path):
     script.write_text(HOSTILE)
     script.chmod(0o755)
     before = {p: p.read_bytes() for p in watch.rglob("*")}
-    temps = set(os.listdir("/tmp"))
     start = read_launcher(["bash", str(script)], environ={"WATCH": str(watch), "PATH": os.environ["PATH"]},
                           cwd=str(tmp_path), is_server=lambda w: w[:2] == ["vllm", "serve"], where="hostile.sh")
     assert start is not None and start.argv == ("vllm", "serve", "/models/M", "--tensor-parallel-size", "2")
     assert {p: p.read_bytes() for p in watch.rglob("*")} == before  # nothing written, removed or linked
     assert not Path("/cache/x").exists()
-    assert set(os.listdir("/tmp")) - temps == set()  # the run's own folder is gone too
+    assert os.listdir(own_tmp) == []  # the run's own folder is gone too
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "sleep 300" not in ps  # every process of the sandbox ended with it
     assert any("curl" in n and "docker pull" in n for n in start.notes), start.notes  # recorded, not run
