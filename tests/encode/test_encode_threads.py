@@ -58,11 +58,12 @@ def test_proxy_error_in_slabs_is_the_whole_float64_sum(threads, slab_rows, monke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k, n, seed", [(512, 256, 12345), (384, 768, 1152)])
+@pytest.mark.parametrize("k, n, seed", [(384, 768, 1152)])
 def test_entry_bytes_do_not_depend_on_the_thread_count(threads, tmp_path, k, n, seed):
     """One layer encoded with 1 and 3 threads: same trellis, scales, proxy error and file bytes.
 
-    Before the fix the first case differed in the proxy error's last digit, the second also in g and the trellis.
+    Before the fix this layer differed in the proxy error's last digit, in g and in the trellis. (A second case,
+    (512, 256), differed in the proxy error only: that sum is checked on its own above, in a fraction of the time.)
     """
     gen = torch.Generator().manual_seed(k * 100003 + n)
     weight = (torch.randn(k, n, generator=gen) * 0.02).to(torch.bfloat16).to(torch.float32)

@@ -167,7 +167,7 @@ def test_search_global_scale_without_duplicate_tiles_is_the_spec_result():
     assert search_global_scale(w_rot, 6) == _spec_search(w_rot, 6)
 
 
-@pytest.mark.parametrize("k, n, bits", [(128, 128, 6), (256, 128, 2)])
+@pytest.mark.parametrize("k, n, bits", [(128, 128, 6), (256, 128, 4)])  # K2 doubles the time, adds nothing here
 @pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
 def test_search_global_scale_quantizes_each_pair_once_with_the_spec_result(monkeypatch, k, n, bits):
     from exl3tool.encode import online

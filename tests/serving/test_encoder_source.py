@@ -447,7 +447,7 @@ def test_weight_q_is_the_reference_dequantised_weight(bits, extra, devices, sour
     elif source == "zeros":
         weight, out_f, in_f = torch.zeros(128, 256), 256, 128
     else:
-        weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(seed)) * 0.03
+        weight = torch.randn(128, 128, generator=torch.Generator().manual_seed(seed)) * 0.03  # 64 tiles: time
     original = weight.clone()
     k, n = weight.shape
     codebook = "mcg" if extra.get("mcg") else "mul1" if extra.get("mul1") else "3inst"
