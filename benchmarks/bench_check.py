@@ -44,7 +44,7 @@ from test_family_plans import glm53_flash_text  # noqa: E402
 from tiny_models import write_glm53  # noqa: E402
 
 from exl3tool.cache.records import RecordEntry, new_record, write_record  # noqa: E402
-from exl3tool.plan import WarmRequest, prepare  # noqa: E402
+from exl3tool.plan import ServerRequest, prepare  # noqa: E402
 from exl3tool.operations.check import check  # noqa: E402
 from exl3tool.operations.warm.provenance import plan_settings  # noqa: E402
 
@@ -92,7 +92,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
         base = Path(tmp)
         model = write_glm53(base / "glm53-flash", scope=True, text=glm53_flash_text(), header_only=True, shards=4)
-        request = WarmRequest(model=str(model), tp_sizes=(2,), cache_dir=str(base / "cache"),
+        request = ServerRequest(model=str(model), tp_sizes=(2,), cache_dir=str(base / "cache"),
                               quantization_config=OVERLAY, **ENC)
         t = time.perf_counter()
         checkpoint, plan, _ = prepare(request, check_hits=False)
@@ -119,7 +119,7 @@ def main() -> None:
 
         hit_s, hit_min, report = timed(lambda: check(request))
         assert report.ok and len(report.lookups) == 452, (report.plan.count("hit"), len(report.lookups))
-        cli = [sys.executable, "-m", "exl3tool", "cache", "check", str(model), "--tp-sizes", "2", "--cache-dir",
+        cli = [sys.executable, "-m", "exl3tool", "cache", "check", str(model), "--tp-size", "2", "--cache-dir",
                request.cache_dir, "--quantization-config", OVERLAY, "--encoder-root", ENC["encoder_root"],
                "--encoder-revision", ENC["encoder_revision"], "--json"]
         env = dict(os.environ, PYTHONPATH=str(REPO))

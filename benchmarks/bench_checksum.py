@@ -33,7 +33,7 @@ import torch
 
 from exl3tool.checkpoint.synthetic import llama_tensor_shapes
 from exl3tool.format.encoded import EncodedLinear
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import warm
 
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=512)
@@ -99,7 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="exl3tool-bench-checksum-"))
     model = sparse_llama(work / "model", args.layers)
-    request = WarmRequest(model=str(model), tp_sizes=tuple(int(t) for t in args.tp_sizes.split(",")), bits=args.bits,
+    request = ServerRequest(model=str(model), tp_sizes=tuple(int(t) for t in args.tp_sizes.split(",")), bits=args.bits,
                           cache_dir=str(work / "cache"), device="cpu", encoder_root="/encoders/exllamav3",
                           encoder_revision="bench")
 

@@ -206,7 +206,7 @@ def child_warm(preset: str, scale: str, model_dir: Path, cache: Path, device: st
     import torch
 
     from exl3tool.checkpoint import open_checkpoint, plan_layers
-    from exl3tool.plan import WarmRequest
+    from exl3tool.plan import ServerRequest
     from exl3tool.operations.warm import warm
     from exl3tool.plan.sharing import plan_sharing
 
@@ -227,7 +227,7 @@ def child_warm(preset: str, scale: str, model_dir: Path, cache: Path, device: st
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    summary = warm(WarmRequest(model=str(model_dir), tp_sizes=p.tp_sizes, layers=tuple(prefixes),
+    summary = warm(ServerRequest(model=str(model_dir), tp_sizes=p.tp_sizes, layers=tuple(prefixes),
                                cache_dir=str(cache), device=device, quantization_config=overlay,
                                encoder_root="/encoders/exllamav3", encoder_revision="bench-fleet"))
     wall = time.perf_counter() - t0

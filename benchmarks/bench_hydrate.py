@@ -40,10 +40,10 @@ OVERLAYS = {"qwen38-27b": QWEN38_OVERLAY, "glm5": '{"linear": "mxfp8", "shared_e
 def shapes_of(model: str, work: Path, bits: int, tiny: bool = False) -> Counter:
     """(K, N) -> how many modules `exl3tool hydrate` stores with that shape (its plan, headers only)."""
     from exl3tool.operations.hydrate import plan_hydrate
-    from exl3tool.plan import WarmRequest
+    from exl3tool.plan import ServerRequest
 
     src = write_model(work / model, model, real_layers=(), tiny=tiny)
-    plan = plan_hydrate(WarmRequest(model=str(src), quantization_config=OVERLAYS[model], bits=bits), work / f"{model}-out")
+    plan = plan_hydrate(ServerRequest(model=str(src), quantization_config=OVERLAYS[model], bits=bits), work / f"{model}-out")
     return Counter((m.source.in_features, m.source.out_features) for m in plan.modules)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 from exl3tool.operations.warm import warm
 
 PRESETS = {
@@ -42,7 +42,7 @@ def main() -> None:
     t0 = time.perf_counter()
     ckpt = write_llama_checkpoint(work / "model", dtype=torch.bfloat16, seed=1, shards=2, **shape)
     t_write = time.perf_counter() - t0
-    request = WarmRequest(
+    request = ServerRequest(
         model=str(ckpt), tp_sizes=tuple(int(t) for t in args.tp_sizes.split(",")), cache_dir=str(work / "cache"),
         device=args.device, encoder_root="/encoders/exllamav3", encoder_revision="bench",
     )

@@ -101,7 +101,7 @@ def main() -> None:
     t_write = time.perf_counter() - t0
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                PYTHONUNBUFFERED="1")
-    common = ["cache", "warm", str(ckpt), "--tp-sizes", args.tp_sizes, "--encoder-root", "/encoders/exllamav3",
+    common = ["cache", "warm", str(ckpt), "--tp-size", args.tp_sizes, "--encoder-root", "/encoders/exllamav3",
               "--encoder-revision", "scaling-bench", "--json", "--quiet"]
     device_one = "cpu" if args.cpu else "cuda:0"
     t_single, single, util_single = _run([sys.executable, "-m", "exl3tool", *common, "--cache-dir",

@@ -51,7 +51,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="exl3tool-det-"))
     ckpt = write_llama_checkpoint(work / "model", hidden=args.hidden, heads=8, kv_heads=2,
                                   intermediate=args.intermediate, layers=1, seed=9)
-    base = [sys.executable, "-m", "exl3tool", "cache", "warm", str(ckpt), "--tp-sizes", "1,2", "--encoder-root",
+    base = [sys.executable, "-m", "exl3tool", "cache", "warm", str(ckpt), "--tp-size", "1,2", "--encoder-root",
             "/e", "--encoder-revision", "det", "--quiet"]
     runs = []
     for i, dev in enumerate(args.devices.split(",")):

@@ -62,7 +62,7 @@ part() {  # one part: its command(s), output to $OUT/<part>.log, then the lines 
     verify)
       local w; w=$(mktemp -d)
       run python3 -c "from exl3tool.checkpoint import write_llama_checkpoint; write_llama_checkpoint('$w/model', hidden=2048, heads=16, kv_heads=4, intermediate=5632, layers=2, seed=5)"
-      run timeout "$(lim verify 240)" python3 -m exl3tool cache warm "$w/model" --tp-sizes 1,2 --cache-dir "$w/cache" "${ENC[@]}" --device cuda > "$log" 2>&1
+      run timeout "$(lim verify 240)" python3 -m exl3tool cache warm "$w/model" --tp-size 1,2 --cache-dir "$w/cache" "${ENC[@]}" --device cuda > "$log" 2>&1
       COLUMNS=200 run timeout 120 python3 -m exl3tool verify "$w/model" --tp-size 2 --cache-dir "$w/cache" "${ENC[@]}" --device cuda --report "$OUT/verify_synthetic.md" >> "$log" 2>&1
       [ -z "${DRY_RUN:-}" ] && { grep -E "encoded|pass," "$log" | tail -3; } ;;
     minilm)

@@ -21,7 +21,7 @@ import torch
 
 from exl3tool.operations.verify import verify_plan
 from exl3tool.operations.warm import warm
-from exl3tool.plan import WarmRequest, prepare, resolve_device
+from exl3tool.plan import ServerRequest, prepare, resolve_device
 from quality import SENTENCES, embedding_agreement, minilm_model_dir  # benchmarks/quality.py, beside this script
 
 
@@ -38,9 +38,9 @@ def main() -> None:
     common = dict(model=model, layers=(args.layers,), cache_dir=cache, encoder_root="/encoders/exllamav3",
                   encoder_revision="minilm-example", dtype=args.dtype)
     t0 = time.perf_counter()
-    summary = warm(WarmRequest(device=args.device, **common))
+    summary = warm(ServerRequest(device=args.device, **common))
     t_warm = time.perf_counter() - t0
-    checkpoint, plan, store = prepare(WarmRequest(mode="readonly", **common))
+    checkpoint, plan, store = prepare(ServerRequest(mode="readonly", **common))
     dev = resolve_device(args.device)
     report = verify_plan(plan, checkpoint, store, rows=(1, 16, 256), device=dev, dtype=getattr(torch, args.dtype))
     replacements = {j.prefix: store.lookup(j.key).tensors for j in plan.jobs}

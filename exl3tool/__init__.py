@@ -3,7 +3,7 @@
 The public API, importable from here (each name is imported on first use, so ``import exl3tool`` and the CLI's
 start stay light: no torch until a name that needs it is used)::
 
-    request = exl3tool.WarmRequest(model="/models/m", tp_sizes=(2,))  # or filled from a launch: apply_launch
+    request = exl3tool.ServerRequest(model="/models/m", tp_sizes=(2,))  # or filled from a launch: apply_launch
     checkpoint, plan, store = exl3tool.prepare(request)   # the look-ups the server will make, each looked up
     summary = exl3tool.warm(request)                        # encode the misses into the cache
     report = exl3tool.check(request)                        # every look-up, and why each miss misses
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it
 _API: dict[str, str] = {
-    "WarmRequest": "exl3tool.plan.request",
+    "ServerRequest": "exl3tool.plan.request",
     "prepare": "exl3tool.plan.request",
     "warm": "exl3tool.operations.warm.run",
     "check": "exl3tool.operations.check",
@@ -43,6 +43,9 @@ _API: dict[str, str] = {
 
 __all__ = ["__version__", *_API]
 
+# old name -> new name (CHANGELOG "Renamed"): still answered for one release, not listed in __all__
+_RENAMED: dict[str, str] = {"WarmRequest": "ServerRequest"}
+
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from exl3tool.cache.identity import server_identities
     from exl3tool.cache.key import CacheKey
@@ -59,11 +62,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from exl3tool.operations.hydrate import hydrate, plan_hydrate
     from exl3tool.operations.verify import verify_plan
     from exl3tool.operations.warm.run import warm
-    from exl3tool.plan.request import WarmRequest, prepare
+    from exl3tool.plan.request import ServerRequest, prepare
 
 
 def __getattr__(name: str) -> Any:
     """Import a public name's module on first use (PEP 562) and keep the name here."""
+    if name in _RENAMED:
+        return __getattr__(_RENAMED[name])
     module = _API.get(name)
     if module is None:
         raise AttributeError(f"module 'exl3tool' has no attribute {name!r}")

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner as _TyperRunner
 
 from exl3tool.format.encoded import EncodedLinear
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 from exl3tool.operations.warm import warm
 
 # --- running exl3tool --------------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def make_encoded(k: int = 128, n: int = 256, bits: int = 6, seed: int = 0, proxy
 TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)  # the tiny Llama
 TINY_1 = {**TINY, "layers": 1}  # the tiny Llama with one decoder layer: half the jobs
 TINY_REPO = "test-org/tiny-llama"  # its Hub repository id (write_llama_checkpoint's default)
-ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="test-rev")  # WarmRequest's encoder settings
+ENC = dict(encoder_root="/encoders/exllamav3", encoder_revision="test-rev")  # ServerRequest's encoder settings
 ENC_ARGS = ["--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]  # the same as flags
 LAUNCH_ENC = ("/opt/exllamav3", "v0.0.18")  # (root, revision): the server's encoder, as tests/data/launches name it
 LINEAR = '{"linear": "mxfp8"}'  # the server's --quantization-config overlays: dense layers only,
@@ -129,7 +129,7 @@ def warm_one_layer(base: Path, layer: str, seed: int) -> tuple[Path, Path]:
     from exl3tool.checkpoint import write_llama_checkpoint
 
     model = write_llama_checkpoint(base / "model", **TINY, seed=seed, shards=1)
-    summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), layers=(layer,), cache_dir=str(base / "cache"),
+    summary = warm(ServerRequest(model=str(model), tp_sizes=(2,), layers=(layer,), cache_dir=str(base / "cache"),
                                device="cpu", **ENC))
     assert summary.counts["encoded"] == 2
     return model, base / "cache"
@@ -145,7 +145,7 @@ def refuse_encodes(monkeypatch) -> None:
     monkeypatch.setattr(enc, "encode_linear", refuse)
 
 
-def fake_warm(request: WarmRequest, monkeypatch, calls: list | None = None):
+def fake_warm(request: ServerRequest, monkeypatch, calls: list | None = None):
     """``warm(request)`` with ``fake_encode``; ``calls`` collects the (in, out) shape of every encode."""
     import exl3tool.operations.warm.run as req
 

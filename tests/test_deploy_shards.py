@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from exl3tool.checkpoint.tiny import write_tiny
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 
 from helpers import ENC
 
@@ -68,7 +68,7 @@ def _finish(procs: list[subprocess.Popen]) -> None:
 def _plan_digests(model: Path, tp_sizes: str, quant_config: str | None, encoder: tuple[str, str],
                   revision: str | None = None) -> list[str]:
     """The unsharded plan's job digests (its keys: identities, layers, TP layouts), from the library."""
-    request = WarmRequest(model=str(model), tp_sizes=tuple(int(t) for t in tp_sizes.split(",")), device="cpu",
+    request = ServerRequest(model=str(model), tp_sizes=tuple(int(t) for t in tp_sizes.split(",")), device="cpu",
                           quantization_config=quant_config, encoder_root=encoder[0], encoder_revision=encoder[1],
                           cache_dir="/nonexistent-cache", revision=revision)
     return sorted(j.digest for j in prepare(request)[1].jobs)

@@ -15,7 +15,7 @@ import shlex
 import pytest
 
 from exl3tool.checkpoint import write_llama_checkpoint
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 
 from helpers import (
     ENC, ENC_ARGS, LINEAR, TINY_1, fake_warm, run, server_encoder_identity, server_lookup, server_model_identity,
@@ -39,7 +39,7 @@ def _identity_doc(capsys, path, *args) -> dict:
 def test_per_node_downloads_are_named_before_the_rollout(tmp_path, monkeypatch, capsys):
     model = write_llama_checkpoint(tmp_path / "models" / "M", **TINY_1, shards=2)
     cache = tmp_path / "cache"
-    request = WarmRequest(model=str(model), cache_dir=str(cache), quantization_config=LINEAR, **ENC)
+    request = ServerRequest(model=str(model), cache_dir=str(cache), quantization_config=LINEAR, **ENC)
     fake_warm(request, monkeypatch)  # warmed on node a
     a = _identity_doc(capsys, tmp_path / "a.json", str(model))
     assert a["model"]["identity"] == server_model_identity(str(model))
@@ -75,7 +75,7 @@ def test_per_node_downloads_are_named_before_the_rollout(tmp_path, monkeypatch, 
 def test_a_warm_record_is_a_node_document_too(tmp_path, monkeypatch, capsys):
     model = write_llama_checkpoint(tmp_path / "M", **TINY_1, shards=1)
     cache = tmp_path / "cache"
-    fake_warm(WarmRequest(model=str(model), cache_dir=str(cache), quantization_config=LINEAR, **ENC), monkeypatch)
+    fake_warm(ServerRequest(model=str(model), cache_dir=str(cache), quantization_config=LINEAR, **ENC), monkeypatch)
     record = next((cache / "exl3tool-records").rglob("*.json"))
     _identity_doc(capsys, tmp_path / "here.json", str(model))
     code, out, err = run(["cache", "check", "--nodes", f"warm={record}", "--nodes", str(tmp_path / "here.json")],

@@ -1,7 +1,7 @@
 """One rule, one place (issue 42, goal 5): the bits default, the cache root, the Hub offline rule and the entry path
 are each computed by one function, and the library and the CLI give the same answer.
 
-Before: ``prepare(WarmRequest(model=M))`` planned bits 6 where ``cache warm`` planned the server's
+Before: ``prepare(ServerRequest(model=M))`` planned bits 6 where ``cache warm`` planned the server's
 ``VLLM_EXL3_ONLINE_TRELLIS_BITS`` (the default lived in the CLI); the cache root was computed twice (and per release
 only once: an older server ignores ``XDG_CACHE_HOME``); the checkpoint reader ignored ``TRANSFORMERS_OFFLINE``; the
 entry path was spelled in five files. The oracles are independent: ``helpers.server_cache_root`` and
@@ -20,7 +20,7 @@ import zlib
 import pytest
 
 from exl3tool.cache.key import CacheKey
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 
 from helpers import ENC, ENC_ARGS, LINEAR, run, server_cache_module, server_cache_root, server_key_json, server_path
 
@@ -36,17 +36,17 @@ def clean(monkeypatch):
 
 def test_bits_default_is_the_same_in_the_library_and_the_cli(tiny_llama, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VLLM_EXL3_ONLINE_TRELLIS_BITS", "4")
-    _, plan, _ = prepare(WarmRequest(model=str(tiny_llama), cache_dir=str(tmp_path), **ENC))
+    _, plan, _ = prepare(ServerRequest(model=str(tiny_llama), cache_dir=str(tmp_path), **ENC))
     code, out, err = run(["cache", "warm", str(tiny_llama), "--dry-run", "--json", "--cache-dir", str(tmp_path),
                           *ENC_ARGS], capsys)
     assert code == 0, err
     assert plan.bits == json.loads(out)["bits"] == 4  # before: the library planned 6
     # prepare's environ is the server's environment: its variable decides, an explicit bits wins
-    _, plan5, _ = prepare(WarmRequest(model=str(tiny_llama), cache_dir=str(tmp_path), **ENC),
+    _, plan5, _ = prepare(ServerRequest(model=str(tiny_llama), cache_dir=str(tmp_path), **ENC),
                           environ={"VLLM_EXL3_ONLINE_TRELLIS_BITS": " 5 "})
-    _, plan8, _ = prepare(WarmRequest(model=str(tiny_llama), cache_dir=str(tmp_path), bits=8, **ENC),
+    _, plan8, _ = prepare(ServerRequest(model=str(tiny_llama), cache_dir=str(tmp_path), bits=8, **ENC),
                           environ={"VLLM_EXL3_ONLINE_TRELLIS_BITS": "5"})
-    _, plan6, _ = prepare(WarmRequest(model=str(tiny_llama), cache_dir=str(tmp_path), **ENC), environ={})
+    _, plan6, _ = prepare(ServerRequest(model=str(tiny_llama), cache_dir=str(tmp_path), **ENC), environ={})
     assert (plan5.bits, plan8.bits, plan6.bits) == (5, 8, 6)
 
 
@@ -136,7 +136,7 @@ def test_a_warm_for_an_older_release_with_xdg_cache_home_hits_its_server(tiny_ll
     env = {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    request = WarmRequest(model=str(tiny_llama), quantization_config=LINEAR, server_release="gilded-gnosis-r33",
+    request = ServerRequest(model=str(tiny_llama), quantization_config=LINEAR, server_release="gilded-gnosis-r33",
                           **ENC)
     fake_warm(request, monkeypatch)
     _, plan, _ = prepare(request)

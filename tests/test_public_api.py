@@ -12,7 +12,7 @@ import exl3tool
 def test_import_is_light_and_names_load_on_use():
     """``import exl3tool`` pulls in no torch (the CLI's start depends on it); using a name imports its module."""
     code = ("import sys, exl3tool; assert 'torch' not in sys.modules, 'torch at import'; "
-            "exl3tool.WarmRequest; assert 'exl3tool.plan.request' in sys.modules; print(exl3tool.__version__)")
+            "exl3tool.ServerRequest; assert 'exl3tool.plan.request' in sys.modules; print(exl3tool.__version__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == exl3tool.__version__

@@ -63,4 +63,4 @@ def test_the_opening_command_uses_the_overlay_synth_prints():
     flow = next(line for line in _flow_block() if line.startswith("OVERLAY="))
     assert json.loads(overlay) == json.loads(shlex.split(flow.removeprefix("OVERLAY="))[0])
     assert json.loads(overlay) == json.loads(TINY_FAMILIES["qwen3.5"].overlay)
-    assert "--family qwen3.5" in opening and "--tp-sizes 2" in opening
+    assert "--family qwen3.5" in opening and "--tp-size 2" in opening

@@ -15,7 +15,7 @@ import pytest
 
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.releases import (
     CACHE_MODULES, NEWEST, RELEASES, default_release, release, release_from_labels, variable_note,
 )
@@ -96,7 +96,7 @@ def test_a_4304_wide_shard_means_the_server_does_not_start(wide, tmp_path, monke
     """Before: every planned look-up hit, so `cache check` said all hit (exit 0) for a server that fails at start-up
     (the MXFP8 fallback refuses K_r % 32 != 0). The hits are the independent server's."""
     cache = tmp_path / "cache"
-    request = WarmRequest(model=str(wide), tp_sizes=(tp,), cache_dir=str(cache), quantization_config=LINEAR, **ENC)
+    request = ServerRequest(model=str(wide), tp_sizes=(tp,), cache_dir=str(cache), quantization_config=LINEAR, **ENC)
     fake_warm(request, monkeypatch)
     _, plan, _ = prepare(request)
     mid = server_model_identity(str(wide))
@@ -106,15 +106,15 @@ def test_a_4304_wide_shard_means_the_server_does_not_start(wide, tmp_path, monke
                           for j in looked)  # every look-up the server makes hits
     k_r = 4304 // tp
     assert k_r % 128 and k_r % 32  # 128-unaligned (not encoded online) and not a multiple of 32 (MXFP8 refuses it)
-    code, out, err = run(["cache", "check", str(wide), "--tp-sizes", str(tp), "--cache-dir", str(cache),
+    code, out, err = run(["cache", "check", str(wide), "--tp-size", str(tp), "--cache-dir", str(cache),
                           "--quantization-config", LINEAR, *ENC_ARGS], capsys)
     assert code == 1, err
     assert "this server will not start" in err and "(fork issue #311)" in err and "down_proj" in err
     assert f"K_r={k_r}" in err
-    code, _, err = run(["cache", "check", str(wide), "--tp-sizes", str(tp), "--cache-dir", str(cache),
+    code, _, err = run(["cache", "check", str(wide), "--tp-size", str(tp), "--cache-dir", str(cache),
                         "--quantization-config", LINEAR, "--layers", "*.o_proj", *ENC_ARGS], capsys)
     assert code == 1 and "(fork issue #311)" in err  # --layers selects look-ups; the server still builds down_proj
-    code, out, _ = run(["cache", "check", str(wide), "--tp-sizes", str(tp), "--cache-dir", str(cache),
+    code, out, _ = run(["cache", "check", str(wide), "--tp-size", str(tp), "--cache-dir", str(cache),
                         "--quantization-config", LINEAR, "--json", *ENC_ARGS], capsys)
     doc = json.loads(out)
     assert code == 1 and doc["ok"] is False and doc["miss"] == 0 and doc["start_failures"][0]["field"] == "start"
@@ -123,7 +123,7 @@ def test_a_4304_wide_shard_means_the_server_does_not_start(wide, tmp_path, monke
 def test_a_128_unaligned_shard_that_is_32_aligned_starts(tmp_path, monkeypatch, capsys):
     """4320 = 33.75 x 128 = 135 x 32: the server builds it with MXFP8 and starts (the rule is not 'unaligned')."""
     model = write_llama_checkpoint(tmp_path / "M", **{**TINY_1, "intermediate": 4320}, shards=1)
-    request = WarmRequest(model=str(model), cache_dir=str(tmp_path / "c"), quantization_config=LINEAR, **ENC)
+    request = ServerRequest(model=str(model), cache_dir=str(tmp_path / "c"), quantization_config=LINEAR, **ENC)
     fake_warm(request, monkeypatch)
     code, _, err = run(["cache", "check", str(model), "--cache-dir", str(tmp_path / "c"), "--quantization-config",
                         LINEAR, *ENC_ARGS], capsys)
@@ -151,7 +151,7 @@ def test_an_r7_checkpoint_is_served_whatever_its_quant_method(tmp_path, monkeypa
     checkpoints as EXL3 from gilded-gnosis-r34 and infernal-invocation-r5 on, and warmed entries hit there."""
     model = _r7_checkpoint(tmp_path / "M")
     cache = tmp_path / "cache"
-    request = WarmRequest(model=str(model), tp_sizes=(2,), cache_dir=str(cache), quantization_config=LINEAR, **ENC)
+    request = ServerRequest(model=str(model), tp_sizes=(2,), cache_dir=str(cache), quantization_config=LINEAR, **ENC)
     fake_warm(request, monkeypatch)
     _, plan, _ = prepare(request)
     assert any("r7" in n for n in plan.layer_plan.notes)
@@ -160,7 +160,7 @@ def test_an_r7_checkpoint_is_served_whatever_its_quant_method(tmp_path, monkeypa
     assert len(looked) == 8  # qkv, o, gate_up, down at 2 ranks
     assert all(server_lookup(cache, mid, eid, j.prefix, 6, 2, j.tp_rank, j.input_size, j.output_size) for j in looked)
     with pytest.raises(ConfigError, match="does not read r7_routed_experts"):
-        prepare(WarmRequest(model=str(model), cache_dir=str(cache), quantization_config=LINEAR,
+        prepare(ServerRequest(model=str(model), cache_dir=str(cache), quantization_config=LINEAR,
                             server_release="gilded-gnosis-r33", **ENC))
 
 
@@ -169,7 +169,7 @@ def test_an_r7_checkpoint_is_served_whatever_its_quant_method(tmp_path, monkeypa
 def test_an_r7_block_the_server_refuses_is_refused_with_its_reason(tmp_path, bad, why):
     model = _r7_checkpoint(tmp_path / "M", **bad)
     with pytest.raises(ConfigError, match=why):
-        prepare(WarmRequest(model=str(model), cache_dir=str(tmp_path / "c"), quantization_config=LINEAR, **ENC))
+        prepare(ServerRequest(model=str(model), cache_dir=str(tmp_path / "c"), quantization_config=LINEAR, **ENC))
 
 
 # --- a ~ in VLLM_EXL3_ENCODER_SOURCE ------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def test_a_tilde_encoder_root_with_a_miss_means_the_server_does_not_start(tiny_l
             "--encoder-root", "~/exllamav3", "--encoder-revision", "r"]
     code, _, err = run(args, capsys)
     assert code == 1 and "this server will not start" in err and "~/exllamav3" in err and "absolute" in err
-    request = WarmRequest(model=str(tiny_llama), cache_dir=str(cache), quantization_config=LINEAR,
+    request = ServerRequest(model=str(tiny_llama), cache_dir=str(cache), quantization_config=LINEAR,
                           encoder_root="~/exllamav3", encoder_revision="r")
     fake_warm(request, monkeypatch)
     _, plan, _ = prepare(request)
@@ -256,11 +256,11 @@ def test_the_images_label_selects_the_release_of_a_launch(tiny_llama, tmp_path, 
     launch = (f"env HOME={env['HOME']} XDG_CACHE_HOME={env['XDG_CACHE_HOME']} VLLM_EXL3_ONLINE_TRELLIS_BITS=6 "
               f"VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r vllm serve {tiny_llama} "
               f"--quantization-config {shlex.quote(LINEAR)}")
-    request, settings, _ = apply_launch(WarmRequest(model=""), set(), LaunchInput(text=launch), environ={})
+    request, settings, _ = apply_launch(ServerRequest(model=""), set(), LaunchInput(text=launch), environ={})
     assert request.server_release == settings.server_release == "gilded-gnosis-r33"
     assert settings.settings["server_release"].source == "image label"
     assert request.cache_dir == str(server_cache_root(env, "older"))
-    request, settings, _ = apply_launch(WarmRequest(model="", server_release="ii-r18"), {"server_release"},
+    request, settings, _ = apply_launch(ServerRequest(model="", server_release="ii-r18"), {"server_release"},
                                         LaunchInput(text=launch), environ={})
     assert request.cache_dir == str(server_cache_root(env, "newer"))  # --server-release wins over the label
 

@@ -7,5 +7,5 @@ source "$here/common.sh"
 : "${CACHE_DIR:?set CACHE_DIR}"
 layers=()
 if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
-exl3tool cache check "$MODEL" "${ids[@]}" "${plan[@]}" --tp-sizes "$TP_SIZES" --bits "$BITS" \
+exl3tool cache check "$MODEL" "${ids[@]}" "${plan[@]}" --tp-size "$TP_SIZES" --bits "$BITS" \
     --cache-dir "$CACHE_DIR" "${layers[@]}"

@@ -18,4 +18,4 @@ if [ -f "$IDENTITY_JSON" ]; then
         exit 2
     fi
 fi
-exl3tool cache export "$BUNDLE" --model "$model_id" --tp-sizes "$TP_SIZES" --cache-dir "$CACHE_DIR"
+exl3tool cache export "$BUNDLE" --model "$model_id" --tp-size "$TP_SIZES" --cache-dir "$CACHE_DIR"

@@ -12,7 +12,7 @@ if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
 shard=()
 if [ -n "${SHARD:-}" ]; then shard=(--shard "$SHARD"); fi
 if [ -n "${SHARD_COUNT:-}" ]; then shard+=(--shard-count "$SHARD_COUNT"); fi
-"${run[@]}" cache warm "$MODEL" "${ids[@]}" "${plan[@]}" --tp-sizes "$TP_SIZES" --bits "$BITS" \
+"${run[@]}" cache warm "$MODEL" "${ids[@]}" "${plan[@]}" --tp-size "$TP_SIZES" --bits "$BITS" \
     --cache-dir "$CACHE_DIR" --file-mode "$FILE_MODE" --device "${DEVICE:-auto}" "${layers[@]}" "${shard[@]}" --json \
     > "${WARM_JSON:-warm.json}"
 if [ -n "${CACHE_OWNER:-}" ]; then chown -R "$CACHE_OWNER" "$CACHE_DIR"; fi

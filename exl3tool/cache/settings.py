@@ -69,7 +69,7 @@ def server_bits(bits: int | None, environ: Mapping[str, str] | None = None) -> i
     """The key's ``bits``: ``bits`` when given, else the server's ``VLLM_EXL3_ONLINE_TRELLIS_BITS``, else 6.
 
     The one place this default lives: ``prepare`` (the library) and every command's ``--bits`` reach it, so a
-    ``WarmRequest`` without bits plans what ``cache warm`` plans under the same environment. Either way the value
+    ``ServerRequest`` without bits plans what ``cache warm`` plans under the same environment. Either way the value
     must be from 3 to 8 (ConfigError naming the option or the variable).
 
     >>> server_bits(None, {"VLLM_EXL3_ONLINE_TRELLIS_BITS": "4"}), server_bits(8, {"VLLM_EXL3_ONLINE_TRELLIS_BITS": "4"})

@@ -11,7 +11,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
                                     "parse_overlay", "resolve_overlay", "should_ignore_layer"),
     "exl3tool.checkpoint.plan": ("ALIGN", "Excluded", "LayerPlan", "PlannedLayer", "RankJob", "plan_layers",
                                  "qkv_partition", "rank_sizes", "tensors_to_fetch"),
-    "exl3tool.checkpoint.serving": ("CheckpointKind", "NotServable", "StorageMap", "serving_kind",
+    "exl3tool.checkpoint.routing": ("CheckpointKind", "NotServable", "StorageMap", "serving_kind",
                                     "storage_candidates"),
     "exl3tool.checkpoint.sharding": ("RankReads", "encoder_input", "rank_local_weight", "rank_reads",
                                      "rank_row_ranges"),

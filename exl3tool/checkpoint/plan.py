@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 
 from exl3tool.checkpoint.families import SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for, text_config
 from exl3tool.checkpoint.overlay import Overlay, is_shared_expert_projection, resolve_overlay
-from exl3tool.checkpoint.serving import (
+from exl3tool.checkpoint.routing import (
     CheckpointKind, Route, StorageMap, read_json, route_family, serving_view,
 )
 from exl3tool.checkpoint.source import QUANT_CONFIG, Checkpoint

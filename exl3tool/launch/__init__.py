@@ -4,7 +4,7 @@ of every look-up it makes, each with where it came from.
 ``load_launch`` reads a launch (``shell``: shell scripts, quoting and variables; ``parse``: the fork's flags;
 ``container``: docker/podman run; ``image``: an image's ENV; ``compose``: a docker compose service; ``proc``:
 ``/proc/PID``; ``env``: env files and precedence); ``resolve_launch`` turns it into ``LaunchSettings``;
-``apply_launch`` fills a ``WarmRequest`` from them, so ``identity``, ``encode``, ``cache warm``, ``verify`` (and
+``apply_launch`` fills a ``ServerRequest`` from them, so ``identity``, ``encode``, ``cache warm``, ``verify`` (and
 every command that builds a request) take a launch the same way.
 """
 

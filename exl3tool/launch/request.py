@@ -12,11 +12,11 @@ from exl3tool.launch.env import EnvLayers, read_env_file
 from exl3tool.launch.image import ImageSettings, image_settings, same_image
 from exl3tool.launch.load import load_launch
 from exl3tool.launch.resolve import Explicit, LaunchSettings, ServerLaunch, resolve_launch
-from exl3tool.plan.request import WarmRequest
+from exl3tool.plan.request import ServerRequest
 
 __all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS", "launch_image", "environment_lookup_off"]
 
-# WarmRequest fields a command's own flags can give (and so win over the launch)
+# ServerRequest fields a command's own flags can give (and so win over the launch)
 EXPLICIT_FIELDS = ("model", "revision", "server_path", "tp_sizes", "dtype", "bits", "quantization_config",
                    "encoder_root", "encoder_revision", "encoder_source", "cache_dir", "server_release")
 
@@ -41,8 +41,8 @@ class LaunchInput:
                 or self.compose is not None)
 
 
-def _env_only(request: WarmRequest, given: Collection[str], files: tuple[str, ...],
-              environ: Mapping[str, str], image: Optional[ImageSettings] = None) -> tuple[WarmRequest, dict[str, str]]:
+def _env_only(request: ServerRequest, given: Collection[str], files: tuple[str, ...],
+              environ: Mapping[str, str], image: Optional[ImageSettings] = None) -> tuple[ServerRequest, dict[str, str]]:
     """``--env-file`` / ``--image`` without a launch: the files' variables over the image's ENV over ours, for the
     server's settings."""
     from exl3tool.cache.settings import server_bits
@@ -67,10 +67,10 @@ def environment_lookup_off(environ: Optional[Mapping[str, str]] = None) -> tuple
     return ()
 
 
-def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInput, *, add_tp_sizes: bool = False,
+def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchInput, *, add_tp_sizes: bool = False,
                  environ: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, need_cache: bool = True,
-                 ) -> tuple[WarmRequest, Optional[LaunchSettings], Optional[dict[str, str]]]:
-    """``request`` with the launch's settings where the command's own flags (``given``: WarmRequest field names set
+                 ) -> tuple[ServerRequest, Optional[LaunchSettings], Optional[dict[str, str]]]:
+    """``request`` with the launch's settings where the command's own flags (``given``: ServerRequest field names set
     on the command line) did not set them; also the settings with their sources and the server's environment.
 
     ``add_tp_sizes`` (``cache warm``): the launch's TP size comes first and ``--tp-size``, when given, adds more;
@@ -79,7 +79,7 @@ def apply_launch(request: WarmRequest, given: Collection[str], launch: LaunchInp
 
     Args:
         request: the request built from the command's flags.
-        given: the WarmRequest field names the command line set.
+        given: the ServerRequest field names the command line set.
         launch: the launch forms a command was given (``LaunchInput``).
         add_tp_sizes, environ, cwd, need_cache: as described above.
 

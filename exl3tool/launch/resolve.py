@@ -99,7 +99,7 @@ class Explicit:
 
 @dataclass(frozen=True)
 class LaunchSettings:
-    """The look-up's settings a launch gives (each with its source), and what a WarmRequest takes from them."""
+    """The look-up's settings a launch gives (each with its source), and what a ServerRequest takes from them."""
 
     launch: ServerLaunch
     settings: dict[str, Setting]

@@ -45,7 +45,7 @@ class AgainstModel:
 
     @classmethod
     def from_request(cls, request, *, exact: bool = False) -> "AgainstModel":
-        """The check for a warm's options (``WarmRequest``: model, revision, overlay, layers, identities, bits,
+        """The check for a warm's options (``ServerRequest``: model, revision, overlay, layers, identities, bits,
         dtype, device): the same checkpoint, identities and layer plan that warm would use. Reads no cache."""
         from dataclasses import replace
 

@@ -24,8 +24,8 @@ from exl3tool.checkpoint.plan import ALIGN, LayerPlan, plan_layers, rank_sizes
 from exl3tool.errors import ConfigError
 from exl3tool.cache.records import ORIGINS, StoredRecord, entry_origin, overlay_digest, printable, read_records
 from exl3tool.text import plural
-from exl3tool.plan.plan import WarmJob, WarmPlan
-from exl3tool.plan.request import WarmRequest, prepare
+from exl3tool.plan.plan import LookupJob, LookupPlan
+from exl3tool.plan.request import ServerRequest, prepare
 from exl3tool.releases import UNALIGNED_FIX, ServerRelease, default_release, unaligned_start_failure
 
 __all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences",
@@ -63,7 +63,7 @@ class Cause:
 
     kind: str  # miss | invalid | server_written | unplanned (look-ups the server makes that no plan holds)
     fields: tuple[str, ...]
-    lookups: tuple[WarmJob, ...]
+    lookups: tuple[LookupJob, ...]
     findings: tuple[Finding, ...]
     nearest: Optional[Present] = None
 
@@ -84,7 +84,7 @@ class Cause:
 class CheckReport:
     """Every look-up's state, the causes of misses, notes that do not change a hit, and the records consulted."""
 
-    plan: WarmPlan
+    plan: LookupPlan
     dtype: str
     causes: tuple[Cause, ...]
     notes: tuple[Finding, ...]
@@ -96,7 +96,7 @@ class CheckReport:
     server_release: str = ""  # the release whose rules were applied (exl3tool.releases)
 
     @property
-    def lookups(self) -> list[WarmJob]:
+    def lookups(self) -> list[LookupJob]:
         return [j for j in self.plan.jobs if j.state != "skipped"]
 
     @property
@@ -332,7 +332,7 @@ class _Cache:
         return min(found, key=rank)
 
 
-def _identity_findings(fields: tuple[str, ...], key: CacheKey, near: Present, plan: WarmPlan, cache: _Cache,
+def _identity_findings(fields: tuple[str, ...], key: CacheKey, near: Present, plan: LookupPlan, cache: _Cache,
                        *, here: str = "here", there: str = "in the cache") -> list[Finding]:
     """Lines for the fields in which ``near``'s key differs from ``key`` (payload components where records tell)."""
     out: list[Finding] = []
@@ -375,7 +375,7 @@ def _identity_findings(fields: tuple[str, ...], key: CacheKey, near: Present, pl
     return out
 
 
-def _overlay_findings(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache, ours: Optional[str]) -> list[Finding]:
+def _overlay_findings(jobs: list[LookupJob], plan: LookupPlan, cache: _Cache, ours: Optional[str]) -> list[Finding]:
     """Layers this launch plans that no entry in the cache has at any TP size (the warm's overlay left them out)."""
     prefixes = sorted({j.prefix for j in jobs})
     if not plan.cache_root.is_dir():
@@ -405,18 +405,18 @@ def _overlay_findings(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache, ours: 
                                      "as the warm used them)")]
 
 
-def _overlay_text(plan: WarmPlan) -> str:
+def _overlay_text(plan: LookupPlan) -> str:
     lp = plan.layer_plan
     if lp is None or lp.overlay is None:
         return "no overlay"
     return "the default overlay" if lp.overlay.default else lp.overlay.text
 
 
-def _resolved_dtype(request: WarmRequest, checkpoint) -> str:
+def _resolved_dtype(request: ServerRequest, checkpoint) -> str:
     return request.dtype if request.dtype not in (None, "auto") else str(checkpoint.dtype).removeprefix("torch.")
 
 
-def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckReport:
+def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckReport:
     """Every look-up a server started as ``request`` describes will make, each hit, miss or invalid, with causes.
 
     The plan is ``prepare``'s (as ``cache warm --dry-run``), looked up read-only with the warm's verdicts;
@@ -424,7 +424,7 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
     entry the server wrote, so an all-hit check of a warm cache reads the look-ups' headers and the records only.
 
     Args:
-        request: the server's settings (``exl3tool.plan.WarmRequest``), usually filled from its launch.
+        request: the server's settings (``exl3tool.plan.ServerRequest``), usually filled from its launch.
         environ: the environment identities and the cache root are read from (None: ``os.environ``).
 
     Returns:
@@ -456,7 +456,7 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
     if cache is not None:
         causes += _miss_causes(misses, plan, cache)
         causes += _server_causes(misses + server_hits, plan, cache)
-    by_reason: dict[str, list[WarmJob]] = defaultdict(list)
+    by_reason: dict[str, list[LookupJob]] = defaultdict(list)
     for j in invalid:
         by_reason[j.reason].append(j)
     for reason, jobs in by_reason.items():
@@ -483,7 +483,7 @@ def check(request: WarmRequest, *, environ: Optional[dict] = None) -> CheckRepor
                        server_release=release.name)
 
 
-def start_failures(plan: WarmPlan, request: WarmRequest, release: ServerRelease,
+def start_failures(plan: LookupPlan, request: ServerRequest, release: ServerRelease,
                    full: Optional[LayerPlan] = None) -> list[Finding]:
     """Why a server of ``release`` started as ``request`` describes fails at start-up, whatever the cache holds:
     a 128-unaligned shard whose K_r is not a multiple of 32 (the MXFP8 fallback raises: fork issue #311), and an
@@ -520,7 +520,7 @@ def start_failures(plan: WarmPlan, request: WarmRequest, release: ServerRelease,
     return out
 
 
-def _lock_notes(lookups: list[WarmJob], release: ServerRelease) -> list[Finding]:
+def _lock_notes(lookups: list[LookupJob], release: ServerRelease) -> list[Finding]:
     """Entry locks held now (a warm running): what the release's server does when it reaches one at start-up."""
     from exl3tool.cache.locks import lock_holders
     from exl3tool.cache.paths import lock_path
@@ -543,7 +543,7 @@ def _lock_notes(lookups: list[WarmJob], release: ServerRelease) -> list[Finding]
                             f"{held[0].prefix}: {what}", "let the warm finish before starting the server")]
 
 
-def _stored_only(request: WarmRequest, environ: Optional[dict]) -> Optional[CheckReport]:
+def _stored_only(request: ServerRequest, environ: Optional[dict]) -> Optional[CheckReport]:
     """A report of zero look-ups when the local checkpoint stores every layer the server would encode online (a
     hydrated checkpoint, `exl3tool hydrate`): the rule is ``operations.hydrate.stored_only_reason``. None otherwise
     (also for Hub models: their plan is ``prepare``'s, which fetches only what it needs)."""
@@ -570,13 +570,13 @@ def _stored_only(request: WarmRequest, environ: Optional[dict]) -> Optional[Chec
     if not why:
         return None
     root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
-    plan = WarmPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
+    plan = LookupPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
                     tp_sizes=tuple(request.tp_sizes), cache_root=root, mode="readonly", jobs=(), layer_plan=layer_plan)
     return CheckReport(plan, _resolved_dtype(request, checkpoint), (), (), {o: 0 for o in ORIGINS}, (),
                        round(time.perf_counter() - start, 4), stored=why)
 
 
-def _unplanned_causes(plan: WarmPlan) -> list[Cause]:
+def _unplanned_causes(plan: LookupPlan) -> list[Cause]:
     """Look-ups the server makes that the plan cannot hold, each a predicted miss: modules it encodes online that
     exl3tool does not model (a vision tower the overlay does not ignore), and a plan the server never looks up
     (generic ``--layers`` mode)."""
@@ -610,8 +610,8 @@ def _has_checksum(path: Path) -> bool:
         return False
 
 
-def _miss_causes(misses: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[Cause]:
-    groups: dict[tuple, list[tuple[WarmJob, Optional[Present]]]] = defaultdict(list)
+def _miss_causes(misses: list[LookupJob], plan: LookupPlan, cache: _Cache) -> list[Cause]:
+    groups: dict[tuple, list[tuple[LookupJob, Optional[Present]]]] = defaultdict(list)
     for j in misses:
         same = cache.slot.get((j.prefix, j.tp_size, j.tp_rank))
         if same:
@@ -662,7 +662,7 @@ def _miss_causes(misses: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
     return causes
 
 
-def _warmed_tp_sizes(plan: WarmPlan, cache: _Cache) -> tuple[int, ...]:
+def _warmed_tp_sizes(plan: LookupPlan, cache: _Cache) -> tuple[int, ...]:
     """The TP sizes this model was warmed at, by the entries present and the records of its identity."""
     sizes = {p.key.tp_world_size for p in cache.present if p.key.model_identity == plan.model_identity}
     for sr in cache.by_model.values():
@@ -671,8 +671,8 @@ def _warmed_tp_sizes(plan: WarmPlan, cache: _Cache) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def _unaligned_when_warmed(jobs: list[WarmJob], plan: WarmPlan,
-                           cache: _Cache) -> tuple[dict[tuple[int, ...], list[WarmJob]], list[WarmJob]]:
+def _unaligned_when_warmed(jobs: list[LookupJob], plan: LookupPlan,
+                           cache: _Cache) -> tuple[dict[tuple[int, ...], list[LookupJob]], list[LookupJob]]:
     """Split look-ups of layers no entry holds: those the warm's TP sizes left unencoded because the layer is not
     128-aligned there (the fix is the TP size, not the overlay), keyed by those sizes, and the rest."""
     lp = plan.layer_plan
@@ -685,7 +685,7 @@ def _unaligned_when_warmed(jobs: list[WarmJob], plan: WarmPlan,
             unaligned[t] = {prefix for prefix, _, _ in lp.skipped(t)}
         except Exception:  # a TP size this plan cannot shard (heads not divisible): it tells nothing here
             unaligned[t] = set()
-    by_sizes: dict[tuple[int, ...], list[WarmJob]] = defaultdict(list)
+    by_sizes: dict[tuple[int, ...], list[LookupJob]] = defaultdict(list)
     rest = []
     for j in jobs:
         if all(j.prefix in unaligned[t] for t in warmed):
@@ -695,9 +695,9 @@ def _unaligned_when_warmed(jobs: list[WarmJob], plan: WarmPlan,
     return dict(by_sizes), rest
 
 
-def _server_causes(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[Cause]:
+def _server_causes(jobs: list[LookupJob], plan: LookupPlan, cache: _Cache) -> list[Cause]:
     """Entries the server wrote itself at this launch's look-ups, and which key fields separate them from the warm's."""
-    groups: dict[tuple, list[tuple[WarmJob, Present, Optional[Present]]]] = defaultdict(list)
+    groups: dict[tuple, list[tuple[LookupJob, Present, Optional[Present]]]] = defaultdict(list)
     for j in jobs:
         found = cache.slot.get((j.prefix, j.tp_size, j.tp_rank), [])
         server = [p for p in found if p.origin == "server"]
@@ -731,7 +731,7 @@ def _server_causes(jobs: list[WarmJob], plan: WarmPlan, cache: _Cache) -> list[C
     return causes
 
 
-def _dtype_notes(lookups: list[WarmJob], records: list[StoredRecord], plan: WarmPlan, dtype: str) -> list[Finding]:
+def _dtype_notes(lookups: list[LookupJob], records: list[StoredRecord], plan: LookupPlan, dtype: str) -> list[Finding]:
     """Hits encoded from weights cast to another dtype: the server loads them, but would encode others itself."""
     hits = {j.digest for j in lookups if j.state == "hit"}
     other: dict[tuple[str, str], int] = defaultdict(int)
@@ -747,7 +747,7 @@ def _dtype_notes(lookups: list[WarmJob], records: list[StoredRecord], plan: Warm
                     "encode itself") for (d, t), n in sorted(other.items())]
 
 
-def _unplanned_notes(plan: WarmPlan, cache: Optional[_Cache], records: list[StoredRecord]) -> list[Finding]:
+def _unplanned_notes(plan: LookupPlan, cache: Optional[_Cache], records: list[StoredRecord]) -> list[Finding]:
     """The other way round: layers warmed for these identities, bits and TP sizes that this launch does not plan
     (from the entries present when the cache was indexed, else from the records)."""
     planned = {j.prefix for j in plan.jobs}
@@ -767,7 +767,7 @@ def _unplanned_notes(plan: WarmPlan, cache: Optional[_Cache], records: list[Stor
                     "--quantization-config")]
 
 
-def _parity_notes(lookups: list[WarmJob], records: list[StoredRecord], plan: WarmPlan) -> list[Finding]:
+def _parity_notes(lookups: list[LookupJob], records: list[StoredRecord], plan: LookupPlan) -> list[Finding]:
     """Hits exl3tool wrote under an encoder identity whose parity with exl3tool's encoder is not proved
     (``operations.parity``: unverified, or written with --trust-encoder-identity although it differs)."""
     from exl3tool.operations.parity import parity_line, recorded_parity

@@ -203,7 +203,7 @@ def _storage_location(checkpoint) -> str:
 
 def _hydrated_by_us(checkpoint, storage_file: str) -> bool:
     """Whether ``exl3tool hydrate`` wrote this checkpoint (its ``hydrated_by`` note beside ``tensor_storage``)."""
-    from exl3tool.checkpoint.serving import read_json
+    from exl3tool.checkpoint.routing import read_json
 
     qc = (checkpoint.config.get("quantization_config") if storage_file == "config.json"
           else read_json(checkpoint.root / _QUANT)) or {}
@@ -234,7 +234,7 @@ def _primary_spelling(module: str, aliases) -> str:
 def _record_key(module: str, vllm_name: str, mapper) -> str:
     """``module`` when the fork finds a record under it for ``vllm_name`` (its spellings after the model's mapper),
     else ``vllm_name`` (a checkpoint path the model renames on load, e.g. GLM-5.3's ``forget_gate.f_b_proj``)."""
-    from exl3tool.checkpoint.serving import StorageMap
+    from exl3tool.checkpoint.routing import StorageMap
 
     found = StorageMap.build({module: {"quant_format": "exl3"}}, mapper).is_exl3(vllm_name)
     return module if found else vllm_name
@@ -258,10 +258,10 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     encode online (a BF16 model, a plan with no layer), kinds whose stored layers the fork reads another way
     (rank-sliced routed experts, the GLM-5.3 routed-only scope), and layers a server at one of the TP sizes could
     not slice (unless ``leave_unaligned``: they stay BF16 and the plan lists them).
-    Example: ``hydrate(plan_hydrate(WarmRequest(model="./m", tp_sizes=(1, 2)), "./m-k6"))``.
+    Example: ``hydrate(plan_hydrate(ServerRequest(model="./m", tp_sizes=(1, 2)), "./m-k6"))``.
 
     Args:
-        request: the server's settings (``WarmRequest``): SOURCE as ``model``, bits, overlay, dtype, the TP sizes
+        request: the server's settings (``ServerRequest``): SOURCE as ``model``, bits, overlay, dtype, the TP sizes
             OUT must serve, ``layers`` / ``exclude``.
         out: the new checkpoint folder.
         leave_unaligned: keep BF16 (and list) the layers a server at one of the TP sizes could not slice.
@@ -369,7 +369,7 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
         more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
         raise ConfigError(f"{first} cannot be stored as EXL3 for TP {','.join(map(str, tp_sizes))}: {why}{more}; "
                           "pass --leave-unaligned to keep such layers BF16 (the server encodes or keeps them as "
-                          "today), or drop that TP size from --tp-sizes")
+                          "today), or drop that TP size from --tp-size")
     if not hydrated and left and _hydrated_by_us(checkpoint, base["storage_file"]):
         return HydratePlan(**base, layers=(), left_bf16=tuple(left), not_planned=not_planned, changed_shards=(),
                            unchanged_files=tuple(files), bytes_before=total, bytes_after=total,

@@ -265,7 +265,7 @@ def verify_hydrated(
     from pathlib import Path
 
     from exl3tool.checkpoint import open_checkpoint
-    from exl3tool.checkpoint.serving import read_json
+    from exl3tool.checkpoint.routing import read_json
     from exl3tool.errors import ConfigError
 
     hydrated, original = open_checkpoint(out), open_checkpoint(source)

@@ -19,11 +19,11 @@ from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
 from exl3tool.plan.sharing import reused_from, share_jobs, sharing_figures  # whole share groups per worker
 from exl3tool.plan.shards import Shard, ShardInfo, shard_info, shard_slice
 
-__all__ = ["WarmJob", "WarmPlan", "build_plan", "share_jobs"]
+__all__ = ["LookupJob", "LookupPlan", "build_plan", "share_jobs"]
 
 
 @dataclass(frozen=True)
-class WarmJob:
+class LookupJob:
     """One (layer, TP size, rank) to encode: its rank-local shape, cache key and state before running."""
 
     prefix: str
@@ -55,7 +55,7 @@ class WarmJob:
 
 
 @dataclass(frozen=True)
-class WarmPlan:
+class LookupPlan:
     """Every job of a warm, with the identities and settings that went into their keys."""
 
     model: str
@@ -65,7 +65,7 @@ class WarmPlan:
     tp_sizes: tuple[int, ...]
     cache_root: Path
     mode: str
-    jobs: tuple[WarmJob, ...]
+    jobs: tuple[LookupJob, ...]
     layer_plan: Optional[LayerPlan] = field(default=None, compare=False, repr=False)  # overlay, kind, excluded
     fetch: Optional[FetchInfo] = None  # what a selective Hub download fetched
     identity_warnings: tuple[str, ...] = ()  # from server_identities: e.g. a branch revision, an unmappable link
@@ -120,11 +120,14 @@ class WarmPlan:
         return all(j.state == "skipped" for j in self.jobs)
 
     @property
-    def todo(self) -> list[WarmJob]:
+    def todo(self) -> list[LookupJob]:
         """Jobs that need an encode (missing or invalid entries), largest first."""
         pending = [j for j in self.jobs if j.state in ("miss", "invalid")]
         return sorted(pending, key=lambda j: (-j.tiles, j.digest))
 
+
+
+WarmJob, WarmPlan = LookupJob, LookupPlan  # their names before 0.2 (CHANGELOG "Renamed"), kept for one release
 
 def _state(store: CacheStore, key: CacheKey, check_hits: bool) -> tuple[str, str]:
     """(state, reason) of one job's entry: a look-up with our checksum, and what would stop a publish."""
@@ -152,7 +155,7 @@ def build_plan(
     check_hits: bool = True,
     threads: Optional[int] = None,
     shard: Optional[Shard] = None,
-) -> WarmPlan:
+) -> LookupPlan:
     """One job per (layer, TP size, rank), each looked up in the store (read-only) to learn its state.
 
     ``check_hits`` (default) hashes every present entry's tensor bytes against its ``exl3tool_sha256``, so an
@@ -181,7 +184,7 @@ def build_plan(
             rows.append((rj, tp, key, reasons.get((rj.prefix, rj.tp_rank), "")))
     info = None
     if shard is not None:  # the slice from the plan alone (states unknown yet: looked-up jobs as "miss")
-        unlooked = [WarmJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key, entry_path(key, store.root),
+        unlooked = [LookupJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key, entry_path(key, store.root),
                             "miss" if rj.aligned else "skipped", reason, rj) for rj, tp, key, reason in rows]
         mine = shard_slice(unlooked, shard)
         info = shard_info(shard, unlooked, mine)
@@ -194,14 +197,14 @@ def build_plan(
             states = dict(zip((k.digest() for k in present), pool.map(lambda k: _state(store, k, check_hits), present)))
     else:
         states = {k.digest(): _state(store, k, check_hits) for k in present}
-    jobs: list[WarmJob] = []
+    jobs: list[LookupJob] = []
     for rj, tp, key, reason in rows:
         state = "skipped"
         if rj.aligned:
             state, reason = states[key.digest()]
-        jobs.append(WarmJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key,
+        jobs.append(LookupJob(rj.prefix, tp, rj.tp_rank, rj.input_size, rj.output_size, key,
                             entry_path(key, store.root), state, reason, rj))
-    return WarmPlan(
+    return LookupPlan(
         model=checkpoint.model, model_identity=model_identity, encoder_identity=encoder_identity, bits=bits,
         tp_sizes=tp_sizes, cache_root=store.root, mode=store.mode, jobs=tuple(jobs), layer_plan=layer_plan,
         fetch=checkpoint.fetch, shard=info,

@@ -1,4 +1,4 @@
-"""The shared input of every command: ``WarmRequest`` (the server's settings) and ``prepare`` (the look-up plan).
+"""The shared input of every command: ``ServerRequest`` (the server's settings) and ``prepare`` (the look-up plan).
 
 ``prepare`` opens the checkpoint, resolves both identities and plans; ``exl3tool.operations.warm.warm`` runs the
 plan (encode, ``cache warm``), ``cache check``, ``verify`` and ``import --against`` read it.
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # torch, the store and the plan are imported where they are used: the CLI's option tables read SERVING_DTYPES
 # from here, and `--help` must not pull in torch.
 
-__all__ = ["SERVING_DTYPES", "DTYPE_SPELLINGS", "serving_dtype_name", "WarmRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype"]
+__all__ = ["SERVING_DTYPES", "DTYPE_SPELLINGS", "serving_dtype_name", "ServerRequest", "nothing_to_do", "prepare", "resolve_device", "serving_torch_dtype"]
 
 # vLLM's --dtype values a server can run with; "auto" is the checkpoint's config dtype, float32 served as bfloat16
 SERVING_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -88,7 +88,7 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
 
 
 @dataclass(frozen=True)
-class WarmRequest:
+class ServerRequest:
     """Everything a warm needs; the CLI fills it from options and environment."""
 
     model: str
@@ -125,7 +125,10 @@ class WarmRequest:
     server_release: Optional[str] = None  # the fork's release whose rules apply (exl3tool.releases; None: the newest)
 
 
-def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
+
+WarmRequest = ServerRequest  # its name before 0.2 (CHANGELOG "Renamed"), kept for one release
+
+def prepare(request: ServerRequest, *, environ: Optional[dict] = None, check_hits: bool = True):
     """Open the checkpoint, resolve both identities, plan the layers and look every job up.
 
     Returns ``(checkpoint, plan, store)``. Raises ConfigError/InputError with a one-line fix. ``check_hits``
@@ -137,7 +140,7 @@ def prepare(request: WarmRequest, *, environ: Optional[dict] = None, check_hits:
         check_hits: hash present entries against exl3tool's checksum (False: a hit is any valid entry).
 
     Returns:
-        ``(checkpoint, plan, store)``: the opened ``Checkpoint``, the looked-up ``WarmPlan`` and its ``CacheStore``.
+        ``(checkpoint, plan, store)``: the opened ``Checkpoint``, the looked-up ``LookupPlan`` and its ``CacheStore``.
     """
     from exl3tool.cache import cache_root, server_identities
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch

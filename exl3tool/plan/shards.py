@@ -25,7 +25,7 @@ from exl3tool.errors import ConfigError
 from exl3tool.plan.sharing import group_jobs, share_jobs
 
 if TYPE_CHECKING:
-    from exl3tool.plan.plan import WarmJob
+    from exl3tool.plan.plan import LookupJob
 
 __all__ = ["Shard", "ShardInfo", "SCHEDULERS", "parse_shard", "resolve_shard", "shard_slice", "shard_info"]
 
@@ -200,7 +200,7 @@ def resolve_shard(option: Optional[str], shard_count: Optional[int] = None,
     return None
 
 
-def shard_slice(jobs: list["WarmJob"], shard: Shard) -> list["WarmJob"]:
+def shard_slice(jobs: list["LookupJob"], shard: Shard) -> list["LookupJob"]:
     """``shard``'s jobs of a plan's ``jobs`` (planned states need not be known): its share groups of the looked-up
     jobs, by ``share_jobs`` (largest encode first into the least-loaded shard, ties by digest and index), and on
     shard 0 the skipped jobs; in the plan's order."""
@@ -209,9 +209,9 @@ def shard_slice(jobs: list["WarmJob"], shard: Shard) -> list["WarmJob"]:
     return [j for j in jobs if j.digest in mine or (j.state == "skipped" and shard.index == 0)]
 
 
-def shard_info(shard: Shard, plan_jobs: list["WarmJob"], mine: list["WarmJob"]) -> ShardInfo:
+def shard_info(shard: Shard, plan_jobs: list["LookupJob"], mine: list["LookupJob"]) -> ShardInfo:
     """The figures of ``mine`` (``shard_slice``'s result) against the whole plan's ``plan_jobs``."""
-    def figures(jobs: list["WarmJob"]) -> tuple[int, int, int]:
+    def figures(jobs: list["LookupJob"]) -> tuple[int, int, int]:
         looked_up = [j for j in jobs if j.state != "skipped"]
         groups = group_jobs(looked_up)
         return len(looked_up), len(groups), sum(g.tiles for g in groups)

@@ -20,7 +20,7 @@ from exl3tool.checkpoint.sharding import rank_reads
 
 if TYPE_CHECKING:
     from exl3tool.checkpoint.plan import LayerPlan, RankJob
-    from exl3tool.plan.plan import WarmJob
+    from exl3tool.plan.plan import LookupJob
 
 __all__ = ["ShareGroup", "shard_identity", "rank_shard", "group_jobs", "share_jobs", "reused_from", "SharedEncode",
            "sharing_figures", "plan_sharing"]
@@ -33,7 +33,7 @@ def rank_shard(rank_job: "RankJob") -> tuple:
     return (rank_job.prefix, rank_job.input_size, rank_job.output_size, rank_reads(rank_job))
 
 
-def shard_identity(job: "WarmJob") -> tuple:
+def shard_identity(job: "LookupJob") -> tuple:
     """``rank_shard`` of a warm job; a job without a rank job (never the case for planned jobs) shares with nobody."""
     if job.rank_job is None:
         return ("digest", job.digest)
@@ -44,10 +44,10 @@ def shard_identity(job: "WarmJob") -> tuple:
 class ShareGroup:
     """Jobs filled by one encode; ``jobs[0]`` (the leader) is the one planned to run it."""
 
-    jobs: tuple["WarmJob", ...]
+    jobs: tuple["LookupJob", ...]
 
     @property
-    def leader(self) -> "WarmJob":
+    def leader(self) -> "LookupJob":
         return self.jobs[0]
 
     @property
@@ -56,7 +56,7 @@ class ShareGroup:
         return self.leader.tiles
 
 
-def group_jobs(jobs: Iterable["WarmJob"]) -> list[ShareGroup]:
+def group_jobs(jobs: Iterable["LookupJob"]) -> list[ShareGroup]:
     """``jobs`` grouped by shard identity, groups in order of their first job, members in the given order."""
     groups: dict[tuple, list] = {}
     for job in jobs:
@@ -64,12 +64,12 @@ def group_jobs(jobs: Iterable["WarmJob"]) -> list[ShareGroup]:
     return [ShareGroup(tuple(members)) for members in groups.values()]
 
 
-def reused_from(jobs: Iterable["WarmJob"]) -> dict[str, str]:
+def reused_from(jobs: Iterable["LookupJob"]) -> dict[str, str]:
     """``{digest: leader digest}`` for every job of ``jobs`` another job's encode fills (the plan's view)."""
     return {j.digest: g.leader.digest for g in group_jobs(jobs) for j in g.jobs[1:]}
 
 
-def share_jobs(jobs: list["WarmJob"], worker: int, workers: int) -> list["WarmJob"]:
+def share_jobs(jobs: list["LookupJob"], worker: int, workers: int) -> list["LookupJob"]:
     """This worker's jobs, whole share groups at a time, members of a group one after another.
 
     Groups are taken largest encode first (ties by the leader's digest) and each goes to the least-loaded worker
@@ -81,7 +81,7 @@ def share_jobs(jobs: list["WarmJob"], worker: int, workers: int) -> list["WarmJo
     if workers <= 1:
         return [j for g in groups for j in g.jobs]
     load = [0] * workers
-    mine: list["WarmJob"] = []
+    mine: list["LookupJob"] = []
     for group in groups:
         target = min(range(workers), key=lambda w: (load[w], w))
         load[target] += group.tiles
@@ -97,7 +97,7 @@ class SharedEncode(Generic[T]):
     ``owner`` is the digest of the job whose call ran the encode (None before).
     """
 
-    def __init__(self, encode: Optional[Callable[["WarmJob"], T]]) -> None:
+    def __init__(self, encode: Optional[Callable[["LookupJob"], T]]) -> None:
         self._encode = encode
         self._lock = threading.Lock()
         self._done = False
@@ -111,7 +111,7 @@ class SharedEncode(Generic[T]):
         """Whether the encode ran (or failed): a member that asks now gets its result without reading a weight."""
         return self._done
 
-    def __call__(self, job: "WarmJob", encode: Optional[Callable[["WarmJob"], T]] = None) -> T:
+    def __call__(self, job: "LookupJob", encode: Optional[Callable[["LookupJob"], T]] = None) -> T:
         """The group's result; ``encode`` (else the one given at construction) runs it if no member did yet."""
         with self._lock:
             self._served.add(job.digest)
@@ -127,7 +127,7 @@ class SharedEncode(Generic[T]):
             assert self._result is not None
             return self._result
 
-    def reused_by(self, job: "WarmJob") -> Optional[str]:
+    def reused_by(self, job: "LookupJob") -> Optional[str]:
         """The owner's digest when ``job`` asked for the encode and got another job's, else None."""
         if job.digest not in self._served or not self._done or self._error is not None or self.owner == job.digest:
             return None
@@ -138,7 +138,7 @@ class SharedEncode(Generic[T]):
         self._result = None
 
 
-def sharing_figures(jobs: Iterable["WarmJob"]) -> dict[str, int]:
+def sharing_figures(jobs: Iterable["LookupJob"]) -> dict[str, int]:
     """Entries, encodes and tiles of ``jobs`` with and without sharing (the ``--dry-run`` figures)."""
     jobs = list(jobs)
     groups = group_jobs(jobs)

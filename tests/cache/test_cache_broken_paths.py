@@ -19,7 +19,7 @@ from helpers import ENC, ENCODER_ID, MODEL_ID, TINY, CliRunner, fake_warm, make_
 from exl3tool.cache import CacheKey, CacheStore, lock_path, scan
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from seeds import fresh_bytes
 
 
@@ -32,8 +32,8 @@ def model(tmp_path_factory):
     return write_llama_checkpoint(tmp_path_factory.mktemp("broken") / "m", **TINY, seed=12, shards=1)
 
 
-def _request(model, cache) -> WarmRequest:
-    return WarmRequest(model=str(model), tp_sizes=(2,), layers=("*.o_proj",), cache_dir=str(cache), device="cpu", **ENC)
+def _request(model, cache) -> ServerRequest:
+    return ServerRequest(model=str(model), tp_sizes=(2,), layers=("*.o_proj",), cache_dir=str(cache), device="cpu", **ENC)
 
 
 def _break(path, kind: str, outside) -> None:
@@ -71,7 +71,7 @@ def test_unrepairable_entries_name_the_cause_and_the_fix(model, tmp_path, monkey
     assert all("cache prune --invalid" in j.reason for j in plan.jobs)
 
     calls: list = []
-    summary = fake_warm(WarmRequest(**{**_request(model, cache).__dict__, "overlap": overlap}), monkeypatch, calls)
+    summary = fake_warm(ServerRequest(**{**_request(model, cache).__dict__, "overlap": overlap}), monkeypatch, calls)
     assert summary.counts["failed"] == 4 and calls == []  # nothing encoded for nothing
     for e in summary.entries:
         kind = broken[e.digest]
@@ -146,7 +146,7 @@ def test_warm_holding_the_lock_removes_that_entrys_stale_temps(model, tmp_path, 
         t.write_bytes(b"half an entry")
     unrelated = job.path.parent / f".{'0' * 64}.safetensors.abcd1234.tmp"
     unrelated.write_bytes(b"someone else's")
-    summary = fake_warm(WarmRequest(**{**_request(model, cache).__dict__, "layers": (job.prefix,)}), monkeypatch)
+    summary = fake_warm(ServerRequest(**{**_request(model, cache).__dict__, "layers": (job.prefix,)}), monkeypatch)
     assert summary.counts["encoded"] == 2
     assert not any(t.exists() for t in stale)
     assert unrelated.exists()  # not this warm's lock: may belong to a live writer
@@ -174,7 +174,7 @@ def test_dry_run_names_a_broken_lock_path_when_the_entry_is_also_invalid(model, 
     job.path.parent.mkdir(parents=True, exist_ok=True)
     job.path.write_bytes(fresh_bytes(64))  # an invalid entry
     lock_path(job.path).mkdir()
-    res = cli("cache", "warm", str(model), "--tp-sizes", "2", "--layers", "*.o_proj", "--cache-dir", str(cache),
+    res = cli("cache", "warm", str(model), "--tp-size", "2", "--layers", "*.o_proj", "--cache-dir", str(cache),
               "--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"], "--dry-run", "--json")
     assert res.exit_code == 0, res.output
     row = next(j for j in json.loads(res.stdout)["jobs"] if j["digest"] == job.digest)

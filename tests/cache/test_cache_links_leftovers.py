@@ -23,7 +23,7 @@ from helpers import ENC, TINY, CliRunner, fake_warm, tree
 from exl3tool.cache import CacheStore, lock_path
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from seeds import fresh_seed
 
 _register()
@@ -36,8 +36,8 @@ def model(tmp_path_factory):
                                   seed=fresh_seed(), shards=1)
 
 
-def _request(model, cache, **kw) -> WarmRequest:
-    return WarmRequest(model=str(model), tp_sizes=(1,), cache_dir=str(cache), device="cpu", **ENC, **kw)
+def _request(model, cache, **kw) -> ServerRequest:
+    return ServerRequest(model=str(model), tp_sizes=(1,), cache_dir=str(cache), device="cpu", **ENC, **kw)
 
 
 def _linked_cache(tmp_path: Path, model_id: str) -> tuple[Path, Path]:

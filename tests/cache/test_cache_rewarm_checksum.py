@@ -21,7 +21,7 @@ from helpers import ENC, TINY, CliRunner, fake_warm
 from exl3tool.cache import CacheStore
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from seeds import fresh_seed
 
 
@@ -35,8 +35,8 @@ def model(tmp_path_factory):
     return write_llama_checkpoint(tmp_path_factory.mktemp("rewarm") / "m", **TINY, seed=11, shards=1)
 
 
-def _request(model, cache) -> WarmRequest:
-    return WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(cache), device="cpu", **ENC)
+def _request(model, cache) -> ServerRequest:
+    return ServerRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(cache), device="cpu", **ENC)
 
 
 def _split(blob: bytes) -> tuple[bytes, bytearray, dict]:

@@ -27,7 +27,7 @@ from exl3tool.cache.bundle import BundleEntry, ExportPlan, import_bundle, plan_e
 from exl3tool.cache.entry import META_SHA_FIELD, judge_entry, metadata_sha256, read_entry
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import _register, app
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.check import check
 from seeds import fresh_seed
 
@@ -181,8 +181,8 @@ def model(tmp_path_factory):
                                   shards=1)  # 36 entries: one per mutation, and others
 
 
-def _request(model, cache, **kw) -> WarmRequest:
-    return WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(cache), device="cpu", **ENC, **kw)
+def _request(model, cache, **kw) -> ServerRequest:
+    return ServerRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(cache), device="cpu", **ENC, **kw)
 
 
 def _bundle_of(root: Path, jobs) -> bytes:

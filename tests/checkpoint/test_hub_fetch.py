@@ -6,7 +6,7 @@ import json
 
 import huggingface_hub
 
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 
 from exl3tool.checkpoint.tiny import MLA, Builder, _experts, mla_attention, mla_config
 from helpers import ENC
@@ -46,7 +46,7 @@ def test_only_planned_shards_are_fetched(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    checkpoint, plan, _ = prepare(WarmRequest(model=REPO, tp_sizes=(2,), cache_dir=str(tmp_path / "c"), **ENC))
+    checkpoint, plan, _ = prepare(ServerRequest(model=REPO, tp_sizes=(2,), cache_dir=str(tmp_path / "c"), **ENC))
     assert {p for p in calls[-1] if p.endswith(".safetensors")} == needed  # the second call: only these shards
     assert set(plan.fetch.shards) == needed and plan.fetch.shards_total == 4
     total = index["metadata"]["total_size"]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from exl3tool.encode import dequantize_tensors
 from exl3tool.operations.verify import verify_plan
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import warm
 
 from helpers import ENC, server_lookup
@@ -42,7 +42,7 @@ def rank_slice(t: dict[str, torch.Tensor], prefix: str, r: int) -> torch.Tensor:
 def warmed(tmp_path_factory):
     base = tmp_path_factory.mktemp("mla")
     model = write_mla(base / "model", seed=fresh_seed())
-    summary = warm(WarmRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(base / "cache"),
+    summary = warm(ServerRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(base / "cache"),
                                device="cpu", quantization_config=OVERLAY, **ENC))
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(model.glob("*.safetensors")):
@@ -78,7 +78,7 @@ def test_every_planned_entry_is_a_server_hit_with_the_right_slice(warmed):
 @pytest.mark.slow
 def test_verify_passes(warmed):
     model, cache, _, _ = warmed
-    checkpoint, plan, store = prepare(WarmRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(cache),
+    checkpoint, plan, store = prepare(ServerRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(cache),
                                                   mode="readonly", device="cpu", quantization_config=OVERLAY, **ENC))
     report = verify_plan(plan, checkpoint, store, rows=(1, 16), seed=3, device=torch.device("cpu"))
     assert report.ok and len(report.layers) == 18

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from exl3tool.checkpoint.serving import NO_STORAGE_REASON, NotServable, serving_kind
+from exl3tool.checkpoint.routing import NO_STORAGE_REASON, NotServable, serving_kind
 from exl3tool.checkpoint.synthetic import exl3_record
 
 from test_overlay import _cli
@@ -128,19 +128,19 @@ def test_rank_sliced_checkpoint_plans_at_its_tp_only(tmp_path, capsys):
     cache = ["--cache-dir", str(tmp_path / "c"), *ENC]
     # the rank-sliced kind reads only config.json's inline map: q_b_proj, stored as EXL3 per the file's map, counts
     # as BF16 and its BF16 weight is missing, as it would be for the server
-    code, _, err = _cli(["cache", "warm", str(model), "--tp-sizes", "2", "--dry-run", *cache], capsys)
+    code, _, err = _cli(["cache", "warm", str(model), "--tp-size", "2", "--dry-run", *cache], capsys)
     assert code == 2 and "no tensor 'model.layers.1.self_attn.q_b_proj.weight'" in err, err
     cfg["quantization_config"]["tensor_storage"] = json.loads((model / "quantization_config.json").read_text())[
         "tensor_storage"]
     (model / "config.json").write_text(json.dumps(cfg))
-    code, out, err = _cli(["cache", "warm", str(model), "--tp-sizes", "2", "--dry-run", "--json", *cache], capsys)
+    code, out, err = _cli(["cache", "warm", str(model), "--tp-size", "2", "--dry-run", "--json", *cache], capsys)
     assert code == 0, err
     doc = json.loads(out)
     assert doc["checkpoint_kind"] == "rank_sliced" and doc["server_lookup"] is True
     planned = {j["prefix"] for j in doc["jobs"]}
     assert planned >= {"model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj"}
     assert "model.layers.1.self_attn.q_b_proj" not in planned
-    code, _, err = _cli(["cache", "warm", str(model), "--tp-sizes", "4", "--dry-run", *cache], capsys)
+    code, _, err = _cli(["cache", "warm", str(model), "--tp-size", "4", "--dry-run", *cache], capsys)
     assert code == 2 and "rank-sliced EXL3 checkpoint TP does not match runtime: checkpoint=2, runtime=4" in err
     assert "Traceback" not in err and not (tmp_path / "c").exists()
 

@@ -16,7 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from exl3tool.checkpoint import RankJob, open_checkpoint, plan_layers, rank_local_weight, rank_reads
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import warm
 from exl3tool.plan.sharing import group_jobs, share_jobs, sharing_figures
 from helpers import ENC, LINEAR, completed
@@ -63,7 +63,7 @@ def test_glm53_g_a_proj_is_shared_across_ranks(tmp_path):
 
 
 def test_share_jobs_keeps_each_group_on_one_worker(glm5, tmp_path):
-    _, plan, _ = prepare(WarmRequest(model=str(glm5), tp_sizes=(1, 2, 4), cache_dir=str(tmp_path), **ENC))
+    _, plan, _ = prepare(ServerRequest(model=str(glm5), tp_sizes=(1, 2, 4), cache_dir=str(tmp_path), **ENC))
     todo = plan.todo
     groups = group_jobs(todo)
     assert max(len(g.jobs) for g in groups) == 1 + 2 + 4  # every wq_b: 7 entries, one encode
@@ -89,7 +89,7 @@ def test_one_encode_published_under_every_key_byte_for_byte(glm5, tmp_path, over
     """wq_b at TP 1, 2, 4 (7 entries) from one encode, each file with its own key and checksum and byte for byte
     what a warm of that one (TP size, rank) alone writes."""
     cache = tmp_path / "all"
-    request = WarmRequest(model=str(glm5), tp_sizes=(1, 2, 4), layers=(WQ_B,), cache_dir=str(cache),
+    request = ServerRequest(model=str(glm5), tp_sizes=(1, 2, 4), layers=(WQ_B,), cache_dir=str(cache),
                           device="cpu", overlap=overlap, **ENC)
     summary = warm(request)
     assert summary.counts == {"hit": 0, "encoded": 7, "skipped": 0, "failed": 0}
@@ -108,7 +108,7 @@ def test_one_encode_published_under_every_key_byte_for_byte(glm5, tmp_path, over
     assert len(keys) == 7
     for tp, rank in ((4, 3),) if not overlap else ((4, 3), (1, 0)):
         alone = tmp_path / f"alone{tp}{rank}"
-        one = warm(WarmRequest(model=str(glm5), tp_sizes=(tp,), tp_ranks=(rank,), layers=(WQ_B,),
+        one = warm(ServerRequest(model=str(glm5), tp_sizes=(tp,), tp_ranks=(rank,), layers=(WQ_B,),
                                cache_dir=str(alone), device="cpu", overlap=overlap, **ENC))
         assert one.encodes == 1 and one.entries[0].reused_from is None
         (rel, data), = _files(alone).items()
@@ -122,7 +122,7 @@ def _env() -> dict:
 
 
 def test_dry_run_reports_reuse_and_encodes(glm5, tmp_path):
-    args = ["cache", "warm", str(glm5), "--tp-sizes", "1,2", "--layers", WQ_B,
+    args = ["cache", "warm", str(glm5), "--tp-size", "1,2", "--layers", WQ_B,
             "--layers", KV_B, "--cache-dir", str(tmp_path), "--dry-run", "--encoder-root", ENC["encoder_root"],
             "--encoder-revision", ENC["encoder_revision"]]
     r = completed([*args, "--json"])
@@ -143,7 +143,7 @@ def test_torchrun_workers_keep_a_share_group_together(glm5, tmp_path):
     """Two gloo workers on the CPU: wq_b at TP 1 and 2 (3 entries, one encode) goes whole to one worker."""
     cache = tmp_path / "cache"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "exl3tool",
-           "cache", "warm", str(glm5), "--tp-sizes", "1,2", "--layers", WQ_B, "--layers",
+           "cache", "warm", str(glm5), "--tp-size", "1,2", "--layers", WQ_B, "--layers",
            "model.layers.1.self_attn.o_proj", "--cache-dir", str(cache), "--device", "cpu", "--json", "--quiet",
            "--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
@@ -164,7 +164,7 @@ def test_split_encode_on_two_streams_writes_the_same_bytes(glm5, tmp_path):
     runs = {}
     for overlap in (True, False):
         cache = tmp_path / f"overlap{overlap}"
-        summary = warm(WarmRequest(model=str(glm5), tp_sizes=(1, 2), layers=layers, cache_dir=str(cache),
+        summary = warm(ServerRequest(model=str(glm5), tp_sizes=(1, 2), layers=layers, cache_dir=str(cache),
                                    device="cuda", overlap=overlap, **ENC))
         assert summary.counts["failed"] == 0 and summary.counts["encoded"] > 10
         stages = summary.worker_stats[0]["stages"]

@@ -18,7 +18,7 @@ from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 import exl3tool.cli as cli
 from exl3tool.cli import main
 from exl3tool.errors import ConfigError
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 
 from helpers import ENC, ENC_ARGS, TINY_1
 
@@ -119,7 +119,7 @@ def test_dtype_meaning_matches_vllm(model):
     assert serving_torch_dtype("float32") is torch.float32 and serving_torch_dtype("float16") is torch.float16
     assert serving_torch_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ConfigError, match="auto, bfloat16, float16, float32"):
-        prepare(WarmRequest(model=str(model), dtype="int8", **ENC))
+        prepare(ServerRequest(model=str(model), dtype="int8", **ENC))
 
 
 def test_bits_defaults_to_the_servers_variable(env, model, tmp_path):
@@ -161,4 +161,4 @@ def test_bad_bits_variable_is_a_usage_error_naming_it(env, model, tmp_path, comm
 def test_library_checks_the_same_range(model):
     for bits in (2, 9):
         with pytest.raises(ConfigError, match="from 3 to 8"):
-            prepare(WarmRequest(model=str(model), bits=bits, **ENC))
+            prepare(ServerRequest(model=str(model), bits=bits, **ENC))

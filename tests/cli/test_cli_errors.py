@@ -118,11 +118,11 @@ def test_describe_gives_the_sentence_not_the_class():
 
 def test_failed_layer_errors_carry_no_exception_class(tmp_path):
     from exl3tool.operations.warm.pipeline import _failed
-    from exl3tool.plan.plan import WarmJob
+    from exl3tool.plan.plan import LookupJob
 
     key = CacheKey.for_layer(model_identity="m" * 64, encoder_identity="e" * 64, prefix="model.layers.0.mlp.down_proj",
                              bits=6, tp_world_size=1, tp_rank=0, input_size=256, output_size=256)
-    job = WarmJob(key.prefix, 1, 0, 256, 256, key, tmp_path / "e", "miss")
+    job = LookupJob(key.prefix, 1, 0, 256, 256, key, tmp_path / "e", "miss")
     result = _failed(job, 0, ValueError("3 non-finite weight values in the rank-local weight"), 0.1)
     assert result.error == "3 non-finite weight values in the rank-local weight"
 
@@ -189,10 +189,10 @@ def test_encode_reports_tiles_inside_a_layer():
 
 
 def test_pipeline_passes_tile_progress_before_the_job_is_done(model, tmp_path):
-    from exl3tool.plan import WarmRequest, prepare
+    from exl3tool.plan import ServerRequest, prepare
     from exl3tool.operations.warm import run_plan
 
-    checkpoint, plan, store = prepare(WarmRequest(model=str(model), cache_dir=str(tmp_path),
+    checkpoint, plan, store = prepare(ServerRequest(model=str(model), cache_dir=str(tmp_path),
                                                   encoder_root="/e", encoder_revision="r"))
     events: list[tuple[str, str, int]] = []
 
@@ -302,13 +302,13 @@ def test_identity_names_a_missing_path_and_warns_on_a_folder_without_config(tmp_
 
 
 def test_option_values_a_server_would_not_take_are_usage_errors(model, tmp_path, capsys, no_encode):
-    """An empty item in --tp-sizes, an empty --quantization-config (the server would run with no overlay at all)
+    """An empty item in --tp-size, an empty --quantization-config (the server would run with no overlay at all)
     and --tp-size 0 are exit 2 with the option named; --layers matching only modules the server does not encode
     says why instead of 'no eligible layer'."""
     from exl3tool.checkpoint.tiny import write_mla
 
     cache = ["--cache-dir", str(tmp_path / "cache"), *ENC]
-    for argv, why in ((["cache", "warm", str(model), "--tp-sizes", "1,,2", "--layers", "*.o_proj"], "empty item"),
+    for argv, why in ((["cache", "warm", str(model), "--tp-size", "1,,2", "--layers", "*.o_proj"], "empty item"),
                       (["cache", "warm", str(model), "--quantization-config", " "], "--quantization-config is empty"),
                       (["encode", str(model), "--tp-size", "0"], "--tp-size")):
         code, _, err = run([*argv, "--dry-run", *cache], capsys)

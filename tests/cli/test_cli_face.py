@@ -22,7 +22,7 @@ from helpers import ENC, ENC_ARGS, CliRunner, fake_warm
 from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.cli import _register, app
 from exl3tool.cli.progress import BarProgress, _Counts, elide_start
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 
 _register()
 SEED = random.randrange(2**32)
@@ -46,7 +46,7 @@ def warmed(tmp_path_factory):
     model = write_tiny(root / "llama", "llama")
     mp = pytest.MonkeyPatch()
     try:
-        summary = fake_warm(WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=root / "cache", **ENC), mp)
+        summary = fake_warm(ServerRequest(model=str(model), tp_sizes=(1, 2), cache_dir=root / "cache", **ENC), mp)
     finally:
         mp.undo()
     return model, root / "cache", summary
@@ -144,7 +144,7 @@ def test_worker_stats_has_gpu_budget_null_on_cpu(warmed):
 
 
 def test_a_small_write_shows_in_kilobytes(warmed, capsys):
-    from exl3tool.cli.commands.encode import render_summary
+    from exl3tool.cli.commands.warm import render_summary
     from exl3tool.cli.output import Output
 
     _, _, summary = warmed

@@ -194,7 +194,7 @@ def scenario_general(m, tmp, monkeypatch):
 def scenario_nothing_to_do(m, tmp, monkeypatch):
     ignore_all = '{"linear": {"weight": "mxfp8"}, "ignore": ["re:.*"]}'
     for argv in (["--quantization-config", ignore_all], ["--exclude", "*"], ["--layers", "nope.*"],
-                 ["--layers", "*.mlp.down_proj", "--tp-sizes", "4"]):
+                 ["--layers", "*.mlp.down_proj", "--tp-size", "4"]):
         assert run(["cache", "warm", m["good"], "--cache-dir", tmp / "c", "--dry-run", *ENC, *argv]) == 2, argv
     assert run(["verify", m["good"], "--cache-dir", m["cache"], "--quantization-config", ignore_all, *ENC]) == 2
     (tmp / "empty").mkdir()
@@ -229,7 +229,7 @@ def scenario_bare_group(m, tmp, monkeypatch):
 
 
 def scenario_bad_values(m, tmp, monkeypatch):
-    for argv in (["--dtype", "int8"], ["--bits", "9"], ["--tp-sizes", "0"]):
+    for argv in (["--dtype", "int8"], ["--bits", "9"], ["--tp-size", "0"]):
         assert run(["cache", "warm", m["good"], "--cache-dir", tmp, "--dry-run", *ENC, *argv]) == 2, argv
     monkeypatch.setenv("EXL3TOOL_VITERBI_MODE", "9")  # a knob out of its range: refused before any command
     assert run(["cache", "warm", m["good"], "--cache-dir", tmp, "--dry-run", *ENC]) == 2
@@ -323,7 +323,7 @@ def scenario_cache_commands(m, tmp, monkeypatch):
 def scenario_warm(m, tmp, monkeypatch):
     assert run(["cache", "warm", m["nan"], "--layers", LAYER, "--cache-dir", tmp / "c", "--quiet", *ENC]) == 1
     assert not list((tmp / "c").rglob("*.safetensors"))  # nothing published for the failed layer
-    assert run(["cache", "warm", m["good"], "--cache-dir", tmp / "c", "--tp-sizes", "x", *ENC]) == 2
+    assert run(["cache", "warm", m["good"], "--cache-dir", tmp / "c", "--tp-size", "x", *ENC]) == 2
 
 
 def scenario_shards(m, tmp, monkeypatch):
@@ -402,7 +402,7 @@ def scenario_cache_check(m, tmp, monkeypatch):
     argv = ["cache", "check", m["good"], "--cache-dir", m["cache"], *ENC]
     assert run([*argv, "--layers", LAYER]) == 0
     assert run([*argv, "--layers", "model.layers.1.self_attn.o_proj"]) == 1  # never warmed: the server would miss
-    assert run([*argv, "--tp-sizes", "two"]) == 2
+    assert run([*argv, "--tp-size", "two"]) == 2
 
 
 def scenario_launch_refusals(m, tmp, monkeypatch):

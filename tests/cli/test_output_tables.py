@@ -11,9 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
-from exl3tool.cli.commands.encode import render_plan, render_summary
+from exl3tool.cli.commands.warm import render_plan, render_summary
 from exl3tool.cli.output import Output
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm.results import job_result, summarize
 
 from helpers import ENC, TINY_1
@@ -63,7 +63,7 @@ def test_verify_table_keeps_every_word_and_column(width):
 @pytest.mark.parametrize("width", [60, 80, 120])
 def test_plan_and_failure_tables_keep_layer_names_whole(width, tmp_path):
     model = write_llama_checkpoint(tmp_path / "m", **TINY_1, seed=fresh_seed(), shards=1)
-    _, plan, _ = prepare(WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(tmp_path / "c"), **ENC))
+    _, plan, _ = prepare(ServerRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(tmp_path / "c"), **ENC))
     out, buf = _terminal(width)
     render_plan(out, plan)
     text = buf.getvalue()

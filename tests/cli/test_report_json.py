@@ -21,7 +21,7 @@ from exl3tool.cache.records import plan_record_prune, read_records
 from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.cli import _register, app
 from exl3tool.jsontext import to_jsonable
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 
 _register()
 
@@ -46,7 +46,7 @@ def warmed(tmp_path_factory):
     model = write_tiny(root / "llama", "llama")
     mp = pytest.MonkeyPatch()
     try:
-        summary = fake_warm(WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=root / "cache", **ENC), mp)
+        summary = fake_warm(ServerRequest(model=str(model), tp_sizes=(1, 2), cache_dir=root / "cache", **ENC), mp)
     finally:
         mp.undo()
     return model, root / "cache", summary
@@ -68,7 +68,7 @@ def test_cache_check_prints_the_check_reports_document(warmed, monkeypatch):
 
     model, cache, _ = warmed
     seen = capture(monkeypatch, importlib.import_module("exl3tool.operations.check"), "check")  # the command imports it when run
-    res = cli("cache", "check", model, "--tp-sizes", "1,2", "--cache-dir", cache, *ENC_ARGS, "--json")
+    res = cli("cache", "check", model, "--tp-size", "1,2", "--cache-dir", cache, *ENC_ARGS, "--json")
     assert res.exit_code == 0, res.output
     [report] = seen
     assert doc(res) == same(report.as_json())
@@ -88,9 +88,9 @@ def test_cache_check_of_a_launch_without_look_ups_prints_the_librarys_document(w
 
 def test_dry_run_prints_the_plans_document(warmed):
     model, cache, _ = warmed
-    res = cli("cache", "warm", model, "--tp-sizes", "1,2,4", "--cache-dir", cache, *ENC_ARGS, "--dry-run", "--json")
+    res = cli("cache", "warm", model, "--tp-size", "1,2,4", "--cache-dir", cache, *ENC_ARGS, "--dry-run", "--json")
     assert res.exit_code == 0, res.output
-    _, plan, _ = prepare(WarmRequest(model=str(model), tp_sizes=(1, 2, 4), cache_dir=cache, **ENC))
+    _, plan, _ = prepare(ServerRequest(model=str(model), tp_sizes=(1, 2, 4), cache_dir=cache, **ENC))
     assert doc(res) == same(plan.as_json())
     assert {j["state"] for j in doc(res)["jobs"]} >= {"hit", "miss"}  # TP 4 is not warmed
 
@@ -99,7 +99,7 @@ def test_cache_warm_prints_the_summarys_document(warmed, monkeypatch):
 
     model, cache, _ = warmed
     seen = capture(monkeypatch, importlib.import_module("exl3tool.operations.warm"), "warm")  # the command imports it when run
-    res = cli("cache", "warm", model, "--tp-sizes", "2", "--cache-dir", cache, *ENC_ARGS, "--json")
+    res = cli("cache", "warm", model, "--tp-size", "2", "--cache-dir", cache, *ENC_ARGS, "--json")
     assert res.exit_code == 0, res.output
     [summary] = seen
     assert doc(res) == same(summary.as_json())

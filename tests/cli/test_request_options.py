@@ -1,4 +1,4 @@
-"""One options-to-request builder (issue 37): every command that builds a `WarmRequest` takes its request options
+"""One options-to-request builder (issue 37): every command that builds a `ServerRequest` takes its request options
 from `options.REQUEST_OPTIONS`, spelled and explained the same everywhere, and fills the request and the set of
 fields its command line gave through `options.request_from_options`."""
 
@@ -35,7 +35,7 @@ def test_request_options_have_one_spelling_and_help_in_every_command():
 
 def test_verify_takes_shared_experts_and_builds_its_request_like_encode(monkeypatch, tmp_path):
     """`verify --shared-experts` reaches the request, with the rest of verify's options, as `encode`'s do."""
-    import exl3tool.cli.commands.encode as encode_cmd
+    import exl3tool.cli.commands.warm as encode_cmd
     import exl3tool.cli.commands.verify as verify_cmd
 
     seen = []
@@ -68,9 +68,9 @@ def test_verify_takes_shared_experts_and_builds_its_request_like_encode(monkeypa
 @pytest.mark.parametrize("path", BUILDERS, ids=" ".join)
 def test_every_request_option_of_a_command_is_in_the_table(path):
     """A command's options that name a request field go through the table (none is filled by hand)."""
-    from exl3tool.plan import WarmRequest
+    from exl3tool.plan import ServerRequest
 
-    fields = {f for f in WarmRequest.__dataclass_fields__}
+    fields = {f for f in ServerRequest.__dataclass_fields__}
     for param in _command(path).params:
         target = REQUEST_OPTIONS.get(param.name, (None,))[0]
         assert target is None or target in fields
@@ -91,7 +91,7 @@ def test_tp_size_has_one_spelling_and_the_old_one_still_works(monkeypatch, path,
         seen.append(request)
         raise Stop
 
-    for module in ("encode", "check", "verify"):
+    for module in ("warm", "check", "verify"):
         monkeypatch.setattr(f"exl3tool.cli.commands.{module}.apply_options", stop)
     res = CliRunner().invoke(app, [*path, "m", spelling, "2", "--cache-dir", "/nonexistent"])
     if spelling == "--tp-sizes" and path in (("encode",), ("verify",)):  # never a spelling of theirs

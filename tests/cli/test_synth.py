@@ -30,7 +30,7 @@ def test_every_family_plans_server_lookups_at_tp2(family, tmp_path, capsys):
     made = json.loads(out)
     assert made["family"] == family and made["architecture"] == TINY_FAMILIES[family].architecture
     assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == [made["architecture"]]
-    argv = ["cache", "warm", made["path"], "--tp-sizes", "2", "--cache-dir", str(tmp_path / "c"), "--dry-run", "--json",
+    argv = ["cache", "warm", made["path"], "--tp-size", "2", "--cache-dir", str(tmp_path / "c"), "--dry-run", "--json",
             *ENC]
     if made["quantization_config"]:
         argv += ["--quantization-config", made["quantization_config"]]

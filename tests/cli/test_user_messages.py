@@ -94,13 +94,13 @@ def test_counts_agree_with_their_nouns(tmp_path, capsys):
 
 def test_dry_run_states_total_tiles_and_tiles_to_encode(tmp_path, capsys):
     model = write_tiny(tmp_path / "llama", "llama")
-    code, out, _ = run(["cache", "warm", model, "--tp-sizes", "1,2", "--cache-dir", tmp_path / "c", "--dry-run",
+    code, out, _ = run(["cache", "warm", model, "--tp-size", "1,2", "--cache-dir", tmp_path / "c", "--dry-run",
                         "--json", *ENC], capsys)
     plan = json.loads(out)
     looked_up = [j for j in plan["jobs"] if j["state"] != "skipped"]
     assert plan["tiles"] == {"total": sum(j["tiles"] for j in looked_up),
                              "to_encode": sum(j["tiles"] for j in looked_up if j["state"] in ("miss", "invalid"))}
-    code, out, _ = run(["cache", "warm", model, "--tp-sizes", "1,2", "--cache-dir", tmp_path / "c", "--dry-run",
+    code, out, _ = run(["cache", "warm", model, "--tp-size", "1,2", "--cache-dir", tmp_path / "c", "--dry-run",
                         *ENC], capsys)
     assert f"{plan['tiles']['total']:,} tiles in all, {plan['tiles']['to_encode']:,} tiles to encode" in out
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import main
 from exl3tool.cli.progress import BarProgress, LineProgress, progress_mode
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm.results import job_result
 
 from helpers import ENC, ENC_ARGS, TINY_1, fake_encode
@@ -61,7 +61,7 @@ def run(argv, capsys):
 
 
 def _warm(model, cache, *extra):
-    return ["cache", "warm", str(model), "--tp-sizes", "1,2", "--cache-dir", str(cache), "--device", "cpu",
+    return ["cache", "warm", str(model), "--tp-size", "1,2", "--cache-dir", str(cache), "--device", "cpu",
             *ENC_ARGS, *extra]
 
 
@@ -108,7 +108,7 @@ def test_auto_is_a_bar_on_a_terminal_and_lines_elsewhere():
 
 
 def _jobs(model, tmp_path):
-    _, plan, _ = prepare(WarmRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "c"), **ENC))
+    _, plan, _ = prepare(ServerRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "c"), **ENC))
     return plan.todo
 
 

@@ -170,13 +170,13 @@ def test_gpu_memory_on_a_cpu_warm_is_a_config_error():
 def test_warm_job_over_its_budget_fails_by_name_with_the_figure(tmp_path, monkeypatch):
     """run_plan with a 1 MiB budget: every job fails, each result naming its layer and the MiB it needed."""
     from exl3tool.checkpoint import write_llama_checkpoint
-    from exl3tool.plan import WarmRequest, prepare
+    from exl3tool.plan import ServerRequest, prepare
     from exl3tool.operations.warm.pipeline import run_plan
     from helpers import ENC
 
     write_llama_checkpoint(tmp_path / "ckpt", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=1, vocab=256,
                            seed=fresh_seed())
-    request = WarmRequest(model=str(tmp_path / "ckpt"), layers=("*.o_proj",), cache_dir=str(tmp_path / "c"),
+    request = ServerRequest(model=str(tmp_path / "ckpt"), layers=("*.o_proj",), cache_dir=str(tmp_path / "c"),
                           device="cpu", **ENC)
     checkpoint, plan, store = prepare(request)
     results = run_plan(plan, checkpoint, store, device=torch.device("cpu"), memory_budget=1 << 20)

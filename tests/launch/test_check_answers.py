@@ -14,7 +14,7 @@ import pytest
 
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.checkpoint.tiny import QWEN38_OVERLAY, write_qwen35
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
 from helpers import BOTH, LAUNCH_ENC as ENC, LINEAR_WEIGHT as QC, TINY_1  # noqa: E402
@@ -38,7 +38,7 @@ def _server_env(tmp_path: Path, bits: str | None = "6") -> str:
 def warmed_llama(tmp_path, monkeypatch):
     """A tiny Llama warmed (fake encoder, real plan and store) as a TP 1 server started with QC looks it up."""
     model = write_llama_checkpoint(tmp_path / "M", **TINY_1, seed=_seed())
-    request = WarmRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "c"), bits=6,
+    request = ServerRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "c"), bits=6,
                           quantization_config=QC, encoder_root=ENC[0], encoder_revision=ENC[1])
     summary = fake_warm(request, monkeypatch)
     assert summary.counts["encoded"] > 0
@@ -105,10 +105,10 @@ def test_vision_tower_look_ups_outside_the_plan_fail_the_check(tmp_path, cli, mo
     model = write_qwen35(tmp_path / "Q", seed=_seed())
     for overlay, ok in ((BOTH, False), (QWEN38_OVERLAY, True)):
         cache = tmp_path / ("c-ok" if ok else "c-vision")
-        request = WarmRequest(model=str(model), tp_sizes=(2,), cache_dir=str(cache), bits=6,
+        request = ServerRequest(model=str(model), tp_sizes=(2,), cache_dir=str(cache), bits=6,
                               quantization_config=overlay, encoder_root=ENC[0], encoder_revision=ENC[1])
         fake_warm(request, monkeypatch)
-        code, out, err = cli("cache", "check", "--json", str(model), "--tp-sizes", "2", "--cache-dir", cache,
+        code, out, err = cli("cache", "check", "--json", str(model), "--tp-size", "2", "--cache-dir", cache,
                              "--quantization-config", overlay, "--encoder-root", ENC[0], "--encoder-revision", ENC[1])
         doc = json.loads(out)
         assert doc["hit"] == doc["lookups"] > 0 and doc["miss"] == 0
@@ -125,10 +125,10 @@ def test_a_miss_from_the_tp_size_is_blamed_on_the_tp_size_not_the_overlay(tmp_pa
     model = write_llama_checkpoint(tmp_path / "M", hidden=512, heads=4, kv_heads=4, intermediate=768, layers=2,
                                    vocab=512, seed=_seed())
     cache = tmp_path / "c"
-    request = WarmRequest(model=str(model), tp_sizes=(4,), cache_dir=str(cache), bits=6, quantization_config=QC,
+    request = ServerRequest(model=str(model), tp_sizes=(4,), cache_dir=str(cache), bits=6, quantization_config=QC,
                           encoder_root=ENC[0], encoder_revision=ENC[1])
     fake_warm(request, monkeypatch)
-    code, out, err = cli("cache", "check", "--json", str(model), "--tp-sizes", "2", "--cache-dir", cache,
+    code, out, err = cli("cache", "check", "--json", str(model), "--tp-size", "2", "--cache-dir", cache,
                          "--quantization-config", QC, "--encoder-root", ENC[0], "--encoder-revision", ENC[1])
     doc = json.loads(out)
     assert code == 1, err

@@ -28,7 +28,7 @@ def test_the_runbook_launch_warms_what_the_flags_warm(tmp_path, cli):
     model = str(write_llama_checkpoint(tmp_path / "data" / "NAME", **TINY))  # CI's copy of /models/NAME
     cache = tmp_path / "exl3-cache"
     code, out, err = cli("cache", "warm", model, "--launch", launch, "--env-file", envfile, "--cache-dir", cache,
-                         "--tp-sizes", "4", "--file-mode", "0644", "--dry-run", "--json")
+                         "--tp-size", "4", "--file-mode", "0644", "--dry-run", "--json")
     assert code == 0, err
     doc = json.loads(out)
     settings, meta = doc.pop("settings"), doc.pop("launch")
@@ -40,7 +40,7 @@ def test_the_runbook_launch_warms_what_the_flags_warm(tmp_path, cli):
     assert meta["form"] == "docker" and meta["defaulted"] == []
     assert "--max-model-len 32768" in meta["ignored"] and any(i.startswith("-p 8000:8000") for i in meta["ignored"])
     code, out, err = cli("cache", "warm", model, "--server-path", "/models/NAME", "--cache-dir", cache,
-                         "--tp-sizes", "2,4", "--bits", "6", "--dtype", "bfloat16", "--encoder-root", "/opt/exllamav3",
+                         "--tp-size", "2,4", "--bits", "6", "--dtype", "bfloat16", "--encoder-root", "/opt/exllamav3",
                          "--encoder-revision", "v0.0.18", "--file-mode", "0644", "--dry-run", "--json",
                          "--quantization-config",
                          '{"linear":{"weight":"mxfp8"},"shared_experts":{"weight":"mxfp8"}}')

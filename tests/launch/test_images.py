@@ -21,7 +21,7 @@ from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.launch import LaunchInput, apply_launch
 from exl3tool.launch.image import published_images, read_image, table_image
 from exl3tool.launch.request import launch_image
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 from helpers import TINY, server_encoder_identity
 from seeds import fresh_seed
 
@@ -83,7 +83,7 @@ def _launch(name: str, model: Path, cache: Path, extra: str = "") -> str:
 
 def _reference(cli, model: Path, root: str, revision: str | None, cache_here: Path, source: Path | None = None) -> dict:
     """The plan from exl3tool's own flags (nothing read from an image)."""
-    args = [str(model), "--tp-sizes", "2", "--bits", "5", "--quantization-config", QC, "--encoder-root", root,
+    args = [str(model), "--tp-size", "2", "--bits", "5", "--quantization-config", QC, "--encoder-root", root,
             "--cache-dir", str(cache_here), "--server-path", "/models/M"]
     args += ["--encoder-revision", revision] if revision else ["--encoder-source", str(source)]
     code, doc, err = _plan(cli, *args)
@@ -200,13 +200,13 @@ def test_labels_reach_the_launch_settings(tmp_path, model):
     name = "ii-like-r18.inspect.json"
     cache = tmp_path / "cache"
     launch = LaunchInput(text=_launch(name, model, cache), image_inspect=str(DATA / name))
-    request, settings, _ = apply_launch(WarmRequest(model=""), set(), launch, environ={})
+    request, settings, _ = apply_launch(ServerRequest(model=""), set(), launch, environ={})
     want = json.loads((DATA / name).read_text())[0]["Config"]["Labels"]
     assert settings.image_labels == want and settings.image.source == "inspect file"
     assert request.encoder_image == _tag(name) and request.encoder_image_runner == "docker"
     assert launch_image(launch, settings) is settings.image
     alone = LaunchInput(image=_tag(name), image_inspect=str(DATA / name))  # --image without a launch
-    request, settings, environ = apply_launch(WarmRequest(model="m"), set(), alone, environ={"HOME": "/root"})
+    request, settings, environ = apply_launch(ServerRequest(model="m"), set(), alone, environ={"HOME": "/root"})
     assert settings is None and launch_image(alone, None).labels == want
     assert environ["VLLM_EXL3_ENCODER_REVISION"] == FORK_REV and request.encoder_image == _tag(name)
 

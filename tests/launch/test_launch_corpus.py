@@ -220,7 +220,7 @@ def _reference_plan(cli, case: Case, tmp: Path) -> set[tuple]:
         config.update(s["hf_overrides"])
         (baked / "config.json").write_text(json.dumps(config))
         model = baked
-    args = [model, "--tp-sizes", s["tp"], "--bits", s["bits"], "--quantization-config", s["overlay"],
+    args = [model, "--tp-size", s["tp"], "--bits", s["bits"], "--quantization-config", s["overlay"],
             "--encoder-root", s["encoder_root"], "--cache-dir", tmp / "reference-cache"]
     args += (["--encoder-revision", s["encoder_revision"]] if s["encoder_revision"]
              else ["--encoder-source", case.host_path(case.sub(s["encoder_root"]))])
@@ -352,7 +352,7 @@ def _no_lookup(cli, case: Case, reason: str, cache_host: Path, tmp: Path) -> Non
     place, the check is a finding (exit 1, 0 look-ups, the reason), and a warm refuses (exit 2, nothing written)."""
     s = case.server
     model = case.host_path(case.resolved())
-    args = [model, "--server-path", case.resolved(), "--tp-sizes", s["tp"], "--bits", s["bits"],
+    args = [model, "--server-path", case.resolved(), "--tp-size", s["tp"], "--bits", s["bits"],
             "--quantization-config", s["overlay"] or DEFAULT_OVERLAY, "--encoder-root", s["encoder_root"],
             "--encoder-revision", s["encoder_revision"], "--cache-dir", cache_host]
     code, _, err = cli("cache", "warm", "--json", *args)  # the cache is warm for the same server with look-ups on

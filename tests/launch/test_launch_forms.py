@@ -49,7 +49,7 @@ def _same(got: dict, want: dict) -> None:
 def _want(cli, model: Path, cache: Path, *, tp: int = 2, bits: int = 5, server_path: str | None = None,
           qc: str = QC) -> dict:
     """The plan from exl3tool's own flags: the independent reference for every launch form."""
-    args = [str(model), "--tp-sizes", str(tp), "--bits", str(bits), "--quantization-config", qc,
+    args = [str(model), "--tp-size", str(tp), "--bits", str(bits), "--quantization-config", qc,
             "--encoder-root", ENC[0], "--encoder-revision", ENC[1], "--cache-dir", str(cache)]
     if server_path:
         args += ["--server-path", server_path]

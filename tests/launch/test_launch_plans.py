@@ -90,7 +90,7 @@ def test_launch_plans_what_the_flags_plan(tmp_path, cli, family, arch):
     model = str(_write(arch, tmp_path / "M"))
     cache = tmp_path / "cache"
     overlay = QWEN38_OVERLAY if arch.startswith("Qwen3_5") else BOTH
-    flags = ["--tp-sizes", "2", "--bits", "5", "--dtype", "bfloat16", "--quantization-config", overlay,
+    flags = ["--tp-size", "2", "--bits", "5", "--dtype", "bfloat16", "--quantization-config", overlay,
              "--encoder-root", ENC[0], "--encoder-revision", ENC[1]]
     want_code, want, _ = _plan(cli, model, *flags, "--cache-dir", cache)
     env = (f"VLLM_EXL3_ENCODER_SOURCE={ENC[0]} VLLM_EXL3_ENCODER_REVISION={ENC[1]} "
@@ -136,7 +136,7 @@ def test_warm_uses_the_launch_tp_and_adds_tp_sizes(tmp_path, tiny_llama, cli):
               f"vllm serve {model} -tp 2 --quantization-config '{BOTH}'")
     code, doc, _ = _plan(cli, "--launch", launch)
     assert code == 0 and doc["tp_sizes"] == [2]
-    code, doc, _ = _plan(cli, "--launch", launch, "--tp-sizes", "1,2,4")
+    code, doc, _ = _plan(cli, "--launch", launch, "--tp-size", "1,2,4")
     assert code == 0 and doc["tp_sizes"] == [1, 2, 4]
     # encode and verify: a given --tp-size wins, else the launch's
     code, out, _ = cli("encode", "--dry-run", "--json", "--launch", launch)
@@ -287,7 +287,7 @@ def test_cache_check_takes_the_launch(tmp_path, tiny_llama, cli, monkeypatch):
     doc = json.loads(out)
     assert code == 0 and doc["hit"] == doc["lookups"] and doc["tp_sizes"] == [2], err
     # the same look-ups as the flags plan them
-    code, out, _ = cli("cache", "check", "--json", model, "--server-path", "/models/M", "--tp-sizes", "2", "--bits", "6",
+    code, out, _ = cli("cache", "check", "--json", model, "--server-path", "/models/M", "--tp-size", "2", "--bits", "6",
                        "--encoder-root", "/e", "--encoder-revision", "r", "--cache-dir", f"{tmp_path}/cache",
                        "--quantization-config", BOTH)
     flags = json.loads(out)

@@ -77,7 +77,7 @@ def test_pid_cli_matches_the_launch_line(fake_server, cli):
     code, out, err = cli("cache", "warm", "--dry-run", "--json", "--pid", str(pid))
     assert code == 0, err
     by_pid = json.loads(out)
-    code, out, err = cli("cache", "warm", "--dry-run", "--json", str(model), "--tp-sizes", "2", "--bits", "4",
+    code, out, err = cli("cache", "warm", "--dry-run", "--json", str(model), "--tp-size", "2", "--bits", "4",
                          "--encoder-root", "/opt/exllamav3", "--encoder-revision", "live-rev", "--cache-dir",
                          str(home / "cache"), "--quantization-config", QC)
     flags = json.loads(out)

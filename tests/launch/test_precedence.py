@@ -11,7 +11,7 @@ import pytest
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
 from exl3tool.launch import Explicit, LaunchInput, apply_launch, load_launch, resolve_launch
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 from helpers import BOTH, LINEAR as QC, TINY_1 as TINY
 
 
@@ -158,17 +158,17 @@ def test_honoured_structure_flags(model):
 def test_apply_launch_tp_sizes_and_flags(model):
     env = {"VLLM_EXL3_ENCODER_SOURCE": "/e", "VLLM_EXL3_ENCODER_REVISION": "r", "HOME": "/h"}
     li = LaunchInput(text=f"vllm serve {model} -tp 4")
-    base = WarmRequest(model="", tp_sizes=(1, 2))
+    base = ServerRequest(model="", tp_sizes=(1, 2))
     req, _, _ = apply_launch(base, {"tp_sizes"}, li, add_tp_sizes=True, environ=env)
-    assert req.tp_sizes == (4, 1, 2)  # cache warm: the launch's TP first, --tp-sizes adds
+    assert req.tp_sizes == (4, 1, 2)  # cache warm: the launch's TP first, --tp-size adds
     req, _, _ = apply_launch(base, set(), li, add_tp_sizes=True, environ=env)
     assert req.tp_sizes == (4,)
-    req, _, _ = apply_launch(WarmRequest(model="", tp_sizes=(2,)), {"tp_sizes"}, li, environ=env)
+    req, _, _ = apply_launch(ServerRequest(model="", tp_sizes=(2,)), {"tp_sizes"}, li, environ=env)
     assert req.tp_sizes == (2,)  # encode/verify: a given --tp-size wins
     with pytest.raises(ConfigError, match="--tp-rank 4"):
-        apply_launch(WarmRequest(model="", tp_ranks=(4,)), set(), li, environ=env)
+        apply_launch(ServerRequest(model="", tp_ranks=(4,)), set(), li, environ=env)
     # --env-file without a launch: the file's bits
-    req, settings, environ = apply_launch(WarmRequest(model=model), set(), LaunchInput(env_files=()), environ=env)
+    req, settings, environ = apply_launch(ServerRequest(model=model), set(), LaunchInput(env_files=()), environ=env)
     assert settings is None and environ is None
 
 

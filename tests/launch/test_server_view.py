@@ -22,7 +22,7 @@ from exl3tool.cache import server_identities
 from exl3tool.cache.hub import hub_cache_dir, hub_offline
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.launch import Explicit, LaunchInput, apply_launch, load_launch, resolve_launch
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers
@@ -120,7 +120,7 @@ def test_offline_warm_is_a_hit_for_the_server(cli, hf, monkeypatch):
     volumes = {"/home/vllm/.cache/huggingface": hf["home"], "/cache": hf["cache"]}
     text = _docker({"HF_HOME": "/home/vllm/.cache/huggingface", "HF_HUB_OFFLINE": "1"}, volumes,
                    f"--model {REPO} -tp 2 --quantization-config '{QC}'")
-    request, _, _ = apply_launch(WarmRequest(model="", device="cpu"), (), LaunchInput(text=text), add_tp_sizes=True,
+    request, _, _ = apply_launch(ServerRequest(model="", device="cpu"), (), LaunchInput(text=text), add_tp_sizes=True,
                                  environ={})
     summary = fake_warm(request, monkeypatch)
     entries = [(e.prefix, e.tp_size, e.tp_rank, e.input_size, e.output_size) for e in summary.entries]
@@ -224,7 +224,7 @@ def test_linked_model_path_resolves_as_in_the_container(cli, linked, model):
 
 def test_linked_model_warm_is_a_hit_for_the_server(cli, linked, monkeypatch):
     text = _docker({}, linked["volumes"], f"--model /models/current -tp 2 --quantization-config '{QC}'")
-    request, settings, _ = apply_launch(WarmRequest(model="", device="cpu"), (), LaunchInput(text=text),
+    request, settings, _ = apply_launch(ServerRequest(model="", device="cpu"), (), LaunchInput(text=text),
                                         add_tp_sizes=True, environ={})
     assert request.model == str(linked["m"] / "v2")  # the folder read here is the one the link names there
     summary = fake_warm(request, monkeypatch)

@@ -23,7 +23,7 @@ from exl3tool.cache import CacheKey
 from exl3tool.cache.entry import read_entry
 from exl3tool.operations.exact import compare_exact, fresh_encode
 from exl3tool.operations.verify import verify_plan
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import warm
 
 from helpers import ENC, completed, warm_one_layer
@@ -143,7 +143,7 @@ def tampered(warmed, tmp_path):
     model, cache = warmed
     dst = tmp_path / "cache"
     shutil.copytree(cache, dst)
-    _, plan, _ = prepare(WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(dst),
+    _, plan, _ = prepare(ServerRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(dst),
                                      mode="readonly", **ENC))
     jobs = sorted(plan.jobs, key=lambda j: j.tp_rank)
     originals = {j.tp_rank: j.path.read_bytes() for j in jobs}
@@ -162,7 +162,7 @@ def tampered(warmed, tmp_path):
 
 
 def _request(model, cache, **kw):
-    return WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), device="cpu", **ENC, **kw)
+    return ServerRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), device="cpu", **ENC, **kw)
 
 
 @pytest.mark.slow
@@ -209,7 +209,7 @@ def test_warm_names_unchecked_hits_and_check_unchecked_replaces_only_the_wrong_o
 
 def test_warm_json_lists_unchecked_hits(tampered):
     model, cache, jobs, _ = tampered
-    r = completed(["cache", "warm", str(model), "--tp-sizes", "2", "--layers", LAYER, "--cache-dir", str(cache),
+    r = completed(["cache", "warm", str(model), "--tp-size", "2", "--layers", LAYER, "--cache-dir", str(cache),
                    "--device", "cpu", "--encoder-root", ENC["encoder_root"], "--encoder-revision",
                    ENC["encoder_revision"], "--json"])
     assert r.returncode == 0, r.stderr

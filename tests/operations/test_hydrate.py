@@ -25,7 +25,7 @@ from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
 from exl3tool.format.encoded import EncodedLinear
 from exl3tool.operations.hydrate import TEMP_SUFFIX, hydrate, plan_hydrate
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 
 from helpers import (ENC, run, server_encoder_identity, server_lookup, server_model_identity, server_online_lookups,
                      spec_dequantize, tree)
@@ -83,8 +83,8 @@ def _tensors(root: Path) -> dict[str, bytes]:
     return out
 
 
-def _request(src: Path, family: str, **kw) -> WarmRequest:
-    return WarmRequest(model=str(src), quantization_config=TINY_FAMILIES[family].overlay, device="cpu", **kw)
+def _request(src: Path, family: str, **kw) -> ServerRequest:
+    return ServerRequest(model=str(src), quantization_config=TINY_FAMILIES[family].overlay, device="cpu", **kw)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -140,7 +140,7 @@ def test_unfused_layers_equal_the_tp1_cache_entries(hydrated, tmp_path, monkeypa
     real = run_mod.run_plan
     monkeypatch.setattr(run_mod, "run_plan", lambda *a, **k: real(*a, **{**k, "encode": weight_encode}))
     cache = tmp_path / "cache"
-    warm(WarmRequest(model=str(src), tp_sizes=(1,), quantization_config=TINY_FAMILIES[family].overlay,
+    warm(ServerRequest(model=str(src), tp_sizes=(1,), quantization_config=TINY_FAMILIES[family].overlay,
                      cache_dir=str(cache), device="cpu", **ENC))
     model_id = server_model_identity(str(src))
     enc_id = server_encoder_identity(ENC["encoder_root"], ENC["encoder_revision"])
@@ -172,7 +172,7 @@ def test_dry_run_json_is_the_plan_and_writes_nothing(tmp_path, capsys):
     code, stdout, err = run(["hydrate", src, tmp_path / "out", "--dry-run", "--json"], capsys)
     assert code == 0, err
     doc = json.loads(stdout)
-    assert doc == plan_hydrate(WarmRequest(model=str(src)), tmp_path / "out").as_json()
+    assert doc == plan_hydrate(ServerRequest(model=str(src)), tmp_path / "out").as_json()
     assert doc["modules"] == 14 and doc["bytes"]["after"] < doc["bytes"]["before"]
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(f".*{TEMP_SUFFIX}"))
 
@@ -196,7 +196,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys, monkeypatch
     cases = [
         (["hydrate", bf16, out], "not an EXL3 checkpoint"),
         (["hydrate", src, src / "inner"], "is inside SOURCE"),
-        (["hydrate", src, out, "--tp-sizes", "1,2"], "k_proj: at TP 2"),
+        (["hydrate", src, out, "--tp-size", "1,2"], "k_proj: at TP 2"),
     ]
     for argv, want in cases:
         code, _, err = run(argv, capsys)
@@ -216,7 +216,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys, monkeypatch
 def test_unaligned_layers_left_bf16_when_asked(tmp_path, capsys, monkeypatch):
     src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
     monkeypatch.setattr("exl3tool.encode.encode_linear", lambda w, **k: weight_encode(w, k["bits"], k["seed"], "cpu"))
-    code, stdout, err = run(["hydrate", src, tmp_path / "out", "--tp-sizes", "1,2", "--leave-unaligned", "--json"], capsys)
+    code, stdout, err = run(["hydrate", src, tmp_path / "out", "--tp-size", "1,2", "--leave-unaligned", "--json"], capsys)
     assert code == 0, err
     doc = json.loads(stdout)
     assert [d["prefix"] for d in doc["left_bf16"]] == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
@@ -328,7 +328,7 @@ def test_real_encode_decodes_within_k6_error_and_equals_the_warm_entry(family, t
     if len(plan.modules) == 1:
         m = plan.modules[0]
         cache = tmp_path / "cache"
-        warm(WarmRequest(model=str(src), tp_sizes=(1,), layers=(layer,), cache_dir=str(cache), device="cpu",
+        warm(ServerRequest(model=str(src), tp_sizes=(1,), layers=(layer,), cache_dir=str(cache), device="cpu",
                          quantization_config=ov, **ENC))
         hit = server_lookup(cache, server_model_identity(str(src)),
                             server_encoder_identity(ENC["encoder_root"], ENC["encoder_revision"]), layer, 6, 1, 0,
@@ -428,7 +428,7 @@ def test_inline_storage_and_a_hub_snapshot_source(tmp_path):
     snap = write_llama_checkpoint(tmp_path / "plain", hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256,
                                   layers=1, vocab=64, shards=2, hub_cache=tmp_path / "hub", seed=fresh_seed())
     out = tmp_path / "out"
-    hydrate(plan_hydrate(WarmRequest(model=str(snap)), out), device="cpu", encode=weight_encode)
+    hydrate(plan_hydrate(ServerRequest(model=str(snap)), out), device="cpu", encode=weight_encode)
     online = {k: v for k, v in _llama().items() if ".layers.0." in k}
     assert server_online_lookups(snap, online) == list(online) and server_online_lookups(out, online) == []
     assert not [p for p in out.rglob("*") if p.is_symlink()]
@@ -438,7 +438,7 @@ def test_inline_storage_and_a_hub_snapshot_source(tmp_path):
     cfg["quantization_config"]["tensor_storage"] = json.loads((src / "quantization_config.json").read_text())["tensor_storage"]
     (src / "config.json").write_text(json.dumps(cfg))
     (src / "quantization_config.json").unlink()
-    plan = plan_hydrate(WarmRequest(model=str(src)), tmp_path / "out2")
+    plan = plan_hydrate(ServerRequest(model=str(src)), tmp_path / "out2")
     assert plan.storage_file == "config.json"
     hydrate(plan, device="cpu", encode=weight_encode)
     assert server_online_lookups(tmp_path / "out2", online) == []
@@ -475,14 +475,14 @@ def test_inexpressible_kinds_are_refused_with_why(tmp_path, capsys):
     cfg["quantization_config"]["tensor_storage"] = json.loads((model / "quantization_config.json").read_text())[
         "tensor_storage"]
     (model / "config.json").write_text(json.dumps(cfg))
-    code, _, err = run(["hydrate", model, tmp_path / "out", "--tp-sizes", "2"], capsys)
+    code, _, err = run(["hydrate", model, tmp_path / "out", "--tp-size", "2"], capsys)
     assert code == 2 and "a rank_sliced checkpoint cannot be hydrated" in _one_line(err)
     _nothing_left(tmp_path, tmp_path / "out")
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
     from fleet_models import write_model  # the GLM-5.3-Flash geometry the scope accepts, header-only shards
 
     scoped = write_model(tmp_path / "scoped", "glm53-flash", real_layers=())
-    code, _, err = run(["hydrate", scoped, tmp_path / "out", "--tp-sizes", "2"], capsys)
+    code, _, err = run(["hydrate", scoped, tmp_path / "out", "--tp-size", "2"], capsys)
     assert code == 2 and "a glm53_routed_experts_only checkpoint cannot be hydrated" in _one_line(err), err
     _nothing_left(tmp_path, tmp_path / "out")
 

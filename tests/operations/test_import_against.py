@@ -21,7 +21,7 @@ from exl3tool.cache.entry import read_entry, validate_entry, write_entry
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.cli import _register, app
 from exl3tool.errors import Exl3ToolError
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import warm
 
 from helpers import ENC, ENC_ARGS, TINY, make_encoded
@@ -50,9 +50,9 @@ def warmed(tmp_path_factory):
     base = tmp_path_factory.mktemp("against")
     model = write_llama_checkpoint(base / "model", **TINY, seed=fresh_seed(24), shards=1)
     cache = base / "cache"
-    assert warm(WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), device="cpu",
+    assert warm(ServerRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), device="cpu",
                             **ENC)).counts["encoded"] == 2
-    _, plan, _ = prepare(WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache),
+    _, plan, _ = prepare(ServerRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache),
                                      mode="readonly", **ENC))
     return model, cache, sorted(plan.jobs, key=lambda j: j.tp_rank)
 

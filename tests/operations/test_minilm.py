@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from exl3tool.operations.verify import verify_plan
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 
 from goldens import REPO
 from helpers import ENC, ENC_ARGS, completed
@@ -48,7 +48,7 @@ def test_warm_encodes_the_selected_bert_layers(warmed):
 @pytest.mark.slow
 def test_verify_passes_on_bert(warmed):
     cache, _ = warmed
-    request = WarmRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
+    request = ServerRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
                           **ENC, dtype="float32")
     checkpoint, plan, store = prepare(request)
     report = verify_plan(plan, checkpoint, store, rows=(1, 8), device=torch.device("cpu"), dtype=torch.float32)
@@ -58,7 +58,7 @@ def test_verify_passes_on_bert(warmed):
 @pytest.mark.slow
 def test_embeddings_stay_close(warmed):
     cache, _ = warmed
-    request = WarmRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
+    request = ServerRequest(model=minilm_model_dir(), layers=LAYERS, cache_dir=str(cache), mode="readonly",
                           **ENC, dtype="float32")
     _, plan, store = prepare(request)
     replacements = {j.prefix: store.lookup(j.key).tensors for j in plan.jobs}

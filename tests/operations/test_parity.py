@@ -85,7 +85,7 @@ def _fake_encoder(base: Path) -> Path:
 
 
 def _warm(cli, model: Path, cache: Path, *extra: str) -> tuple[int, str, str]:
-    return cli("cache", "warm", str(model), "--tp-sizes", "2", "--layers", LAYER, "--cache-dir", str(cache),
+    return cli("cache", "warm", str(model), "--tp-size", "2", "--layers", LAYER, "--cache-dir", str(cache),
                "--device", "cpu", "--encoder-root", FORK_ROOT, *extra)
 
 
@@ -112,7 +112,7 @@ def test_an_unverified_encoder_identity_is_said_recorded_and_reported(tmp_path, 
     (record,) = _records(cache)
     assert record["encoder_parity"]["status"] == "unverified" and record["encoder_parity"]["basis"] == "none"
     assert all(_served(model, cache, FORK_ROOT, FORK_REV))
-    check = ["cache", "check", str(model), "--tp-sizes", "2", "--layers", LAYER, "--cache-dir", str(cache),
+    check = ["cache", "check", str(model), "--tp-size", "2", "--layers", LAYER, "--cache-dir", str(cache),
              "--encoder-root", FORK_ROOT, "--encoder-revision", FORK_REV]
     code, out, err = cli(*check, "--json")
     assert code == 0, err  # every look-up hits; the parity is a note, not a miss
@@ -143,7 +143,7 @@ def test_exl3tools_own_encoder_is_identical_by_construction(tmp_path, cli, model
 
     monkeypatch.setattr(parity_mod.subprocess, "run", no_probe)
     cache = tmp_path / "cache"
-    code, out, err = cli("cache", "warm", str(model), "--tp-sizes", "2", "--layers", LAYER, "--cache-dir", str(cache),
+    code, out, err = cli("cache", "warm", str(model), "--tp-size", "2", "--layers", LAYER, "--cache-dir", str(cache),
                          "--device", "cpu", "--encoder-root", "/opt/exl3tool-encoder", "--encoder-source", str(export),
                          "--json")
     assert code == 0, err
@@ -184,7 +184,7 @@ def test_a_different_encoder_is_refused_and_trust_writes_it(tmp_path, cli, model
     assert probe["theirs"]["tensors"]["trellis"]["sha256"] != probe["ours"]["tensors"]["trellis"]["sha256"]
     assert all(_served(model, cache, FORK_ROOT, FORK_REV))
     # a server on this host: its encoder root is here, so that copy is the one probed (no --encoder-source)
-    code, _, err = cli("cache", "warm", str(model), "--tp-sizes", "2", "--layers", LAYER, "--cache-dir",
+    code, _, err = cli("cache", "warm", str(model), "--tp-size", "2", "--layers", LAYER, "--cache-dir",
                        str(tmp_path / "c2"), "--device", "cpu", "--encoder-root", str(fake),
                        "--encoder-revision", FORK_REV)
     assert code == 2 and "encoder parity differs" in err and f"as found here ({fake})" in err, err

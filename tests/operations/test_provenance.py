@@ -23,7 +23,7 @@ from exl3tool.cache.records import RECORDS_DIR, parse_record, read_records, reco
 from exl3tool.cache.store import CacheStore
 from exl3tool.cli import _register, app
 from exl3tool.errors import Exl3ToolError
-from exl3tool.plan import WarmRequest
+from exl3tool.plan import ServerRequest
 from exl3tool.operations.check import check
 
 
@@ -48,7 +48,7 @@ def warmed(tmp_path, monkeypatch):
     for name in ("VLLM_EXL3_ENCODER_SOURCE", "VLLM_EXL3_ENCODER_REVISION", "VLLM_EXL3_ONLINE_TRELLIS_BITS"):
         monkeypatch.delenv(name, raising=False)
     model = write_mla(tmp_path / "m", seed=fresh_seed(16))
-    request = WarmRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "cache"), **ENC)
+    request = ServerRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "cache"), **ENC)
     summary = fake_warm(request, monkeypatch)
     assert summary.counts["encoded"] == len(TP1) and summary.record and summary.record_written
     return request, model, summary
@@ -62,8 +62,8 @@ def run(*args):
     return code, res.stdout, res.stderr + (str(res.exception) if res.exception else "")
 
 
-def check_cli(request: WarmRequest, *extra: str):
-    args = ["cache", "check", request.model, "--cache-dir", request.cache_dir, "--tp-sizes",
+def check_cli(request: ServerRequest, *extra: str):
+    args = ["cache", "check", request.model, "--cache-dir", request.cache_dir, "--tp-size",
             ",".join(map(str, request.tp_sizes)), *ENC_ARGS, *extra]
     code, out, err = run(*args, "--json")
     return code, json.loads(out), err
@@ -134,7 +134,7 @@ def test_check_takes_the_options_of_cache_warm():
     import inspect
 
     from exl3tool.cli.commands.check import cache_check
-    from exl3tool.cli.commands.encode import cache_warm
+    from exl3tool.cli.commands.warm import cache_warm
 
     run_only = {"device", "file_mode", "overlap", "dry_run", "lock_timeout", "progress", "gpu_memory", "check_unchecked",
                 "trust_encoder_identity",
@@ -245,7 +245,7 @@ def test_encoder_source_files_that_changed_are_named(tmp_path, monkeypatch):
     quantize = root / "modules" / "quant" / "exl3_lib" / "quantize.py"
     quantize.write_text("def quantize_exl3(): ...\n")
     model = write_mla(tmp_path / "m")
-    request = WarmRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "cache"), encoder_root=str(root))
+    request = ServerRequest(model=str(model), tp_sizes=(1,), cache_dir=str(tmp_path / "cache"), encoder_root=str(root))
     fake_warm(request, monkeypatch)
     quantize.write_text("def quantize_exl3(): return 2\n")
     (root / "extra.py").write_text("")

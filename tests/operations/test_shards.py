@@ -19,7 +19,7 @@ import pytest
 
 from exl3tool.checkpoint.tiny import write_tiny
 from exl3tool.errors import ConfigError
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.plan.sharing import shard_identity
 from exl3tool.plan.shards import Shard, parse_shard, resolve_shard
 
@@ -34,8 +34,8 @@ def glm(tmp_path_factory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("shards") / "glm5.3", "glm5.3", seed=5)
 
 
-def _request(model: Path, cache: Path, shard: Shard | None = None) -> WarmRequest:
-    return WarmRequest(model=str(model), tp_sizes=TP, cache_dir=str(cache), device="cpu", shard=shard, **ENC)
+def _request(model: Path, cache: Path, shard: Shard | None = None) -> ServerRequest:
+    return ServerRequest(model=str(model), tp_sizes=TP, cache_dir=str(cache), device="cpu", shard=shard, **ENC)
 
 
 def _plan(model: Path, cache: Path, shard: Shard | None = None):
@@ -89,7 +89,7 @@ def test_bad_scheduler_variables_are_one_line_errors(count, env, words):
     (["--shard-count", "0", "--shard", "0/1"], {}),
 ])
 def test_cli_refuses_bad_shards_with_exit_2(glm, tmp_path, argv, env):
-    r = completed(["cache", "warm", glm, "--tp-sizes", "1,2", *ENC_ARGS, "--cache-dir", tmp_path, "--dry-run",
+    r = completed(["cache", "warm", glm, "--tp-size", "1,2", *ENC_ARGS, "--cache-dir", tmp_path, "--dry-run",
                    *argv], env={**os.environ, **env})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len([line for line in r.stderr.splitlines() if "rror" in line]) == 1, r.stderr
@@ -122,7 +122,7 @@ def test_split_does_not_depend_on_the_cache(glm, tmp_path, monkeypatch):
     cache = tmp_path / "c"
     before = [j.digest for j in _plan(glm, cache, Shard(1, 3)).jobs]
     fake_warm(_request(glm, cache, Shard(0, 3)), monkeypatch)
-    fake_warm(WarmRequest(model=str(glm), tp_sizes=(2,), cache_dir=str(cache), device="cpu", **ENC,
+    fake_warm(ServerRequest(model=str(glm), tp_sizes=(2,), cache_dir=str(cache), device="cpu", **ENC,
                           layers=("*.layers.0.*",)), monkeypatch)
     after = _plan(glm, cache, Shard(1, 3))
     assert [j.digest for j in after.jobs] == before
@@ -130,7 +130,7 @@ def test_split_does_not_depend_on_the_cache(glm, tmp_path, monkeypatch):
 
 
 def test_dry_run_shows_the_shard_and_an_empty_shard_is_success(glm, tmp_path):
-    r = completed(["cache", "warm", glm, "--tp-sizes", "1,2", *ENC_ARGS, "--cache-dir", tmp_path, "--dry-run",
+    r = completed(["cache", "warm", glm, "--tp-size", "1,2", *ENC_ARGS, "--cache-dir", tmp_path, "--dry-run",
                    "--json"], env={**os.environ, "SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "3",
                                    "SLURM_ARRAY_TASK_MIN": "4"})
     assert r.returncode == 0, r.stderr
@@ -140,7 +140,7 @@ def test_dry_run_shows_the_shard_and_an_empty_shard_is_success(glm, tmp_path):
     assert [j["digest"] for j in doc["jobs"]] == expected and doc["shard"]["jobs"] == len(expected)
     assert "shard 1/3 (from SLURM_ARRAY_TASK_ID" in r.stderr
 
-    r = completed(["cache", "warm", glm, "--tp-sizes", "1,2", *ENC_ARGS, "--cache-dir", tmp_path, "--json",
+    r = completed(["cache", "warm", glm, "--tp-size", "1,2", *ENC_ARGS, "--cache-dir", tmp_path, "--json",
                    "--shard", "39/40", "--device", "cpu"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -157,7 +157,7 @@ def _files(cache: Path) -> dict[Path, bytes]:
 @pytest.mark.slow
 def test_concurrent_shard_processes_equal_an_unsharded_warm(glm, tmp_path, monkeypatch):
     cache, n = tmp_path / "shared", 3
-    base = [sys.executable, str(FAKE_CLI), "cache", "warm", str(glm), "--tp-sizes", "1,2", *ENC_ARGS,
+    base = [sys.executable, str(FAKE_CLI), "cache", "warm", str(glm), "--tp-size", "1,2", *ENC_ARGS,
             "--cache-dir", str(cache), "--device", "cpu", "--json", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([*base, "--shard", f"{i}/{n}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -183,7 +183,7 @@ def test_concurrent_shard_processes_equal_an_unsharded_warm(glm, tmp_path, monke
     doc = json.loads(again.stdout)  # resumable: a re-run shard finds what it published
     assert doc["counts"]["encoded"] == 0 and doc["counts"]["hit"] == docs[1]["counts"]["encoded"]
 
-    check = completed(["cache", "check", glm, "--tp-sizes", "1,2", *ENC_ARGS, "--cache-dir", cache, "--json"])
+    check = completed(["cache", "check", glm, "--tp-size", "1,2", *ENC_ARGS, "--cache-dir", cache, "--json"])
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
     report = json.loads(check.stdout)
     assert report["ok"] is True and report["lookups"] == report["hit"] == 42
@@ -194,7 +194,7 @@ def test_torchrun_inside_a_shard_splits_its_slice(glm, tmp_path):
     """Shard 1 of 2 under torchrun with two gloo workers: both encode, together exactly the shard's slice."""
     cache = tmp_path / "c"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(FAKE_CLI),
-           "cache", "warm", str(glm), "--tp-sizes", "1,2", *ENC_ARGS, "--cache-dir", str(cache), "--device", "cpu",
+           "cache", "warm", str(glm), "--tp-size", "1,2", *ENC_ARGS, "--cache-dir", str(cache), "--device", "cpu",
            "--json", "--quiet", "--shard", "1/2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -15,7 +15,7 @@ import torch
 
 from exl3tool.cache.entry import write_entry
 from exl3tool.operations.verify import default_quant_err, verify_plan
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 
 from helpers import ENC, completed, warm_one_layer
 from seeds import fresh_seed
@@ -42,7 +42,7 @@ def copy(warmed, tmp_path):
 
 
 def _verify(model, cache, layers=(LAYER,), **kw):
-    request = WarmRequest(model=str(model), tp_sizes=(2,), layers=layers, cache_dir=str(cache), mode="readonly",
+    request = ServerRequest(model=str(model), tp_sizes=(2,), layers=layers, cache_dir=str(cache), mode="readonly",
                           device="cpu", **ENC)
     checkpoint, plan, store = prepare(request)
     return verify_plan(plan, checkpoint, store, rows=(1, 16), seed=5, device=torch.device("cpu"), **kw)
@@ -100,7 +100,7 @@ def test_swapped_entry_files_fail(copy):
 def test_wrong_tp_slice_fails_on_quantization_error(copy):
     """Well-formed entries with the right keys but each other's tensors: only the numbers can tell."""
     model, cache = copy
-    request = WarmRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), mode="readonly", **ENC)
+    request = ServerRequest(model=str(model), tp_sizes=(2,), layers=(LAYER,), cache_dir=str(cache), mode="readonly", **ENC)
     _, plan, store = prepare(request)
     found = [store.lookup(j.key) for j in plan.jobs]
     for job, other in zip(plan.jobs, reversed(found)):

@@ -23,7 +23,7 @@ from exl3tool.cache import CacheStore, layer_seed
 from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.encode import dequantize_tensors
 from exl3tool.format.encoded import EncodedLinear
-from exl3tool.plan import WarmRequest, prepare, share_jobs
+from exl3tool.plan import ServerRequest, prepare, share_jobs
 from exl3tool.operations.warm import warm
 
 from helpers import ENC, TINY, TINY_REPO as REPO, completed
@@ -73,7 +73,7 @@ def _weights(plain: Path) -> dict[str, torch.Tensor]:
 
 
 def test_plan_prefixes_seeds_and_shapes_for_tp_1_2_4(offline, tmp_path):
-    _, plan, _ = prepare(WarmRequest(model=REPO, tp_sizes=(1, 2, 4), cache_dir=str(tmp_path), **ENC))
+    _, plan, _ = prepare(ServerRequest(model=REPO, tp_sizes=(1, 2, 4), cache_dir=str(tmp_path), **ENC))
     jobs = {(j.prefix, j.tp_size, j.tp_rank): j for j in plan.jobs}
     # (in=K_r, out=N_r): qkv out = (4 + 2*2) * 64 heads*hd; KV heads replicate at TP 4
     want = {
@@ -115,7 +115,7 @@ def test_missing_encoder_identity_is_a_usage_error(hub, tmp_path):
 
 
 def test_share_jobs_is_a_balanced_partition(offline, tmp_path):
-    _, plan, _ = prepare(WarmRequest(model=REPO, tp_sizes=(1, 2, 4), cache_dir=str(tmp_path), **ENC))
+    _, plan, _ = prepare(ServerRequest(model=REPO, tp_sizes=(1, 2, 4), cache_dir=str(tmp_path), **ENC))
     todo = plan.todo
     for workers in (2, 3, 5):
         shares = [share_jobs(todo, w, workers) for w in range(workers)]
@@ -130,7 +130,7 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
     """o_proj of layer 0 at TP 1 and 2 (3 entries): kill a warm after its first entry, resume, check slices."""
     cache = tmp_path / "cache"
     layer = "model.layers.0.self_attn.o_proj"
-    args = ["cache", "warm", REPO, "--tp-sizes", "1,2", "--layers", layer, "--cache-dir", str(cache),
+    args = ["cache", "warm", REPO, "--tp-size", "1,2", "--layers", layer, "--cache-dir", str(cache),
             "--device", "cpu", "--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]
     proc = subprocess.Popen([sys.executable, "-m", "exl3tool", *args, "--quiet"], env=_env(hub),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -142,7 +142,7 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
     published = {p for p in cache.rglob("*.safetensors") if not p.name.startswith(".")}
     assert 1 <= len(published) < 3, "the kill should land between the first and the last entry"
 
-    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=(layer,), cache_dir=str(cache), device="cpu", **ENC)
+    request = ServerRequest(model=REPO, tp_sizes=(1, 2), layers=(layer,), cache_dir=str(cache), device="cpu", **ENC)
     resumed = warm(request)
     assert resumed.counts == {"hit": len(published), "encoded": 3 - len(published), "skipped": 0, "failed": 0}
 
@@ -153,7 +153,7 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
         k = 256 // e.tp_size
         want = w[:, e.tp_rank * k:(e.tp_rank + 1) * k].t()  # row-parallel: input columns of this rank
         other = w[:, ((e.tp_rank + 1) % e.tp_size) * k:][:, :k].t()
-        _, plan, _ = prepare(WarmRequest(model=REPO, tp_sizes=(e.tp_size,), layers=(e.prefix,), cache_dir=str(cache), **ENC))
+        _, plan, _ = prepare(ServerRequest(model=REPO, tp_sizes=(e.tp_size,), layers=(e.prefix,), cache_dir=str(cache), **ENC))
         found = store.lookup(plan.jobs[e.tp_rank].key)
         assert found.status == "hit"
         t = found.tensors
@@ -176,7 +176,7 @@ def test_torchrun_two_cpu_workers_split_the_plan(hub, tmp_path):
     env = _env(hub)
     env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "exl3tool",
-           "cache", "warm", REPO, "--tp-sizes", "1,2", "--layers", "model.layers.1.self_attn.o_proj",
+           "cache", "warm", REPO, "--tp-size", "1,2", "--layers", "model.layers.1.self_attn.o_proj",
            "--cache-dir", str(cache), "--device", "cpu", "--json", "--quiet",
            "--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"]]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -237,7 +237,7 @@ def test_workers_with_stale_plans_still_cover_every_job(offline, tmp_path):
     from exl3tool.checkpoint import open_checkpoint
     from exl3tool.operations.warm import run_plan
 
-    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
+    request = ServerRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
     checkpoint = open_checkpoint(REPO)
     _, plan0, store = prepare(request)
     agreed = plan0.todo
@@ -281,7 +281,7 @@ def test_overlap_on_and_off_publish_identical_trees(offline, tmp_path):
     checkpoint = open_checkpoint(REPO)
     outcomes = {}
     for overlap in (True, False):
-        request = WarmRequest(model=REPO, tp_sizes=(2,), layers=("model.layers.1.self_attn.o_proj",),
+        request = ServerRequest(model=REPO, tp_sizes=(2,), layers=("model.layers.1.self_attn.o_proj",),
                               cache_dir=str(tmp_path / str(overlap)), **ENC)
         _, plan, store = prepare(request)
         results = run_plan(plan, checkpoint, store, device=torch.device("cpu"), overlap=overlap)
@@ -302,7 +302,7 @@ def test_overlap_failed_read_and_failed_publish_are_per_layer(offline, tmp_path,
     from exl3tool.operations.warm import run_plan
 
     checkpoint = open_checkpoint(REPO)
-    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
+    request = ServerRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"), cache_dir=str(tmp_path), **ENC)
     _, plan, store = prepare(request)
     todo = plan.todo
     unreadable = "model.layers.0.self_attn.o_proj.weight"
@@ -349,7 +349,7 @@ def test_overlap_entry_published_by_another_writer_is_a_hit(offline, tmp_path):
     from exl3tool.operations.warm import run_plan
 
     checkpoint = open_checkpoint(REPO)
-    request = WarmRequest(model=REPO, tp_sizes=(1,), layers=("model.layers.0.self_attn.o_proj",), cache_dir=str(tmp_path), **ENC)
+    request = ServerRequest(model=REPO, tp_sizes=(1,), layers=("model.layers.0.self_attn.o_proj",), cache_dir=str(tmp_path), **ENC)
     _, plan, store = prepare(request)
     (job,) = plan.todo
     job.path.parent.mkdir(parents=True, exist_ok=True)
@@ -389,7 +389,7 @@ def test_overlap_callbacks_once_per_job_on_the_main_thread(offline, tmp_path):
     main = threading.current_thread()
     outcomes = {}
     for overlap in (True, False):
-        request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"),
+        request = ServerRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj", "*.down_proj"),
                               cache_dir=str(tmp_path / str(overlap)), **ENC)
         _, plan, store = prepare(request)
         calls = []
@@ -420,7 +420,7 @@ def test_overlap_interrupt_stops_threads_and_leaves_no_lock(offline, tmp_path):
     from exl3tool.operations.warm import run_plan
 
     checkpoint = open_checkpoint(REPO)
-    request = WarmRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj",), cache_dir=str(tmp_path), **ENC)
+    request = ServerRequest(model=REPO, tp_sizes=(1, 2), layers=("*.o_proj",), cache_dir=str(tmp_path), **ENC)
     _, plan, store = prepare(request)
     calls = []
 
@@ -531,7 +531,7 @@ def test_interrupt_while_waiting_to_publish_releases_the_claim(offline, tmp_path
     from exl3tool.operations.warm.pipeline import _Pipeline
 
     checkpoint = open_checkpoint(REPO)
-    request = WarmRequest(model=REPO, tp_sizes=(1,), layers=("*.o_proj",), cache_dir=str(tmp_path), **ENC)
+    request = ServerRequest(model=REPO, tp_sizes=(1,), layers=("*.o_proj",), cache_dir=str(tmp_path), **ENC)
     _, plan, store = prepare(request)
 
     def interrupted(self):

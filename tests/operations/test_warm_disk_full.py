@@ -18,7 +18,7 @@ from exl3tool.cache import scan
 from exl3tool.cache.entry import entry_bytes
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import main
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import run_plan
 
 from helpers import ENC, ENC_ARGS, TINY_1, fake_encode, refuse_encodes
@@ -46,8 +46,8 @@ def run(argv, capsys):
     return exited.value.code or 0, out, err
 
 
-def _request(model, cache) -> WarmRequest:
-    return WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(cache), **ENC)
+def _request(model, cache) -> ServerRequest:
+    return ServerRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(cache), **ENC)
 
 
 def _needed(model, cache) -> int:
@@ -64,7 +64,7 @@ def test_too_little_free_space_is_a_usage_error_before_any_encode(model, tmp_pat
     needed = _needed(model, cache)
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=needed - 1))
-    code, out, err = run(["cache", "warm", str(model), "--tp-sizes", "1,2", "--cache-dir", str(cache), *ENC_ARGS], capsys)
+    code, out, err = run(["cache", "warm", str(model), "--tp-size", "1,2", "--cache-dir", str(cache), *ENC_ARGS], capsys)
     assert code == 2
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: cache directory {cache}: ") and "free on its filesystem" in last
@@ -174,6 +174,6 @@ def test_a_real_full_filesystem_mid_warm(model, small_tmpfs, capsys):
 def test_a_real_small_filesystem_fails_the_precheck(model, small_tmpfs, capsys, no_encode):
     cache = small_tmpfs / "cache"
     (small_tmpfs / "ballast").write_bytes(b"\0" * (shutil.disk_usage(small_tmpfs).free - 500_000))
-    code, out, err = run(["cache", "warm", str(model), "--tp-sizes", "1,2", "--cache-dir", str(cache), "--json",
+    code, out, err = run(["cache", "warm", str(model), "--tp-size", "1,2", "--cache-dir", str(cache), "--json",
                           *ENC_ARGS], capsys)
     assert code == 2 and "free on its filesystem, but the plan writes" in out + err

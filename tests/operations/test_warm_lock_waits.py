@@ -22,7 +22,7 @@ from exl3tool.cache import CacheStore, lock_path, scan
 from exl3tool.cache.locks import Holder, one_line
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.cli import main
-from exl3tool.plan import WarmRequest, prepare
+from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import run_plan
 from exl3tool.operations.warm.lockwait import LockWaits
 
@@ -42,8 +42,8 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-def _request(model: Path, cache: Path, **kw) -> WarmRequest:
-    return WarmRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(cache), **ENC, **kw)
+def _request(model: Path, cache: Path, **kw) -> ServerRequest:
+    return ServerRequest(model=str(model), tp_sizes=(1, 2), cache_dir=str(cache), **ENC, **kw)
 
 
 def _marking_encode(marks: Path, delay: float = 0.0):
@@ -249,7 +249,7 @@ def test_lock_timeout_option_fails_the_job_unencoded_naming_the_holder(model, tm
     proc = _holder(held.path, tmp_path / "never", publish=False)
     try:
         with pytest.raises(SystemExit) as exited:
-            main(["cache", "warm", str(model), "--tp-sizes", "1,2", "--layers", "*.o_proj", "--cache-dir", str(cache),
+            main(["cache", "warm", str(model), "--tp-size", "1,2", "--layers", "*.o_proj", "--cache-dir", str(cache),
                   "--lock-timeout", "1", "--device", "cpu", "--json", "--progress", "none", *ENC_ARGS])
     finally:
         _stop(proc)

@@ -12,7 +12,7 @@ def register(app: typer.Typer) -> None:
     import importlib
 
     # the order of `--help`'s lists: `cache warm` and `cache check` come after the `cache` group's own commands
-    for name in ("identity", "cache", "encode", "check", "verify", "encoder_source", "synth", "hydrate"):
+    for name in ("identity", "cache", "warm", "check", "verify", "encoder_source", "synth", "hydrate"):
         try:
             module = importlib.import_module(f"exl3tool.cli.commands.{name}")
         except ModuleNotFoundError as exc:  # a command group not written yet

@@ -109,7 +109,7 @@ def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], 
 
 
 def given_fields(ctx: typer.Context, fields: dict[str, str]) -> set[str]:
-    """WarmRequest field names whose option (``fields``: parameter name -> field) was given on the command line."""
+    """ServerRequest field names whose option (``fields``: parameter name -> field) was given on the command line."""
     out = set()
     for param, name in fields.items():
         source = ctx.get_parameter_source(param)

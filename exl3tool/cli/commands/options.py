@@ -268,7 +268,7 @@ def _server_release(value: Optional[str]) -> Optional[str]:
     return None if value is None else release(value).name
 
 
-# Every option that sets a field of the request: option parameter -> (WarmRequest field, the value's conversion).
+# Every option that sets a field of the request: option parameter -> (ServerRequest field, the value's conversion).
 # The one table every request-building command (identity, encode, cache warm, cache check, verify, cache import
 # --against) fills its request from; a command declares the options it takes, and the table covers what it declares.
 REQUEST_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -301,18 +301,18 @@ REQUEST_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 
 def request_from_options(ctx: typer.Context, *, skip: Collection[str] = (), **fields: Any) -> tuple[Any, set[str]]:
-    """The command's ``WarmRequest`` from its options (``REQUEST_OPTIONS``), and the set of fields its command line
+    """The command's ``ServerRequest`` from its options (``REQUEST_OPTIONS``), and the set of fields its command line
     gave (what wins over a launch in ``apply_launch``).
 
     ``fields`` are set by the command itself (``verify``'s mode, ``import --against``'s model) and win over options;
     ``skip`` names options that are the command's own, not the request's (``cache import``'s ``--file-mode``).
     """
-    from exl3tool.plan import WarmRequest
+    from exl3tool.plan import ServerRequest
 
     params = {p: spec for p, spec in REQUEST_OPTIONS.items() if p in ctx.params and p not in skip}
     values = {field: convert(ctx.params[p]) for p, (field, convert) in params.items() if field not in fields}
     given = given_fields(ctx, {p: field for p, (field, _) in params.items()})
-    return WarmRequest(**values, **fields), given
+    return ServerRequest(**values, **fields), given
 
 
 def resolve_cache_dir(cache_dir: Path | None) -> Path:

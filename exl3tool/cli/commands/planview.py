@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 from exl3tool.cli.output import Output, plural
 
 if TYPE_CHECKING:
-    from exl3tool.plan import WarmPlan
+    from exl3tool.plan import LookupPlan
 
 __all__ = ["plan_notes", "discard_note"]
 
 
-def plan_notes(out: Output, plan: WarmPlan) -> None:
+def plan_notes(out: Output, plan: LookupPlan) -> None:
     """The plan's header on stderr: overlay, kind, notes; a warning when the server will not look entries up."""
     for warning in plan.identity_warnings:
         out.warn(warning)
@@ -29,7 +29,7 @@ def plan_notes(out: Output, plan: WarmPlan) -> None:
         out.note(plan.fetch.line())
 
 
-def discard_note(out: Output, plan: WarmPlan) -> None:
+def discard_note(out: Output, plan: LookupPlan) -> None:
     """`encode --mode readonly|off`: say before the first encode that its results will be thrown away."""
     if plan.mode != "readwrite":
         what = ("the cache is neither read nor written: every planned layer" if plan.mode == "off" else

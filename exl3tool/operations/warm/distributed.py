@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from exl3tool.plan.plan import WarmJob, WarmPlan
+from exl3tool.plan.plan import LookupJob, LookupPlan
 from exl3tool.operations.warm.results import JobResult
 
 __all__ = ["DistributedContext", "distributed_context", "worker_stats", "gather_results", "agreed_todo", "host_threads",
@@ -86,7 +86,7 @@ def gather_results(ctx: DistributedContext, results: list[JobResult], stats: dic
     return [r for part, _ in gathered for r in part], [st for _, st in gathered]
 
 
-def agreed_todo(ctx: DistributedContext, plan: WarmPlan) -> list[WarmJob]:
+def agreed_todo(ctx: DistributedContext, plan: LookupPlan) -> list[LookupJob]:
     """The pending jobs as worker 0 planned them, on every worker.
 
     Workers start at slightly different times; one that looks the cache up after another has already

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from exl3tool.cache.locks import Holder, lock_holder_processes, process_state
-from exl3tool.plan.plan import WarmJob
+from exl3tool.plan.plan import LookupJob
 from exl3tool.releases import CACHE_MODULES
 
 __all__ = ["LockWaits", "POLL_S", "STUCK_AFTER_S", "UNKNOWN_AFTER_S", "progress_stamp"]
@@ -67,7 +67,7 @@ def progress_stamp(lock: Path) -> int:
 
 @dataclass
 class _Wait:
-    job: WarmJob
+    job: LookupJob
     lock: Path
     since: float  # when this warm first found the lock held
     next_try: float
@@ -93,18 +93,18 @@ class LockWaits:
         self.poll_s, self.stuck_after_s, self.unknown_after_s = poll_s, stuck_after_s, unknown_after_s
         self._clock, self._sleep, self._holders, self._state, self._stamp = clock, sleep, holders, state, stamp
         self._waits: dict[str, _Wait] = {}
-        self._given_up: dict[str, tuple[WarmJob, str]] = {}  # given up by the watcher, not yet reported
+        self._given_up: dict[str, tuple[LookupJob, str]] = {}  # given up by the watcher, not yet reported
         self._mutex = threading.RLock()  # the watcher thread and the warm's thread share the waits
 
     def __len__(self) -> int:
         with self._mutex:
             return len(self._waits) + len(self._given_up)
 
-    def __contains__(self, job: WarmJob) -> bool:
+    def __contains__(self, job: LookupJob) -> bool:
         with self._mutex:
             return job.digest in self._waits or job.digest in self._given_up
 
-    def defer(self, job: WarmJob, lock: Path) -> str:
+    def defer(self, job: LookupJob, lock: Path) -> str:
         """Record that ``job``'s lock is held; return the one-line notice for the log."""
         with self._mutex:
             now = self._clock()
@@ -115,26 +115,26 @@ class LockWaits:
         return (f"{job.prefix} tp{job.tp_size}-rank{job.tp_rank}: entry lock {lock} is held by {self._who(wait)}; "
                 f"doing the other jobs first, then waiting for it{bound}")
 
-    def due(self) -> list[WarmJob]:
+    def due(self) -> list[LookupJob]:
         """The deferred jobs whose retry time has come, in the order they were deferred (not those given up)."""
         with self._mutex:
             now = self._clock()
             return [w.job for w in self._waits.values() if w.next_try <= now]
 
-    def given_up(self) -> list[tuple[WarmJob, str]]:
+    def given_up(self) -> list[tuple[LookupJob, str]]:
         """The jobs the watcher gave up on since the last call, each with its failure message (dropped here)."""
         with self._mutex:
             out = list(self._given_up.values())
             self._given_up.clear()
             return out
 
-    def done(self, job: WarmJob) -> None:
+    def done(self, job: LookupJob) -> None:
         """``job`` no longer waits (its retry got the lock or found the entry)."""
         with self._mutex:
             self._waits.pop(job.digest, None)
             self._given_up.pop(job.digest, None)
 
-    def held_again(self, job: WarmJob) -> Optional[str]:
+    def held_again(self, job: LookupJob) -> Optional[str]:
         """A retry found ``job``'s lock still held: None to retry later, or why to give up (the job is dropped)."""
         with self._mutex:
             if job.digest in self._given_up:

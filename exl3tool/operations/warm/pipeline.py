@@ -33,7 +33,7 @@ from exl3tool.cache.paths import lock_path
 from exl3tool.errors import describe
 from exl3tool.operations.warm.lockwait import LockWaits
 from exl3tool.timing import StageTimer, stage
-from exl3tool.plan.plan import WarmJob, WarmPlan
+from exl3tool.plan.plan import LookupJob, LookupPlan
 from exl3tool.operations.warm.results import JobResult, job_result
 from exl3tool.plan.sharing import SharedEncode, group_jobs, share_jobs
 
@@ -41,7 +41,7 @@ __all__ = ["EncodeFn", "TilesFn", "run_plan"]
 
 
 EncodeFn = Callable[..., EncodedLinear]  # (weight, bits, seed, device) [, progress=callable(tiles)]
-TilesFn = Callable[[WarmJob, int], None]
+TilesFn = Callable[[LookupJob, int], None]
 
 log = logging.getLogger(__name__)
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -63,7 +63,7 @@ def _default_encode(weight: torch.Tensor, bits: int, seed: int, device: torch.de
                          timer=timer)
 
 
-def _call_encode(encode: EncodeFn, job: WarmJob, weight: torch.Tensor, bits: int, device: torch.device,
+def _call_encode(encode: EncodeFn, job: LookupJob, weight: torch.Tensor, bits: int, device: torch.device,
                  on_tiles: Optional[TilesFn]) -> EncodedLinear:
     """``encode`` for ``job``; with ``on_tiles`` it also reports tiles as they are quantized (``progress=``)."""
     if on_tiles is None:
@@ -72,17 +72,17 @@ def _call_encode(encode: EncodeFn, job: WarmJob, weight: torch.Tensor, bits: int
 
 
 def run_plan(
-    plan: WarmPlan,
+    plan: LookupPlan,
     checkpoint: Checkpoint,
     store: CacheStore,
     *,
     device: torch.device,
     worker: int = 0,
     workers: int = 1,
-    todo: Optional[list[WarmJob]] = None,
+    todo: Optional[list[LookupJob]] = None,
     dtype: Optional[torch.dtype] = None,
-    on_start: Optional[Callable[[WarmJob], None]] = None,
-    on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
+    on_start: Optional[Callable[[LookupJob], None]] = None,
+    on_done: Optional[Callable[[LookupJob, JobResult], None]] = None,
     encode: EncodeFn = _default_encode,
     overlap: bool = True,
     on_tiles: Optional[TilesFn] = None,
@@ -137,7 +137,7 @@ def run_plan(
     return results
 
 
-def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.dtype]) -> torch.Tensor:
+def _prepare_input(job: LookupJob, checkpoint: Checkpoint, dtype: Optional[torch.dtype]) -> torch.Tensor:
     """The encoder's input for ``job``: the rank-local weight, transposed to float32 and checked finite."""
     weight = encoder_input(rank_local_weight(checkpoint, job.rank_job, dtype=dtype))
     if not torch.isfinite(weight).all():
@@ -146,7 +146,7 @@ def _prepare_input(job: WarmJob, checkpoint: Checkpoint, dtype: Optional[torch.d
     return weight
 
 
-def _through_store(job: WarmJob, store: CacheStore, worker: int, encode_fn: Callable[[], EncodedLinear]) -> JobResult:
+def _through_store(job: LookupJob, store: CacheStore, worker: int, encode_fn: Callable[[], EncodedLinear]) -> JobResult:
     """``store.load_or_encode`` for one job, as a result: a failed layer never stops the warm."""
     start = time.perf_counter()
     try:
@@ -163,7 +163,7 @@ def _publish_failed(reason: Optional[str]) -> str:
     return f"encoded, but publishing failed ({reason or 'an OS error on the cache'}); nothing was written"
 
 
-def _blocked(job: WarmJob, store: CacheStore, worker: int) -> Optional[JobResult]:
+def _blocked(job: LookupJob, store: CacheStore, worker: int) -> Optional[JobResult]:
     """A failed result, before any encode, when something in the cache makes publishing ``job`` impossible.
 
     A directory at the entry path, or a directory or symlink at its lock path, survives every warm; the result
@@ -177,11 +177,11 @@ def _blocked(job: WarmJob, store: CacheStore, worker: int) -> Optional[JobResult
     return job_result(job, "failed", worker, error=f"{problem}; {PRUNE_HINT}")
 
 
-def _failed(job: WarmJob, worker: int, exc: BaseException, seconds: float) -> JobResult:
+def _failed(job: LookupJob, worker: int, exc: BaseException, seconds: float) -> JobResult:
     return job_result(job, "failed", worker, seconds=seconds, error=describe(exc))
 
 
-def _loaded_result(job: WarmJob, loaded: LoadResult, store: CacheStore, worker: int, seconds: float) -> JobResult:
+def _loaded_result(job: LookupJob, loaded: LoadResult, store: CacheStore, worker: int, seconds: float) -> JobResult:
     if loaded.hit:  # another process published it meanwhile
         return job_result(job, "hit", worker, path=str(loaded.path), seconds=seconds, proxy_error=loaded.proxy_error)
     size = loaded.path.stat().st_size if loaded.path is not None and loaded.path.exists() else 0
@@ -198,14 +198,14 @@ class _Prefetcher:
     prepared carries the exception instead of a weight.
     """
 
-    def __init__(self, jobs: list[WarmJob], prepare: Callable[[WarmJob], torch.Tensor], depth: int = 1) -> None:
+    def __init__(self, jobs: list[LookupJob], prepare: Callable[[LookupJob], torch.Tensor], depth: int = 1) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(list(jobs), prepare), name="exl3tool-prefetch",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, jobs: list[WarmJob], prepare: Callable[[WarmJob], torch.Tensor]) -> None:
+    def _run(self, jobs: list[LookupJob], prepare: Callable[[LookupJob], torch.Tensor]) -> None:
         for job in jobs:
             if self._stop.is_set():
                 return
@@ -222,7 +222,7 @@ class _Prefetcher:
                 except queue.Full:
                     continue
 
-    def next(self) -> tuple[WarmJob, Optional[torch.Tensor], Optional[BaseException]]:
+    def next(self) -> tuple[LookupJob, Optional[torch.Tensor], Optional[BaseException]]:
         while True:
             try:
                 return self._queue.get(timeout=0.5)
@@ -249,10 +249,10 @@ class _Prefetcher:
 class _Inline:
     """Without overlap: the prefetcher and the publisher, done on the calling thread when asked."""
 
-    def __init__(self, jobs: list[WarmJob], prepare: Callable[[WarmJob], torch.Tensor]) -> None:
+    def __init__(self, jobs: list[LookupJob], prepare: Callable[[LookupJob], torch.Tensor]) -> None:
         self._jobs, self._prepare = iter(jobs), prepare
 
-    def next(self) -> tuple[WarmJob, Optional[torch.Tensor], Optional[BaseException]]:
+    def next(self) -> tuple[LookupJob, Optional[torch.Tensor], Optional[BaseException]]:
         job = next(self._jobs)
         try:
             return job, self._prepare(job), None
@@ -291,7 +291,7 @@ class _Pipeline:
         self.on_start, self.on_done, self.on_tiles = on_start, on_done, on_tiles
         self.overlap = overlap
         self.waits = waits if waits is not None else LockWaits()
-        self.pending: deque[tuple[WarmJob, Future]] = deque()
+        self.pending: deque[tuple[LookupJob, Future]] = deque()
         self.results: list[JobResult] = []
         self.started: set[str] = set()
         self.disk_full: Optional[str] = None  # set (from any thread) at the first ENOSPC: no further encode
@@ -299,7 +299,7 @@ class _Pipeline:
         self.shared: dict[str, SharedEncode] = {}  # job digest -> its share group's encode
         self.members_left: dict[int, int] = {}  # id(SharedEncode) -> members not yet reported
 
-    def _prepare(self, job: WarmJob) -> Optional[torch.Tensor]:
+    def _prepare(self, job: LookupJob) -> Optional[torch.Tensor]:
         """The job's encoder input; None when its share group's encode already ran (nothing to read)."""
         shared = self.shared.get(job.digest)
         if shared is not None and shared.done:
@@ -307,7 +307,7 @@ class _Pipeline:
         with stage(self.timer, "read"):
             return _prepare_input(job, self.checkpoint, self.dtype)
 
-    def run(self, jobs: list[WarmJob]) -> list[JobResult]:
+    def run(self, jobs: list[LookupJob]) -> list[JobResult]:
         for group in group_jobs(jobs):
             shared: SharedEncode = SharedEncode(None)
             self.members_left[id(shared)] = len(group.jobs)
@@ -330,7 +330,7 @@ class _Pipeline:
             publisher.shutdown(wait=True)  # in-flight publishes complete and release their locks
         return self.results
 
-    def _run_jobs(self, jobs: list[WarmJob], prefetch, publisher) -> None:
+    def _run_jobs(self, jobs: list[LookupJob], prefetch, publisher) -> None:
         """Every job in order, then the deferred ones until each is a hit, an encode or given up."""
         for job in jobs:
             if self.disk_full is not None:  # fails at once: no weight read, no encode
@@ -350,7 +350,7 @@ class _Pipeline:
             self._revisit(publisher)
         self._finish_ready(wait=True)
 
-    def _attempt(self, job: WarmJob, weight_fn: Callable[[], torch.Tensor], publisher) -> None:
+    def _attempt(self, job: LookupJob, weight_fn: Callable[[], torch.Tensor], publisher) -> None:
         """One try at ``job``: its outcome is queued, or (lock held elsewhere) it waits in ``self.waits``."""
         if job.digest not in self.started:
             self.started.add(job.digest)
@@ -393,7 +393,7 @@ class _Pipeline:
             if self.on_done:
                 self.on_done(job, result)
 
-    def _reported(self, job: WarmJob, result: JobResult) -> JobResult:
+    def _reported(self, job: LookupJob, result: JobResult) -> JobResult:
         """``result`` with ``reused_from`` when another member's encode filled it; the group's tensors are dropped
         once its last member is reported, so memory stays bounded by the groups in flight."""
         shared = self.shared[job.digest]
@@ -403,9 +403,9 @@ class _Pipeline:
             shared.release()
         return result if source is None else replace(result, reused_from=source)
 
-    def _encode(self, job: WarmJob, weight_fn: Callable[[], Optional[torch.Tensor]]) -> EncodedLinear:
+    def _encode(self, job: LookupJob, weight_fn: Callable[[], Optional[torch.Tensor]]) -> EncodedLinear:
         """The job's share-group encode (run here for ``job`` if no member ran it yet), on the CPU."""
-        def run(job: WarmJob) -> EncodedLinear:
+        def run(job: LookupJob) -> EncodedLinear:
             encoded = _call_encode(self.encode, job, weight_fn(), self.plan.bits, self.device, self.on_tiles)
             with stage(self.timer, "to_cpu"):
                 return replace(encoded, **encoded.tensors())  # publishing and sharing never touch the device
@@ -475,7 +475,7 @@ class _Pipeline:
             waiting[0].result()
             self._finish_ready()
 
-    def _publish(self, job: WarmJob, claimed: Claim, encoded: EncodedLinear, encode_seconds: float) -> JobResult:
+    def _publish(self, job: LookupJob, claimed: Claim, encoded: EncodedLinear, encode_seconds: float) -> JobResult:
         """On the publishing thread: write and release; never raises."""
         start = time.perf_counter()
         try:

@@ -10,13 +10,13 @@ from exl3tool.cache.records import (
     ProvenanceRecord, RecordEntry, RecordSettings, new_record, overlay_digest, write_record,
 )
 from exl3tool.errors import describe
-from exl3tool.plan.plan import WarmPlan
+from exl3tool.plan.plan import LookupPlan
 from exl3tool.operations.warm.results import WarmSummary
 
 __all__ = ["plan_settings", "warm_record", "record_warm"]
 
 
-def plan_settings(plan: WarmPlan, dtype: Optional[str], checkpoint_dtype: object) -> RecordSettings:
+def plan_settings(plan: LookupPlan, dtype: Optional[str], checkpoint_dtype: object) -> RecordSettings:
     """The settings a plan was made with; ``dtype`` is the request's (``auto``/None: the checkpoint's serving dtype)."""
     lp = plan.layer_plan
     overlay = lp.overlay.as_json() if lp is not None and lp.overlay is not None else None
@@ -28,7 +28,7 @@ def plan_settings(plan: WarmPlan, dtype: Optional[str], checkpoint_dtype: object
         server_lookup=lp.server_lookup if lp is not None else True)
 
 
-def warm_record(summary: WarmSummary, plan: WarmPlan, settings: RecordSettings,
+def warm_record(summary: WarmSummary, plan: LookupPlan, settings: RecordSettings,
                 command: str) -> Optional[ProvenanceRecord]:
     """The record of ``summary``'s entries (encoded: ``written``, hit: ``found``); None when it has none."""
     ids = plan.identities
@@ -44,7 +44,7 @@ def warm_record(summary: WarmSummary, plan: WarmPlan, settings: RecordSettings,
                       encoder_parity=summary.encoder_parity if any(e.status == "written" for e in entries) else None)
 
 
-def record_warm(summary: WarmSummary, plan: WarmPlan, checkpoint, request, store: CacheStore, *,
+def record_warm(summary: WarmSummary, plan: LookupPlan, checkpoint, request, store: CacheStore, *,
                 command: str) -> WarmSummary:
     """Write the warm's record under the cache root; the summary says where, or why not (never fails the warm)."""
     record = warm_record(summary, plan, plan_settings(plan, request.dtype, checkpoint.dtype), command)

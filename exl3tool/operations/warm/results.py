@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from exl3tool.jsontext import to_jsonable
-from exl3tool.plan.plan import WarmJob, WarmPlan
+from exl3tool.plan.plan import LookupJob, LookupPlan
 from exl3tool.operations.warm.unchecked import UncheckedHit, unchecked_hits
 
 __all__ = ["JobResult", "WarmSummary", "job_result", "summarize"]
@@ -76,13 +76,13 @@ class WarmSummary:
         return to_jsonable(self)
 
 
-def job_result(job: WarmJob, status: str, worker: int, *, path=None, seconds=0.0, bytes_=0, proxy_error=None, error="",
+def job_result(job: LookupJob, status: str, worker: int, *, path=None, seconds=0.0, bytes_=0, proxy_error=None, error="",
                reused_from: Optional[str] = None) -> JobResult:
     return JobResult(job.prefix, job.tp_size, job.tp_rank, job.input_size, job.output_size, status, job.digest,
                      path, round(seconds, 4), bytes_, proxy_error, error, worker, reused_from)
 
 
-def summarize(plan: WarmPlan, results: list[JobResult], *, device: str, workers: int, seconds: float,
+def summarize(plan: LookupPlan, results: list[JobResult], *, device: str, workers: int, seconds: float,
               unchecked: Optional[list[UncheckedHit]] = None) -> WarmSummary:
     """Counts, bytes and per-entry results in plan order; ``unchecked`` (default: the plan's, not checked) names
     the hits without exl3tool's checksum."""

@@ -21,8 +21,8 @@ from exl3tool.operations.parity import EncoderParity
 from exl3tool.operations.warm.pipeline import run_plan
 from exl3tool.operations.warm.results import JobResult, WarmSummary, job_result, summarize
 from exl3tool.operations.warm.unchecked import UncheckedHit, check_unchecked
-from exl3tool.plan.plan import WarmJob, WarmPlan
-from exl3tool.plan.request import WarmRequest, prepare, resolve_device, serving_torch_dtype
+from exl3tool.plan.plan import LookupJob, LookupPlan
+from exl3tool.plan.request import ServerRequest, prepare, resolve_device, serving_torch_dtype
 from exl3tool.timing import StageTimer
 
 __all__ = ["warm"]
@@ -42,13 +42,13 @@ def _memory_budget(device: torch.device, gib: Optional[float]) -> Optional[int]:
 
 
 def warm(
-    request: WarmRequest,
+    request: ServerRequest,
     *,
     environ: Optional[dict] = None,
-    on_start: Optional[Callable[[WarmJob], None]] = None,
-    on_done: Optional[Callable[[WarmJob, JobResult], None]] = None,
-    on_plan: Optional[Callable[[WarmPlan, DistributedContext, list[WarmJob]], None]] = None,
-    on_tiles: Optional[Callable[[WarmJob, int], None]] = None,
+    on_start: Optional[Callable[[LookupJob], None]] = None,
+    on_done: Optional[Callable[[LookupJob, JobResult], None]] = None,
+    on_plan: Optional[Callable[[LookupPlan, DistributedContext, list[LookupJob]], None]] = None,
+    on_tiles: Optional[Callable[[LookupJob, int], None]] = None,
     on_checked: Optional[Callable[[UncheckedHit], None]] = None,
     on_parity: Optional[Callable[[EncoderParity], None]] = None,
     command: str = "cache warm",
@@ -64,7 +64,7 @@ def warm(
     found are recorded with their provenance (``exl3tool.cache.records``), as ``command`` (``cache warm``, ``encode``).
 
     Args:
-        request: what to warm (``exl3tool.plan.WarmRequest``).
+        request: what to warm (``exl3tool.plan.ServerRequest``).
         environ: the environment identities and the cache root are read from (None: ``os.environ``).
         on_start, on_done, on_plan, on_tiles, on_checked: progress callbacks (a job starts, ends, the plan is known,
             tiles are quantized, an unchecked hit was checked).
@@ -130,7 +130,7 @@ def warm(
     return summary
 
 
-def _parity(plan: WarmPlan, request: WarmRequest, device: torch.device) -> Optional[EncoderParity]:
+def _parity(plan: LookupPlan, request: ServerRequest, device: torch.device) -> Optional[EncoderParity]:
     """The encoder parity of the plan's encoder identity (every worker decides it before writing, same verdict);
     ConfigError on ``differs`` unless trusted."""
     if plan.identities is None:
@@ -146,7 +146,7 @@ def _parity(plan: WarmPlan, request: WarmRequest, device: torch.device) -> Optio
     return parity
 
 
-def _with_replaced(results: list[JobResult], plan: WarmPlan, checked: list[UncheckedHit]) -> list[JobResult]:
+def _with_replaced(results: list[JobResult], plan: LookupPlan, checked: list[UncheckedHit]) -> list[JobResult]:
     """``results`` with each replaced unchecked hit reported ``encoded`` (its new file's size, the time taken) and
     each hit whose check could not run ``failed`` (the entry is kept; the error says why)."""
     by_digest = {c.digest: c for c in checked if c.action == "replaced" or c.verdict == "error"}

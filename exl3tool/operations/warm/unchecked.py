@@ -20,7 +20,7 @@ from exl3tool.cache.store import UNCHECKED_HIT
 from exl3tool.checkpoint import Checkpoint, encoder_input, rank_local_weight
 from exl3tool.errors import describe
 from exl3tool.operations.exact import ExactCheck, compare_exact, fresh_encode
-from exl3tool.plan.plan import WarmJob, WarmPlan
+from exl3tool.plan.plan import LookupJob, LookupPlan
 
 __all__ = ["UncheckedHit", "unchecked_jobs", "unchecked_hits", "check_unchecked"]
 
@@ -44,17 +44,17 @@ class UncheckedHit:
     seconds: float = 0.0
 
 
-def unchecked_jobs(plan: WarmPlan) -> list[WarmJob]:
+def unchecked_jobs(plan: LookupPlan) -> list[LookupJob]:
     """The plan's hits that carry no exl3tool checksum, in plan order."""
     return [j for j in plan.jobs if j.state == "hit" and j.reason == UNCHECKED_HIT]
 
 
-def unchecked_hits(plan: WarmPlan) -> list[UncheckedHit]:
+def unchecked_hits(plan: LookupPlan) -> list[UncheckedHit]:
     """Every unchecked hit of ``plan``, named (not checked)."""
     return [UncheckedHit(j.prefix, j.tp_size, j.tp_rank, j.digest, str(j.path)) for j in unchecked_jobs(plan)]
 
 
-def _check_one(job: WarmJob, checkpoint: Checkpoint, store: CacheStore, device: torch.device,
+def _check_one(job: LookupJob, checkpoint: Checkpoint, store: CacheStore, device: torch.device,
                dtype: Optional[torch.dtype]) -> UncheckedHit:
     start = time.perf_counter()
     base = dict(prefix=job.prefix, tp_size=job.tp_size, tp_rank=job.tp_rank, digest=job.digest, path=str(job.path))
@@ -82,7 +82,7 @@ def _check_one(job: WarmJob, checkpoint: Checkpoint, store: CacheStore, device: 
 
 
 def check_unchecked(
-    plan: WarmPlan, checkpoint: Checkpoint, store: CacheStore, *, device: torch.device,
+    plan: LookupPlan, checkpoint: Checkpoint, store: CacheStore, *, device: torch.device,
     dtype: Optional[torch.dtype] = None, on_done: Optional[Callable[[UncheckedHit], None]] = None,
 ) -> list[UncheckedHit]:
     """Check every unchecked hit of ``plan`` exactly and replace the ones that differ (one encode each)."""

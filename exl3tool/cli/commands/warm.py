@@ -23,14 +23,14 @@ from exl3tool.cli.output import Output, note_interrupted, plural
 
 if TYPE_CHECKING:
     from exl3tool.operations.warm import WarmSummary
-    from exl3tool.plan import WarmPlan, WarmRequest
+    from exl3tool.plan import LookupPlan, ServerRequest
 
 # The library (and torch through it) is imported inside the functions, where the work happens: `--help` stays light.
 
 __all__ = ["register", "encode", "cache_warm", "render_plan", "render_summary"]
 
 
-def render_plan(out: Output, plan: WarmPlan, extra: Optional[dict] = None) -> None:
+def render_plan(out: Output, plan: LookupPlan, extra: Optional[dict] = None) -> None:
     """The dry-run table: one row per job, then the modules the server does not encode and why."""
     from rich.table import Table
     from rich.text import Text
@@ -129,7 +129,7 @@ def render_unchecked(out: Output, summary: WarmSummary) -> None:
         out.warn(f"unchecked {u.prefix} tp{u.tp_size}-rank{u.tp_rank} {u.path}{what}")
 
 
-def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache warm",
+def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cache warm",
          environ: Optional[dict] = None, extra: Optional[dict] = None, progress_choice: str = "auto") -> None:
     from exl3tool.cli.progress import make_progress, progress_mode
     from exl3tool.operations.warm import warm
@@ -144,7 +144,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
     mode = progress_mode(progress_choice, terminal=out.stderr.is_terminal, quiet=out.quiet)
     display = make_progress(mode, out.stderr)
 
-    def on_plan(plan: WarmPlan, ctx, todo) -> None:
+    def on_plan(plan: LookupPlan, ctx, todo) -> None:
         if ctx.workers > 1:
             from exl3tool.plan import share_jobs
 
@@ -190,7 +190,7 @@ def _run(out: Output, request: WarmRequest, dry_run: bool, command: str = "cache
         raise FindingsError(f"{plural(summary.counts['failed'], 'layer job')} failed; see {where}")
 
 
-def _refuse_a_file_as_cache(request: WarmRequest, environ: Optional[dict]) -> None:
+def _refuse_a_file_as_cache(request: ServerRequest, environ: Optional[dict]) -> None:
     """A dry run for a cache root that is a file would plan writes that can never happen: exit 2, as the warm
     itself would (``cache check`` reports it as its finding instead)."""
     from pathlib import Path
