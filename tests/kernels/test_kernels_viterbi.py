@@ -158,7 +158,7 @@ _INTERP_SCRIPT = textwrap.dedent(
 
 
 def _interp_jobs(golden: Path) -> list[list[dict]]:
-    """Two process loads of about equal interpreter time (2 cores): random golden rows, fresh tiles."""
+    """Two processes (2 cores): a random golden row at K=6, a fresh tile in the packed layout at K=4."""
     from safetensors import safe_open
 
     rng = np.random.default_rng(fresh_seed())
@@ -166,17 +166,16 @@ def _interp_jobs(golden: Path) -> list[list[dict]]:
     with safe_open(str(golden / "tiles_golden.safetensors"), "pt") as f:
         meta = f.metadata()
     n_gauss, n_real = int(meta["k6_mcg.n_gauss"]), int(meta["k6_mcg.n_real"])
-    n_k4 = int(meta["k4_mcg.n_gauss"]) + int(meta["k4_mcg.n_real"])
     return [
         # K=6 mcg, plain path: one golden tile, a Gaussian or a real-weight one (the n_real rows after the n_gauss
         # Gaussian ones), drawn at random (one tile is half a minute under the interpreter; test_viterbi.py checks
         # every golden tile with numba)
         [{"bits": 6, "cb": "mcg", "mode": 0,
           "rows": [int(rng.integers(0, n_gauss)) if rng.random() < 0.5 else int(rng.integers(n_gauss, n_gauss + n_real))]}],
-        # K=4 mcg plain path (golden), and the packed-pair layout (mode 5) on a fresh tile at K=4, where the
-        # back-pointers are kept two per byte
-        [{"bits": 4, "cb": "mcg", "mode": 0, "rows": [int(rng.integers(0, n_k4))]},
-         {"bits": 4, "cb": "mcg", "mode": 5, "tiles": fresh.tolist()}],
+        # the packed-pair layout (mode 5) on a fresh tile at K=4, where the back-pointers are kept two per byte
+        # (the K=4 golden tiles: numba in test_viterbi.py, the kernel itself in the GPU tests; under the
+        # interpreter a K=4 tile costs more than the K=6 one, and the plain path is the K=6 case's)
+        [{"bits": 4, "cb": "mcg", "mode": 5, "tiles": fresh.tolist()}],
     ]
 
 
@@ -202,12 +201,11 @@ def _find(pairs, bits, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [6, 4])
-def test_interpreter_matches_golden(interp_results, golden, bits):
-    job, res = _find(interp_results, bits, 0)
+def test_interpreter_matches_golden(interp_results, golden):
+    job, res = _find(interp_results, 6, 0)
     assert res["interp"], "subprocess did not run under the Triton interpreter"
     assert res["dtypes"] == ["torch.float32", "torch.int16"]
-    _, idx, out = _load_golden(golden, bits, job["cb"])
+    _, idx, out = _load_golden(golden, 6, job["cb"])
     assert torch.equal(torch.tensor(res["states"], dtype=torch.int16), idx[job["rows"]]), job["rows"]
     assert torch.equal(torch.tensor(res["values"], dtype=torch.float32), out[job["rows"]]), job["rows"]
 
