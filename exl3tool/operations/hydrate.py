@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -409,6 +410,37 @@ def temp_dir(out: Path) -> Path:
     return out.parent / f".{out.name}{TEMP_SUFFIX}"
 
 
+def lock_file(out: Path) -> Path:
+    """The lock a hydrate into ``out`` holds while it runs, beside it (not in the temporary folder, which becomes
+    OUT): a second hydrate into the same OUT is refused at once instead of writing into the first one's folder."""
+    return out.parent / f".{out.name}.hydrate.lock"
+
+
+@contextmanager
+def _exclusive(out: Path):
+    """Hold ``lock_file(out)`` or refuse: one hydrate per OUT at a time. Removed when the run leaves nothing to
+    resume (OUT written: a later hydrate into it is refused because it exists; or no temporary folder); kept beside
+    a partial run's temporary folder, which the next run resumes."""
+    from filelock import FileLock, Timeout
+
+    path = lock_file(out)
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ConfigError(f"{out}: another hydrate into it is running (it holds {path}); wait for it to finish, or "
+                          "stop it and run this command again to resume its work") from None
+    except OSError as exc:
+        raise InputError(f"{out.parent}: cannot create {path.name} there ({exc.strerror}); choose a writable folder "
+                         "for OUT") from None
+    try:
+        yield
+    finally:
+        lock.release()
+        if out.exists() or not temp_dir(out).exists():
+            path.unlink(missing_ok=True)
+
+
 def _result_path(work: Path, module: str) -> Path:
     return work / "layers" / (hashlib.sha256(module.encode()).hexdigest()[:24] + ".safetensors")
 
@@ -589,12 +621,23 @@ def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeF
         A ``HydrateReport`` (``as_json()``: the ``--json`` document), or None on a torchrun worker other than 0.
     """
     from exl3tool.operations.warm.distributed import distributed_context
-    from exl3tool.plan.request import resolve_device
 
     start = time.perf_counter()
     if plan.already_stored:
         return HydrateReport(plan, 0, 0, 0, 0, plan.bytes_before, 0.0, noop=True)
     ctx = distributed_context()
+    if ctx.worker != 0:
+        return _run(plan, ctx, device, encode, on_layer, start)
+    _check_paths(plan.source, plan.out)  # bad paths refused before anything is created beside OUT
+    with _exclusive(plan.out):
+        return _run(plan, ctx, device, encode, on_layer, start)
+
+
+def _run(plan: HydratePlan, ctx, device: str, encode: Optional[EncodeFn], on_layer: Optional[LayerFn],
+         start: float) -> Optional[HydrateReport]:
+    """``hydrate``'s work, worker 0 holding OUT's lock."""
+    from exl3tool.plan.request import resolve_device
+
     dev = resolve_device(device, ctx.local_rank)
     temp = temp_dir(plan.out)
     work = temp / _WORK

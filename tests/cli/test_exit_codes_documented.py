@@ -93,6 +93,7 @@ CLAIMS = [
     ("docs/hydrate.md", "Exit codes: 0 written or nothing to do", "hydrate"),
     ("docs/hydrate.md", "## Refusals (one line, exit 2, nothing written)", "hydrate"),
     ("docs/hydrate.md", "OUT is a no-op (exit 0", "hydrate"),
+    ("docs/hydrate.md", "same OUT is refused at once (exit 2)", "hydrate"),
     ("docs/hydrate.md", "every online layer is stored` and exits 0", "hydrate"),
 ]
 
@@ -466,6 +467,11 @@ def scenario_hydrate(m, tmp, monkeypatch):
     real_plan = hy.plan_hydrate  # a checkpoint whose online layers are stored already: nothing to do, exit 0
     monkeypatch.setattr(hy, "plan_hydrate", lambda *a, **k: replace(real_plan(*a, **k), already_stored="stored"))
     assert run(["hydrate", m["good"], tmp / "out"]) == 0 and not (tmp / "out").exists()
+    monkeypatch.undo()
+    from filelock import FileLock
+
+    with FileLock(str(hy.lock_file(tmp / "out"))):  # another hydrate into the same OUT is running
+        assert run(["hydrate", m["good"], tmp / "out"]) == 2 and not (tmp / "out").exists()
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}

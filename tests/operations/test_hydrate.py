@@ -179,7 +179,7 @@ def test_dry_run_json_is_the_plan_and_writes_nothing(tmp_path, capsys):
 
 def _nothing_left(tmp_path: Path, out: Path) -> None:
     assert not out.exists()
-    assert not [p for p in tmp_path.rglob("*") if TEMP_SUFFIX in p.name]
+    assert not [p for p in tmp_path.rglob("*") if TEMP_SUFFIX in p.name or p.name.endswith(".hydrate.lock")]
 
 
 def _one_line(err: str) -> str:
@@ -290,6 +290,30 @@ def test_killed_and_resumed_gives_the_same_bytes(tmp_path, monkeypatch):
         assert report.reused >= 1
     assert {k: v[3] for k, v in tree(out).items()} == {k: v[3] for k, v in tree(clean).items()}
     assert not list(tmp_path.glob(f".*{TEMP_SUFFIX}"))
+
+
+def test_a_second_hydrate_into_the_same_out_is_refused_while_the_first_runs(tmp_path, capsys):
+    """Two hydrates into one OUT: the second is refused at once by name (it used to write into the first one's
+    temporary folder and fail with an internal error); the first finishes with the bytes of a run alone."""
+    src = write_tiny(tmp_path / "src", "qwen3.5", seed=fresh_seed())
+    ov = TINY_FAMILIES["qwen3.5"].overlay
+    clean = tmp_path / "clean"
+    hydrate(plan_hydrate(_request(src, "qwen3.5"), clean), device="cpu", encode=weight_encode)
+    out = tmp_path / "out"
+    argv = ["hydrate", str(src), str(out), "--quantization-config", ov, "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), str(HERE / "operations")])}
+    first = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=str(HERE / "operations"), argv=argv)],
+                             env=env, stderr=subprocess.PIPE, text=True)
+    assert first.stderr is not None
+    for line in first.stderr:  # its first module done: it holds OUT's lock
+        if line.startswith("["):
+            break
+    code, _, err = run(argv, capsys)
+    assert code == 2 and "another hydrate into it is running" in _one_line(err), err
+    rest = first.stderr.read()
+    assert first.wait(timeout=120) == 0, rest
+    assert {k: v[3] for k, v in tree(out).items()} == {k: v[3] for k, v in tree(clean).items()}
+    assert not [p for p in tmp_path.iterdir() if TEMP_SUFFIX in p.name or p.name.endswith(".hydrate.lock")]
 
 
 # one unfused layer per family (and a fused one: GLM-5.3's dense gate/up), each a few seconds of CPU encode
