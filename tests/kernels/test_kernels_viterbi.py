@@ -371,15 +371,17 @@ _ROWS_SCRIPT = textwrap.dedent(
     from exl3tool.format.layout import tile_element_index
     from exl3tool.kernels.viterbi import viterbi_matrix, viterbi_tiles
     torch.manual_seed(int(sys.argv[1]))
-    rows, bits = int(sys.argv[2]), int(sys.argv[3])
-    x = torch.randn(1, 256) * torch.empty(1).uniform_(0.5, 2.0)
-    _, states = viterbi_tiles(x, bits, mode=5, rows=rows)
-    w = torch.randn(16, 32) * 1.3  # two tiles; the second quantized in place
-    index = tile_element_index(32, torch.tensor([1]))
-    tile = w.reshape(-1)[index].clone()
-    m_states = viterbi_matrix(w, 1, 1, 2, mode=5, rows=rows, programs=1)
-    print(json.dumps({"x": x.tolist(), "states": states.tolist(), "tile": tile.tolist(),
-                      "m_states": m_states.tolist(), "m_error": w.reshape(-1)[index].tolist()}))
+    rows, bits, launch = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if launch == "tiles":
+        x = torch.randn(1, 256) * torch.empty(1).uniform_(0.5, 2.0)
+        _, states = viterbi_tiles(x, bits, mode=5, rows=rows)
+        print(json.dumps({"x": x.tolist(), "states": states.tolist()}))
+    else:
+        w = torch.randn(16, 32) * 1.3  # two tiles; the second quantized in place
+        index = tile_element_index(32, torch.tensor([1]))
+        tile = w.reshape(-1)[index].clone()
+        m_states = viterbi_matrix(w, 1, 1, bits, mode=5, rows=rows, programs=1)
+        print(json.dumps({"tile": tile.tolist(), "m_states": m_states.tolist(), "m_error": w.reshape(-1)[index].tolist()}))
     """
 )
 
@@ -388,26 +390,30 @@ _ROWS_SCRIPT = textwrap.dedent(
 def test_interpreter_cost_rows_match_reference():
     """The cost-row kernel (the traceback recomputes each choice from the costs kept: every step's row, or every
     other with the odd rows' entries recomputed from the even ones) in its packed-pair layout with exact
-    arithmetic (mode 5): a fresh tile at K=3 and a tile quantized in place over a weight at K=2 give the
-    independent numpy Viterbi's states, and the in-place launch writes (x - q)^2.
+    arithmetic (mode 5): a fresh tile at K=3 (``viterbi_tiles``) gives the independent numpy Viterbi's states, and
+    a tile quantized in place over a weight at K=2 (``viterbi_matrix``) gives them and writes (x - q)^2.
 
-    Which rows are kept (1: every row, 2: every other) is drawn from the test seed: 40 s of interpreter each, so a
-    run checks one and the seed in the message says which (the GPU tests check both on every run)."""
+    Which rows are kept (1: every row, 2: every other) and which launch runs are drawn from the test seed: 20 s of
+    interpreter each, so a run checks one of the four and the seed in the message says which (the GPU tests check
+    every one on every run)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     seed = fresh_seed()
-    rows, bits = 1 + seed % 2, 3
-    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed), str(rows), str(bits)], env=env,
+    rows, launch = 1 + seed % 2, ("tiles", "matrix")[(seed // 2) % 2]
+    bits = 3 if launch == "tiles" else 2
+    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed), str(rows), str(bits), launch], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (seed, rows, proc.stderr[-3000:])
+    assert proc.returncode == 0, (seed, rows, launch, proc.stderr[-3000:])
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    x = np.asarray(res["x"], dtype=np.float32)[0]
-    got = np.asarray(res["states"], dtype=np.int64)[0] & 0xFFFF
-    assert np.array_equal(got, reference_tile(x, bits, "mcg")), seed
+    if launch == "tiles":
+        x = np.asarray(res["x"], dtype=np.float32)[0]
+        got = np.asarray(res["states"], dtype=np.int64)[0] & 0xFFFF
+        assert np.array_equal(got, reference_tile(x, bits, "mcg")), (seed, rows, launch)
+        return
     tile = np.asarray(res["tile"], dtype=np.float32)[0]
-    ref = reference_tile(tile, 2, "mcg")
-    assert np.array_equal(np.asarray(res["m_states"], dtype=np.int64)[0] & 0xFFFF, ref), seed
+    ref = reference_tile(tile, bits, "mcg")
+    assert np.array_equal(np.asarray(res["m_states"], dtype=np.int64)[0] & 0xFFFF, ref), (seed, rows, launch)
     q = codebook_table_np("mcg").astype(np.float32)[ref]
-    assert np.array_equal(np.asarray(res["m_error"], dtype=np.float32)[0], (tile - q) ** 2), seed
+    assert np.array_equal(np.asarray(res["m_error"], dtype=np.float32)[0], (tile - q) ** 2), (seed, rows, launch)
 
 
 _BLOCK_SCRIPT = textwrap.dedent(

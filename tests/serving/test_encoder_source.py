@@ -209,8 +209,8 @@ def test_calls_the_reference_fails_too_raise_value_errors(kwargs, words):
 
 @pytest.mark.slow
 def test_calls_from_threads_give_the_sequential_bytes():
-    """Three threads call at once (the CPU path serialises; numba's pool is not re-entrant): same bytes as one by one."""
-    weights = [torch.randn(128, 128) * (0.01 + 0.01 * i) for i in range(3)]
+    """Two threads call at once (the CPU path serialises; numba's pool is not re-entrant): same bytes as one by one."""
+    weights = [torch.randn(128, 128) * (0.01 + 0.01 * i) for i in range(2)]
 
     def one(i):
         qa = {"K": 6, "seed": 100 + i, "devices": ["cpu"], "apply_out_scales": True, "mcg": True}
@@ -227,13 +227,13 @@ def test_calls_from_threads_give_the_sequential_bytes():
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors
-    for i in range(3):
+    for i in range(2):
         again = one(i)
         assert results[i][0] == again[0] and all(torch.equal(a, b) for a, b in zip(results[i][1:], again[1:]))
 
