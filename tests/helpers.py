@@ -360,8 +360,8 @@ def server_online_lookups(root, modules: dict[str, tuple[str, ...]]) -> list[str
 
 
 def spec_dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, bits: int) -> np.ndarray:
-    """An MCG-codebook EXL3 layer's (in, out) weight in float64, decoded with numpy from /work/shared/spec's
-    exl3-format.md as restated in docs/format.md (§4.3 words, §4.5 state extraction, §3.3 MCG, §5.2 positions,
+    """An MCG-codebook EXL3 layer's (in, out) weight in float64, decoded with numpy from the format spec as
+    restated in docs/format.md (§4.3 words, §4.5 state extraction, §3.3 MCG, §5.2 positions,
     §1.4 W = diag(suh) B_k Q B_n diag(svh)); no exl3tool code."""
     k_bits = bits
     tk, tn, width = trellis.shape

@@ -259,19 +259,29 @@ main({argv!r})
 """
 
 
-@pytest.mark.slow
-def test_killed_and_resumed_gives_the_same_bytes(tmp_path, monkeypatch):
+def _child_setup(tmp_path: Path) -> tuple[Path, Path, Path, list[str]]:
+    """A tiny Qwen3.5 SOURCE, a clean hydrate of it to compare with, OUT, and the command a child runs into OUT."""
     src = write_tiny(tmp_path / "src", "qwen3.5", seed=fresh_seed())
-    ov = TINY_FAMILIES["qwen3.5"].overlay
     clean = tmp_path / "clean"
     hydrate(plan_hydrate(_request(src, "qwen3.5"), clean), device="cpu", encode=weight_encode)
     out = tmp_path / "out"
-    argv = ["hydrate", str(src), str(out), "--quantization-config", ov, "--device", "cpu"]
+    argv = ["hydrate", str(src), str(out), "--quantization-config", TINY_FAMILIES["qwen3.5"].overlay, "--device", "cpu"]
+    return src, clean, out, argv
+
+
+def _start_child(argv: list[str]) -> subprocess.Popen:
+    """``exl3tool`` with ``argv`` in a child process whose encoder is the tests' slow stand-in (stderr piped)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), str(HERE / "operations")])}
+    return subprocess.Popen([sys.executable, "-c", CHILD.format(tests=str(HERE / "operations"), argv=argv)],
+                            env=env, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_gives_the_same_bytes(tmp_path, monkeypatch):
+    src, clean, out, argv = _child_setup(tmp_path)
     rng = random.Random(fresh_seed())
     for attempt in range(2):  # killed twice at random points, then resumed to the end
-        child = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=str(HERE / "operations"), argv=argv)],
-                                 env=env, stderr=subprocess.PIPE, text=True)
+        child = _start_child(argv)
         layers = 0
         want = rng.randint(1, 4)
         assert child.stderr is not None
@@ -295,15 +305,8 @@ def test_killed_and_resumed_gives_the_same_bytes(tmp_path, monkeypatch):
 def test_a_second_hydrate_into_the_same_out_is_refused_while_the_first_runs(tmp_path, capsys):
     """Two hydrates into one OUT: the second is refused at once by name (it used to write into the first one's
     temporary folder and fail with an internal error); the first finishes with the bytes of a run alone."""
-    src = write_tiny(tmp_path / "src", "qwen3.5", seed=fresh_seed())
-    ov = TINY_FAMILIES["qwen3.5"].overlay
-    clean = tmp_path / "clean"
-    hydrate(plan_hydrate(_request(src, "qwen3.5"), clean), device="cpu", encode=weight_encode)
-    out = tmp_path / "out"
-    argv = ["hydrate", str(src), str(out), "--quantization-config", ov, "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), str(HERE / "operations")])}
-    first = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=str(HERE / "operations"), argv=argv)],
-                             env=env, stderr=subprocess.PIPE, text=True)
+    _, clean, out, argv = _child_setup(tmp_path)
+    first = _start_child(argv)
     assert first.stderr is not None
     for line in first.stderr:  # its first module done: it holds OUT's lock
         if line.startswith("["):
