@@ -263,8 +263,11 @@ def test_lock_timeout_option_fails_the_job_unencoded_naming_the_holder(model, tm
     assert "not encoded" in failed["error"] and "publishing failed" not in failed["error"]
     assert not held.path.exists()
     assert {e["status"] for d, e in by.items() if d != held.digest} == {"encoded"}
-    notes = [r.getMessage() for r in caplog.records if str(lock_path(held.path)) in r.getMessage()]
-    assert len(notes) == 1 and f"pid {proc.pid}" in notes[0] and "\n" not in notes[0]  # the one notice (stderr)
+    # the one notice that the lock is held (stderr); under load the give-up may be logged too (CI saw it), once
+    about = [r.getMessage() for r in caplog.records if str(lock_path(held.path)) in r.getMessage()]
+    notes = [m for m in about if "is held by" in m]
+    assert len(notes) == 1 and f"pid {proc.pid}" in notes[0] and "\n" not in notes[0], about
+    assert len([m for m in about if "gave up" in m]) <= 1, about
 
 
 def test_a_stopped_holder_is_given_up_on(model, tmp_path):
