@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from exl3tool.version import __version__  # defined on the ground floor: every layer stamps it
 
 # name -> the module that defines it
 _API: dict[str, str] = {

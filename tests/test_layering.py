@@ -2,7 +2,9 @@
 layer list of docs/architecture.md, and the packages import each other without a cycle.
 
 Every import counts, also one inside a function or under ``TYPE_CHECKING``: a lazy import still ties the layers.
-The package root's lazy public API (``exl3tool/__init__.py``) is the one exception: it is the facade on top.
+The package root (``exl3tool/__init__.py``, the lazy public API) is the facade on top: it imports every layer, and no
+module of the package imports it (``from exl3tool import __version__`` would point up: the version lives in
+``exl3tool.version``, on the ground floor).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "exl3tool"
 
-# docs/architecture.md's list, top first: a unit imports only from units of its own layer or above.
+# docs/architecture.md's list, top first: a unit imports only from units of its own layer or above. ``exl3tool``
+# (the package root, imported as ``from exl3tool import x`` or ``import exl3tool``) is the last: nothing imports it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("exl3tool", "errors", "jsontext", "timing", "text", "knobs", "releases", "lazy"),
+    ("errors", "jsontext", "timing", "text", "knobs", "releases", "lazy", "version"),
     ("format",),
     ("kernels",),
     ("encode",),
@@ -25,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("launch",),
     ("operations", "serving"),
     ("cli", "__main__"),
+    ("exl3tool",),
 )
 LEVEL = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 FACADE = PACKAGE / "__init__.py"
@@ -111,7 +115,8 @@ def test_packages_import_each_other_without_a_cycle():
 
 
 def test_the_check_sees_an_upward_import(tmp_path):
-    """The parser finds a lazy relative import and a lazy absolute one going up (so the rule above can fail)."""
+    """The parser finds a lazy relative import, a lazy absolute one and one of the package root going up (so the
+    rule above can fail)."""
     probe = tmp_path / "exl3tool" / "format" / "probe.py"
     probe.parent.mkdir(parents=True)
     (tmp_path / "exl3tool" / "cli").mkdir()
@@ -119,7 +124,8 @@ def test_the_check_sees_an_upward_import(tmp_path):
                      "    from exl3tool import cli, __version__\n")
     found = [m for _, m in _imports(probe, tmp_path / "exl3tool")]
     assert found == ["exl3tool.cli", "exl3tool.plan.request", "exl3tool.cli", "exl3tool"]
-    assert [LEVEL[_unit(m)] > LEVEL["format"] for m in found] == [True, True, True, False]
+    # `from exl3tool import __version__` points up too: the package root is above every layer
+    assert [LEVEL[_unit(m)] > LEVEL["format"] for m in found] == [True, True, True, True]
 
 
 COMMANDS = PACKAGE / "cli" / "commands"
@@ -180,3 +186,14 @@ def test_the_command_cycle_check_sees_a_lazy_circle(tmp_path):
     graph = _command_graph(commands, tmp_path / "exl3tool")
     assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}}
     assert _find_cycle(graph) == ["a", "b", "c", "a"]
+
+
+def test_modules_import_each_other_without_a_cycle():
+    """No circle of modules, lazy and type-only imports included (issue 51: ``plan``, ``shards`` and ``sharing``
+    imported each other around ``LookupJob``, which now stands alone in ``plan/job.py``)."""
+    graph = {_module_name(path): {m for _, m in _imports(path)} for path in MODULES if path != FACADE}
+    names = set(graph)
+    graph = {name: {m if m in names else m.rsplit(".", 1)[0] for m in found} & names - {name}
+             for name, found in graph.items()}
+    cycle = _find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)

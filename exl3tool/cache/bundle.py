@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from exl3tool import __version__
+from exl3tool.version import __version__
 from exl3tool.cache.entry import EntryContents, judge_entry
 from exl3tool.cache.key import HEX64, CacheKey
 from exl3tool.cache.paths import entry_path, entry_relpath

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
 
-from exl3tool import __version__
+from exl3tool.version import __version__
 from exl3tool.cache.key import CacheKey
 from exl3tool.cache.paths import layout_parts
 from exl3tool.jsontext import loads_json

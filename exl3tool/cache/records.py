@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from exl3tool import __version__
+from exl3tool.version import __version__
 from exl3tool.cache.entry import atomic_write
 from exl3tool.cache.identity import model_payload_digest
 from exl3tool.cache.key import HEX64, canonical_dumps

@@ -17,7 +17,7 @@ import typer
 
 from typer.core import TyperCommand
 
-from exl3tool import __version__
+from exl3tool.version import __version__
 from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, ReaderGone, UsageError
 from exl3tool.errors import Exl3ToolError, describe
 from exl3tool.text import plural

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from exl3tool import __version__
+from exl3tool.version import __version__
 from exl3tool.cache.key import CacheKey
 from exl3tool.format.codebook import decode_states
 from exl3tool.format.encoded import EncodedLinear

@@ -88,7 +88,7 @@ def own_encoder(eid) -> str:
     """Why the encoder identity ``eid`` (``cache.identity.EncoderIdentity``) is exl3tool's own, or "" when not."""
     if eid.mode != "files":
         return ""  # a revision string says nothing about the bytes behind it
-    from exl3tool import __version__
+    from exl3tool.version import __version__
     from exl3tool.serving.encoder_source import is_current_export
 
     if eid.files_from and is_current_export(eid.files_from):

@@ -16,42 +16,11 @@ from typing import Any, Iterable, Optional
 from exl3tool.cache import CacheKey, CacheStore, ServerIdentities, entry_path
 from exl3tool.cache.store import PRUNE_HINT
 from exl3tool.checkpoint import Checkpoint, FetchInfo, LayerPlan, RankJob
+from exl3tool.plan.job import LookupJob  # data only: shards and sharing read it without importing this module
 from exl3tool.plan.sharing import reused_from, share_jobs, sharing_figures  # whole share groups per worker
 from exl3tool.plan.shards import Shard, ShardInfo, shard_info, shard_slice
 
 __all__ = ["LookupJob", "LookupPlan", "build_plan", "share_jobs"]
-
-
-@dataclass(frozen=True)
-class LookupJob:
-    """One (layer, TP size, rank) to encode: its rank-local shape, cache key and state before running."""
-
-    prefix: str
-    tp_size: int
-    tp_rank: int
-    input_size: int
-    output_size: int
-    key: CacheKey
-    path: Path
-    state: str  # "hit" | "miss" | "invalid" (present but would not load) | "skipped"
-    reason: str = ""
-    rank_job: Optional[RankJob] = field(default=None, compare=False, repr=False)
-
-    @property
-    def tiles(self) -> int:
-        return (self.input_size // 16) * (self.output_size // 16)
-
-    @property
-    def digest(self) -> str:
-        return self.key.digest()
-
-    @property
-    def why(self) -> str:
-        """Why the job is in the plan (or, skipped or invalid, its reason), as the dry-run's ``why`` says it."""
-        if self.state == "skipped" or self.state == "invalid":
-            return self.reason
-        spec = self.rank_job.layer.spec if self.rank_job is not None else "linear"
-        return "--layers glob (the server does not look this entry up)" if spec == "generic" else f"planned ({spec} spec)"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from exl3tool.errors import ConfigError
 from exl3tool.plan.sharing import group_jobs, share_jobs
 
 if TYPE_CHECKING:
-    from exl3tool.plan.plan import LookupJob
+    from exl3tool.plan.job import LookupJob
 
 __all__ = ["Shard", "ShardInfo", "SCHEDULERS", "parse_shard", "resolve_shard", "shard_slice", "shard_info"]
 

@@ -20,7 +20,7 @@ from exl3tool.checkpoint.sharding import rank_reads
 
 if TYPE_CHECKING:
     from exl3tool.checkpoint.plan import LayerPlan, RankJob
-    from exl3tool.plan.plan import LookupJob
+    from exl3tool.plan.job import LookupJob
 
 __all__ = ["ShareGroup", "shard_identity", "rank_shard", "group_jobs", "share_jobs", "reused_from", "SharedEncode",
            "sharing_figures", "plan_sharing"]

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from exl3tool import __version__
+from exl3tool.version import __version__
 from exl3tool.errors import ConfigError
 
 __all__ = ["MARKER", "QUANTIZE_PY", "ExportResult", "quantize_py_text", "read_marker", "write_encoder_source",
