@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperCommand
 
 from exl3tool.version import __version__
-from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, ReaderGone, UsageError
+from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, ReaderGone, Run, UsageError
 from exl3tool.errors import Exl3ToolError, describe
 from exl3tool.text import plural
 
@@ -136,7 +136,7 @@ def debug_enabled(environ: Optional[dict] = None) -> bool:
         return False
 
 
-def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None, extra: Optional[dict] = None) -> None:
+def _fail(run: Run, message: str, exit_code: int, *, show_usage=None, extra: Optional[dict] = None) -> None:
     """Report one failure: the sentence on stderr (or Click's usage block), a JSON document on stdout in JSON mode."""
     if debug_enabled():
         traceback.print_exc()
@@ -144,7 +144,7 @@ def _fail(message: str, exit_code: int, json_mode: bool, *, show_usage=None, ext
         show_usage()
     else:
         print(f"error: {message}", file=sys.stderr)
-    if json_mode and not _json_document_written():  # a findings error follows its own report: one document
+    if run.json and not run.document_written:  # a findings error follows its own report: one document
         try:
             sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code, **(extra or {})}, indent=2) + "\n")
             sys.stdout.flush()
@@ -172,19 +172,12 @@ def _reader_gone() -> None:
     sys.exit(0)
 
 
-def _interrupted(json_mode: bool) -> None:
+def _interrupted(run: Run) -> None:
     """Ctrl-C: exit 130 (128 + SIGINT, as shells report it), saying that the cache is consistent."""
-    output = sys.modules.get("exl3tool.cli.output")
-    report = output.interrupted_report() if output is not None else {}
+    report = run.interrupted
     done = f" after publishing {plural(report['published'], 'entry', 'entries')}" if "published" in report else ""
-    _fail(f"interrupted{done}: entries published so far are complete (a publish is atomic); run the same command "
-          "again to resume", 130, json_mode, extra=report)
-
-
-def _json_document_written() -> bool:
-    """Whether a command already printed its JSON document (none can have, if no command imported ``output``)."""
-    output = sys.modules.get("exl3tool.cli.output")
-    return output is not None and output.json_document_written()
+    _fail(run, f"interrupted{done}: entries published so far are complete (a publish is atomic); run the same "
+          "command again to resume", 130, extra=report)
 
 
 def _ensure_stderr() -> None:
@@ -209,32 +202,30 @@ def _ensure_stderr() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turning every error into one line and an exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    json_mode = "--json" in args
+    run = Run(args)  # the root context's obj: the command's Output lands there
     _ensure_stderr()
-    if "exl3tool.cli.output" in sys.modules:  # not imported: no document written (`--help` stays light)
-        sys.modules["exl3tool.cli.output"].forget_json_document()
     try:  # every EXL3TOOL_* variable is checked when a command runs (Exl3Command.invoke), never for its help
-        rc = app(args=args, prog_name="exl3tool", standalone_mode=False)  # errors come back here, not to Click
+        rc = app(args=args, prog_name="exl3tool", standalone_mode=False, obj=run)  # errors come back here
         if rc == 130:  # typer turns Ctrl-C into Exit(130), which non-standalone Click returns (no command does)
-            _interrupted(json_mode)
+            _interrupted(run)
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except Exl3ToolError as exc:
-        _fail(describe(exc), exc.exit_code, json_mode)
+        _fail(run, describe(exc), exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort as exc:
         if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):  # Click < 8.2 / older typer
-            _interrupted(json_mode)
-        _fail("aborted", 2, json_mode)
+            _interrupted(run)
+        _fail(run, "aborted", 2)
     except KeyboardInterrupt:
-        _interrupted(json_mode)
+        _interrupted(run)
     except (BrokenPipeError, ReaderGone):
         _reader_gone()
     except ClickException as exc:  # usage errors: Click's own usage line, "Try ... --help" and the message
-        _fail(exc.format_message(), exc.exit_code, json_mode, show_usage=exc.show)
+        _fail(run, exc.format_message(), exc.exit_code, show_usage=exc.show)
     except (ValueError, OSError) as exc:  # bad values and I/O problems raised below the commands
-        _fail(describe(exc), 2, json_mode)
+        _fail(run, describe(exc), 2)
     except Exception as exc:  # a bug: say so, with what we know
         hint = "" if debug_enabled() else "; set EXL3TOOL_DEBUG=1 for the traceback"
-        _fail(f"internal error ({type(exc).__name__}: {describe(exc)}){hint}; please report it", 2, json_mode)
+        _fail(run, f"internal error ({type(exc).__name__}: {describe(exc)}){hint}; please report it", 2)

@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # rich is imported where output is drawn: `--help` never impo
     from rich.console import Console
     from rich.table import Table
 
-__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "fold_rows", "plural", "KEY_HEADERS", "json_document_written",
-           "forget_json_document", "fields_text", "note_interrupted", "interrupted_report", "stdout_errors"]
+__all__ = ["Output", "to_jsonable", "plain_table", "fit_table", "fold_rows", "plural", "KEY_HEADERS", "fields_text",
+           "stdout_errors"]
 
 KEY_HEADERS = ("layer",)  # columns never cut: a layer name is what a reader looks for
 
@@ -193,12 +193,22 @@ def _console(file) -> Console:
 
 @dataclass
 class Output:
-    """Renders results: ``json`` prints only machine output, ``quiet`` drops notes and progress."""
+    """A run's output, one per command run: ``json`` prints only machine output, ``quiet`` drops notes and
+    progress, ``progress`` picks the progress display. It also keeps what ``main`` needs once the command ended:
+    whether the JSON document went out (an error then adds none), what an interrupted command had done."""
 
     json: bool = False
     quiet: bool = False
+    progress: str = "auto"  # --progress: auto, bar, lines or none (``progress_display``)
     stdout: Console = field(default_factory=lambda: _console(sys.stdout))
     stderr: Console = field(default_factory=lambda: _console(sys.stderr))
+    document_written: bool = False  # the JSON document went to stdout (or was being written when it failed)
+    interrupted: dict[str, Any] = field(default_factory=dict)  # fields an interrupted command's error document adds
+
+    def note_interrupted(self, report: dict[str, Any]) -> None:
+        """What this command had done when it was interrupted (a warm: ``published`` and ``counts``), for the error
+        document ``main`` writes."""
+        self.interrupted = dict(report)
 
     def note(self, message: str) -> None:
         """A diagnostic line on stderr (suppressed by --quiet); at a terminal wrapped at spaces (``whole_words``)."""
@@ -211,6 +221,24 @@ class Output:
 
         text = whole_words("warning: " + message, self.stderr)
         self.stderr.print(Text.assemble(("warning:", "yellow"), text[len("warning:"):]), highlight=False)
+
+    @contextmanager
+    def on_stderr(self):
+        """While inside: the report for people and the JSON document go to stderr (``cache export -``, whose stdout
+        carries the bundle)."""
+        stdout, self.stdout = self.stdout, self.stderr
+        try:
+            yield
+        finally:
+            self.stdout = stdout
+
+    def progress_display(self):
+        """The display ``--progress`` asks for on stderr (``cli.progress``): a bar at a terminal, log lines in a pipe
+        or a log, nothing under ``--quiet`` (unless a mode is named)."""
+        from exl3tool.cli.progress import make_progress, progress_mode
+
+        return make_progress(progress_mode(self.progress, terminal=self.stderr.is_terminal, quiet=self.quiet),
+                             self.stderr)
 
     def table(self, table: Table) -> None:
         """A table for people; skipped in JSON mode (the caller emits ``data`` instead).
@@ -241,8 +269,8 @@ class Output:
         if self.json:
             return
         with stdout_errors():
-            sys.stdout.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
-            sys.stdout.flush()
+            self.stdout.file.write(fields_text(title, rows, self.stdout.width if self.stdout.is_terminal else None))
+            self.stdout.file.flush()
 
     def wrapped(self, message: str) -> None:
         """A result line on stdout for people (skipped in JSON mode), wrapped at spaces to a terminal's width with
@@ -253,8 +281,8 @@ class Output:
             message = "\n".join(textwrap.wrap(message, self.stdout.width, subsequent_indent="  ",
                                                break_long_words=False, break_on_hyphens=False))
         with stdout_errors():
-            sys.stdout.write(message + "\n")
-            sys.stdout.flush()
+            self.stdout.file.write(message + "\n")
+            self.stdout.file.flush()
 
     def line(self, message: str) -> None:
         """A result line on stdout for people; skipped in JSON mode. At a terminal wrapped at spaces."""
@@ -265,33 +293,8 @@ class Output:
     def data(self, obj: Any) -> None:
         """The machine-readable result: printed as JSON on stdout in JSON mode."""
         if self.json:
-            _written.append(True)  # even if it cannot be written: an error document would follow a partial one
+            self.document_written = True  # even if it cannot be written: an error document would follow a partial one
             with stdout_errors():
-                sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
-                sys.stdout.flush()
+                self.stdout.file.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
+                self.stdout.file.flush()
 
-
-_written: list[bool] = []  # set once any command printed its JSON document in this process
-_interrupted: dict[str, Any] = {}  # what an interrupted command had done, for its error document
-
-
-def forget_json_document() -> None:
-    """Start a new command: no JSON document written yet (``main`` calls this; tests run many commands)."""
-    _written.clear()
-    _interrupted.clear()
-
-
-def note_interrupted(report: dict[str, Any]) -> None:
-    """Fields the error document of an interrupted command adds (a warm: ``published`` and ``counts``)."""
-    _interrupted.clear()
-    _interrupted.update(report)
-
-
-def interrupted_report() -> dict[str, Any]:
-    """What ``note_interrupted`` recorded for this command (empty when nothing)."""
-    return dict(_interrupted)
-
-
-def json_document_written() -> bool:
-    """Whether a JSON result document went to stdout already (then an error adds no second document)."""
-    return bool(_written)

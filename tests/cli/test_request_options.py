@@ -1,6 +1,6 @@
-"""One options-to-request builder (issue 37): every command that builds a `ServerRequest` takes its request options
-from `options.REQUEST_OPTIONS`, spelled and explained the same everywhere, and fills the request and the set of
-fields its command line gave through `options.request_from_options`."""
+"""Each option declared once (issues 37 and 51): every command that builds a `ServerRequest` takes its request
+options from the rows of `options.ROWS`, spelled and explained the same everywhere, and its body gets the request
+they give (`command.Call`), with the set of fields its command line gave."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import typer
 from helpers import CliRunner
 
 from exl3tool.cli import _register, app
-from exl3tool.cli.commands.options import REQUEST_OPTIONS
+from exl3tool.cli.commands.options import ROWS
 
 _register()
-BUILDERS = (("identity",), ("encode",), ("verify",), ("cache", "warm"), ("cache", "check"), ("cache", "import"))
+BUILDERS = (("identity",), ("encode",), ("verify",), ("cache", "warm"), ("cache", "check"), ("cache", "import"),
+            ("hydrate",))
 
 
 def _command(path: tuple[str, ...]):
@@ -22,39 +23,43 @@ def _command(path: tuple[str, ...]):
     return command
 
 
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def requests(monkeypatch):
+    """The (request, given fields) each command hands to the launch resolution (``exl3tool.launch.apply_launch``),
+    which then stops the command."""
+    seen = []
+
+    def stop(request, given, *args, **kwargs):
+        seen.append((request, given))
+        raise Stop
+
+    monkeypatch.setattr("exl3tool.launch.apply_launch", stop)
+    return seen
+
+
 def test_request_options_have_one_spelling_and_help_in_every_command():
     seen: dict[str, tuple] = {}
     for path in BUILDERS:
         for param in _command(path).params:
-            if param.name not in REQUEST_OPTIONS or param.name == "model":  # `cache import`'s MODEL is --against
+            if param.name not in ROWS:
                 continue
             shape = (tuple(param.opts), getattr(param, "help", None), param.metavar, getattr(param, "is_flag", None))
             assert seen.setdefault(param.name, shape) == shape, f"{' '.join(path)} {param.opts}: {shape} != {seen[param.name]}"
     assert {"layers", "exclude", "device", "shared_experts", "tp_size", "tp_sizes"} <= set(seen)
 
 
-def test_verify_takes_shared_experts_and_builds_its_request_like_encode(monkeypatch, tmp_path):
+def test_verify_takes_shared_experts_and_builds_its_request_like_encode(requests, tmp_path):
     """`verify --shared-experts` reaches the request, with the rest of verify's options, as `encode`'s do."""
-    import exl3tool.cli.commands.warm as encode_cmd
-    import exl3tool.cli.commands.verify as verify_cmd
-
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def stop(ctx, out, request, launch, pid, env_files, given, **kwargs):
-        seen.append((request, given))
-        raise Stop
-
-    monkeypatch.setattr(verify_cmd, "apply_options", stop)
-    monkeypatch.setattr(encode_cmd, "apply_options", stop)
     args = ["m", "--shared-experts", "--layers", "*.o_proj", "--exclude", "*.q_proj", "--tp-size", "2", "--tp-rank",
             "1", "--device", "cpu", "--bits", "5", "--dtype", "bfloat16", "--cache-dir", str(tmp_path)]
     for command in ("verify", "encode"):
         res = CliRunner().invoke(app, [command, *args])
         assert isinstance(res.exception, Stop), res.output
-    (verify, verify_given), (encode, encode_given) = seen
+    (verify, verify_given), (encode, encode_given) = requests
     assert verify.shared_experts and verify.layers == ("*.o_proj",) and verify.exclude == ("*.q_proj",)
     assert (verify.tp_sizes, verify.tp_ranks, verify.device, verify.bits, verify.dtype) == ((2,), (1,), "cpu", 5, "bfloat16")
     assert verify.mode == "readonly" and encode.mode == "readwrite"
@@ -66,39 +71,81 @@ def test_verify_takes_shared_experts_and_builds_its_request_like_encode(monkeypa
 
 
 @pytest.mark.parametrize("path", BUILDERS, ids=" ".join)
-def test_every_request_option_of_a_command_is_in_the_table(path):
-    """A command's options that name a request field go through the table (none is filled by hand)."""
+def test_every_request_option_of_a_command_is_a_row(path):
+    """A command's options that set a request field are rows of the table (none is filled by hand)."""
     from exl3tool.plan import ServerRequest
 
-    fields = {f for f in ServerRequest.__dataclass_fields__}
+    fields = set(ServerRequest.__dataclass_fields__)
     for param in _command(path).params:
-        target = REQUEST_OPTIONS.get(param.name, (None,))[0]
-        assert target is None or target in fields
-        assert param.name not in fields or param.name in REQUEST_OPTIONS, param.name
+        row = ROWS.get(param.name)
+        assert row is None or row.field is None or row.field in fields
+        assert param.name not in fields or row is not None, param.name
+
+
+def test_every_body_reads_every_parameter_it_declares():
+    """No command body declares a parameter it does not read (issue 51: 116 did, so that Typer built the options;
+    the rows build them now): the project's own check, over the command modules' functions."""
+    import ast
+    from pathlib import Path
+
+    unread, bodies = [], 0
+    for path in sorted((Path(__file__).resolve().parents[2] / "exl3tool" / "cli" / "commands").glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            params = fn.args.args + fn.args.kwonlyargs if isinstance(fn, ast.FunctionDef) else []
+            options = [p for p in params if p.annotation is not None and "Annotated" in ast.unparse(p.annotation)]
+            if len(options) >= 2 or (params and params[0].arg in ("call", "out")):  # a command's body
+                bodies += params[0].arg in ("call", "out")
+                used = {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}
+                unread += [f"{path.stem}.{fn.name}({p.arg})" for p in params if p.arg not in used]
+    assert not unread, unread
+    assert bodies >= 14  # every command's body was looked at
+
+
+@pytest.mark.parametrize("given", [["--bits", "5"], ["--exact"], ["--dtype", "half"], ["--device", "cpu"],
+                                   ["--revision", "main"], ["--layers", "*.q_proj"]])
+def test_import_refuses_the_options_of_against_without_it(tmp_path, given):
+    """`cache import`'s model, plan and encoder options only apply with `--against MODEL`: one rule on their groups
+    (no hand list, which had let `--bits` through unread), a usage error naming the option, nothing imported."""
+    res = CliRunner().invoke(app, ["cache", "import", str(tmp_path / "b.tar"), "--cache-dir", str(tmp_path / "c"),
+                                   *given])
+    assert res.exit_code == 2, res.output
+    assert f"{given[0]} only apply with --against MODEL" in res.output and not (tmp_path / "c").exists()
+
+
+def test_import_against_builds_its_request_from_the_rows(monkeypatch, tmp_path):
+    """`cache import --against M --bits 5 --server-release NAME`: the model is --against's, the cache the import's,
+    and every row the import takes reaches the request (`--bits` and `--server-release` were left out before)."""
+    seen = []
+
+    def stop(request, exact=False):
+        seen.append((request, exact))
+        raise Stop
+
+    monkeypatch.setattr("exl3tool.operations.against.AgainstModel.from_request", stop)
+    from exl3tool.releases import NEWEST
+
+    res = CliRunner().invoke(app, ["cache", "import", str(tmp_path / "b.tar"), "--cache-dir", str(tmp_path / "c"),
+                                   "--against", "m", "--exact", "--bits", "5", "--dtype", "half", "--server-release",
+                                   NEWEST, "--file-mode", "0644"])
+    assert isinstance(res.exception, Stop), res.output
+    [(request, exact)] = seen
+    assert (request.model, request.cache_dir, request.bits, request.dtype, exact) == ("m", str(tmp_path / "c"), 5,
+                                                                                      "float16", True)
+    assert request.server_release == NEWEST and request.file_mode == 0o644
 
 
 @pytest.mark.parametrize("spelling", ["--tp-size", "-tp", "--tp-sizes"])
 @pytest.mark.parametrize("path", [("cache", "warm"), ("cache", "check"), ("encode",), ("verify",)], ids=" ".join)
-def test_tp_size_has_one_spelling_and_the_old_one_still_works(monkeypatch, path, spelling):
+def test_tp_size_has_one_spelling_and_the_old_one_still_works(requests, path, spelling):
     """`--tp-size` (and vLLM's `-tp`) in every command; `--tp-sizes`, the old spelling of warm/check, is a hidden
     alias for one release (CHANGELOG.md): the same request from each."""
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def stop(ctx, out, request, *args, **kwargs):
-        seen.append(request)
-        raise Stop
-
-    for module in ("warm", "check", "verify"):
-        monkeypatch.setattr(f"exl3tool.cli.commands.{module}.apply_options", stop)
     res = CliRunner().invoke(app, [*path, "m", spelling, "2", "--cache-dir", "/nonexistent"])
     if spelling == "--tp-sizes" and path in (("encode",), ("verify",)):  # never a spelling of theirs
         assert res.exit_code == 2 and "No such option: --tp-sizes" in res.output
         return
     assert isinstance(res.exception, Stop), res.output
-    assert seen[0].tp_sizes == (2,)
+    [(request, given)] = requests
+    assert request.tp_sizes == (2,) and "tp_sizes" in given
 
 
 def test_shell_completion_completes_commands_and_options(tmp_path):

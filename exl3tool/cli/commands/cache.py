@@ -12,12 +12,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 from rich.filesize import decimal
 
-from exl3tool.cli.commands.group import Exl3Command, Exl3Group
-from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
-    FileModeOpt, JsonOpt, LayersOpt, ModelIdOpt, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
-    MODEL_WANTED, existing_cache_dir, non_empty, request_from_options, resolve_cache_dir,
-)
+from exl3tool.cli.commands.command import Call, OnlyWith, command
+from exl3tool.cli.commands.group import Exl3Group
+from exl3tool.cli.commands.options import MODEL_WANTED, existing_cache_dir, non_empty, resolve_cache_dir
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output, plural
 
@@ -53,8 +50,8 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-@cache_app.command("ls", cls=Exl3Command)
-def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
+@command(cache_app, "ls", options=("cache_dir", "model_id"))
+def ls(out: Output, cache_dir: Optional[Path], model_id: Optional[str]) -> None:
     """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them).
 
     Exit codes: 0 listed (an empty cache too), 2 no such cache directory, usage or I/O error.
@@ -63,9 +60,8 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
 
     from exl3tool.cache.listing import list_cache
 
-    out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
-    listing = list_cache(root, model=model)
+    listing = list_cache(root, model=model_id)
     table = Table(title=f"EXL3 cache {root}", box=None, pad_edge=False, header_style="bold underline")  # 80 columns
     table.add_column("model identity", no_wrap=True, min_width=20)
     for col in ("TP", "ranks", "entries", "malformed", "size", "newest (UTC)"):
@@ -124,12 +120,11 @@ def _find_entry(root: Path, entry: str) -> Path:
     return found[0]
 
 
-@cache_app.command("show", cls=Exl3Command)
+@command(cache_app, "show", options=("entry", "cache_dir"))
 def show(
+    out: Output,
+    cache_dir: Optional[Path],
     entry: Annotated[str, typer.Argument(metavar="ENTRY", parser=non_empty("an entry file or its digest"), help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
-    cache_dir: CacheDirOpt = None,
-    json: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
     """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not).
 
@@ -137,7 +132,6 @@ def show(
     """
     from exl3tool.cache.scan import inspect_entry
 
-    out = Output(json=json, quiet=quiet)
     path = _find_entry(resolve_cache_dir(cache_dir), entry)
     try:
         info = inspect_entry(path)
@@ -162,8 +156,8 @@ def show(
         raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
 
 
-@cache_app.command("verify", cls=Exl3Command)
-def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
+@command(cache_app, "verify", options=("cache_dir", "model_id"))
+def verify(out: Output, cache_dir: Optional[Path], model_id: Optional[str]) -> None:
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
     Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
@@ -177,9 +171,8 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
 
     from exl3tool.cache.scan import CacheHealth, scan
 
-    out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
-    health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model)])
+    health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model_id)])
     entries, valid, unchecked, invalid = health.entries, health.valid, health.unchecked, health.invalid
     bad_locks, temps, orphans, stale = health.broken_locks, health.temp_files, health.orphan_locks, health.stale_locks
     strays, links = health.stray_files, health.links
@@ -223,20 +216,20 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
         raise FindingsError(f"{' and '.join(what)} under {root}; remove with: exl3tool cache prune --invalid")
 
 
-@cache_app.command("prune", cls=Exl3Command)
+@command(cache_app, "prune", options=("invalid", "temp", "older_than", "records", "model_id", "plan_only", "yes",
+                                     "cache_dir"))
 def prune(
+    out: Output,
+    model_id: Optional[str],
+    cache_dir: Optional[Path],
     invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or exl3tool's checksums fail), broken lock paths and symlinked folders (the link, never its target).")] = False,
     temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and orphan locks that no live process holds.")] = False,
     older_than: Annotated[
         Optional[float], typer.Option("--older-than", metavar="DAYS", help="Entries (and leftovers) older than DAYS.")
     ] = None,
     records: Annotated[bool, typer.Option("--records", help="Only provenance records whose entries are all gone (every prune drops those too).")] = False,
-    model: ModelIdOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
+    plan_only: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
-    cache_dir: CacheDirOpt = None,
-    json: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
     """Delete invalid entries, leftovers or old entries: prints the plan (bytes freed) first.
 
@@ -252,14 +245,13 @@ def prune(
         raise ConfigError("nothing selected: pass --invalid, --temp, --records and/or --older-than DAYS")
     if older_than is not None and older_than < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--older-than")
-    out = Output(json=json, quiet=quiet)
     root = existing_cache_dir(cache_dir)
     from exl3tool.cache.prune_report import PruneReport
     from exl3tool.cache.records import execute_record_prune, plan_record_prune, read_records
     from exl3tool.cache.scan import execute_prune, plan_prune, scan
 
-    plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model)
-    rplan = plan_record_prune(root, read_records(root, model_prefix=model), invalid=invalid,
+    plan = plan_prune(scan(root, deep=invalid), invalid=invalid, temp=temp, older_than_days=older_than, model=model_id)
+    rplan = plan_record_prune(root, read_records(root, model_prefix=model_id), invalid=invalid,
                               removing={info.path for info, _ in plan.items if info.kind == "entry"})
     table = Table(title=f"Prune plan for {root}")
     table.add_column("file", overflow="fold")
@@ -274,12 +266,12 @@ def prune(
         out.note(f"skipping {info.path}: {why}")
     out.line(f"{plural(len(plan.items), 'file')}, {decimal(plan.bytes_freed)} to free"
              + (f"; {plural(len(rplan.items), 'provenance record')}" if rplan.items else ""))
-    report = PruneReport(root, plan, rplan, dry_run)
-    if dry_run or not (plan.items or rplan.items):
+    report = PruneReport(root, plan, rplan, plan_only)
+    if plan_only or not (plan.items or rplan.items):
         out.data(report.as_json())
         return
     if not yes:
-        if json:
+        if out.json:
             raise ConfigError("prune with --json needs --yes (or --dry-run): there is no prompt in JSON mode")
         try:
             agreed = typer.confirm(f"Delete {plural(len(plan.items) + len(rplan.items), 'file')}?")
@@ -336,17 +328,13 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
     out.data(plan.as_json(bundle, size))
 
 
-@cache_app.command("export", cls=Exl3Command)
+@command(cache_app, "export", options=("out_path", "model_id", "tp_filter", "cache_dir"))
 def export(
+    out: Output,
+    model_id: Optional[str],
+    tp_filter: Optional[str],
+    cache_dir: Optional[Path],
     out_path: Annotated[str, typer.Argument(metavar="OUT", parser=non_empty("a file, or - for stdout"), help="Bundle file to write, or - for stdout.")],
-    model: ModelIdOpt = None,
-    tp_sizes: Annotated[
-        Optional[str], typer.Option("--tp-size", "-tp", "--tp-sizes", metavar="N[,N...]",
-                                    help="Only entries of these TP sizes, comma-separated (default: all).")
-    ] = None,
-    cache_dir: CacheDirOpt = None,
-    json: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
     """Write the valid entries (default: all) into one bundle file: a tar whose first member is the manifest.
 
@@ -356,7 +344,6 @@ def export(
     Exit codes: 0 every selected entry exported, 1 some invalid ones left out (the bundle holds the rest),
     2 nothing to export, usage or I/O error.
     """
-    import contextlib
     import sys
 
     from exl3tool.cache.bundle import plan_export, write_bundle, write_bundle_file
@@ -364,9 +351,9 @@ def export(
     root = existing_cache_dir(cache_dir)
     if out_path == "-" and sys.stdout.isatty():
         raise ConfigError("refusing to write a bundle to a terminal; redirect stdout or pipe it (… | exl3tool cache import -)")
-    plan = plan_export(root, model=model, tp_sizes=_tp_filter(tp_sizes))
+    plan = plan_export(root, model=model_id, tp_sizes=_tp_filter(tp_filter))
     if not plan.entries:
-        what = f" of model {model}" if model else ""
+        what = f" of model {model_id}" if model_id else ""
         raise ConfigError(f"no valid entries{what} under {root} to export"
                           + (f" ({len(plan.left_out)} invalid left out)" if plan.left_out else "")
                           + "; check --model / --tp-size / --cache-dir")
@@ -378,40 +365,29 @@ def export(
                              "again (an import publishes only entries that match the manifest)") from None
         except OSError as exc:
             raise InputError(f"cannot write the bundle to stdout: {exc.strerror or exc}") from None
-        if json or not quiet:  # stdout carries the bundle: the report goes to stderr, and --quiet drops it
-            with contextlib.redirect_stdout(sys.stderr):
-                _export_report(Output(json=json, quiet=quiet), plan, "-", size)
+        if out.json or not out.quiet:  # stdout carries the bundle: the report goes to stderr, and --quiet drops it
+            with out.on_stderr():
+                _export_report(out, plan, "-", size)
     else:
         size = write_bundle_file(plan, out_path)  # atomic: a failed export never leaves a partial bundle
-        _export_report(Output(json=json, quiet=quiet), plan, out_path, size)
+        _export_report(out, plan, out_path, size)
     if plan.left_out:
         raise FindingsError(f"{len(plan.left_out)} invalid entr{'y' if len(plan.left_out) == 1 else 'ies'} left out of "
                             "the bundle; see them with: exl3tool cache verify")
 
 
-@cache_app.command("import", cls=Exl3Command)
+@command(cache_app, "import", options=(
+    "bundle", "cache_dir", "file_mode", "against", "exact", "revision", "bits", "layers", "exclude", "shared_experts",
+    "quantization_config", "dtype", "device", "encoder_root", "encoder_revision", "server_release", "encoder_source",
+    "server_path"), rules=(OnlyWith("against", groups=("model", "plan", "encoder"), names=("exact",),
+                                    why="--against MODEL (the checkpoint the entries are checked against)"),))
 def import_(
-    ctx: typer.Context,
+    call: Call,
+    cache_dir: Optional[Path],
+    file_mode: str,
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", parser=non_empty("a file, or - for stdin"), help="Bundle file to read, or - for stdin.")],
-    cache_dir: CacheDirOpt = None,
-    file_mode: FileModeOpt = "0600",
     against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", parser=non_empty(MODEL_WANTED), help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="With --against: compare each entry with a fresh encode (verify --exact's rule) instead of the verify bound.")] = False,
-    revision: RevisionOpt = None,
-    bits: BitsOpt = None,
-    layers: LayersOpt = [],
-    exclude: ExcludeOpt = [],
-    shared_experts: SharedOpt = False,
-    quantization_config: QuantizationConfigOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    encoder_root: EncoderRootOpt = None,
-    encoder_revision: EncoderRevisionOpt = None,
-    server_release: ServerReleaseOpt = None,
-    encoder_source: EncoderSourceOpt = None,
-    server_path: ServerPathOpt = None,
-    json: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
     """Publish a bundle's entries into the cache, treating it as untrusted input.
 
@@ -433,18 +409,8 @@ def import_(
     from exl3tool.cache.store import CacheStore
     from exl3tool.cli.commands.options import parse_file_mode
 
-    out = Output(json=json, quiet=quiet)
+    out = call.out
     root = resolve_cache_dir(cache_dir)
-    if against is None:
-        given = [name for name, value in (
-            ("--exact", exact), ("--revision", revision), ("--layers", layers), ("--exclude", exclude),
-            ("--shared-experts", shared_experts), ("--quantization-config", quantization_config),
-            ("--encoder-root", encoder_root), ("--encoder-revision", encoder_revision),
-            ("--encoder-source", encoder_source), ("--server-path", server_path), ("--dtype", dtype != "auto"),
-            ("--device", device != "auto")) if value]
-        if given:
-            raise typer.BadParameter(f"{', '.join(given)} only apply with --against MODEL (the checkpoint the entries "
-                                     "are checked against)", param_hint=given[0])
     try:
         store = CacheStore(root, "readwrite", file_mode=parse_file_mode(file_mode))
     except ValueError as exc:
@@ -453,8 +419,7 @@ def import_(
     if against is not None:
         from exl3tool.operations.against import AgainstModel
 
-        request, _ = request_from_options(ctx, skip={"file_mode"}, model=against, cache_dir=str(root))
-        check = AgainstModel.from_request(request, exact=exact)
+        check = AgainstModel.from_request(call.request(model=against, cache_dir=str(root)), exact=exact)
     if bundle == "-":
         report = import_bundle(sys.stdin.buffer, store, source="-", check=check)
     else:

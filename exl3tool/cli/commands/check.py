@@ -6,14 +6,9 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
-from exl3tool.cli.commands.launching import lookup_off
-from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
-from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
-    LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpSizesOpt,
-    request_from_options,
-)
+from exl3tool.cli.commands.command import Call, command
+from exl3tool.cli.commands.launching import launch_json, lookup_off
+from exl3tool.cli.commands.options import LAUNCH
 from exl3tool.cli.commands.planview import plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
@@ -80,36 +75,11 @@ def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict, what: s
 
 
 def cache_check(
-    ctx: typer.Context,
-    model: ModelArg = None,
-    revision: RevisionOpt = None,
-    tp_sizes: TpSizesOpt = "1",
-    bits: BitsOpt = None,
-    layers: LayersOpt = [],
-    exclude: ExcludeOpt = [],
-    cache_dir: CacheDirOpt = None,
-    shared_experts: SharedOpt = False,
-    quantization_config: QuantizationConfigOpt = None,
-    dtype: DtypeOpt = "auto",
-    encoder_root: EncoderRootOpt = None,
-    encoder_revision: EncoderRevisionOpt = None,
-    server_release: ServerReleaseOpt = None,
-    encoder_source: EncoderSourceOpt = None,
-    server_path: ServerPathOpt = None,
-    launch: LaunchOpt = None,
-    pid: PidOpt = None,
-    env_file: EnvFileOpt = [],
-    launch_file: LaunchFileOpt = None,
-    compose: ComposeOpt = None,
-    service: ServiceOpt = None,
-    image: ImageOpt = None,
-    image_inspect: ImageInspectOpt = None,
+    call: Call,
     nodes: Annotated[list[str], typer.Option(
         "--nodes", metavar="[NAME=]FILE",
         help="Compare the identities of a fleet before a rollout instead: one `exl3tool identity --json` document "
              "(or provenance record) gathered on each node; names the field that differs (docs/deploy.md).")] = [],
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
     """Will a server started with these settings hit? Every look-up it will make, as hit, miss or invalid.
 
@@ -123,13 +93,11 @@ def cache_check(
     From the server's launch (its TP size; --tp-size adds more), or a running server: exl3tool cache check
     --launch "vllm serve /models/GLM-5.3 -tp 2 --quantization-config '{...}'", exl3tool cache check --pid PID
     """
-    out = Output(json=json_out, quiet=quiet)
+    out = call.out
     if nodes:
         check_nodes(out, nodes)
         return
-    request, given = request_from_options(ctx)
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
-                                               no_lookup="report")
+    request, settings, environ = call.resolve(call.request(), add_tp_sizes=True, no_lookup="report")
     from exl3tool.releases import default_release
 
     rel = default_release(request.server_release)[0]
@@ -155,7 +123,7 @@ def cache_check(
         if any(c.kind == "unplanned" for c in report.causes):
             what += (", and the server makes look-ups outside the plan that would miss" if bad else
                      f": the {len(report.lookups)} planned look-ups hit, but the server makes others that would miss")
-        raise FindingsError(what if json_out else f"{what}; see the causes above")
+        raise FindingsError(what if out.json else f"{what}; see the causes above")
 
 
 def check_nodes(out: Output, specs: list[str]) -> None:
@@ -177,8 +145,14 @@ def check_nodes(out: Output, specs: list[str]) -> None:
                             f"{ref} ({', '.join(differ)}): entries warmed on {ref} miss there")
 
 
+# `cache warm`'s options that can change a look-up, in the same order (tests/operations/test_provenance.py)
+CHECK_OPTIONS = ("model", "revision", "tp_sizes", "bits", "layers", "exclude", "cache_dir", "shared_experts",
+                 "quantization_config", "dtype", "encoder_root", "encoder_revision", "server_release", "encoder_source",
+                 "server_path", *LAUNCH, "nodes")
+
+
 def register(app: typer.Typer) -> None:
     """Add ``cache check`` (to the ``cache`` group)."""
     from exl3tool.cli.commands.cache import cache_app
 
-    cache_app.command("check", cls=LaunchCommand)(cache_check)
+    command(cache_app, "check", options=CHECK_OPTIONS)(cache_check)

@@ -6,20 +6,19 @@ from typing import Annotated
 
 import typer
 
-from exl3tool.cli.commands.group import Exl3Command
-from exl3tool.cli.commands.options import JsonOpt, QuietOpt, non_empty
+from exl3tool.cli.commands.command import command
+from exl3tool.cli.commands.options import non_empty
 from exl3tool.cli.output import Output
 
 __all__ = ["register", "encoder_source"]
 
 
 def encoder_source(
+    out: Output,
     directory: Annotated[str, typer.Argument(metavar="DIR", parser=non_empty("a directory (`.` for this one)"), help="Directory to write; the server's "
                                              "VLLM_EXL3_ENCODER_SOURCE (e.g. /opt/exl3tool-encoder).")],
     force: Annotated[bool, typer.Option("--force", help="Replace DIR's whole content even if it is not an "
                                         "earlier export.")] = False,
-    json: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
     """Write an encoder source that runs exl3tool's encoder inside the server, with exllamav3's bytes.
 
@@ -36,7 +35,6 @@ def encoder_source(
     from exl3tool.cache import resolve_encoder_identity
     from exl3tool.serving.encoder_source import write_encoder_source
 
-    out = Output(json=json, quiet=quiet)
     result = write_encoder_source(directory, force=force)
     eid = resolve_encoder_identity(result.path)
     what = {"none": "written", "empty": "written into the empty directory", "export": "replaced an earlier export",
@@ -51,4 +49,4 @@ def encoder_source(
 
 def register(app: typer.Typer) -> None:
     """Add the ``encoder-source`` command."""
-    app.command("encoder-source", cls=Exl3Command)(encoder_source)
+    command(app, "encoder-source", options=("directory", "force"))(encoder_source)

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-__all__ = ["Exl3Group", "Exl3Command", "ReaderGone", "ClickException", "UsageError", "HIDDEN_ALIASES", "HELP_OPTIONS"]
+__all__ = ["Exl3Group", "Exl3Command", "LaunchCommand", "LAUNCH_ARGV", "Run", "ReaderGone", "ClickException", "UsageError", "HIDDEN_ALIASES", "HELP_OPTIONS"]
 
 HELP_OPTIONS = ["--help", "-h"]  # the root's context_settings, inherited by every command ("Try ... --help")
 # Old spellings still accepted and left out of the help, for one release (CHANGELOG.md): old -> new
@@ -125,6 +125,42 @@ class Exl3Command(TyperCommand):
     def format_options(self, ctx, formatter) -> None:
         with _help_params(self, ctx):
             super().format_options(ctx, formatter)
+
+
+LAUNCH_ARGV = "exl3tool.launch_argv"  # ctx.meta key: the server's argv, the words after `--`
+
+
+class LaunchCommand(Exl3Command):
+    """A command whose words after ``--`` are the server's launch (``exl3tool cache warm -- vllm serve M -tp 2``)."""
+
+    def parse_args(self, ctx, args):
+        if "--" in args:
+            at = args.index("--")
+            ctx.meta[LAUNCH_ARGV] = tuple(args[at + 1:])
+            args = args[:at]
+        return super().parse_args(ctx, args)
+
+
+class Run:
+    """What ``main`` learns of one run (the root context's ``obj``): the command's ``Output``, once the command made
+    it from its options; before that (a usage error), whether ``--json`` was on the command line."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args, self.output = args, None
+
+    @property
+    def json(self) -> bool:
+        return self.output.json if self.output is not None else "--json" in self.args
+
+    @property
+    def document_written(self) -> bool:
+        """Whether the command printed its JSON document (then an error adds none)."""
+        return self.output is not None and self.output.document_written
+
+    @property
+    def interrupted(self) -> dict:
+        """What an interrupted command had done (empty when it said nothing)."""
+        return dict(self.output.interrupted) if self.output is not None else {}
 
 
 class ReaderGone(Exception):

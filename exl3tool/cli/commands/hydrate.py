@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 import typer
 
-from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
-from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
-from exl3tool.cli.commands.options import (
-    BitsOpt, DeviceOpt, DtypeOpt, ExcludeOpt, JsonOpt, LayersOpt, QuantizationConfigOpt, QuietOpt, SharedOpt,
-    TpSizesOpt, request_from_options,
-)
-from exl3tool.cli.output import Output, plural
+from exl3tool.cli.commands.command import Call, command
+from exl3tool.cli.commands.launching import launch_json
+from exl3tool.cli.output import plural
 
 __all__ = ["register", "hydrate_command"]
-
-SourceArg = Annotated[str, typer.Argument(metavar="SOURCE", help="The EXL3 checkpoint folder (read only, never written).")]
-OutArg = Annotated[str, typer.Argument(metavar="OUT", help="The new checkpoint folder (must not exist; not inside SOURCE).")]
 
 
 def _mib(n: int) -> str:
@@ -26,29 +18,12 @@ def _mib(n: int) -> str:
 
 
 def hydrate_command(
-    ctx: typer.Context,
-    model: SourceArg,
-    out_dir: OutArg,
-    tp_sizes: TpSizesOpt = "1",
-    bits: BitsOpt = None,
-    layers: LayersOpt = [],
-    exclude: ExcludeOpt = [],
-    shared_experts: SharedOpt = False,
-    quantization_config: QuantizationConfigOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
+    call: Call,
+    out_dir: Annotated[str, typer.Argument(metavar="OUT", help="The new checkpoint folder (must not exist; not inside SOURCE).")],
     leave_unaligned: Annotated[bool, typer.Option(
         "--leave-unaligned", help="Keep BF16 the layers a server at one of --tp-size could not slice in 128-blocks "
         "(default: refuse, naming the first).")] = False,
-    launch: LaunchOpt = None,
-    pid: PidOpt = None,
-    env_file: EnvFileOpt = [],
-    launch_file: LaunchFileOpt = None,
-    compose: ComposeOpt = None,
-    service: ServiceOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (layers, shapes, sizes) and write nothing.")] = False,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
+    plan_only: Annotated[bool, typer.Option("--dry-run", help="Print the plan (layers, shapes, sizes) and write nothing.")] = False,
 ) -> None:
     """Write OUT: SOURCE with every layer the server would encode online stored as EXL3 (no cache needed).
 
@@ -65,21 +40,19 @@ def hydrate_command(
     """
     from exl3tool.operations.hydrate import hydrate, plan_hydrate
 
-    out = Output(json=json_out, quiet=quiet)
-    request, given = request_from_options(ctx)
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
-                                               need_cache=False)
+    out = call.out
+    request, settings, environ = call.resolve(call.request(), add_tp_sizes=True, need_cache=False)
     extra = launch_json(settings)
     plan = plan_hydrate(request, out_dir, leave_unaligned=leave_unaligned, environ=environ)
     for prefix, why in plan.left_bf16:
         out.warn(f"left BF16: {prefix}: {why}")
     if plan.already_stored:
         out.line(f"nothing to do: {plan.source} is hydrated already ({plan.already_stored}); nothing written")
-        report = None if dry_run else hydrate(plan)
+        report = None if plan_only else hydrate(plan)
         out.data({**(plan.as_json() if report is None else report.as_json()), **extra})
         return
     mods = plan.modules
-    if dry_run:
+    if plan_only:
         for layer in plan.layers:
             for m in layer.modules:
                 s = m.source
@@ -88,15 +61,14 @@ def hydrate_command(
     head = (f"{plural(len(mods), 'module')} of {plural(len(plan.layers), 'layer')} to store as EXL3 K{plan.bits} "
             f"(TP {','.join(map(str, plan.tp_sizes))}); {plural(len(plan.changed_shards), 'shard')} rewritten, "
             f"{plural(len(plan.unchanged_files), 'file')} linked; {_mib(plan.bytes_before)} -> {_mib(plan.bytes_after)}")
-    if dry_run:
+    if plan_only:
         out.line(head + " (dry run: nothing written)")
         out.data({**plan.as_json(), **extra})
         return
 
     def on_layer(done: int, total: int, module: str, seconds: float, reused: bool) -> None:
-        if not quiet:
-            what = "kept from an interrupted run" if reused else f"encoded in {seconds:.1f} s"
-            print(f"[{done}/{total}] {module}: {what}", file=sys.stderr, flush=True)
+        what = "kept from an interrupted run" if reused else f"encoded in {seconds:.1f} s"
+        out.note(f"[{done}/{total}] {module}: {what}")
 
     try:
         report = hydrate(plan, device=request.device, on_layer=on_layer)
@@ -115,6 +87,11 @@ def hydrate_command(
     out.data({**report.as_json(), **extra})
 
 
+HYDRATE_OPTIONS = ("source", "out_dir", "tp_sizes", "bits", "layers", "exclude", "shared_experts", "quantization_config",
+                   "dtype", "device", "leave_unaligned", "launch", "pid", "env_file", "launch_file", "compose",
+                   "service", "plan_only")
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``hydrate`` command."""
-    app.command("hydrate", cls=LaunchCommand)(hydrate_command)
+    command(app, "hydrate", options=HYDRATE_OPTIONS)(hydrate_command)

@@ -3,53 +3,22 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
-from exl3tool.cli.commands.launching import (
-    MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
-)
-from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
-from exl3tool.cli.commands.options import (
-    EncoderRevisionOpt, ServerReleaseOpt,
-    EncoderRootOpt,
-    EncoderSourceOpt,
-    JsonOpt,
-    QuantizationConfigOpt,
-    QuietOpt,
-    RevisionOpt,
-    ServerPathOpt,
-    MODEL_WANTED,
-    non_empty,
-    request_from_options,
-)
+from exl3tool.cli.commands.command import Call, command
+from exl3tool.cli.commands.launching import launch_json
+from exl3tool.cli.commands.options import LAUNCH
 from exl3tool.cli.output import Output
+
+if TYPE_CHECKING:
+    from exl3tool.plan import ServerRequest
 
 __all__ = ["register", "identity"]
 
 
-def identity(
-    ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", parser=non_empty(MODEL_WANTED), help=MODEL_HELP)] = None,
-    revision: RevisionOpt = None,
-    server_path: ServerPathOpt = None,
-    encoder_root: EncoderRootOpt = None,
-    encoder_revision: EncoderRevisionOpt = None,
-    server_release: ServerReleaseOpt = None,
-    encoder_source: EncoderSourceOpt = None,
-    quantization_config: QuantizationConfigOpt = None,
-    launch: LaunchOpt = None,
-    pid: PidOpt = None,
-    env_file: EnvFileOpt = [],
-    launch_file: LaunchFileOpt = None,
-    compose: ComposeOpt = None,
-    service: ServiceOpt = None,
-    image: ImageOpt = None,
-    image_inspect: ImageInspectOpt = None,
-    json: JsonOpt = False,
-    quiet: QuietOpt = False,
-) -> None:
+def identity(call: Call) -> None:
     """Print the model and encoder identities the server derives, how, and the --revision to start it with.
 
     Warns when a branch or tag was resolved (the server resolves it again when it starts; the full commit hash is
@@ -66,21 +35,19 @@ def identity(
     from exl3tool.cache.identity import server_identities
     from exl3tool.checkpoint import resolve_overlay
 
-    out = Output(json=json, quiet=quiet)
-    if not model and not launch_input(ctx, launch, pid, env_file).launch_given and given_fields(
-            ctx, {"encoder_root": "encoder_root", "encoder_source": "encoder_source"}):
-        _encoder_only(out, encoder_root, encoder_revision, encoder_source, quantization_config, env_file)
+    out = call.out
+    request = call.request()
+    if not request.model and not call.launch.launch_given and call.given_fields & {"encoder_root", "encoder_source"}:
+        _encoder_only(out, request, call.launch.env_files)
         return
-    request, given = request_from_options(ctx)
-    request, launched, environ = apply_options(ctx, out, request, launch, pid, env_file, given, need_cache=False,
-                                               no_lookup="warn")
+    request, launched, environ = call.resolve(request, need_cache=False, no_lookup="warn")
     model = request.model
     overlay = resolve_overlay(request.quantization_config)
     ids = server_identities(model, revision=request.revision, server_path=request.server_path,
                             encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
                             encoder_source=request.encoder_source, environ=environ, view=request.server_view)
     mid, eid, settings = ids.model, ids.encoder, ids.encoder_settings
-    source = _encoder_from(ctx, settings, launched, env_file)
+    source = _encoder_from(call, settings, launched)
     out.fields("Identities", [("model identity", mid.identity), ("model derivation", f"{mid.kind}: {mid.derivation}"),
                               ("encoder identity", eid.identity),
                               ("encoder derivation", _encoder_derivation(eid, settings, source))])
@@ -97,21 +64,21 @@ def identity(
               **launch_json(launched)})
 
 
-def _encoder_from(ctx: typer.Context, settings, launched, env_files: list[str]) -> str:
+def _encoder_from(call: Call, settings, launched) -> str:
     """Where the encoder root and revision came from, for people: the launch's sources (an env file, the launch's
     own -e, a flag) when a launch was read, ``--env-file`` files without one, else the library's own label."""
     names = {"encoder_root": "VLLM_EXL3_ENCODER_SOURCE", "encoder_revision": "VLLM_EXL3_ENCODER_REVISION"}
+    env_files = call.launch.env_files
     if launched is not None:
         found = {field: launched.settings.get(field) for field in names}
         parts = {field: f"{s.source} {s.detail}".strip() for field, s in found.items() if s is not None}
     elif env_files:
         from exl3tool.launch.env import read_env_file
 
-        given = given_fields(ctx, {field: field for field in names})
         parts = {}
         for field, variable in names.items():
             files = [path for path in env_files if variable in read_env_file(path)]
-            if field in given:
+            if field in call.given_fields:
                 parts[field] = "flag --" + field.replace("_", "-")
             elif files:
                 parts[field] = f"env file {files[-1]}"
@@ -136,8 +103,7 @@ def _encoder_derivation(eid, settings, source: str | None = None) -> str:
     return f"{how} (from {source or settings.source})"
 
 
-def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Optional[str],
-                  encoder_source: Optional[str], quantization_config: Optional[str], env_files: list[str]) -> None:
+def _encoder_only(out: Output, request: ServerRequest, env_files: tuple[str, ...]) -> None:
     """The encoder identity alone: no model to derive one for (``model`` is null in --json)."""
     import os
 
@@ -147,8 +113,9 @@ def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Op
     if env_files:
         raise typer.BadParameter("--env-file needs a launch (--launch, --pid or -- ARGV); without MODEL and launch "
                                  "give the encoder with --encoder-root and --encoder-revision", param_hint="'--env-file'")
-    overlay = resolve_overlay(quantization_config) if quantization_config else None
-    eid, settings, warnings = server_encoder_identity(encoder_root, encoder_revision, encoder_source, os.environ)
+    overlay = resolve_overlay(request.quantization_config) if request.quantization_config else None
+    eid, settings, warnings = server_encoder_identity(request.encoder_root, request.encoder_revision,
+                                                      request.encoder_source, os.environ)
     out.fields("Identities", [("encoder identity", eid.identity),
                               ("encoder derivation", _encoder_derivation(eid, settings))])
     out.wrapped(f"encoder root (server's VLLM_EXL3_ENCODER_SOURCE): {eid.root}")
@@ -163,4 +130,5 @@ def _encoder_only(out: Output, encoder_root: Optional[str], encoder_revision: Op
 
 def register(app: typer.Typer) -> None:
     """Add the ``identity`` command."""
-    app.command("identity", cls=LaunchCommand)(identity)
+    command(app, "identity", options=("model", "revision", "server_path", "encoder_root", "encoder_revision",
+                                      "server_release", "encoder_source", "quantization_config", *LAUNCH))(identity)

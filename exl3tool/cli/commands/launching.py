@@ -1,121 +1,37 @@
-"""The launch options every request-building command shares (``--launch``, ``--pid``, ``--env-file``, the argv after
-``--``), the command class that takes that argv, and the thin glue from options to ``exl3tool.launch``."""
+"""The thin glue from the launch rows (``--launch``, ``--launch-file``, ``--compose``, ``--pid``, ``--env-file``,
+``--image``, the argv after ``--``) to ``exl3tool.launch``: the ``LaunchInput`` they give, the request filled from
+it (each setting's source said on stderr), and the ``--json`` keys of a launch."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
-from exl3tool.cli.commands.group import Exl3Command
-from exl3tool.errors import ConfigError
+
+from exl3tool.cli.commands.group import LAUNCH_ARGV
 from exl3tool.cli.output import Output
+from exl3tool.errors import ConfigError
 
-__all__ = ["LaunchOpt", "LaunchFileOpt", "ComposeOpt", "ServiceOpt", "ImageOpt", "ImageInspectOpt", "PidOpt", "EnvFileOpt", "LaunchCommand",
-           "launch_input", "given_fields", "apply_options",
-           "launch_json", "lookup_off", "MODEL_HELP"]
-
-LaunchOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--launch", metavar="COMMAND",
-        help="The server's launch, one shell-quoted string: `vllm serve MODEL ...`, `python -m "
-        "vllm.entrypoints.openai.api_server ...`, wrapped (`setsid ./run vllm serve ...`, `env A=1 ...`), or `docker "
-        "run`/`podman run ... IMAGE ...`. Its model, revision, TP size, dtype, --quantization-config, environment "
-        "(VLLM_EXL3_*, cache root) and volumes (paths as the server sees them) give the settings; this command's own "
-        "flags win. Also: the server's argv after `--`.",
-    ),
-]
-LaunchFileOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--launch-file", metavar="FILE",
-        help="The server's launch script (run.sh, a launcher serve-*.sh), run by this machine's bash in a read-only "
-        "sandbox (no network, nothing written, the server's command recorded, not run; docs/launch.md); or a "
-        "launcher's DRY_RUN=1 output (KEY=%q lines and a Command: line).",
-    ),
-]
-ComposeOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--compose", metavar="FILE",
-        help="A docker compose file: the server's service (image, entrypoint, command, environment, env_file, "
-        "volumes, working_dir), ${VAR} interpolated from this environment and the project's .env, as docker compose "
-        "applies them.",
-    ),
-]
-ServiceOpt = Annotated[
-    Optional[str],
-    typer.Option("--service", metavar="NAME",
-                 help="The --compose service that runs the server (default: the only one that runs vllm)."),
-]
-ImageOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--image", metavar="NAME",
-        help="The server's image: its ENV (below the launch's -e), labels and entrypoint, read with `docker|podman "
-        "image inspect` (never pulled), else --image-inspect, else exl3tool's table of the fork's published images "
-        "(docs/images.md). Also the image a parity probe may run the encoder in.",
-    ),
-]
-ImageInspectOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--image-inspect", metavar="FILE",
-        help="The server image's settings as saved by `docker image inspect NAME > FILE` where the image is (no "
-        "runtime needed here); wins over inspecting the image here.",
-    ),
-]
-PidOpt = Annotated[
-    Optional[int],
-    typer.Option("--pid", metavar="PID",
-                 help="A running server's process: its command line and environment are read from /proc/PID."),
-]
-EnvFileOpt = Annotated[
-    list[str],
-    typer.Option("--env-file", metavar="FILE",
-                 help="The server's environment in Docker's env-file format (NAME=VALUE lines); repeatable. Below the "
-                 "launch's own -e/--env-file, above this process's environment."),
-]
-MODEL_HELP = ("Hub repo id or local checkpoint directory (here). With --launch/--pid it defaults to the launch's "
-              "model; given, it is the copy read here and the launch's path is the server's.")
-_ARGV_KEY = "exl3tool.launch_argv"
-
-
-class LaunchCommand(Exl3Command):
-    """A command whose words after ``--`` are the server's launch (``exl3tool cache warm -- vllm serve M -tp 2``)."""
-
-    def parse_args(self, ctx, args):
-        if "--" in args:
-            at = args.index("--")
-            ctx.meta[_ARGV_KEY] = tuple(args[at + 1:])
-            args = args[:at]
-        return super().parse_args(ctx, args)
-
-
-def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], env_files: list[str]):
-    """The command's launch options as one ``LaunchInput``."""
+if TYPE_CHECKING:
     from exl3tool.launch import LaunchInput
 
-    argv = ctx.meta.get(_ARGV_KEY)
+__all__ = ["launch_input", "apply_options", "launch_json", "lookup_off"]
+
+
+def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], env_file: list[str],
+                 launch_file: Optional[str] = None, compose: Optional[str] = None, service: Optional[str] = None,
+                 image: Optional[str] = None, image_inspect: Optional[str] = None) -> LaunchInput:
+    """The command's launch rows (and the words after ``--``) as one ``LaunchInput``."""
+    from exl3tool.launch import LaunchInput
+
+    argv = ctx.meta.get(LAUNCH_ARGV)
     if launch is not None and not launch.strip():  # `--launch "$(cat missing.txt)"` in CI: never planned as "no launch"
         raise typer.BadParameter("the launch is empty; give the server's command line (vllm serve MODEL ...), or leave "
                                  "--launch out", param_hint="'--launch'")
     if argv is not None and not argv:
         raise typer.BadParameter("nothing after `--`: give the server's command line there (vllm serve MODEL ...)")
-    params = ctx.params  # the launch forms every launch-taking command declares beside --launch
-    return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_files), file=params.get("launch_file"),
-                       compose=params.get("compose"), service=params.get("service"), image=params.get("image"),
-                       image_inspect=params.get("image_inspect"))
-
-
-def given_fields(ctx: typer.Context, fields: dict[str, str]) -> set[str]:
-    """ServerRequest field names whose option (``fields``: parameter name -> field) was given on the command line."""
-    out = set()
-    for param, name in fields.items():
-        source = ctx.get_parameter_source(param)
-        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT"):
-            out.add(name)
-    return out
+    return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_file or ()), file=launch_file,
+                       compose=compose, service=service, image=image, image_inspect=image_inspect)
 
 
 def launch_json(settings) -> dict:
@@ -126,12 +42,11 @@ def launch_json(settings) -> dict:
     return {"settings": data.pop("settings"), "launch": data}
 
 
-def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str], pid: Optional[int],
-                  env_files: list[str], given: set[str], *, add_tp_sizes: bool = False,
+def apply_options(out: Output, request, li: LaunchInput, given: frozenset[str], *, add_tp_sizes: bool = False,
                   need_cache: bool = True, no_lookup: str = "refuse"):
-    """Fill ``request`` from the launch (the given options win) and say on stderr where each setting came from.
+    """Fill ``request`` from the launch ``li`` (the fields in ``given``, which the command line set, win) and say on
+    stderr where each setting came from (``command.Call.resolve``).
 
-    ``request`` and ``given`` (the fields the command line set, which win) come from ``options.request_from_options``.
     Returns ``(request, settings or None, the server's environment or None)``; a command without MODEL and without
     a launch is a usage error. A launch whose server makes no look-up (``settings.lookup_off``) is, by
     ``no_lookup``: ``"refuse"`` a usage error (nothing to encode or verify for it: exit 2), ``"report"`` left to
@@ -139,7 +54,6 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
     """
     from exl3tool.launch import apply_launch
 
-    li = launch_input(ctx, launch, pid, env_files)
     if li.image_inspect is not None and not li.image and not li.launch_given:
         raise typer.BadParameter("--image-inspect FILE is the saved inspect document of the server's image: give "
                                  "--image NAME or a docker/podman launch with it", param_hint="'--image-inspect'")

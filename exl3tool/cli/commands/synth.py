@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
-from exl3tool.cli.commands.group import Exl3Command
-from exl3tool.cli.commands.options import JsonOpt, QuietOpt, non_empty
+from exl3tool.cli.commands.command import command
+from exl3tool.cli.commands.options import non_empty
 from exl3tool.cli.output import Output
 
 __all__ = ["register", "synth"]
@@ -23,12 +23,12 @@ def _family(value: str) -> str:
 
 
 def synth(
+    out: Output,
     directory: Annotated[Path, typer.Argument(metavar="DIR", parser=non_empty("a directory (`.` for this one)", Path), help="New (or empty) folder to write the checkpoint into.")],
     family: Annotated[str, typer.Option("--family", callback=_family, metavar="FAMILY",
                                         help=f"Which served family to write: {', '.join(TINY_FAMILIES)}.")] = "qwen3.5",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights (same seed, same bytes).")] = 0,
-    json: JsonOpt = False,
-    quiet: QuietOpt = False,
+    seed: Annotated[int, typer.Option("--seed", metavar="INTEGER",
+                                      help="Seed of the random weights (same seed, same bytes).")] = 0,
 ) -> None:
     """Write a tiny EXL3 checkpoint of a served family (random weights, a few MB) to try warm, verify and ls on.
 
@@ -40,7 +40,6 @@ def synth(
 
     Exit codes: 0 written, 2 usage or I/O error (a folder that is not empty, a full disk: nothing is left behind).
     """
-    out = Output(json=json, quiet=quiet)
     fam = TINY_FAMILIES[family]
     path = write_tiny(directory, family, seed=seed)
     written = fam.checkpoint_json(path, seed)
@@ -58,4 +57,4 @@ def synth(
 
 def register(app: typer.Typer) -> None:
     """Add the ``synth`` command."""
-    app.command("synth", cls=Exl3Command)(synth)
+    command(app, "synth", options=("directory", "family", "seed"))(synth)

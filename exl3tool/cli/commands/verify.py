@@ -8,13 +8,9 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
-from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
-from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
-    JsonOpt, LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
-    TpRankOpt, TpSizeOpt, existing_cache_dir, parse_positive_ints, request_from_options,
-)
+from exl3tool.cli.commands.command import Call, command
+from exl3tool.cli.commands.launching import launch_json
+from exl3tool.cli.commands.options import LAUNCH, existing_cache_dir, parse_positive_ints
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output
 from exl3tool.operations.bounds import DEFAULT_KERNEL_ERR
@@ -81,41 +77,14 @@ def render(out: Output, report: VerifyReport, extra: Optional[dict] = None) -> N
 
 
 def verify(
-    ctx: typer.Context,
-    model: ModelArg = None,
-    revision: RevisionOpt = None,
-    tp_size: TpSizeOpt = 1,
-    tp_rank: TpRankOpt = None,
-    bits: BitsOpt = None,
-    layers: LayersOpt = [],
-    exclude: ExcludeOpt = [],
-    shared_experts: SharedOpt = False,
-    quantization_config: QuantizationConfigOpt = None,
-    rows: Annotated[str, typer.Option("--rows", help="Comma-separated activation row counts.")] = "1,16,256",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the activations (printed in the report).")] = 0,
-    device: DeviceOpt = "auto",
-    max_kernel_err: Annotated[float, typer.Option("--max-kernel-err", help="Largest allowed ||y_gemm - x@W_deq|| / ||x@W_deq||.")] = DEFAULT_KERNEL_ERR,
-    max_quant_err: Annotated[Optional[float], typer.Option("--max-quant-err", help="Largest allowed ||y_gemm - x@W|| / ||x@W|| (default: 1.5x the reference encoder's error for --bits).")] = None,
-    dtype: DtypeOpt = "auto",
-    cache_dir: CacheDirOpt = None,
-    encoder_root: EncoderRootOpt = None,
-    encoder_revision: EncoderRevisionOpt = None,
-    server_release: ServerReleaseOpt = None,
-    encoder_source: EncoderSourceOpt = None,
-    server_path: ServerPathOpt = None,
+    call: Call,
+    rows: Annotated[str, typer.Option("--rows", metavar="TEXT", help="Comma-separated activation row counts.")] = "1,16,256",
+    seed: Annotated[int, typer.Option("--seed", metavar="INTEGER", help="Seed of the activations (printed in the report).")] = 0,
+    max_kernel_err: Annotated[float, typer.Option("--max-kernel-err", metavar="FLOAT", help="Largest allowed ||y_gemm - x@W_deq|| / ||x@W_deq||.")] = DEFAULT_KERNEL_ERR,
+    max_quant_err: Annotated[Optional[float], typer.Option("--max-quant-err", metavar="FLOAT", help="Largest allowed ||y_gemm - x@W|| / ||x@W|| (default: 1.5x the reference encoder's error for --bits).")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="Also re-encode every layer and compare the entry with it (bytes on the platform that wrote it; tile by tile elsewhere): catches a single flipped bit.")] = False,
     against: Annotated[Optional[str], typer.Option("--against", metavar="SOURCE", help="MODEL is a checkpoint `exl3tool hydrate` wrote from SOURCE: check its stored layers against SOURCE's weights (no cache).")] = None,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Also write the report to FILE (.json or .md).")] = None,
-    launch: LaunchOpt = None,
-    pid: PidOpt = None,
-    env_file: EnvFileOpt = [],
-    launch_file: LaunchFileOpt = None,
-    compose: ComposeOpt = None,
-    service: ServiceOpt = None,
-    image: ImageOpt = None,
-    image_inspect: ImageInspectOpt = None,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
+    report: Annotated[Optional[Path], typer.Option("--report", metavar="PATH", help="Also write the report to FILE (.json or .md).")] = None,
 ) -> None:
     """Verify MODEL's cache entries: trellis GEMM vs FP32 references, layer by layer. Reads the cache only.
 
@@ -135,15 +104,14 @@ def verify(
     if not max_kernel_err > 0 or (max_quant_err is not None and not max_quant_err > 0):
         raise typer.BadParameter("--max-kernel-err and --max-quant-err must be positive")
     row_counts = parse_positive_ints(rows, "--rows")
-    out = Output(json=json_out, quiet=quiet)
-    request, given = request_from_options(ctx, mode="readonly")
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given)
-    if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
-        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
+    out = call.out
+    request, settings, environ = call.resolve(call.request(mode="readonly"))
+    if request.tp_ranks and not 0 <= request.tp_ranks[0] < request.tp_sizes[0]:
+        raise typer.BadParameter(f"--tp-rank {request.tp_ranks[0]} is outside 0..{request.tp_sizes[0] - 1}")
     from exl3tool.operations.verify import verify_hydrated, verify_plan
     from exl3tool.plan.request import prepare, resolve_device, serving_torch_dtype
 
-    dev = resolve_device(device)
+    dev = resolve_device(request.device)
     torch_dtype = serving_torch_dtype(request.dtype)
     if against is not None:  # a hydrated checkpoint: its stored layers against SOURCE's weights, no cache
         if not dev.type == "cuda":
@@ -181,5 +149,11 @@ def verify(
         raise FindingsError(f"{len(result.failed)} of {len(result.layers)} layer checks failed{named}")
 
 
+VERIFY_OPTIONS = ("model", "revision", "tp_size", "tp_rank", "bits", "layers", "exclude", "shared_experts",
+                  "quantization_config", "rows", "seed", "device", "max_kernel_err", "max_quant_err", "dtype",
+                  "cache_dir", "encoder_root", "encoder_revision", "server_release", "encoder_source", "server_path",
+                  "exact", "against", "report", *LAUNCH)
+
+
 def register(app: typer.Typer) -> None:
-    app.command("verify", cls=LaunchCommand)(verify)
+    command(app, "verify", options=VERIFY_OPTIONS)(verify)

@@ -9,17 +9,12 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.filesize import decimal
 
-from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
-from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
-from exl3tool.cli.commands.options import (
-    BitsOpt, CacheDirOpt, DeviceOpt, DryRunOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt,
-    ExcludeOpt, FileModeOpt, GpuMemoryOpt, JsonOpt, LayersOpt, LockTimeoutOpt, ModelArg, OverlapOpt, ProgressOpt,
-    QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpRankOpt, TpSizeOpt, TpSizesOpt, TrustEncoderOpt,
-    request_from_options,
-)
+from exl3tool.cli.commands.command import Call, command
+from exl3tool.cli.commands.launching import launch_json
+from exl3tool.cli.commands.options import LAUNCH
 from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
-from exl3tool.cli.output import Output, note_interrupted, plural
+from exl3tool.cli.output import Output, plural
 
 if TYPE_CHECKING:
     from exl3tool.operations.warm import WarmSummary
@@ -130,8 +125,7 @@ def render_unchecked(out: Output, summary: WarmSummary) -> None:
 
 
 def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cache warm",
-         environ: Optional[dict] = None, extra: Optional[dict] = None, progress_choice: str = "auto") -> None:
-    from exl3tool.cli.progress import make_progress, progress_mode
+         environ: Optional[dict] = None, extra: Optional[dict] = None) -> None:
     from exl3tool.operations.warm import warm
     from exl3tool.plan.request import prepare
     from exl3tool.plan.sharing import sharing_figures
@@ -141,8 +135,7 @@ def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cac
         _, plan, _ = prepare(request, environ=environ)
         render_plan(out, plan, extra)
         return
-    mode = progress_mode(progress_choice, terminal=out.stderr.is_terminal, quiet=out.quiet)
-    display = make_progress(mode, out.stderr)
+    display = out.progress_display()
 
     def on_plan(plan: LookupPlan, ctx, todo) -> None:
         if ctx.workers > 1:
@@ -178,7 +171,7 @@ def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cac
         summary = warm(request, environ=environ, on_start=display.started, on_done=on_done, on_plan=on_plan,
                        on_tiles=display.tiles, command=command, on_checked=on_checked, on_parity=on_parity)
     except KeyboardInterrupt:  # Ctrl-C: the error document says what this process published before it
-        note_interrupted({"published": finished["encoded"], "counts": dict(finished)})
+        out.note_interrupted({"published": finished["encoded"], "counts": dict(finished)})
         raise
     finally:
         display.end()
@@ -204,44 +197,7 @@ def _refuse_a_file_as_cache(request: ServerRequest, environ: Optional[dict]) -> 
                          "VLLM_EXL3_ONLINE_CACHE_DIR)")
 
 
-def encode(
-    ctx: typer.Context,
-    model: ModelArg = None,
-    revision: RevisionOpt = None,
-    tp_size: TpSizeOpt = 1,
-    tp_rank: TpRankOpt = None,
-    bits: BitsOpt = None,
-    layers: LayersOpt = [],
-    exclude: ExcludeOpt = [],
-    cache_dir: CacheDirOpt = None,
-    mode: Annotated[str, typer.Option("--mode", help="readwrite (publish), readonly (encode misses, write nothing) or off (no cache).")] = "readwrite",
-    device: DeviceOpt = "auto",
-    shared_experts: SharedOpt = False,
-    quantization_config: QuantizationConfigOpt = None,
-    dtype: DtypeOpt = "auto",
-    encoder_root: EncoderRootOpt = None,
-    encoder_revision: EncoderRevisionOpt = None,
-    server_release: ServerReleaseOpt = None,
-    encoder_source: EncoderSourceOpt = None,
-    server_path: ServerPathOpt = None,
-    file_mode: FileModeOpt = "0600",
-    overlap: OverlapOpt = True,
-    gpu_memory: GpuMemoryOpt = None,
-    lock_timeout: LockTimeoutOpt = None,
-    progress: ProgressOpt = "auto",
-    launch: LaunchOpt = None,
-    pid: PidOpt = None,
-    env_file: EnvFileOpt = [],
-    launch_file: LaunchFileOpt = None,
-    compose: ComposeOpt = None,
-    service: ServiceOpt = None,
-    image: ImageOpt = None,
-    image_inspect: ImageInspectOpt = None,
-    trust_encoder_identity: TrustEncoderOpt = False,
-    dry_run: DryRunOpt = False,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
-) -> None:
+def encode(call: Call, dry_run: bool) -> None:
     """Encode the eligible layers of MODEL for one TP size into the cache.
 
     Example: exl3tool encode Qwen/Qwen3-8B --revision main --tp-size 2 --encoder-root /encoders/exllamav3 --encoder-revision v0.0.18 --dry-run
@@ -250,12 +206,16 @@ def encode(
 
     Exit codes: 0 every layer present, 1 some layers failed, 2 usage, configuration or I/O error, 130 interrupted.
     """
-    request, given = request_from_options(ctx)
-    out = Output(json=json_out, quiet=quiet)
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given)
-    if tp_rank is not None and not 0 <= tp_rank < request.tp_sizes[0]:
-        raise typer.BadParameter(f"--tp-rank {tp_rank} is outside 0..{request.tp_sizes[0] - 1}")
-    _run(out, request, dry_run, "encode", environ, launch_json(settings), progress_choice=progress)
+    request, settings, environ = call.resolve(call.request())
+    if request.tp_ranks and not 0 <= request.tp_ranks[0] < request.tp_sizes[0]:
+        raise typer.BadParameter(f"--tp-rank {request.tp_ranks[0]} is outside 0..{request.tp_sizes[0] - 1}")
+    _run(call.out, request, dry_run, "encode", environ, launch_json(settings))
+
+
+ENCODE_OPTIONS = ("model", "revision", "tp_size", "tp_rank", "bits", "layers", "exclude", "cache_dir", "mode", "device",
+                  "shared_experts", "quantization_config", "dtype", "encoder_root", "encoder_revision",
+                  "server_release", "encoder_source", "server_path", "file_mode", "overlap", "gpu_memory",
+                  "lock_timeout", "progress", *LAUNCH, "trust_encoder_identity", "dry_run")
 
 
 def _shard_option(value: Optional[str]) -> Optional[str]:
@@ -281,43 +241,10 @@ ShardCountOpt = Annotated[Optional[int], typer.Option(
 
 
 def cache_warm(
-    ctx: typer.Context,
-    model: ModelArg = None,
-    revision: RevisionOpt = None,
-    tp_sizes: TpSizesOpt = "1",
-    bits: BitsOpt = None,
-    layers: LayersOpt = [],
-    exclude: ExcludeOpt = [],
-    cache_dir: CacheDirOpt = None,
-    device: DeviceOpt = "auto",
-    shared_experts: SharedOpt = False,
-    quantization_config: QuantizationConfigOpt = None,
-    dtype: DtypeOpt = "auto",
-    encoder_root: EncoderRootOpt = None,
-    encoder_revision: EncoderRevisionOpt = None,
-    server_release: ServerReleaseOpt = None,
-    encoder_source: EncoderSourceOpt = None,
-    server_path: ServerPathOpt = None,
-    file_mode: FileModeOpt = "0600",
-    overlap: OverlapOpt = True,
-    check_unchecked: Annotated[bool, typer.Option("--check-unchecked", help="Re-encode every hit without exl3tool's checksum (e.g. server-written), compare it exactly and replace it if it differs.")] = False,
-    gpu_memory: GpuMemoryOpt = None,
-    lock_timeout: LockTimeoutOpt = None,
-    progress: ProgressOpt = "auto",
-    launch: LaunchOpt = None,
-    pid: PidOpt = None,
-    env_file: EnvFileOpt = [],
-    launch_file: LaunchFileOpt = None,
-    compose: ComposeOpt = None,
-    service: ServiceOpt = None,
-    shard_option: ShardOpt = None,  # with --shard-count and the task's environment: resolve_shard, not the table
+    call: Call,
+    dry_run: bool,
+    shard_option: ShardOpt = None,  # with --shard-count and the task's environment: resolve_shard
     shard_count: ShardCountOpt = None,
-    image: ImageOpt = None,
-    image_inspect: ImageInspectOpt = None,
-    trust_encoder_identity: TrustEncoderOpt = False,
-    dry_run: DryRunOpt = False,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
 ) -> None:
     """Leave the cache as the server would after starting MODEL at each TP size: every layer, every rank.
 
@@ -336,19 +263,24 @@ def cache_warm(
     From the server's launch (its TP size; --tp-size adds more): exl3tool cache warm --launch "docker run -v
     /srv/m:/models/m -v /srv/cache:/cache/exl3-online --env-file server.env IMAGE vllm serve /models/m -tp 2 ..."
     """
-    request, given = request_from_options(ctx)
-    out = Output(json=json_out, quiet=quiet)
-    request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True)
+    request, settings, environ = call.resolve(call.request(), add_tp_sizes=True)
     # the task's own environment (a scheduler's variables), never the server's
     from exl3tool.plan.shards import resolve_shard
 
     request = replace(request, shard=resolve_shard(shard_option, shard_count, os.environ))
-    _run(out, request, dry_run, "cache warm", environ, launch_json(settings), progress_choice=progress)
+    _run(call.out, request, dry_run, "cache warm", environ, launch_json(settings))
+
+
+WARM_OPTIONS = ("model", "revision", "tp_sizes", "bits", "layers", "exclude", "cache_dir", "device", "shared_experts",
+                "quantization_config", "dtype", "encoder_root", "encoder_revision", "server_release", "encoder_source",
+                "server_path", "file_mode", "overlap", "check_unchecked", "gpu_memory", "lock_timeout", "progress",
+                "launch", "pid", "env_file", "launch_file", "compose", "service", "shard_option", "shard_count",
+                "image", "image_inspect", "trust_encoder_identity", "dry_run")
 
 
 def register(app: typer.Typer) -> None:
     """Add ``encode`` and ``cache warm`` (to the ``cache`` group)."""
     from exl3tool.cli.commands.cache import cache_app
 
-    app.command("encode", cls=LaunchCommand)(encode)
-    cache_app.command("warm", cls=LaunchCommand)(cache_warm)
+    command(app, "encode", options=ENCODE_OPTIONS)(encode)
+    command(cache_app, "warm", options=WARM_OPTIONS)(cache_warm)

@@ -1,0 +1,164 @@
+"""How a command is built from its option rows, and the one object its body receives.
+
+``@command(parent, "warm", options=(...))`` registers the body as a Typer command whose options are, in help order,
+the rows named in ``options`` (``options.ROWS``) and the body's own (a parameter with a Typer annotation), then
+``--json`` and ``--quiet``. The body's signature declares only what it reads: ``call`` (a ``Call``: the request the
+rows give, the launch, the output) or ``out`` (the run's ``Output``), its own options, and rows it reads as they are
+(a parameter named like a row, without a Typer annotation).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+
+import typer
+
+from exl3tool.cli.commands.group import Exl3Command, LaunchCommand, Run
+from exl3tool.cli.commands.options import LAUNCH, OUTPUT, ROWS, Row
+from exl3tool.cli.output import Output
+
+if TYPE_CHECKING:
+    from exl3tool.launch import LaunchInput
+    from exl3tool.plan import ServerRequest
+
+__all__ = ["command", "Call", "OnlyWith"]
+
+_GIVEN = ("COMMANDLINE", "ENVIRONMENT", "PROMPT")  # parameter sources that mean "the user gave it"
+
+
+def _old(name: str) -> str:
+    """The parameter name of a row's old spelling (a hidden option of its own)."""
+    return f"{name}_old"
+
+
+@dataclass(frozen=True)
+class OnlyWith:
+    """The rows of ``groups`` (and the options ``names``) apply only with ``option`` given: given without it, a usage
+    error naming them (``cache import``'s model, plan and encoder options only with ``--against MODEL``)."""
+
+    option: str
+    groups: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    why: str = ""  # what ``option`` is, after "only apply with"
+
+    def check(self, call: Call) -> None:
+        if call.given(self.option):
+            return
+        given = [call.spelling(name) for name in call.options
+                 if (name in self.names or call.group(name) in self.groups) and call.given(name)]
+        if given:
+            raise typer.BadParameter(f"{', '.join(given)} only apply with {self.why or call.spelling(self.option)}",
+                                     param_hint=given[0])
+
+
+class Call:
+    """One run of a command, as its body receives it: the run's ``Output``, the ``ServerRequest`` its rows give
+    (and which fields its command line gave: they win over a launch), the server's launch."""
+
+    def __init__(self, ctx: typer.Context, out: Output, options: tuple[str, ...], values: dict[str, Any]) -> None:
+        self.ctx, self.out, self.options, self.values = ctx, out, options, values
+
+    def given(self, name: str) -> bool:
+        """Whether the command line (or the environment) gave option ``name``, in any of its spellings."""
+        return any((source := self.ctx.get_parameter_source(n)) is not None and source.name in _GIVEN
+                   for n in (name, _old(name)))
+
+    def spelling(self, name: str) -> str:
+        """How the help spells option ``name`` (``--tp-size``)."""
+        param = next(p for p in self.ctx.command.params if p.name == name)
+        return max(param.opts, key=len)
+
+    @staticmethod
+    def group(name: str) -> Optional[str]:
+        return ROWS[name].group if name in ROWS else None
+
+    def _request_rows(self) -> list[Row]:
+        return [ROWS[name] for name in self.options if name in ROWS and ROWS[name].field]
+
+    def request(self, **fields: Any) -> ServerRequest:
+        """The request the command's rows give; ``fields`` are set by the command itself (``verify``'s mode,
+        ``import --against``'s model) and win over its rows."""
+        from exl3tool.plan import ServerRequest
+
+        values = {row.field: row.convert(self.values[row.name]) for row in self._request_rows()
+                  if row.field not in fields}
+        return ServerRequest(**values, **fields)
+
+    @cached_property
+    def given_fields(self) -> frozenset[str]:
+        """The request fields the command line gave (what wins over a launch in ``apply_launch``)."""
+        return frozenset(row.field for row in self._request_rows() if self.given(row.name))
+
+    @cached_property
+    def launch(self) -> LaunchInput:
+        """The server's launch as the launch rows (and the words after ``--``) give it."""
+        from exl3tool.cli.commands.launching import launch_input
+
+        return launch_input(self.ctx, **{name: self.values.get(name) for name in LAUNCH})
+
+    def resolve(self, request: ServerRequest, **how: Any):
+        """``request`` with the launch applied (this command line's fields win), each setting's source said on
+        stderr: ``(request, settings or None, the server's environment or None)`` (``launching.apply_options``)."""
+        from exl3tool.cli.commands.launching import apply_options
+
+        return apply_options(self.out, request, self.launch, self.given_fields, **how)
+
+
+def _is_option(parameter: inspect.Parameter) -> bool:
+    """A body parameter that declares an option of its own (``Annotated[..., typer.Option(...)]``)."""
+    return any(isinstance(m, typer.models.ParameterInfo) for m in getattr(parameter.annotation, "__metadata__", ()))
+
+
+def command(parent: typer.Typer, name: str, *, options: tuple[str, ...] = (),
+            rules: tuple[OnlyWith, ...] = ()) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register the decorated body as command ``name`` of ``parent`` (see the module's docstring)."""
+
+    def register(body: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(body, eval_str=True).parameters
+        layout = (*options, *OUTPUT)
+        mine = {n for n, p in own.items() if _is_option(p)}
+        wrong = ([n for n in layout if n not in ROWS and n not in mine] + sorted(mine & set(ROWS))
+                 + [n for n in own if n not in ("call", "out") and n not in layout])
+        if wrong:  # a typo, an own option named like a row, a parameter no option fills: at registration
+            raise TypeError(f"{body.__qualname__}: {wrong}: each option is a row or the body's own, named once, and "
+                            "placed in `options`")
+        params = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
+        for n in layout:
+            if n in mine:
+                params.append(own[n].replace(kind=inspect.Parameter.KEYWORD_ONLY))
+                continue
+            row = ROWS[n]
+            params.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=row.type,
+                                            default=row.default))
+            if row.old:  # the old spelling: an option of its own, hidden from the help
+                info = typer.Option(row.old, hidden=True, metavar=row.type.__metadata__[0].metavar)
+                params.append(inspect.Parameter(_old(n), inspect.Parameter.KEYWORD_ONLY,
+                                                annotation=Annotated[Optional[row.type.__origin__], info],
+                                                default=None))
+
+        def run(ctx: typer.Context, **values: Any) -> None:
+            for n in layout:  # an old spelling's value, where the new one was not given
+                if ROWS.get(n) is not None and ROWS[n].old and (old := values.pop(_old(n))) is not None \
+                        and ctx.get_parameter_source(n).name not in _GIVEN:
+                    values[n] = old
+            out = Output(json=values["json"], quiet=values["quiet"], progress=values.get("progress", "auto"))
+            if isinstance(ctx.obj, Run):
+                ctx.obj.output = out
+            call = Call(ctx, out, layout, values)
+            for rule in rules:
+                rule.check(call)
+            given = {"call": call, "out": out}
+            body(**{n: given[n] if n in given else values[n] for n in own})
+
+        run.__signature__ = inspect.Signature(params)
+        run.__doc__, run.__name__, run.__qualname__, run.__module__ = (body.__doc__, body.__name__, body.__qualname__,
+                                                                       body.__module__)
+        cls = LaunchCommand if any(n in LAUNCH for n in layout) else Exl3Command
+        parent.command(name, cls=cls)(run)
+        return run
+
+    return register
+
