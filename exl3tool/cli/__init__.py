@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperCommand
 
 from exl3tool.version import __version__
-from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, ReaderGone, Run, UsageError
+from exl3tool.cli.commands.group import HELP_OPTIONS, ClickException, Exl3Group, ReaderGone, Run
 from exl3tool.errors import Exl3ToolError, describe
 from exl3tool.text import plural
 
@@ -66,15 +66,8 @@ class _LazyRoot(Exl3Group):
             self.commands.update(loaded)
 
     def resolve_command(self, ctx, args):
-        if args and isinstance(self.commands.get(args[0]), _LazyCommand):
-            self._materialize()
-        try:
-            return super().resolve_command(ctx, args)
-        except UsageError:  # Exl3Group points a group's command called at the top to its group: it needs the groups
-            if not any(isinstance(c, _LazyCommand) for c in self.commands.values()):
-                raise
-            self._materialize()
-            return super().resolve_command(ctx, args)
+        self._materialize()  # a command runs or shows its help (and a mistyped one is pointed to its group)
+        return super().resolve_command(ctx, args)
 
 
 app = typer.Typer(

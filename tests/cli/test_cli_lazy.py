@@ -16,7 +16,7 @@ import typer.main
 from helpers import CliRunner
 
 from exl3tool.cli import COMMANDS, _register, app
-from exl3tool.cli.commands.group import HIDDEN_ALIASES
+from exl3tool.cli.commands.options import HIDDEN_ALIASES
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "numpy", "rich", "safetensors", "exl3tool.cache", "exl3tool.operations.warm", "exl3tool.cli.output")

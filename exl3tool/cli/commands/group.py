@@ -1,107 +1,99 @@
-"""The command and group classes every exl3tool command uses, and Click's exception classes as this Typer raises
-them."""
+"""The command and group classes every exl3tool command uses, their help layout (Click's own formatter, wrapping
+whole words), and Click's exception classes as this Typer raises them."""
 
 from __future__ import annotations
 
 import importlib
-import types
-from contextlib import contextmanager
+import textwrap
 
 import typer
-from typer.core import TyperCommand, TyperGroup, TyperOption
+from typer.core import TyperCommand, TyperGroup
 
-__all__ = ["Exl3Group", "Exl3Command", "LaunchCommand", "LAUNCH_ARGV", "Run", "ReaderGone", "ClickException", "UsageError", "HIDDEN_ALIASES", "HELP_OPTIONS"]
+__all__ = ["Exl3Group", "Exl3Command", "LaunchCommand", "LAUNCH_ARGV", "Run", "ReaderGone", "ClickException",
+           "HELP_OPTIONS", "Exl3Formatter", "wrap_whole_words"]
 
 HELP_OPTIONS = ["--help", "-h"]  # the root's context_settings, inherited by every command ("Try ... --help")
-# Old spellings still accepted and left out of the help, for one release (CHANGELOG.md): old -> new
-HIDDEN_ALIASES = {"--tp-sizes": "--tp-size"}
+
+# Click's errors, from the module that defines the BadParameter this Typer exports (its own copy of Click from typer
+# 0.2x on, Click itself before)
+ClickException = importlib.import_module(typer.BadParameter.__module__).ClickException
 
 
-def _click_class(name: str) -> type:
-    """Click's exception class ``name`` as this Typer raises it (typer 0.29 vendors its own copy of Click)."""
-    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+def wrap_whole_words(text: str, width: int, initial_indent: str = "", subsequent_indent: str = "",
+                     preserve_paragraphs: bool = False) -> str:
+    """Click's ``wrap_text`` for help pages, never splitting a token: a word longer than the line stays whole (the
+    terminal wraps it) and no line ends inside a hyphenated word (``--quantization-config``, ``encoder-source``).
+    With ``preserve_paragraphs`` blank lines part paragraphs, each keeps its first line's indent, and one that
+    starts with a ``\\b`` line is kept as written (Click's rules).
+
+    >>> print(wrap_whole_words("see --quantization-config and VLLM_EXL3_ONLINE_CACHE_DIR", 16))
+    see
+    --quantization-config
+    and
+    VLLM_EXL3_ONLINE_CACHE_DIR
+    """
+
+    def wrapper(extra: str = "") -> textwrap.TextWrapper:
+        return textwrap.TextWrapper(width, initial_indent=initial_indent + extra,
+                                    subsequent_indent=subsequent_indent + extra, replace_whitespace=False,
+                                    break_long_words=False, break_on_hyphens=False)
+
+    text = text.expandtabs()
+    if not preserve_paragraphs:
+        return wrapper().fill(text)
+    paragraphs: list[tuple[str, bool, list[str]]] = []  # (indent, kept as written, lines)
+    for block in text.split("\n\n"):
+        lines = [line for line in block.splitlines() if line]
+        if not lines:
+            continue
+        indent = " " * (len(lines[0]) - len(lines[0].lstrip()))
+        raw = lines[0].strip() == "\b"
+        paragraphs.append((indent, raw, lines[1:] if raw else [line.lstrip() if i == 0 else line
+                                                              for i, line in enumerate(lines)]))
+    out = []
+    for indent, raw, lines in paragraphs:
+        w = wrapper(indent)
+        out.append("\n".join((w.initial_indent if i == 0 else w.subsequent_indent) + line
+                              for i, line in enumerate(lines)) if raw else w.fill(" ".join(lines)))
+    return "\n\n".join(out)
 
 
-ClickException = _click_class("ClickException")
-UsageError = _click_class("UsageError")
-
-_value_type = getattr(TyperOption, "display_type_rich", None)  # typer's rich help type column (newer typers)
-_CLICK_NAMES = {"<str>": "TEXT", "<int>": "INTEGER", "<float>": "FLOAT", "<path>": "PATH", "<list[str]>": "TEXT"}
-
-
-def _help_type(self, ctx):
-    """The type column of an option's help row, as Click writes it: Typer's rich help labels every flag ``<bool>``
-    and a value ``<str>``; a flag takes no value, so it shows none, and a value shows its metavar (``DAYS``,
-    ``JSON``) or Click's ``TEXT``, ``INTEGER``, ``FLOAT``, ``PATH``."""
-    if self.is_flag or self.count:
-        return None
-    label = _value_type(self, ctx)
-    return _CLICK_NAMES.get(label, label) if self.metavar is None else label
-
-
-def _argument_type(self, ctx):
-    """An argument's row already shows its metavar (``MODEL``, ``DIR``): no ``<str>`` beside it."""
-    return None
-
-
-@contextmanager
-def _help_params(command, ctx):
-    """While ``command``'s help is formatted: its options' rows as Click writes them (``_help_type``; set on each
-    option, never on Typer's classes) and without the hidden old spellings (``HIDDEN_ALIASES``)."""
-    saved = []
-    for param in command.get_params(ctx):
-        saved.append((param, param.opts))
-        param.opts = [o for o in param.opts if o not in HIDDEN_ALIASES] or param.opts
-        if _value_type is not None:  # older typers print Click's own type names: nothing to mend
-            mend = _help_type if isinstance(param, TyperOption) else _argument_type
-            param.display_type_rich = types.MethodType(mend, param)
-    try:
-        yield
-    finally:
-        for param, opts in saved:
-            param.opts = opts
-
-
-_HelpFormatter = typer.Context.formatter_class  # Click's, as this Typer vendors it
-_textwrap = importlib.import_module(_HelpFormatter.__module__.rsplit(".", 1)[0] + "._textwrap")
-
-
-class _WholeWords(_textwrap.TextWrapper):
-    """Click's wrapper, never cutting a word (a variable, a flag, a path) nor breaking it at a hyphen."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.break_long_words = False
-        self.break_on_hyphens = False
-
-
-@contextmanager
-def _whole_words():
-    """While one help block is written: Click's ``wrap_text`` (which imports its TextWrapper at each call) wraps
-    with ``_WholeWords``; put back after, so nothing outside a help page changes."""
-    wrapper = _textwrap.TextWrapper
-    _textwrap.TextWrapper = _WholeWords
-    try:
-        yield
-    finally:
-        _textwrap.TextWrapper = wrapper
-
-
-class Exl3Formatter(_HelpFormatter):
-    """Help pages that never split a token: words wrap whole, and on a narrow terminal the options' column is
-    narrower (help text at least 38 characters wide) so that the longest words still fit the line."""
-
-    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
-        with _whole_words():
-            super().write_dl(rows, min(col_max, max(12, self.width - 40)), col_spacing)
-
-    def write_text(self, text: str) -> None:
-        with _whole_words():
-            super().write_text(text)
+class Exl3Formatter(typer.Context.formatter_class):
+    """Click's help formatter, wrapping whole words (``wrap_whole_words``); on a narrow terminal the options' column
+    is narrower (help text at least 38 characters wide) so that the longest words still fit the line."""
 
     def write_usage(self, prog: str, args: str = "", prefix=None) -> None:
-        with _whole_words():
-            super().write_usage(prog, args, prefix)
+        prefix = "Usage: " if prefix is None else prefix
+        head = f"{prefix:>{self.current_indent}}{prog} "
+        width = self.width - self.current_indent
+        if width >= len(head) + 20:  # the arguments beside the prefix
+            self.write(wrap_whole_words(args, width, initial_indent=head, subsequent_indent=" " * len(head)))
+        else:  # below it
+            indent = " " * (max(self.current_indent, len(prefix)) + 4)
+            self.write(head + "\n" + wrap_whole_words(args, width, initial_indent=indent, subsequent_indent=indent))
+        self.write("\n")
+
+    def write_text(self, text: str) -> None:
+        indent = " " * self.current_indent
+        self.write(wrap_whole_words(text, self.width, indent, indent, preserve_paragraphs=True) + "\n")
+
+    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = [tuple(row) + ("",) * (2 - len(row)) for row in rows]
+        first_col = min(max((len(first) for first, _ in rows), default=0), min(col_max, max(12, self.width - 40)))
+        first_col += col_spacing
+        for first, second in rows:
+            self.write(f"{'':>{self.current_indent}}{first}")
+            if not second:
+                self.write("\n")
+                continue
+            if len(first) <= first_col - col_spacing:
+                self.write(" " * (first_col - len(first)))
+            else:
+                self.write("\n" + " " * (first_col + self.current_indent))
+            lines = wrap_whole_words(second, max(self.width - first_col - 2, 10), preserve_paragraphs=True).splitlines()
+            self.write((lines[0] if lines else "") + "\n")
+            for line in lines[1:]:
+                self.write(f"{'':>{first_col + self.current_indent}}{line}\n")
 
 
 class Exl3Context(typer.Context):
@@ -123,8 +115,21 @@ class Exl3Command(TyperCommand):
             raise ReaderGone() from exc
 
     def format_options(self, ctx, formatter) -> None:
-        with _help_params(self, ctx):
-            super().format_options(ctx, formatter)
+        """The arguments (each by its metavar) and the options, as Click lists them; the options' rows are Click's
+        own (every value option's row names its metavar), hidden ones (old spellings) left out."""
+        arguments, options = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append((param.metavar or param.name.upper(), record[1]))
+            else:
+                options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 LAUNCH_ARGV = "exl3tool.launch_argv"  # ctx.meta key: the server's argv, the words after `--`
@@ -172,10 +177,6 @@ class Exl3Group(TyperGroup):
 
     context_class = Exl3Context
 
-    def format_options(self, ctx, formatter) -> None:
-        with _help_params(self, ctx):
-            super().format_options(ctx, formatter)
-
     def format_commands(self, ctx, formatter) -> None:
         """The commands section, each with its whole first sentence wrapped under it (Click cuts it to the width
         left beside the names and ends it with ``...``)."""
@@ -192,12 +193,9 @@ class Exl3Group(TyperGroup):
         return super().parse_args(ctx, args)
 
     def resolve_command(self, ctx, args):
-        try:
-            return super().resolve_command(ctx, args)
-        except UsageError:
-            name = args[0] if args else ""
+        name = args[0] if args else ""
+        if name and self.get_command(ctx, name) is None and not ctx.resilient_parsing:
             for group_name, group in self.commands.items():
-                if hasattr(group, "commands") and name in group.commands:
-                    raise UsageError(f"No such command '{name}'. Did you mean 'exl3tool {group_name} {name}'?",
-                                     ctx=ctx) from None
-            raise
+                if name in getattr(group, "commands", {}):
+                    ctx.fail(f"No such command '{name}'. Did you mean 'exl3tool {group_name} {name}'?")
+        return super().resolve_command(ctx, args)
