@@ -130,21 +130,19 @@ def test_no_record_without_a_writable_cache(warmed, monkeypatch, tmp_path):
 
 def test_check_takes_the_options_of_cache_warm():
     """Every option of `cache warm` that can change a look-up is an option of `cache check`, spelled the same (the
-    rest only change how a warm runs); both build their request with `options.request_from_options`."""
-    import inspect
+    rest only change how a warm runs); both take them as rows of `options.ROWS`, in the same order."""
+    import typer
 
-    from exl3tool.cli.commands.check import cache_check
-    from exl3tool.cli.commands.warm import cache_warm
-
+    cache = typer.main.get_command(app).commands["cache"]
     run_only = {"device", "file_mode", "overlap", "dry_run", "lock_timeout", "progress", "gpu_memory", "check_unchecked",
                 "trust_encoder_identity",
                 "shard_option", "shard_count"}  # --shard splits the work; whether a warm may write (encoder parity), not where it looks
-    warm_params = inspect.signature(cache_warm).parameters
-    check_params = inspect.signature(cache_check).parameters
+    warm_params = {p.name: p for p in cache.commands["warm"].params}
+    check_params = {p.name: p for p in cache.commands["check"].params}
     check_only = {"nodes"}  # cache check --nodes: a fleet's identities compared, no look-up (tests/test_fleet.py)
-    assert set(check_params) - check_only == set(warm_params) - run_only
+    assert [n for n in check_params if n not in check_only] == [n for n in warm_params if n not in run_only]
     for name in set(check_params) - check_only:
-        assert check_params[name].annotation == warm_params[name].annotation, name
+        assert (check_params[name].opts, check_params[name].help) == (warm_params[name].opts, warm_params[name].help)
 
 
 def test_check_of_a_missing_cache_root_says_so(warmed, tmp_path):

@@ -48,7 +48,7 @@ class OnlyWith:
         if call.given(self.option):
             return
         given = [call.spelling(name) for name in call.options
-                 if (name in self.names or call.group(name) in self.groups) and call.given(name)]
+                 if (name in self.names or (name in ROWS and ROWS[name].group in self.groups)) and call.given(name)]
         if given:
             raise typer.BadParameter(f"{', '.join(given)} only apply with {self.why or call.spelling(self.option)}",
                                      param_hint=given[0])
@@ -59,7 +59,7 @@ class Call:
     (and which fields its command line gave: they win over a launch), the server's launch."""
 
     def __init__(self, ctx: typer.Context, out: Output, options: tuple[str, ...], values: dict[str, Any]) -> None:
-        self.ctx, self.out, self.options, self.values = ctx, out, options, values
+        self.ctx, self.out, self.options, self._values = ctx, out, options, values  # options: the command's, in order
 
     def given(self, name: str) -> bool:
         """Whether the command line (or the environment) gave option ``name``, in any of its spellings."""
@@ -71,10 +71,6 @@ class Call:
         param = next(p for p in self.ctx.command.params if p.name == name)
         return max(param.opts, key=len)
 
-    @staticmethod
-    def group(name: str) -> Optional[str]:
-        return ROWS[name].group if name in ROWS else None
-
     def _request_rows(self) -> list[Row]:
         return [ROWS[name] for name in self.options if name in ROWS and ROWS[name].field]
 
@@ -83,7 +79,7 @@ class Call:
         ``import --against``'s model) and win over its rows."""
         from exl3tool.plan import ServerRequest
 
-        values = {row.field: row.convert(self.values[row.name]) for row in self._request_rows()
+        values = {row.field: row.convert(self._values[row.name]) for row in self._request_rows()
                   if row.field not in fields}
         return ServerRequest(**values, **fields)
 
@@ -97,7 +93,7 @@ class Call:
         """The server's launch as the launch rows (and the words after ``--``) give it."""
         from exl3tool.cli.commands.launching import launch_input
 
-        return launch_input(self.ctx, **{name: self.values.get(name) for name in LAUNCH})
+        return launch_input(self.ctx, **{name: self._values.get(name) for name in LAUNCH})
 
     def resolve(self, request: ServerRequest, **how: Any):
         """``request`` with the launch applied (this command line's fields win), each setting's source said on
@@ -150,8 +146,8 @@ def command(parent: typer.Typer, name: str, *, options: tuple[str, ...] = (),
             call = Call(ctx, out, layout, values)
             for rule in rules:
                 rule.check(call)
-            given = {"call": call, "out": out}
-            body(**{n: given[n] if n in given else values[n] for n in own})
+            handed = {"call": call, "out": out}
+            body(**{n: handed[n] if n in handed else values[n] for n in own})
 
         run.__signature__ = inspect.Signature(params)
         run.__doc__, run.__name__, run.__qualname__, run.__module__ = (body.__doc__, body.__name__, body.__qualname__,
