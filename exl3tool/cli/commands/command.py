@@ -97,10 +97,14 @@ class Call:
 
     def resolve(self, request: ServerRequest, **how: Any):
         """``request`` with the launch applied (this command line's fields win), each setting's source said on
-        stderr: ``(request, settings or None, the server's environment or None)`` (``launching.apply_options``)."""
+        stderr: ``(request, settings or None, the server's environment or None)`` (``launching.apply_options``).
+        A ``--tp-rank`` outside the TP size (which the launch may give) is a usage error."""
         from exl3tool.cli.commands.launching import apply_options
 
-        return apply_options(self.out, request, self.launch, self.given_fields, **how)
+        request, settings, environ = apply_options(self.out, request, self.launch, self.given_fields, **how)
+        if request.tp_ranks and not 0 <= request.tp_ranks[0] < request.tp_sizes[0]:
+            raise typer.BadParameter(f"--tp-rank {request.tp_ranks[0]} is outside 0..{request.tp_sizes[0] - 1}")
+        return request, settings, environ
 
 
 def _is_option(parameter: inspect.Parameter) -> bool:

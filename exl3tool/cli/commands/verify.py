@@ -106,8 +106,6 @@ def verify(
     row_counts = parse_positive_ints(rows, "--rows")
     out = call.out
     request, settings, environ = call.resolve(call.request(mode="readonly"))
-    if request.tp_ranks and not 0 <= request.tp_ranks[0] < request.tp_sizes[0]:
-        raise typer.BadParameter(f"--tp-rank {request.tp_ranks[0]} is outside 0..{request.tp_sizes[0] - 1}")
     from exl3tool.operations.verify import verify_hydrated, verify_plan
     from exl3tool.plan.request import prepare, resolve_device, serving_torch_dtype
 

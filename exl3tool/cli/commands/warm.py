@@ -207,8 +207,6 @@ def encode(call: Call, dry_run: bool) -> None:
     Exit codes: 0 every layer present, 1 some layers failed, 2 usage, configuration or I/O error, 130 interrupted.
     """
     request, settings, environ = call.resolve(call.request())
-    if request.tp_ranks and not 0 <= request.tp_ranks[0] < request.tp_sizes[0]:
-        raise typer.BadParameter(f"--tp-rank {request.tp_ranks[0]} is outside 0..{request.tp_sizes[0] - 1}")
     _run(call.out, request, dry_run, "encode", environ, launch_json(settings))
 
 
