@@ -4,9 +4,10 @@
 one place), then checks each layer against the fork's loader at every TP size asked for
 (``checkpoint.hydrated.hydration_problem``). ``hydrate`` runs it: each source module is encoded once
 (``encode_linear``, the bytes ``cache warm`` writes for an unfused layer at TP 1), kept under a temporary folder
-beside OUT so a killed run resumes, then the changed shards are written (kept tensors copied byte for byte), the
-others hard-linked (else copied), the index and ``tensor_storage`` rewritten, and the folder renamed to OUT.
-Nothing is written to SOURCE. The rules and their sources in the fork: docs/hydrate.md.
+beside OUT so a stopped run resumes (``STEPS``), then the changed shards are written from SOURCE and those files
+(bytes copied, never held in memory), the others hard-linked (else copied), the index and ``tensor_storage``
+rewritten, and the assembled folder renamed to OUT. Nothing is written to SOURCE. The rules and their sources in the
+fork: docs/hydrate.md.
 """
 
 from __future__ import annotations
@@ -228,6 +229,8 @@ def _files(root: Path) -> list[str]:
             target = Path(e.path)
             if e.is_symlink():
                 target = Path(os.path.realpath(e.path))
+                if not os.path.lexists(target):
+                    raise _refuse_entry(shown, f"a link to {os.readlink(e.path)}, which does not exist")
                 if not _inside(target, boundary):
                     raise _refuse_entry(shown, f"a link to {target}, outside "
                                                f"{'its Hub repository ' if boundary != real_root else 'SOURCE '}"
@@ -626,8 +629,9 @@ def _load_result(path: Path, fingerprint: str, m: HydrateModule, bits: int) -> O
 
 def _save_result(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) -> None:
     part = path.with_suffix(".part")
-    write_shard(part, None, [(k, v.contiguous()) for k, v in tensors.items()], {"fingerprint": fingerprint})
-    os.replace(part, path)
+    with _writing(path):
+        write_shard(part, None, [(k, v.contiguous()) for k, v in tensors.items()], {"fingerprint": fingerprint})
+        os.replace(part, path)
 
 
 def _kept(temp: Path) -> int:
@@ -774,8 +778,9 @@ def _assemble(plan: HydratePlan, stage: Path, temp: Path, steps: _Steps) -> tupl
                 order.append((tname, FileTensor(result, tname)))
                 new_names[tname] = shard
         part = stage / (shard + ".part")
-        write_shard(part, plan.source / shard, order, meta)
-        os.replace(part, stage / shard)
+        with _writing(stage / shard):
+            write_shard(part, plan.source / shard, order, meta)
+            os.replace(part, stage / shard)
         steps(f"shard {shard}")
     shapes: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
     for m in plan.modules:
@@ -924,9 +929,9 @@ def _run(plan: HydratePlan, ctx, device: str, encode: Optional[EncodeFn], on_lay
             _prepare_temp(plan, temp)
             ours = True
             steps("prepared")
-    except BaseException:
+    except BaseException as exc:
         _told(ctx, "stop")
-        raise
+        raise _fault(plan, temp, exc, ours) from None
     _told(ctx, "finish" if finishing else "go")
     try:
         if finishing:  # OUT complete: a run stopped after its rename; what it left is removed
