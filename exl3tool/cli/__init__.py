@@ -181,6 +181,17 @@ def _interrupted(json_mode: bool) -> None:
           "again to resume", 130, json_mode, extra=report)
 
 
+def _raised_by_ctrl_c(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among the causes of ``exc``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _json_document_written() -> bool:
     """Whether a command already printed its JSON document (none can have, if no command imported ``output``)."""
     output = sys.modules.get("exl3tool.cli.output")
@@ -236,5 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as exc:  # bad values and I/O problems raised below the commands
         _fail(describe(exc), 2, json_mode)
     except Exception as exc:  # a bug: say so, with what we know
+        if _raised_by_ctrl_c(exc):  # Ctrl-C during an import: Python wraps it (RuntimeError from __set_name__)
+            _interrupted(json_mode)
         hint = "" if debug_enabled() else "; set EXL3TOOL_DEBUG=1 for the traceback"
         _fail(f"internal error ({type(exc).__name__}: {describe(exc)}){hint}; please report it", 2, json_mode)

@@ -204,9 +204,10 @@ def source_boundary(source: Path) -> Path:
     return source
 
 
-def _refuse_entry(shown: Path, what: str) -> InputError:
-    return InputError(f"{shown}: {what}; OUT (what you upload) holds SOURCE's own files only: copy the file into "
-                      "SOURCE (e.g. `cp -L`) or remove the entry, then run the command again")
+def _refuse_entry(shown: Path, what: str, link: bool = True) -> InputError:
+    fix = ("copy what it points at into SOURCE (`cp -L`) or remove the link" if link else "remove it from SOURCE")
+    return InputError(f"{shown}: {what}; OUT (what you upload) holds SOURCE's own files only: {fix}, then run the "
+                      "command again")
 
 
 def _files(root: Path) -> list[str]:
@@ -248,7 +249,7 @@ def _files(root: Path) -> list[str]:
             else:
                 kind = ("a fifo" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
                         else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-                raise _refuse_entry(shown, kind + (" (through a link)" if e.is_symlink() else ""))
+                raise _refuse_entry(shown, kind + (" (through a link)" if e.is_symlink() else ""), e.is_symlink())
         for target, sub in folders:
             walk(target, sub, ancestors + (target,))
 
@@ -902,12 +903,17 @@ def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeF
     ctx = distributed_context()
     with _interrupts() as stop:
         steps = _Steps(on_step, stop)
-        if ctx.worker != 0:
-            return _run(plan, ctx, device, encode, on_layer, steps, start, None)
-        _check_paths(plan.source, plan.out)  # bad paths refused before anything is created beside OUT
-        with _exclusive(plan.out) as lock:
-            steps("locked")
-            report = _run(plan, ctx, device, encode, on_layer, steps, start, lock)
+        try:
+            if ctx.worker != 0:
+                return _run(plan, ctx, device, encode, on_layer, steps, start, None)
+            _check_paths(plan.source, plan.out)  # bad paths refused before anything is created beside OUT
+            with _exclusive(plan.out) as lock:
+                steps("locked")
+                report = _run(plan, ctx, device, encode, on_layer, steps, start, lock)
+        except Exception as exc:
+            if stop.hit:  # what Ctrl-C broke on its way (an import wraps it in a RuntimeError): it is an interrupt
+                raise KeyboardInterrupt from exc
+            raise
     stop.defer = False
     stop.check()  # a Ctrl-C held off while OUT was renamed into place and the temporary folder removed
     return report

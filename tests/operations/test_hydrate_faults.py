@@ -197,6 +197,34 @@ def test_a_swallowed_ctrl_c_still_exits_130(tmp_path, capsys, monkeypatch, fake_
     assert code == 0 and json.loads(stdout)["reused"] == 3, err
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_wrapped_in_another_error_is_an_interrupt(tmp_path, capsys, monkeypatch, fake_encoder):
+    """Ctrl-C during an import becomes a RuntimeError ("Error calling __set_name__"); before the run (the CLI's
+    imports, the plan) and inside it (an encode): exit 130, not an internal error."""
+    import exl3tool.operations.hydrate as hy
+
+    src = _checkpoint(tmp_path / "src", fresh_seed())
+
+    def wrapped(*a, **k):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance") from exc
+
+    with monkeypatch.context() as mp:
+        mp.setattr(hy, "plan_hydrate", wrapped)
+        assert run(["hydrate", str(src), str(tmp_path / "out")], capsys)[0] == 130
+
+    def encode(w, **k):
+        _swallowed_ctrl_c()
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance")
+
+    monkeypatch.setattr("exl3tool.encode.encode_linear", encode)
+    code, _, err = run(["hydrate", str(src), str(tmp_path / "out")], capsys)
+    assert code == 130 and "internal error" not in err, err
+    assert _leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("fill_at", ["saved", "linked"])
 def test_a_real_full_filesystem_names_the_file_and_resumes(tmp_path, small_tmpfs, capsys, fake_encoder, fill_at):  # noqa: F811
     """OUT on a 2 MiB tmpfs that another writer fills during the run (after the second module is saved, or once the
