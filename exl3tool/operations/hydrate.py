@@ -482,7 +482,7 @@ def lock_file(out: Path) -> Path:
 _JOB = "job.json"  # the job's settings (_job_json): a temporary folder of another job is refused, not reused
 _LAYERS = "layers"  # one safetensors file per module (its EXL3 tensors, the fingerprint in its metadata)
 _STAGE = "out"  # OUT being assembled; renamed to OUT when complete
-_ASSEMBLED = "assembled.json"  # written once _STAGE is complete and on disk: its inode, and the files linked/copied
+_ASSEMBLED = "assembled.json"  # once _STAGE is complete and on disk: its inode, the files linked/copied, the job
 
 #: The steps of a run, in order, as ``hydrate``'s ``on_step`` hears them (a state on disk after each one; the
 #: same command resumes from every one): ``locked``, ``prepared`` (the temporary folder and its job settings),
@@ -544,8 +544,10 @@ def _exclusive(out: Path):
     try:
         yield held
     finally:
-        held.drop()
-        lock.release()
+        try:
+            held.drop()
+        finally:
+            lock.release()
 
 
 class _Interrupts:
@@ -679,7 +681,7 @@ def _bytes_to_write(plan: HydratePlan, pending: list[HydrateModule]) -> tuple[in
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
 def _free_space_check(plan: HydratePlan, temp: Path, pending: list[HydrateModule]) -> None:
@@ -852,8 +854,12 @@ def _remove(path: Path) -> None:
 def _remove_temp(temp: Path) -> None:
     """Remove the temporary folder, ``assembled.json`` last (a run stopped half-way still finds it)."""
     for p in sorted(temp.iterdir()) if temp.is_dir() else ():
-        if p.name != _ASSEMBLED:
-            _remove(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        if p.name == _ASSEMBLED:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            _remove(p)
+        else:
+            p.unlink(missing_ok=True)
     (temp / _ASSEMBLED).unlink(missing_ok=True)
     try:
         temp.rmdir()
@@ -953,7 +959,8 @@ def _run(plan: HydratePlan, ctx, device: str, encode: Optional[EncodeFn], on_lay
                                      "run the command again to resume")
             linked, copied = _assemble(plan, stage, temp, steps)
             st = os.stat(stage)
-            _write_json(temp / _ASSEMBLED, {"dev": st.st_dev, "ino": st.st_ino, "linked": linked, "copied": copied}, 0)
+            _write_json(temp / _ASSEMBLED, {"dev": st.st_dev, "ino": st.st_ino, "linked": linked, "copied": copied,
+                                            "job": _job_json(plan)}, 0)
             _fsync_dir(temp)
         steps("assembled")
         steps.stop.defer = True  # from here OUT is complete: a Ctrl-C is raised once the clean-up is done
@@ -1021,17 +1028,13 @@ def _finish(plan: HydratePlan, temp: Path, lock: Optional[_Lock], steps: _Steps,
     """OUT is in place: remove the lock file, then the temporary folder; the report. ``finishing``: OUT was renamed
     by an earlier run of this job, stopped before its clean-up (another job's OUT is refused, its leftovers removed)."""
     record = _assembled(temp, plan.out) or {}
-    try:
-        known = (temp / _JOB).read_text()
-    except OSError:
-        known = None
     steps.stop.defer = True
     if lock is not None:
         lock.drop()
     steps("unlocked")
     _remove_temp(temp)
     steps("cleaned")
-    if finishing and known != _job_json(plan):
+    if finishing and record.get("job") != _job_json(plan):
         raise ConfigError(f"OUT {plan.out} exists (a hydrate with other settings wrote it); remove it or name a new "
                           "folder")
     after = sum((plan.out / f).stat().st_size for f in _files(plan.out))
