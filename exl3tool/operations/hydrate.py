@@ -1096,7 +1096,8 @@ def _prepare_temp(plan: HydratePlan, temp: Path) -> None:
             known = (temp / _JOB).read_text()
         except OSError:
             known = None
-        fresh = known is None and all(p.name.endswith(".part") for p in temp.iterdir())  # stopped as it began
+        ours = {_JOB + ".part", _LAYERS, _STAGE, _ASSEMBLED, _ASSEMBLED + ".part"}
+        fresh = known is None and not _kept(temp) and all(p.name in ours for p in temp.iterdir())  # nothing kept
         if known != job and not fresh:
             raise ConfigError(f"{temp}: a partial hydrate with other settings (or not exl3tool's) is there; remove "
                               "it to start over, or run the command that made it to resume it")

@@ -367,6 +367,23 @@ def test_a_refused_run_leaves_nothing(tmp_path, capsys, fake_encoder, monkeypatc
     assert _leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
 
 
+def test_a_temporary_folder_without_results_is_reused_and_a_foreign_one_refused(tmp_path, capsys, fake_encoder):
+    """Stopped while removing a temporary folder that kept nothing (its settings gone first): the same command reuses
+    it; a folder of that name holding anything else is refused and left as it is."""
+    src = _checkpoint(tmp_path / "src", fresh_seed())
+    out = tmp_path / "out"
+    (temp_dir(out) / "layers").mkdir(parents=True)
+    (temp_dir(out) / "out").mkdir()
+    code, _, err = run(["hydrate", str(src), str(out)], capsys)
+    assert code == 0 and _leftovers(tmp_path) == [], err
+    _remove_tree(out)
+    temp_dir(out).mkdir()
+    (temp_dir(out) / "notes.txt").write_text("mine")
+    code, _, err = run(["hydrate", str(src), str(out)], capsys)
+    assert code == 2 and "a partial hydrate with other settings (or not exl3tool's)" in _one_line(err)
+    assert [p.name for p in temp_dir(out).iterdir()] == ["notes.txt"] and not lock_file(out).exists()
+
+
 def test_results_stream_to_disk(tmp_path, fake_encoder, monkeypatch):
     """Host memory does not grow with the model: no module's EXL3 tensors (the encoder's, or the CPU copies that are
     saved) outlive the step that saved them; OUT is assembled from the kept files."""
