@@ -31,8 +31,8 @@ from exl3tool.errors import InputError
 from exl3tool.format.codebook import CODEBOOK_MARKERS
 
 __all__ = ["MCG_MULTIPLIER", "EXL3_SUFFIXES", "stored_module", "exl3_tensors_of", "storage_record", "shard_groups",
-           "hydration_problem", "source_modules", "SourceModule", "read_header", "write_shard", "DTYPE_CODES",
-           "tensor_nbytes"]
+           "hydration_problem", "source_modules", "SourceModule", "read_header", "write_shard", "FileTensor",
+           "DTYPE_CODES", "tensor_nbytes"]
 
 MCG_MULTIPLIER = 0xCBAC1FED  # exl3.py _MCG_SENTINEL; exllamav3 records it as mcg_multiplier
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "mcg")
@@ -171,67 +171,117 @@ def hydration_problem(layer: PlannedLayer, sources: list[SourceModule], tp_sizes
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """``(header dict, data start)`` of a safetensors file."""
+    """``(header dict, data start)`` of a safetensors file; InputError naming the file when it has none."""
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:  # safetensors' own limit on a header
+                raise ValueError(f"a header of {n} bytes")
             header = json.loads(f.read(n).decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
     except (OSError, ValueError, struct.error) as exc:
         raise InputError(f"{path}: cannot read its safetensors header ({exc})") from None
     return header, 8 + n
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """A tensor ``write_shard`` copies byte for byte from another safetensors file (a kept per-module result)."""
+
+    path: Path
+    name: str
+
+
+def _span(path: Path, header: dict, start: int, size: int, name: str) -> tuple[int, int]:
+    """``(offset in the file, bytes)`` of tensor ``name``, checked against its dtype, shape and the file's size:
+    InputError naming the file and the tensor when they disagree (a corrupt or truncated file)."""
+    rec = header.get(name)
+    try:
+        lo, hi = (int(x) for x in rec["data_offsets"])
+        code, shape = rec["dtype"], [int(d) for d in rec["shape"]]
+    except (TypeError, KeyError, ValueError):
+        raise InputError(f"{path}: tensor {name!r} has no valid dtype, shape and data_offsets in the header; the "
+                         "file is corrupt: download it again") from None
+    if not 0 <= lo <= hi or start + hi > size:
+        raise InputError(f"{path}: tensor {name!r} has data_offsets [{lo}, {hi}] beyond the file's "
+                         f"{size - start} data bytes; the file is corrupt or truncated: download it again")
+    if code in _CODE_BYTES and (any(d < 0 for d in shape) or tensor_nbytes(shape, code) != hi - lo):
+        raise InputError(f"{path}: tensor {name!r} is {code} {shape} ({tensor_nbytes(shape, code)} bytes) but its "
+                         f"data_offsets span {hi - lo} bytes; the file is corrupt: download it again")
+    return start + lo, hi - lo
 
 
 def write_shard(dest: Path, source: Optional[Path], order: list[tuple[str, object]], metadata: Optional[dict]) -> int:
     """Write a safetensors file at ``dest`` (fsynced) and return its size.
 
     ``order`` lists the tensors in file order: ``(name, None)`` copies that tensor's bytes unchanged from ``source``;
+    ``(name, FileTensor(path, other))`` copies tensor ``other``'s bytes from the safetensors file ``path``;
     ``(name, tensor)`` writes a new one. ``metadata`` is the header's ``__metadata__`` (kept from the source shard).
+    Every copied tensor's offsets are checked against its dtype, shape and file before ``dest`` is created
+    (InputError naming the file and tensor); bytes move through one 16 MiB buffer, so memory does not grow with the
+    file. An OSError names ``dest`` when writing it failed (a full disk).
     """
-    src_header, src_start = read_header(source) if source is not None else ({}, 0)
+    headers: dict[Path, tuple[dict, int, int]] = {}
+
+    def header_of(path: Path) -> tuple[dict, int, int]:
+        if path not in headers:
+            h, start = read_header(path)
+            headers[path] = (h, start, path.stat().st_size)
+        return headers[path]
+
     header: dict = {}
     if metadata is not None:
         header["__metadata__"] = metadata
     offset = 0
-    plan: list[tuple[str, object, int]] = []
-    for name, tensor in order:
-        if tensor is None:
-            rec = src_header[name]
-            lo, hi = rec["data_offsets"]
-            header[name] = {"dtype": rec["dtype"], "shape": rec["shape"], "data_offsets": [offset, offset + hi - lo]}
-            plan.append((name, None, hi - lo))
-            offset += hi - lo
-        else:
-            assert isinstance(tensor, torch.Tensor)
-            nbytes = tensor.numel() * tensor.element_size()
-            header[name] = {"dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
+    plan: list[tuple[object, int, int]] = []  # (tensor or file, file offset, bytes)
+    for name, item in order:
+        if item is None or isinstance(item, FileTensor):
+            path, other = (source, name) if item is None else (item.path, item.name)
+            assert path is not None
+            h, start, size = header_of(Path(path))
+            at, nbytes = _span(Path(path), h, start, size, other)
+            header[name] = {"dtype": h[other]["dtype"], "shape": h[other]["shape"],
                             "data_offsets": [offset, offset + nbytes]}
-            plan.append((name, tensor, nbytes))
-            offset += nbytes
+            plan.append((Path(path), at, nbytes))
+        else:
+            assert isinstance(item, torch.Tensor)
+            nbytes = item.numel() * item.element_size()
+            header[name] = {"dtype": DTYPE_CODES[item.dtype], "shape": list(item.shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            plan.append((item, 0, nbytes))
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(dest, "wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        src = open(source, "rb") if source is not None else None
-        try:
-            for name, tensor, nbytes in plan:
-                if tensor is None:
-                    assert src is not None
-                    lo = src_header[name]["data_offsets"][0]
-                    src.seek(src_start + lo)
+    try:
+        with open(dest, "wb") as out:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            src, src_path = None, None
+            try:
+                for item, at, nbytes in plan:
+                    if isinstance(item, torch.Tensor):
+                        out.write(item.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                        continue
+                    if item != src_path:
+                        if src is not None:
+                            src.close()
+                        src, src_path = open(item, "rb"), item
+                    src.seek(at)
                     left = nbytes
                     while left:
                         chunk = src.read(min(left, 1 << 24))
                         if not chunk:
-                            raise InputError(f"{source}: ends inside tensor {name!r}; the shard is truncated")
+                            raise InputError(f"{item}: ends inside a tensor; the file is truncated")
                         out.write(chunk)
                         left -= len(chunk)
-                else:
-                    assert isinstance(tensor, torch.Tensor)
-                    out.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        finally:
-            if src is not None:
-                src.close()
-        out.flush()
-        os.fsync(out.fileno())
+            finally:
+                if src is not None:
+                    src.close()
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:  # a buffered write's error names no file
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(dest)) from exc
+        raise
     return dest.stat().st_size

@@ -173,6 +173,17 @@ def _interrupted(run: Run) -> None:
           "command again to resume", 130, extra=report)
 
 
+def _raised_by_ctrl_c(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among the causes of ``exc``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _ensure_stderr() -> None:
     """Started with stderr closed (``2>&-``): give fd 2 to /dev/null, so that diagnostics and progress go nowhere
     instead of failing, or going into whatever file took fd 2 (stdout's JSON included)."""
@@ -220,5 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as exc:  # bad values and I/O problems raised below the commands
         _fail(run, describe(exc), 2)
     except Exception as exc:  # a bug: say so, with what we know
+        if _raised_by_ctrl_c(exc):  # Ctrl-C during an import: Python wraps it (RuntimeError from __set_name__)
+            _interrupted(run)
         hint = "" if debug_enabled() else "; set EXL3TOOL_DEBUG=1 for the traceback"
         _fail(run, f"internal error ({type(exc).__name__}: {describe(exc)}){hint}; please report it", 2)

@@ -4,9 +4,10 @@
 one place), then checks each layer against the fork's loader at every TP size asked for
 (``checkpoint.hydrated.hydration_problem``). ``hydrate`` runs it: each source module is encoded once
 (``encode_linear``, the bytes ``cache warm`` writes for an unfused layer at TP 1), kept under a temporary folder
-beside OUT so a killed run resumes, then the changed shards are written (kept tensors copied byte for byte), the
-others hard-linked (else copied), the index and ``tensor_storage`` rewritten, and the folder renamed to OUT.
-Nothing is written to SOURCE. The rules and their sources in the fork: docs/hydrate.md.
+beside OUT so a stopped run resumes (``STEPS``), then the changed shards are written from SOURCE and those files
+(bytes copied, never held in memory), the others hard-linked (else copied), the index and ``tensor_storage``
+rewritten, and the assembled folder renamed to OUT. Nothing is written to SOURCE. The rules and their sources in the
+fork: docs/hydrate.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import stat
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -24,8 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from exl3tool.checkpoint.hydrated import (
-    DTYPE_CODES, EXL3_SUFFIXES, SourceModule, exl3_tensors_of, hydration_problem, read_header, source_modules, storage_record,
-    tensor_nbytes, write_shard,
+    EXL3_SUFFIXES, FileTensor, SourceModule, exl3_tensors_of, hydration_problem, read_header, source_modules,
+    storage_record, tensor_nbytes, write_shard,
 )
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.text import plural
@@ -34,7 +38,6 @@ __all__ = ["HydrateLayer", "HydratePlan", "HydrateReport", "plan_hydrate", "hydr
            "TEMP_SUFFIX", "temp_dir"]
 
 TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name>.hydrate-partial"
-_WORK = ".hydrate"  # inside the temporary folder: per-layer results and the job's settings
 _INDEX = "model.safetensors.index.json"
 _QUANT = "quantization_config.json"
 HYDRATED_BY = "exl3tool_hydrate"  # a note beside tensor_storage (the fork reads neither it nor other extra keys)
@@ -181,19 +184,76 @@ def _check_paths(source: Path, out: Path) -> None:
                           "outside it, e.g. a sibling")
     if _inside(source, out):
         raise ConfigError(f"OUT {out} contains SOURCE {source}; give a new folder beside it")
-    if out.exists() or out.is_symlink():
+    if (out.exists() or out.is_symlink()) and not _committed(out):
         raise ConfigError(f"OUT {out} exists; hydrate writes a new checkpoint: remove it or name a new folder")
     if not out.parent.is_dir():
         raise ConfigError(f"OUT {out}: its parent folder {out.parent} does not exist; create it first")
 
 
+_HUB_REPO_KINDS = ("models", "datasets", "spaces")
+
+
+def source_boundary(source: Path) -> Path:
+    """The folder every file of ``source`` (resolved) must resolve into: ``source`` itself, or, for a Hub cache
+    snapshot (``models--org--name/snapshots/REV``, whose files are links to ``../../blobs/SHA``: huggingface_hub's
+    cache layout), its repository folder."""
+    snapshots, repo = source.parent, source.parent.parent
+    kind, sep, name = repo.name.partition("--")
+    if snapshots.name == "snapshots" and kind in _HUB_REPO_KINDS and sep and name and (repo / "blobs").is_dir():
+        return repo
+    return source
+
+
+def _refuse_entry(shown: Path, what: str, link: bool = True) -> InputError:
+    fix = ("copy what it points at into SOURCE (`cp -L`) or remove the link" if link else "remove it from SOURCE")
+    return InputError(f"{shown}: {what}; OUT (what you upload) holds SOURCE's own files only: {fix}, then run the "
+                      "command again")
+
+
 def _files(root: Path) -> list[str]:
-    """Every file of the checkpoint folder, relative, sorted (hidden temporary files included, links followed)."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            out.append(str((Path(dirpath) / name).relative_to(root)))
+    """Every file of the checkpoint folder ``root``, relative: each folder's files sorted, then its folders (hidden
+    files included). A link is followed where it resolves inside ``source_boundary(root)`` (a file, or a folder
+    walked by the same rule); a link that resolves elsewhere, a dangling one, a link to a folder that holds it,
+    and a fifo, device or socket are refused naming the entry (InputError): nothing outside SOURCE reaches OUT."""
+    real_root = Path(os.path.realpath(root))
+    boundary = source_boundary(real_root)
+    out: list[str] = []
+
+    def walk(real: Path, rel: Path, ancestors: tuple[Path, ...]) -> None:
+        try:
+            entries = sorted(os.scandir(real), key=lambda e: e.name)
+        except OSError as exc:
+            raise InputError(f"{root / rel}: cannot list it ({exc.strerror})") from None
+        folders: list[tuple[Path, Path]] = []
+        for e in entries:
+            shown = root / rel / e.name
+            target = Path(e.path)
+            if e.is_symlink():
+                target = Path(os.path.realpath(e.path))
+                if not os.path.lexists(target):
+                    raise _refuse_entry(shown, f"a link to {os.readlink(e.path)}, which does not exist")
+                if not _inside(target, boundary):
+                    raise _refuse_entry(shown, f"a link to {target}, outside "
+                                               f"{'its Hub repository ' if boundary != real_root else 'SOURCE '}"
+                                               f"{boundary}")
+            try:
+                mode = os.stat(target).st_mode
+            except OSError:
+                raise _refuse_entry(shown, f"a link to {os.readlink(e.path)}, which does not exist") from None
+            if stat.S_ISDIR(mode):
+                if target in ancestors:
+                    raise _refuse_entry(shown, f"a link to {target}, a folder that holds it (a loop)")
+                folders.append((target, rel / e.name))
+            elif stat.S_ISREG(mode):
+                out.append(str(rel / e.name))
+            else:
+                kind = ("a fifo" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+                raise _refuse_entry(shown, kind + (" (through a link)" if e.is_symlink() else ""), e.is_symlink())
+        for target, sub in folders:
+            walk(target, sub, ancestors + (target,))
+
+    walk(real_root, Path(), (real_root,))
     return out
 
 
@@ -406,67 +466,183 @@ def _job_json(plan: HydratePlan) -> str:
 
 
 def temp_dir(out: Path) -> Path:
-    """The temporary folder a hydrate into ``out`` writes in, beside it."""
+    """The temporary folder of a hydrate into ``out``, beside it: the job's settings, each module's result as soon as
+    it is encoded (the kept results a stopped run resumes from) and ``out/``, OUT being assembled (renamed to OUT)."""
     return out.parent / f".{out.name}{TEMP_SUFFIX}"
 
 
 def lock_file(out: Path) -> Path:
-    """The lock a hydrate into ``out`` holds while it runs, beside it (not in the temporary folder, which becomes
-    OUT): a second hydrate into the same OUT is refused at once instead of writing into the first one's folder."""
+    """The lock a hydrate into ``out`` holds while it runs, beside it: a second hydrate into the same OUT is refused
+    at once instead of writing into the first one's folder. Removed when the run ends (a run killed with SIGKILL
+    leaves it; the next run takes it over: an flock dies with its process)."""
     return out.parent / f".{out.name}.hydrate.lock"
+
+
+# Inside temp_dir(OUT):
+_JOB = "job.json"  # the job's settings (_job_json): a temporary folder of another job is refused, not reused
+_LAYERS = "layers"  # one safetensors file per module (its EXL3 tensors, the fingerprint in its metadata)
+_STAGE = "out"  # OUT being assembled; renamed to OUT when complete
+_ASSEMBLED = "assembled.json"  # once _STAGE is complete and on disk: its inode, the files linked/copied, the job
+
+#: The steps of a run, in order, as ``hydrate``'s ``on_step`` hears them (a state on disk after each one; the
+#: same command resumes from every one): ``locked``, ``prepared`` (the temporary folder and its job settings),
+#: ``saved <module>`` (each module encoded and kept), ``linked`` (the unchanged files), ``shard <file>`` (each
+#: changed shard written), ``index``, ``storage`` (tensor_storage), ``assembled``, ``renamed`` (OUT complete),
+#: ``unlocked`` (the lock file removed), ``cleaned`` (the temporary folder removed).
+STEPS = ("locked", "prepared", "saved <module>", "linked", "shard <file>", "index", "storage", "assembled",
+         "renamed", "unlocked", "cleaned")
+StepFn = Callable[[str], None]
+
+
+class _Lock:
+    """OUT's lock, held: ``drop()`` removes its file while still held (no second run can then lock the removed
+    inode and believe it alone), the flock goes with the process."""
+
+    def __init__(self, lock, path: Path):
+        self.lock, self.path, self.dropped = lock, path, False
+
+    def holds_path(self) -> bool:
+        fd = getattr(getattr(self.lock, "_context", None), "lock_file_fd", None)
+        try:
+            return fd is None or os.path.samestat(os.stat(self.path), os.fstat(fd))
+        except OSError:
+            return False
+
+    def drop(self) -> None:
+        if not self.dropped and self.holds_path():
+            self.path.unlink(missing_ok=True)
+        self.dropped = True
 
 
 @contextmanager
 def _exclusive(out: Path):
-    """Hold ``lock_file(out)`` or refuse: one hydrate per OUT at a time. Removed when the run leaves nothing to
-    resume (OUT written: a later hydrate into it is refused because it exists; or no temporary folder); kept beside
-    a partial run's temporary folder, which the next run resumes."""
+    """Hold ``lock_file(out)`` or refuse at once: one hydrate per OUT at a time. The lock file is removed when the
+    run ends, whatever the outcome (``_Lock.drop``); a run killed with SIGKILL leaves it, and the next run takes it."""
     from filelock import FileLock, Timeout
 
+    from exl3tool.cache.locks import lock_holders
+
     path = lock_file(out)
-    lock = FileLock(str(path), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise ConfigError(f"{out}: another hydrate into it is running (it holds {path}); wait for it to finish, or "
-                          "stop it and run this command again to resume its work") from None
-    except OSError as exc:
-        raise InputError(f"{out.parent}: cannot create {path.name} there ({exc.strerror}); choose a writable folder "
-                         "for OUT") from None
-    try:
-        yield
-    finally:
+    for _ in range(8):  # the file we locked was removed by its last holder before we locked it: lock the new one
+        lock = FileLock(str(path), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            who = ", ".join(lock_holders(path))
+            raise ConfigError(f"{out}: another hydrate into it is running ({who + ' ' if who else ''}holds {path}); "
+                              "wait for it to finish, or stop it and run this command again to resume its work"
+                              ) from None
+        except OSError as exc:
+            raise InputError(f"{out.parent}: cannot create {path.name} there ({exc.strerror}); choose a writable "
+                             "folder for OUT") from None
+        held = _Lock(lock, path)
+        if held.holds_path():
+            break
         lock.release()
-        if out.exists() or not temp_dir(out).exists():
-            path.unlink(missing_ok=True)
-
-
-def _result_path(work: Path, module: str) -> Path:
-    return work / "layers" / (hashlib.sha256(module.encode()).hexdigest()[:24] + ".safetensors")
-
-
-def _load_result(path: Path, fingerprint: str) -> Optional[dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    if not path.is_file():
-        return None
+    else:
+        raise ConfigError(f"{out}: another hydrate into it keeps taking {path}; run this command again")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("fingerprint") != fingerprint:
-                return None
-            return {name: f.get_tensor(name) for name in f.keys()}
-    except Exception:  # a result cut short: encode it again
+        yield held
+    finally:
+        try:
+            held.drop()
+        finally:
+            lock.release()
+
+
+class _Interrupts:
+    """Ctrl-C that is never lost: SIGINT is recorded before it raises KeyboardInterrupt, and every step raises it
+    again if it was swallowed (a KeyboardInterrupt raised inside a ctypes callback is printed and dropped: llvmlite's
+    object-cache hooks run when numba loads or compiles the CPU kernels). ``defer`` holds it off while the finished
+    checkpoint is renamed into place and the temporary folder removed; ``check`` raises it afterwards."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self.defer = False
+
+    def handler(self, signum, frame) -> None:
+        self.hit = True
+        if not self.defer:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.hit and not self.defer:
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def _interrupts():
+    stop = _Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # signals reach the main thread only: nothing to install here
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:  # ignored (nohup, `&`) or the embedding program's own: kept
+        yield stop
+        return
+    signal.signal(signal.SIGINT, stop.handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _Steps:
+    """Tells ``on_step`` of each step done, then raises a Ctrl-C that was swallowed since."""
+
+    def __init__(self, hook: Optional[StepFn], stop: _Interrupts):
+        self.hook, self.stop = hook, stop
+
+    def __call__(self, name: str) -> None:
+        if self.hook is not None:
+            self.hook(name)
+        self.stop.check()
+
+
+def _result_path(temp: Path, module: str) -> Path:
+    return temp / _LAYERS / (hashlib.sha256(module.encode()).hexdigest()[:24] + ".safetensors")
+
+
+def _expected_result(m: HydrateModule, bits: int) -> dict[str, tuple[str, list[int]]]:
+    k, n = m.source.in_features, m.source.out_features
+    shapes = {"trellis": ("I16", [k // 16, n // 16, 16 * bits]), "suh": ("F16", [k]), "svh": ("F16", [n]),
+              "mcg": ("I32", [])}
+    return {f"{m.module}.{suffix}": shapes[suffix] for suffix in EXL3_SUFFIXES}
+
+
+def _load_result(path: Path, fingerprint: str, m: HydrateModule, bits: int) -> Optional[dict]:
+    """The header of ``m``'s kept result when it is complete and made from the same inputs (its fingerprint, its
+    tensors' names, dtypes and shapes, the file's size), else None (encode it again). Reads the header only: a
+    result is written whole (a ``.part`` file fsynced, then renamed) or not at all."""
+    try:
+        header, start = read_header(path)
+        size = path.stat().st_size
+    except (InputError, OSError):
         return None
+    if (header.get("__metadata__") or {}).get("fingerprint") != fingerprint:
+        return None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    want = _expected_result(m, bits)
+    if set(tensors) != set(want) or any([tensors[k].get("dtype"), tensors[k].get("shape")] != list(want[k])
+                                        for k in want):
+        return None
+    end = max(v["data_offsets"][1] for v in tensors.values())
+    return header if start + end == size else None
 
 
 def _save_result(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) -> None:
-    from safetensors.torch import save_file
-
     part = path.with_suffix(".part")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(part), metadata={"fingerprint": fingerprint})
-    with open(part, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(part, path)
+    with _writing(path):
+        write_shard(part, None, [(k, v.contiguous()) for k, v in tensors.items()], {"fingerprint": fingerprint})
+        os.replace(part, path)
+
+
+def _kept(temp: Path) -> int:
+    """How many module results the temporary folder holds."""
+    try:
+        return sum(1 for p in (temp / _LAYERS).iterdir() if p.suffix == ".safetensors")
+    except OSError:
+        return 0
 
 
 def _encode_module(plan: HydratePlan, m: HydrateModule, encode: Optional[EncodeFn], device: torch.device):
@@ -485,55 +661,111 @@ def _encode_module(plan: HydratePlan, m: HydrateModule, encode: Optional[EncodeF
     return encode(weight, plan.bits, m.seed, device)
 
 
+def _same_filesystem(plan: HydratePlan) -> bool:
+    return os.stat(plan.source).st_dev == os.stat(plan.out.parent).st_dev
+
+
+def _bytes_to_write(plan: HydratePlan, pending: list[HydrateModule]) -> tuple[int, str]:
+    """What is still to be written beside OUT with ``pending`` modules to encode, and what it is made of: their
+    results, OUT's changed shards (the shard less its weights plus their EXL3 tensors and a bigger header), the
+    index and tensor_storage, copies of the unchanged files across filesystems, and 64 KiB to spare."""
+    mods = plan.modules
+    results = sum(m.exl3_bytes + 4096 for m in pending)
+    shards = (sum((plan.source / s).stat().st_size for s in plan.changed_shards)
+              - sum(m.weight_bytes for m in mods) + sum(m.exl3_bytes + 1024 for m in mods))
+    meta = sum((plan.source / f).stat().st_size * 2 for f in (_INDEX, plan.storage_file) if (plan.source / f).is_file())
+    copies = 0 if _same_filesystem(plan) else sum((plan.source / f).stat().st_size for f in plan.unchanged_files)
+    parts = [f"{plural(len(pending), 'module')} to encode" if pending else "",
+             plural(len(plan.changed_shards), "shard"), "copies of the unchanged files" if copies else ""]
+    return results + shards + meta + copies + 65536, ", ".join(p for p in parts if p)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
 def _free_space_check(plan: HydratePlan, temp: Path, pending: list[HydrateModule]) -> None:
-    same_fs = os.stat(plan.source).st_dev == os.stat(plan.out.parent).st_dev
-    shards = sum((plan.source / s).stat().st_size for s in plan.changed_shards)
-    added = sum(m.exl3_bytes for m in plan.modules)
-    needed = shards + added + sum(m.exl3_bytes + 4096 for m in pending) + 65536
-    if not same_fs:
-        needed += sum((plan.source / f).stat().st_size for f in plan.unchanged_files)
+    needed, what = _bytes_to_write(plan, pending)
     free = shutil.disk_usage(plan.out.parent).free
     if free < needed:
-        raise InputError(f"{plan.out.parent}: {free / 2**20:.1f} MiB free on its filesystem, but hydrate writes "
-                         f"{needed / 2**20:.1f} MiB ({plural(len(plan.changed_shards), 'shard')}"
-                         f"{'' if same_fs else ' and copies of the unchanged files'}); free space or choose another OUT")
+        raise InputError(f"{plan.out.parent}: {_mib(free)} free on its filesystem, but hydrate writes {_mib(needed)} "
+                         f"({what}); free space or choose another OUT")
 
 
-def _link_or_copy(src: Path, dst: Path) -> bool:
-    """Hard-link ``src`` at ``dst`` (True), else copy it with its times (False)."""
+@contextmanager
+def _writing(path: Path):
+    """An OSError while writing ``path`` names ``path`` (a buffered write's error names no file; shutil's copy
+    names the file it reads)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename != str(path) and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
+        raise
+
+
+def _link_or_copy(src: Path, dst: Path, boundary: Path) -> bool:
+    """Hard-link ``src`` at ``dst`` (True), else copy it with its times (False). A Hub snapshot's files are links
+    into ``../../blobs``: what they point at is linked or copied, never the link; a file that no longer resolves to
+    a regular file inside ``boundary`` (changed since the plan) is refused."""
+    real = Path(os.path.realpath(src))
+    if not _inside(real, boundary) or not real.is_file():
+        raise _refuse_entry(src, f"now {'a link to ' + str(real) if real != src else 'not a regular file'}, "
+                                 f"not a file inside {boundary}")
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists() or dst.is_symlink():
         dst.unlink()
-    src = src.resolve()  # a Hub snapshot's files are links into ../../blobs: link or copy what they point at
     try:
-        os.link(src, dst)
+        os.link(real, dst)
         return True
     except OSError:
         part = dst.with_name(dst.name + ".part")
-        shutil.copy2(src, part)
-        os.replace(part, dst)
+        with _writing(dst):
+            shutil.copy2(real, part)
+            os.replace(part, dst)
         return False
 
 
 def _write_json(path: Path, data: dict, indent: int) -> None:
+    _write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a ``.part`` file fsynced, then renamed over it)."""
     part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(data, indent=indent) + "\n")
-    if path.exists() or path.is_symlink():
-        path.unlink()  # never write through a hard link into SOURCE
-    os.replace(part, path)
+    with _writing(path):
+        with open(part, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists() or path.is_symlink():
+            path.unlink()  # never write through a hard link into SOURCE
+        os.replace(part, path)
 
 
-def _assemble(plan: HydratePlan, temp: Path, results: dict[str, dict[str, torch.Tensor]]) -> tuple[int, int]:
-    """Write OUT's files into ``temp``: changed shards, links to the rest, the index and tensor_storage."""
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _assemble(plan: HydratePlan, stage: Path, temp: Path, steps: _Steps) -> tuple[int, int]:
+    """Write OUT's files into ``stage``: links to the unchanged files, the changed shards (kept tensors and each
+    module's EXL3 tensors copied byte for byte from SOURCE and the kept results: one 16 MiB buffer in memory, never
+    a whole shard or result), the index and tensor_storage."""
     linked = copied = 0
+    boundary = source_boundary(plan.source)
+    stage.mkdir()
     for rel in plan.unchanged_files:
-        if _link_or_copy(plan.source / rel, temp / rel):
+        if _link_or_copy(plan.source / rel, stage / rel, boundary):
             linked += 1
         else:
             copied += 1
+    steps("linked")
     by_weight = {m.source.weight: m for m in plan.modules}
     new_names: dict[str, str] = {}  # tensor name -> shard
-    shapes: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
     for shard in plan.changed_shards:
         header, _ = read_header(plan.source / shard)
         meta = header.pop("__metadata__", None)
@@ -543,21 +775,21 @@ def _assemble(plan: HydratePlan, temp: Path, results: dict[str, dict[str, torch.
             if m is None:
                 order.append((name, None))
                 continue
+            result = _result_path(temp, m.module)
             for suffix in EXL3_SUFFIXES:
                 tname = f"{m.module}.{suffix}"
-                order.append((tname, results[m.module][tname]))
+                order.append((tname, FileTensor(result, tname)))
                 new_names[tname] = shard
-        part = temp / (shard + ".part")
-        write_shard(part, plan.source / shard, order, meta)
-        dest = temp / shard
-        if dest.exists():
-            dest.unlink()
-        os.replace(part, dest)
+        part = stage / (shard + ".part")
+        with _writing(stage / shard):
+            write_shard(part, plan.source / shard, order, meta)
+            os.replace(part, stage / shard)
+        steps(f"shard {shard}")
+    shapes: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
     for m in plan.modules:
-        rec: dict[str, tuple[tuple[int, ...], str]] = {}
-        for suffix in EXL3_SUFFIXES:
-            t = results[m.module][f"{m.module}.{suffix}"]
-            rec[f"{m.module}.{suffix}"] = (tuple(t.shape), DTYPE_CODES[t.dtype])
+        header, _ = read_header(_result_path(temp, m.module))
+        rec = {f"{m.module}.{suffix}": (tuple(header[f"{m.module}.{suffix}"]["shape"]),
+                                        header[f"{m.module}.{suffix}"]["dtype"]) for suffix in EXL3_SUFFIXES}
         bias = f"{m.source.module}.bias"
         if plan.checkpoint.has_tensor(bias):
             info = plan.checkpoint.info(bias)
@@ -570,10 +802,11 @@ def _assemble(plan: HydratePlan, temp: Path, results: dict[str, dict[str, torch.
         index["weight_map"] = dict(sorted(wm.items()))
         total = 0
         for shard in sorted(set(wm.values())):
-            h, _ = read_header(temp / shard)
+            h, _ = read_header(stage / shard)
             total += sum(r["data_offsets"][1] - r["data_offsets"][0] for k, r in h.items() if k != "__metadata__")
         index.setdefault("metadata", {})["total_size"] = total
-        _write_json(temp / _INDEX, index, 2)
+        _write_json(stage / _INDEX, index, 2)
+        steps("index")
     records = {m.record_key or m.module: storage_record(m.module, shapes[m.module], plan.bits) for m in plan.modules}
     note = {"bits": plan.bits, "tp_sizes": list(plan.tp_sizes),
             "modules": {m.module: m.source.weight for m in sorted(plan.modules, key=lambda m: m.module)},
@@ -582,13 +815,56 @@ def _assemble(plan: HydratePlan, temp: Path, results: dict[str, dict[str, torch.
         cfg = json.loads((plan.source / "config.json").read_text())
         cfg["quantization_config"]["tensor_storage"].update(records)
         cfg["quantization_config"][HYDRATED_BY] = note
-        _write_json(temp / "config.json", cfg, 2)
+        _write_json(stage / "config.json", cfg, 2)
     else:
         qc = json.loads((plan.source / _QUANT).read_text())
         qc.setdefault("tensor_storage", {}).update(records)
         qc[HYDRATED_BY] = note
-        _write_json(temp / _QUANT, qc, 4)
+        _write_json(stage / _QUANT, qc, 4)
+    steps("storage")
+    for folder in sorted({(stage / rel).parent for rel in plan.unchanged_files} | {stage}):
+        _fsync_dir(folder)
     return linked, copied
+
+
+def _assembled(temp: Path, stage: Path) -> Optional[dict]:
+    """The ``assembled.json`` record when ``stage`` (or OUT, renamed from it) is the folder it was written for."""
+    try:
+        record = json.loads((temp / _ASSEMBLED).read_text())
+        st = os.lstat(stage)
+    except (OSError, ValueError):
+        return None
+    ok = stat.S_ISDIR(st.st_mode) and [record.get("dev"), record.get("ino")] == [st.st_dev, st.st_ino]
+    return record if ok else None
+
+
+def _committed(out: Path) -> bool:
+    """OUT is the folder a hydrate assembled and renamed into place, stopped before it removed its temporary
+    folder: the same command finishes it."""
+    return _assembled(temp_dir(out), out) is not None
+
+
+def _remove(path: Path) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:  # gone already (a second run finishing the same OUT)
+        pass
+
+
+def _remove_temp(temp: Path) -> None:
+    """Remove the temporary folder, ``assembled.json`` last (a run stopped half-way still finds it)."""
+    for p in sorted(temp.iterdir()) if temp.is_dir() else ():
+        if p.name == _ASSEMBLED:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            _remove(p)
+        else:
+            p.unlink(missing_ok=True)
+    (temp / _ASSEMBLED).unlink(missing_ok=True)
+    try:
+        temp.rmdir()
+    except FileNotFoundError:
+        pass
 
 
 def _share(modules: list[HydrateModule], workers: int) -> list[list[HydrateModule]]:
@@ -603,19 +879,24 @@ def _share(modules: list[HydrateModule], workers: int) -> list[list[HydrateModul
 
 
 def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeFn] = None,
-            on_layer: Optional[LayerFn] = None) -> Optional[HydrateReport]:
+            on_layer: Optional[LayerFn] = None, on_step: Optional[StepFn] = None) -> Optional[HydrateReport]:
     """Run ``plan``: encode (or reuse) every module, write OUT atomically. Returns the report.
 
-    A run killed at any point leaves SOURCE untouched and OUT absent; the same command resumes from the per-layer
-    results kept in the temporary folder beside OUT and writes the same bytes. ``encode`` replaces the encoder
-    (tests); ``on_layer(done, total, module, seconds, reused)`` hears of each module. Under ``torchrun`` each
-    process encodes its share (by tiles) on its GPU, and worker 0 writes OUT and returns the report (None elsewhere).
+    Stopped at any point (SIGKILL, Ctrl-C, a full disk, a corrupt shard), the run leaves SOURCE untouched and OUT
+    either absent or complete; the same command resumes from the per-module results kept in the temporary folder
+    beside OUT and writes the same bytes (or, OUT complete, removes what is left). Ctrl-C always ends in
+    KeyboardInterrupt. An error names the file and where the results are kept; a run that kept no result leaves
+    no temporary folder. ``encode`` replaces the encoder (tests); ``on_layer(done, total, module, seconds,
+    reused)`` hears of each module, ``on_step(name)`` of each step (``STEPS``). Under ``torchrun`` each process
+    encodes its share (by tiles) on its GPU and keeps its results in the temporary folder; worker 0 writes OUT from
+    them and returns the report (None elsewhere). Host memory: one module's encode and a 16 MiB copy buffer.
 
     Args:
         plan: ``plan_hydrate``'s result.
         device: auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N.
         encode: an encoder ``(weight [K, N] float32, bits, seed, device) -> EncodedLinear`` (None: ``encode_linear``).
         on_layer: hears of each module done.
+        on_step: hears of each step done (a test kills or stops the run there).
 
     Returns:
         A ``HydrateReport`` (``as_json()``: the ``--json`` document), or None on a torchrun worker other than 0.
@@ -626,45 +907,108 @@ def hydrate(plan: HydratePlan, *, device: str = "auto", encode: Optional[EncodeF
     if plan.already_stored:
         return HydrateReport(plan, 0, 0, 0, 0, plan.bytes_before, 0.0, noop=True)
     ctx = distributed_context()
-    if ctx.worker != 0:
-        return _run(plan, ctx, device, encode, on_layer, start)
-    _check_paths(plan.source, plan.out)  # bad paths refused before anything is created beside OUT
-    with _exclusive(plan.out):
-        return _run(plan, ctx, device, encode, on_layer, start)
+    with _interrupts() as stop:
+        steps = _Steps(on_step, stop)
+        try:
+            if ctx.worker != 0:
+                return _run(plan, ctx, device, encode, on_layer, steps, start, None)
+            _check_paths(plan.source, plan.out)  # bad paths refused before anything is created beside OUT
+            with _exclusive(plan.out) as lock:
+                steps("locked")
+                report = _run(plan, ctx, device, encode, on_layer, steps, start, lock)
+        except Exception as exc:
+            if stop.hit:  # what Ctrl-C broke on its way (an import wraps it in a RuntimeError): it is an interrupt
+                raise KeyboardInterrupt from exc
+            raise
+    stop.defer = False
+    stop.check()  # a Ctrl-C held off while OUT was renamed into place and the temporary folder removed
+    return report
 
 
 def _run(plan: HydratePlan, ctx, device: str, encode: Optional[EncodeFn], on_layer: Optional[LayerFn],
-         start: float) -> Optional[HydrateReport]:
-    """``hydrate``'s work, worker 0 holding OUT's lock."""
+         steps: _Steps, start: float, lock: Optional[_Lock]) -> Optional[HydrateReport]:
+    """``hydrate``'s work; worker 0 holds OUT's lock (``lock``) and answers for the temporary folder."""
+    temp = temp_dir(plan.out)
+    if ctx.worker != 0:
+        if _told(ctx, None) != "go":  # worker 0 refused, or found OUT complete already
+            return None
+        _encode_share(plan, ctx, device, encode, on_layer, steps, temp)
+        return None
+    ours = False
+    try:
+        finishing = _committed(plan.out)
+        if not finishing:
+            _prepare_temp(plan, temp)
+            ours = True
+            steps("prepared")
+    except BaseException as exc:
+        _told(ctx, "stop")
+        raise _fault(plan, temp, exc, ours) from None
+    _told(ctx, "finish" if finishing else "go")
+    try:
+        if finishing:  # OUT complete: a run stopped after its rename; what it left is removed
+            return _finish(plan, temp, lock, steps, start, 0, len(plan.modules), finishing=True)
+        encoded, reused = _encode_share(plan, ctx, device, encode, on_layer, steps, temp)
+        stage = temp / _STAGE
+        if _assembled(temp, stage) is None:  # else a run stopped before its rename: OUT is assembled already
+            (temp / _ASSEMBLED).unlink(missing_ok=True)
+            _remove(stage)
+            for m in plan.modules:  # every worker's share is kept before OUT is written
+                if _load_result(_result_path(temp, m.module), _fingerprint(plan, m), m, plan.bits) is None:
+                    raise InputError(f"{m.module}: its result is missing from {temp / _LAYERS} (a worker stopped?); "
+                                     "run the command again to resume")
+            linked, copied = _assemble(plan, stage, temp, steps)
+            st = os.stat(stage)
+            _write_json(temp / _ASSEMBLED, {"dev": st.st_dev, "ino": st.st_ino, "linked": linked, "copied": copied,
+                                            "job": _job_json(plan)}, 0)
+            _fsync_dir(temp)
+        steps("assembled")
+        steps.stop.defer = True  # from here OUT is complete: a Ctrl-C is raised once the clean-up is done
+        os.rename(stage, plan.out)
+        _fsync_dir(plan.out.parent)
+        steps("renamed")
+        return _finish(plan, temp, lock, steps, start, encoded, reused)
+    except BaseException as exc:
+        raise _fault(plan, temp, exc, ours) from None
+
+
+def _told(ctx, state: Optional[str]) -> Optional[str]:
+    """Under torchrun, worker 0's word to the others once it has prepared the temporary folder: ``go`` (encode your
+    share), ``finish`` (OUT is complete already) or ``stop`` (refused). Elsewhere ``state`` as it is."""
+    if not ctx.initialised:
+        return state
+    import torch.distributed as dist
+
+    box = [state]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != "go":
+        dist.destroy_process_group()
+    return box[0]
+
+
+def _encode_share(plan: HydratePlan, ctx, device: str, encode: Optional[EncodeFn], on_layer: Optional[LayerFn],
+                  steps: _Steps, temp: Path) -> tuple[int, int]:
+    """Encode this process's share of the modules, each result saved before the next (nothing kept in memory);
+    under torchrun, the counts of all workers (worker 0) once every worker is done: only counts travel, the results
+    are files in the temporary folder."""
     from exl3tool.plan.request import resolve_device
 
     dev = resolve_device(device, ctx.local_rank)
-    temp = temp_dir(plan.out)
-    work = temp / _WORK
-    mods = plan.modules
-    fingerprints = {m.module: _fingerprint(plan, m) for m in mods}
-    if ctx.worker == 0:
-        _prepare_temp(plan, temp, work, fingerprints)
-    if ctx.initialised:
-        import torch.distributed as dist
-
-        dist.barrier()
-    mine = _share(mods, ctx.workers)[ctx.worker] if ctx.initialised else mods
+    mine = _share(plan.modules, ctx.workers)[ctx.worker] if ctx.initialised else plan.modules
     encoded = reused = 0
-    results: dict[str, dict[str, torch.Tensor]] = {}
     for i, m in enumerate(mine, 1):
         t0 = time.perf_counter()
-        path = _result_path(work, m.module)
-        got = _load_result(path, fingerprints[m.module])
-        was_kept = got is not None
-        if got is None:
+        path, fingerprint = _result_path(temp, m.module), _fingerprint(plan, m)
+        was_kept = _load_result(path, fingerprint, m, plan.bits) is not None
+        if not was_kept:
             enc = _encode_module(plan, m, encode, dev)
-            got = exl3_tensors_of(m.module, enc.trellis, enc.suh, enc.svh)
-            _save_result(path, got, fingerprints[m.module])
+            _save_result(path, exl3_tensors_of(m.module, enc.trellis, enc.suh, enc.svh), fingerprint)
+            del enc
             encoded += 1
+            steps(f"saved {m.module}")
         else:
             reused += 1
-        results[m.module] = got
+            steps.stop.check()
         if on_layer is not None:
             on_layer(i, len(mine), m.module, time.perf_counter() - t0, was_kept)
     if ctx.initialised:
@@ -673,39 +1017,102 @@ def _run(plan: HydratePlan, ctx, device: str, encode: Optional[EncodeFn], on_lay
         counts: Optional[list] = [None] * ctx.workers if ctx.worker == 0 else None
         dist.gather_object((encoded, reused), counts, dst=0)
         dist.destroy_process_group()  # before any worker exits: gloo's threads abort a process that leaves them running
-        if ctx.worker != 0:
-            return None
-        assert counts is not None
-        encoded, reused = sum(c[0] for c in counts), sum(c[1] for c in counts)
-        for m in mods:  # the other workers' results, from the folder they wrote them to
-            if m.module not in results:
-                got = _load_result(_result_path(work, m.module), fingerprints[m.module])
-                if got is None:
-                    raise InputError(f"{m.module}: a worker's result is missing from {work}; run the command again "
-                                     "to resume")
-                results[m.module] = got
-    linked, copied = _assemble(plan, temp, results)
-    shutil.rmtree(work)
-    os.rename(temp, plan.out)
+        if ctx.worker == 0:
+            assert counts is not None
+            encoded, reused = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    return encoded, reused
+
+
+def _finish(plan: HydratePlan, temp: Path, lock: Optional[_Lock], steps: _Steps, start: float, encoded: int,
+            reused: int, finishing: bool = False) -> HydrateReport:
+    """OUT is in place: remove the lock file, then the temporary folder; the report. ``finishing``: OUT was renamed
+    by an earlier run of this job, stopped before its clean-up (another job's OUT is refused, its leftovers removed)."""
+    record = _assembled(temp, plan.out) or {}
+    steps.stop.defer = True
+    if lock is not None:
+        lock.drop()
+    steps("unlocked")
+    _remove_temp(temp)
+    steps("cleaned")
+    if finishing and record.get("job") != _job_json(plan):
+        raise ConfigError(f"OUT {plan.out} exists (a hydrate with other settings wrote it); remove it or name a new "
+                          "folder")
     after = sum((plan.out / f).stat().st_size for f in _files(plan.out))
-    return HydrateReport(plan, encoded, reused, linked, copied, after, round(time.perf_counter() - start, 3))
+    return HydrateReport(plan, encoded, reused, int(record.get("linked", 0)), int(record.get("copied", 0)), after,
+                         round(time.perf_counter() - start, 3))
 
 
-def _prepare_temp(plan: HydratePlan, temp: Path, work: Path, fingerprints: dict[str, str]) -> None:
+def _fault(plan: HydratePlan, temp: Path, exc: BaseException, ours: bool) -> BaseException:
+    """What a run stopped by ``exc`` leaves and says. OUT complete: the temporary folder removed as a finished run
+    would, ``exc`` as it is. Else, in a temporary folder this run prepared (``ours``), OUT's partial assembly is
+    removed (the next run assembles again), and the folder too when it keeps no result (a run refused at its first
+    module leaves nothing). An error names the file and where the results are kept. KeyboardInterrupt stays itself
+    (the CLI says where the results are kept; exit 130)."""
+    import errno
+
+    from exl3tool.errors import Exl3ToolError, describe
+
+    if _committed(plan.out):
+        try:
+            _remove_temp(temp)
+        except OSError:
+            pass
+        return exc
+    if not ours:
+        return exc
+    try:
+        (temp / _ASSEMBLED).unlink(missing_ok=True)
+        _remove(temp / _STAGE)
+        if not _kept(temp):
+            _remove(temp)
+    except OSError:
+        pass
+    if isinstance(exc, KeyboardInterrupt) or not isinstance(exc, (OSError, Exl3ToolError)):
+        return exc
+    n = _kept(temp)
+    kept = (f"the {plural(n, 'module')} encoded so far {'is' if n == 1 else 'are'} kept in {temp}" if n else "")
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        pending = [m for m in plan.modules
+                   if _load_result(_result_path(temp, m.module), _fingerprint(plan, m), m, plan.bits) is None]
+        needed, what = _bytes_to_write(plan, pending)
+        free = shutil.disk_usage(plan.out.parent).free
+        return InputError(f"{exc.filename or plan.out.parent}: no space left on its filesystem ({_mib(free)} free; the "
+                          f"rest of the run needs about {_mib(needed)}: {what}); free space, then run the same command "
+                          f"again" + (f" to resume ({kept})" if n else ""))
+    message = describe(exc) if isinstance(exc, OSError) else str(exc)
+    if n:
+        message += f"; {kept}: run the same command again to resume"
+    return InputError(message) if isinstance(exc, OSError) else type(exc)(message)
+
+
+def _prepare_temp(plan: HydratePlan, temp: Path) -> None:
     """Worker 0, before any encode: OUT still free, the temporary folder ours (or new), room for what is written."""
     _check_paths(plan.source, plan.out)
     job = _job_json(plan)
-    if temp.exists():
-        known = (work / "job.json").read_text() if (work / "job.json").is_file() else None
-        if known != job:
+    if temp.is_symlink() or (temp.exists() and not temp.is_dir()):
+        raise ConfigError(f"{temp}: not a folder hydrate made; remove it and run the command again")
+    if temp.is_dir():
+        try:
+            known = (temp / _JOB).read_text()
+        except OSError:
+            known = None
+        ours = {_JOB + ".part", _LAYERS, _STAGE, _ASSEMBLED, _ASSEMBLED + ".part"}
+        fresh = known is None and not _kept(temp) and all(p.name in ours for p in temp.iterdir())  # nothing kept
+        if known != job and not fresh:
             raise ConfigError(f"{temp}: a partial hydrate with other settings (or not exl3tool's) is there; remove "
                               "it to start over, or run the command that made it to resume it")
-    pending = [m for m in plan.modules if _load_result(_result_path(work, m.module), fingerprints[m.module]) is None]
+    fingerprints = {m.module: _fingerprint(plan, m) for m in plan.modules}
+    pending = [m for m in plan.modules
+               if _load_result(_result_path(temp, m.module), fingerprints[m.module], m, plan.bits) is None]
     _free_space_check(plan, temp, pending)
+    created = not temp.is_dir()
     try:
-        (work / "layers").mkdir(parents=True, exist_ok=True)
+        temp.mkdir(exist_ok=True)
+        if not (temp / _JOB).is_file():
+            _write_text(temp / _JOB, job)
+        (temp / _LAYERS).mkdir(exist_ok=True)
     except OSError as exc:
-        raise InputError(f"{plan.out.parent}: cannot create {temp.name} there ({exc.strerror}); choose a "
-                         "writable folder for OUT") from None
-    if not (work / "job.json").is_file():
-        (work / "job.json").write_text(job)
+        if created:
+            _remove(temp)
+        raise InputError(f"{exc.filename or temp}: cannot create it ({exc.strerror}); choose a writable folder with "
+                         "room for OUT") from None

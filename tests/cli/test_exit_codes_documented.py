@@ -94,6 +94,7 @@ CLAIMS = [
     ("docs/hydrate.md", "## Refusals (one line, exit 2, nothing written)", "hydrate"),
     ("docs/hydrate.md", "OUT is a no-op (exit 0", "hydrate"),
     ("docs/hydrate.md", "same OUT is refused at once (exit 2)", "hydrate"),
+    ("docs/hydrate.md", "Ctrl-C always ends the run", "hydrate"),
     ("docs/hydrate.md", "every online layer is stored` and exits 0", "hydrate"),
 ]
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -514,9 +515,13 @@ def test_inexpressible_kinds_are_refused_with_why(tmp_path, capsys):
     _nothing_left(tmp_path, tmp_path / "out")
 
 
+# a full disk's line: the file, then the free and the needed bytes
+NO_SPACE = r"^error: /\S+: no space left on its filesystem \([\d,.]+ (MiB|bytes) free; the rest of the run needs about [\d,.]+ (MiB|bytes)"
+
+
 def test_disk_filling_during_the_run_keeps_the_results_and_resumes(tmp_path, capsys, monkeypatch):
-    """ENOSPC at the third module: one error line, a line saying where the results are kept, no OUT; the same
-    command then reuses the two kept modules and writes OUT."""
+    """ENOSPC at the third module: one error line naming the file, the free and needed bytes and where the results
+    are kept, no OUT; the same command then reuses the two kept modules and writes OUT."""
     import errno
 
     import exl3tool.operations.hydrate as hy
@@ -534,7 +539,9 @@ def test_disk_filling_during_the_run_keeps_the_results_and_resumes(tmp_path, cap
     monkeypatch.setattr(hy, "_save_result", save)
     out = tmp_path / "out"
     code, _, err = run(["hydrate", src, out, "--device", "cpu"], capsys)
-    assert code == 2 and "No space left on device" in _one_line(err) and "kept in" in err
+    line = _one_line(err)
+    assert code == 2 and re.search(NO_SPACE, line), err
+    assert str(saved[-1].parent) in line and "2 modules encoded so far are kept in" in line  # names file and where
     assert not out.exists()
     monkeypatch.setattr(hy, "_save_result", real)
     code, stdout, err = run(["hydrate", src, out, "--device", "cpu", "--json"], capsys)
