@@ -34,6 +34,15 @@ cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, pru
                         no_args_is_help=True, cls=Exl3Group, rich_markup_mode=None)  # Click's help: see cli.py
 
 
+def _cache_dir(ctx: typer.Context, command: str, cache_dir: Optional[Path]) -> Optional[Path]:
+    """``--cache-dir``, refusing ``--server-release`` beside it (the release only picks the root it gives)."""
+    if cache_dir is not None:
+        from exl3tool.cli.commands.modes import refuse_unused
+
+        refuse_unused(ctx, command, "with --cache-dir")
+    return cache_dir
+
+
 def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
 
@@ -54,7 +63,8 @@ def _ranges(ranks: list[int]) -> str:
 
 
 @cache_app.command("ls", cls=Exl3Command)
-def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
+def ls(ctx: typer.Context, cache_dir: CacheDirOpt = None, model: ModelIdOpt = None,
+       server_release: ServerReleaseOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them).
 
     Exit codes: 0 listed (an empty cache too), 2 no such cache directory, usage or I/O error.
@@ -64,7 +74,7 @@ def ls(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = 
     from exl3tool.cache.listing import list_cache
 
     out = Output(json=json, quiet=quiet)
-    root = existing_cache_dir(cache_dir)
+    root = existing_cache_dir(_cache_dir(ctx, "cache ls", cache_dir), server_release=server_release)
     listing = list_cache(root, model=model)
     table = Table(title=f"EXL3 cache {root}", box=None, pad_edge=False, header_style="bold underline")  # 80 columns
     table.add_column("model identity", no_wrap=True, min_width=20)
@@ -126,8 +136,10 @@ def _find_entry(root: Path, entry: str) -> Path:
 
 @cache_app.command("show", cls=Exl3Command)
 def show(
+    ctx: typer.Context,
     entry: Annotated[str, typer.Argument(metavar="ENTRY", parser=non_empty("an entry file or its digest"), help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
     cache_dir: CacheDirOpt = None,
+    server_release: ServerReleaseOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -138,7 +150,7 @@ def show(
     from exl3tool.cache.scan import inspect_entry
 
     out = Output(json=json, quiet=quiet)
-    path = _find_entry(resolve_cache_dir(cache_dir), entry)
+    path = _find_entry(resolve_cache_dir(_cache_dir(ctx, "cache show", cache_dir), server_release), entry)
     try:
         info = inspect_entry(path)
     except ValueError as exc:
@@ -163,7 +175,8 @@ def show(
 
 
 @cache_app.command("verify", cls=Exl3Command)
-def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
+def verify(ctx: typer.Context, cache_dir: CacheDirOpt = None, model: ModelIdOpt = None,
+           server_release: ServerReleaseOpt = None, json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
     Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
@@ -178,7 +191,7 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
     from exl3tool.cache.scan import CacheHealth, scan
 
     out = Output(json=json, quiet=quiet)
-    root = existing_cache_dir(cache_dir)
+    root = existing_cache_dir(_cache_dir(ctx, "cache verify", cache_dir), server_release=server_release)
     health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model)])
     entries, valid, unchecked, invalid = health.entries, health.valid, health.unchecked, health.invalid
     bad_locks, temps, orphans, stale = health.broken_locks, health.temp_files, health.orphan_locks, health.stale_locks
@@ -225,6 +238,7 @@ def verify(cache_dir: CacheDirOpt = None, model: ModelIdOpt = None, json: JsonOp
 
 @cache_app.command("prune", cls=Exl3Command)
 def prune(
+    ctx: typer.Context,
     invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or exl3tool's checksums fail), broken lock paths and symlinked folders (the link, never its target).")] = False,
     temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and orphan locks that no live process holds.")] = False,
     older_than: Annotated[
@@ -235,6 +249,7 @@ def prune(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
     cache_dir: CacheDirOpt = None,
+    server_release: ServerReleaseOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -253,7 +268,7 @@ def prune(
     if older_than is not None and older_than < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--older-than")
     out = Output(json=json, quiet=quiet)
-    root = existing_cache_dir(cache_dir)
+    root = existing_cache_dir(_cache_dir(ctx, "cache prune", cache_dir), server_release=server_release)
     from exl3tool.cache.prune_report import PruneReport
     from exl3tool.cache.records import execute_record_prune, plan_record_prune, read_records
     from exl3tool.cache.scan import execute_prune, plan_prune, scan
@@ -338,6 +353,7 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
 
 @cache_app.command("export", cls=Exl3Command)
 def export(
+    ctx: typer.Context,
     out_path: Annotated[str, typer.Argument(metavar="OUT", parser=non_empty("a file, or - for stdout"), help="Bundle file to write, or - for stdout.")],
     model: ModelIdOpt = None,
     tp_sizes: Annotated[
@@ -345,6 +361,7 @@ def export(
                                     help="Only entries of these TP sizes, comma-separated (default: all).")
     ] = None,
     cache_dir: CacheDirOpt = None,
+    server_release: ServerReleaseOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -361,7 +378,7 @@ def export(
 
     from exl3tool.cache.bundle import plan_export, write_bundle, write_bundle_file
 
-    root = existing_cache_dir(cache_dir)
+    root = existing_cache_dir(_cache_dir(ctx, "cache export", cache_dir), server_release=server_release)
     if out_path == "-" and sys.stdout.isatty():
         raise ConfigError("refusing to write a bundle to a terminal; redirect stdout or pipe it (… | exl3tool cache import -)")
     plan = plan_export(root, model=model, tp_sizes=_tp_filter(tp_sizes))
@@ -434,17 +451,13 @@ def import_(
     from exl3tool.cli.commands.options import parse_file_mode
 
     out = Output(json=json, quiet=quiet)
-    root = resolve_cache_dir(cache_dir)
     if against is None:
-        given = [name for name, value in (
-            ("--exact", exact), ("--revision", revision), ("--layers", layers), ("--exclude", exclude),
-            ("--shared-experts", shared_experts), ("--quantization-config", quantization_config),
-            ("--encoder-root", encoder_root), ("--encoder-revision", encoder_revision),
-            ("--encoder-source", encoder_source), ("--server-path", server_path), ("--dtype", dtype != "auto"),
-            ("--device", device != "auto")) if value]
-        if given:
-            raise typer.BadParameter(f"{', '.join(given)} only apply with --against MODEL (the checkpoint the entries "
-                                     "are checked against)", param_hint=given[0])
+        from exl3tool.cli.commands.modes import refuse_unused
+
+        refuse_unused(ctx, "cache import", "without --against")
+        if cache_dir is not None:
+            refuse_unused(ctx, "cache import", "with --cache-dir and without --against")
+    root = resolve_cache_dir(cache_dir, server_release)
     try:
         store = CacheStore(root, "readwrite", file_mode=parse_file_mode(file_mode))
     except ValueError as exc:

@@ -9,6 +9,7 @@ import typer
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import lookup_off
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.launching import ImageRootOpt
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt, JsonOpt,
     LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt, TpSizesOpt,
@@ -48,6 +49,8 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     plan_notes(out, plan)
     for f in report.start_failures:
         out.warn(f"{f.text}; fix: {f.fix}")
+    for f in report.cannot_tell:
+        out.warn(f"cannot tell whether this server starts: {f.text}; fix: {f.fix}")
     for n, cause in enumerate(report.causes, 1):
         title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",
                  "unplanned": "miss"}[cause.kind]
@@ -104,6 +107,7 @@ def cache_check(
     service: ServiceOpt = None,
     image: ImageOpt = None,
     image_inspect: ImageInspectOpt = None,
+    image_root: ImageRootOpt = None,
     nodes: Annotated[list[str], typer.Option(
         "--nodes", metavar="[NAME=]FILE",
         help="Compare the identities of a fleet before a rollout instead: one `exl3tool identity --json` document "
@@ -116,7 +120,8 @@ def cache_check(
     Takes `cache warm`'s options and plans exactly as `cache warm --dry-run`; reads entry headers and provenance
     records only, never encodes or writes. Misses are grouped by cause (model identity component, encoder identity,
     bits, shape, TP layout, overlay; entries the server wrote itself), one line each with the fix. Run it where the
-    server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error.
+    server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error or
+    an assumed release (a label it does not know, a patched image not read: give --server-release).
 
     Example: exl3tool cache check /models/GLM-5.3 --tp-size 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
 
@@ -125,28 +130,32 @@ def cache_check(
     """
     out = Output(json=json_out, quiet=quiet)
     if nodes:
+        from exl3tool.cli.commands.modes import refuse_unused
+
+        refuse_unused(ctx, "cache check", "with --nodes")
         check_nodes(out, nodes)
         return
     request, given = request_from_options(ctx)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
                                                no_lookup="report")
-    from exl3tool.releases import default_release
+    from exl3tool.releases import no_online_encoding
 
-    rel = default_release(request.server_release)[0]
+    rel = request.release
     if settings is None and not rel.online_cache:
-        reason = (f"{rel.name} ships no online EXL3 cache (exl3_online_cache.py arrived with gilded-gnosis-r20 and "
-                  "infernal-invocation-r5): the server encodes at start-up and looks nothing up")
-        render_no_lookup(out, (reason,), {})
+        render_no_lookup(out, (no_online_encoding(rel),), {"release": request.release_choice.as_json()})
+        _refuse_assumption(request.release_choice.unknown)
         raise FindingsError("this server makes no cache look-up: a warm cache changes nothing for it")
     off = lookup_off(settings, environ)
     if off:
         what = "launch" if settings is not None else "environment"
         render_no_lookup(out, off, launch_json(settings), what)
+        _refuse_assumption(request.release_choice.unknown)
         raise FindingsError(f"this {what} makes no cache look-up: a warm cache changes nothing for it")
     from exl3tool.operations.check import check
 
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
+    _refuse_assumption(tuple(report.assumptions()))
     if report.start_failures:
         raise FindingsError(report.start_failures[0].text)
     if not report.ok:
@@ -156,6 +165,17 @@ def cache_check(
             what += (", and the server makes look-ups outside the plan that would miss" if bad else
                      f": the {len(report.lookups)} planned look-ups hit, but the server makes others that would miss")
         raise FindingsError(what if json_out else f"{what}; see the causes above")
+
+
+def _refuse_assumption(assumptions: tuple[str, ...]) -> None:
+    """``cache check`` never answers on an assumption: exit 2 naming what exl3tool did not know (the report above
+    says what it found under the assumed rules), with the fix."""
+    if assumptions:
+        from exl3tool.errors import ConfigError
+
+        more = f" (and {len(assumptions) - 1} more above)" if len(assumptions) > 1 else ""
+        raise ConfigError(f"no answer on an assumption: {assumptions[0]}{more}; name the release the server runs: "
+                          "--server-release NAME (docs/releases.md)")
 
 
 def check_nodes(out: Output, specs: list[str]) -> None:

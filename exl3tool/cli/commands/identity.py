@@ -11,6 +11,7 @@ from exl3tool.cli.commands.launching import (
     MODEL_HELP, EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, given_fields, launch_input, launch_json,
 )
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.launching import ImageRootOpt
 from exl3tool.cli.commands.options import (
     EncoderRevisionOpt, ServerReleaseOpt,
     EncoderRootOpt,
@@ -47,6 +48,7 @@ def identity(
     service: ServiceOpt = None,
     image: ImageOpt = None,
     image_inspect: ImageInspectOpt = None,
+    image_root: ImageRootOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

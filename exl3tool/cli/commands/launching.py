@@ -10,8 +10,8 @@ from exl3tool.cli.commands.group import Exl3Command
 from exl3tool.errors import ConfigError
 from exl3tool.cli.output import Output
 
-__all__ = ["LaunchOpt", "LaunchFileOpt", "ComposeOpt", "ServiceOpt", "ImageOpt", "ImageInspectOpt", "PidOpt", "EnvFileOpt", "LaunchCommand",
-           "launch_input", "given_fields", "apply_options",
+__all__ = ["LaunchOpt", "LaunchFileOpt", "ComposeOpt", "ServiceOpt", "ImageOpt", "ImageInspectOpt", "ImageRootOpt", "PidOpt",
+           "EnvFileOpt", "LaunchCommand", "launch_input", "launch_argv", "given_fields", "apply_options",
            "launch_json", "lookup_off", "MODEL_HELP"]
 
 LaunchOpt = Annotated[
@@ -65,6 +65,15 @@ ImageInspectOpt = Annotated[
         "runtime needed here); wins over inspecting the image here.",
     ),
 ]
+ImageRootOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--image-root", metavar="DIR",
+        help="The server image's files: a mounted or unpacked image root (`podman image mount IMAGE`), or its vllm "
+        "package folder. The fork modules there (exl3_online_cache.py, exl3.py) give the release's rules, over its "
+        "labels (a patched image keeps its release's labels; docs/releases.md).",
+    ),
+]
 PidOpt = Annotated[
     Optional[int],
     typer.Option("--pid", metavar="PID",
@@ -92,6 +101,11 @@ class LaunchCommand(Exl3Command):
         return super().parse_args(ctx, args)
 
 
+def launch_argv(ctx: typer.Context) -> Optional[tuple[str, ...]]:
+    """The server's argv given after ``--`` (None when there was no ``--``)."""
+    return ctx.meta.get(_ARGV_KEY)
+
+
 def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], env_files: list[str]):
     """The command's launch options as one ``LaunchInput``."""
     from exl3tool.launch import LaunchInput
@@ -105,7 +119,7 @@ def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], 
     params = ctx.params  # the launch forms every launch-taking command declares beside --launch
     return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_files), file=params.get("launch_file"),
                        compose=params.get("compose"), service=params.get("service"), image=params.get("image"),
-                       image_inspect=params.get("image_inspect"))
+                       image_inspect=params.get("image_inspect"), image_root=params.get("image_root"))
 
 
 def given_fields(ctx: typer.Context, fields: dict[str, str]) -> set[str]:
@@ -149,6 +163,12 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
                                  param_hint="'MODEL'")
     request, settings, environ = apply_launch(request, given, li, add_tp_sizes=add_tp_sizes,
                                               need_cache=need_cache)
+    choice = request.release_choice
+    if settings is None and choice.source not in ("default", "--server-release"):
+        out.note(choice.describe())  # a launch lists it with its settings
+    if settings is None:
+        for line in choice.unknown:  # a launch's are among its warnings
+            out.warn(line)
     if settings is None and li.image:  # no launch: the image's ENV is the server's environment
         from exl3tool.launch.request import launch_image
 

@@ -77,9 +77,9 @@ ServerReleaseOpt = Annotated[
     Optional[str],
     typer.Option(
         "--server-release", metavar="NAME",
-        help="The fork release the server runs (e.g. gilded-gnosis-r33, infernal-invocation-r18), whose cache root, "
-             "lock and start-up rules apply (docs/releases.md). Default: the one the image's labels name, else the "
-             "newest.",
+        help="The fork release the server runs (e.g. gilded-gnosis-r33, infernal-invocation-r18, a patched image's "
+             "gilded-gnosis-r34+pr312), whose cache root, lock and start-up rules apply (docs/releases.md). Default: "
+             "the one the image's files or labels name, else the newest (said as such).",
     ),
 ]
 EncoderSourceOpt = Annotated[
@@ -315,11 +315,13 @@ def request_from_options(ctx: typer.Context, *, skip: Collection[str] = (), **fi
     return ServerRequest(**values, **fields), given
 
 
-def resolve_cache_dir(cache_dir: Path | None) -> Path:
-    """``--cache-dir`` if given, else the server's cache root from the environment."""
+def resolve_cache_dir(cache_dir: Path | None, server_release: Any = None, environ: dict | None = None) -> Path:
+    """``--cache-dir`` if given, else the server's cache root from the environment, by the rule of the release
+    ``--server-release`` names (``exl3tool.releases.resolve_release``: the newest when none is named)."""
     from exl3tool.cache import cache_root
+    from exl3tool.releases import resolve_release
 
-    return cache_dir if cache_dir is not None else cache_root()
+    return cache_dir if cache_dir is not None else cache_root(environ, resolve_release(server_release).release)
 
 
 def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
@@ -349,17 +351,15 @@ def parse_file_mode(text: str) -> int:
     return mode
 
 
-def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None, server_release: str | None = None) -> Path:
-    """``resolve_cache_dir`` (with ``environ``: the server's environment), which must be an existing directory
-    (InputError otherwise, exit 2)."""
-    from exl3tool.cache import cache_root
+def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None, server_release: Any = None) -> Path:
+    """``resolve_cache_dir`` (with ``environ``: the server's environment; ``server_release``: a name or the run's
+    ``ReleaseChoice``), which must be an existing directory (InputError otherwise, exit 2)."""
     from exl3tool.errors import InputError
 
-    from exl3tool.releases import default_release
-
-    root = cache_dir if cache_dir is not None else cache_root(environ, default_release(server_release)[0])
+    root = resolve_cache_dir(cache_dir, server_release, environ)
     if not root.exists():
-        raise InputError(f"cache directory {root} does not exist (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
+        raise InputError(f"cache directory {root} does not exist (check --cache-dir, VLLM_EXL3_ONLINE_CACHE_DIR or "
+                         "--server-release)")
     if not root.is_dir():
         raise InputError(f"cache directory {root} is not a directory (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
     return root

@@ -10,6 +10,7 @@ import typer
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.launching import ImageRootOpt
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt, ExcludeOpt,
     JsonOpt, LayersOpt, ModelArg, QuantizationConfigOpt, QuietOpt, RevisionOpt, ServerPathOpt, SharedOpt,
@@ -114,6 +115,7 @@ def verify(
     service: ServiceOpt = None,
     image: ImageOpt = None,
     image_inspect: ImageInspectOpt = None,
+    image_root: ImageRootOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -135,6 +137,10 @@ def verify(
     if not max_kernel_err > 0 or (max_quant_err is not None and not max_quant_err > 0):
         raise typer.BadParameter("--max-kernel-err and --max-quant-err must be positive")
     row_counts = parse_positive_ints(rows, "--rows")
+    if against is not None:
+        from exl3tool.cli.commands.modes import refuse_unused
+
+        refuse_unused(ctx, "verify", "with --against")
     out = Output(json=json_out, quiet=quiet)
     request, given = request_from_options(ctx, mode="readonly")
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given)

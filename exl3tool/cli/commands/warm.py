@@ -11,6 +11,7 @@ from rich.filesize import decimal
 
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.launching import ComposeOpt, ImageInspectOpt, ImageOpt, LaunchFileOpt, ServiceOpt  # the other launch forms
+from exl3tool.cli.commands.launching import ImageRootOpt
 from exl3tool.cli.commands.options import (
     BitsOpt, CacheDirOpt, DeviceOpt, DryRunOpt, DtypeOpt, EncoderRevisionOpt, ServerReleaseOpt, EncoderRootOpt, EncoderSourceOpt,
     ExcludeOpt, FileModeOpt, GpuMemoryOpt, JsonOpt, LayersOpt, LockTimeoutOpt, ModelArg, OverlapOpt, ProgressOpt,
@@ -198,7 +199,7 @@ def _refuse_a_file_as_cache(request: ServerRequest, environ: Optional[dict]) -> 
     from exl3tool.cache.settings import cache_root
     from exl3tool.errors import InputError
 
-    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, request.release)
     if root.exists() and not root.is_dir():
         raise InputError(f"cache directory {root} is not a directory (check --cache-dir or "
                          "VLLM_EXL3_ONLINE_CACHE_DIR)")
@@ -237,6 +238,7 @@ def encode(
     service: ServiceOpt = None,
     image: ImageOpt = None,
     image_inspect: ImageInspectOpt = None,
+    image_root: ImageRootOpt = None,
     trust_encoder_identity: TrustEncoderOpt = False,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
@@ -314,6 +316,7 @@ def cache_warm(
     shard_count: ShardCountOpt = None,
     image: ImageOpt = None,
     image_inspect: ImageInspectOpt = None,
+    image_root: ImageRootOpt = None,
     trust_encoder_identity: TrustEncoderOpt = False,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
