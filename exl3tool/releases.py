@@ -32,7 +32,7 @@ from exl3tool.errors import ConfigError
 
 __all__ = [
     "CacheModule", "ServerRelease", "RELEASES", "CACHE_MODULES", "NEWEST", "newest", "release", "release_from_labels",
-    "default_release", "ReleaseChoice", "ForkModules", "resolve_release", "no_online_encoding", "PATCHES",
+    "ReleaseChoice", "ForkModules", "resolve_release", "no_online_encoding", "PATCHES",
     "git_blob", "exl3_unaligned_rule", "KEY_VARIABLES", "NO_KEY_VARIABLES", "variable_note", "server_vllm_root",
     "server_cache_root", "RELEASE_LABELS", "MXFP8_BLOCK", "unaligned_start_failure", "unaligned_start_unknown",
     "UNALIGNED_FIX", "R7_SCHEMA", "GLM53_SCOPE", "edit_distance",
@@ -500,12 +500,6 @@ def _from_modules(mods: ForkModules, named: Optional[ServerRelease], unknown: li
                      "mxfp8": "the releases' rule for unaligned shards (fork issue #311)",
                      "unknown": "its rule for unaligned shards is not known"}[rule])))
     return _assumed(ReleaseChoice(rel, "image files", files), unknown)
-
-
-def default_release(name: Optional[str] = None, labels: Optional[Mapping[str, str]] = None) -> tuple[ServerRelease, str]:
-    """``resolve_release(name, labels)`` as (release, one line): kept for callers of 0.2."""
-    choice = resolve_release(name, labels)
-    return choice.release, choice.describe()
 
 
 def no_online_encoding(rel: ServerRelease) -> str:

@@ -28,7 +28,7 @@ MODE_RULES: dict[tuple[str, str], tuple[str, ...]] = {
     # modules the hydrate recorded, at TP 1, with the bits it recorded); --exact compares cache entries only
     ("verify", "with --against"): ("exact", "tp_size", "tp_rank", *_PLAN, "cache_dir", "server_release", *_LAUNCH),
     # the fleet's identity documents are compared, nothing is planned
-    ("cache check", "with --nodes"): (*_PLAN, "tp_sizes", "cache_dir", "dtype", "server_release", *_LAUNCH),
+    ("cache check", "with --nodes"): ("model", *_PLAN, "tp_sizes", "cache_dir", "dtype", "server_release", *_LAUNCH),
     # a cache command's release only picks the cache root, which --cache-dir gives
     **{(command, "with --cache-dir"): ("server_release",)
        for command in ("cache ls", "cache show", "cache verify", "cache prune", "cache export")},
@@ -52,8 +52,8 @@ MODE_FIX: dict[tuple[str, str], str] = {
 
 def _flag(ctx: typer.Context, param: str) -> str:
     for p in ctx.command.params:
-        if p.name == param and getattr(p, "opts", None):
-            return max(p.opts, key=len)
+        if p.name == param:
+            return max(p.opts, key=len) if p.param_type_name == "option" else (p.metavar or p.name.upper())
     return "--" + param.replace("_", "-")
 
 
@@ -70,6 +70,7 @@ def refuse_unused(ctx: typer.Context, command: str, mode: str) -> None:
     if "launch" in MODE_RULES[(command, mode)] and launch_argv(ctx) is not None:
         given.append("-- ARGV")
     if given:
-        verb = "does" if len(given) == 1 else "do"
-        raise typer.BadParameter(f"{', '.join(given)} {verb} nothing {mode}: {MODE_FIX[(command, mode)]}",
+        fix = MODE_FIX[(command, mode)]
+        verb, fix = ("does", fix) if len(given) == 1 else ("do", fix.replace("drop it", "drop them"))
+        raise typer.BadParameter(f"{', '.join(given)} {verb} nothing {mode}: {fix}",
                                  param_hint=given[0] if given[0].startswith("--") else None)
