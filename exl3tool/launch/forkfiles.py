@@ -55,19 +55,25 @@ class _Root:
 
 
 def _read(view: _Root, path: str) -> Optional[bytes]:
-    """The bytes of the image's ``path`` (links followed in the image), or None when it is not a regular file."""
+    """The bytes of the image's ``path`` (links followed in the image); None when the image has no such file. A file
+    that is there but cannot be read (permissions, far too large for the module) is a ConfigError naming it: taken
+    as absent, it would turn an image that encodes online into one that does not."""
     try:
         here = view.to_host(server_realpath(view, path, "the image's vllm module"))
-    except (ConfigError, OSError):
+    except ConfigError:
+        return None  # a loop of links, or a part exl3tool cannot reach: no file there
+    if here is None or not os.path.exists(here):
         return None
-    if here is None or not os.path.isfile(here):
-        return None
+    if not os.path.isfile(here):
+        raise ConfigError(f"{here}: not a regular file where the image's {posixpath.basename(path)} should be")
     try:
         with open(here, "rb") as fh:
             data = fh.read(_MAX_BYTES + 1)
-    except OSError:
-        return None
-    return data if len(data) <= _MAX_BYTES else None
+    except OSError as exc:
+        raise ConfigError(f"{here}: cannot read the image's {posixpath.basename(path)} ({exc.strerror or exc})") from None
+    if len(data) > _MAX_BYTES:
+        raise ConfigError(f"{here}: over {_MAX_BYTES >> 20} MiB, not the fork's {posixpath.basename(path)}")
+    return data
 
 
 def _package(view: _Root, package: str) -> Optional[ForkModules]:

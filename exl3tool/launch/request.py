@@ -142,7 +142,10 @@ def _modules(launch: LaunchInput, server: Optional[ServerLaunch]):
         return read_fork_modules(launch.image_root)
     root = getattr(getattr(server, "paths", None), "root", None) if server is not None else None
     if server is not None and server.form == "pid" and root:
-        return read_fork_modules(root, required=False)
+        try:
+            return read_fork_modules(root, required=False)
+        except ConfigError:  # its files are not readable from here: the release comes from its labels, as said
+            return None
     return None
 
 
