@@ -362,6 +362,9 @@ def test_a_line_without_online_encoding_says_so_and_points_to_hydrate(tiny_llama
     code, out, err = run(["cache", "check", str(tiny_llama), "--server-release", name, "--cache-dir", str(tmp_path),
                           "--json", *ENC_ARGS], capsys)  # without a launch: the same answer
     assert code == 1 and json.loads(out)["server_lookup"] is False and "exl3tool hydrate" in out
+    code, out, err = run(["hydrate", str(tiny_llama), str(tmp_path / "out"), "--dry-run", "--json",
+                          "--server-release", name, "--launch", _launch(tiny_llama, tmp_path / "c")], capsys)
+    assert code == 0 and json.loads(out)["modules"], err  # what it points to plans for that server (before: refused)
 
 
 UNKNOWN_LABELS = {

@@ -172,7 +172,7 @@ def prepare(request: ServerRequest, *, environ: Optional[dict] = None, check_hit
     from exl3tool.releases import no_online_encoding
 
     release = request.release
-    if not release.online_cache:
+    if not release.online_cache and request.mode != "off":  # mode off looks nothing up (hydrate's plan)
         raise ConfigError(f"nothing to plan: {no_online_encoding(release)} (check --server-release; "
                           "docs/releases.md)")
     serving_torch_dtype(request.dtype)  # a ConfigError for anything the server cannot run with

@@ -13,6 +13,9 @@ from exl3tool.cli.commands.options import (
     BitsOpt, DeviceOpt, DtypeOpt, ExcludeOpt, JsonOpt, LayersOpt, QuantizationConfigOpt, QuietOpt, SharedOpt,
     TpSizesOpt, request_from_options,
 )
+from exl3tool.cli.commands.options import (
+    ServerReleaseOpt,
+)
 from exl3tool.cli.output import Output, plural
 
 __all__ = ["register", "hydrate_command"]
@@ -37,6 +40,7 @@ def hydrate_command(
     quantization_config: QuantizationConfigOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    server_release: ServerReleaseOpt = None,
     leave_unaligned: Annotated[bool, typer.Option(
         "--leave-unaligned", help="Keep BF16 the layers a server at one of --tp-size could not slice in 128-blocks "
         "(default: refuse, naming the first).")] = False,
@@ -68,7 +72,7 @@ def hydrate_command(
     out = Output(json=json_out, quiet=quiet)
     request, given = request_from_options(ctx)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
-                                               need_cache=False)
+                                               need_cache=False, no_lookup="ignore")
     extra = launch_json(settings)
     plan = plan_hydrate(request, out_dir, leave_unaligned=leave_unaligned, environ=environ)
     for prefix, why in plan.left_bf16:

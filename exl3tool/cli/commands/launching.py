@@ -149,7 +149,9 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
     Returns ``(request, settings or None, the server's environment or None)``; a command without MODEL and without
     a launch is a usage error. A launch whose server makes no look-up (``settings.lookup_off``) is, by
     ``no_lookup``: ``"refuse"`` a usage error (nothing to encode or verify for it: exit 2), ``"report"`` left to
-    the command (``cache check`` reports it as a finding), ``"warn"`` said on stderr (``identity``).
+    the command (``cache check`` reports it as a finding), ``"warn"`` said on stderr (``identity``), ``"ignore"``
+    nothing (``hydrate``: the checkpoint it writes is loaded whatever the server's cache does, and a release that
+    encodes nothing online is what it is for).
     """
     from exl3tool.launch import apply_launch
 
@@ -189,7 +191,7 @@ def apply_options(ctx: typer.Context, out: Output, request, launch: Optional[str
         ignored = list(settings.launch.ignored) + list(settings.launch.args.ignored)
         if ignored:
             out.note("ignored (no effect on a look-up): " + "; ".join(ignored))
-    off = lookup_off(settings, environ)
+    off = lookup_off(settings, environ) if no_lookup != "ignore" else ()
     if off:
         why = "; ".join(off)
         what = "launch" if settings is not None else "environment"
