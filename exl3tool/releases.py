@@ -438,8 +438,10 @@ def resolve_release(name: Union[str, ReleaseChoice, None] = None, labels: Option
         except ConfigError:
             unknown.append(f"exl3tool's published-images table names the image's release {table_release!r}, which "
                            "its release table lacks")
-    if modules is not None:
-        return _from_modules(modules, row, unknown)
+    if modules is not None:  # the files decide: a label exl3tool cannot place changes none of their rules
+        choice = _from_modules(modules, row, [])
+        said = "; ".join(u for u in unknown)
+        return replace(choice, detail=choice.detail + (f" (labels: {said})" if said else ""))
     if row is not None and row.online_cache and _patched_tag(image):
         unknown.append(f"the image {image} carries {row.name}'s labels but its name says it is patched: exl3tool did "
                        f"not read its exl3.py, so it cannot tell whether a shard neither 128-aligned nor a multiple of "
@@ -493,7 +495,8 @@ def _from_modules(mods: ForkModules, named: Optional[ServerRelease], unknown: li
     rel = replace(
         base, cache=cache, unaligned=rule or "mxfp8", retry_nonfinite="_load_online_encoding_with_retry" in text,
         r7_checkpoints=R7_SCHEMA in text,
-        name=(f"{base.name}+pr312" if rule == "bf16" and cache == base.cache else base.name),
+        name=(f"{base.name}+pr312" if rule == "bf16" and cache == base.cache and named is not None else
+              base.name if named is not None else f"{base.name} (as the image's files read)"),
         patched=(f"its exl3.py (blob {mods.exl3_blob[:12]}) is no release's: "
                  + ("it encodes nothing online" if rule is None else
                     {"bf16": "PR #312's rule, a shard neither Trellis nor MXFP8 can hold stays BF16",
