@@ -287,7 +287,7 @@ def release(name: str) -> ServerRelease:
     base, plus, patch = name.partition("+")
     row = _BY_NAME.get(_canonical(base))
     if row is None:
-        raise ConfigError(f"--server-release {name!r} is not a release exl3tool knows ({_known_names()}; "
+        raise ConfigError(f"--server-release {_shown(name)!r} is not a release exl3tool knows ({_known_names()}; "
                           "docs/releases.md lists each)")
     if plus:
         key = _patch(patch)
@@ -326,6 +326,11 @@ def release_from_labels(labels: Optional[Mapping[str, str]]) -> Optional[ServerR
     return _label_release(labels or {})[0]
 
 
+def _shown(text: str) -> str:
+    """A label's or name's value for a one-line message: as is when short and printable, else escaped and cut."""
+    return text if text.isprintable() and len(text) <= 80 else repr(text[:80]) + ("..." if len(text) > 80 else "")
+
+
 def _label_release(labels: Mapping[str, str]) -> tuple[Optional[ServerRelease], str, list[str]]:
     """(the row the labels name, which label named it, what the release labels say that exl3tool cannot place)."""
     tree = (labels.get(RELEASE_LABELS[0]) or "").strip().lower()
@@ -335,15 +340,16 @@ def _label_release(labels: Mapping[str, str]) -> tuple[Optional[ServerRelease], 
     if by_tree:
         return _latest(by_tree), f"label {RELEASE_LABELS[0]}={tree[:12]}", []
     if tree:
-        unknown.append(f"the image's label {RELEASE_LABELS[0]}={tree[:12]} is the integration tree of no release "
-                       "exl3tool knows")
+        unknown.append(f"the image's label {RELEASE_LABELS[0]}={_shown(tree[:40])} is the integration tree of no "
+                       "release exl3tool knows")
     if name:
         try:
             row = release(name)
         except ConfigError:
-            unknown.append(f"the image's label {RELEASE_LABELS[1]}={name} names a release exl3tool does not know")
+            unknown.append(f"the image's label {RELEASE_LABELS[1]}={_shown(name)} names a release exl3tool does not "
+                           "know")
         else:
-            return row, f"label {RELEASE_LABELS[1]}={name}", unknown  # a tree beside it that no row has stays named
+            return row, f"label {RELEASE_LABELS[1]}={_shown(name)}", unknown  # a tree beside it that no row has stays named
     return None, "", unknown
 
 
@@ -428,7 +434,7 @@ def resolve_release(name: Union[str, ReleaseChoice, None] = None, labels: Option
     """
     if isinstance(name, ReleaseChoice):
         return name
-    if name:
+    if name is not None:  # "" too: a name was given, and it names nothing
         return ReleaseChoice(release(name), "--server-release", name)
     row, detail, unknown = _label_release(labels or {})
     source = "image label"
@@ -436,8 +442,8 @@ def resolve_release(name: Union[str, ReleaseChoice, None] = None, labels: Option
         try:
             row, detail, source = release(table_release), table_release, "published-images table"
         except ConfigError:
-            unknown.append(f"exl3tool's published-images table names the image's release {table_release!r}, which "
-                           "its release table lacks")
+            unknown.append(f"exl3tool's published-images table names the image's release {_shown(table_release)!r}, "
+                           "which its release table lacks")
     if modules is not None:  # the files decide: a label exl3tool cannot place changes none of their rules
         choice = _from_modules(modules, row, [])
         said = "; ".join(u for u in unknown)

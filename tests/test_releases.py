@@ -73,6 +73,11 @@ def test_an_unknown_release_is_a_usage_error_listing_the_known(tiny_llama, tmp_p
         release("gg-r34+pr999")
     with pytest.raises(ConfigError, match="encodes nothing online, so \\+pr312 changes nothing"):
         release("gg-r15+pr312")
+    with pytest.raises(ConfigError, match="'' is not a release"):
+        resolve_release("")  # given and empty: not the default
+    hostile = resolve_release(None, {"local-inference.release.name": "gg-r34\n\x1b[31mall hit " + "x" * 200})
+    assert hostile.assumed and "\n" not in hostile.unknown[0] and "\x1b" not in hostile.unknown[0]
+    assert len(hostile.unknown[0]) < 300
     for argv in (["cache", "check", str(tiny_llama), "--cache-dir", str(tmp_path), *ENC_ARGS], ["cache", "ls"],
                  ["cache", "import", "b.tar"], ["verify", str(tiny_llama), *ENC_ARGS]):
         code, _, err = run([*argv, "--server-release", "gg-r99"], capsys)
