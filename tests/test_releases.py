@@ -350,7 +350,7 @@ def test_a_release_without_the_online_cache_looks_nothing_up(tiny_llama, tmp_pat
     assert code == 1 and doc["server_lookup"] is False and "encodes no layer to EXL3 online" in doc["lookup_off"][0]
 
 
-@pytest.mark.parametrize("name", ["kimi-k3-production-lmcache-r5", "jovian-judgement-ds4-r5", "gg-r19"])
+@pytest.mark.parametrize("name", ["kimi-k3-production-lmcache-r5", "jovian-judgement-ds4-r5"])
 def test_a_line_without_online_encoding_says_so_and_points_to_hydrate(tiny_llama, tmp_path, capsys, name):
     """Kimi-K3 and Jovian Judgement images (their labels) encode nothing online: `cache check` says 0 look-ups and
     points to `exl3tool hydrate` (exit 1, as every launch that looks nothing up); a warm for them is a usage error."""
@@ -391,6 +391,8 @@ def test_an_unknown_release_label_is_named_and_never_answered_on(tiny_llama, tmp
     choice = resolve_release(None, labels)
     assert choice.assumed and choice.name == NEWEST and said in choice.unknown[0]
     assert choice.unknown[0].endswith(f"assumed {NEWEST}'s rules")
+    if case != "an unknown release name":
+        return  # the command line's answer is the same for every unknown label: run once
     cache = tmp_path / "c"
     fake_warm(ServerRequest(model=str(tiny_llama), cache_dir=str(cache), quantization_config=LINEAR, **ENC),
               monkeypatch)
