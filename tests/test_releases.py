@@ -218,6 +218,12 @@ def test_the_fork_modules_are_read_by_git_blob_and_through_the_images_links(tmp_
     odd = resolve_release(None, {"local-inference.vllm.integration.tree": release("gg-r34").tree}, modules=mods)
     assert odd.assumed and "exl3_online_cache.py is blob" in odd.unknown[0] and "no version" in odd.unknown[0]
     assert odd.release.unaligned == "bf16" and odd.source == "image files"  # what the files do tell is kept
+    upstream = tmp_path / "upstream/vllm"
+    (upstream / "model_executor/layers/quantization").mkdir(parents=True)
+    (upstream / "__init__.py").write_text("")
+    (upstream / "model_executor/layers/quantization/__init__.py").write_text("")
+    plain = resolve_release(None, {}, modules=read_fork_modules(str(upstream.parent)))
+    assert not plain.release.online_cache and "no EXL3 support" in plain.release.patched  # vLLM without exl3.py
     (root / "usr/local/venv").rename(root / "usr/local/elsewhere")  # /opt/venv now points at nothing in the image
     with pytest.raises(ConfigError, match="no vllm package there"):
         read_fork_modules(str(root))

@@ -104,7 +104,7 @@ def read_fork_modules(root: str, *, required: bool = True) -> Optional[ForkModul
     view = _Root(os.path.abspath(root))
     for package in ("/", "/vllm"):  # the package folder itself, or a site-packages folder
         found = _package(view, package.rstrip("/") or "")
-        if found is not None and found.exl3_blob is not None:
+        if found is not None:  # a vllm package, with or without EXL3 support
             return found
     hits: list[ForkModules] = []
     for prefix in VLLM_PREFIXES:
