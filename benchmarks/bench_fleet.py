@@ -51,6 +51,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from exl3tool.releases import newest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -218,7 +219,7 @@ def child_warm(preset: str, scale: str, model_dir: Path, cache: Path, device: st
     p = PRESETS[preset]
     overlay = _overlay(p)
     t0 = time.perf_counter()
-    full = plan_layers(open_checkpoint(str(model_dir)), overlay=overlay)
+    full = plan_layers(open_checkpoint(str(model_dir)), overlay=overlay, release=newest())
     whole = plan_sharing(full, p.tp_sizes)
     plan_seconds = time.perf_counter() - t0
     layers = p.tiny_layers if scale == "tiny" else p.layers

@@ -11,22 +11,31 @@ the fork's base commit and the resulting tree, which the images carry as the lab
 ``local-inference.vllm.integration.tree``; ``integration.patch``: the fork's ``exl3_online_cache.py`` and ``exl3.py``
 as that release ships them). Two versions of the cache module ship: blob ``2855f2b1`` (Gilded Gnosis r20 to r33,
 the rules of fork commit ``1702ed2d``) and blob ``335b04a5`` (Gilded Gnosis r34, Infernal Invocation r5 to r18, the
-rules of fork commit ``3cd48af0``). Releases before r20 (and Infernal Invocation r2 to r4) ship no online cache.
-Key, identities and entry format are the same in every version.
+rules of fork commit ``3cd48af0``). Releases before r20 (and Infernal Invocation r2 to r4) ship no online cache,
+nor do the Kimi-K3 and Jovian Judgement lines: their servers encode no layer to EXL3 online and load only what the
+checkpoint stores (``exl3tool hydrate`` writes that). Key, identities and entry format are the same in every version.
+
+One run follows one release, resolved once (``resolve_release``: ``--server-release``, else an image's fork modules,
+else its labels, else the newest, said as such) into a ``ReleaseChoice`` that the request carries; what could not be
+told (an unknown label, a patched image) is named in it, and ``cache check`` never answers on such an assumption.
 """
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+import re
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Optional, Union
 
 from exl3tool.errors import ConfigError
 
 __all__ = [
-    "CacheModule", "ServerRelease", "RELEASES", "CACHE_MODULES", "NEWEST", "release", "release_from_labels",
-    "default_release", "KEY_VARIABLES", "NO_KEY_VARIABLES", "variable_note", "server_vllm_root", "server_cache_root",
-    "RELEASE_LABELS", "MXFP8_BLOCK", "unaligned_start_failure", "UNALIGNED_FIX", "R7_SCHEMA", "GLM53_SCOPE", "edit_distance",
+    "CacheModule", "ServerRelease", "RELEASES", "CACHE_MODULES", "NEWEST", "newest", "release", "release_from_labels",
+    "ReleaseChoice", "ForkModules", "resolve_release", "no_online_encoding", "PATCHES",
+    "git_blob", "exl3_unaligned_rule", "KEY_VARIABLES", "NO_KEY_VARIABLES", "variable_note", "server_vllm_root",
+    "server_cache_root", "RELEASE_LABELS", "MXFP8_BLOCK", "unaligned_start_failure", "unaligned_start_unknown",
+    "UNALIGNED_FIX", "R7_SCHEMA", "GLM53_SCOPE", "edit_distance",
 ]
 
 MXFP8_BLOCK = 32  # the MXFP8 fallback's block: its create_weights refuses a K_r that is not a multiple of it
@@ -54,6 +63,13 @@ CACHE_MODULES: dict[str, CacheModule] = {
 }
 
 
+# What a 128-unaligned shard whose K_r is not a multiple of 32 does at start-up, by the exl3.py a server runs:
+# "mxfp8": built with the MXFP8 online method, whose create_weights raises (fork issue #311; every release's exl3.py);
+# "bf16": kept unquantized, the server starts (fork PR #312, in images that replace exl3.py, e.g. gg-r34-patched);
+# "unknown": exl3tool could not read which exl3.py the server runs (a patched image known by its labels only).
+UNALIGNED_RULES = ("mxfp8", "bf16", "unknown")
+
+
 @dataclass(frozen=True)
 class ServerRelease:
     """One release of the fork's images, as its composition records it."""
@@ -63,10 +79,12 @@ class ServerRelease:
     vllm_base: str  # the fork's base commit (12 hex)
     tree: str  # the integration tree (label local-inference.vllm.integration.tree)
     docker_commit: str  # the blackwell-llm-docker commit that recorded it
-    cache: Optional[str]  # key of CACHE_MODULES; None: no online EXL3 cache in this release
+    cache: Optional[str]  # key of CACHE_MODULES; None: no online EXL3 cache (and no online encode) in this release
     exl3_blob: Optional[str]  # exl3.py as the release ships it (12 hex), None when the patch leaves it as the base's
     retry_nonfinite: bool  # _load_online_encoding_with_retry: one more encode after a non-finite one
     r7_checkpoints: bool  # Exl3Config takes r7_routed_experts checkpoints whatever their quant_method
+    unaligned: str = "mxfp8"  # one of UNALIGNED_RULES
+    patched: str = ""  # what differs from the row it was derived from (a patched image's exl3.py), "" for a row
 
     @property
     def cache_module(self) -> Optional[CacheModule]:
@@ -74,14 +92,20 @@ class ServerRelease:
 
     @property
     def online_cache(self) -> bool:
+        """Whether this release encodes layers online and looks them up in the cache (the two came together)."""
         return self.cache is not None
 
-    # The rules below hold in every release that has the online cache (each exl3.py of the patches reads them so).
+    @property
+    def line(self) -> str:
+        """The release line: gilded-gnosis, infernal-invocation, kimi-k3, jovian-judgement."""
+        return next((p for p in _LINES if self.name.startswith(p + "-")), self.name.rpartition("-r")[0])
+
     @property
     def unaligned_falls_back_to(self) -> str:
-        """A 128-unaligned shard is built with the MXFP8 online method, which refuses K_r % 32 != 0 at start-up
-        (fork issue #311; PR #312, keeping such a layer BF16, is in no release)."""
-        return "mxfp8"
+        """What a 128-unaligned shard is built with: MXFP8 online, which refuses K_r % 32 != 0 at start-up (fork
+        issue #311) in every release's exl3.py; PR #312 (keeping such a shard BF16) is in none of the table's rows,
+        only in images that replace exl3.py (``unaligned == "bf16"``)."""
+        return {"mxfp8": "mxfp8", "bf16": "mxfp8, else bf16", "unknown": "unknown"}[self.unaligned]
 
     @property
     def encoder_source_tilde_expanded_for_import(self) -> bool:
@@ -99,7 +123,11 @@ class ServerRelease:
                 "lock_timeout_s": m.lock_timeout_s, "nonfinite_checks": m.nonfinite_checks,
                 "publish_fallback": m.publish_fallback},
             "retry_nonfinite": self.retry_nonfinite, "r7_checkpoints": self.r7_checkpoints,
-            "unaligned_shard": f"{self.unaligned_falls_back_to} (K_r % {MXFP8_BLOCK} != 0 fails at start-up)",
+            "unaligned_shard": None if not self.online_cache else {
+                "mxfp8": f"mxfp8 (K_r % {MXFP8_BLOCK} != 0 fails at start-up: fork issue #311)",
+                "bf16": f"mxfp8, or BF16 when K_r % {MXFP8_BLOCK} != 0 (the server starts: fork PR #312)",
+                "unknown": "not known (exl3tool did not read the server's exl3.py)"}[self.unaligned],
+            "patched": self.patched or None,
         }
 
 
@@ -109,7 +137,8 @@ def _row(name: str, date: str, base: str, tree: str, docker: str, cache: Optiona
                          r7_checkpoints=newer_loader)
 
 
-_GG, _II = "gilded-gnosis", "infernal-invocation"
+_GG, _II, _KK, _JJ = "gilded-gnosis", "infernal-invocation", "kimi-k3", "jovian-judgement"
+_LINES = (_GG, _II, _KK, _JJ)
 # name, recorded, fork base, integration tree, blackwell-llm-docker commit, cache module, exl3.py blob
 RELEASES: tuple[ServerRelease, ...] = (
     _row(f"{_GG}-r5", "2026-07-28", "4247d6765398", "936ed4829ed6b6a34b9052a7a2614333ee3b2623", "1e4d0c7", None, None),
@@ -181,14 +210,60 @@ RELEASES: tuple[ServerRelease, ...] = (
          "4a4baac4ae3b", newer_loader=True),
     _row(f"{_II}-r18", "2026-08-18", "6dc2f516688f", "f0fa1cefc1865d316c2478525f550e7646addc40", "07c6aa5", "newer",
          "4a4baac4ae3b", newer_loader=True),
+    # Kimi-K3: compositions on dev/infernal-invocation bases (whose exl3.py, blob bcb58fb8, has no online method:
+    # every Infernal Invocation patch adds it and exl3_online_cache.py as new files) and on dev/heraldic-harbinger;
+    # no patch adds either (docs/releases.md). exl3.py: the base's, or hh-runtime's rename of its kernel package.
+    _row(f"{_KK}-hh-runtime-r1", "2026-08-11", "6389c45f4d17", "6ecf5dbe724774b170fca82a366ab48ea9264830", "75b075f",
+         None, "39932667b1da"),
+    _row(f"{_KK}-production-lmcache-r1", "2026-08-16", "ad848fc4141f", "eed8e5e2a94cfee651fa34a0f026b849b2377438",
+         "499bac5", None, None),
+    _row(f"{_KK}-qsrt-ii-r3", "2026-08-16", "ad848fc4141f", "f21a391de0a1b127c93ac718fd7d1818f025317b", "2c469ba",
+         None, None),
+    _row(f"{_KK}-production-lmcache-r2", "2026-08-17", "abeaacfe9ace", "60141a0a953e787bcecc6b69d5d15a1af1a50eee",
+         "90997a7", None, None),
+    _row(f"{_KK}-production-lmcache-r3", "2026-08-17", "d6e0bb7c8132", "f66693106798399b8a6e3d89b7fe2588ba5f15dd",
+         "8d2851f", None, None),
+    _row(f"{_KK}-production-lmcache-r5", "2026-08-17", "d6e0bb7c8132", "e567fdcd8de761260d99e8142fb7eff31d473ff2",
+         "f5d10c3", None, None),
+    _row(f"{_KK}-production-lmcache-r6", "2026-08-17", "d6e0bb7c8132", "df13924cb12279f8144019800fad7e27640acaea",
+         "f7180f3", None, None),
+    _row(f"{_KK}-production-lmcache-mamba-dcp-protocol", "2026-08-18", "d6e0bb7c8132",
+         "f67105dd807842a3c1f1fc07931e1e4dadc0b68c", "de9f8dd", None, None),
+    _row(f"{_KK}-production-lmcache-vision-warmup", "2026-08-18", "6dc2f516688f",
+         "227d058dc47cf61699af4c2b087834ac8dfdec95", "c793832", None, None),
+    _row(f"{_KK}-production-lmcache-sampler-overlay", "2026-08-19", "6dc2f516688f",
+         "12776c0df15ca4087b636c43004b5bc1fde61434", "f9cc49c", None, None),
+    # Jovian Judgement (dev/jovian-judgement, a line apart from dev/infernal-invocation): the DeepSeek-V4-Flash
+    # compositions cherry-pick fork PRs 628, 630 and 634, none of which touches a file under
+    # vllm/model_executor/layers/quantization/ (docs/releases.md); the r5 image is tagged 20260904.
+    _row(f"{_JJ}-ds4-r3", "2026-09-04", "a50ebee1d246", "d6f9e777bdf23304ace1ce3b311935390009a149", "50043a9",
+         None, None),
+    _row(f"{_JJ}-ds4-r4", "2026-09-04", "a50ebee1d246", "075caea7bf032731baeca337a9ee882ab8967c20", "572c134",
+         None, None),
+    _row(f"{_JJ}-ds4-r5", "2026-09-04", "a50ebee1d246", "08e1c7de14c4754facf53d26f0888f649a478ff4", "7e7e9e4",
+         None, None),
 )
 _BY_NAME = {r.name: r for r in RELEASES}
-NEWEST = max(RELEASES, key=lambda r: r.date).name  # infernal-invocation-r18
+# the release a command follows when nothing names one (and says so): the newest that encodes online
+NEWEST = max((r for r in RELEASES if r.online_cache), key=lambda r: r.date).name  # infernal-invocation-r18
+
+
+def newest() -> ServerRelease:
+    """The newest release of the table that encodes online (``NEWEST``): what a command follows, and says it
+    follows, when neither ``--server-release`` nor the server's image names one."""
+    return _BY_NAME[NEWEST]
 
 # Image labels that name the release (the fork's Dockerfiles set them): the integration tree is exact; a release
 # name label is read when it spells one of ours.
 RELEASE_LABELS = ("local-inference.vllm.integration.tree", "local-inference.release.name")
 _ALIASES = {"gg": _GG, "gilded-gnosis-v20": _GG, "ii": _II, "infernal-invocation-vllm": _II}
+
+# Patches an image may carry over a release, named after the fork PR: ``--server-release gilded-gnosis-r34+pr312``
+# for an image that replaces r34's exl3.py with PR #312's (malaiwah/qwen38-27b-exl3's gg-r34-patched).
+PATCHES: dict[str, dict[str, str]] = {
+    "pr312": {"unaligned": "bf16",
+              "what": "fork PR #312's exl3.py: a shard neither Trellis nor MXFP8 can hold stays BF16 (the server starts)"},
+}
 
 
 def _canonical(text: str) -> str:
@@ -200,53 +275,253 @@ def _canonical(text: str) -> str:
     return s
 
 
+def _patch(text: str) -> Optional[str]:
+    """The PATCHES key ``text`` spells (``pr312``, ``PR #312``, ``pr-312``), or None."""
+    key = re.sub(r"[\s#_-]", "", text.lower())
+    return key if key in PATCHES else None
+
+
 def release(name: str) -> ServerRelease:
-    """The row for ``name`` (``infernal-invocation-r18``, ``gilded-gnosis-v20-r33``, ``gg-r33``, ``GG r33``);
-    ConfigError listing the names otherwise."""
-    row = _BY_NAME.get(_canonical(name))
+    """The row for ``name`` (``infernal-invocation-r18``, ``gilded-gnosis-v20-r33``, ``gg-r33``, ``GG r33``, a patched
+    image's ``gilded-gnosis-r34+pr312``); ConfigError listing the names otherwise."""
+    base, plus, patch = name.partition("+")
+    row = _BY_NAME.get(_canonical(base))
     if row is None:
-        names = ", ".join(f"{line}-r{lo}..r{hi}" for line, lo, hi in _ranges())
-        raise ConfigError(f"--server-release {name!r} is not a release exl3tool knows ({names}; "
+        raise ConfigError(f"--server-release {_shown(name)!r} is not a release exl3tool knows ({_known_names()}; "
                           "docs/releases.md lists each)")
+    if plus:
+        key = _patch(patch)
+        if key is None:
+            raise ConfigError(f"--server-release {name!r}: +{patch} is not a patch exl3tool knows (+"
+                              f"{', +'.join(PATCHES)}; docs/releases.md)")
+        if not row.online_cache:
+            raise ConfigError(f"--server-release {name!r}: {row.name} encodes nothing online, so +{key} changes "
+                              "nothing; name the release alone")
+        row = replace(row, name=f"{row.name}+{key}", unaligned=PATCHES[key]["unaligned"], patched=PATCHES[key]["what"])
     return row
 
 
-def _ranges() -> list[tuple[str, int, int]]:
-    out: dict[str, list[int]] = {}
+def _known_names() -> str:
+    out: dict[str, list[str]] = {}
     for r in RELEASES:
-        line, _, n = r.name.rpartition("-r")
-        out.setdefault(line, []).append(int(n))
-    return [(line, min(ns), max(ns)) for line, ns in out.items()]
+        out.setdefault(r.line, []).append(r.name[len(r.line) + 1:])
+    parts = []
+    for line, tails in out.items():
+        numbered = [int(t[1:]) for t in tails if re.fullmatch(r"r\d+", t)]
+        if len(numbered) == len(tails):
+            parts.append(f"{line}-r{min(numbered)}..r{max(numbered)}")
+        else:
+            parts.append(f"{line}-* ({len(tails)} compositions)")
+    return ", ".join(parts)
+
+
+def _latest(rows: list[ServerRelease]) -> ServerRelease:
+    """Of rows sharing one tree (the same files, the same rules), the latest name."""
+    return max(rows, key=lambda r: (r.date, int(r.name.rpartition("-r")[2]) if r.name.rpartition("-r")[2].isdigit()
+                                    else 0))
 
 
 def release_from_labels(labels: Optional[Mapping[str, str]]) -> Optional[ServerRelease]:
-    """The release an image's labels name (its integration tree, else a release name label), or None."""
-    if not labels:
-        return None
+    """The release an image's labels name exactly (its integration tree, else a release name label), or None."""
+    return _label_release(labels or {})[0]
+
+
+def _shown(text: str) -> str:
+    """A label's or name's value for a one-line message: as is when short and printable, else escaped and cut."""
+    return text if text.isprintable() and len(text) <= 80 else repr(text[:80]) + ("..." if len(text) > 80 else "")
+
+
+def _label_release(labels: Mapping[str, str]) -> tuple[Optional[ServerRelease], str, list[str]]:
+    """(the row the labels name, which label named it, what the release labels say that exl3tool cannot place)."""
     tree = (labels.get(RELEASE_LABELS[0]) or "").strip().lower()
-    if tree:
-        found = [r for r in RELEASES if r.tree == tree]
-        if found:
-            # a tree shipped by several releases: the same files, the same rules; the latest name
-            return max(found, key=lambda r: (r.date, int(r.name.rpartition("-r")[2])))
     name = (labels.get(RELEASE_LABELS[1]) or "").strip()
-    return _BY_NAME.get(_canonical(name)) if name else None
-
-
-def default_release(name: Optional[str] = None, labels: Optional[Mapping[str, str]] = None) -> tuple[ServerRelease, str]:
-    """The release a command follows and why: ``--server-release NAME``, else the one an image label names, else
-    the newest."""
+    unknown: list[str] = []
+    by_tree = [r for r in RELEASES if tree and r.tree == tree]
+    if by_tree:
+        return _latest(by_tree), f"label {RELEASE_LABELS[0]}={tree[:12]}", []
+    if tree:
+        unknown.append(f"the image's label {RELEASE_LABELS[0]}={_shown(tree[:40])} is the integration tree of no "
+                       "release exl3tool knows")
     if name:
-        return release(name), "--server-release"
-    found = release_from_labels(labels)
-    if found is not None:
-        return found, "the image's labels"
-    return _BY_NAME[NEWEST], "the newest release (no --server-release, no image label names one)"
+        try:
+            row = release(name)
+        except ConfigError:
+            unknown.append(f"the image's label {RELEASE_LABELS[1]}={_shown(name)} names a release exl3tool does not "
+                           "know")
+        else:
+            return row, f"label {RELEASE_LABELS[1]}={_shown(name)}", unknown  # a tree beside it that no row has stays named
+    return None, "", unknown
+
+
+def _patched_tag(image: str) -> str:
+    """The tag of an image reference whose name says it is patched (``localhost/vllm:gg-r34-patched``), or ""."""
+    ref = image.rsplit("/", 1)[-1].partition("@")[0]
+    tag = ref.partition(":")[2] or ref
+    return tag if re.search(r"patch", tag, re.IGNORECASE) else ""
+
+
+@dataclass(frozen=True)
+class ForkModules:
+    """The fork's modules as a server's image holds them (``launch.forkfiles.read_fork_modules`` reads them): the
+    cache module and ``exl3.py``, by git blob, and ``exl3.py``'s text for the rules that no blob of the table names."""
+
+    where: str  # the vllm package folder they were read from
+    cache_blob: Optional[str]  # git blob (40 hex) of exl3_online_cache.py; None: the image has none
+    exl3_blob: Optional[str]  # git blob of exl3.py; None: the image's vLLM has no EXL3 support
+    exl3_text: str = field(default="", repr=False, compare=False)
+
+
+def git_blob(data: bytes) -> str:
+    """The git blob id of a file's bytes (what a patch's ``index`` line and ``git hash-object`` name)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+_PR312 = re.compile(r"self\.fallback\s*=\s*UnquantizedLinearMethod\(\)")
+_PR311 = re.compile(r"self\.fallback\s*=\s*Mxfp8OnlineLinearMethod\(\)")
+
+
+def exl3_unaligned_rule(text: str) -> Optional[str]:
+    """What an ``exl3.py`` does with a shard that is neither 128-aligned nor a multiple of 32 wide, read from its
+    ``Exl3OnlineLinearMethod.create_weights``: "bf16" (PR #312: ``self.fallback = UnquantizedLinearMethod()``),
+    "mxfp8" (the releases': the MXFP8 fallback, unconditional, which raises), "unknown" (neither form), None when
+    the file has no online method at all (it encodes nothing online)."""
+    if "class Exl3OnlineLinearMethod" not in text:
+        return None
+    if _PR312.search(text):
+        return "bf16"
+    return "mxfp8" if _PR311.search(text) else "unknown"
+
+
+@dataclass(frozen=True)
+class ReleaseChoice:
+    """The release one run follows, where it came from, and what could not be told (each naming the label, name or
+    file it did not know and what was assumed): ``cache check`` never answers on an assumption."""
+
+    release: ServerRelease
+    source: str  # "--server-release" | "image files" | "image label" | "published-images table" | "default"
+    detail: str = ""
+    unknown: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.release.name
+
+    @property
+    def assumed(self) -> bool:
+        """Whether the rules applied rest on an assumption (an unknown label, a patched image not read)."""
+        return bool(self.unknown)
+
+    def describe(self) -> str:
+        """One line: the release and where it came from."""
+        how = {"default": "no --server-release, and neither the image's labels nor its files name a release: the "
+                          "newest that encodes online"}.get(self.source, self.source + (f" ({self.detail})" if
+                                                                                       self.detail else ""))
+        return f"server release {self.release.name}: {how}" + (f"; {self.release.patched}" if self.release.patched
+                                                                 else "")
+
+    def as_json(self) -> dict:
+        return {"name": self.release.name, "source": self.source, "detail": self.detail or None,
+                "assumed": self.assumed, "unknown": list(self.unknown), "rules": self.release.as_json()}
+
+
+def resolve_release(name: Union[str, ReleaseChoice, None] = None, labels: Optional[Mapping[str, str]] = None, *,
+                    image: str = "", table_release: str = "", modules: Optional[ForkModules] = None) -> ReleaseChoice:
+    """The release a run follows, resolved once: ``--server-release NAME`` (``name``; an unknown one is a
+    ConfigError), else the fork modules the server's image holds (``modules``), else the release its labels name
+    (``labels``; ``table_release``: the one exl3tool's published-images table names for it), else the newest that
+    encodes online, said as such. A label that names no known release, or an image whose name says it is patched
+    and whose files were not read, is an assumption named in ``ReleaseChoice.unknown``.
+    """
+    if isinstance(name, ReleaseChoice):
+        return name
+    if name is not None:  # "" too: a name was given, and it names nothing
+        return ReleaseChoice(release(name), "--server-release", name)
+    row, detail, unknown = _label_release(labels or {})
+    source = "image label"
+    if row is None and table_release:
+        try:
+            row, detail, source = release(table_release), table_release, "published-images table"
+        except ConfigError:
+            unknown.append(f"exl3tool's published-images table names the image's release {_shown(table_release)!r}, "
+                           "which its release table lacks")
+    if modules is not None:  # the files decide: a label exl3tool cannot place changes none of their rules
+        choice = _from_modules(modules, row, [])
+        said = "; ".join(u for u in unknown)
+        return replace(choice, detail=choice.detail + (f" (labels: {said})" if said else ""))
+    if row is not None and row.online_cache and _patched_tag(image):
+        unknown.append(f"the image {image} carries {row.name}'s labels but its name says it is patched: exl3tool did "
+                       f"not read its exl3.py, so it cannot tell whether a shard neither 128-aligned nor a multiple of "
+                       f"{MXFP8_BLOCK} wide fails the start ({row.name}: fork issue #311) or stays BF16 (fork PR "
+                       "#312); give its files (--image-root DIR) or name it (--server-release "
+                       f"{row.name}+pr312, or {row.name})")
+        row = replace(row, unaligned="unknown", patched=f"patched image {image}: its exl3.py was not read")
+    if row is not None:
+        return _assumed(ReleaseChoice(row, source, detail), unknown)
+    return _assumed(ReleaseChoice(newest(), "default"), unknown)
+
+
+def _assumed(choice: ReleaseChoice, unknown: list[str]) -> ReleaseChoice:
+    """``choice`` with each unknown sentence ending in what was assumed."""
+    said = tuple(u if "assumed" in u else f"{u}; assumed {choice.release.name}'s rules" for u in unknown)
+    return replace(choice, unknown=said)
+
+
+def _from_modules(mods: ForkModules, named: Optional[ServerRelease], unknown: list[str]) -> ReleaseChoice:
+    """The release whose rules the image's own modules follow: a row when its blobs are a row's (the labelled one
+    first), else the labelled (or newest) row with the rules its files give."""
+    base = named or newest()
+    where = mods.where
+    if mods.exl3_blob is None:
+        rel = replace(base, cache=None, patched=f"no exl3.py under {where}: this vLLM has no EXL3 support")
+        return _assumed(ReleaseChoice(rel, "image files", where), unknown)
+    rule = exl3_unaligned_rule(mods.exl3_text)
+    cache: Optional[str] = None
+    if rule is not None:  # the online method, which the cache module serves
+        if mods.cache_blob is None:
+            unknown.append(f"{where}: exl3.py encodes online but the image holds no exl3_online_cache.py")
+            cache = base.cache or "newer"
+        else:
+            cache = next((k for k, m in CACHE_MODULES.items() if m.blob == mods.cache_blob), None)
+            if cache is None:
+                unknown.append(f"{where}: exl3_online_cache.py is blob {mods.cache_blob[:12]}, no version exl3tool "
+                               f"knows ({', '.join(m.blob[:8] for m in CACHE_MODULES.values())})")
+                cache = base.cache or "newer"
+    rows = [r for r in RELEASES if r.cache == cache and r.exl3_blob and mods.exl3_blob.startswith(r.exl3_blob)]
+    files = (f"{where}: exl3.py {mods.exl3_blob[:12]}" + (f", exl3_online_cache.py {mods.cache_blob[:12]}"
+                                                         if mods.cache_blob else ", no exl3_online_cache.py"))
+    if rows:
+        row = named if named in rows else _latest(rows)
+        return _assumed(ReleaseChoice(row, "image files", files), unknown)
+    if rule is None and not base.online_cache:
+        return _assumed(ReleaseChoice(base, "image files", files), unknown)  # no online encoding, as labelled
+    if rule == "unknown":
+        unknown.append(f"{where}: exl3.py (blob {mods.exl3_blob[:12]}) is no release's, and exl3tool cannot read from "
+                       f"it what a shard neither 128-aligned nor a multiple of {MXFP8_BLOCK} wide does")
+    text = mods.exl3_text
+    rel = replace(
+        base, cache=cache, unaligned=rule or "mxfp8", retry_nonfinite="_load_online_encoding_with_retry" in text,
+        r7_checkpoints=R7_SCHEMA in text,
+        name=(f"{base.name}+pr312" if rule == "bf16" and cache == base.cache and named is not None else
+              base.name if named is not None else f"{base.name} (as the image's files read)"),
+        patched=(f"its exl3.py (blob {mods.exl3_blob[:12]}) is no release's: "
+                 + ("it encodes nothing online" if rule is None else
+                    {"bf16": "PR #312's rule, a shard neither Trellis nor MXFP8 can hold stays BF16",
+                     "mxfp8": "the releases' rule for unaligned shards (fork issue #311)",
+                     "unknown": "its rule for unaligned shards is not known"}[rule])))
+    return _assumed(ReleaseChoice(rel, "image files", files), unknown)
+
+
+def no_online_encoding(rel: ServerRelease) -> str:
+    """Why a server of ``rel`` looks nothing up (one sentence, the fix included): it encodes nothing online."""
+    return (f"{rel.name} encodes no layer to EXL3 online (no exl3_online_cache.py nor online Trellis method: they "
+            "came with gilded-gnosis-r20 and infernal-invocation-r5, and the Kimi-K3 and Jovian Judgement lines ship "
+            "neither): the server loads only the EXL3 layers the checkpoint stores and looks nothing up; to serve "
+            "its BF16 layers as EXL3 there, store them: exl3tool hydrate MODEL OUT")
 
 
 # --- the cache root (one function: the library's cache_root and the launch's resolution both call it) ---------
 
-def server_vllm_root(get: Callable[[str], Optional[str]], rel: Optional[ServerRelease] = None) -> tuple[str, str]:
+def server_vllm_root(get: Callable[[str], Optional[str]], rel: ServerRelease) -> tuple[str, str]:
     """vLLM's cache root as the release's cache module computes it, before ``~`` expansion, and the variable that
     gave it (``""``: the built-in default).
 
@@ -254,7 +529,7 @@ def server_vllm_root(get: Callable[[str], Optional[str]], rel: Optional[ServerRe
     ``~/.cache/vllm`` (``os.getenv``: a variable set to "" counts as set). Older module: ``$VLLM_CACHE_ROOT``, else
     ``~/.cache/vllm``; ``XDG_CACHE_HOME`` is never read.
     """
-    module = (rel or _BY_NAME[NEWEST]).cache_module or CACHE_MODULES["newer"]
+    module = rel.cache_module or CACHE_MODULES["newer"]  # a release without the cache: vLLM's own root rule
     root = get("VLLM_CACHE_ROOT")
     if root is not None:
         return root, "VLLM_CACHE_ROOT"
@@ -265,7 +540,7 @@ def server_vllm_root(get: Callable[[str], Optional[str]], rel: Optional[ServerRe
     return "~/.cache/vllm", ""
 
 
-def server_cache_root(get: Callable[[str], Optional[str]], rel: Optional[ServerRelease] = None) -> tuple[str, str]:
+def server_cache_root(get: Callable[[str], Optional[str]], rel: ServerRelease) -> tuple[str, str]:
     """The online cache root (before ``~`` expansion) and the variable that gave it: a non-blank
     ``VLLM_EXL3_ONLINE_CACHE_DIR`` as given (not stripped), else ``server_vllm_root``/exl3_online."""
     value = get("VLLM_EXL3_ONLINE_CACHE_DIR")
@@ -278,16 +553,27 @@ def server_cache_root(get: Callable[[str], Optional[str]], rel: Optional[ServerR
 # --- start-up failures -----------------------------------------------------------------------------------------
 
 def unaligned_start_failure(k_r: int, rel: ServerRelease) -> Optional[str]:
-    """Why a server of ``rel`` fails at start-up building a 128-unaligned shard of input width ``k_r``, or None."""
-    if not rel.online_cache or k_r % MXFP8_BLOCK == 0:
+    """Why a server of ``rel`` fails at start-up building a 128-unaligned shard of input width ``k_r``, or None (it
+    starts: K_r is a multiple of 32, or its exl3.py keeps such a shard BF16, or it encodes nothing online)."""
+    if not rel.online_cache or k_r % MXFP8_BLOCK == 0 or rel.unaligned != "mxfp8":
         return None
     return (f"K_r={k_r} is not a multiple of {MXFP8_BLOCK}: {rel.name} builds a 128-unaligned shard with the MXFP8 "
             f"online method, whose create_weights raises \"MXFP8 requires input_size_per_partition ({k_r}) to be "
             f"divisible by {MXFP8_BLOCK}\" (fork issue #311)")
 
 
+def unaligned_start_unknown(k_r: int, rel: ServerRelease) -> Optional[str]:
+    """Why exl3tool cannot tell whether a server of ``rel`` starts with a 128-unaligned shard of width ``k_r`` (its
+    exl3.py was not read: a patched image), or None when it can."""
+    if not rel.online_cache or k_r % MXFP8_BLOCK == 0 or rel.unaligned != "unknown":
+        return None
+    return (f"K_r={k_r} is not a multiple of {MXFP8_BLOCK}: the releases' exl3.py fails the start on it (fork issue "
+            f"#311), PR #312's keeps it BF16, and exl3tool did not read which one this server runs ({rel.patched})")
+
+
 UNALIGNED_FIX = ("add the layer to the overlay's ignore list (it then stays BF16), or serve at a TP size where its K_r is "
-                 f"a multiple of {MXFP8_BLOCK}; the fork's fix (PR #312: such a shard stays BF16) is in no release yet")
+                 f"a multiple of {MXFP8_BLOCK}; the fork's fix (PR #312: such a shard stays BF16) is in no release, "
+                 "only in images that replace exl3.py (--server-release NAME+pr312)")
 
 
 # --- variables --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from exl3tool.checkpoint import open_checkpoint, plan_layers
 from exl3tool.plan.sharing import plan_sharing
+from exl3tool.releases import newest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -15,7 +16,7 @@ from fleet_models import QWEN38_OVERLAY, layer_of, write_model  # noqa: E402
 
 def test_qwen38_27b_plan_and_holes(tmp_path):
     model = write_model(tmp_path / "q", "qwen38-27b", real_layers=[3])
-    plan = plan_layers(open_checkpoint(str(model)), overlay=QWEN38_OVERLAY)
+    plan = plan_layers(open_checkpoint(str(model)), overlay=QWEN38_OVERLAY, release=newest())
     # 48 gated-delta-net layers x (in_proj_qkvz, out_proj) + 16 full-attention layers x (qkv_proj, o_proj)
     assert len(plan.layers) == 128
     figures = plan_sharing(plan, (1, 2, 4, 8))
@@ -27,7 +28,7 @@ def test_qwen38_27b_plan_and_holes(tmp_path):
 
 def test_glm53_flash_shares_g_a_proj(tmp_path):
     model = write_model(tmp_path / "f", "glm53-flash", real_layers=[])
-    plan = plan_layers(open_checkpoint(str(model)), overlay='{"linear": "mxfp8", "shared_experts": "mxfp8"}')
+    plan = plan_layers(open_checkpoint(str(model)), overlay='{"linear": "mxfp8", "shared_experts": "mxfp8"}', release=newest())
     figures = plan_sharing(plan, (2,))
     assert (figures["entries"], figures["encodes"], figures["tiles"]) == (452, 418, 10_772_480)
     assert figures["encodes_saved"] == 34  # the 34 KDA layers' g_a_proj, once for both ranks

@@ -128,7 +128,7 @@ def test_entry_path_is_the_servers_everywhere(tmp_path):
     assert entry_file(tmp_path, record, RecordEntry(key.digest(), key.prefix, 4, 3, "written")) == want
 
 
-def test_a_warm_for_an_older_release_with_xdg_cache_home_hits_its_server(tiny_llama, tmp_path, monkeypatch):
+def test_a_warm_for_an_older_release_with_xdg_cache_home_hits_its_server(tiny_llama, tmp_path, monkeypatch, capsys):
     """Before: exl3tool wrote under $XDG_CACHE_HOME/vllm/exl3_online, where a Gilded Gnosis r33 server never looks
     (its root is ~/.cache/vllm/exl3_online): every look-up missed. The independent server decides."""
     from helpers import fake_warm, server_encoder_identity, server_lookup, server_model_identity
@@ -151,3 +151,23 @@ def test_a_warm_for_an_older_release_with_xdg_cache_home_hits_its_server(tiny_ll
     assert jobs and hits(server_cache_root(env, "older")) == len(jobs)
     assert hits(server_cache_root(env, "newer")) == 0 and server_cache_root(env, "newer") != \
         server_cache_root(env, "older")
+    # one release per run: every cache command given the same --server-release reads the root the warm wrote
+    older = server_cache_root(env, "older")
+    r33 = ["--server-release", "gilded-gnosis-r33"]
+    code, out, err = run(["cache", "ls", "--json", *r33], capsys)
+    assert code == 0 and json.loads(out)["root"] == str(older) and json.loads(out)["entries"] == len(jobs), err
+    code, out, err = run(["cache", "verify", "--json", *r33], capsys)
+    assert code == 0 and json.loads(out)["entries"] == len(jobs), err
+    code, out, err = run(["cache", "prune", "--temp", "--dry-run", "--json", *r33], capsys)
+    assert code == 0 and str(older) in out, err
+    code, _, err = run(["cache", "show", jobs[0].digest[:12], *r33], capsys)
+    assert code == 0 and str(older) in err + _, err
+    bundle = tmp_path / "b.tar"
+    code, out, err = run(["cache", "export", str(bundle), "--json", *r33], capsys)
+    assert code == 0 and json.loads(out)["entries"] == len(jobs), err
+    code, out, err = run(["cache", "import", str(bundle), "--json", *r33], capsys)
+    assert code == 0 and json.loads(out)["present"] == len(jobs), err
+    code, _, err = run(["cache", "ls"], capsys)  # the newest release's root: not where the warm wrote
+    assert code == 2 and str(server_cache_root(env, "newer")) in err
+    code, _, err = run(["cache", "ls", "--cache-dir", str(older), *r33], capsys)
+    assert code == 2 and "--server-release does nothing with --cache-dir" in err

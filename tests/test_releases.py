@@ -17,7 +17,7 @@ from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
 from exl3tool.plan import ServerRequest, prepare
 from exl3tool.releases import (
-    CACHE_MODULES, NEWEST, RELEASES, default_release, release, release_from_labels, variable_note,
+    CACHE_MODULES, NEWEST, RELEASES, newest, release, release_from_labels, resolve_release, variable_note,
 )
 
 from helpers import (
@@ -38,14 +38,19 @@ def clean(monkeypatch):
 # --- the table ----------------------------------------------------------------------------------------------------
 
 def test_the_table_names_every_release_and_its_cache_module():
-    assert NEWEST == "infernal-invocation-r18" and default_release()[0].name == NEWEST
+    choice = resolve_release()
+    assert NEWEST == "infernal-invocation-r18" == newest().name == choice.name
+    assert choice.source == "default" and not choice.assumed  # said as the default, not an assumption
     for r in RELEASES:
         assert r.cache is None or r.cache in CACHE_MODULES
         line, _, n = r.name.rpartition("-r")
         if r.online_cache:  # the independent reading of which module each release ships
             assert r.cache == server_cache_module(r.name), r.name
+        elif r.line in ("kimi-k3", "jovian-judgement"):  # lines whose compositions add neither module
+            assert r.line == r.name[:len(r.line)] and not r.retry_nonfinite and not r.r7_checkpoints
         else:
             assert (line == "gilded-gnosis" and int(n) < 20) or (line == "infernal-invocation" and int(n) < 5)
+    assert len({r.tree for r in RELEASES if not r.online_cache and r.line in ("kimi-k3", "jovian-judgement")}) == 13
     older, newer = CACHE_MODULES["older"], CACHE_MODULES["newer"]
     assert (older.xdg_cache_home, older.lock_timeout_s, older.nonfinite_checks) == (False, None, False)
     assert (newer.xdg_cache_home, newer.lock_timeout_s, newer.nonfinite_checks) == (True, 600.0, True)
@@ -64,9 +69,19 @@ def test_release_names_as_operators_write_them(spelled, name):
 def test_an_unknown_release_is_a_usage_error_listing_the_known(tiny_llama, tmp_path, capsys):
     with pytest.raises(ConfigError, match="gilded-gnosis-r5..r34"):
         release("gilded-gnosis-r99")
-    code, _, err = run(["cache", "check", str(tiny_llama), "--server-release", "gg-r99", "--cache-dir",
-                        str(tmp_path), *ENC_ARGS], capsys)
-    assert code == 2 and "gg-r99" in err and "infernal-invocation-r2..r18" in err
+    with pytest.raises(ConfigError, match=r"\+pr999 is not a patch exl3tool knows \(\+pr312"):
+        release("gg-r34+pr999")
+    with pytest.raises(ConfigError, match="encodes nothing online, so \\+pr312 changes nothing"):
+        release("gg-r15+pr312")
+    with pytest.raises(ConfigError, match="'' is not a release"):
+        resolve_release("")  # given and empty: not the default
+    hostile = resolve_release(None, {"local-inference.release.name": "gg-r34\n\x1b[31mall hit " + "x" * 200})
+    assert hostile.assumed and "\n" not in hostile.unknown[0] and "\x1b" not in hostile.unknown[0]
+    assert len(hostile.unknown[0]) < 300
+    for argv in (["cache", "check", str(tiny_llama), "--cache-dir", str(tmp_path), *ENC_ARGS], ["cache", "ls"],
+                 ["cache", "import", "b.tar"], ["verify", str(tiny_llama), *ENC_ARGS]):
+        code, _, err = run([*argv, "--server-release", "gg-r99"], capsys)
+        assert code == 2 and "gg-r99" in err and "infernal-invocation-r2..r18" in err, (argv, err)
 
 
 def test_an_image_label_names_the_release():
@@ -76,9 +91,9 @@ def test_an_image_label_names_the_release():
     assert release_from_labels({"local-inference.release.name": "infernal-invocation-r12"}).name == \
         "infernal-invocation-r12"
     assert release_from_labels({"local-inference.release.name": "infernal-invocation-cu133-torch213"}) is None
-    rel, how = default_release(None, {"local-inference.vllm.integration.tree": r33.tree})
-    assert rel.cache == "older" and "label" in how
-    assert default_release("ii-r7", {"local-inference.vllm.integration.tree": r33.tree})[0].name == \
+    choice = resolve_release(None, {"local-inference.vllm.integration.tree": r33.tree})
+    assert choice.release.cache == "older" and choice.source == "image label" and not choice.assumed
+    assert resolve_release("ii-r7", {"local-inference.vllm.integration.tree": r33.tree}).name == \
         "infernal-invocation-r7"  # --server-release wins
 
 
@@ -118,6 +133,100 @@ def test_a_4304_wide_shard_means_the_server_does_not_start(wide, tmp_path, monke
                         "--quantization-config", LINEAR, "--json", *ENC_ARGS], capsys)
     doc = json.loads(out)
     assert code == 1 and doc["ok"] is False and doc["miss"] == 0 and doc["start_failures"][0]["field"] == "start"
+
+
+# --- a patched image: r34's labels, PR #312's exl3.py (the gg-r34-patched images) -----------------------------------
+
+# exl3.py as far as exl3tool reads it (our own minimal texts): the online method and its fallback for a shard that
+# is neither 128-aligned nor a multiple of 32 wide
+EXL3_PY = {"pr312": "class Exl3OnlineLinearMethod:\n    def create_weights(self):\n"
+                    "        self.fallback = UnquantizedLinearMethod()\n",
+           "issue311": "class Exl3OnlineLinearMethod:\n    def create_weights(self):\n"
+                       "        self.fallback = Mxfp8OnlineLinearMethod()\n"}
+RETRY_R7 = "def _load_online_encoding_with_retry(): pass\nR7 = 'r7-complete-v2-checkpoint-v1'\n"
+
+
+def _image_root(root, exl3: str, cache_module: bytes = b"# the cache module\n"):
+    """An unpacked image: the fork's vllm under /opt/venv, reached through an absolute link inside the image (as
+    images link their venvs), beside a link that points out of the image (never followed to this machine's /etc)."""
+    real = root / "usr/local/venv/lib/python3.12/site-packages/vllm"
+    quant = real / "model_executor/layers/quantization"
+    quant.mkdir(parents=True)
+    (real / "__init__.py").write_text("")
+    (quant / "__init__.py").write_text("")
+    (quant / "exl3.py").write_text(exl3 + RETRY_R7)
+    (quant / "exl3_online_cache.py").write_bytes(cache_module)
+    (root / "opt").mkdir()
+    (root / "opt/venv").symlink_to("/usr/local/venv")
+    (root / "usr/local/lib/python3.12/dist-packages").mkdir(parents=True)
+    (root / "usr/local/lib/python3.12/dist-packages/vllm").symlink_to("/etc")
+    return root
+
+
+def test_a_patched_image_is_never_said_not_to_start(wide, tmp_path, monkeypatch, capsys):
+    """gg-r34-patched images carry r34's labels and PR #312's exl3.py (a shard neither Trellis nor MXFP8 can hold
+    stays BF16: the server starts). Before: "this server will not start" (#311's rule, from the labels). Now: from
+    the labels alone exl3tool cannot tell (exit 2, naming it); from the image's files, or named, it answers."""
+    from dataclasses import replace as dc_replace
+
+    from exl3tool.releases import git_blob
+
+    cache = tmp_path / "cache"
+    fake_warm(ServerRequest(model=str(wide), cache_dir=str(cache), quantization_config=LINEAR, **ENC), monkeypatch)
+    r34 = release("gilded-gnosis-r34")
+    image = _inspect(tmp_path, "localhost/vllm:gg-r34-patched", {"local-inference.vllm.integration.tree": r34.tree})
+    base = ["cache", "check", "--launch", _launch(wide, cache), "--image", "localhost/vllm:gg-r34-patched"]
+    code, out, err = run([*base, "--image-inspect", image, "--json"], capsys)
+    assert code == 2, err
+    assert "will not start" not in err and "cannot tell whether this server starts" in err and "K_r=4304" in err
+    assert "gg-r34-patched" in err and "--server-release" in err and json.loads(out)["start_failures"] == []
+    code, _, err = run([*base, "--image-inspect", image, "--server-release", "gg-r34+pr312"], capsys)
+    assert code == 0, err  # named as patched: every look-up hits and the server starts
+    # the image's files: its exl3.py decides; a cache module exl3tool knows (the newer one's blob, here ours)
+    module = b"# our stand-in for the newer cache module\n"
+    monkeypatch.setitem(CACHE_MODULES, "newer", dc_replace(CACHE_MODULES["newer"], blob=git_blob(module)))
+    for rule, want in (("pr312", 0), ("issue311", 1)):
+        root = _image_root(tmp_path / rule, EXL3_PY[rule], module)
+        code, out, err = run([*base, "--image-inspect", image, "--image-root", str(root), "--json"], capsys)
+        doc = json.loads(out)
+        assert code == want, err
+        assert doc["settings"]["server_release"]["source"] == "image files"
+        assert doc["release"]["rules"]["unaligned_shard"].startswith("mxfp8, or BF16" if want == 0 else "mxfp8 (")
+        assert ("will not start" in err) == (want == 1) and "/etc" not in doc["release"]["detail"]
+    code, _, err = run([*base[:4], "--image-root", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "--image-root" in err and "not a folder" in err
+
+
+def test_the_fork_modules_are_read_by_git_blob_and_through_the_images_links(tmp_path):
+    """git's own blob ids (git hash-object) name the files; a file reached through a link out of the image is never
+    read from this machine."""
+    import shutil
+    import subprocess
+
+    from exl3tool.launch.forkfiles import read_fork_modules
+
+    root = _image_root(tmp_path / "img", EXL3_PY["pr312"])
+    mods = read_fork_modules(str(root))
+    quant = root / "usr/local/venv/lib/python3.12/site-packages/vllm/model_executor/layers/quantization"
+    assert mods.where.endswith("/opt/venv/lib/python3.12/site-packages/vllm")
+    if shutil.which("git"):
+        for name, blob in (("exl3.py", mods.exl3_blob), ("exl3_online_cache.py", mods.cache_blob)):
+            want = subprocess.run(["git", "hash-object", str(quant / name)], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+            assert blob == want
+    assert read_fork_modules(str(quant.parent.parent.parent)).exl3_blob == mods.exl3_blob  # the package itself
+    odd = resolve_release(None, {"local-inference.vllm.integration.tree": release("gg-r34").tree}, modules=mods)
+    assert odd.assumed and "exl3_online_cache.py is blob" in odd.unknown[0] and "no version" in odd.unknown[0]
+    assert odd.release.unaligned == "bf16" and odd.source == "image files"  # what the files do tell is kept
+    upstream = tmp_path / "upstream/vllm"
+    (upstream / "model_executor/layers/quantization").mkdir(parents=True)
+    (upstream / "__init__.py").write_text("")
+    (upstream / "model_executor/layers/quantization/__init__.py").write_text("")
+    plain = resolve_release(None, {}, modules=read_fork_modules(str(upstream.parent)))
+    assert not plain.release.online_cache and "no EXL3 support" in plain.release.patched  # vLLM without exl3.py
+    (root / "usr/local/venv").rename(root / "usr/local/elsewhere")  # /opt/venv now points at nothing in the image
+    with pytest.raises(ConfigError, match="no vllm package there"):
+        read_fork_modules(str(root))
 
 
 def test_a_128_unaligned_shard_that_is_32_aligned_starts(tmp_path, monkeypatch, capsys):
@@ -225,53 +334,126 @@ def test_newer_variables_are_known_and_change_no_key(tiny_llama, tmp_path, capsy
     assert variable_note("VLLM_EXL3_ONLINE_TRELLIS_BITS", "6") is None  # a key variable is a setting, not a note
 
 
+def _inspect(tmp_path, name, labels, env=None):
+    """A saved `docker image inspect` document of image ``name`` with ``labels`` (and ENV ``env``)."""
+    doc = [{"RepoTags": [name], "Config": {"Env": [f"{k}={v}" for k, v in (env or {}).items()], "Labels": labels,
+                                            "Entrypoint": None, "Cmd": None}}]
+    path = tmp_path / f"inspect-{abs(hash(name))}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _launch(model, cache, extra=""):
+    return (f"env VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE={ENC['encoder_root']} "
+            f"VLLM_EXL3_ENCODER_REVISION={ENC['encoder_revision']} VLLM_EXL3_ONLINE_CACHE_DIR={cache} {extra}"
+            f"vllm serve {model} --quantization-config {shlex.quote(LINEAR)}")
+
+
 def test_a_release_without_the_online_cache_looks_nothing_up(tiny_llama, tmp_path, capsys):
-    launch = (f"env VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r "
-              f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}/c vllm serve {tiny_llama} --quantization-config "
-              f"{shlex.quote(LINEAR)}")
-    code, out, err = run(["cache", "check", "--json", "--server-release", "gilded-gnosis-r15", "--launch", launch],
-                         capsys)
+    code, out, err = run(["cache", "check", "--json", "--server-release", "gilded-gnosis-r15", "--launch",
+                          _launch(tiny_llama, tmp_path / "c")], capsys)
     doc = json.loads(out)
-    assert code == 1 and doc["server_lookup"] is False and "no online EXL3 cache" in doc["lookup_off"][0]
+    assert code == 1 and doc["server_lookup"] is False and "encodes no layer to EXL3 online" in doc["lookup_off"][0]
 
 
-def test_the_images_label_selects_the_release_of_a_launch(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["kimi-k3-production-lmcache-r5", "jovian-judgement-ds4-r5"])
+def test_a_line_without_online_encoding_says_so_and_points_to_hydrate(tiny_llama, tmp_path, capsys, name):
+    """Kimi-K3 and Jovian Judgement images (their labels) encode nothing online: `cache check` says 0 look-ups and
+    points to `exl3tool hydrate` (exit 1, as every launch that looks nothing up); a warm for them is a usage error."""
+    row = release(name)
+    image = _inspect(tmp_path, "voipmonitor/vllm:x", {"local-inference.vllm.integration.tree": row.tree})
+    args = ["--image", "voipmonitor/vllm:x", "--image-inspect", image, "--launch", _launch(tiny_llama, tmp_path / "c")]
+    code, out, err = run(["cache", "check", "--json", *args], capsys)
+    doc = json.loads(out)
+    assert code == 1 and doc["server_lookup"] is False, err
+    assert f"{row.name} encodes no layer to EXL3 online" in doc["lookup_off"][0]
+    assert "exl3tool hydrate" in doc["lookup_off"][0] and doc["settings"]["server_release"]["source"] == "image label"
+    code, _, err = run(["cache", "warm", "--dry-run", *args], capsys)
+    assert code == 2 and "exl3tool hydrate" in err and row.name in err
+    code, out, err = run(["cache", "check", str(tiny_llama), "--server-release", name, "--cache-dir", str(tmp_path),
+                          "--json", *ENC_ARGS], capsys)  # without a launch: the same answer
+    assert code == 1 and json.loads(out)["server_lookup"] is False and "exl3tool hydrate" in out
+    code, out, err = run(["hydrate", str(tiny_llama), str(tmp_path / "out"), "--dry-run", "--json",
+                          "--server-release", name, "--launch", _launch(tiny_llama, tmp_path / "c")], capsys)
+    assert code == 0 and json.loads(out)["modules"], err  # what it points to plans for that server (before: refused)
+
+
+UNKNOWN_LABELS = {
+    "an unknown tree": ({"local-inference.vllm.integration.tree": "0123456789abcdef0123456789abcdef01234567"},
+                        "local-inference.vllm.integration.tree=0123456789ab"),
+    "an unknown release name": ({"local-inference.release.name": "kimi-k3-production-lmcache-r7"},
+                                "local-inference.release.name=kimi-k3-production-lmcache-r7"),
+    "a release of another line": ({"local-inference.release.name": "karmic-kraken-r3"},
+                                  "local-inference.release.name=karmic-kraken-r3"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNKNOWN_LABELS))
+def test_an_unknown_release_label_is_named_and_never_answered_on(tiny_llama, tmp_path, monkeypatch, capsys, case):
+    """Before: followed as infernal-invocation-r18 "because no image label names one" (one did) and answered "all
+    hit", exit 0. Now the label and the assumption are named, and `cache check` exits 2 until --server-release
+    names the release; with it, the hits (the independent server's) answer 0."""
+    labels, said = UNKNOWN_LABELS[case]
+    choice = resolve_release(None, labels)
+    assert choice.assumed and choice.name == NEWEST and said in choice.unknown[0]
+    assert choice.unknown[0].endswith(f"assumed {NEWEST}'s rules")
+    if case != "an unknown release name":
+        return  # the command line's answer is the same for every unknown label: run once
+    cache = tmp_path / "c"
+    fake_warm(ServerRequest(model=str(tiny_llama), cache_dir=str(cache), quantization_config=LINEAR, **ENC),
+              monkeypatch)
+    image = _inspect(tmp_path, "example.org/vllm:k3", labels)
+    base = ["cache", "check", "--image", "example.org/vllm:k3", "--image-inspect", image, "--launch",
+            _launch(tiny_llama, cache)]
+    code, out, err = run([*base, "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 2, err
+    assert said in err and f"assumed {NEWEST}'s rules" in err and "--server-release NAME" in err
+    assert doc["ok"] is False and doc["assumed"] is True and doc["hit"] == doc["lookups"] > 0
+    code, _, err = run([*base, "--server-release", "ii-r18"], capsys)
+    assert code == 0, err  # named: the same look-ups, now answered
+    code, _, err = run(["cache", "check", str(tiny_llama), "--cache-dir", str(cache), "--quantization-config", LINEAR,
+                        "--image", "example.org/vllm:k3", "--image-inspect", image, *ENC_ARGS], capsys)
+    assert code == 2 and said in err  # without a launch too
+
+
+def test_the_published_tables_release_name_is_read_or_named(tmp_path):
+    """exl3tool's image table names an image's release in words (Fathomless Firmament v17 has no labels)."""
+    assert resolve_release(None, {}, table_release="Gilded Gnosis v20 r33").name == "gilded-gnosis-r33"
+    choice = resolve_release(None, {}, table_release="Fathomless Firmament v17")
+    assert choice.assumed and "'Fathomless Firmament v17'" in choice.unknown[0]
+
+
+def test_the_images_label_selects_the_release_of_a_launch(tiny_llama, tmp_path):
     """An image labelled with gilded-gnosis-r33's integration tree gets the older cache module's root: its server
-    ignores XDG_CACHE_HOME. (The image reader sets ``image_labels`` on the launch's settings.)"""
-    import exl3tool.launch.request as req
+    ignores XDG_CACHE_HOME. The labels are read from the image's saved inspect document."""
     from exl3tool.launch import LaunchInput, apply_launch
 
     from helpers import server_cache_root
 
-    real = req.resolve_launch
     tree = release("gilded-gnosis-r33").tree
-
-    def labelled(*args, **kwargs):
-        settings = real(*args, **kwargs)
-        object.__setattr__(settings, "image_labels", {"local-inference.vllm.integration.tree": tree})
-        return settings
-
-    monkeypatch.setattr(req, "resolve_launch", labelled)
+    image = _inspect(tmp_path, "voipmonitor/vllm:r33", {"local-inference.vllm.integration.tree": tree})
     env = {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     launch = (f"env HOME={env['HOME']} XDG_CACHE_HOME={env['XDG_CACHE_HOME']} VLLM_EXL3_ONLINE_TRELLIS_BITS=6 "
               f"VLLM_EXL3_ENCODER_SOURCE=/e VLLM_EXL3_ENCODER_REVISION=r vllm serve {tiny_llama} "
               f"--quantization-config {shlex.quote(LINEAR)}")
-    request, settings, _ = apply_launch(ServerRequest(model=""), set(), LaunchInput(text=launch), environ={})
-    assert request.server_release == settings.server_release == "gilded-gnosis-r33"
+    li = LaunchInput(text=launch, image="voipmonitor/vllm:r33", image_inspect=image)
+    request, settings, _ = apply_launch(ServerRequest(model=""), set(), li, environ={})
+    assert request.release.name == settings.server_release == "gilded-gnosis-r33"
     assert settings.settings["server_release"].source == "image label"
     assert request.cache_dir == str(server_cache_root(env, "older"))
-    request, settings, _ = apply_launch(ServerRequest(model="", server_release="ii-r18"), {"server_release"},
-                                        LaunchInput(text=launch), environ={})
+    request, settings, _ = apply_launch(ServerRequest(model="", server_release="ii-r18"), {"server_release"}, li,
+                                        environ={})
     assert request.cache_dir == str(server_cache_root(env, "newer"))  # --server-release wins over the label
 
 
 def test_a_release_without_the_online_cache_checked_without_a_launch(tiny_llama, tmp_path, capsys):
     code, out, err = run(["cache", "check", str(tiny_llama), "--server-release", "ii-r3", "--cache-dir",
                           str(tmp_path), "--json", *ENC_ARGS], capsys)
-    assert code == 1 and json.loads(out)["server_lookup"] is False and "ships no online EXL3 cache" in out
+    assert code == 1 and json.loads(out)["server_lookup"] is False and "encodes no layer to EXL3 online" in out
 
 
 def test_nothing_to_warm_for_a_release_without_the_online_cache(tiny_llama, tmp_path, capsys):
     code, _, err = run(["cache", "warm", str(tiny_llama), "--server-release", "gilded-gnosis-r19", "--dry-run",
                         "--cache-dir", str(tmp_path), *ENC_ARGS], capsys)
-    assert code == 2 and "gilded-gnosis-r19 ships no online EXL3 cache" in err
+    assert code == 2 and "gilded-gnosis-r19 encodes no layer to EXL3 online" in err and "exl3tool hydrate" in err

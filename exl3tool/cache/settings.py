@@ -91,10 +91,11 @@ def _expanduser(path: str, env: Mapping[str, str]) -> str:
     return os.path.expanduser(path)
 
 
-def vllm_cache_root(environ: Mapping[str, str] | None = None, release: "ServerRelease | None" = None) -> Path:
-    """vLLM's cache root as ``release``'s cache module computes it (``exl3tool.releases.server_vllm_root``; None:
-    the newest release), ``~``-expanded: newer releases ``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else
-    ``~/.cache/vllm``; older ones (Gilded Gnosis up to r33) ignore ``XDG_CACHE_HOME``.
+def vllm_cache_root(environ: Mapping[str, str] | None, release: "ServerRelease") -> Path:
+    """vLLM's cache root as ``release``'s cache module computes it (``exl3tool.releases.server_vllm_root``; the run's
+    release, ``ServerRequest.release``), ``~``-expanded: newer releases ``VLLM_CACHE_ROOT``, else
+    ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``; older ones (Gilded Gnosis up to r33) ignore ``XDG_CACHE_HOME``.
+    ``environ`` None: this process's environment.
     """
     from exl3tool.releases import server_vllm_root
 
@@ -102,9 +103,11 @@ def vllm_cache_root(environ: Mapping[str, str] | None = None, release: "ServerRe
     return Path(_expanduser(server_vllm_root(env.get, release)[0], env))
 
 
-def cache_root(environ: Mapping[str, str] | None = None, release: "ServerRelease | None" = None) -> Path:
+def cache_root(environ: Mapping[str, str] | None, release: "ServerRelease") -> Path:
     """The server's cache root: ``VLLM_EXL3_ONLINE_CACHE_DIR`` (not stripped, not resolved) or
-    ``<VLLM_CACHE_ROOT>/exl3_online`` (``exl3tool.releases.server_cache_root``, the one rule, per release).
+    ``<VLLM_CACHE_ROOT>/exl3_online`` (``exl3tool.releases.server_cache_root``, the one rule, per release: the run's,
+    ``ServerRequest.release``; the root of Gilded Gnosis up to r33 ignores ``XDG_CACHE_HOME``). ``environ`` None:
+    this process's environment.
 
     A relative value stays relative (the server takes it relative to its own working directory).
     """

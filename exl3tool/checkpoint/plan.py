@@ -408,9 +408,9 @@ def _as_overlay(overlay: Overlay | str | None) -> Overlay:
     return resolve_overlay(overlay)
 
 
-def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None, layers: list[str] | None = None,
-                exclude: list[str] | None = None, language_model_only: bool = False,
-                release: "ServerRelease | None" = None) -> LayerPlan:
+def plan_layers(checkpoint: Checkpoint, *, release: ServerRelease, overlay: Overlay | str | None = None,
+                layers: list[str] | None = None, exclude: list[str] | None = None,
+                language_model_only: bool = False) -> LayerPlan:
     """Plan the server's online-encoded linears for ``checkpoint`` (headers only, no weights read).
 
     ``overlay`` is the server's ``--quantization-config`` (parsed ``Overlay`` or the JSON string; default: the
@@ -419,11 +419,13 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
     overlay, ``layers`` is required and the plan's ``server_lookup`` is False (unknown architectures: globs match
     checkpoint tensor names without ``.weight``; every matching 2-D floating weight becomes a ``replicated`` layer).
     ``language_model_only`` is the server's ``--language-model-only`` (or image and video limits of 0): the vision
-    tower is not built, so it makes no look-ups. Example: ``plan_layers(ckpt, overlay='{"linear": "mxfp8"}')
-    .for_tp(2)`` lists the entries a TP=2 server looks up.
+    tower is not built, so it makes no look-ups. ``release`` is the server's (``ServerRequest.release``; which
+    checkpoints it serves: r7 routed experts from gilded-gnosis-r34 on). Example: ``plan_layers(ckpt,
+    release=newest(), overlay='{"linear": "mxfp8"}').for_tp(2)`` lists the entries a TP=2 server looks up.
 
     Args:
         checkpoint: ``open_checkpoint``'s result.
+        release: the server's release (``exl3tool.releases``).
         overlay, layers, exclude, language_model_only: as described above.
 
     Returns:
@@ -433,7 +435,7 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
     arch = checkpoint.architecture
     family = family_for(arch)
     quant_file = read_json(checkpoint.root / QUANT_CONFIG)
-    view = serving_view(checkpoint.config, quant_file, family.storage_mapper if family else (), release)
+    view = serving_view(checkpoint.config, quant_file, family.storage_mapper if family else (), release=release)
     serialized: list[str] = []
     excluded: list[Excluded] = []
     notes: list[str] = list(view.kind.notes) if view.kind else []
@@ -501,8 +503,8 @@ def plan_layers(checkpoint: Checkpoint, *, overlay: Overlay | str | None = None,
 
 
 def tensors_to_fetch(root: Path, config: dict, names: Iterable[str], overlay: Overlay | str | None = None,
-                     layers: list[str] | None = None, exclude: list[str] | None = None,
-                     release: "ServerRelease | None" = None) -> set[str]:
+                     layers: list[str] | None = None, exclude: list[str] | None = None, *,
+                     release: ServerRelease) -> set[str]:
     """The tensor names ``plan_layers`` will read, from the config, the EXL3 metadata and the index only.
 
     A Hub download fetches just the shards holding these: for an EXL3 checkpoint of a large MoE only the BF16
@@ -515,7 +517,7 @@ def tensors_to_fetch(root: Path, config: dict, names: Iterable[str], overlay: Ov
     if family is None:
         return {n for n in names if n.endswith(".weight") and _matches(n.removesuffix(".weight"), layers)
                 and not _never(n.removesuffix(".weight"))} if layers else set()
-    view = serving_view(config, read_json(root / QUANT_CONFIG), family.storage_mapper, release)
+    view = serving_view(config, read_json(root / QUANT_CONFIG), family.storage_mapper, release=release)
     if view.refusal and not layers:
         return set()
     base_layers = _checkpoint_layers(family, names)

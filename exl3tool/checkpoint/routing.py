@@ -24,7 +24,7 @@ from exl3tool.checkpoint.families import Family, ModuleTemplate, text_config
 from exl3tool.checkpoint.overlay import Overlay
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.jsontext import read_json_object
-from exl3tool.releases import GLM53_SCOPE, R7_SCHEMA, ServerRelease, default_release
+from exl3tool.releases import GLM53_SCOPE, R7_SCHEMA, ServerRelease
 
 __all__ = [
     "NotServable", "CheckpointKind", "Route", "serving_kind", "storage_candidates", "StorageMap", "route_family",
@@ -264,12 +264,13 @@ def _r7(qc: Mapping[str, Any]) -> bool:
 
 
 def serving_kind(config: Mapping[str, Any], quant_file: Optional[Mapping[str, Any]],
-                 mapper: Iterable[tuple[str, Optional[str]]] = (), release: "ServerRelease | None" = None,
-                 ) -> CheckpointKind:
-    """The checkpoint's kind as ``Exl3Config.maybe_update_config`` reads it; NotServable with the server's reason.
+                 mapper: Iterable[tuple[str, Optional[str]]] = (), *, release: ServerRelease) -> CheckpointKind:
+    """The checkpoint's kind as ``Exl3Config.maybe_update_config`` of ``release`` reads it; NotServable with the
+    server's reason.
 
     ``config`` is config.json, ``quant_file`` quantization_config.json (None when absent), ``mapper`` the model's
-    hf_to_vllm prefix rules applied to the ``tensor_storage`` keys.
+    hf_to_vllm prefix rules applied to the ``tensor_storage`` keys, ``release`` the run's (``ServerRequest.release``:
+    r7 routed-expert checkpoints are read from gilded-gnosis-r34 and infernal-invocation-r5 on).
     """
     qc = config.get("quantization_config")
     qc = qc if isinstance(qc, dict) else {}
@@ -277,7 +278,7 @@ def serving_kind(config: Mapping[str, Any], quant_file: Optional[Mapping[str, An
     hybrid = config.get("hybrid_tr3_tail", text.get("hybrid_tr3_tail"))
     rank_sliced = isinstance(hybrid, dict) and hybrid.get("format") == RANK_SLICED_FORMAT
     glm53 = qc.get("scope") == GLM53_SCOPE
-    rel = release or default_release()[0]
+    rel = release
     r7 = _r7(qc) if rel.r7_checkpoints else False
     if qc.get("quant_method") != "exl3" and not rank_sliced and not r7 and not glm53:
         method = qc.get("quant_method")
@@ -365,11 +366,10 @@ class ServingView:
 
 
 def serving_view(config: Mapping[str, Any], quant_file: Optional[Mapping[str, Any]],
-                 mapper: Iterable[tuple[str, Optional[str]]] = (), release: "ServerRelease | None" = None,
-                 ) -> ServingView:
+                 mapper: Iterable[tuple[str, Optional[str]]] = (), *, release: ServerRelease) -> ServingView:
     """``serving_kind`` without raising: a refused checkpoint still gets its storage map for experiments."""
     try:
-        kind = serving_kind(config, quant_file, mapper, release)
+        kind = serving_kind(config, quant_file, mapper, release=release)
         return ServingView(kind, None, kind.storage)
     except NotServable as e:
         qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}

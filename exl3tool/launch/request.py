@@ -34,6 +34,7 @@ class LaunchInput:
     service: Optional[str] = None  # --service NAME (of --compose)
     image: Optional[str] = None  # --image NAME: the server's image (its ENV, labels, entrypoint)
     image_inspect: Optional[str] = None  # --image-inspect FILE: that image's saved `docker image inspect`
+    image_root: Optional[str] = None  # --image-root DIR: the image's files (its fork modules give the release)
 
     @property
     def launch_given(self) -> bool:
@@ -96,31 +97,18 @@ def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchI
             from exl3tool.cache.settings import server_bits
 
             # what prepare() would decide: resolved here so a bad variable fails before any other check
-            return replace(request, bits=server_bits(request.bits, environ)), None, None
+            request = replace(request, bits=server_bits(request.bits, environ))
+            return _with_release(request, given, None, _modules(launch, None)), None, None
         request, merged = _env_only(request, given, launch.env_files, environ, image)
         if image is not None:
             request = replace(request, encoder_image=image.name or None)
-            if request.server_release is None:  # the release the image's labels name, as with a launch
-                from exl3tool.releases import release_from_labels
-
-                named = release_from_labels(dict(image.labels))
-                if named is not None:
-                    request = replace(request, server_release=named.name)
-        return request, None, merged
+        return _with_release(request, given, image, _modules(launch, None)), None, merged
     loaded = load_launch(text=launch.text, argv=launch.argv, pid=launch.pid, env_files=launch.env_files,
                          environ=environ, cwd=cwd, file=launch.file, compose=launch.compose, service=launch.service)
     assert loaded is not None
     server, layers = _with_image(*loaded, launch)
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})
-    settings = resolve_launch(server, layers, explicit, need_cache=need_cache)
-    if explicit.server_release is None:
-        # the image's labels (read with the launch's image) may name the release: its rules, not the newest's
-        from exl3tool.releases import release_from_labels
-
-        labels = getattr(settings, "image_labels", None) or {}
-        named = release_from_labels(labels)
-        if named is not None and named.name != settings.server_release:
-            settings = resolve_launch(server, layers, explicit, need_cache=need_cache, labels=dict(labels))
+    settings = resolve_launch(server, layers, explicit, need_cache=need_cache, modules=_modules(launch, server))
     tp_sizes: tuple[int, ...]
     if add_tp_sizes:
         extra = tuple(request.tp_sizes) if "tp_sizes" in given else ()
@@ -140,9 +128,39 @@ def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchI
         language_model_only=settings.language_model_only, server_view=settings.view,
         hf_overrides=settings.hf_overrides, encoder_image=server.image_name or None,
         encoder_image_runner=server.form if server.form in ("docker", "podman") else None,
-        server_release=settings.server_release,
+        server_release=settings.release,
     )
     return out, settings, settings.environ
+
+
+def _modules(launch: LaunchInput, server: Optional[ServerLaunch]):
+    """The fork modules of the server's image where its files can be read: ``--image-root DIR`` (required to hold a
+    vllm package), else a ``--pid`` server's own root (``/proc/PID/root``, when it holds one); else None."""
+    from exl3tool.launch.forkfiles import read_fork_modules
+
+    if launch.image_root is not None:
+        return read_fork_modules(launch.image_root)
+    root = getattr(getattr(server, "paths", None), "root", None) if server is not None else None
+    if server is not None and server.form == "pid" and root:
+        try:
+            return read_fork_modules(root, required=False)
+        except ConfigError:  # its files are not readable from here: the release comes from its labels, as said
+            return None
+    return None
+
+
+def _with_release(request: ServerRequest, given: Collection[str], image: Optional[ImageSettings],
+                  modules) -> ServerRequest:
+    """Without a launch: the release from ``--server-release``, else the image's files, else its labels (the one
+    rule, ``exl3tool.releases.resolve_release``)."""
+    from exl3tool.releases import resolve_release
+
+    if "server_release" in given or (image is None and modules is None):
+        return request
+    table = image.release if image is not None and image.source == "published-images table" else ""
+    choice = resolve_release(None, dict(image.labels) if image is not None else {},
+                             image=image.name if image is not None else "", table_release=table, modules=modules)
+    return replace(request, server_release=choice)
 
 
 def _with_image(server: ServerLaunch, layers: EnvLayers, launch: LaunchInput) -> tuple[ServerLaunch, EnvLayers]:

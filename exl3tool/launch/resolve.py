@@ -22,7 +22,8 @@ from exl3tool.launch.container import PathMap
 from exl3tool.launch.env import EnvLayers, EnvValue
 from exl3tool.launch.parse import ServerArgs
 from exl3tool.releases import (
-    ServerRelease, default_release, edit_distance, server_cache_root, server_vllm_root, variable_note,
+    ForkModules, ReleaseChoice, ServerRelease, edit_distance, no_online_encoding, resolve_release, server_cache_root,
+    server_vllm_root, variable_note,
 )
 from exl3tool.plan.request import DTYPE_SPELLINGS, serving_dtype_name
 
@@ -94,7 +95,7 @@ class Explicit:
     encoder_revision: Optional[str] = None
     encoder_source: Optional[str] = None
     cache_dir: Optional[str] = None
-    server_release: Optional[str] = None
+    server_release: Optional[ReleaseChoice] = None  # --server-release, resolved (ServerRequest.release_choice)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class LaunchSettings:
     lookup_off: tuple[str, ...] = ()  # why the launched server makes no look-up at all ("" reasons: it makes some)
     server_release: Optional[str] = None  # the release whose rules were applied (exl3tool.releases)
     image_labels: dict[str, str] = field(default_factory=dict)  # the server image's labels (launch.image), as read
+    release: Optional[ReleaseChoice] = None  # that release, where it came from and what was assumed
 
     @property
     def image(self) -> Optional[Any]:
@@ -252,7 +254,7 @@ class _Builder:
         self.warnings: list[str] = []
         self.notes: list[str] = []
         self.view: Optional[PathMap] = None  # set when the identity is computed in the server's filesystem
-        self.release: ServerRelease = default_release()[0]  # the server release whose rules apply
+        self.choice: Optional[ReleaseChoice] = None  # the server release whose rules apply: _release sets it first
 
     def put(self, name: str, value: Any, source: str, detail: str = "") -> Any:
         self.settings[name] = Setting(value, source, detail)
@@ -474,7 +476,8 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         it = b.env(var)
         return None if it is None else it.value
 
-    rel = b.release
+    assert b.choice is not None
+    rel = b.choice.release
     _legacy_cache_dir(b, rel)
     server: Optional[str]
     server, var = server_cache_root(get, rel)  # the one rule (exl3tool.releases), per release
@@ -631,7 +634,8 @@ def _parallel(b: _Builder, args: ServerArgs) -> None:
 
 
 def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, *,
-                   need_cache: bool = True, labels: Optional[dict[str, str]] = None) -> LaunchSettings:
+                   need_cache: bool = True, labels: Optional[dict[str, str]] = None,
+                   modules: Optional[ForkModules] = None) -> LaunchSettings:
     """The settings of every look-up the launched server makes, with sources; ConfigError (exit 2) naming the flag
     or variable for what the server would refuse or exl3tool cannot reproduce. ``need_cache`` False (``identity``)
     lets a cache root exl3tool cannot reach be a warning.
@@ -641,6 +645,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         explicit: the settings a command's own flags give (they win over the launch's).
         need_cache: False where a command reads and writes no cache.
         labels: the image's labels, when known (one may name the server release: ``exl3tool.releases``).
+        modules: the fork modules the server's image holds, when its files were read (``launch.forkfiles``).
 
     Returns:
         ``LaunchSettings``: each setting with its source, the defaults taken, and ``lookup_off``.
@@ -659,7 +664,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         if close:
             raise ConfigError(unknown_flag_message(args.unknown, close))
         b.warnings.append(unknown_flag_warning(args.unknown))
-    _release(b, explicit, off, labels)
+    _release(b, explicit, off, labels, modules)
     quant = _arg(args, "quantization")
     if quant is not None:
         b.arg("quantization", quant[0], quant[1])
@@ -812,7 +817,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         _image_lines(launch) + tuple(launch.notes) + tuple(b.notes),
         view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides,
         image_labels=dict(launch.image.labels) if launch.image is not None else {},
-        server_release=b.release.name)
+        server_release=b.choice.release.name if b.choice else None, release=b.choice)
 
 
 def _image_lines(launch: ServerLaunch) -> tuple[str, ...]:
@@ -821,17 +826,21 @@ def _image_lines(launch: ServerLaunch) -> tuple[str, ...]:
     return (image.describe(), *image.notes) if image is not None else ()
 
 
-def _release(b: _Builder, explicit: Explicit, off: list[str], labels: Optional[dict[str, str]]) -> None:
-    """The server release whose rules apply: ``--server-release``, else the one the image's labels name, else the
-    newest (``exl3tool.releases.default_release``); a release without the online cache looks nothing up."""
+def _release(b: _Builder, explicit: Explicit, off: list[str], labels: Optional[dict[str, str]],
+             modules: Optional[ForkModules] = None) -> None:
+    """The server release whose rules apply, resolved once (``exl3tool.releases.resolve_release``):
+    ``--server-release``, else the image's fork modules, else its labels, else the newest; what was assumed is a
+    warning; a release that encodes nothing online looks nothing up."""
     image = getattr(b.launch, "image", None)
     labels = labels or (dict(image.labels) if image is not None else {})
-    b.release, how = default_release(explicit.server_release, labels)
-    source = "flag" if explicit.server_release else ("image label" if how == "the image's labels" else "default")
-    b.put("server_release", b.release.name, source, how)
-    if not b.release.online_cache:
-        off.append(f"{b.release.name} ships no online EXL3 cache (exl3_online_cache.py arrived with "
-                   "gilded-gnosis-r20 and infernal-invocation-r5): the server encodes at start-up and looks nothing up")
+    table = image.release if image is not None and image.source == "published-images table" else ""
+    b.choice = choice = resolve_release(explicit.server_release, labels, image=b.launch.image_name,
+                                        table_release=table, modules=modules)
+    source = {"--server-release": "flag", "published-images table": "image label"}.get(choice.source, choice.source)
+    b.put("server_release", choice.release.name, source, choice.describe())
+    b.warnings.extend(choice.unknown)
+    if not choice.release.online_cache:
+        off.append(no_online_encoding(choice.release))
     for var, item in sorted(b.layers.merged().items()):
         note = variable_note(var, item)
         if note is not None:

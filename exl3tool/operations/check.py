@@ -26,10 +26,12 @@ from exl3tool.cache.records import ORIGINS, StoredRecord, entry_origin, overlay_
 from exl3tool.text import plural
 from exl3tool.plan.plan import LookupJob, LookupPlan
 from exl3tool.plan.request import ServerRequest, prepare
-from exl3tool.releases import UNALIGNED_FIX, ServerRelease, default_release, unaligned_start_failure
+from exl3tool.releases import (
+    UNALIGNED_FIX, ReleaseChoice, ServerRelease, unaligned_start_failure, unaligned_start_unknown,
+)
 
 __all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences",
-           "start_failures"]
+           "start_failures", "start_unknowns"]
 
 _SHOWN = 3  # items named per line before "and N more"
 
@@ -94,6 +96,19 @@ class CheckReport:
     stored: str = ""  # non-empty: the server looks nothing up because every online layer is stored (hydrated)
     start_failures: tuple[Finding, ...] = ()  # why this server will not start at all (the release's rules)
     server_release: str = ""  # the release whose rules were applied (exl3tool.releases)
+    release: Optional[ReleaseChoice] = None  # that release, where it came from and what was assumed
+    cannot_tell: tuple[Finding, ...] = ()  # what exl3tool cannot tell about this server (an unread patched exl3.py)
+
+    @property
+    def assumed(self) -> bool:
+        """Whether the answer rests on an assumption (an unknown release label, a patched image not read): then
+        ``cache check`` exits 2, never 0 or 1 (docs/releases.md)."""
+        return bool(self.cannot_tell) or (self.release is not None and self.release.assumed)
+
+    def assumptions(self) -> list[str]:
+        """Each assumption in one line (what exl3tool did not know and what it assumed)."""
+        return [*(self.release.unknown if self.release is not None else ()),
+                *(f"cannot tell whether this server starts: {f.text}" for f in self.cannot_tell)]
 
     @property
     def lookups(self) -> list[LookupJob]:
@@ -104,7 +119,8 @@ class CheckReport:
         """Every look-up the server makes hits: no miss, no invalid entry, and no look-up predicted outside the plan
         (a layer the server encodes that exl3tool cannot plan is a miss, counted or not)."""
         return (self.plan.count("miss") == 0 and self.plan.count("invalid") == 0
-                and not any(c.kind == "unplanned" for c in self.causes) and not self.start_failures)
+                and not any(c.kind == "unplanned" for c in self.causes) and not self.start_failures
+                and not self.assumed)
 
     def as_json(self) -> dict[str, Any]:
         """The `cache check --json` document (fields in docs/cache.md)."""
@@ -119,6 +135,8 @@ class CheckReport:
             "bits": plan.bits, "dtype": self.dtype, "tp_sizes": list(plan.tp_sizes), "cache_root": str(plan.cache_root),
             **plan.header_json(),
             "stored_only": self.stored or None, "ok": self.ok, "server_release": self.server_release,
+            "release": None if self.release is None else self.release.as_json(), "assumed": self.assumed,
+            "cannot_tell": [f.as_json() for f in self.cannot_tell],
             "start_failures": [f.as_json() for f in self.start_failures], "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
             "invalid": plan.count("invalid"), "not_looked_up": plan.count("skipped"), "hit_origins": self.hit_origins,
             "causes": [c.as_json() for c in self.causes],
@@ -468,7 +486,7 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
     notes += _dtype_notes(lookups, records, plan, dtype)
     notes += _unplanned_notes(plan, cache, records)
     notes += _parity_notes(lookups, records, plan)
-    release = default_release(request.server_release)[0]
+    release = request.release
     notes += _lock_notes(lookups, release)
     full = plan.layer_plan
     if full is not None and full.server_lookup and (request.layers or request.exclude):
@@ -480,17 +498,14 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
     failures = start_failures(plan, request, release, full)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4), start_failures=tuple(failures),
-                       server_release=release.name)
+                       server_release=release.name, release=request.release_choice,
+                       cannot_tell=tuple(start_unknowns(plan, release, full)))
 
 
-def start_failures(plan: LookupPlan, request: ServerRequest, release: ServerRelease,
-                   full: Optional[LayerPlan] = None) -> list[Finding]:
-    """Why a server of ``release`` started as ``request`` describes fails at start-up, whatever the cache holds:
-    a 128-unaligned shard whose K_r is not a multiple of 32 (the MXFP8 fallback raises: fork issue #311), and an
-    encoder root with ``~`` when some look-up misses (the server's import does not expand it). ``full``: the layer
-    plan without ``--layers``/``--exclude`` (the server builds every layer; default: the plan's)."""
-    out: list[Finding] = []
-    seen: dict[tuple[str, int], int] = {}
+def _unaligned(plan: LookupPlan, full: Optional[LayerPlan], rule) -> dict[tuple[str, int], str]:
+    """(prefix, TP size) -> ``rule(k_r)``'s sentence for each 128-unaligned shard the server builds where it says
+    something (``unaligned_start_failure`` / ``unaligned_start_unknown``), in plan order."""
+    seen: dict[tuple[str, int], str] = {}
     lp = full or plan.layer_plan
     for tp in plan.tp_sizes:
         for layer in (lp.layers if lp is not None and lp.server_lookup else ()):
@@ -498,14 +513,40 @@ def start_failures(plan: LookupPlan, request: ServerRequest, release: ServerRele
                 k_r, n_r = rank_sizes(layer, tp)
             except (ValueError, ConfigError):
                 continue  # a TP size this layer cannot be sharded at: the plan says so itself
-            if (k_r % ALIGN or n_r % ALIGN) and unaligned_start_failure(k_r, release) is not None:
-                seen.setdefault((layer.prefix, tp), k_r)
+            if (k_r % ALIGN or n_r % ALIGN) and (why := rule(k_r)) is not None:
+                seen.setdefault((layer.prefix, tp), why)
+    return seen
+
+
+def _one_line(seen: dict[tuple[str, int], str], lead: str) -> str:
+    (prefix, tp), why = next(iter(seen.items()))
+    others = [f"{p} (TP {t})" for p, t in list(seen)[1:4]]
+    more = f"; also {', '.join(others)}" + (" ..." if len(seen) > 4 else "") if others else ""
+    return f"{lead}{prefix} at TP {tp}: {why}{more}"
+
+
+def start_unknowns(plan: LookupPlan, release: ServerRelease, full: Optional[LayerPlan] = None) -> list[Finding]:
+    """What exl3tool cannot tell about the start of a server of ``release``: a shard the releases' exl3.py fails on
+    and PR #312's keeps BF16, when which one the server runs was not read (a patched image known by its labels)."""
+    seen = _unaligned(plan, full, lambda k_r: unaligned_start_unknown(k_r, release))
+    if not seen:
+        return []
+    return [Finding("start", _one_line(seen, ""), "give the image's files (--image-root DIR, or --pid of the running "
+                    f"server), or name what it runs: --server-release {release.name.split('+')[0]}+pr312 (PR #312's "
+                    f"exl3.py) or --server-release {release.name.split('+')[0]} (the release's own)")]
+
+
+def start_failures(plan: LookupPlan, request: ServerRequest, release: ServerRelease,
+                   full: Optional[LayerPlan] = None) -> list[Finding]:
+    """Why a server of ``release`` started as ``request`` describes fails at start-up, whatever the cache holds:
+    a 128-unaligned shard whose K_r is not a multiple of 32 (the MXFP8 fallback raises: fork issue #311; not with
+    PR #312's exl3.py), and an encoder root with ``~`` when some look-up misses (the server's import does not expand
+    it). ``full``: the layer plan without ``--layers``/``--exclude`` (the server builds every layer; default: the
+    plan's)."""
+    out: list[Finding] = []
+    seen = _unaligned(plan, full, lambda k_r: unaligned_start_failure(k_r, release))
     if seen:
-        (prefix, tp), k_r = next(iter(seen.items()))
-        others = [f"{p} (TP {t})" for p, t in list(seen)[1:4]]
-        more = f"; also {', '.join(others)}" + (" ..." if len(seen) > 4 else "") if others else ""
-        out.append(Finding("start", f"this server will not start: {prefix} at TP {tp}: "
-                                    f"{unaligned_start_failure(k_r, release)}{more}", UNALIGNED_FIX))
+        out.append(Finding("start", _one_line(seen, "this server will not start: "), UNALIGNED_FIX))
     root = request.encoder_root or ""
     misses = [j for j in plan.jobs if j.state in ("miss", "invalid")]
     if root.startswith("~") and misses and not release.encoder_source_tilde_expanded_for_import:
@@ -563,17 +604,18 @@ def _stored_only(request: ServerRequest, environ: Optional[dict]) -> Optional[Ch
         layer_plan = plan_layers(checkpoint, overlay=resolve_overlay(request.quantization_config,
                                                                      shared_experts=request.shared_experts),
                                  layers=list(request.layers) or None, exclude=list(request.exclude) or None,
-                                 language_model_only=request.language_model_only)
+                                 language_model_only=request.language_model_only, release=request.release)
     except Exl3ToolError:
         return None  # prepare says it, as for any check
     why = stored_only_reason(layer_plan, tuple(request.tp_sizes))
     if not why:
         return None
-    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, request.release)
     plan = LookupPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
                     tp_sizes=tuple(request.tp_sizes), cache_root=root, mode="readonly", jobs=(), layer_plan=layer_plan)
     return CheckReport(plan, _resolved_dtype(request, checkpoint), (), (), {o: 0 for o in ORIGINS}, (),
-                       round(time.perf_counter() - start, 4), stored=why)
+                       round(time.perf_counter() - start, 4), stored=why, server_release=request.release.name,
+                       release=request.release_choice)
 
 
 def _unplanned_causes(plan: LookupPlan) -> list[Cause]:

@@ -349,12 +349,13 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     layers, exclude = list(request.layers) or None, list(request.exclude) or None
     try:
         layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
-                                 language_model_only=request.language_model_only)
+                                 language_model_only=request.language_model_only, release=request.release)
     except ConfigError:
         if not layers:
             raise
         # --layers matching only stored modules: a re-run on OUT of a hydrate made with the same globs is a no-op
-        layer_plan = plan_layers(checkpoint, overlay=overlay, language_model_only=request.language_model_only)
+        layer_plan = plan_layers(checkpoint, overlay=overlay, language_model_only=request.language_model_only,
+                                 release=request.release)
         import fnmatch
 
         picked = [e for e in layer_plan.excluded if any(fnmatch.fnmatchcase(e.prefix, g) for g in layers)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from exl3tool.text import plural
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from exl3tool.plan.shards import Shard
+    from exl3tool.releases import ReleaseChoice, ServerRelease
 
 # torch, the store and the plan are imported where they are used: the CLI's option tables read SERVING_DTYPES
 # from here, and `--help` must not pull in torch.
@@ -122,8 +123,26 @@ class ServerRequest:
     trust_encoder_identity: bool = False
     encoder_image: Optional[str] = None
     encoder_image_runner: Optional[str] = None
-    server_release: Optional[str] = None  # the fork's release whose rules apply (exl3tool.releases; None: the newest)
+    # the fork's release whose rules apply, resolved once (``exl3tool.releases.resolve_release``): given as a name
+    # (``--server-release``), a ``ReleaseChoice`` (a launch's, with its source), or None (the newest, said as such);
+    # always a ``ReleaseChoice`` once the request is built
+    server_release: Union[str, "ReleaseChoice", None] = None
 
+    def __post_init__(self) -> None:
+        from exl3tool.releases import ReleaseChoice, resolve_release
+
+        if not isinstance(self.server_release, ReleaseChoice):
+            object.__setattr__(self, "server_release", resolve_release(self.server_release))
+
+    @property
+    def release_choice(self) -> "ReleaseChoice":
+        """The release this run follows, where it came from, and what was assumed (``exl3tool.releases``)."""
+        return self.server_release  # type: ignore[return-value]  # resolved in __post_init__
+
+    @property
+    def release(self) -> "ServerRelease":
+        """The release whose rules apply (cache root, lock, r7 routing, start-up failures)."""
+        return self.release_choice.release
 
 
 WarmRequest = ServerRequest  # its name before 0.2 (CHANGELOG "Renamed"), kept for one release
@@ -150,13 +169,12 @@ def prepare(request: ServerRequest, *, environ: Optional[dict] = None, check_hit
 
     resolve_device(request.device)  # a bad --device fails before any work, --dry-run included
     request = replace(request, bits=server_bits(request.bits, environ))
-    from exl3tool.releases import default_release
+    from exl3tool.releases import no_online_encoding
 
-    release = default_release(request.server_release)[0]
-    if not release.online_cache:
-        raise ConfigError(f"{release.name} ships no online EXL3 cache (it arrived with gilded-gnosis-r20 and "
-                          "infernal-invocation-r5): its server encodes at start-up and looks nothing up, so there is "
-                          "nothing to plan; check --server-release (docs/releases.md)")
+    release = request.release
+    if not release.online_cache and request.mode != "off":  # mode off looks nothing up (hydrate's plan)
+        raise ConfigError(f"nothing to plan: {no_online_encoding(release)} (check --server-release; "
+                          "docs/releases.md)")
     serving_torch_dtype(request.dtype)  # a ConfigError for anything the server cannot run with
     if any(t < 1 for t in request.tp_sizes):
         raise ConfigError(f"TP sizes must be positive, got {list(request.tp_sizes)}")
@@ -171,7 +189,8 @@ def prepare(request: ServerRequest, *, environ: Optional[dict] = None, check_hit
         hub_cache = server_hub_cache(environ, request.server_view)
     checkpoint = open_checkpoint(  # a Hub download fetches only the shards holding planned tensors
         request.model, revision=request.revision, hf_overrides=parse_hf_overrides(request.hf_overrides),
-        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude, release),
+        select=lambda root, config, names: tensors_to_fetch(root, config, names, overlay, layers, exclude,
+                                                            release=release),
         hub_cache=hub_cache)
     mode = request.mode
     identity_warnings: tuple[str, ...] = ()

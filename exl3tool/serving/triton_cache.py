@@ -40,12 +40,32 @@ def triton_cache_dir(environ: Mapping[str, str] | None = None) -> Path | None:
     env = os.environ if environ is None else environ
     if env.get(ENV, "").strip():
         return None
-    folder = Path(os.path.abspath(cache_root(env) / FOLDER))
+    folder = Path(os.path.abspath(cache_root(env, _running_release()) / FOLDER))
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
     return folder if os.access(folder, os.W_OK | os.X_OK) else None
+
+
+_SERVER_CACHE_MODULE = "vllm.model_executor.layers.quantization.exl3_online_cache"
+
+
+def _running_release():
+    """The release whose cache root this process's server uses: the one whose cache module is the file the server
+    imported (by git blob); the newest when none is (not inside a server, or a module exl3tool does not know:
+    where Triton caches kernels never changes a result)."""
+    import sys
+
+    from exl3tool.releases import RELEASES, git_blob, newest
+
+    path = getattr(sys.modules.get(_SERVER_CACHE_MODULE), "__file__", None)
+    try:
+        blob = git_blob(Path(path).read_bytes()) if path else ""
+    except OSError:
+        blob = ""
+    return next((r for r in reversed(RELEASES) if r.cache_module is not None and r.cache_module.blob == blob),
+                newest())
 
 
 @contextlib.contextmanager

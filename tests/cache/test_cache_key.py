@@ -9,6 +9,7 @@ import pytest
 
 from exl3tool.cache import CacheKey, cache_mode, cache_root, entry_path, layer_seed, lock_path
 from exl3tool.errors import ConfigError
+from exl3tool.releases import newest
 
 from helpers import ENCODER_ID, MODEL_ID
 from seeds import fresh_seed
@@ -101,13 +102,13 @@ def test_mode_rejects_with_server_text(raw, shown):
 
 def test_cache_root_rules():
     home = Path("~").expanduser()
-    assert cache_root({}) == home / ".cache/vllm/exl3_online"
-    assert cache_root({"XDG_CACHE_HOME": "/x"}) == Path("/x/vllm/exl3_online")
-    assert cache_root({"XDG_CACHE_HOME": "/x", "VLLM_CACHE_ROOT": "~/v"}) == home / "v/exl3_online"
-    assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": "~/c", "VLLM_CACHE_ROOT": "/v"}) == home / "c"
-    assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": "   ", "VLLM_CACHE_ROOT": "/v"}) == Path("/v/exl3_online")
-    assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": "rel/dir"}) == Path("rel/dir")  # not resolved
-    assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": " /c "}) == Path(" /c ")  # not stripped
+    assert cache_root({}, release=newest()) == home / ".cache/vllm/exl3_online"
+    assert cache_root({"XDG_CACHE_HOME": "/x"}, release=newest()) == Path("/x/vllm/exl3_online")
+    assert cache_root({"XDG_CACHE_HOME": "/x", "VLLM_CACHE_ROOT": "~/v"}, release=newest()) == home / "v/exl3_online"
+    assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": "~/c", "VLLM_CACHE_ROOT": "/v"}, release=newest()) == home / "c"
+    assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": "   ", "VLLM_CACHE_ROOT": "/v"}, release=newest()) == Path("/v/exl3_online")
+    assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": "rel/dir"}, release=newest()) == Path("rel/dir")  # not resolved
+    assert cache_root({"VLLM_EXL3_ONLINE_CACHE_DIR": " /c "}, release=newest()) == Path(" /c ")  # not stripped
 
 
 def test_keys_the_server_builds_are_producible_and_altered_ones_are_not():

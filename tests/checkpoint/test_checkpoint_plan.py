@@ -12,6 +12,7 @@ from exl3tool.checkpoint import (
 )
 from exl3tool.checkpoint.synthetic import exl3_record, exl3_tensors
 from exl3tool.errors import ConfigError, InputError
+from exl3tool.releases import newest
 
 LLAMA_MODULES = [("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "row"),
                  ("mlp.gate_up_proj", "merged_column"), ("mlp.down_proj", "row")]
@@ -26,7 +27,7 @@ EXPECTED_SIZES = {
 
 @pytest.fixture
 def tiny_plan(offline_hub):
-    return plan_layers(open_checkpoint("test-org/tiny-llama", revision="main"))
+    return plan_layers(open_checkpoint("test-org/tiny-llama", revision="main"), release=newest())
 
 
 def test_llama_prefixes_styles_sources(tiny_plan):
@@ -79,17 +80,17 @@ def test_tp_size_vllm_cannot_shard(tiny_plan, tp):
 
 def test_layer_and_exclude_globs(offline_hub):
     ckpt = open_checkpoint("test-org/tiny-llama")
-    plan = plan_layers(ckpt, layers=["model.layers.1.*"], exclude=["*.o_proj"])
+    plan = plan_layers(ckpt, layers=["model.layers.1.*"], exclude=["*.o_proj"], release=newest())
     assert [x.prefix for x in plan.layers] == [
         "model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"]
     with pytest.raises(ConfigError, match="no eligible layer matches --layers 'model.layers.9.*'"):
-        plan_layers(ckpt, layers=["model.layers.9.*"])
+        plan_layers(ckpt, layers=["model.layers.9.*"], release=newest())
 
 
 def test_minilm_unknown_architecture(minilm_dir):
     ckpt = open_checkpoint(str(minilm_dir))
     with pytest.raises(ConfigError) as e:
-        plan_layers(ckpt)
+        plan_layers(ckpt, release=newest())
     msg = str(e.value)
     assert "BertModel" in msg and "--layers 'GLOB'" in msg
     assert all(a in msg for a in SUPPORTED_ARCHITECTURES)
@@ -97,7 +98,7 @@ def test_minilm_unknown_architecture(minilm_dir):
 
 def test_minilm_layer_globs(minilm_dir):
     ckpt = open_checkpoint(str(minilm_dir))
-    plan = plan_layers(ckpt, layers=["encoder.layer.0.*"])
+    plan = plan_layers(ckpt, layers=["encoder.layer.0.*"], release=newest())
     shapes = {x.prefix: (x.in_features, x.out_features) for x in plan.layers}
     assert shapes == {
         "encoder.layer.0.attention.self.query": (384, 384),
@@ -114,7 +115,7 @@ def test_minilm_layer_globs(minilm_dir):
         ("encoder.layer.0.output.dense", 1)] == (1536, 384)
     # embeddings never, even when a glob selects them
     with pytest.raises(ConfigError, match=r"no eligible layer matches --layers 'embeddings\.\*'"):
-        plan_layers(ckpt, layers=["embeddings.*"])
+        plan_layers(ckpt, layers=["embeddings.*"], release=newest())
 
 
 def _write_moe(path, arch: str, *, shared: bool) -> str:
@@ -148,14 +149,14 @@ from helpers import BOTH  # noqa: E402
 
 def test_qwen3_moe_router_and_shared_experts(tmp_path):
     ckpt = open_checkpoint(_write_moe(tmp_path / "q3", "Qwen3MoeForCausalLM", shared=True))
-    default = plan_layers(ckpt)  # the default overlay has no shared_experts spec
+    default = plan_layers(ckpt, release=newest())  # the default overlay has no shared_experts spec
     plain = {x.prefix: x.parallel for x in default.layers}
     assert plain == {"model.layers.0.self_attn.qkv_proj": "qkv", "model.layers.0.self_attn.o_proj": "row",
                      "model.layers.0.mlp.gate": "replicated"}
     assert {(x.prefix, x.reason) for x in default.excluded} == {
         ("model.layers.0.mlp.shared_expert.gate_up_proj", "no_spec"),
         ("model.layers.0.mlp.shared_expert.down_proj", "no_spec")}
-    with_shared = {x.prefix: x.parallel for x in plan_layers(ckpt, overlay=BOTH).layers}
+    with_shared = {x.prefix: x.parallel for x in plan_layers(ckpt, overlay=BOTH, release=newest()).layers}
     assert with_shared == {**plain, "model.layers.0.mlp.shared_expert.gate_up_proj": "merged_column",
                            "model.layers.0.mlp.shared_expert.down_proj": "row"}
     router = next(x for x in default.layers if x.prefix.endswith("mlp.gate"))
@@ -164,7 +165,7 @@ def test_qwen3_moe_router_and_shared_experts(tmp_path):
 
 def test_qwen2_moe_router_never(tmp_path):
     ckpt = open_checkpoint(_write_moe(tmp_path / "q2", "Qwen2MoeForCausalLM", shared=True))
-    prefixes = [x.prefix for x in plan_layers(ckpt, overlay=BOTH).layers]
+    prefixes = [x.prefix for x in plan_layers(ckpt, overlay=BOTH, release=newest()).layers]
     assert prefixes == ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                         "model.layers.0.mlp.shared_expert.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj"]
 
@@ -176,11 +177,11 @@ def test_config_that_does_not_fit_the_weights(tiny_hub, tmp_path):
     config["hidden_size"] = 512
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="hidden_size is 512"):
-        plan_layers(open_checkpoint(str(d)))
+        plan_layers(open_checkpoint(str(d)), release=newest())
     config["hidden_size"], config["num_key_value_heads"] = 256, 1
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="k_proj.weight have 256 / 128 rows"):
-        plan_layers(open_checkpoint(str(d)))
+        plan_layers(open_checkpoint(str(d)), release=newest())
 
 
 def _with_storage(tiny_hub, tmp_path, exl3_modules):
@@ -198,7 +199,7 @@ def _with_storage(tiny_hub, tmp_path, exl3_modules):
 def test_exl3_serialized_layers_are_not_planned(tiny_hub, tmp_path):
     ckpt = _with_storage(tiny_hub, tmp_path, [f"model.layers.0.self_attn.{x}_proj" for x in "qkv"]
                          + ["layers.1.mlp.down_proj"])  # a name without "model." matches too
-    plan = plan_layers(ckpt)
+    plan = plan_layers(ckpt, release=newest())
     assert plan.serialized == ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj")
     assert [(x.prefix, x.reason) for x in plan.excluded] == [
         ("model.layers.0.self_attn.qkv_proj", "stored_exl3"), ("model.layers.1.mlp.down_proj", "stored_exl3")]
@@ -210,7 +211,7 @@ def test_exl3_serialized_layers_are_not_planned(tiny_hub, tmp_path):
 def test_mixed_exl3_and_bf16_sources(tiny_hub, tmp_path):
     ckpt = _with_storage(tiny_hub, tmp_path, ["model.layers.0.mlp.gate_proj"])
     with pytest.raises(ConfigError, match="'model.layers.0.mlp.gate_up_proj' mixes EXL3 and BF16 source shards"):
-        plan_layers(ckpt)
+        plan_layers(ckpt, release=newest())
 
 
 def _ov(ignore=None, linear=True, shared=False) -> str:
@@ -224,7 +225,7 @@ def _ov(ignore=None, linear=True, shared=False) -> str:
 
 def test_server_ignore_rules(offline_hub):
     ckpt = open_checkpoint("test-org/tiny-llama")
-    plan = plan_layers(ckpt, overlay=_ov(["re:.*layers\\.1\\.self_attn\\.[qkv]_proj$", "model.layers.0.mlp.down_proj"]))
+    plan = plan_layers(ckpt, overlay=_ov(["re:.*layers\\.1\\.self_attn\\.[qkv]_proj$", "model.layers.0.mlp.down_proj"]), release=newest())
     prefixes = [x.prefix for x in plan.layers]
     assert "model.layers.1.self_attn.qkv_proj" not in prefixes and "model.layers.0.mlp.down_proj" not in prefixes
     assert len(prefixes) == 6
@@ -232,17 +233,17 @@ def test_server_ignore_rules(offline_hub):
         "model.layers.1.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"}
     # the fused name listed exactly is matched directly
     assert "model.layers.0.mlp.gate_up_proj" not in [
-        x.prefix for x in plan_layers(ckpt, overlay=_ov(["model.layers.0.mlp.gate_up_proj"])).layers]
+        x.prefix for x in plan_layers(ckpt, overlay=_ov(["model.layers.0.mlp.gate_up_proj"]), release=newest()).layers]
     with pytest.raises(ConfigError, match="ignore covers only q_proj"):
-        plan_layers(ckpt, overlay=_ov(["model.layers.0.self_attn.q_proj"]))
-    assert plan_layers(ckpt, overlay=_ov(linear=False, shared=True)).layers == ()
+        plan_layers(ckpt, overlay=_ov(["model.layers.0.self_attn.q_proj"]), release=newest())
+    assert plan_layers(ckpt, overlay=_ov(linear=False, shared=True), release=newest()).layers == ()
 
 
 def test_shared_experts_follow_their_own_spec(tmp_path):
     assert is_shared_expert_projection("model.layers.3.mlp.shared_experts.down_proj")
     assert not is_shared_expert_projection("model.layers.3.mlp.down_proj")
     ckpt = open_checkpoint(_write_moe(tmp_path / "q2", "Qwen2MoeForCausalLM", shared=True))
-    plan = plan_layers(ckpt, overlay=_ov(["re:.*"], shared=True))  # ignore never applies to shared experts
+    plan = plan_layers(ckpt, overlay=_ov(["re:.*"], shared=True), release=newest())  # ignore never applies to shared experts
     assert [x.prefix for x in plan.layers] == [
         "model.layers.0.mlp.shared_expert.gate_up_proj", "model.layers.0.mlp.shared_expert.down_proj"]
     assert {x.spec for x in plan.layers} == {"shared_experts"}

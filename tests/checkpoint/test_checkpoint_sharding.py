@@ -20,6 +20,7 @@ from exl3tool.checkpoint import (
     rank_sizes,
     write_llama_checkpoint,
 )
+from exl3tool.releases import newest
 
 HEADS, KV, HD, INTER = 4, 2, 64, 512
 
@@ -43,7 +44,7 @@ def oracle(t: dict[str, torch.Tensor], prefix: str, w: int, r: int) -> torch.Ten
 @pytest.fixture
 def tiny(offline_hub):
     ckpt = open_checkpoint("test-org/tiny-llama", revision="v1.0")
-    return ckpt, plan_layers(ckpt)
+    return ckpt, plan_layers(ckpt, release=newest())
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -99,7 +100,7 @@ def test_dtype_cast_and_encoder_input(tiny, tiny_tensors):
 def test_float32_checkpoint_served_as_bfloat16(tmp_path, seed):
     d = write_llama_checkpoint(tmp_path / "f32", seed=seed, dtype=torch.float32, shards=3)
     ckpt = open_checkpoint(str(d))
-    job = plan_layers(ckpt).for_tp(1)[0]
+    job = plan_layers(ckpt, release=newest()).for_tp(1)[0]
     full = {}
     for f in d.glob("*.safetensors"):
         full.update(load_file(f))
@@ -128,7 +129,7 @@ def test_prefused_checkpoint_matches_unfused(tiny_hub, tiny_tensors, tmp_path):
             fused[name] = t
     save_file(fused, str(d / "model.safetensors"))
     ckpt = open_checkpoint(str(d))
-    plan = plan_layers(ckpt)
+    plan = plan_layers(ckpt, release=newest())
     assert plan.layers[0].sources == ("model.layers.0.self_attn.qkv_proj.weight",)
     assert plan.layers[0].part_sizes == (256, 128, 128) and plan.layers[2].part_sizes == (512, 512)
     for tp in (2, 4):
@@ -138,7 +139,7 @@ def test_prefused_checkpoint_matches_unfused(tiny_hub, tiny_tensors, tmp_path):
 
 def test_minilm_replicated_weights(minilm_dir):
     ckpt = open_checkpoint(str(minilm_dir))
-    plan = plan_layers(ckpt, layers=["encoder.layer.0.*"])
+    plan = plan_layers(ckpt, layers=["encoder.layer.0.*"], release=newest())
     full = load_file(str(minilm_dir / "model.safetensors"))
     for job in plan.for_tp(2):
         got = rank_local_weight(ckpt, job, dtype=torch.float32)

@@ -10,6 +10,7 @@ import torch
 
 from exl3tool.checkpoint import open_checkpoint, plan_layers, write_llama_checkpoint
 from exl3tool.errors import InputError
+from exl3tool.releases import newest
 
 
 @pytest.mark.parametrize("revision", [None, "main", "v1.0", "HASH"])
@@ -113,7 +114,7 @@ def test_config_missing_or_incomplete(tiny_hub, tmp_path):
     del config["num_attention_heads"]
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match=r"config\.json: missing field 'num_attention_heads'"):
-        plan_layers(open_checkpoint(str(d)))
+        plan_layers(open_checkpoint(str(d)), release=newest())
     (d / "config.json").unlink()
     with pytest.raises(InputError, match="config.json not found"):
         open_checkpoint(str(d))

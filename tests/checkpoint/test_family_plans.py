@@ -18,6 +18,7 @@ from exl3tool.errors import ConfigError
 
 from exl3tool.checkpoint.tiny import (QWEN38_OVERLAY, glm53_text, write_glm4_moe, write_glm5, write_glm53, write_mla, write_qwen3_next,
                          write_qwen35)
+from exl3tool.releases import newest
 from helpers import BOTH
 GLM52_RECIPE = ('{"linear": "mxfp8", "shared_experts": "mxfp8", "ignore": ["re:.*q_a_proj$", '
                 '"re:.*kv_a_proj_with_mqa$", "re:.*mlp\\\\.gate$", "re:.*eh_proj$", "lm_head"]}')
@@ -55,7 +56,7 @@ MLA_TP2 = {
 
 
 def test_mla_with_q_lora(tmp_path):
-    plan = plan_layers(open_checkpoint(str(write_mla(tmp_path / "m"))), overlay=BOTH)
+    plan = plan_layers(open_checkpoint(str(write_mla(tmp_path / "m"))), overlay=BOTH, release=newest())
     assert table(plan) == MLA_TP2
     assert plan.kind.kind == "exl3" and plan.server_lookup
     fused = plan.layers[0]
@@ -63,7 +64,7 @@ def test_mla_with_q_lora(tmp_path):
                              "model.layers.0.self_attn.kv_a_proj_with_mqa.weight")
     assert fused.part_sizes == (128, 192)
     # the default overlay has no shared_experts spec
-    assert table(plan_layers(open_checkpoint(str(tmp_path / "m"))))[
+    assert table(plan_layers(open_checkpoint(str(tmp_path / "m")), release=newest()))[
         "model.layers.1.mlp.shared_experts.down_proj"] == ("no_spec",)
     # TP 4: 4 heads still shard; TP 8 does not (vLLM asserts num_heads % tp == 0)
     assert table(plan, 4)["model.layers.0.self_attn.q_b_proj"] == ("column", 128, 128, "job")
@@ -72,7 +73,7 @@ def test_mla_with_q_lora(tmp_path):
 
 
 def test_mla_without_q_lora(tmp_path):
-    plan = plan_layers(open_checkpoint(str(write_mla(tmp_path / "m", q_lora=False))), overlay=BOTH)
+    plan = plan_layers(open_checkpoint(str(write_mla(tmp_path / "m", q_lora=False))), overlay=BOTH, release=newest())
     got = table(plan)
     assert {k: v for k, v in got.items() if ".layers.0.self_attn" in k} == {
         "model.layers.0.self_attn.q_proj": ("column", 128, 256, "job"),
@@ -107,10 +108,10 @@ def _glm5_expected(indexer_layers, fused="skip"):
 
 def test_glm5_indexer_pattern_and_recipe(tmp_path):
     d = write_glm5(tmp_path / "g", index_topk_pattern=["F", "S", "F", "S"])
-    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH)
+    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH, release=newest())
     assert table(plan) == _glm5_expected({0, 2})
     # the GLM-5.2 recipe ignores q_a_proj / kv_a_proj_with_mqa: fused_qkv_a_proj is ignored through its sources
-    recipe = plan_layers(open_checkpoint(str(d)), overlay=GLM52_RECIPE)
+    recipe = plan_layers(open_checkpoint(str(d)), overlay=GLM52_RECIPE, release=newest())
     assert table(recipe) == _glm5_expected({0, 2}, fused="ignored")
     assert not any("wk_weights_proj" in x.prefix or x.prefix.endswith("mlp.gate") for x in recipe.layers)
 
@@ -118,7 +119,7 @@ def test_glm5_indexer_pattern_and_recipe(tmp_path):
 def test_indexer_freq_rules_differ_between_model_files(tmp_path):
     # deepseek_v32 (GLM-5): no pattern, index_topk_freq 2 (offset 2): skip when max(i - 1, 0) % 2 != 0 -> layer 2
     d = write_glm5(tmp_path / "g", index_topk_freq=2)
-    assert table(plan_layers(open_checkpoint(str(d)), overlay=BOTH)) == _glm5_expected({0, 1, 3})
+    assert table(plan_layers(open_checkpoint(str(d)), overlay=BOTH, release=newest())) == _glm5_expected({0, 1, 3})
     # deepseek_v2 (DeepseekV3ForCausalLM) applies the freq rule only with use_index_cache
     for cache, layers in ((False, {0, 1, 2, 3}), (True, {0, 1, 3})):
         d2 = tmp_path / f"v3{cache}"
@@ -126,7 +127,7 @@ def test_indexer_freq_rules_differ_between_model_files(tmp_path):
         cfg = json.loads((d2 / "config.json").read_text())
         cfg.update(architectures=["DeepseekV3ForCausalLM"], use_index_cache=cache)
         (d2 / "config.json").write_text(json.dumps(cfg))
-        got = table(plan_layers(open_checkpoint(str(d2)), overlay=BOTH))
+        got = table(plan_layers(open_checkpoint(str(d2)), overlay=BOTH, release=newest()))
         assert {k for k in got if k.endswith("indexer.wq_b")} == {f"model.layers.{i}.self_attn.indexer.wq_b"
                                                                 for i in layers}
 
@@ -159,7 +160,7 @@ QWEN38_TP2 = {
 
 
 def test_qwen38_hybrid_with_the_recipe(tmp_path):
-    plan = plan_layers(open_checkpoint(str(write_qwen35(tmp_path / "q"))), overlay=QWEN38_OVERLAY)
+    plan = plan_layers(open_checkpoint(str(write_qwen35(tmp_path / "q"))), overlay=QWEN38_OVERLAY, release=newest())
     assert table(plan) == QWEN38_TP2
     qkvz = next(x for x in plan.layers if x.prefix.endswith("in_proj_qkvz"))
     assert qkvz.sources == ("model.language_model.layers.2.linear_attn.in_proj_qkv.weight",
@@ -167,7 +168,7 @@ def test_qwen38_hybrid_with_the_recipe(tmp_path):
     assert qkvz.part_sizes == (128, 128, 256, 256) and qkvz.part_sources == ((0, 0), (0, 128), (0, 256), (1, 0))
     assert not any("visual" in x.prefix or "mtp" in x.prefix for x in plan.layers)
     # without the ignore list in_proj_ba is planned, and unaligned (N_r = 2 x 4 value heads / 2)
-    plain = table(plan_layers(open_checkpoint(str(tmp_path / "q"))))
+    plain = table(plan_layers(open_checkpoint(str(tmp_path / "q")), release=newest()))
     assert plain[f"{L}.2.linear_attn.in_proj_ba"] == ("merged_column", 128, 4, "skip")
     # 2 linear key heads: TP 4 cannot shard the gated delta net
     with pytest.raises(ConfigError, match="2 linear key heads are not divisible by tensor-parallel size 4"):
@@ -178,22 +179,22 @@ def test_qwen38_vision_tower_without_an_ignore_is_named_not_silently_missed(tmp_
     """qwen3_5.py builds Qwen3_VisionTransformer with the quant config: an overlay that does not ignore visual.*
     has the server encode the tower online; exl3tool has no table for it and must say so (note + not_planned)."""
     ckpt = open_checkpoint(str(write_qwen35(tmp_path / "q")))
-    plain = plan_layers(ckpt)  # the default overlay: linear spec, no ignore list
+    plain = plan_layers(ckpt, release=newest())  # the default overlay: linear spec, no ignore list
     assert [(e.prefix, e.reason) for e in plain.excluded if e.prefix.startswith("visual")] == [
         ("visual.*", "not_modelled")]
     assert any("vision tower (visual.*)" in n and "re:.*visual" in n for n in plain.notes)
     assert not any(x.prefix.startswith("visual") for x in plain.layers)
-    recipe = plan_layers(ckpt, overlay=QWEN38_OVERLAY)
+    recipe = plan_layers(ckpt, overlay=QWEN38_OVERLAY, release=newest())
     assert not any(e.prefix.startswith("visual") for e in recipe.excluded)
     assert not any("vision tower" in n for n in recipe.notes)
-    only_text = plan_layers(ckpt, overlay=r'{"linear": "mxfp8", "ignore": ["re:visual\\..*"]}')
+    only_text = plan_layers(ckpt, overlay=r'{"linear": "mxfp8", "ignore": ["re:visual\\..*"]}', release=newest())
     assert not any("vision tower" in n for n in only_text.notes)
 
 
 def test_qwen38_mixed_in_proj_sources_refused(tmp_path):
     ckpt = open_checkpoint(str(write_qwen35(tmp_path / "q", mixed_in_proj=True)))
     with pytest.raises(ConfigError, match="in_proj_qkvz' mixes EXL3 and BF16 source shards"):
-        plan_layers(ckpt, overlay=QWEN38_OVERLAY)
+        plan_layers(ckpt, overlay=QWEN38_OVERLAY, release=newest())
 
 
 # GLM-5.3 (Glm5NextForConditionalGeneration): KDA layers build in_proj_qkvgfab (q|k|v|b column, f_a replicated:
@@ -214,7 +215,7 @@ def _glm53_expected():
 
 
 def test_glm53_family(tmp_path):
-    plan = plan_layers(open_checkpoint(str(write_glm53(tmp_path / "g"))), overlay=BOTH)
+    plan = plan_layers(open_checkpoint(str(write_glm53(tmp_path / "g"))), overlay=BOTH, release=newest())
     assert table(plan) == _glm53_expected()
     fused = plan.layers[0]
     assert fused.sources[-1] == "model.language_model.layers.0.self_attn.forget_gate.f_a_proj.weight"
@@ -225,12 +226,12 @@ def test_glm53_scope_refusals_follow_the_later_exl3_py(tmp_path):
     # a tiny model with the scope: the later exl3.py checks the GLM-5.3-Flash geometry and refuses anything else
     ckpt = open_checkpoint(str(write_glm53(tmp_path / "g", scope=True)))
     with pytest.raises(ConfigError, match="GLM-5.3 routed-only EXL3 architecture mismatch"):
-        plan_layers(ckpt)
+        plan_layers(ckpt, release=newest())
     cfg = json.loads((tmp_path / "g" / "config.json").read_text())
     cfg["quantization_config"]["bits"] = 6
     (tmp_path / "g" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="GLM-5.3 routed-only EXL3 metadata is unsupported"):
-        plan_layers(open_checkpoint(str(tmp_path / "g")))
+        plan_layers(open_checkpoint(str(tmp_path / "g")), release=newest())
 
 
 def glm53_flash_text() -> dict:
@@ -250,7 +251,7 @@ def glm53_flash_text() -> dict:
 def test_glm53_flash_scope_header_only(tmp_path):
     """The Flash geometry with the scope, planned from header-only shards: TP 2 only, every dense layer BF16."""
     d = write_glm53(tmp_path / "f", scope=True, text=glm53_flash_text(), header_only=True, shards=4)
-    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH)
+    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH, release=newest())
     assert plan.kind.kind == "glm53_routed_experts_only" and not plan.excluded
     jobs = plan.for_tp(2)
     # 34 KDA layers x (f_b, g_a, g_b, o_proj) + 3 dense MLPs x 2 + 42 shared experts x 2; in_proj_qkvgfab is
@@ -284,7 +285,7 @@ def test_llama_variant_spellings_first_record_decides_and_no_trellis_test(tiny_h
     st["model.layers.1.self_attn.o_proj"] = {"quant_format": "bf16"}
     st["layers.1.self_attn.o_proj"] = exl3_record("x", 256, 256)
     (d / "quantization_config.json").write_text(json.dumps(quant))
-    got = table(plan_layers(open_checkpoint(str(d))))
+    got = table(plan_layers(open_checkpoint(str(d)), release=newest()))
     assert got["model.layers.0.self_attn.qkv_proj"] == ("stored_exl3",)
     assert got["model.layers.1.mlp.down_proj"] == ("row", 256, 256, "job")
     assert got["model.layers.1.self_attn.o_proj"] == ("row", 128, 256, "job")
@@ -342,14 +343,14 @@ QWEN3_NEXT_TP2 = {
 
 def test_qwen3_next_family(tmp_path):
     d = write_qwen3_next(tmp_path / "q")
-    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH)
+    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH, release=newest())
     assert table(plan, 1) == QWEN3_NEXT_TP1
     assert table(plan, 2) == QWEN3_NEXT_TP2
     qkvz = next(x for x in plan.layers if x.prefix == f"{N}.0.linear_attn.in_proj_qkvz")
     assert qkvz.sources == ("model.layers.0.linear_attn.in_proj_qkvz.weight",) and qkvz.part_sizes == (768,)
     assert not any("mtp" in x.prefix or x.prefix.endswith(("mlp.gate", "shared_expert_gate")) for x in plan.layers)
     # the recipe's ignore list matches in_proj_ba by its own name (packed_modules_mapping maps it to itself)
-    ignored = table(plan_layers(open_checkpoint(str(d)), overlay=QWEN38_OVERLAY))
+    ignored = table(plan_layers(open_checkpoint(str(d)), overlay=QWEN38_OVERLAY, release=newest()))
     assert ignored[f"{N}.2.linear_attn.in_proj_ba"] == ("ignored",)
     assert ignored[f"{N}.2.mlp.shared_expert.down_proj"] == ("no_spec",)  # no shared_experts spec in the recipe
     assert ignored[f"{N}.2.linear_attn.in_proj_qkvz"] == ("merged_column", 128, 384, "job")
@@ -361,14 +362,14 @@ def test_qwen3_next_family(tmp_path):
 def test_qwen3_next_sparse_step_and_no_experts(tmp_path):
     # decoder_sparse_step 2, no mlp_only_layers: MoE on (i + 1) % 2 == 0 -> layers 1, 3; dense MLP on 0, 2
     got = table(plan_layers(open_checkpoint(str(write_qwen3_next(tmp_path / "s", mlp_only_layers=[0, 2]))),
-                            overlay=BOTH))
+                            overlay=BOTH, release=newest()))
     assert {k for k in got if ".mlp." in k} == {f"{N}.{i}.mlp.{m}" for i in (0, 2) for m in ("gate_up_proj", "down_proj")} | {
         f"{N}.{i}.mlp.shared_expert.{m}" for i in (1, 3) for m in ("gate_up_proj", "down_proj")}
     d = tmp_path / "s"
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(decoder_sparse_step=2, mlp_only_layers=[])
     (d / "config.json").write_text(json.dumps(cfg))
-    got = table(plan_layers(open_checkpoint(str(d)), overlay=BOTH))
+    got = table(plan_layers(open_checkpoint(str(d)), overlay=BOTH, release=newest()))
     assert {k for k in got if ".mlp." in k} == {f"{N}.{i}.mlp.{m}" for i in (0, 2) for m in ("gate_up_proj", "down_proj")} | {
         f"{N}.{i}.mlp.shared_expert.{m}" for i in (1, 3) for m in ("gate_up_proj", "down_proj")}
 
@@ -408,12 +409,12 @@ GLM4_MOE_TP2 = {
 
 def test_glm4_moe_family(tmp_path):
     d = write_glm4_moe(tmp_path / "g")
-    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH)
+    plan = plan_layers(open_checkpoint(str(d)), overlay=BOTH, release=newest())
     assert table(plan, 1) == GLM4_MOE_TP1
     assert table(plan, 2) == GLM4_MOE_TP2
     assert not any(x.prefix.endswith("mlp.gate") or ".layers.3." in x.prefix for x in plan.layers)
     # the default overlay has no shared_experts spec
-    assert table(plan_layers(open_checkpoint(str(d))))["model.layers.1.mlp.shared_experts.down_proj"] == ("no_spec",)
+    assert table(plan_layers(open_checkpoint(str(d)), release=newest()))["model.layers.1.mlp.shared_experts.down_proj"] == ("no_spec",)
     # TP 4: 2 KV heads replicated twice, 1 head of q per rank (64 rows: unaligned); TP 8 cannot split 4 heads
     assert table(plan, 4)["model.layers.0.self_attn.qkv_proj"] == ("qkv", 128, 192, "skip")
     with pytest.raises(ConfigError, match="4 attention heads are not divisible by tensor-parallel size 8"):
@@ -422,4 +423,4 @@ def test_glm4_moe_family(tmp_path):
 
 def test_glm4_moe_refuses_other_activations(tmp_path):
     with pytest.raises(ConfigError, match="Unsupported activation: gelu"):
-        plan_layers(open_checkpoint(str(write_glm4_moe(tmp_path / "g", hidden_act="gelu"))), overlay=BOTH)
+        plan_layers(open_checkpoint(str(write_glm4_moe(tmp_path / "g", hidden_act="gelu"))), overlay=BOTH, release=newest())

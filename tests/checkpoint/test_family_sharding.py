@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from exl3tool.checkpoint import open_checkpoint, plan_layers, rank_local_weight
 
 from exl3tool.checkpoint.tiny import QWEN3_NEXT, write_glm4_moe, write_glm53, write_mla, write_qwen3_next, write_qwen35
+from exl3tool.releases import newest
 from helpers import BOTH
 
 
@@ -20,7 +21,7 @@ def _tensors(d) -> dict[str, torch.Tensor]:
 
 
 def _jobs(d, prefix, overlay=BOTH):
-    plan = plan_layers(open_checkpoint(str(d)), overlay=overlay)
+    plan = plan_layers(open_checkpoint(str(d)), overlay=overlay, release=newest())
     return open_checkpoint(str(d)), [j for j in plan.for_tp(2, include_skipped=True) if j.prefix == prefix]
 
 
@@ -90,7 +91,7 @@ def test_glm4_moe_qkv_with_replicated_kv_heads(tmp_path):
     t = _tensors(d)
     q, k, v = (t[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv")
     ckpt = open_checkpoint(str(d))
-    plan = plan_layers(ckpt, overlay=BOTH)
+    plan = plan_layers(ckpt, overlay=BOTH, release=newest())
     jobs = [j for j in plan.for_tp(4, include_skipped=True) if j.prefix == "model.layers.1.self_attn.qkv_proj"]
     assert [j.tp_rank for j in jobs] == [0, 1, 2, 3]
     for job in jobs:

@@ -14,6 +14,7 @@ from exl3tool.cli import main
 from exl3tool.errors import ConfigError
 
 from exl3tool.checkpoint.tiny import QWEN38_OVERLAY, write_mla
+from exl3tool.releases import newest
 from helpers import ENC_ARGS as ENC, LINEAR
 
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
@@ -143,7 +144,7 @@ def test_tensors_to_fetch_reads_only_planned_sources(tmp_path):
     d = write_mla(tmp_path / "m")
     names = open_checkpoint(str(d)).tensor_names()
     config = json.loads((d / "config.json").read_text())
-    wanted = tensors_to_fetch(d, config, names, LINEAR)
+    wanted = tensors_to_fetch(d, config, names, LINEAR, release=newest())
     assert wanted == {
         f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in (
             "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj")
@@ -151,7 +152,7 @@ def test_tensors_to_fetch_reads_only_planned_sources(tmp_path):
         f"model.layers.0.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
     # the same checkpoint without the EXL3 marker is refused anyway: nothing to fetch
     config.pop("quantization_config")
-    assert tensors_to_fetch(d, config, names, None) == set()
+    assert tensors_to_fetch(d, config, names, None, release=newest()) == set()
 
 
 def test_unknown_architecture_generic_mode(tmp_path):
@@ -162,7 +163,7 @@ def test_unknown_architecture_generic_mode(tmp_path):
                           ("encoder.layer.0.attention.self.query.weight", (128, 128)),
                           ("encoder.layer.0.output.dense.weight", (128, 256))])
     with pytest.raises(ConfigError, match="BertModel has no known layer plan"):
-        plan_layers(open_checkpoint(str(d)))
-    plan = plan_layers(open_checkpoint(str(d)), layers=["encoder.layer.0.*"])
+        plan_layers(open_checkpoint(str(d)), release=newest())
+    plan = plan_layers(open_checkpoint(str(d)), layers=["encoder.layer.0.*"], release=newest())
     assert [x.prefix for x in plan.layers] == ["encoder.layer.0.attention.self.query", "encoder.layer.0.output.dense"]
     assert not plan.server_lookup and "the server will not look them up" in plan.notes[0]

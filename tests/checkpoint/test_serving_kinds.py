@@ -16,6 +16,7 @@ from exl3tool.checkpoint.synthetic import exl3_record
 
 from test_overlay import _cli
 from exl3tool.checkpoint.tiny import EXL3_SUMMARY, write_mla
+from exl3tool.releases import newest
 from helpers import ENC_ARGS as ENC
 
 SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
@@ -32,8 +33,8 @@ def _config(storage=None, **qc) -> dict:
 
 def test_standard_kind_reads_inline_storage_then_the_file():
     rec = {"model.layers.0.mlp.down_proj": exl3_record("model.layers.0.mlp.down_proj", 256, 128)}
-    inline = serving_kind(_config(rec), None)
-    from_file = serving_kind(_config(), {"tensor_storage": rec})
+    inline = serving_kind(_config(rec), None, release=newest())
+    from_file = serving_kind(_config(), {"tensor_storage": rec}, release=newest())
     assert inline.kind == from_file.kind == "exl3" and inline.required_tp is None
     assert from_file.storage.is_exl3("model.layers.0.mlp.down_proj")
     assert not from_file.storage.is_exl3("model.layers.0.mlp.up_proj")
@@ -44,7 +45,7 @@ def test_standard_kind_reads_inline_storage_then_the_file():
                          ids=["no-file", "empty-inline", "file-without-map", "empty-map", "map-not-a-dict"])
 def test_missing_or_empty_tensor_storage_is_the_servers_refusal(config_storage, file):
     with pytest.raises(NotServable) as err:
-        serving_kind(_config(config_storage), file)
+        serving_kind(_config(config_storage), file, release=newest())
     assert str(err.value) == NO_STORAGE_REASON
 
 
@@ -71,7 +72,7 @@ def _bad_records() -> list[tuple[dict, str]]:
                          ids=["no-exl3-record", "no-trellis", "no-scales", "two-codebooks"])
 def test_invalid_exl3_records_are_refused_naming_the_module(storage, why):
     with pytest.raises(NotServable) as err:
-        serving_kind(_config(storage), None)
+        serving_kind(_config(storage), None, release=newest())
     assert why in str(err.value)
 
 
@@ -79,7 +80,7 @@ def test_su_sv_spellings_are_valid_records():
     rec = copy.deepcopy(exl3_record("model.layers.0.mlp.down_proj", 256, 128))
     rec["stored_tensors"] = {k.replace(".suh", ".su").replace(".svh", ".sv"): v
                              for k, v in rec["stored_tensors"].items()}
-    assert serving_kind(_config({"model.layers.0.mlp.down_proj": rec}), None).kind == "exl3"
+    assert serving_kind(_config({"model.layers.0.mlp.down_proj": rec}), None, release=newest()).kind == "exl3"
 
 
 def _hybrid(**changes) -> dict:
@@ -88,14 +89,14 @@ def _hybrid(**changes) -> dict:
 
 
 def test_rank_sliced_kind_skips_the_storage_map_and_pins_the_tp_size():
-    kind = serving_kind(dict(TEXT, hybrid_tr3_tail=_hybrid()), None)  # no quant_method, no tensor_storage anywhere
+    kind = serving_kind(dict(TEXT, hybrid_tr3_tail=_hybrid()), None, release=newest())  # no quant_method, no tensor_storage anywhere
     assert kind.kind == "rank_sliced" and kind.required_tp == 2
     assert kind.tp_refusal(2) is None
     assert "checkpoint=2, runtime=4" in kind.tp_refusal(4)
     mixed = serving_kind(dict(TEXT, hybrid_tr3_tail=_hybrid(bits="mixed", k_values=[3, 6],
-                                                            bits_per_expert="bits.json")), None)
+                                                            bits_per_expert="bits.json")), None, release=newest())
     shared = serving_kind(dict(TEXT, hybrid_tr3_tail=_hybrid(rotation_layout="shared_h_v1",
-                                                             shared_h_tensor_schema=SHARED_H)), None)
+                                                             shared_h_tensor_schema=SHARED_H)), None, release=newest())
     assert mixed.kind == shared.kind == "rank_sliced"
 
 
@@ -115,7 +116,7 @@ def test_rank_sliced_kind_skips_the_storage_map_and_pins_the_tp_size():
         "k-values", "bits-per-expert", "experts"])
 def test_rank_sliced_refusals_are_the_servers(changes, why):
     with pytest.raises(NotServable) as err:
-        serving_kind(dict(TEXT, hybrid_tr3_tail=_hybrid(**changes)), None)
+        serving_kind(dict(TEXT, hybrid_tr3_tail=_hybrid(**changes)), None, release=newest())
     assert why in str(err.value)
 
 

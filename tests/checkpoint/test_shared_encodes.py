@@ -19,6 +19,7 @@ from exl3tool.checkpoint import RankJob, open_checkpoint, plan_layers, rank_loca
 from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import warm
 from exl3tool.plan.sharing import group_jobs, share_jobs, sharing_figures
+from exl3tool.releases import newest
 from helpers import ENC, LINEAR, completed
 
 from tiny_models import write_glm5, write_glm53
@@ -39,7 +40,7 @@ def _files(cache: Path) -> dict[Path, bytes]:
 
 def test_reads_are_equal_exactly_where_the_plan_replicates(glm5):
     """Replicated layers read the same slices on every rank and TP size; sharded layers never repeat a read."""
-    plan = plan_layers(open_checkpoint(str(glm5)))
+    plan = plan_layers(open_checkpoint(str(glm5)), release=newest())
     jobs = [rj for tp in (1, 2, 4) for rj in plan.for_tp(tp)]
     by_layer: dict[str, set] = {}
     for rj in jobs:
@@ -57,7 +58,7 @@ def test_reads_are_equal_exactly_where_the_plan_replicates(glm5):
 
 
 def test_glm53_g_a_proj_is_shared_across_ranks(tmp_path):
-    plan = plan_layers(open_checkpoint(str(write_glm53(tmp_path / "g"))), overlay=LINEAR)
+    plan = plan_layers(open_checkpoint(str(write_glm53(tmp_path / "g"))), overlay=LINEAR, release=newest())
     shared = {rj.prefix for rj in plan.for_tp(2) if rj.layer.parallel == "replicated"}
     assert shared and all(p.endswith(".g_a_proj") for p in shared)
 

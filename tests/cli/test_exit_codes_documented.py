@@ -69,6 +69,8 @@ CLAIMS = [
     ("docs/cache.md", "Exit 0 when every look-up hits, 1 when", "cache_check"),
     ("docs/deploy.md", "exits 0 when every look-up hits, 1 when any misses", "cache_check"),
     ("help: cache check", "Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error", "cache_check"),
+    ("help: cache check", "or an assumed release (a label it does not know", "release_assumed"),
+    ("docs/cache.md", "named with what was assumed, and the check exits 2 after its report", "release_assumed"),
     ("README.md", "Refused, naming the flag (exit 2): `--hf-config-path`", "launch_refusals"),
     ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
     ("README.md", "and exits 1 (never \"all hit\": the cache cannot make that server start warm)", "launch_refusals"),
@@ -405,6 +407,19 @@ def scenario_cache_check(m, tmp, monkeypatch):
     assert run([*argv, "--layers", LAYER]) == 0
     assert run([*argv, "--layers", "model.layers.1.self_attn.o_proj"]) == 1  # never warmed: the server would miss
     assert run([*argv, "--tp-size", "two"]) == 2
+
+
+def scenario_release_assumed(m, tmp, monkeypatch):
+    """An image label naming a release exl3tool does not know: the look-ups hit, and still no answer (exit 2)."""
+    import json as _json
+
+    inspect = tmp / "inspect.json"
+    inspect.write_text(_json.dumps([{"RepoTags": ["example.org/v:1"], "Config": {
+        "Env": [], "Labels": {"local-inference.release.name": "karmic-kraken-r3"}}}]))
+    argv = ["cache", "check", m["good"], "--cache-dir", m["cache"], "--layers", LAYER, *ENC, "--image", "example.org/v:1",
+            "--image-inspect", inspect]
+    assert run(argv) == 2
+    assert run([*argv, "--server-release", "infernal-invocation-r18"]) == 0  # named: answered
 
 
 def scenario_launch_refusals(m, tmp, monkeypatch):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 from rich.filesize import decimal
 
-from exl3tool.cli.commands.command import Call, OnlyWith, command
+from exl3tool.cli.commands.command import Call, NotWith, OnlyWith, command
 from exl3tool.cli.commands.group import Exl3Group
 from exl3tool.cli.commands.options import MODEL_WANTED, existing_cache_dir, non_empty, resolve_cache_dir
 from exl3tool.errors import ConfigError, FindingsError, InputError
@@ -29,6 +29,11 @@ cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, pru
                         epilog="Exit codes: each command's --help states its own; all use 0 ok, 1 findings, 2 usage, "
                         "configuration or I/O error, 130 interrupted.",
                         no_args_is_help=True, cls=Exl3Group, rich_markup_mode=None)  # Click's help: see cli.py
+
+
+# a cache command's release only picks the cache root, which --cache-dir gives
+_ROOT_GIVEN = NotWith("cache_dir", names=("server_release",),
+                      fix="the release only picks the server's cache root, which --cache-dir gives: drop one of them")
 
 
 def _when(ts: float) -> str:
@@ -50,8 +55,8 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-@command(cache_app, "ls", options=("cache_dir", "model_id"))
-def ls(out: Output, cache_dir: Optional[Path], model_id: Optional[str]) -> None:
+@command(cache_app, "ls", options=("cache_dir", "model_id", "server_release"), rules=(_ROOT_GIVEN,))
+def ls(out: Output, cache_dir: Optional[Path], model_id: Optional[str], server_release: Optional[str]) -> None:
     """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them).
 
     Exit codes: 0 listed (an empty cache too), 2 no such cache directory, usage or I/O error.
@@ -60,7 +65,7 @@ def ls(out: Output, cache_dir: Optional[Path], model_id: Optional[str]) -> None:
 
     from exl3tool.cache.listing import list_cache
 
-    root = existing_cache_dir(cache_dir)
+    root = existing_cache_dir(cache_dir, server_release=server_release)
     listing = list_cache(root, model=model_id)
     table = Table(title=f"EXL3 cache {root}", box=None, pad_edge=False, header_style="bold underline")  # 80 columns
     table.add_column("model identity", no_wrap=True, min_width=20)
@@ -120,10 +125,11 @@ def _find_entry(root: Path, entry: str) -> Path:
     return found[0]
 
 
-@command(cache_app, "show", options=("entry", "cache_dir"))
+@command(cache_app, "show", options=("entry", "cache_dir", "server_release"), rules=(_ROOT_GIVEN,))
 def show(
     out: Output,
     cache_dir: Optional[Path],
+    server_release: Optional[str],
     entry: Annotated[str, typer.Argument(metavar="ENTRY", parser=non_empty("an entry file or its digest"), help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
 ) -> None:
     """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not).
@@ -132,7 +138,7 @@ def show(
     """
     from exl3tool.cache.scan import inspect_entry
 
-    path = _find_entry(resolve_cache_dir(cache_dir), entry)
+    path = _find_entry(resolve_cache_dir(cache_dir, server_release), entry)
     try:
         info = inspect_entry(path)
     except ValueError as exc:
@@ -156,8 +162,8 @@ def show(
         raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
 
 
-@command(cache_app, "verify", options=("cache_dir", "model_id"))
-def verify(out: Output, cache_dir: Optional[Path], model_id: Optional[str]) -> None:
+@command(cache_app, "verify", options=("cache_dir", "model_id", "server_release"), rules=(_ROOT_GIVEN,))
+def verify(out: Output, cache_dir: Optional[Path], model_id: Optional[str], server_release: Optional[str]) -> None:
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
     Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
@@ -171,7 +177,7 @@ def verify(out: Output, cache_dir: Optional[Path], model_id: Optional[str]) -> N
 
     from exl3tool.cache.scan import CacheHealth, scan
 
-    root = existing_cache_dir(cache_dir)
+    root = existing_cache_dir(cache_dir, server_release=server_release)
     health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model_id)])
     entries, valid, unchecked, invalid = health.entries, health.valid, health.unchecked, health.invalid
     bad_locks, temps, orphans, stale = health.broken_locks, health.temp_files, health.orphan_locks, health.stale_locks
@@ -217,11 +223,12 @@ def verify(out: Output, cache_dir: Optional[Path], model_id: Optional[str]) -> N
 
 
 @command(cache_app, "prune", options=("invalid", "temp", "older_than", "records", "model_id", "plan_only", "yes",
-                                     "cache_dir"))
+                                     "cache_dir", "server_release"), rules=(_ROOT_GIVEN,))
 def prune(
     out: Output,
     model_id: Optional[str],
     cache_dir: Optional[Path],
+    server_release: Optional[str],
     invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or exl3tool's checksums fail), broken lock paths and symlinked folders (the link, never its target).")] = False,
     temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and orphan locks that no live process holds.")] = False,
     older_than: Annotated[
@@ -245,7 +252,7 @@ def prune(
         raise ConfigError("nothing selected: pass --invalid, --temp, --records and/or --older-than DAYS")
     if older_than is not None and older_than < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--older-than")
-    root = existing_cache_dir(cache_dir)
+    root = existing_cache_dir(cache_dir, server_release=server_release)
     from exl3tool.cache.prune_report import PruneReport
     from exl3tool.cache.records import execute_record_prune, plan_record_prune, read_records
     from exl3tool.cache.scan import execute_prune, plan_prune, scan
@@ -328,12 +335,14 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
     out.data(plan.as_json(bundle, size))
 
 
-@command(cache_app, "export", options=("out_path", "model_id", "tp_filter", "cache_dir"))
+@command(cache_app, "export", options=("out_path", "model_id", "tp_filter", "cache_dir", "server_release"),
+         rules=(_ROOT_GIVEN,))
 def export(
     out: Output,
     model_id: Optional[str],
     tp_filter: Optional[str],
     cache_dir: Optional[Path],
+    server_release: Optional[str],
     out_path: Annotated[str, typer.Argument(metavar="OUT", parser=non_empty("a file, or - for stdout"), help="Bundle file to write, or - for stdout.")],
 ) -> None:
     """Write the valid entries (default: all) into one bundle file: a tar whose first member is the manifest.
@@ -348,7 +357,7 @@ def export(
 
     from exl3tool.cache.bundle import plan_export, write_bundle, write_bundle_file
 
-    root = existing_cache_dir(cache_dir)
+    root = existing_cache_dir(cache_dir, server_release=server_release)
     if out_path == "-" and sys.stdout.isatty():
         raise ConfigError("refusing to write a bundle to a terminal; redirect stdout or pipe it (… | exl3tool cache import -)")
     plan = plan_export(root, model=model_id, tp_sizes=_tp_filter(tp_filter))
@@ -379,12 +388,17 @@ def export(
 @command(cache_app, "import", options=(
     "bundle", "cache_dir", "file_mode", "against", "exact", "revision", "bits", "layers", "exclude", "shared_experts",
     "quantization_config", "dtype", "device", "encoder_root", "encoder_revision", "server_release", "encoder_source",
-    "server_path"), rules=(OnlyWith("against", groups=("model", "plan", "encoder"), names=("exact",),
-                                    why="--against MODEL (the checkpoint the entries are checked against)"),))
+    "server_path"), rules=(
+        # the import checks nothing against a model: the model, plan and encoder options mean nothing without it
+        OnlyWith("against", groups=("model", "plan", "encoder"), names=("exact",),
+                 fix="drop it, or give --against MODEL to check the entries against MODEL's plan"),
+        # --server-release stays without --against (it picks the cache root), but --cache-dir gives the root
+        NotWith("cache_dir", names=("server_release",), unless=("against",), fix=_ROOT_GIVEN.fix)))
 def import_(
     call: Call,
     cache_dir: Optional[Path],
     file_mode: str,
+    server_release: Optional[str],
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", parser=non_empty("a file, or - for stdin"), help="Bundle file to read, or - for stdin.")],
     against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", parser=non_empty(MODEL_WANTED), help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="With --against: compare each entry with a fresh encode (verify --exact's rule) instead of the verify bound.")] = False,
@@ -410,7 +424,7 @@ def import_(
     from exl3tool.cli.commands.options import parse_file_mode
 
     out = call.out
-    root = resolve_cache_dir(cache_dir)
+    root = resolve_cache_dir(cache_dir, server_release)
     try:
         store = CacheStore(root, "readwrite", file_mode=parse_file_mode(file_mode))
     except ValueError as exc:

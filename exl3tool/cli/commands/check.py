@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from exl3tool.cli.commands.command import Call, command
+from exl3tool.cli.commands.command import Call, NotWith, command
 from exl3tool.cli.commands.launching import launch_json, lookup_off
 from exl3tool.cli.commands.options import LAUNCH
 from exl3tool.cli.commands.planview import plan_notes
@@ -43,6 +43,8 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     plan_notes(out, plan)
     for f in report.start_failures:
         out.warn(f"{f.text}; fix: {f.fix}")
+    for f in report.cannot_tell:
+        out.warn(f"cannot tell whether this server starts: {f.text}; fix: {f.fix}")
     for n, cause in enumerate(report.causes, 1):
         title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",
                  "unplanned": "miss"}[cause.kind]
@@ -86,7 +88,8 @@ def cache_check(
     Takes `cache warm`'s options and plans exactly as `cache warm --dry-run`; reads entry headers and provenance
     records only, never encodes or writes. Misses are grouped by cause (model identity component, encoder identity,
     bits, shape, TP layout, overlay; entries the server wrote itself), one line each with the fix. Run it where the
-    server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error.
+    server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error or
+    an assumed release (a label it does not know, a patched image not read: give --server-release).
 
     Example: exl3tool cache check /models/GLM-5.3 --tp-size 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
 
@@ -98,23 +101,24 @@ def cache_check(
         check_nodes(out, nodes)
         return
     request, settings, environ = call.resolve(call.request(), add_tp_sizes=True, no_lookup="report")
-    from exl3tool.releases import default_release
+    from exl3tool.releases import no_online_encoding
 
-    rel = default_release(request.server_release)[0]
+    rel = request.release
     if settings is None and not rel.online_cache:
-        reason = (f"{rel.name} ships no online EXL3 cache (exl3_online_cache.py arrived with gilded-gnosis-r20 and "
-                  "infernal-invocation-r5): the server encodes at start-up and looks nothing up")
-        render_no_lookup(out, (reason,), {})
+        render_no_lookup(out, (no_online_encoding(rel),), {"release": request.release_choice.as_json()})
+        _refuse_assumption(request.release_choice.unknown)
         raise FindingsError("this server makes no cache look-up: a warm cache changes nothing for it")
     off = lookup_off(settings, environ)
     if off:
         what = "launch" if settings is not None else "environment"
         render_no_lookup(out, off, launch_json(settings), what)
+        _refuse_assumption(request.release_choice.unknown)
         raise FindingsError(f"this {what} makes no cache look-up: a warm cache changes nothing for it")
     from exl3tool.operations.check import check
 
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
+    _refuse_assumption(tuple(report.assumptions()))
     if report.start_failures:
         raise FindingsError(report.start_failures[0].text)
     if not report.ok:
@@ -124,6 +128,17 @@ def cache_check(
             what += (", and the server makes look-ups outside the plan that would miss" if bad else
                      f": the {len(report.lookups)} planned look-ups hit, but the server makes others that would miss")
         raise FindingsError(what if out.json else f"{what}; see the causes above")
+
+
+def _refuse_assumption(assumptions: tuple[str, ...]) -> None:
+    """``cache check`` never answers on an assumption: exit 2 naming what exl3tool did not know (the report above
+    says what it found under the assumed rules), with the fix."""
+    if assumptions:
+        from exl3tool.errors import ConfigError
+
+        more = f" (and {len(assumptions) - 1} more above)" if len(assumptions) > 1 else ""
+        raise ConfigError(f"no answer on an assumption: {assumptions[0]}{more}; name the release the server runs: "
+                          "--server-release NAME (docs/releases.md)")
 
 
 def check_nodes(out: Output, specs: list[str]) -> None:
@@ -155,4 +170,7 @@ def register(app: typer.Typer) -> None:
     """Add ``cache check`` (to the ``cache`` group)."""
     from exl3tool.cli.commands.cache import cache_app
 
-    command(cache_app, "check", options=CHECK_OPTIONS)(cache_check)
+    # the fleet's identity documents are compared, nothing is planned: every other option means nothing there
+    nodes = NotWith("nodes", groups=("model", "plan", "encoder", "cache", "launch"),
+                    fix="drop it (--nodes compares the identity documents given), or check one launch without --nodes")
+    command(cache_app, "check", options=CHECK_OPTIONS, rules=(nodes,))(cache_check)

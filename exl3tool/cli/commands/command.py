@@ -4,7 +4,9 @@
 the rows named in ``options`` (``options.ROWS``) and the body's own (a parameter with a Typer annotation), then
 ``--json`` and ``--quiet``. The body's signature declares only what it reads: ``call`` (a ``Call``: the request the
 rows give, the launch, the output) or ``out`` (the run's ``Output``), its own options, and rows it reads as they are
-(a parameter named like a row, without a Typer annotation).
+(a parameter named like a row, without a Typer annotation). ``rules=(...)`` declares the command's modes: the options
+a mode does not read (groups of rows, or options by name), refused there with one usage error (``Rule``, built with
+``OnlyWith``/``NotWith``), never ignored.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
-from exl3tool.cli.commands.group import Exl3Command, LaunchCommand, Run
-from exl3tool.cli.commands.options import LAUNCH, OUTPUT, ROWS, Row
+from exl3tool.cli.commands.group import LAUNCH_ARGV, Exl3Command, LaunchCommand, Run
+from exl3tool.cli.commands.options import GROUPS, LAUNCH, OUTPUT, ROWS, Row
 from exl3tool.cli.output import Output
 
 if TYPE_CHECKING:
     from exl3tool.launch import LaunchInput
     from exl3tool.plan import ServerRequest
 
-__all__ = ["command", "Call", "OnlyWith"]
+__all__ = ["command", "Call", "Rule", "OnlyWith", "NotWith", "check_rules"]
 
 _GIVEN = ("COMMANDLINE", "ENVIRONMENT", "PROMPT")  # parameter sources that mean "the user gave it"
 
@@ -35,23 +37,68 @@ def _old(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class OnlyWith:
-    """The rows of ``groups`` (and the options ``names``) apply only with ``option`` given: given without it, a usage
-    error naming them (``cache import``'s model, plan and encoder options only with ``--against MODEL``)."""
+class Rule:
+    """Options that do nothing in one mode of a command, refused there, never ignored (issue 49): the mode is the
+    options ``with_`` given and ``without`` not (``cache import`` without ``--against``, ``verify --against``,
+    ``cache check --nodes``, ``--cache-dir`` beside ``--server-release``); what it refuses is the command's rows of
+    ``groups`` (less ``but``, which the mode does read) and the options ``names``. Any of them given on the command
+    line (the server's argv after ``--`` counts as ``--launch``) is named in one usage error, with ``fix``.
+    Declared on the command (``command(..., rules=...)``), built with ``OnlyWith`` or ``NotWith``."""
 
-    option: str
+    with_: tuple[str, ...] = ()
+    without: tuple[str, ...] = ()
     groups: tuple[str, ...] = ()
     names: tuple[str, ...] = ()
-    why: str = ""  # what ``option`` is, after "only apply with"
+    but: tuple[str, ...] = ()
+    fix: str = "drop it"
 
-    def check(self, call: Call) -> None:
-        if call.given(self.option):
-            return
-        given = [call.spelling(name) for name in call.options
-                 if (name in self.names or (name in ROWS and ROWS[name].group in self.groups)) and call.given(name)]
-        if given:
-            raise typer.BadParameter(f"{', '.join(given)} only apply with {self.why or call.spelling(self.option)}",
-                                     param_hint=given[0])
+    def refused(self, options: tuple[str, ...]) -> tuple[str, ...]:
+        """Of the command's ``options``, those this rule refuses in its mode."""
+        return tuple(n for n in options if n in self.names
+                     or (n in ROWS and ROWS[n].group in self.groups and n not in self.but))
+
+    def mode(self, spell: Callable[[str], str]) -> str:
+        """The mode as the error names it (``with --cache-dir and without --against``); ``spell``: an option's
+        spelling."""
+        return " and ".join([*(f"with {spell(n)}" for n in self.with_), *(f"without {spell(n)}" for n in self.without)])
+
+    def problem(self, call: Call) -> Optional[tuple[str, str]]:
+        """``(the first option named, the sentence)`` when ``call`` is in the mode and gave options it refuses."""
+        if not all(call.given(n) for n in self.with_) or any(call.given(n) for n in self.without):
+            return None
+        refused = self.refused(call.options)
+        given = [call.spelling(n) for n in refused if call.given(n)]
+        if "launch" in refused and call.ctx.meta.get(LAUNCH_ARGV) is not None:
+            given.append("-- ARGV")
+        if not given:
+            return None
+        verb, fix = ("does", self.fix) if len(given) == 1 else ("do", self.fix.replace("drop it", "drop them"))
+        return given[0], f"{', '.join(given)} {verb} nothing {self.mode(call.spelling)}: {fix}"
+
+
+def OnlyWith(option: str, *, groups: tuple[str, ...] = (), names: tuple[str, ...] = (), but: tuple[str, ...] = (),
+             fix: str = "drop it") -> Rule:
+    """The rows of ``groups`` (and the options ``names``) apply only with ``option`` given (``cache import``'s
+    model, plan and encoder options only with ``--against MODEL``)."""
+    return Rule(without=(option,), groups=groups, names=names, but=but, fix=fix)
+
+
+def NotWith(option: str, *, groups: tuple[str, ...] = (), names: tuple[str, ...] = (), but: tuple[str, ...] = (),
+            unless: tuple[str, ...] = (), fix: str = "drop it") -> Rule:
+    """The rows of ``groups`` (and the options ``names``) do nothing with ``option`` given, unless one of ``unless``
+    is given too (``cache check --nodes`` reads no launch; ``--cache-dir`` gives the root ``--server-release``
+    would pick)."""
+    return Rule(with_=(option,), without=unless, groups=groups, names=names, but=but, fix=fix)
+
+
+def check_rules(call: Call, rules: tuple[Rule, ...]) -> None:
+    """Every rule of the command in force: one usage error (exit 2) naming each option given that its mode does not
+    read, whatever the number of rules it breaks."""
+    problems = [found for rule in rules if (found := rule.problem(call)) is not None]
+    if problems:
+        hint = problems[0][0]
+        raise typer.BadParameter("; ".join(sentence for _, sentence in problems),
+                                 param_hint=hint if hint.startswith("-") else None)
 
 
 class Call:
@@ -67,8 +114,14 @@ class Call:
                    for n in (name, _old(name)))
 
     def spelling(self, name: str) -> str:
-        """How the help spells option ``name`` (``--tp-size``)."""
+        """How the help spells option ``name`` (``--tp-size``; an argument: its metavar, ``MODEL``), or the old
+        spelling where the command line gave only that one (``--tp-sizes``)."""
         param = next(p for p in self.ctx.command.params if p.name == name)
+        if param.param_type_name == "argument":
+            return param.metavar or name.upper()
+        source = self.ctx.get_parameter_source(name)
+        if (source is None or source.name not in _GIVEN) and self.given(name) and ROWS.get(name) and ROWS[name].old:
+            return ROWS[name].old
         return max(param.opts, key=len)
 
     def _request_rows(self) -> list[Row]:
@@ -113,7 +166,7 @@ def _is_option(parameter: inspect.Parameter) -> bool:
 
 
 def command(parent: typer.Typer, name: str, *, options: tuple[str, ...] = (),
-            rules: tuple[OnlyWith, ...] = ()) -> Callable[[Callable[..., None]], Callable[..., None]]:
+            rules: tuple[Rule, ...] = ()) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Register the decorated body as command ``name`` of ``parent`` (see the module's docstring)."""
 
     def register(body: Callable[..., None]) -> Callable[..., None]:
@@ -122,6 +175,8 @@ def command(parent: typer.Typer, name: str, *, options: tuple[str, ...] = (),
         mine = {n for n, p in own.items() if _is_option(p)}
         wrong = ([n for n in layout if n not in ROWS and n not in mine] + sorted(mine & set(ROWS))
                  + [n for n in own if n not in ("call", "out") and n not in layout])
+        wrong += [n for rule in rules for n in (*rule.with_, *rule.without, *rule.names, *rule.but) if n not in layout]
+        wrong += [g for rule in rules for g in rule.groups if g not in GROUPS]
         if wrong:  # a typo, an own option named like a row, a parameter no option fills: at registration
             raise TypeError(f"{body.__qualname__}: {wrong}: each option is a row or the body's own, named once, and "
                             "placed in `options`")
@@ -148,12 +203,12 @@ def command(parent: typer.Typer, name: str, *, options: tuple[str, ...] = (),
             if isinstance(ctx.obj, Run):
                 ctx.obj.output = out
             call = Call(ctx, out, layout, values)
-            for rule in rules:
-                rule.check(call)
+            check_rules(call, rules)
             handed = {"call": call, "out": out}
             body(**{n: handed[n] if n in handed else values[n] for n in own})
 
         run.__signature__ = inspect.Signature(params)
+        run.rules = rules  # type: ignore[attr-defined]  # the command's modes, for its tests (tests/cli/test_modes.py)
         run.__doc__, run.__name__, run.__qualname__, run.__module__ = (body.__doc__, body.__name__, body.__qualname__,
                                                                        body.__module__)
         cls = LaunchCommand if any(n in LAUNCH for n in layout) else Exl3Command

@@ -41,7 +41,8 @@ def hydrate_command(
     from exl3tool.operations.hydrate import hydrate, plan_hydrate
 
     out = call.out
-    request, settings, environ = call.resolve(call.request(), add_tp_sizes=True, need_cache=False)
+    request, settings, environ = call.resolve(call.request(), add_tp_sizes=True, need_cache=False,
+                                              no_lookup="ignore")
     extra = launch_json(settings)
     plan = plan_hydrate(request, out_dir, leave_unaligned=leave_unaligned, environ=environ)
     for prefix, why in plan.left_bf16:
@@ -88,7 +89,7 @@ def hydrate_command(
 
 
 HYDRATE_OPTIONS = ("source", "out_dir", "tp_sizes", "bits", "layers", "exclude", "shared_experts", "quantization_config",
-                   "dtype", "device", "leave_unaligned", "launch", "pid", "env_file", "launch_file", "compose",
+                   "dtype", "device", "server_release", "leave_unaligned", "launch", "pid", "env_file", "launch_file", "compose",
                    "service", "plan_only")
 
 

@@ -20,7 +20,8 @@ __all__ = ["launch_input", "apply_options", "launch_json", "lookup_off"]
 
 def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], env_file: list[str],
                  launch_file: Optional[str] = None, compose: Optional[str] = None, service: Optional[str] = None,
-                 image: Optional[str] = None, image_inspect: Optional[str] = None) -> LaunchInput:
+                 image: Optional[str] = None, image_inspect: Optional[str] = None,
+                 image_root: Optional[str] = None) -> LaunchInput:
     """The command's launch rows (and the words after ``--``) as one ``LaunchInput``."""
     from exl3tool.launch import LaunchInput
 
@@ -31,7 +32,8 @@ def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], 
     if argv is not None and not argv:
         raise typer.BadParameter("nothing after `--`: give the server's command line there (vllm serve MODEL ...)")
     return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_file or ()), file=launch_file,
-                       compose=compose, service=service, image=image, image_inspect=image_inspect)
+                       compose=compose, service=service, image=image, image_inspect=image_inspect,
+                       image_root=image_root)
 
 
 def launch_json(settings) -> dict:
@@ -50,7 +52,9 @@ def apply_options(out: Output, request, li: LaunchInput, given: frozenset[str], 
     Returns ``(request, settings or None, the server's environment or None)``; a command without MODEL and without
     a launch is a usage error. A launch whose server makes no look-up (``settings.lookup_off``) is, by
     ``no_lookup``: ``"refuse"`` a usage error (nothing to encode or verify for it: exit 2), ``"report"`` left to
-    the command (``cache check`` reports it as a finding), ``"warn"`` said on stderr (``identity``).
+    the command (``cache check`` reports it as a finding), ``"warn"`` said on stderr (``identity``), ``"ignore"``
+    nothing (``hydrate``: the checkpoint it writes is loaded whatever the server's cache does, and a release that
+    encodes nothing online is what it is for).
     """
     from exl3tool.launch import apply_launch
 
@@ -63,6 +67,12 @@ def apply_options(out: Output, request, li: LaunchInput, given: frozenset[str], 
                                  param_hint="'MODEL'")
     request, settings, environ = apply_launch(request, given, li, add_tp_sizes=add_tp_sizes,
                                               need_cache=need_cache)
+    choice = request.release_choice
+    if settings is None and choice.source not in ("default", "--server-release"):
+        out.note(choice.describe())  # a launch lists it with its settings
+    if settings is None:
+        for line in choice.unknown:  # a launch's are among its warnings
+            out.warn(line)
     if settings is None and li.image:  # no launch: the image's ENV is the server's environment
         from exl3tool.launch.request import launch_image
 
@@ -83,7 +93,7 @@ def apply_options(out: Output, request, li: LaunchInput, given: frozenset[str], 
         ignored = list(settings.launch.ignored) + list(settings.launch.args.ignored)
         if ignored:
             out.note("ignored (no effect on a look-up): " + "; ".join(ignored))
-    off = lookup_off(settings, environ)
+    off = lookup_off(settings, environ) if no_lookup != "ignore" else ()
     if off:
         why = "; ".join(off)
         what = "launch" if settings is not None else "environment"

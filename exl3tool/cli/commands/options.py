@@ -5,7 +5,8 @@ the request the rows give, never the rows one by one.
 Groups: ``model`` (which checkpoint, as the server names it), ``plan`` (what the server plans: TP, bits, layers,
 overlay, dtype), ``encoder`` (the encoder's identity and how an encode runs), ``cache`` (where entries go and how
 they are written), ``launch`` (the server's launch), ``output`` (``--json``, ``--quiet``, ``--progress``: the run's
-``Output``). A rule ("only with --against") names groups, never a hand list of options (``command.OnlyWith``).
+``Output``). A rule ("only with --against", "nothing with --nodes") names groups, never a hand list of options
+(``command.Rule``).
 """
 
 from __future__ import annotations
@@ -261,9 +262,10 @@ ROWS: dict[str, Row] = {row.name: row for row in (
          "cache", old="--tp-sizes"),
     _row("server_release", Optional[str], None,
          typer.Option("--server-release", metavar="NAME",
-                      help="The fork release the server runs (e.g. gilded-gnosis-r33, infernal-invocation-r18), "
-                      "whose cache root, lock and start-up rules apply (docs/releases.md). Default: the one the "
-                      "image's labels name, else the newest."),
+                      help="The fork release the server runs (e.g. gilded-gnosis-r33, infernal-invocation-r18, a "
+                      "patched image's gilded-gnosis-r34+pr312), whose cache root, lock and start-up rules apply "
+                      "(docs/releases.md). Default: the one the image's files or labels name, else the newest (said "
+                      "as such)."),
          "cache", "server_release", _server_release),
     _row("mode", str, "readwrite",
          typer.Option("--mode", metavar="TEXT",
@@ -332,6 +334,13 @@ ROWS: dict[str, Row] = {row.name: row for row in (
                       help="The server image's settings as saved by `docker image inspect NAME > FILE` where the image "
                       "is (no runtime needed here); wins over inspecting the image here."),
          "launch"),
+    _row("image_root", Optional[str], None,
+         typer.Option("--image-root", metavar="DIR",
+                      help="The server image's files: a mounted or unpacked image root (`podman image mount IMAGE`), "
+                      "or its vllm package folder. The fork modules there (exl3_online_cache.py, exl3.py) give the "
+                      "release's rules, over its labels (a patched image keeps its release's labels; "
+                      "docs/releases.md)."),
+         "launch"),
     # output: the run's ``Output`` (``command.command`` adds --json and --quiet to every command)
     _row("progress", str, "auto",
          typer.Option("--progress", metavar="auto|bar|lines|none", callback=_progress_mode,
@@ -364,24 +373,24 @@ def spelling(row: Row) -> str:
 HIDDEN_ALIASES = {row.old: spelling(row) for row in ROWS.values() if row.old}  # old spelling -> new
 
 
-def resolve_cache_dir(cache_dir: Path | None) -> Path:
-    """``--cache-dir`` if given, else the server's cache root from the environment."""
+def resolve_cache_dir(cache_dir: Path | None, server_release: Any = None, environ: dict | None = None) -> Path:
+    """``--cache-dir`` if given, else the server's cache root from the environment, by the rule of the release
+    ``--server-release`` names (``exl3tool.releases.resolve_release``: the newest when none is named)."""
     from exl3tool.cache import cache_root
+    from exl3tool.releases import resolve_release
 
-    return cache_dir if cache_dir is not None else cache_root()
+    return cache_dir if cache_dir is not None else cache_root(environ, resolve_release(server_release).release)
 
 
-def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None, server_release: str | None = None) -> Path:
-    """``resolve_cache_dir`` (with ``environ``: the server's environment), which must be an existing directory
-    (InputError otherwise, exit 2)."""
-    from exl3tool.cache import cache_root
+def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None, server_release: Any = None) -> Path:
+    """``resolve_cache_dir`` (with ``environ``: the server's environment; ``server_release``: a name or the run's
+    ``ReleaseChoice``), which must be an existing directory (InputError otherwise, exit 2)."""
     from exl3tool.errors import InputError
 
-    from exl3tool.releases import default_release
-
-    root = cache_dir if cache_dir is not None else cache_root(environ, default_release(server_release)[0])
+    root = resolve_cache_dir(cache_dir, server_release, environ)
     if not root.exists():
-        raise InputError(f"cache directory {root} does not exist (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
+        raise InputError(f"cache directory {root} does not exist (check --cache-dir, VLLM_EXL3_ONLINE_CACHE_DIR or "
+                         "--server-release)")
     if not root.is_dir():
         raise InputError(f"cache directory {root} is not a directory (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
     return root

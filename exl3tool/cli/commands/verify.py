@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from exl3tool.cli.commands.command import Call, command
+from exl3tool.cli.commands.command import Call, NotWith, command
 from exl3tool.cli.commands.launching import launch_json
 from exl3tool.cli.commands.options import LAUNCH, existing_cache_dir, parse_positive_ints
 from exl3tool.errors import ConfigError, FindingsError, InputError
@@ -154,4 +154,10 @@ VERIFY_OPTIONS = ("model", "revision", "tp_size", "tp_rank", "bits", "layers", "
 
 
 def register(app: typer.Typer) -> None:
-    command(app, "verify", options=VERIFY_OPTIONS)(verify)
+    # a hydrated checkpoint against its SOURCE: no cache, no plan, no launch (verify_hydrated reads the stored modules
+    # the hydrate recorded, at TP 1, with the bits it recorded); --exact compares cache entries only
+    hydrated = NotWith("against", groups=("plan", "encoder", "cache", "launch"), names=("revision", "server_path", "exact"),
+                       but=("dtype", "device"),
+                       fix="drop it (the hydrated checkpoint's stored layers are compared with SOURCE's weights, no "
+                       "cache), or verify the cache without --against")
+    command(app, "verify", options=VERIFY_OPTIONS, rules=(hydrated,))(verify)

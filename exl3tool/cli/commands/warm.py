@@ -191,7 +191,7 @@ def _refuse_a_file_as_cache(request: ServerRequest, environ: Optional[dict]) -> 
     from exl3tool.cache.settings import cache_root
     from exl3tool.errors import InputError
 
-    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ)
+    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, request.release)
     if root.exists() and not root.is_dir():
         raise InputError(f"cache directory {root} is not a directory (check --cache-dir or "
                          "VLLM_EXL3_ONLINE_CACHE_DIR)")
@@ -273,7 +273,7 @@ WARM_OPTIONS = ("model", "revision", "tp_sizes", "bits", "layers", "exclude", "c
                 "quantization_config", "dtype", "encoder_root", "encoder_revision", "server_release", "encoder_source",
                 "server_path", "file_mode", "overlap", "check_unchecked", "gpu_memory", "lock_timeout", "progress",
                 "launch", "pid", "env_file", "launch_file", "compose", "service", "shard_option", "shard_count",
-                "image", "image_inspect", "trust_encoder_identity", "dry_run")
+                "image", "image_inspect", "image_root", "trust_encoder_identity", "dry_run")
 
 
 def register(app: typer.Typer) -> None:
