@@ -77,6 +77,8 @@ class ServerLaunch:
     image_note: str = ""  # why the image's ENV could not be read ("" when read, or no image)
     image: Optional[Any] = None  # the image's settings (launch.image.ImageSettings) when read
     image_name: str = ""  # the image the launch runs ("" when none)
+    hidden: tuple[str, ...] = ()  # variables a wrapper removed from the launching environment (env -u, a user's HOME)
+    home_unknown: str = ""  # why the server's HOME is not known (a wrapper changed the user): "" when it is
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,11 @@ class _Builder:
         return self.put(name, item.value, item.source, detail)
 
 
+def _unknown_home(launch: ServerLaunch) -> str:
+    """Why the server's HOME is not known (a wrapper changed its user), as the start of a message; "" when it is."""
+    return f"{launch.home_unknown}; " if launch.home_unknown else ""
+
+
 def _server_path(path: str, launch: ServerLaunch, what: str) -> str:
     """An absolute server-side path for ``path`` (relative: from the launch's working directory)."""
     if posixpath.isabs(path):
@@ -279,12 +286,12 @@ def _server_path(path: str, launch: ServerLaunch, what: str) -> str:
     if path.startswith("~"):
         home = launch.env.get("HOME")
         if home is None:
-            raise ConfigError(f"the launch's {what} {path!r} starts with ~ and the server's HOME is not known; give "
-                              "an absolute path")
+            raise ConfigError(f"{_unknown_home(launch)}the launch's {what} {path!r} starts with ~ and the server's "
+                              "HOME is not known; give an absolute path")
         return posixpath.normpath(home.value + path[1:])
     if launch.workdir:
         return posixpath.normpath(posixpath.join(launch.workdir, path))
-    if launch.form == "command":
+    if launch.form == "command" and not launch.paths.container:
         return os.path.abspath(path)
     raise ConfigError(f"the launch's {what} {path!r} is relative and the server's working directory is not known "
                       "(give -w/--workdir in the launch or an absolute path)")
@@ -422,7 +429,8 @@ def _offline_snapshot(b: _Builder, launch: ServerLaunch, repo: str, revision: Op
     """
     env = _hf_env(b)
     if not any(v in env for v in _HF_VARS[2:]):
-        raise ConfigError(f"the launch serves the Hub repo {repo} with HF_HUB_OFFLINE, so the server reads it from its "
+        raise ConfigError(f"{_unknown_home(launch)}the launch serves the Hub repo {repo} with HF_HUB_OFFLINE, so the "
+                          "server reads it from its "
                           "Hub cache, under a HOME the launch does not give: pass HF_HUB_CACHE (or HF_HOME, HOME) "
                           "with -e in the launch or in an --env-file")
     cache = _server_path(str(hub_cache_dir(env)), launch, "Hub cache (HF_HUB_CACHE)")
@@ -491,11 +499,13 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         server = posixpath.join(home.value, server[2:])
         b.put("cache_dir", server, "default", f"~/.cache/vllm/exl3_online with HOME={home.value}")
     elif explicit.cache_dir is None and not need_cache:
-        b.warnings.append("the server's cache root is under the container's HOME, which the launch does not give")
+        b.warnings.append(f"{_unknown_home(launch)}the server's cache root is under the server's HOME, which the "
+                          "launch does not give")
         return ""
     elif explicit.cache_dir is None:
-        raise ConfigError("the server's cache root is ~/.cache/vllm/exl3_online of the container's HOME, which "
-                          "the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
+        whose = "the server's" if launch.home_unknown else "the container's"
+        raise ConfigError(f"{_unknown_home(launch)}the server's cache root is ~/.cache/vllm/exl3_online of {whose} "
+                          "HOME, which the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
                           "--env-file) or exl3tool's --cache-dir")
     else:
         server = None
@@ -513,8 +523,8 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     if server is not None and server.startswith("~"):
         home = b.env("HOME")
         if home is None:
-            raise ConfigError(f"the server's cache root {server} starts with ~ and its HOME is not known; pass an "
-                              "absolute VLLM_EXL3_ONLINE_CACHE_DIR or exl3tool's --cache-dir")
+            raise ConfigError(f"{_unknown_home(launch)}the server's cache root {server} starts with ~ and its HOME "
+                              "is not known; pass an absolute VLLM_EXL3_ONLINE_CACHE_DIR or exl3tool's --cache-dir")
         server = home.value + server[1:]
     if explicit.cache_dir is not None:
         b.put("cache_dir_here", explicit.cache_dir, "flag", "--cache-dir")
@@ -683,6 +693,11 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
                               "cache, which exl3tool does not model; pass MODEL and --server-path of the folder")
         model, server_path = _offline_snapshot(b, launch, model, revision)
     elif server_path is None and explicit.model is None:
+        hub = "model_here" not in b.settings  # a Hub repo id, not a folder
+        if hub and launch.home_unknown and not any(v in _hf_env(b) for v in _HF_VARS[2:-1]):
+            raise ConfigError(f"{launch.home_unknown}; the launch serves the Hub repo {model}, whose Hub cache is "
+                              "under that HOME: pass HF_HUB_CACHE (or HF_HOME) in the launch, or run exl3tool as "
+                              "that user")
         b.view = launch.paths  # a Hub repo: its revision resolves with the server's Hub cache when offline
     tp_launch, tp_how = _int_arg(args, "tp_size", 1)
     if tp_how:
