@@ -499,8 +499,9 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         server = posixpath.join(home.value, server[2:])
         b.put("cache_dir", server, "default", f"~/.cache/vllm/exl3_online with HOME={home.value}")
     elif explicit.cache_dir is None and not need_cache:
-        b.warnings.append(f"{_unknown_home(launch)}the server's cache root is under the server's HOME, which the "
-                          "launch does not give")
+        whose = "the server's" if launch.home_unknown else "the container's"
+        b.warnings.append(f"{_unknown_home(launch)}the server's cache root is under {whose} HOME, which the launch "
+                          "does not give")
         return ""
     elif explicit.cache_dir is None:
         whose = "the server's" if launch.home_unknown else "the container's"
@@ -686,14 +687,14 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         revision = b.arg("revision", rev[0], rev[1])
     else:
         revision = b.put("revision", None, "default", "not given")
-    if server_path is None and explicit.model is None and hub_offline(_hf_env(b)):
+    hub = server_path is None and explicit.model is None and "model_here" not in b.settings  # a Hub repo id
+    if hub and hub_offline(_hf_env(b)):  # an existing path is served as is (get_model_path)
         modelscope = b.env("VLLM_USE_MODELSCOPE")
         if modelscope is not None and modelscope.value.lower() == "true":  # vllm/envs.py's test
             raise ConfigError("the launch sets VLLM_USE_MODELSCOPE with HF_HUB_OFFLINE: the server reads ModelScope's "
                               "cache, which exl3tool does not model; pass MODEL and --server-path of the folder")
         model, server_path = _offline_snapshot(b, launch, model, revision)
     elif server_path is None and explicit.model is None:
-        hub = "model_here" not in b.settings  # a Hub repo id, not a folder
         if hub and launch.home_unknown and not any(v in _hf_env(b) for v in _HF_VARS[2:-1]):
             raise ConfigError(f"{launch.home_unknown}; the launch serves the Hub repo {model}, whose Hub cache is "
                               "under that HOME: pass HF_HUB_CACHE (or HF_HOME) in the launch, or run exl3tool as "

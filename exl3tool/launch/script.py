@@ -551,6 +551,9 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
                 raise ConfigError(said)
     if first.status != 0:
         said = (first.stderr.strip().splitlines() or ["(it printed nothing)"])[-1]
+        asked = [shlex.join(r.argv[:6]) for r in first.records if r.answer == "absent"]
+        why = (f" (before that it asked `{'`, `'.join(dict.fromkeys(asked))}`, answered no: the read-only sandbox "
+               "has no containers or images)" if asked else "")
         raise ConfigError(f"{where} exited {first.status} in the read-only sandbox before starting a server: "
-                          f"{said[:240]}")
+                          f"{said[:240]}{why[:300]}")
     return None
