@@ -23,12 +23,12 @@ from exl3tool.launch.container import ContainerRun, PathMap, parse_run
 from exl3tool.launch.env import EnvLayers, EnvValue, is_dry_run_output, read_dry_run_env, read_env_file
 from exl3tool.launch.image import image_env
 from exl3tool.launch.parse import Level, ServerStart, find_server, parse_server_args
-from exl3tool.launch.proc import read_process
+from exl3tool.launch.proc import ancestors, read_process
 from exl3tool.launch.resolve import ServerLaunch
 from exl3tool.launch.script import (
     HOST_VIEW, SHELLS, LauncherStart, ScriptView, dry_run_command, read_launcher, script_changes,
 )
-from exl3tool.launch.wrappers import Guest, entrypoint_passes, follow, refusal_in
+from exl3tool.launch.wrappers import Guest, entrypoint_passes, follow, refusal_in, traced_view
 
 __all__ = ["load_launch", "launch_from_words", "container_launch", "ReadAt", "FORMS"]
 
@@ -365,8 +365,16 @@ def read_pid(pid: int, at: ReadAt) -> ServerLaunch:
         return container_launch(run, start.kind, proc_launch.environ, image_inspect=at.image_inspect)
     env = {k: EnvValue(v, "launch env", f"/proc/{proc_launch.pid}/environ") for k, v in proc_launch.environ.items()}
     paths = PathMap(proc_launch.mounts, container=proc_launch.root is not None, root=proc_launch.root)
-    return _server(words, start, "pid", env, paths, proc_launch.cwd, (), (), environ=proc_launch.environ,
-                   cwd=proc_launch.cwd or "/", process_env=False, pid=proc_launch.pid)
+    cwd, notes = proc_launch.cwd, ()
+    for parent, argv in ancestors(proc_launch.pid, proc=at.proc) if proc_launch.root is None else ():
+        guest = traced_view(argv, environ=proc_launch.environ, cwd=proc_launch.cwd or "/")
+        if guest is not None:  # proot traces its guest: /proc shows this machine's root, the server sees proot's
+            paths, cwd = guest.paths, guest.workdir
+            notes = (f"the server runs under proot (process {parent}: {' '.join(argv[:6])}): its paths are read "
+                     "through proot's root and binds, as its command line gives them", *guest.notes)
+            break
+    return _server(words, start, "pid", env, paths, cwd, (), notes, environ=proc_launch.environ,
+                   cwd=cwd or "/", process_env=False, pid=proc_launch.pid)
 
 
 def read_compose(compose: tuple[str, Optional[str]], at: ReadAt) -> ServerLaunch:

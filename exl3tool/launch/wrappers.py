@@ -25,7 +25,7 @@ from exl3tool.launch.container import Mount, PathMap
 from exl3tool.launch.env import EnvValue
 
 __all__ = ["Wrapper", "WRAPPERS", "Guest", "follow", "wrapper_named", "refusal_in", "ENTRYPOINT_PASS_THROUGH",
-           "entrypoint_passes"]
+           "entrypoint_passes", "traced_view"]
 
 ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
@@ -55,6 +55,7 @@ class Wrapper:
     why: str = ""  # refused: what it does that exl3tool cannot see
     instead: str = _INSTEAD
     modelled_on: str = ""  # the public file this row is written from
+    traced: bool = False  # its view is made by tracing (ptrace), not by the kernel: /proc/PID/root does not show it
 
 
 _PROOT_R = ("/etc/host.conf", "/etc/hosts", "/etc/hosts.equiv", "/etc/mtab", "/etc/netgroup", "/etc/networks",
@@ -94,7 +95,7 @@ WRAPPERS: tuple[Wrapper, ...] = (
         "-n": "flag", "--netcoop": "flag", "-L": "flag", "--link2symlink": "flag", "--kill-on-exit": "flag",
         "--sysvipc": "flag", "--ashmem-memfd": "flag", "-H": "flag", "-P": "flag", "-V": "flag",
     }, modelled_on="malaiwah/qwen38-27b-exl3 tools/ggrun.sh (proot -R ROOTFS -b HOST:GUEST ... /usr/bin/env -i "
-                   "... \"$@\"); options from proot-me/proot doc/proot/manual.rst"),
+                   "... \"$@\"); options from proot-me/proot doc/proot/manual.rst", traced=True),
     Wrapper(("chroot",), True, {"--userspec": "userspec", "--groups": "value", "--skip-chdir": "nochdir"},
             positionals=("root",), modelled_on="coreutils chroot(1)"),
     Wrapper(("unshare",), True, {
@@ -259,6 +260,17 @@ class Guest:
         self.env.clear()
         self.cleared = True
         self.hidden.clear()
+
+
+def traced_view(argv: Sequence[str], *, environ: Mapping[str, str], cwd: str) -> Optional[Guest]:
+    """The filesystem view a tracing wrapper's command line (``proot -R ROOT -b ...``, a running server's parent)
+    gives its command, or None when ``argv`` is not one."""
+    row = wrapper_named(argv[0]) if argv else None
+    if row is None or not row.traced:
+        return None
+    guest = Guest()
+    _apply(row, list(argv), 0, guest, environ, cwd, "", False)
+    return guest if guest.moved else None
 
 
 def refusal_in(words: Sequence[str]) -> Optional[str]:

@@ -215,3 +215,30 @@ def test_an_entrypoint_script_in_a_root_folder_is_read_there(tmp_path, model):
             *[a for w in SERVER for a in ("-e", w)], "--rootfs", str(root), "/opt/start.sh", "-tp", "2"]
     s = settings(argv, environ={"HOME": "/h"})
     assert (s.tp_size, s.cache_dir, s.settings["model_here"].value) == (2, str(tmp_path), str(model))
+
+
+def test_pid_of_a_server_under_proot_reads_proots_view(tmp_path, model):
+    """proot traces its guest: /proc/PID/root of the server reads this machine's "/", so the guest's paths are read
+    through its parent's proot command line (its root and binds), not here."""
+    proc = tmp_path / "proc"
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    procs = {4300: (1, ["/var/tmp/proot", "-R", str(tmp_path / "rootfs"), "-b", f"{model.parent}:/models",
+                        "-b", f"{cache}:/cache", "/usr/bin/env", "-i", "vllm", "serve", "/models/M"]),
+             4301: (4300, ["/usr/bin/python3", "/opt/venv/bin/vllm", "serve", "/models/M", "--quantization-config",
+                           QC])}
+    for pid, (parent, argv) in procs.items():
+        d = proc / str(pid)
+        (d / "ns").mkdir(parents=True)
+        (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+        (d / "stat").write_text(f"{pid} (x) S {parent} 1 1 0")
+        os.symlink("/", d / "root")
+        os.symlink("mnt:[4026531840]", d / "ns" / "mnt")
+    env = {**dict(w.split("=", 1) for w in SERVER), "VLLM_EXL3_ONLINE_CACHE_DIR": "/cache/x", "HOME": "/root"}
+    (proc / "4301" / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+    (proc / "self" / "ns").mkdir(parents=True)
+    os.symlink("mnt:[4026531840]", proc / "self" / "ns" / "mnt")
+    launch, layers = load_launch(pid=4301, environ={}, proc=str(proc))
+    s = resolve_launch(launch, layers, Explicit())
+    assert s.cache_dir == str(cache / "x") and s.settings["model_here"].value == str(model)
+    assert any("runs under proot (process 4300" in n for n in s.notes)
