@@ -29,6 +29,7 @@ __all__ = ["ServerArgs", "ServerStart", "Level", "ShellScript", "split_commands"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _CLI_MODULES = ("vllm.entrypoints.cli.main", "vllm")  # `python -m vllm.entrypoints.cli.main serve ...`
 _SEPARATORS = {";", "&&", "||", "|", "&", "\n", ";;", "|&"}
+_SANDBOX_OWN = ("/dev", "/proc", "/sys", "/run", "/tmp", "/etc", "/var/run")  # a script's sandbox makes its own
 
 
 def split_commands(text: str) -> list[list[str]]:
@@ -210,8 +211,10 @@ def find_server(words: list[str], env: Optional[Mapping[str, str]] = None,
         guest = follow(shell.wrappers, Guest(), environ=base_env, cwd=view.cwd or os.getcwd(), entry=shell.how,
                        inside=view.mounts is not None)
         base_env = guest.environ(base_env)
-        if guest.moved:
-            script_view = ScriptView(tuple((m.host, m.inside) for m in guest.paths.mounts if m.host),
+        if guest.moved:  # the script runs in the wrapper's binds (the sandbox keeps its own /dev, /proc, /tmp, ...)
+            script_view = ScriptView(tuple((m.host, m.inside) for m in guest.paths.mounts
+                                           if m.host and not any(m.inside == p or m.inside.startswith(p + "/")
+                                                                 for p in _SANDBOX_OWN)),
                                      view.launcher_dirs, guest.workdir)
         elif guest.workdir:
             script_view = replace(view, cwd=guest.workdir)

@@ -242,3 +242,16 @@ def test_pid_of_a_server_under_proot_reads_proots_view(tmp_path, model):
     s = resolve_launch(launch, layers, Explicit())
     assert s.cache_dir == str(cache / "x") and s.settings["model_here"].value == str(model)
     assert any("runs under proot (process 4300" in n for n in s.notes)
+
+
+@sandboxed
+def test_a_script_run_by_proot_runs_in_proots_binds(tmp_path, model):
+    """``proot -R ROOT -b HOST:GUEST bash -lc SCRIPT``: the script sees the guest's paths (its binds), and what it
+    exports and starts is read in the guest's view."""
+    (tmp_path / "rootfs").mkdir()
+    script = (f'test -f /models/M/config.json || exit 9; export VLLM_EXL3_ONLINE_CACHE_DIR=/cache/x 2>/dev/null; '
+              f'exec vllm serve /models/M --quantization-config \'{QC}\' "$@"')
+    argv = ["proot", "-R", str(tmp_path / "rootfs"), "-b", f"{model.parent}:/models", "-b", f"{tmp_path}:/cache",
+            "/bin/bash", "-lc", script, "--", "-tp", "2"]
+    s = settings(argv, environ={"HOME": "/h", **dict(w.split("=", 1) for w in SERVER)})
+    assert (s.tp_size, s.cache_dir, s.settings["model_here"].value) == (2, str(tmp_path / "x"), str(model))
