@@ -499,12 +499,12 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         server = posixpath.join(home.value, server[2:])
         b.put("cache_dir", server, "default", f"~/.cache/vllm/exl3_online with HOME={home.value}")
     elif explicit.cache_dir is None and not need_cache:
-        whose = "the server's" if launch.home_unknown else "the container's"
+        whose = "the container's" if launch.form in ("docker", "podman") else "the server's"
         b.warnings.append(f"{_unknown_home(launch)}the server's cache root is under {whose} HOME, which the launch "
                           "does not give")
         return ""
     elif explicit.cache_dir is None:
-        whose = "the server's" if launch.home_unknown else "the container's"
+        whose = "the container's" if launch.form in ("docker", "podman") else "the server's"
         raise ConfigError(f"{_unknown_home(launch)}the server's cache root is ~/.cache/vllm/exl3_online of {whose} "
                           "HOME, which the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
                           "--env-file) or exl3tool's --cache-dir")

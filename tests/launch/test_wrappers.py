@@ -255,3 +255,18 @@ def test_a_script_run_by_proot_runs_in_proots_binds(tmp_path, model):
             "/bin/bash", "-lc", script, "--", "-tp", "2"]
     s = settings(argv, environ={"HOME": "/h", **dict(w.split("=", 1) for w in SERVER)})
     assert (s.tp_size, s.cache_dir, s.settings["model_here"].value) == (2, str(tmp_path / "x"), str(model))
+
+
+@sandboxed
+def test_compose_entrypoint_and_command_lists_reach_the_script(tmp_path, model):
+    """compose ``entrypoint: [bash, -lc, 'exec vllm serve "$@"', --]`` with ``command: [MODEL, -tp, 2]``."""
+    compose = tmp_path / "docker-compose.yml"
+    compose.write_text(
+        "services:\n  vllm:\n    image: example/vllm:1\n"
+        "    entrypoint: [\"bash\", \"-lc\", \"exec vllm serve \\\"$$@\\\"\", \"--\"]\n"
+        f"    command: [\"/models/M\", \"-tp\", \"2\", \"--quantization-config\", {QC!r}]\n"
+        f"    environment: [{', '.join(SERVER)}, VLLM_EXL3_ONLINE_CACHE_DIR=/c]\n"
+        f"    volumes: [\"{model.parent}:/models\", \"{tmp_path}:/c\"]\n")
+    launch, layers = load_launch(compose=str(compose), environ={})
+    s = resolve_launch(launch, layers, Explicit())
+    assert (s.tp_size, s.cache_dir, s.settings["model_here"].value) == (2, str(tmp_path), str(model))
