@@ -1,9 +1,11 @@
 """The server's launch as an input: its command line, container start or running process, read into the settings
 of every look-up it makes, each with where it came from.
 
-``load_launch`` reads a launch (``shell``: shell scripts, quoting and variables; ``parse``: the fork's flags;
-``container``: docker/podman run; ``image``: an image's ENV; ``compose``: a docker compose service; ``proc``:
-``/proc/PID``; ``env``: env files and precedence); ``resolve_launch`` turns it into ``LaunchSettings``;
+``load_launch`` reads a launch (``load``: one reader per form; ``script``: shell scripts run by bash in a read-only
+sandbox; ``parse``: where the server starts and the fork's flags; ``wrappers``: proot, env -i, sudo -u ... followed
+or refused; ``container``: docker/podman run; ``image``: an image's ENV and entrypoint; ``compose``: a docker
+compose service; ``proc``: ``/proc/PID``; ``env``: env files and precedence); ``resolve_launch`` turns it into
+``LaunchSettings``;
 ``apply_launch`` fills a ``ServerRequest`` from them, so ``identity``, ``encode``, ``cache warm``, ``verify`` (and
 every command that builds a request) take a launch the same way.
 """

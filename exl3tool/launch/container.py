@@ -133,7 +133,7 @@ def parse_run(runner: str, words: list[str], *, environ: Optional[Mapping[str, s
     env: dict[str, EnvValue] = {}
     mounts: list[Mount] = []
     workdir = entrypoint = None
-    env_host = False
+    env_host = rootfs = False
     ignored: list[str] = []
     i = 0
     while i < len(words):
@@ -207,8 +207,11 @@ def parse_run(runner: str, words: list[str], *, environ: Optional[Mapping[str, s
                 entrypoint = value
             elif role == "env_host":
                 env_host = value != "false"
+            elif role == "rootfs":
+                rootfs = value != "false"
     if i >= len(words):
         raise ConfigError(f"the launch's {runner} run names no image (nothing after its options)")
     image, command = words[i], tuple(words[i + 1:])
-    return ContainerRun(runner, env, PathMap(tuple(mounts), container=True), workdir, entrypoint, image, command,
-                        env_host, tuple(ignored))
+    root = posixpath.normpath(os.path.join(cwd, image)) if rootfs else None  # podman --rootfs DIR: read here
+    return ContainerRun(runner, env, PathMap(tuple(mounts), container=True, root=root), workdir, entrypoint, image,
+                        command, env_host, tuple(ignored))

@@ -158,6 +158,10 @@ class EnvLayers:
     files: Mapping[str, EnvValue]
     process: Optional[Mapping[str, str]]
     container: bool = False
+    hidden: frozenset[str] = frozenset()  # names a wrapper removed from ours before the server (env -u, sudo -u)
+
+    def _seen(self, name: str) -> bool:
+        return not (self.container and name == "HOME") and name not in self.hidden
 
     def get(self, name: str) -> Optional[EnvValue]:
         """The value the server sees for ``name`` by this precedence, or None when nothing names it."""
@@ -165,7 +169,7 @@ class EnvLayers:
             return self.launch[name]
         if name in self.files:
             return self.files[name]
-        if self.process is not None and name in self.process and not (self.container and name == "HOME"):
+        if self.process is not None and name in self.process and self._seen(name):
             return EnvValue(self.process[name], "process env")
         return None
 
@@ -173,7 +177,7 @@ class EnvLayers:
         """Every variable by precedence, as one mapping (what the server's environment holds for our purposes)."""
         out: dict[str, str] = {}
         if self.process is not None:
-            out.update({k: v for k, v in self.process.items() if not (self.container and k == "HOME")})
+            out.update({k: v for k, v in self.process.items() if self._seen(k)})
         out.update({k: v.value for k, v in self.files.items()})
         out.update({k: v.value for k, v in self.launch.items()})
         return out

@@ -168,7 +168,7 @@ class ContainerFlag:
 
     names: tuple[str, ...]
     takes_value: bool
-    role: str = ""  # env | env_file | volume | mount | entrypoint | workdir | env_host | "" (ignored)
+    role: str = ""  # env | env_file | volume | mount | entrypoint | workdir | env_host | rootfs | "" (ignored)
 
 
 _C = ContainerFlag
@@ -177,6 +177,7 @@ CONTAINER_FLAGS: tuple[ContainerFlag, ...] = (
     _C(("-v", "--volume"), True, "volume"), _C(("--mount",), True, "mount"),
     _C(("--entrypoint",), True, "entrypoint"), _C(("-w", "--workdir"), True, "workdir"),
     _C(("--env-host",), False, "env_host"),  # podman: the container gets the whole host environment
+    _C(("--rootfs",), False, "rootfs"),  # podman: the "image" is a root folder here
     # options that take a value and change nothing here
     *(_C((n,), True) for n in (
         "-a", "--attach", "--add-host", "--annotation", "--blkio-weight", "--blkio-weight-device", "--cap-add",
@@ -206,7 +207,7 @@ CONTAINER_FLAGS: tuple[ContainerFlag, ...] = (
         "--publish-all", "--read-only", "--sig-proxy", "--oom-kill-disable", "--no-healthcheck", "-q", "--quiet",
         "--disable-content-trust", "--help", "--use-api-socket",
         # podman
-        "--http-proxy", "--no-hosts", "--passwd", "--read-only-tmpfs", "--replace", "--rmi", "--rootfs",
+        "--http-proxy", "--no-hosts", "--passwd", "--read-only-tmpfs", "--replace", "--rmi",
         "--tls-verify", "--unsetenv-all",
     )),
 )

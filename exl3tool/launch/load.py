@@ -1,30 +1,52 @@
 """Read a launch from its forms: a shell string (``--launch``), a script file (``--launch-file``), an argv (after
-``--``), a process (``--pid``), a docker compose service (``--compose``)."""
+``--``), a process (``--pid``), a docker compose service (``--compose``).
+
+Each form has one reader with one signature, ``read(value, at: ReadAt) -> ServerLaunch`` (``FORMS``), as a library
+keeps one module per framework with the same functions; ``load_launch`` picks the one given and adds the env files.
+What a reader finds goes through the same steps: the server's start in the words (``parse.find_server``, also
+inside a ``-c`` script or a script file, run by bash in the read-only sandbox in the view it runs in: this host or
+a container's volumes, passed explicitly as a ``ScriptView``), the wrappers before it (``wrappers.follow``: their
+root, binds, environment and user), and the server's own flags (``parse.parse_server_args``).
+"""
 
 from __future__ import annotations
 
 import os
 import posixpath
 import shlex
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from typing import Callable, Optional
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from exl3tool.errors import ConfigError
 from exl3tool.launch.container import ContainerRun, PathMap, parse_run
 from exl3tool.launch.env import EnvLayers, EnvValue, is_dry_run_output, read_dry_run_env, read_env_file
 from exl3tool.launch.image import image_env
-from exl3tool.launch.parse import ASSIGNMENT, ServerStart, find_server, parse_server_args
-from exl3tool.launch.proc import read_process
+from exl3tool.launch.parse import Level, ServerStart, find_server, parse_server_args
+from exl3tool.launch.proc import ancestors, read_process
 from exl3tool.launch.resolve import ServerLaunch
-from exl3tool.launch.shell import SHELLS, ScriptResult, container_view, run_file, script_changes
-from exl3tool.launch.script import dry_run_command, read_launcher
+from exl3tool.launch.script import (
+    HOST_VIEW, SHELLS, LauncherStart, ScriptView, dry_run_command, read_launcher, script_changes,
+)
+from exl3tool.launch.wrappers import Guest, entrypoint_passes, follow, refusal_in, traced_view
 
-__all__ = ["load_launch", "launch_from_words"]
+__all__ = ["load_launch", "launch_from_words", "container_launch", "ReadAt", "FORMS"]
 
 _NOT_FOUND = ("no vllm server in the launch: expected vllm serve ..., python -m vllm.entrypoints.openai.api_server "
               "..., or docker/podman run ... IMAGE [vllm serve|serve|ARGS]")
 
+
+@dataclass(frozen=True)
+class ReadAt:
+    """What every launch form is read with: the environment and directory it starts in, and ``/proc``."""
+
+    environ: Mapping[str, str]
+    cwd: str
+    proc: str = "/proc"
+    image_inspect: Optional[str] = None  # --image-inspect FILE: the container's image as saved (ENV, entrypoint)
+
+
+# --- reading files the server names, through its view ----------------------------------------------------------
 
 def _reader(paths: PathMap):
     """Read a file the server names (its --config), through its path map."""
@@ -37,9 +59,9 @@ def _reader(paths: PathMap):
     return read
 
 
-def _text_reader(paths: PathMap, cwd: Optional[str]) -> Callable[[str], Optional[str]]:
-    """Read a script the launch names (through its path map); None when it cannot be read here."""
-    def read(path: str) -> Optional[str]:
+def _text_reader(paths: PathMap, cwd: Optional[str]) -> Callable[[str], Optional[tuple[str, str]]]:
+    """Read a script the launch names (through its path map): (its text, where it is here), or None."""
+    def read(path: str) -> Optional[tuple[str, str]]:
         if not posixpath.isabs(path):
             if paths.container or cwd is None:
                 return None
@@ -47,16 +69,24 @@ def _text_reader(paths: PathMap, cwd: Optional[str]) -> Callable[[str], Optional
         here = paths.to_host(path)
         try:
             with open(here, encoding="utf-8") as fh:  # type: ignore[arg-type]
-                return fh.read()
+                return fh.read(), here  # type: ignore[return-value]
         except (OSError, TypeError, UnicodeDecodeError):
             return None
     return read
 
 
-def _script_file(words: list[str], read: Callable[[str], Optional[str]],
-                 launcher_dirs: Sequence[str] = ()) -> Optional[tuple[str, list[str], str]]:
-    """``bash FILE ARGS`` / ``FILE ARGS`` (a shell script with a #! line): the script's path (as its machine sees it,
-    or a same-named launcher in ``launcher_dirs``), its arguments and its name; None when the words run no script."""
+def _mounts(paths: PathMap) -> Optional[tuple[tuple[str, str], ...]]:
+    """A container's volumes as the sandbox's (host folder, container path) pairs; None for this host."""
+    if not paths.container:
+        return None
+    return tuple((m.host, m.inside) for m in paths.mounts if m.host is not None)
+
+
+def _script_file(words: list[str], read: Callable[[str], Optional[tuple[str, str]]], paths: PathMap,
+                 launcher_dirs: Sequence[str] = ()) -> Optional[tuple[str, list[str], str, tuple[str, ...]]]:
+    """``bash FILE ARGS`` / ``FILE ARGS`` (a shell script with a #! line): the script's path as the sandbox sees it
+    (the server's path on a mount, else where it is here), its arguments, its name, and the folders the sandbox must
+    show for it; None when the words run no script that can be read here."""
     if not words:
         return None
     if words[0].rsplit("/", 1)[-1] in SHELLS:
@@ -72,168 +102,195 @@ def _script_file(words: list[str], read: Callable[[str], Optional[str]],
         path, args = words[0], words[1:]
     else:
         return None
-    text = read(path)
-    if text is None:
+    found = read(path)
+    dirs: tuple[str, ...] = ()
+    if found is not None and paths.container and posixpath.isabs(path) and paths.mount_for(path) is None:
+        path = found[1]  # inside an image root read here (podman --rootfs): the sandbox shows its folder
+        dirs = (posixpath.dirname(path),)
+    if found is None:
         for d in launcher_dirs:  # the image's copy of a launcher: the same-named file beside the launch
             candidate = os.path.join(d, path.rsplit("/", 1)[-1])
             if os.path.isfile(candidate):
                 with open(candidate, encoding="utf-8", errors="replace") as fh:
-                    text = fh.read()
+                    found = (fh.read(), candidate)
                 path = candidate
                 break
-    if text is None:
+    if found is None:
         return None
+    text = found[0]
     if words[0].rsplit("/", 1)[-1] not in SHELLS and not (text.startswith("#!") and any(
             t.rsplit("/", 1)[-1] in SHELLS for t in text.split("\n", 1)[0][2:].split())):
         return None
-    return path, list(args), words[0] if words[0].rsplit("/", 1)[-1] not in SHELLS else path
+    return path, list(args), words[0] if words[0].rsplit("/", 1)[-1] not in SHELLS else path, dirs
 
 
-def _find(words: list[str], env: Optional[Mapping[str, str]], read: Callable[[str], Optional[str]],
-          workdir: Optional[str] = None, paths: Optional[PathMap] = None,
-          launcher_dirs: Sequence[str] = ()) -> Optional[ServerStart]:
+def _find(words: list[str], env: Optional[Mapping[str, str]], paths: PathMap, view: ScriptView,
+          read: Callable[[str], Optional[tuple[str, str]]]) -> Optional[ServerStart]:
     """The server in ``words``, also inside a script file it runs (``bash /scripts/serve.sh``, an entrypoint),
-    which bash runs in the read-only sandbox: in the container's view when ``paths`` is a container's."""
-    mounts = None
-    if paths is not None and paths.container:
-        mounts = [(m.host, m.inside) for m in paths.mounts if m.host is not None]
-    if mounts is not None:
-        with container_view(mounts, launcher_dirs):
-            start = find_server(words, env)
-    else:
-        start = find_server(words, env)
+    which bash runs in the read-only sandbox in ``view`` (this host, or the container's volumes)."""
+    start = find_server(words, env, view)
     if start is not None:
         return start
-    found = _script_file(words, read, launcher_dirs)
+    found = _script_file(words, read, paths, view.launcher_dirs)
     if found is None:
         return None
-    path, args, name = found
-    if mounts is None and not posixpath.isabs(path) and workdir:
-        path = posixpath.join(workdir, path)
-    dirs = (*launcher_dirs, posixpath.dirname(path)) if posixpath.isabs(path) and mounts is None else launcher_dirs
-    result = run_file(path, args, environ=dict(env or {}), where=name, workdir=workdir, mounts=mounts,
-                      launcher_dirs=dirs, is_server=lambda w: find_server(w) is not None, strict=env is not None)
-    if result is None and env is None:
+    path, args, name, extra = found
+    if view.mounts is None and not posixpath.isabs(path) and view.cwd:
+        path = posixpath.join(view.cwd, path)
+    dirs = (*view.launcher_dirs, *extra)
+    if posixpath.isabs(path) and view.mounts is None:
+        dirs = (*dirs, posixpath.dirname(path))
+    script_view = replace(view, launcher_dirs=dirs)
+    strict = env is not None
+    try:
+        start_ = script_view.read(["bash", path, *args], environ=dict(env or {}), where=name,
+                                  is_server=lambda w: find_server(w) is not None)
+    except ConfigError:
+        if strict:
+            raise
+        return None
+    if start_ is None and not strict:
         return None  # only looking: a script that starts no server is not the launch's server
-    if result is None:
+    if start_ is None:
         raise ConfigError(f"the launch runs the script {name}, which starts no vllm server; " + _NOT_FOUND)
-    return _from_script(result, name, env is not None)
+    return _from_script(start_, dict(env or {}), name, view.cwd, strict, script_view)
 
 
-def _from_script(result: ScriptResult, where: str, strict: bool) -> ServerStart:
-    """The server's start in a script's result, with what the script exported and where it cd'd."""
-    inner = find_server(result.words, result.environ if strict else None)
+def _from_script(start: LauncherStart, environ: dict[str, str], where: str, workdir: Optional[str], strict: bool,
+                 view: ScriptView) -> ServerStart:
+    """The server's start in a script file's recorded start, with what the script exported and where it cd'd."""
+    inner = find_server(list(start.argv), start.env if strict else None, view)
     assert inner is not None
-    exports = tuple((n, v, w) for n, (v, w) in result.exports.items()) + inner.exports
-    notes = tuple(result.notes) + tuple(f"{where} sets {n} (line {line}) but does not export it: the server does not "
-                                        "see it" for n, line in result.unexported.items()
-                                        if n.startswith(("VLLM_", "HF_", "XDG_")))
-    return replace(inner, env=tuple(result.prefix_env) + inner.env, words=inner.words or tuple(result.words),
-                   exports=exports, workdir=inner.workdir or result.workdir, script=inner.script or where,
-                   notes=notes + inner.notes)
+    exports, notes = script_changes(start, environ, where)
+    cwd = start.cwd if start.cwd and start.cwd != workdir else None
+    level = Level((), tuple((n, v, w) for n, (v, w) in exports.items()), cwd, where)
+    return replace(inner, words=inner.words or tuple(start.argv), levels=(level, *inner.levels),
+                   notes=(*start.notes, *notes, *inner.notes))
 
+
+# --- from the server's start to the launch ----------------------------------------------------------------------
 
 def _server(words: list[str], start: ServerStart, form: str, env: dict[str, EnvValue], paths: PathMap,
-            workdir: Optional[str], ignored: tuple[str, ...], notes: tuple[str, ...], *,
-            process_env: bool = True, pid: Optional[int] = None, image_note: str = "") -> ServerLaunch:
+            workdir: Optional[str], ignored: tuple[str, ...], notes: tuple[str, ...], *, environ: Mapping[str, str],
+            cwd: str, process_env: bool = True, pid: Optional[int] = None, image_note: str = "") -> ServerLaunch:
+    """The launch of a server found in ``words``: the scripts it was found in and the wrappers before it followed
+    (``wrappers.follow``) over ``env`` (the launch's own variables) and ``environ`` (the one below it), then its
+    flags read."""
+    inside = form in ("docker", "podman")
+    guest = Guest(env=dict(env), paths=paths, workdir=workdir)
+    for level in start.levels:  # outermost first: what ran the shell, what the script exported, where it cd'd
+        follow(level.wrappers, guest, environ=environ, cwd=guest.workdir or cwd, entry=level.how, inside=inside)
+        for name, value, where in level.exports:
+            guest.set(name, value, where)
+        if level.workdir:
+            guest.workdir = (level.workdir if posixpath.isabs(level.workdir) or not guest.workdir
+                             else posixpath.normpath(posixpath.join(guest.workdir, level.workdir)))
+    follow(start.prefix, guest, environ=environ, cwd=guest.workdir or cwd, entry=start.entry, inside=inside)
     words = list(start.words) if start.words else words
     args = parse_server_args(words[start.index:], entry=start.entry, serve=start.kind == "vllm",
-                             read_text=_reader(paths))
-    for name, value, where in start.exports:  # a script's exports, then the command's own NAME=VALUE words
-        env[name] = EnvValue(value, "launch env", where)
-    for name, value in start.env:
-        env[name] = EnvValue(value, "launch env", f"{name}=... before {start.entry}")
-    if start.workdir:
-        if posixpath.isabs(start.workdir):
-            workdir = start.workdir
-        elif workdir:
-            workdir = posixpath.normpath(posixpath.join(workdir, start.workdir))
-        elif form == "command":
-            workdir = os.path.abspath(start.workdir)
-    wrappers = tuple(w for w in start.prefix if not ASSIGNMENT.match(w))
-    if wrappers:
-        ignored = (*ignored, f"{' '.join(wrappers)} (wrapper words before {start.entry})")
+                             read_text=_reader(guest.paths))
+    if guest.ignored:
+        ignored = (*ignored, f"{' '.join(guest.ignored)} (wrapper words before {start.entry})")
+    notes = (*notes, *guest.notes)
     if start.script:
         notes = (*notes, f"the server's command was read from {start.script}")
-    return ServerLaunch(form, start.entry, args, env, paths, workdir, process_env, ignored, (*notes, *start.notes),
-                        pid, image_note)
+    return ServerLaunch(form, start.entry, args, guest.env, guest.paths, guest.workdir,
+                        process_env and not guest.cleared, ignored, (*notes, *start.notes), pid,
+                        image_note or guest.image_note, hidden=tuple(sorted(guest.hidden)),
+                        home_unknown=guest.home_unknown)
 
 
-def _container(words: list[str], start: ServerStart, environ: Mapping[str, str], cwd: str) -> ServerLaunch:
-    run = parse_run(start.kind, words[start.index:], environ=environ, cwd=cwd)
-    return container_launch(run, start.kind, environ)
-
-
-def container_launch(run: ContainerRun, form: str, environ: Mapping[str, str],
-                     entrypoint_words: Optional[Sequence[str]] = None, notes: Sequence[str] = (),
-                     launcher_dirs: Sequence[str] = ()) -> ServerLaunch:
-    """The launch a container start gives (``docker``/``podman run``, a compose service): the image's ENV below the
-    run's own environment, the server found in its entrypoint and command (also inside a script they run)."""
-    command = list(run.command)
-    notes = list(notes)
-    if entrypoint_words is not None:
-        command = [*entrypoint_words, *command]
-    elif run.entrypoint is not None and run.entrypoint.strip():
-        command = [*shlex.split(run.entrypoint), *command]
-    base_env, image_note, image = image_env(run.runner, run.image)
-    base_env = {**base_env, **run.env}
-    if run.env_host:
-        base_env = {**{k: EnvValue(v, "launch env", "podman --env-host") for k, v in environ.items()}, **base_env}
-    inner = _find(command, {k: v.value for k, v in base_env.items()}, _text_reader(run.paths, run.workdir),
-                  run.workdir, run.paths, launcher_dirs)
-    if inner is None and command[:1] == ["serve"]:
-        inner = ServerStart("vllm", 1, "vllm serve (the image's entrypoint: vllm)")
-    if inner is None and (run.entrypoint is not None or entrypoint_words):
-        shown = (f"--entrypoint {run.entrypoint!r}" if run.entrypoint is not None
-                 else f"entrypoint {shlex.join(entrypoint_words or ())!r}")
-        raise ConfigError(f"the launch's {shown} does not start a vllm server; " + _NOT_FOUND)
-    if inner is None:
-        command = ["vllm", "serve", *command]
-        inner = ServerStart("vllm", 2, "vllm serve (taken as the image's entrypoint)")
-        notes.append(f"the words after the image {run.image} are read as the arguments of an entrypoint "
-                     "`vllm serve` (as in vLLM's images); give --entrypoint to say otherwise")
-    ignored = tuple(f"{w} ({run.runner} run option)" for w in run.ignored)
-    launch = _server(command, inner, form, dict(base_env), run.paths, run.workdir, ignored, tuple(notes),
-                     image_note=image_note and f"{image_note} (image {run.image})")
-    return replace(launch, image=image, image_name=run.image)
+def _not_found(words: Sequence[str], where: str = "") -> ConfigError:
+    """No server in the launch: a wrapper exl3tool refuses named, if one runs it; else what forms are read."""
+    said = refusal_in(words)
+    return ConfigError(said or (f"{where}: " if where else "") + _NOT_FOUND)
 
 
 def launch_from_words(words: Sequence[str], *, environ: Optional[Mapping[str, str]] = None,
                       cwd: Optional[str] = None, exports: Optional[dict[str, EnvValue]] = None,
-                      workdir: Optional[str] = None) -> ServerLaunch:
+                      workdir: Optional[str] = None, image_inspect: Optional[str] = None) -> ServerLaunch:
     """A launch from one command's words (a plain server, wrapped, or a container start)."""
     environ = os.environ if environ is None else environ
     cwd = cwd or os.getcwd()
     words = list(words)
-    start = _find(words, environ, _text_reader(PathMap(), cwd), cwd)
+    start = _find(words, environ, PathMap(), replace(HOST_VIEW, cwd=cwd), _text_reader(PathMap(), cwd))
     if start is None:
-        raise ConfigError(_NOT_FOUND)
+        raise _not_found(words)
     if start.kind in ("docker", "podman"):
-        launch = _container(list(start.words) or words, start, environ, cwd)
+        guest = follow(start.prefix, Guest(), environ=environ, cwd=cwd, entry=start.entry)  # sudo docker run ...
+        run = parse_run(start.kind, (list(start.words) or words)[start.index:], environ=guest.environ(environ),
+                        cwd=cwd)
+        launch = container_launch(run, start.kind, environ, launcher_dirs=_beside(cwd), image_inspect=image_inspect)
         return replace(launch, notes=(*start.notes, *launch.notes))
-    env = dict(exports or {})
-    wrappers = list(start.prefix)
-    cleared = _clears_environment(wrappers)
-    notes = (f"{cleared}: the server does not get exl3tool's environment",) if cleared else ()
-    return _server(words, start, "command", env, PathMap(), workdir, (), notes, process_env=not cleared)
+    return _server(words, start, "command", dict(exports or {}), PathMap(), workdir, (), (), environ=environ,
+                   cwd=cwd)
 
 
-def _clears_environment(prefix: list[str]) -> str:
-    """Why the server gets none of the launching shell's environment (``env -i``, ``sudo`` without ``-E``), or ""."""
-    for i, word in enumerate(prefix):
-        base = word.rsplit("/", 1)[-1]
-        rest = prefix[i + 1:]
-        if base == "env" and any(w in ("-i", "--ignore-environment", "-") for w in rest):
-            return "env -i clears the environment"
-        if base == "sudo" and not any(w in ("-E", "--preserve-env") or w.startswith("--preserve-env=")
-                                      for w in rest):
-            return "sudo resets the environment (no -E)"
-        if base in ("su", "runuser") and any(w in ("-", "-l", "--login") for w in rest):
-            return f"{base} {'-l' if '-l' in rest else '-'} starts a login shell with a fresh environment"
-    return ""
+def _beside(folder: str) -> list[str]:
+    """Where a script named by a path of another machine (an image's launcher) is looked up by its name."""
+    return [d for d in (folder, os.path.join(folder, "launchers"), os.path.join(folder, "..", "launchers"))
+            if os.path.isdir(d)]
 
 
-def _from_dry_run(text: str, where: str, environ: Mapping[str, str], cwd: str) -> Optional[ServerLaunch]:
+def container_launch(run: ContainerRun, form: str, environ: Mapping[str, str],
+                     entrypoint_words: Optional[Sequence[str]] = None, notes: Sequence[str] = (),
+                     launcher_dirs: Sequence[str] = (), image_inspect: Optional[str] = None) -> ServerLaunch:
+    """The launch a container start gives (``docker``/``podman run``, a compose service): the image's ENV below the
+    run's own environment, the server found in its entrypoint and command (also inside a script they run: the
+    image's entrypoint script when it can be read here, through the volumes or beside the launch)."""
+    command = list(run.command)
+    notes = list(notes)
+    base_env, image_note, image = image_env(run.runner, run.image, image_inspect)
+    base_env = {**base_env, **run.env}
+    if run.env_host:
+        base_env = {**{k: EnvValue(v, "launch env", "podman --env-host") for k, v in environ.items()}, **base_env}
+    given = ""  # the entrypoint the launch gives, for messages
+    from_image: tuple[str, ...] = ()  # the image's own entrypoint, when that is what runs
+    if entrypoint_words is not None:
+        entry = list(entrypoint_words)
+        given = f"entrypoint {shlex.join(entrypoint_words)!r}"
+    elif run.entrypoint is not None and run.entrypoint.strip():
+        entry = shlex.split(run.entrypoint)
+        given = f"--entrypoint {run.entrypoint!r}"
+    elif image is not None and image.entrypoint:
+        entry, how = entrypoint_passes(list(image.entrypoint))
+        from_image = tuple(image.entrypoint)
+        if how:
+            notes.append(f"the image {run.image}'s entrypoint {shlex.join(from_image)} {how}")
+        if not command and image.cmd:
+            command = list(image.cmd)
+    else:
+        entry = []
+    words = [*entry, *command]
+    env_values = {k: v.value for k, v in base_env.items()}
+    view = ScriptView(_mounts(run.paths), tuple(launcher_dirs), run.workdir)
+    inner = _find(words, env_values, run.paths, view, _text_reader(run.paths, run.workdir))
+    if inner is None and words[:1] == ["serve"]:
+        inner = ServerStart("vllm", 1, "vllm serve (the image's entrypoint: vllm)")
+    if inner is None and given:
+        raise ConfigError(f"the launch's {given} does not start a vllm server; " + _NOT_FOUND)
+    if inner is None and entry:
+        where = image.how() if image is not None else "the image"
+        raise ConfigError(
+            f"the image {run.image}'s entrypoint {shlex.join(from_image)} (from {where}) starts no vllm server "
+            f"exl3tool can see: {entry[0]} is inside the image, not on a volume of the launch or beside it; copy it "
+            f"out (docker cp) beside the launch or into its launchers/ folder to have it read, or give the server's "
+            "command with --entrypoint (`--entrypoint vllm IMAGE serve MODEL ...`), or its DRY_RUN output")
+    if inner is None:
+        words = ["vllm", "serve", *words]
+        inner = ServerStart("vllm", 2, "vllm serve (taken as the image's entrypoint)")
+        notes.append(f"the words after the image {run.image} are read as the arguments of an entrypoint "
+                     "`vllm serve` (as in vLLM's images); give --entrypoint to say otherwise")
+    ignored = tuple(f"{w} ({run.runner} run option)" for w in run.ignored)
+    launch = _server(words, inner, form, dict(base_env), run.paths, run.workdir, ignored, tuple(notes),
+                     environ=env_values, cwd=run.workdir or "/", process_env=False,
+                     image_note=image_note and f"{image_note} (image {run.image})")
+    return replace(launch, image=image, image_name=run.image)
+
+
+# --- the forms ----------------------------------------------------------------------------------------------------
+
+def _from_dry_run(text: str, where: str, at: ReadAt) -> Optional[ServerLaunch]:
     """A launcher's ``DRY_RUN=1`` output (``KEY=%q`` lines, ``Command: ...``): the command, with those variables as
     the launch's environment (quoting undone, an empty value unset); None when ``text`` is not that form."""
     lines = text.splitlines()
@@ -244,40 +301,105 @@ def _from_dry_run(text: str, where: str, environ: Mapping[str, str], cwd: str) -
         raise ConfigError(f"{where} is a launcher's DRY_RUN output without its Command: line (the server's command); "
                           "give the whole output, or give the KEY lines with --env-file and the command with --launch")
     exports = read_dry_run_env(lines, where, label=where, source="launch env")
-    launch = launch_from_words(words, environ={**environ, **{k: v.value for k, v in exports.items()}}, cwd=cwd,
-                               exports=exports)
+    launch = launch_from_words(words, environ={**at.environ, **{k: v.value for k, v in exports.items()}}, cwd=at.cwd,
+                               exports=exports, image_inspect=at.image_inspect)
     return replace(launch, notes=(*launch.notes, f"{where} was read as a launcher's DRY_RUN=1 output: its KEY=%q lines "
                                   "are the server's environment (an empty value is unset), its Command: line the "
                                   "server's command"))
 
 
-def _from_text(text: str, where: str, environ: Mapping[str, str], cwd: str, *, file: Optional[str] = None,
-               ) -> ServerLaunch:
-    """A launch written as shell text (``--launch``) or a script (``--launch-file``): run by bash in the read-only
-    sandbox (``launch.script``) as it would run on this host; or a launcher's DRY_RUN output."""
+def _from_text(text: str, where: str, at: ReadAt, *, file: Optional[str] = None) -> ServerLaunch:
+    """A launch written as shell text or a script: run by bash in the read-only sandbox (``launch.script``) as it
+    would run on this host; or a launcher's DRY_RUN output."""
     if not text.strip():
         raise ConfigError(f"{where} is empty: give the server's command line (vllm serve MODEL ...)")
-    dry = _from_dry_run(text, where, environ, cwd)
+    dry = _from_dry_run(text, where, at)
     if dry is not None:
         return dry
     argv = ["bash", file] if file is not None else ["bash", "-c", text]
-    dirs = [os.path.dirname(file)] if file is not None else [cwd]
-    start = read_launcher(argv, environ=environ, cwd=cwd, launcher_dirs=dirs, where=where,
-                          is_server=lambda w: find_server(w) is not None)
+    dirs = [os.path.dirname(file)] if file is not None else [at.cwd]
+    start = read_launcher(argv, environ=at.environ, cwd=at.cwd, launcher_dirs=dirs, where=where,
+                          is_server=lambda w: find_server(w) is not None, refused=refusal_in)
     if start is None:
         raise ConfigError(f"{where}: " + _NOT_FOUND)
-    changed, unset_notes = script_changes(start, environ, where)
+    changed, unset_notes = script_changes(start, at.environ, where)
     exports = {n: EnvValue(v, "launch env", w) for n, (v, w) in changed.items()}
-    launch = launch_from_words(start.argv, environ=start.env, cwd=start.cwd or cwd, exports=exports,
-                               workdir=start.cwd if start.cwd and start.cwd != cwd else None)
+    launch = launch_from_words(start.argv, environ=start.env, cwd=start.cwd or at.cwd, exports=exports,
+                               workdir=start.cwd if start.cwd and start.cwd != at.cwd else None,
+                               image_inspect=at.image_inspect)
     notes = [*start.notes, *unset_notes]
     return replace(launch, notes=(*launch.notes, *notes)) if notes else launch
+
+
+def read_text(text: str, at: ReadAt) -> ServerLaunch:
+    """``--launch "LINE"``: bash runs the line in the read-only sandbox, from ``at.cwd``."""
+    return _from_text(text or "", "--launch", at)
+
+
+def read_file(file: str, at: ReadAt) -> ServerLaunch:
+    """``--launch-file FILE``: ``bash FILE`` in the sandbox, or a launcher's DRY_RUN output."""
+    try:
+        with open(os.path.join(at.cwd, file), encoding="utf-8") as fh:
+            body = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"--launch-file {file}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--launch-file {file}: not a text file (a shell script is expected)") from None
+    return _from_text(body, file, at, file=os.path.join(at.cwd, file))
+
+
+def read_argv(argv: Sequence[str], at: ReadAt) -> ServerLaunch:
+    """The argv after ``--``: one command's words, already expanded."""
+    return launch_from_words(argv, environ=at.environ, cwd=at.cwd, image_inspect=at.image_inspect)
+
+
+def read_pid(pid: int, at: ReadAt) -> ServerLaunch:
+    """``--pid PID``: a running server's ``/proc/PID`` (its own environment, root and mounts)."""
+    proc_launch = read_process(pid, proc=at.proc, is_server=lambda a: find_server(a) is not None)
+    words = list(proc_launch.argv)
+    start = find_server(words, proc_launch.environ)
+    assert start is not None
+    if start.kind in ("docker", "podman"):
+        run = parse_run(start.kind, (list(start.words) or words)[start.index:], environ=proc_launch.environ,
+                        cwd=proc_launch.cwd or "/")
+        return container_launch(run, start.kind, proc_launch.environ, image_inspect=at.image_inspect)
+    env = {k: EnvValue(v, "launch env", f"/proc/{proc_launch.pid}/environ") for k, v in proc_launch.environ.items()}
+    paths = PathMap(proc_launch.mounts, container=proc_launch.root is not None, root=proc_launch.root)
+    cwd, notes = proc_launch.cwd, ()
+    for parent, argv in ancestors(proc_launch.pid, proc=at.proc) if proc_launch.root is None else ():
+        guest = traced_view(argv, environ=proc_launch.environ, cwd=proc_launch.cwd or "/")
+        if guest is not None:  # proot traces its guest: /proc shows this machine's root, the server sees proot's
+            paths, cwd = guest.paths, guest.workdir
+            notes = (f"the server runs under proot (process {parent}: {' '.join(argv[:6])}): its paths are read "
+                     "through proot's root and binds, as its command line gives them", *guest.notes)
+            break
+    return _server(words, start, "pid", env, paths, cwd, (), notes, environ=proc_launch.environ,
+                   cwd=cwd or "/", process_env=False, pid=proc_launch.pid)
+
+
+def read_compose(compose: tuple[str, Optional[str]], at: ReadAt) -> ServerLaunch:
+    """``--compose FILE [--service NAME]``: the service's container start, its entrypoint script read beside the
+    compose file or in its ``launchers/`` folders."""
+    from exl3tool.launch.compose import compose_run
+
+    path, service = compose
+    run, entrypoint, notes = compose_run(path, service, environ=at.environ)
+    project = os.path.dirname(os.path.abspath(os.path.join(at.cwd, path)))
+    return container_launch(run, run.runner, at.environ, entrypoint, notes, launcher_dirs=_beside(project),
+                            image_inspect=at.image_inspect)
+
+
+# option -> (reader, the value it is given); one reader per form, one signature
+FORMS: dict[str, Callable[..., ServerLaunch]] = {
+    "--launch": read_text, "--launch-file": read_file, "the argv after --": read_argv, "--pid": read_pid,
+    "--compose": read_compose,
+}
 
 
 def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = None, pid: Optional[int] = None,
                 env_files: Sequence[str] = (), environ: Optional[Mapping[str, str]] = None,
                 cwd: Optional[str] = None, proc: str = "/proc", file: Optional[str] = None,
-                compose: Optional[str] = None, service: Optional[str] = None,
+                compose: Optional[str] = None, service: Optional[str] = None, image_inspect: Optional[str] = None,
                 ) -> Optional[tuple[ServerLaunch, EnvLayers]]:
     """The launch and its environment layers, or None when no launch is given. One form at a time.
 
@@ -286,59 +408,29 @@ def load_launch(*, text: Optional[str] = None, argv: Optional[Sequence[str]] = N
             a running server's process id, a script file, a compose service).
         env_files: env files applied as the server's environment.
         environ, cwd, proc: the environment, directory and /proc the launch is read in.
+        image_inspect: a saved ``docker image inspect`` of the container's image (its ENV and entrypoint).
 
     Returns:
         ``(ServerLaunch, EnvLayers)``, or None when no form is given.
     """
-    given = [n for n, v, g in (("--launch", text, bool(text)), ("--launch-file", file, file is not None),
-                               ("the argv after --", argv, bool(argv)), ("--pid", pid, pid is not None),
-                               ("--compose", compose, compose is not None)) if g]
+    values = {"--launch": text if text else None, "--launch-file": file, "the argv after --": argv or None,
+              "--pid": pid, "--compose": (compose, service) if compose is not None else None}
+    given = [n for n, v in values.items() if v is not None]
+    if service is not None and compose is None:
+        raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
     if not given:
-        if service is not None:
-            raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
         return None
     if len(given) > 1:
         raise ConfigError(f"give one launch: {' and '.join(given)} were both given")
-    if service is not None and compose is None:
-        raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
     environ = dict(os.environ if environ is None else environ)
-    cwd = cwd or os.getcwd()
+    at = ReadAt(environ, cwd or os.getcwd(), proc, image_inspect)
     files: dict[str, EnvValue] = {}
     for path in env_files:
         files.update(read_env_file(path, environ=environ))
-    if pid is not None:
-        proc_launch = read_process(pid, proc=proc, is_server=lambda a: find_server(a) is not None)
-        words = list(proc_launch.argv)
-        start = find_server(words, proc_launch.environ)
-        assert start is not None
-        env = {k: EnvValue(v, "launch env", f"/proc/{proc_launch.pid}/environ") for k, v in proc_launch.environ.items()}
-        paths = PathMap(proc_launch.mounts, container=proc_launch.root is not None, root=proc_launch.root)
-        if start.kind in ("docker", "podman"):
-            launch = _container(list(start.words) or words, start, proc_launch.environ, proc_launch.cwd or "/")
-        else:
-            launch = _server(words, start, "pid", env, paths, proc_launch.cwd, (), (), process_env=False,
-                             pid=proc_launch.pid)
-        return launch, EnvLayers(launch.env, files, None, container=launch.form != "pid" or paths.root is not None)
-    if compose is not None:
-        from exl3tool.launch.compose import compose_run
-
-        run, entrypoint, notes = compose_run(compose, service, environ=environ)
-        project = os.path.dirname(os.path.abspath(os.path.join(cwd, compose)))
-        dirs = [d for d in (project, os.path.join(project, "launchers"), os.path.join(project, "..", "launchers"))
-                if os.path.isdir(d)]  # an entrypoint inside the image (/usr/local/bin/serve-*.sh): the repo's copy
-        launch = container_launch(run, run.runner, environ, entrypoint, notes, launcher_dirs=dirs)
-    elif argv:
-        launch = launch_from_words(argv, environ=environ, cwd=cwd)
-    elif file is not None:
-        try:
-            with open(os.path.join(cwd, file), encoding="utf-8") as fh:
-                body = fh.read()
-        except OSError as exc:
-            raise ConfigError(f"--launch-file {file}: cannot read it ({exc.strerror or exc})") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"--launch-file {file}: not a text file (a shell script is expected)") from None
-        launch = _from_text(body, file, environ, cwd, file=os.path.join(cwd, file))
-    else:
-        launch = _from_text(text or "", "--launch", environ, cwd)
+    launch = FORMS[given[0]](values[given[0]], at)
+    if launch.form == "pid":
+        container = launch.paths.root is not None
+        return launch, EnvLayers(launch.env, files, None, container=container)
     container = launch.form in ("docker", "podman")
-    return launch, EnvLayers(launch.env, files, environ if launch.process_env else None, container=container)
+    return launch, EnvLayers(launch.env, files, environ if launch.process_env else None, container=container,
+                             hidden=frozenset(launch.hidden))

@@ -11,6 +11,7 @@ in names, ``--flag.key value`` dotted JSON, ``-O3``, unique prefixes of long nam
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from dataclasses import dataclass, field, replace
@@ -19,15 +20,16 @@ from typing import Callable, Optional
 
 from exl3tool.errors import ConfigError
 from exl3tool.launch.flags import VLLM_BOOLEANS, VLLM_FLAGS, VLLM_SHORT, server_flag
-from exl3tool.launch.shell import SHELLS, run_script
+from exl3tool.launch.script import HOST_VIEW, SHELLS, ScriptView, script_changes
+from exl3tool.launch.wrappers import ASSIGNMENT, Guest, follow
 
-__all__ = ["ServerArgs", "ServerStart", "split_commands", "find_server", "parse_server_args", "API_SERVER_MODULE",
-           "ASSIGNMENT"]
+__all__ = ["ServerArgs", "ServerStart", "Level", "ShellScript", "split_commands", "find_server", "shell_script",
+           "parse_server_args", "API_SERVER_MODULE", "ASSIGNMENT"]
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _CLI_MODULES = ("vllm.entrypoints.cli.main", "vllm")  # `python -m vllm.entrypoints.cli.main serve ...`
-ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _SEPARATORS = {";", "&&", "||", "|", "&", "\n", ";;", "|&"}
+_SANDBOX_OWN = ("/dev", "/proc", "/sys", "/run", "/tmp", "/etc", "/var/run")  # a script's sandbox makes its own
 
 
 def split_commands(text: str) -> list[list[str]]:
@@ -59,19 +61,47 @@ def split_commands(text: str) -> list[list[str]]:
 
 
 @dataclass(frozen=True)
+class Level:
+    """A shell script the server's command was found in: the wrapper words that ran that shell, what the script
+    exported for the server, where it started it, and how it was run (``bash -lc``)."""
+
+    wrappers: tuple[str, ...]
+    exports: tuple[tuple[str, str, str], ...]  # (name, value, where)
+    workdir: Optional[str]
+    how: str
+
+
+@dataclass(frozen=True)
 class ServerStart:
     """Where the server's command starts in one command's words, and what came before it."""
 
     kind: str  # "vllm" | "api_server" | "docker" | "podman"
     index: int  # first word of the server's own arguments (after `serve`, the module, or `run`)
     entry: str  # how it is started, for people ("vllm serve", "python -m vllm.entrypoints.openai.api_server")
-    prefix: tuple[str, ...] = ()  # wrapper words before it (setsid, ./launcher, env ...), ignored
-    env: tuple[tuple[str, str], ...] = ()  # NAME=VALUE words before it (env A=1, a shell assignment)
-    words: tuple[str, ...] = ()  # the command it was found in, when that is inside one word (bash -c '...')
-    exports: tuple[tuple[str, str, str], ...] = ()  # (name, value, where) a -c script exported before it
-    workdir: Optional[str] = None  # where a -c script cd'd to before it (relative: to the shell's own)
-    script: str = ""  # the shell that ran it ("bash -lc"), when it was inside a -c script
+    prefix: tuple[str, ...] = ()  # the words before it in its own command: wrappers, NAME=VALUE (launch.wrappers)
+    words: tuple[str, ...] = ()  # the command it was found in, when that is inside a script (bash -c '...')
+    levels: tuple[Level, ...] = ()  # the scripts it was found in, outermost first
     notes: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        """The NAME=VALUE words among its own prefix."""
+        return tuple((m.group(1), m.group(2)) for w in self.prefix if (m := ASSIGNMENT.match(w)))
+
+    @property
+    def exports(self) -> tuple[tuple[str, str, str], ...]:
+        """What the scripts it was found in exported for it, outermost first."""
+        return tuple(e for level in self.levels for e in level.exports)
+
+    @property
+    def workdir(self) -> Optional[str]:
+        """Where the innermost script that cd'd started it."""
+        return next((level.workdir for level in reversed(self.levels) if level.workdir), None)
+
+    @property
+    def script(self) -> str:
+        """The shell that ran it (``bash -lc``), when it was inside a script."""
+        return self.levels[-1].how if self.levels else ""
 
 
 def _is_python(word: str) -> bool:
@@ -82,12 +112,23 @@ def _basename(word: str) -> str:
     return word.rsplit("/", 1)[-1]
 
 
-def shell_script(words: list[str]) -> Optional[tuple[int, str]]:
-    """Where a shell's ``-c`` script is in ``words`` and how it was run: ``bash -lc S``, ``sh -ec S``, ``zsh -x -c
-    S``, ``bash --login -c S``, ``su [-] [USER] -c S`` / ``su --command=S``; None when no shell runs a script.
+@dataclass(frozen=True)
+class ShellScript:
+    """A shell's ``-c`` script in a command's words: the words that run the shell (before it; ``su``'s own without
+    its ``-c``), the script, ``$0`` and ``"$@"`` (``bash -c SCRIPT NAME ARGS...``), and how it was run."""
 
-    >>> shell_script(["/bin/bash", "-lic", "vllm serve /m"])
-    (2, 'bash -lic')
+    wrappers: tuple[str, ...]
+    script: str
+    args: tuple[str, ...]
+    how: str
+
+
+def shell_script(words: list[str]) -> Optional[ShellScript]:
+    """The ``-c`` script in ``words``: ``bash -lc S [NAME [ARGS...]]``, ``sh -ec S``, ``zsh -x -c S``, ``bash --login
+    -c S``, ``su [-] [USER] -c S`` / ``su --command=S``; None when no shell runs a script.
+
+    >>> shell_script(["/bin/bash", "-lic", "exec vllm serve \"$@\"", "--", "/m"])
+    ShellScript(wrappers=(), script='exec vllm serve "$@"', args=('--', '/m'), how='bash -lic')
     """
     for i, word in enumerate(words):
         base = _basename(word)
@@ -103,28 +144,38 @@ def shell_script(words: list[str]) -> Optional[tuple[int, str]]:
             if words[j:j + 1] == ["--"]:
                 j += 1
             if has_c and j < len(words):
-                return j, " ".join([base, *words[i + 1:j]])
+                return ShellScript(tuple(words[:i]), words[j], tuple(words[j + 1:]),
+                                   " ".join([base, *words[i + 1:j]]))
         elif base in ("su", "runuser"):
+            skip = False
             for j in range(i + 1, len(words)):
                 w = words[j]
+                if skip:
+                    skip = False
+                    continue
+                if w in ("-s", "--shell", "-g", "--group", "-G", "--supp-group", "-w", "--whitelist-environment",
+                         "-u", "--user"):
+                    skip = True  # its value (-s /bin/bash is su's shell, not a command)
+                    continue
+                if w == "--" or _basename(w) in SHELLS:
+                    break  # runuser -u USER -- bash -c S: the shell's script
                 if w in ("-c", "--command") and j + 1 < len(words):
-                    return j + 1, f"{base} {w}"
+                    return ShellScript(tuple(words[:j] + words[j + 2:]), words[j + 1], (), f"{base} {w}")
                 if w.startswith("--command="):
-                    return -j - 1, f"{base} --command"  # the script is attached: see _script_text
+                    return ShellScript(tuple(words[:j] + words[j + 1:]), w.partition("=")[2], (),
+                                       f"{base} --command")
     return None
 
 
-def _script_text(words: list[str], at: int) -> str:
-    return words[at] if at >= 0 else words[-at - 1].partition("=")[2]
-
-
-def find_server(words: list[str], env: Optional[Mapping[str, str]] = None) -> Optional[ServerStart]:
+def find_server(words: list[str], env: Optional[Mapping[str, str]] = None,
+                view: ScriptView = HOST_VIEW) -> Optional[ServerStart]:
     """The server's start in ``words``: ``vllm serve``, ``python -m <api_server>``, ``python .../vllm serve``, a
     ``docker``/``podman`` ``run``, or inside a shell's ``-c`` script; None when there is none. Words before it are
-    wrappers, ``NAME=VALUE`` words among them the server's environment (``env A=1 vllm serve``).
+    its prefix (wrappers and ``NAME=VALUE`` words, followed by ``launch.wrappers``).
 
-    ``env`` is the environment a ``-c`` script runs with (its ``$V`` expand from it, an unset one is refused); None
-    only finds where the server is (unset variables expand to nothing).
+    ``env`` is the environment a ``-c`` script runs with (the wrapper words before the shell applied to it, as they
+    apply); None only finds where the server is. ``view`` is where such a script runs (this host, or a container's
+    view: its volumes).
     """
     for i, word in enumerate(words):
         base = _basename(word)
@@ -149,33 +200,47 @@ def find_server(words: list[str], env: Optional[Mapping[str, str]] = None) -> Op
             elif j + 1 < len(words) and _basename(words[j]) == "vllm" and words[j + 1] == "serve":
                 start = ServerStart("vllm", j + 2, "vllm serve")  # the console script run by its interpreter
         if start is not None:
-            prefix = tuple(words[:i])
-            env = tuple((m.group(1), m.group(2)) for w in prefix if (m := ASSIGNMENT.match(w)))
-            return ServerStart(start.kind, start.index, start.entry, prefix, env)
-    located = shell_script(words)  # bash -lc 'vllm serve ...', su -c '...': the server inside one word
-    if located is None:
+            return replace(start, prefix=tuple(words[:i]))
+    shell = shell_script(words)  # bash -lc 'vllm serve ...', su -c '...': the server inside one word
+    if shell is None:
         return None
-    at, how = located
-    prefix = words[:abs(at) - 1] if at >= 0 else words[:-at - 1]
+    strict = env is not None
     base_env = dict(env or {})
-    base_env.update((m.group(1), m.group(2)) for w in prefix if (m := ASSIGNMENT.match(w)))
-    result = run_script(_script_text(words, at), environ=base_env, where=f"the {how} script",
-                        is_server=lambda w, _cwd=None: find_server(w) is not None, strict=env is not None)
-    if result is None:
+    script_view = view
+    if strict:  # the wrappers before the shell apply to the script's environment and filesystem
+        guest = follow(shell.wrappers, Guest(), environ=base_env, cwd=view.cwd or os.getcwd(), entry=shell.how,
+                       inside=view.mounts is not None)
+        base_env = guest.environ(base_env)
+        if guest.moved:  # the script runs in the wrapper's binds (the sandbox keeps its own /dev, /proc, /tmp, ...)
+            script_view = ScriptView(tuple((m.host, m.inside) for m in guest.paths.mounts
+                                           if m.host and not any(m.inside == p or m.inside.startswith(p + "/")
+                                                                 for p in _SANDBOX_OWN)),
+                                     view.launcher_dirs, guest.workdir)
+        elif guest.workdir:
+            script_view = replace(view, cwd=guest.workdir)
+    else:
+        base_env.update((m.group(1), m.group(2)) for w in shell.wrappers if (m := ASSIGNMENT.match(w)))
+    where = f"the {shell.how} script"
+    try:
+        start = script_view.read(["bash", "-c", shell.script, *shell.args], environ=base_env, where=where,
+                                 is_server=lambda w: find_server(w) is not None)
+    except ConfigError:
+        if strict:
+            raise
         return None
-    found = find_server(result.words, result.environ if env is not None else None)
+    if start is None:
+        return None
+    found = find_server(list(start.argv), start.env if strict else None, script_view)
     if found is None:
         return None
-    exports = tuple((n, v, w) for n, (v, w) in result.exports.items()) + found.exports
-    notes = [*result.notes]
-    if "l" in how.split(" ", 1)[-1].lstrip("-") and how.split()[0] in SHELLS or "--login" in how:
-        notes.append(f"{how}: a login shell also reads the user's profile (/etc/profile, ~/.profile), which "
+    exports, notes = script_changes(start, base_env, where)
+    flags = shell.how.split(" ", 1)[-1]
+    if shell.how.split()[0] in SHELLS and ("l" in flags.lstrip("-") or "--login" in flags):
+        notes.append(f"{shell.how}: a login shell also reads the user's profile (/etc/profile, ~/.profile), which "
                      "exl3tool does not follow; pass what it sets with -e or --env-file")
-    notes += [f"the {how} script sets {n} but does not export it: the server does not see it"
-              for n in result.unexported if n.startswith(("VLLM_", "HF_", "XDG_"))]
-    return replace(found, env=tuple(result.prefix_env) + found.env, words=found.words or tuple(result.words),
-                   exports=exports, workdir=found.workdir or result.workdir, script=found.script or how,
-                   notes=tuple(notes) + found.notes)
+    level = Level(shell.wrappers, tuple((n, v, w) for n, (v, w) in exports.items()), start.cwd or None, shell.how)
+    return replace(found, words=found.words or tuple(start.argv), levels=(level, *found.levels),
+                   notes=(*start.notes, *notes, *found.notes))
 
 
 @dataclass(frozen=True)

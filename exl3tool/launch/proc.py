@@ -19,7 +19,7 @@ from typing import Optional
 from exl3tool.errors import ConfigError
 from exl3tool.launch.container import Mount
 
-__all__ = ["ProcessLaunch", "MountInfo", "read_process", "parse_mountinfo", "host_mounts"]
+__all__ = ["ProcessLaunch", "MountInfo", "read_process", "parse_mountinfo", "host_mounts", "ancestors"]
 
 _PROC = "/proc"
 
@@ -115,6 +115,21 @@ def _mountinfo(path: str) -> list[MountInfo]:
 def _parent(pid: int, proc: str) -> int:
     stat = _read(f"{proc}/{pid}/stat", pid, "its status").decode("utf-8", "replace")
     return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past the (comm)
+
+
+def ancestors(pid: int, *, proc: str = _PROC, depth: int = 6) -> list[tuple[int, tuple[str, ...]]]:
+    """The process's parents, nearest first, with their command lines (as far as they can be read)."""
+    out: list[tuple[int, tuple[str, ...]]] = []
+    try:
+        for _ in range(depth):
+            pid = _parent(pid, proc)
+            if pid <= 1:
+                break
+            raw = _read(f"{proc}/{pid}/cmdline", pid, "its command line")
+            out.append((pid, tuple(a.decode("utf-8", "surrogateescape") for a in raw.split(b"\0") if a)))
+    except (ConfigError, ValueError, IndexError):
+        pass
+    return out
 
 
 def read_process(pid: int, *, proc: str = _PROC, is_server=None) -> ProcessLaunch:

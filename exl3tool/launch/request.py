@@ -104,7 +104,8 @@ def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchI
             request = replace(request, encoder_image=image.name or None)
         return _with_release(request, given, image, _modules(launch, None)), None, merged
     loaded = load_launch(text=launch.text, argv=launch.argv, pid=launch.pid, env_files=launch.env_files,
-                         environ=environ, cwd=cwd, file=launch.file, compose=launch.compose, service=launch.service)
+                         environ=environ, cwd=cwd, file=launch.file, compose=launch.compose, service=launch.service,
+                         image_inspect=launch.image_inspect)
     assert loaded is not None
     server, layers = _with_image(*loaded, launch)
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})

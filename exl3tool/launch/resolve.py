@@ -78,6 +78,8 @@ class ServerLaunch:
     image_note: str = ""  # why the image's ENV could not be read ("" when read, or no image)
     image: Optional[Any] = None  # the image's settings (launch.image.ImageSettings) when read
     image_name: str = ""  # the image the launch runs ("" when none)
+    hidden: tuple[str, ...] = ()  # variables a wrapper removed from the launching environment (env -u, a user's HOME)
+    home_unknown: str = ""  # why the server's HOME is not known (a wrapper changed the user): "" when it is
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,11 @@ class _Builder:
         return self.put(name, item.value, item.source, detail)
 
 
+def _unknown_home(launch: ServerLaunch) -> str:
+    """Why the server's HOME is not known (a wrapper changed its user), as the start of a message; "" when it is."""
+    return f"{launch.home_unknown}; " if launch.home_unknown else ""
+
+
 def _server_path(path: str, launch: ServerLaunch, what: str) -> str:
     """An absolute server-side path for ``path`` (relative: from the launch's working directory)."""
     if posixpath.isabs(path):
@@ -281,12 +288,12 @@ def _server_path(path: str, launch: ServerLaunch, what: str) -> str:
     if path.startswith("~"):
         home = launch.env.get("HOME")
         if home is None:
-            raise ConfigError(f"the launch's {what} {path!r} starts with ~ and the server's HOME is not known; give "
-                              "an absolute path")
+            raise ConfigError(f"{_unknown_home(launch)}the launch's {what} {path!r} starts with ~ and the server's "
+                              "HOME is not known; give an absolute path")
         return posixpath.normpath(home.value + path[1:])
     if launch.workdir:
         return posixpath.normpath(posixpath.join(launch.workdir, path))
-    if launch.form == "command":
+    if launch.form == "command" and not launch.paths.container:
         return os.path.abspath(path)
     raise ConfigError(f"the launch's {what} {path!r} is relative and the server's working directory is not known "
                       "(give -w/--workdir in the launch or an absolute path)")
@@ -424,7 +431,8 @@ def _offline_snapshot(b: _Builder, launch: ServerLaunch, repo: str, revision: Op
     """
     env = _hf_env(b)
     if not any(v in env for v in _HF_VARS[2:]):
-        raise ConfigError(f"the launch serves the Hub repo {repo} with HF_HUB_OFFLINE, so the server reads it from its "
+        raise ConfigError(f"{_unknown_home(launch)}the launch serves the Hub repo {repo} with HF_HUB_OFFLINE, so the "
+                          "server reads it from its "
                           "Hub cache, under a HOME the launch does not give: pass HF_HUB_CACHE (or HF_HOME, HOME) "
                           "with -e in the launch or in an --env-file")
     cache = _server_path(str(hub_cache_dir(env)), launch, "Hub cache (HF_HUB_CACHE)")
@@ -494,11 +502,14 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         server = posixpath.join(home.value, server[2:])
         b.put("cache_dir", server, "default", f"~/.cache/vllm/exl3_online with HOME={home.value}")
     elif explicit.cache_dir is None and not need_cache:
-        b.warnings.append("the server's cache root is under the container's HOME, which the launch does not give")
+        whose = "the container's" if launch.form in ("docker", "podman") else "the server's"
+        b.warnings.append(f"{_unknown_home(launch)}the server's cache root is under {whose} HOME, which the launch "
+                          "does not give")
         return ""
     elif explicit.cache_dir is None:
-        raise ConfigError("the server's cache root is ~/.cache/vllm/exl3_online of the container's HOME, which "
-                          "the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
+        whose = "the container's" if launch.form in ("docker", "podman") else "the server's"
+        raise ConfigError(f"{_unknown_home(launch)}the server's cache root is ~/.cache/vllm/exl3_online of {whose} "
+                          "HOME, which the launch does not give; pass VLLM_EXL3_ONLINE_CACHE_DIR (-e in the launch or "
                           "--env-file) or exl3tool's --cache-dir")
     else:
         server = None
@@ -516,8 +527,8 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     if server is not None and server.startswith("~"):
         home = b.env("HOME")
         if home is None:
-            raise ConfigError(f"the server's cache root {server} starts with ~ and its HOME is not known; pass an "
-                              "absolute VLLM_EXL3_ONLINE_CACHE_DIR or exl3tool's --cache-dir")
+            raise ConfigError(f"{_unknown_home(launch)}the server's cache root {server} starts with ~ and its HOME "
+                              "is not known; pass an absolute VLLM_EXL3_ONLINE_CACHE_DIR or exl3tool's --cache-dir")
         server = home.value + server[1:]
     if explicit.cache_dir is not None:
         b.put("cache_dir_here", explicit.cache_dir, "flag", "--cache-dir")
@@ -650,21 +661,61 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     Returns:
         ``LaunchSettings``: each setting with its source, the defaults taken, and ``lookup_off``.
     """
-    from exl3tool.cache.settings import cache_mode, trellis_bits
-    from exl3tool.checkpoint import resolve_overlay
-
     args = launch.args
+    b = _Builder(launch, layers)
+    off: list[str] = []  # why the server makes no look-up (each alone is enough)
+    _flags_known(b, args)
+    _release(b, explicit, off, labels, modules)
+    _quantization(b, args)
+    model, server_path, revision = _served_model(b, launch, explicit)
+    tp = _tp_size(b, args)
+    dtype = _dtype(b, args, explicit)
+    qc = _overlay(b, args, explicit, off)
+    _speculative(b, args)
+    lmo = _language_model_only(b, args)
+    _weights_format(b, args)
+    for var in ("HF_HOME", "HF_HUB_CACHE"):
+        item = b.env(var)
+        if item is not None:
+            b.put_env(var.lower(), var, item)
+    bits = _bits(b, launch, explicit, off, need_cache)
+    try:
+        enc_root, enc_rev, enc_src = _encoder(b, launch, explicit)
+    except ConfigError as exc:
+        if not off:
+            raise
+        # the server needs no encoder when it encodes nothing online: say so instead of refusing the launch
+        b.warnings.append(f"also: {exc}")
+        enc_root, enc_rev, enc_src = "", None, None
+    cache_dir = _cache_dir(b, launch, explicit, need_cache)
+    _cache_mode(b, off)
+    if explicit.tp_sizes:
+        b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-size")
+    hf_overrides = _hf_overrides(b, args)
+    return LaunchSettings(
+        launch, b.settings, model, server_path, revision, tp, dtype, bits, qc, enc_root, enc_rev, enc_src,
+        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings),
+        _image_lines(launch) + tuple(launch.notes) + tuple(b.notes),
+        view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides,
+        image_labels=dict(launch.image.labels) if launch.image is not None else {},
+        server_release=b.choice.release.name if b.choice else None, release=b.choice)
+
+
+def _flags_known(b: _Builder, args: ServerArgs) -> None:
+    """Flags exl3tool refuses, and unknown flags: a typo of a known one is refused (the server refuses it too),
+    the rest a warning (a newer release's flags)."""
     if args.refused:
         flag, why = args.refused[0]
         raise ConfigError(f"the launch's {flag} is not supported by exl3tool: {why}")
-    b = _Builder(launch, layers)
-    off: list[str] = []  # why the server makes no look-up (each alone is enough)
     if args.unknown:
         close = close_flag_matches(args.unknown)
         if close:
             raise ConfigError(unknown_flag_message(args.unknown, close))
         b.warnings.append(unknown_flag_warning(args.unknown))
-    _release(b, explicit, off, labels, modules)
+
+
+def _quantization(b: _Builder, args: ServerArgs) -> None:
+    """``--quantization``: exl3 or none (the checkpoint's), else the server runs no online Trellis."""
     quant = _arg(args, "quantization")
     if quant is not None:
         b.arg("quantization", quant[0], quant[1])
@@ -673,6 +724,12 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
                               "exl3 (or with none, taken from the checkpoint), so it looks nothing up; fix the launch")
     else:
         b.put("quantization", None, "default", "not given: the checkpoint's quant_method (exl3)")
+
+
+def _served_model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, Optional[str], Optional[str]]:
+    """The model (what exl3tool reads here, the server's path or None) and its revision; a Hub repo id served with
+    HF_HUB_OFFLINE becomes its snapshot folder, as vLLM rewrites it."""
+    args = launch.args
     model, server_path = _model(b, launch, explicit)
     rev = _arg(args, "revision")
     if explicit.revision is not None:
@@ -681,58 +738,84 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         revision = b.arg("revision", rev[0], rev[1])
     else:
         revision = b.put("revision", None, "default", "not given")
-    if server_path is None and explicit.model is None and hub_offline(_hf_env(b)):
+    hub = server_path is None and explicit.model is None and "model_here" not in b.settings  # a Hub repo id
+    if hub and hub_offline(_hf_env(b)):  # an existing path is served as is (get_model_path)
         modelscope = b.env("VLLM_USE_MODELSCOPE")
         if modelscope is not None and modelscope.value.lower() == "true":  # vllm/envs.py's test
             raise ConfigError("the launch sets VLLM_USE_MODELSCOPE with HF_HUB_OFFLINE: the server reads ModelScope's "
                               "cache, which exl3tool does not model; pass MODEL and --server-path of the folder")
         model, server_path = _offline_snapshot(b, launch, model, revision)
     elif server_path is None and explicit.model is None:
+        if hub and launch.home_unknown and not any(v in _hf_env(b) for v in _HF_VARS[2:-1]):
+            raise ConfigError(f"{launch.home_unknown}; the launch serves the Hub repo {model}, whose Hub cache is "
+                              "under that HOME: pass HF_HUB_CACHE (or HF_HOME) in the launch, or run exl3tool as "
+                              "that user")
         b.view = launch.paths  # a Hub repo: its revision resolves with the server's Hub cache when offline
-    tp_launch, tp_how = _int_arg(args, "tp_size", 1)
-    if tp_how:
-        b.arg("tp_size", tp_launch, tp_how)
+    return model, server_path, revision
+
+
+def _tp_size(b: _Builder, args: ServerArgs) -> int:
+    """The TP size, the other parallel sizes, and the layout exl3tool does not model (sequence-parallel MoE)."""
+    tp, how = _int_arg(args, "tp_size", 1)
+    if how:
+        b.arg("tp_size", tp, how)
     else:
         b.put("tp_size", 1, "default", "not given: the server runs TP 1")
     _parallel(b, args)
     dp = b.settings.get("data_parallel_size")
-    if (b.settings.get("enable_expert_parallel") and dp is not None and dp.value > 1 and tp_launch > 1
+    if (b.settings.get("enable_expert_parallel") and dp is not None and dp.value > 1 and tp > 1
             and (_arg(args, "all2all_backend") or ("allgather_reducescatter", ""))[0] in SEQUENCE_PARALLEL_ALL2ALL):
         raise ConfigError("the launch's --enable-expert-parallel with --data-parallel-size > 1 and TP > 1 runs "
                           "sequence-parallel MoE, where the fork replicates the shared experts (and GLM-5's dense "
                           "MLPs) on every rank instead of sharding them; exl3tool does not model that layout")
+    return tp
+
+
+def _dtype(b: _Builder, args: ServerArgs, explicit: Explicit) -> str:
     dtype_arg = _arg(args, "dtype")
     if explicit.dtype is not None:
-        dtype = b.put("dtype", explicit.dtype, "flag", "--dtype")
-    elif dtype_arg is not None:
+        return b.put("dtype", explicit.dtype, "flag", "--dtype")
+    if dtype_arg is not None:
         mapped = serving_dtype_name(dtype_arg[0])
         if mapped is None:
             raise ConfigError(f"the launch's {dtype_arg[1]} {dtype_arg[0]!r} is not one of the server's dtypes "
                               f"({', '.join(DTYPE_SPELLINGS)})")
-        dtype = b.arg("dtype", mapped, dtype_arg[1] + (f" {dtype_arg[0]}" if mapped != dtype_arg[0] else ""))
-    else:
-        dtype = b.put("dtype", "auto", "default", "not given: the checkpoint's config dtype")
+        return b.arg("dtype", mapped, dtype_arg[1] + (f" {dtype_arg[0]}" if mapped != dtype_arg[0] else ""))
+    return b.put("dtype", "auto", "default", "not given: the checkpoint's config dtype")
+
+
+def _overlay(b: _Builder, args: ServerArgs, explicit: Explicit, off: list[str]) -> Optional[str]:
+    """``--quantization-config``: without an online overlay the server encodes nothing online."""
+    from exl3tool.checkpoint import resolve_overlay
+
     qc_arg = _arg(args, "quantization_config")
     if explicit.quantization_config is not None:
-        qc: Optional[str] = b.put("quantization_config", explicit.quantization_config, "flag", "--quantization-config")
-    elif qc_arg is not None:
+        return b.put("quantization_config", explicit.quantization_config, "flag", "--quantization-config")
+    if qc_arg is not None:
         _json_arg(args, "quantization_config")
         try:
             resolve_overlay(qc_arg[0])
         except ConfigError as exc:
             raise ConfigError(f"the launch's {qc_arg[1]}: {exc}") from None
-        qc = b.arg("quantization_config", qc_arg[0], qc_arg[1])
-    else:
-        qc = b.put("quantization_config", None, "default", "not given")
-        off.append("the launch gives no --quantization-config: without an online overlay the server encodes no "
-                   "layer online (the fork's Exl3Config takes the online path only with a QuantizationConfigArgs "
-                   "overlay)")
+        return b.arg("quantization_config", qc_arg[0], qc_arg[1])
+    b.put("quantization_config", None, "default", "not given")
+    off.append("the launch gives no --quantization-config: without an online overlay the server encodes no "
+               "layer online (the fork's Exl3Config takes the online path only with a QuantizationConfigArgs "
+               "overlay)")
+    return None
+
+
+def _speculative(b: _Builder, args: ServerArgs) -> None:
     spec = _json_arg(args, "speculative_config")
     if spec is not None:
         b.arg("speculative_config", spec, args.values["speculative_config"][1])
         b.notes.append("the speculative draft (an MTP draft or a draft model) is built with the target's "
                        "--quantization but not its --quantization-config (the fork's speculative.py), so it encodes "
                        "nothing online and makes no look-ups")
+
+
+def _language_model_only(b: _Builder, args: ServerArgs) -> bool:
+    """``--language-model-only``, or image and video limits 0: the vision tower is not built."""
     lmo = _bool_arg(args, "language_model_only")
     if lmo:
         b.arg("language_model_only", True, args.values["language_model_only"][1])
@@ -745,6 +828,11 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
             b.arg("language_model_only", True, args.values["limit_mm_per_prompt"][1] + " (image and video 0)")
     if lmo:
         b.notes.append("the vision tower is not built (image and video limits 0), so it makes no look-ups")
+    return lmo
+
+
+def _weights_format(b: _Builder, args: ServerArgs) -> None:
+    """Where the weights come from and which model classes are built: the ones exl3tool plans, else refused."""
     load = _arg(args, "load_format")
     if load is not None:
         b.arg("load_format", load[0], load[1])
@@ -763,61 +851,49 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
     dl = _arg(args, "download_dir")
     if dl is not None:
         b.arg("download_dir", dl[0], dl[1] + ": a Hub model's identity does not depend on it")
-    for var in ("HF_HOME", "HF_HUB_CACHE"):
-        item = b.env(var)
-        if item is not None:
-            b.put_env(var.lower(), var, item)
+
+
+def _bits(b: _Builder, launch: ServerLaunch, explicit: Explicit, off: list[str], need_cache: bool) -> int:
+    """``VLLM_EXL3_ONLINE_TRELLIS_BITS``: without it the server runs no online Trellis."""
+    from exl3tool.cache.settings import trellis_bits
+
     if explicit.bits is not None:
-        bits = b.put("bits", explicit.bits, "flag", "--bits")
-    else:
-        item = b.env("VLLM_EXL3_ONLINE_TRELLIS_BITS")
-        try:
-            parsed = trellis_bits({"VLLM_EXL3_ONLINE_TRELLIS_BITS": item.value}) if item is not None else None
-        except ConfigError as exc:
-            raise ConfigError(f"{exc} (from {item.source}: {item.detail or 'VLLM_EXL3_ONLINE_TRELLIS_BITS'})") from None
-        if parsed is not None:
-            b.put_env("bits", "VLLM_EXL3_ONLINE_TRELLIS_BITS", item)  # type: ignore[arg-type]
-            bits = b.put("bits", parsed, b.settings["bits"].source, b.settings["bits"].detail)
-        else:
-            bits = b.put("bits", 6, "default", "VLLM_EXL3_ONLINE_TRELLIS_BITS not given")
-            b.defaulted.append("VLLM_EXL3_ONLINE_TRELLIS_BITS was not given: without it the server runs no online "
-                               "Trellis and looks nothing up; exl3tool plans 6 bits; "
-                               + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
-            if launch.image_note and not off and need_cache:  # unknown, not absent: the image may set it
-                raise ConfigError("VLLM_EXL3_ONLINE_TRELLIS_BITS is not set by the launch, and without it the server "
-                                  "looks nothing up; " + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
-            off.append(f"VLLM_EXL3_ONLINE_TRELLIS_BITS is not set in the server's environment ({_where_env(launch)}): "
-                       "online Trellis is off and every eligible layer runs plain MXFP8; "
-                       + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
+        return b.put("bits", explicit.bits, "flag", "--bits")
+    item = b.env("VLLM_EXL3_ONLINE_TRELLIS_BITS")
     try:
-        enc_root, enc_rev, enc_src = _encoder(b, launch, explicit)
+        parsed = trellis_bits({"VLLM_EXL3_ONLINE_TRELLIS_BITS": item.value}) if item is not None else None
     except ConfigError as exc:
-        if not off:
-            raise
-        # the server needs no encoder when it encodes nothing online: say so instead of refusing the launch
-        b.warnings.append(f"also: {exc}")
-        enc_root, enc_rev, enc_src = "", None, None
-    cache_dir = _cache_dir(b, launch, explicit, need_cache)
+        raise ConfigError(f"{exc} (from {item.source}: {item.detail or 'VLLM_EXL3_ONLINE_TRELLIS_BITS'})") from None
+    if parsed is not None:
+        b.put_env("bits", "VLLM_EXL3_ONLINE_TRELLIS_BITS", item)  # type: ignore[arg-type]
+        return b.put("bits", parsed, b.settings["bits"].source, b.settings["bits"].detail)
+    bits = b.put("bits", 6, "default", "VLLM_EXL3_ONLINE_TRELLIS_BITS not given")
+    b.defaulted.append("VLLM_EXL3_ONLINE_TRELLIS_BITS was not given: without it the server runs no online "
+                       "Trellis and looks nothing up; exl3tool plans 6 bits; "
+                       + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
+    if launch.image_note and not off and need_cache:  # unknown, not absent: the image may set it
+        raise ConfigError("VLLM_EXL3_ONLINE_TRELLIS_BITS is not set by the launch, and without it the server "
+                          "looks nothing up; " + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
+    off.append(f"VLLM_EXL3_ONLINE_TRELLIS_BITS is not set in the server's environment ({_where_env(launch)}): "
+               "online Trellis is off and every eligible layer runs plain MXFP8; "
+               + _how_to_pass(launch, "VLLM_EXL3_ONLINE_TRELLIS_BITS"))
+    return bits
+
+
+def _cache_mode(b: _Builder, off: list[str]) -> None:
+    """``VLLM_EXL3_ONLINE_CACHE_MODE``: off, the server never reads the cache."""
+    from exl3tool.cache.settings import cache_mode
+
     mode_item = b.env("VLLM_EXL3_ONLINE_CACHE_MODE")
-    if mode_item is not None:
-        mode = cache_mode({"VLLM_EXL3_ONLINE_CACHE_MODE": mode_item.value})
-        b.put_env("cache_mode", "VLLM_EXL3_ONLINE_CACHE_MODE", mode_item)
-        b.settings["cache_mode"] = Setting(mode, b.settings["cache_mode"].source, b.settings["cache_mode"].detail)
-        if mode == "off":
-            off.append(f"VLLM_EXL3_ONLINE_CACHE_MODE=off ({mode_item.detail or mode_item.source}): the server "
-                       "encodes every layer at start-up and never reads the cache")
-    else:
+    if mode_item is None:
         b.put("cache_mode", "readwrite", "default", "VLLM_EXL3_ONLINE_CACHE_MODE not given")
-    if explicit.tp_sizes:
-        b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-size")
-    hf_overrides = _hf_overrides(b, args)
-    return LaunchSettings(
-        launch, b.settings, model, server_path, revision, tp_launch, dtype, bits, qc, enc_root, enc_rev, enc_src,
-        cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings),
-        _image_lines(launch) + tuple(launch.notes) + tuple(b.notes),
-        view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides,
-        image_labels=dict(launch.image.labels) if launch.image is not None else {},
-        server_release=b.choice.release.name if b.choice else None, release=b.choice)
+        return
+    mode = cache_mode({"VLLM_EXL3_ONLINE_CACHE_MODE": mode_item.value})
+    b.put_env("cache_mode", "VLLM_EXL3_ONLINE_CACHE_MODE", mode_item)
+    b.settings["cache_mode"] = Setting(mode, b.settings["cache_mode"].source, b.settings["cache_mode"].detail)
+    if mode == "off":
+        off.append(f"VLLM_EXL3_ONLINE_CACHE_MODE=off ({mode_item.detail or mode_item.source}): the server "
+                   "encodes every layer at start-up and never reads the cache")
 
 
 def _image_lines(launch: ServerLaunch) -> tuple[str, ...]:

@@ -29,15 +29,15 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 from exl3tool.errors import ConfigError
 from exl3tool.launch.env import DRY_RUN_COMMAND, shell_word
 
-__all__ = ["Recorded", "LauncherRun", "LauncherStart", "run_launcher", "read_launcher", "dry_run_command",
-           "sandbox_problem", "RECORDED_COMMANDS", "SHELLS"]
+__all__ = ["Recorded", "LauncherRun", "LauncherStart", "ScriptView", "run_launcher", "read_launcher",
+           "dry_run_command", "sandbox_problem", "script_changes", "HOST_VIEW", "RECORDED_COMMANDS", "SHELLS", "LOOKUP_PREFIXES"]
 
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash"})
 # run nothing, only recorded: servers, interpreters, containers, downloads, GPUs, privileges, writes
@@ -48,7 +48,12 @@ RECORDED_COMMANDS = (
     "taskset", "env", "setsid", "nohup", "nice", "ionice", "stdbuf", "timeout", "chrt", "runuser", "gosu", "su-exec", "setpriv", "mkdir", "rm", "rmdir", "cp", "mv", "ln", "touch", "chmod", "chown", "install", "rsync", "truncate",
     "dd", "sleep", "kill", "pkill", "killall", "systemctl", "service", "apt-get", "apt", "yum", "dnf", "conda",
     "mount", "umount",
+    # wrappers that change the server's filesystem, user or host (launch.wrappers): recorded, never run
+    "proot", "proot-distro", "chroot", "bwrap", "unshare", "nsenter", "apptainer", "singularity", "srun", "sbatch",
+    "salloc", "mpirun", "mpiexec", "systemd-run", "flatpak-spawn", "firejail", "doas", "pkexec", "schroot",
+    "toolbox", "distrobox", "distrobox-enter", "machinectl", "lxc", "lxc-attach", "fakechroot",
 )
+LOOKUP_PREFIXES = ("VLLM_", "HF_", "XDG_", "HUGGINGFACE_", "TRANSFORMERS_")
 _PASS_THROUGH = ("tee",)  # recorded, stdin copied to stdout (no file written)
 _DROP = ("BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PROMPT_COMMAND", "CDPATH", "GLOBIGNORE", "X3T_SANDBOX_RUN",
          "X3T_SANDBOX_LAUNCHER_DIRS", "X3T_SANDBOX_VIEW", "X3T_SANDBOX_UNEXPORTED")
@@ -64,6 +69,46 @@ if [ "$n" = record ]; then printf '%s\0' "$@" > "$d.argv"; else printf '%s\0' "$
 command -p env -0 > "$d.env"
 pwd > "$d.cwd"
 if [ "$n" = record ]; then n="${1##*/}"; shift; fi
+answer=  # a query is answered as a clean host answers it: no container, image, volume or pod exists
+case "$n" in
+  docker|podman|nerdctl|nvidia-docker)
+    obj= verb= skip=
+    for a in "$@"; do
+      if [ -n "$skip" ]; then skip=; continue; fi
+      case "$a" in
+        -H|--host|-c|--context|--config|-l|--log-level|--url|--connection|--identity|--root|--runroot|--namespace|\
+--storage-driver|--cgroup-manager|--address|--tlscacert|--tlscert|--tlskey) skip=1; continue ;;
+        -*) continue ;;
+      esac
+      if [ -z "$obj" ]; then
+        case "$a" in container|image|volume|network|pod|manifest|secret|compose) obj=$a; continue ;; esac
+      fi
+      verb=$a; break
+    done
+    case "$verb" in
+      inspect|exists|logs|port|top|history|wait|diff|export|healthcheck|mount) answer=absent ;;
+      ps|ls|list|images) answer=empty ;;
+    esac ;;
+  kubectl)
+    verb= names=0 skip=
+    for a in "$@"; do
+      if [ -n "$skip" ]; then skip=; continue; fi
+      case "$a" in
+        -n|--namespace|-l|--selector|-o|--output|--context|--kubeconfig|-f|--filename|--field-selector|-c|\
+--container|--cluster|--user|-L|--label-columns|--sort-by|--template) skip=1; continue ;;
+        -*) continue ;;
+      esac
+      if [ -z "$verb" ]; then verb=$a; else names=$((names + 1)); fi
+    done
+    case "$verb" in
+      get|describe) if [ "$names" -gt 1 ]; then answer=absent; else answer=empty; fi ;;
+    esac ;;
+esac
+if [ -n "$answer" ]; then
+  printf '%s' "$answer" > "$d.answer"
+  if [ "$answer" = absent ]; then echo "Error: No such object" >&2; exit 1; fi
+  exit 0
+fi
 case "$n" in
   tee) exec cat ;;
   # tried for real, which reaches only this run's memory (/tmp, /var/tmp, /run and a container view are in memory,
@@ -235,6 +280,27 @@ class Recorded:
     at_exit: bool = False  # not a command: the environment a bash process exported when it ended
     level: int = 0  # at_exit: that shell's nesting (SHLVL)
     unexported: tuple[str, ...] = ()  # server variables (VLLM_*, HF_*, XDG_*) the shell set without exporting them
+    answer: str = ""  # a query of a container runtime, answered as a clean host: "absent" (exit 1) | "empty" (none)
+
+
+@dataclass(frozen=True)
+class ScriptView:
+    """Where a script the launch runs is read: this host (``mounts`` None) or a container's view (its volumes as
+    (host folder, container path) pairs), the folders where a launcher named by another machine's path is looked up
+    by its name, and the directory it starts in (None: this directory, or ``/`` in a container's view)."""
+
+    mounts: Optional[tuple[tuple[str, str], ...]] = None
+    launcher_dirs: tuple[str, ...] = ()
+    cwd: Optional[str] = None
+
+    def read(self, argv: Sequence[str], *, environ: Mapping[str, str], is_server,
+             where: str) -> Optional["LauncherStart"]:
+        """``read_launcher`` in this view."""
+        return read_launcher(argv, environ=environ, is_server=is_server, cwd=self.cwd,
+                             launcher_dirs=self.launcher_dirs, mounts=self.mounts, where=where)
+
+
+HOST_VIEW = ScriptView()
 
 
 @dataclass
@@ -294,6 +360,11 @@ def _read_records(run: str, path_given: Optional[str]) -> list[Recorded]:
                 cwd = fh.read().rstrip("\n")
         except OSError:
             continue  # a recorder killed half-way (the time limit)
+        try:
+            with open(stem + ".answer", encoding="utf-8") as fh:
+                answer = fh.read().strip()
+        except OSError:
+            answer = ""
         env: dict[str, str] = {}
         for pair in pairs:
             k, _, v = pair.decode("utf-8", "surrogateescape").partition("=")
@@ -307,7 +378,7 @@ def _read_records(run: str, path_given: Optional[str]) -> list[Recorded]:
         words = tuple(a.decode("utf-8", "surrogateescape") for a in argv)
         at_exit = words[:1] == ("__exl3tool_exit__",)
         level = int(words[1]) if at_exit and len(words) > 1 and words[1].isdigit() else 0
-        out.append((int(name[:-5]), Recorded(() if at_exit else words, env, cwd, at_exit, level, unexported)))
+        out.append((int(name[:-5]), Recorded(() if at_exit else words, env, cwd, at_exit, level, unexported, answer)))
     return [r for _, r in sorted(out, key=lambda t: t[0])]
 
 
@@ -409,19 +480,42 @@ def dry_run_command(stdout: str) -> Optional[list[str]]:
 
 
 def _others(run: LauncherRun, server: Optional[Recorded]) -> tuple[str, ...]:
-    ran = [shlex.join(r.argv[:2]) for r in run.records if not r.at_exit and r is not server]
-    if not ran:
-        return ()
-    shown = "; ".join(dict.fromkeys(ran))
-    return (f"the launcher also ran, recorded but not run: {shown[:400]}",)
+    """Notes: what the launcher also ran (recorded, not run), and the runtime queries a stand-in answered."""
+    ran = [shlex.join(r.argv[:2]) for r in run.records if not r.at_exit and r is not server and not r.answer]
+    notes: list[str] = []
+    if ran:
+        shown = "; ".join(dict.fromkeys(ran))
+        notes.append(f"the launcher also ran, recorded but not run: {shown[:400]}")
+    asked = [f"`{shlex.join(r.argv[:6])}` (answered {'no' if r.answer == 'absent' else 'none'})"
+             for r in run.records if r.answer]
+    if asked:
+        notes.append(f"the launcher asked {', '.join(dict.fromkeys(asked))[:400]}: the read-only sandbox has no "
+                     "containers, images or pods, so it went on as on a clean host")
+    return tuple(notes)
+
+
+def script_changes(start: LauncherStart, environ: Mapping[str, str], where: str) -> tuple[
+        dict[str, tuple[str, str]], list[str]]:
+    """What the script exported for the server that ``environ`` did not hold (name -> (value, where)), and notes
+    for look-up variables it removed or set without exporting."""
+    how = f"set by {where} (run by bash{', its DRY_RUN=1 mode' if start.how == 'DRY_RUN=1' else ''})"
+    exports = {k: (v, how) for k, v in start.env.items() if environ.get(k) != v and k != "PATH"}
+    notes = [f"{where} unsets {k}: the server does not get it" for k in environ
+             if k not in start.env and k.startswith(LOOKUP_PREFIXES)]
+    notes += [f"{where} sets {k} but does not export it: the server does not see it" for k in start.unexported]
+    return exports, notes
 
 
 def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server, cwd: Optional[str] = None,
                   launcher_dirs: Sequence[str] = (), mounts: Optional[Sequence[tuple[str, str]]] = None,
-                  where: str = "the launcher") -> Optional[LauncherStart]:
+                  where: str = "the launcher",
+                  refused: Optional[Callable[[list[str]], Optional[str]]] = None) -> Optional[LauncherStart]:
     """The server a launcher starts (``is_server(argv)`` says which recorded command is one), or None when it
-    ends well without starting one (a ConfigError with its last error line when it fails). First run as written; when it records no server, its ``DRY_RUN=1`` mode (the fork's launchers
-    print ``KEY=%q`` lines and ``Command: ...``, skipping their GPU probes), taking the environment it exported."""
+    ends well without starting one (a ConfigError with its last error line when it fails). First run as written;
+    when it records no server, its ``DRY_RUN=1`` mode (the fork's launchers print ``KEY=%q`` lines and ``Command:
+    ...``, skipping their GPU probes), taking the environment it exported. ``refused(argv)`` names a recorded
+    command that runs the server where exl3tool does not follow (``ssh HOST '...'``): raised when no server was
+    found, instead of "no server"."""
     first = run_launcher(argv, environ=environ, cwd=cwd, launcher_dirs=launcher_dirs, mounts=mounts)
     servers = [r for r in first.records if not r.at_exit and is_server(list(r.argv))]
     if servers:
@@ -450,8 +544,16 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
                    "the server's command from its Command: line, the environment it exported")
         notes = ((why,) if why else ()) + _others(run, None)
         return LauncherStart(tuple(words), env, deepest.cwd, "DRY_RUN=1", notes)
+    for run in runs:
+        for r in run.records:
+            said = refused(list(r.argv)) if refused is not None and not r.at_exit else None
+            if said:
+                raise ConfigError(said)
     if first.status != 0:
         said = (first.stderr.strip().splitlines() or ["(it printed nothing)"])[-1]
+        asked = [shlex.join(r.argv[:6]) for r in first.records if r.answer == "absent"]
+        why = (f" (before that it asked `{'`, `'.join(dict.fromkeys(asked))}`, answered no: the read-only sandbox "
+               "has no containers or images)" if asked else "")
         raise ConfigError(f"{where} exited {first.status} in the read-only sandbox before starting a server: "
-                          f"{said[:240]}")
+                          f"{said[:240]}{why[:300]}")
     return None

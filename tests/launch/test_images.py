@@ -111,6 +111,11 @@ def test_each_image_as_the_server_derives_it(tmp_path, cli, model, export, name)
         assert code == 2 and "VLLM_EXL3_ENCODER_SOURCE" in err, err
         extra = f"-e VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3-python/exllamav3 -e VLLM_EXL3_ENCODER_REVISION={FORK_REV}"
         want = {**want, "encoder_root": "/opt/exllamav3-python/exllamav3", "encoder_revision": FORK_REV}
+    if want["entrypoint"] not in (["vllm"], ["/opt/nvidia/nvidia_entrypoint.sh"]):
+        # the image's entrypoint is a script inside it: named, never taken for `vllm serve`; the launch names vllm
+        code, _, err = _plan(cli, "--image-inspect", str(DATA / name), "--launch", _launch(name, model, cache, extra))
+        assert code == 2 and f"entrypoint {' '.join(want['entrypoint'])}" in err and "--entrypoint" in err, err
+        extra += " --entrypoint vllm"
     args = ["--image-inspect", str(DATA / name), "--launch", _launch(name, model, cache, extra)]
     if want["encoder_revision"] is None:  # files mode: the server hashes the image's files; give their copy
         args += ["--encoder-source", str(export)]
@@ -199,7 +204,7 @@ def test_labels_reach_the_launch_settings(tmp_path, model):
     """The library's answer: ``LaunchSettings.image_labels`` (what a server release is picked by)."""
     name = "ii-like-r18.inspect.json"
     cache = tmp_path / "cache"
-    launch = LaunchInput(text=_launch(name, model, cache), image_inspect=str(DATA / name))
+    launch = LaunchInput(text=_launch(name, model, cache, "--entrypoint vllm"), image_inspect=str(DATA / name))
     request, settings, _ = apply_launch(ServerRequest(model=""), set(), launch, environ={})
     want = json.loads((DATA / name).read_text())[0]["Config"]["Labels"]
     assert settings.image_labels == want and settings.image.source == "inspect file"

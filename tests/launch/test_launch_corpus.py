@@ -76,9 +76,9 @@ def sources(tmp_path_factory) -> dict:
     for rel in ("exllamav3/__init__.py", "exllamav3/modules/quant.py", "exllamav3/modules/trellis.py"):
         (enc / rel).write_text(f"# {rel}\nTOKEN = {fresh_bytes(8).hex()!r}\n")
     src["encoder"] = enc
-    images = json.loads((DATA / "images.json").read_text())
-    cases = "".join(f"  {shlex.quote(image)}) printf '%s\\n' {shlex.quote(json.dumps(env))} ;;\n"
-                    for image, env in images.items())
+    images = json.loads((DATA / "images.json").read_text())  # image -> its Config.Env list, or its Config object
+    cases = "".join(f"  {shlex.quote(image)}) printf '%s\\n' {shlex.quote(json.dumps(config))} ;;\n"
+                    for image, config in images.items())
     bindir = root / "bin"
     bindir.mkdir()
     for tool in ("docker", "podman"):
@@ -106,7 +106,13 @@ class Case:
     def mounts(self) -> dict[str, Path] | None:
         """Container path -> host folder, or None for a host command (its view is this filesystem)."""
         mounts = self.header.get("mounts")
-        return {k: Path(self.sub(v)) for k, v in mounts.items()} if mounts else None
+        return {self.sub(k): Path(self.sub(v)) for k, v in mounts.items()} if mounts else None
+
+    @property
+    def root(self) -> Path | None:
+        """The host folder that is the server's ``/`` (a proot or chroot guest's root), or None (an empty one)."""
+        root = self.header.get("root")
+        return Path(self.sub(root)) if root else None
 
     def sub(self, text):
         if not isinstance(text, str):
@@ -125,6 +131,8 @@ class Case:
         for target in sorted(self.mounts, key=len, reverse=True):
             if inside == target or inside.startswith(target.rstrip("/") + "/"):
                 return self.mounts[target] / os.path.relpath(inside, target)
+        if self.root is not None:
+            return self.root / inside.lstrip("/")
         raise AssertionError(f"{inside} is on no mount of {self.path.name}")
 
 
@@ -157,9 +165,11 @@ def _materialize(path: Path, sources: dict, root: Path) -> Case:
             text = text.replace(name, value)
         return text
 
-    extra = path.with_suffix(".files")
-    if extra.is_dir():
-        for f in sorted(extra.rglob("*")):
+    folders = [path.with_suffix(".files")]
+    if header.get("launchers") == "shared":  # the launcher scripts several cases run, kept once (launchers/)
+        folders.insert(0, DATA / "launchers")
+    for extra in folders:
+        for f in sorted(extra.rglob("*")) if extra.is_dir() else ():
             if f.is_file():
                 (d / f.relative_to(extra)).parent.mkdir(parents=True, exist_ok=True)
                 (d / f.relative_to(extra)).write_text(fill(f.read_text()))
@@ -176,7 +186,13 @@ def _materialize(path: Path, sources: dict, root: Path) -> Case:
         target.write_text(text)
         target.chmod(0o755)
         args = ["--launch-file" if form == "launch-file" else "--compose", str(target)]
-    return Case(path, header, d, args, subs)
+    case = Case(path, header, d, args, subs)
+    if case.root is not None:  # a guest root: the encoder package is inside it, where the server reads it
+        case.root.mkdir(parents=True, exist_ok=True)
+        inside = case.host_path(case.sub(header["server"]["encoder_root"]))
+        if not inside.exists():
+            shutil.copytree(enc, inside)
+    return case
 
 
 def _server(case: Case, entries: list[tuple]) -> dict:
@@ -196,7 +212,7 @@ def _server(case: Case, entries: list[tuple]) -> dict:
         return dict(resolved=os.path.realpath(folder), model=mid, encoder=eid, hits=hits)
 
     if case.mounts is not None:
-        return in_server_view(case.dir.parent / "rootfs", case.mounts, answer)
+        return in_server_view(case.root or case.dir.parent / "rootfs", case.mounts, answer)
     cwd = os.getcwd()
     os.chdir(case.sub(s.get("cwd")) or cwd)
     try:
@@ -295,6 +311,11 @@ def test_launch_case(path, sources, tmp_path, cli, case_env, monkeypatch):
         monkeypatch.setenv(name, case.sub(value))
     cache_host = case.host_path(case.sub(case.server["cache_root"]))
 
+    expect = case.header["expect"]
+    if isinstance(expect, dict) and "refused" in expect:
+        _refused(cli, case, expect["refused"], cache_host)
+        return
+
     # identity: the server's identities, and the folder it serves is the one the header names
     code, out, err = cli("identity", "--json", *case.args)
     assert code == 0, err
@@ -304,11 +325,10 @@ def test_launch_case(path, sources, tmp_path, cli, case_env, monkeypatch):
         assert server["resolved"] == case.resolved()
     assert (ident["model"]["identity"], ident["encoder"]["identity"]) == (server["model"], server["encoder"])
 
-    expect = case.header["expect"]
     if isinstance(expect, dict):
         _no_lookup(cli, case, expect["no_lookup"], cache_host, tmp_path)
         return
-    assert expect == "all-hit"
+    assert expect in ("all-hit", "planned")
 
     # the plan: the header's settings, and the reference's look-ups
     code, out, err = cli("cache", "warm", "--dry-run", "--json", *case.args)
@@ -318,6 +338,16 @@ def test_launch_case(path, sources, tmp_path, cli, case_env, monkeypatch):
     jobs = {(j["prefix"], j["tp_size"], j["tp_rank"], j["input_size"], j["output_size"]) for j in plan["jobs"]}
     assert jobs and jobs == _reference_plan(cli, case, tmp_path)
     assert all(j["state"] == "miss" for j in plan["jobs"]) and not tree(cache_host)
+
+    if expect == "planned":  # no warm (a cheap case): the check and the server agree that every look-up misses
+        code, out, err = cli("cache", "check", "--json", *case.args)
+        doc = json.loads(out)
+        assert code == 1 and doc["server_lookup"] is True, err
+        server = _server(case, _lookups(doc))
+        assert server["hits"] and not any(server["hits"]) and {e["state"] for e in doc["entries"]} == {"miss"}
+        print(f"{path.stem} (seeds {sources['seeds']}): {len(server['hits'])} look-ups of {server['resolved']}, "
+              "all miss for both before a warm")
+        return
 
     # a real warm (fake encoder) writes where the server reads: every look-up hits for the server, and the check
     code, out, err = cli("cache", "warm", "--json", *case.args)
@@ -368,3 +398,13 @@ def _no_lookup(cli, case: Case, reason: str, cache_host: Path, tmp: Path) -> Non
         code, _, err = cli(*command, *case.args)
         assert code == 2 and "makes no cache look-up" in err and reason in err, err
     assert tree(cache_host) == before
+
+
+def _refused(cli, case: Case, said: str, cache_host: Path) -> None:
+    """A launch exl3tool does not follow (a wrapper that runs the server elsewhere, an entrypoint it cannot read):
+    every command stops with one line naming it (exit 2), and nothing is planned or written."""
+    for command in (("identity",), ("cache", "check"), ("cache", "warm")):
+        code, out, err = cli(*command, *case.args)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (command, err)
+        assert "Traceback" not in err and not out.strip()
+    assert not tree(cache_host)

@@ -1,4 +1,4 @@
-"""Launcher scripts run by the system's bash in the read-only sandbox (``launch.script``, via ``launch.shell``):
+"""Launcher scripts run by the system's bash in the read-only sandbox (``launch.script``):
 the words and environment exl3tool records for the server are the ones bash passes (quoting, escapes, expansions,
 field splitting, arrays, ``if``/``case``/functions), and reading a launcher leaves no trace outside its temporary
 folder: no file written, no network, no daemon socket, no GPU, no process left behind."""
@@ -12,13 +12,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
 
 from exl3tool.errors import ConfigError
-from exl3tool.launch.script import read_launcher, run_launcher, sandbox_problem
-from exl3tool.launch.shell import run_script
+from exl3tool.launch.script import read_launcher, run_launcher, sandbox_problem, script_changes
 from seeds import fresh_seed
 
 pytestmark = pytest.mark.skipif(bool(shutil.which("bash") is None or sandbox_problem()),
@@ -36,7 +36,17 @@ LINES = [
     'x "$@" $@ "${@}" y',
     'x a=b --flag="$QC" "--flag2=$EXTRA"',
 ]
-_SERVER = {"is_server": lambda w, cwd: w[:1] == ["vllm"], "where": "t"}
+_SERVER = {"is_server": lambda w: w[:1] == ["vllm"], "where": "t"}
+
+
+def run_script(text: str, *, environ: dict, is_server, where: str) -> Optional[SimpleNamespace]:
+    """``bash -c TEXT`` in the sandbox: the server's words and environment, and what the script exported."""
+    start = read_launcher(["bash", "-c", text], environ=environ, is_server=is_server, where=where)
+    if start is None:
+        return None
+    exports, notes = script_changes(start, environ, where)
+    return SimpleNamespace(words=list(start.argv), environ=dict(start.env), exports=exports,
+                           notes=[*start.notes, *notes])
 
 
 def _bash_words(line: str, shell: str = "bash") -> list[str]:

@@ -1,0 +1,272 @@
+"""Wrappers before the server that change its filesystem, user, host or environment (``launch/wrappers.py``): each
+row of the table is followed (its root and binds are the server's view, its environment rules applied, a user's home
+from this machine's passwd) or refused in one line naming it; the runtime stand-ins answer queries as a clean host;
+``bash -c SCRIPT NAME ARGS`` gives the script ``$0`` and ``"$@"``; an image's entrypoint script is read or named.
+
+Most tests read argv forms (no sandbox: fast); the few that need bash run one launcher each."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from exl3tool.checkpoint import write_llama_checkpoint
+from exl3tool.errors import ConfigError
+from exl3tool.launch import Explicit, load_launch, resolve_launch
+from exl3tool.launch.parse import find_server
+from exl3tool.launch.script import run_launcher, sandbox_problem
+from exl3tool.launch.wrappers import ENTRYPOINT_PASS_THROUGH, WRAPPERS, entrypoint_passes
+from helpers import LINEAR as QC, TINY_1 as TINY
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "launch.md"
+SERVER = ("VLLM_EXL3_ONLINE_TRELLIS_BITS=6", "VLLM_EXL3_ENCODER_SOURCE=/enc", "VLLM_EXL3_ENCODER_REVISION=r1")
+sandboxed = pytest.mark.skipif(bool(shutil.which("bash") is None or sandbox_problem()), reason="no sandbox here")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_llama_checkpoint(tmp_path_factory.mktemp("m") / "M", **TINY)
+
+
+def settings(argv, environ=None, cwd=None):
+    launch, layers = load_launch(argv=argv, environ=environ or {}, cwd=cwd)
+    return resolve_launch(launch, layers, Explicit())
+
+
+def serve(model, *more: str) -> list[str]:
+    return ["vllm", "serve", str(model), "--quantization-config", QC, *more]
+
+
+# --- followed: the server's filesystem -----------------------------------------------------------------------------
+
+def test_proot_root_and_binds_are_the_servers_view(tmp_path, model):
+    """``proot -R ROOT -b HOST:GUEST``: the guest's /cache/x is the bound host folder, the encoder the one in ROOT,
+    the model the bound one; nothing is planned on this machine's /cache or /opt."""
+    root, cache = tmp_path / "rootfs", tmp_path / "cache"
+    (root / "opt" / "enc" / "modules").mkdir(parents=True)
+    (root / "opt" / "enc" / "modules" / "quant.py").write_text("x = 1\n")
+    cache.mkdir()
+    argv = ["proot", "-R", str(root), "-b", f"{model.parent}:/models", f"--bind={cache}:/cache", "-w", "/models",
+            "/usr/bin/env", "-i", "HOME=/root", "VLLM_EXL3_ONLINE_TRELLIS_BITS=6", "VLLM_EXL3_ENCODER_SOURCE=/opt/enc",
+            "VLLM_EXL3_ONLINE_CACHE_DIR=/cache/x", "vllm", "serve", "M", "--quantization-config", QC]
+    s = settings(argv, environ={"HOME": str(tmp_path / "home"), "VLLM_EXL3_ENCODER_REVISION": "dropped-by-env-i"})
+    v = {k: x.value for k, x in s.settings.items()}
+    assert v["server_path"] == "/models/M" and v["model_here"] == str(model)  # relative to -w, through the bind
+    assert (v["cache_dir"], s.cache_dir) == ("/cache/x", str(cache / "x"))
+    assert v["encoder_revision"] is None and s.encoder_source == str(root / "opt" / "enc")  # env -i dropped it
+    assert any("proot -R" in n and "the server's filesystem is the folder" in n for n in s.notes), s.notes
+
+
+def test_proot_without_a_working_directory_refuses_a_relative_model(tmp_path, model):
+    argv = ["proot", "-r", str(tmp_path), "-b", f"{model.parent}:/models", *SERVER, "vllm", "serve", "./M"]
+    with pytest.raises(ConfigError, match="relative and the server's working directory is not known"):
+        settings(argv, environ={"HOME": "/h"})
+
+
+def test_chroot_bwrap_and_unshare_roots(tmp_path, model):
+    models = tmp_path / "r" / "models"
+    shutil.copytree(model, models / "v2", copy_function=shutil.copy2)
+    os.symlink("/models/v2", models / "current")  # an absolute link: the root's /models/v2, not this machine's
+    s = settings(["chroot", "--userspec=vllm:vllm", str(tmp_path / "r"), "env", *SERVER,
+                  "VLLM_EXL3_ONLINE_CACHE_DIR=/models", "vllm", "serve", "/models/current", "--quantization-config",
+                  QC], environ={"HOME": "/h"})
+    v = {k: x.value for k, x in s.settings.items()}
+    assert (v["server_path"], v["server_path_resolved"]) == ("/models/current", "/models/v2")
+    assert v["model_here"] == str(models / "v2") and s.cache_dir == str(models)
+    # bwrap: an empty root, only its binds are this machine's; a path outside them is not here
+    argv = ["bwrap", "--ro-bind", str(model), "/m", "--bind", str(tmp_path), "/c", "--tmpfs", "/tmp",
+            "--setenv", "VLLM_EXL3_ONLINE_CACHE_DIR", "/c/x", "--unshare-pid", "--die-with-parent", "--clearenv",
+            "--setenv", "HOME", "/h", *[a for w in SERVER for a in ("--setenv", *w.split("=", 1))],
+            "vllm", "serve", "/m", "--quantization-config", QC]
+    s = settings(argv, environ={"VLLM_EXL3_ONLINE_CACHE_DIR": "/not-after-clearenv"})
+    assert s.cache_dir == str(tmp_path / "x") and s.settings["model_here"].value == str(model)
+    with pytest.raises(ConfigError, match="not on a bind mount"):
+        settings([*argv[:-4], "vllm", "serve", "/elsewhere/m", "--quantization-config", QC])
+    s = settings(["unshare", "-Urm", f"--root={tmp_path / 'r'}", "--wd=/models", "env", *SERVER,
+                  "VLLM_EXL3_ONLINE_CACHE_DIR=/models", "vllm", "serve", "./current", "--quantization-config", QC])
+    assert s.settings["server_path"].value == "/models/current"
+    assert s.settings["server_path_resolved"].value == "/models/v2"  # the link read in the root
+
+
+def test_apptainer_exec_binds_and_image_environment(tmp_path, model):
+    sandbox = tmp_path / "img"
+    (sandbox / "opt").mkdir(parents=True)
+    base = ["apptainer", "exec", "--nv", "--bind", f"{model.parent}:/data,{tmp_path}:/scratch", "--cleanenv",
+            "--env", "VLLM_EXL3_ONLINE_CACHE_DIR=/scratch/c"]
+    s = settings([*base, str(sandbox), *SERVER, "vllm", "serve", "/data/M", "--quantization-config", QC],
+                 environ={"HOME": "/home/u", "APPTAINERENV_HF_HOME": "/scratch/hf"})
+    assert s.settings["model_here"].value == str(model) and s.cache_dir == str(tmp_path / "c")
+    assert s.settings["hf_home"].value == "/scratch/hf"  # APPTAINERENV_X reaches the server as X
+    # a .sif: its files and %environment are not read here; what the server needs must be given
+    with pytest.raises(ConfigError, match="apptainer image vllm.sif is not a folder here"):
+        settings([*base, "vllm.sif", "vllm", "serve", "/data/M", "--quantization-config", QC])
+
+
+# --- followed: the environment and the user ------------------------------------------------------------------------
+
+def test_env_i_u_and_chdir(model, tmp_path):
+    env = {"HOME": "/h", **dict(w.split("=", 1) for w in SERVER), "VLLM_EXL3_ONLINE_CACHE_DIR": str(tmp_path)}
+    s = settings(["env", "-u", "VLLM_EXL3_ENCODER_REVISION", "-C", str(model.parent), "vllm", "serve", "M",
+                  "--quantization-config", QC], environ=env)
+    assert s.settings["encoder_revision"].value is None and s.settings["model_here"].value == str(model)
+    s = settings(["A=1", "env", "-i", "HOME=/h", *SERVER, f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}", *serve(model)],
+                 environ={"VLLM_EXL3_ONLINE_CACHE_MODE": "off"})
+    assert s.server_lookup and "A" not in s.environ  # env -i dropped the process's and the earlier A=1
+
+
+def test_users_homes_come_from_this_machines_passwd(model):
+    """sudo resets the environment and sets the target's HOME (sudoers' env_reset); -E keeps it; an unknown user's
+    home is unknown, refused only where the answer depends on it."""
+    env = {"HOME": "/caller", "VLLM_EXL3_ONLINE_CACHE_DIR": "/from-caller"}
+    root = pwd.getpwnam("root").pw_dir
+    s = settings(["sudo", *SERVER, *serve(model)], environ=env)
+    assert s.settings["cache_dir"].value == f"{root}/.cache/vllm/exl3_online"  # reset: the caller's dir is gone
+    assert any("resets the environment" in n for n in s.notes)
+    s = settings(["sudo", "-E", *serve(model)], environ={**env, **dict(w.split("=", 1) for w in SERVER)})
+    assert s.settings["cache_dir"].value == "/from-caller"
+    s = settings(["runuser", "-u", "root", "--", *SERVER, *serve(model)], environ=env)
+    assert s.settings["cache_dir"].value == "/from-caller"  # runuser keeps the environment, sets HOME
+    with pytest.raises(ConfigError, match=r"`sudo -u no-such-user-x3t[^`]*`: the server runs as no-such-user-x3t, "
+                                          r"whose home is not known here.*cache root is ~/.cache/vllm/exl3_online"):
+        settings(["sudo", "-u", "no-such-user-x3t", *SERVER, *serve(model)], environ=env)
+    s = settings(["sudo", "-u", "no-such-user-x3t", *SERVER, "VLLM_EXL3_ONLINE_CACHE_DIR=/c", *serve(model)])
+    assert s.cache_dir == "/c"  # its home does not matter here: followed
+    with pytest.raises(ConfigError, match="how gosu sets its HOME is not modelled"):
+        settings(["gosu", "vllm", "env", *SERVER, *serve(model)], environ={"HOME": "/caller"})
+
+
+def test_a_local_folder_is_served_as_is_when_offline(model, tmp_path):
+    """HF_HUB_OFFLINE rewrites a Hub repo id to its snapshot folder, never an existing path (get_model_path)."""
+    s = settings(["env", "HF_HUB_OFFLINE=1", *SERVER, f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path}", *serve(model)])
+    assert s.settings["model_here"].value == str(model) and "hf_hub_offline" not in s.settings
+
+
+# --- refused ----------------------------------------------------------------------------------------------------
+
+REFUSED = [w for w in WRAPPERS if not w.follow and not w.subcommands]
+
+
+@pytest.mark.parametrize("name", [w.names[0] for w in REFUSED] + ["docker", "kubectl", "apptainer"])
+def test_unmodelled_wrappers_are_refused_naming_them(model, name):
+    sub = {"docker": ["exec", "-it", "srv"], "kubectl": ["exec", "pod", "--"], "apptainer": ["run", "x.sif"]}
+    argv = [name, *sub.get(name, ["gpu-node"]), *SERVER, *serve(model)]
+    with pytest.raises(ConfigError) as err:
+        settings(argv, environ={"HOME": "/h", "VLLM_EXL3_ONLINE_CACHE_DIR": "/c"})
+    assert f"through `{name} " in str(err.value) and "exl3tool does not follow it" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_options_of_followed_wrappers_are_refused(model):
+    with pytest.raises(ConfigError, match="`proot --overlay-fs`: an option of proot exl3tool does not know"):
+        settings(["proot", "--overlay-fs", "/x", *serve(model)])
+    with pytest.raises(ConfigError, match="`env -S` is not followed"):
+        settings(["env", "-S", "A=1 B=2", *serve(model)])
+
+
+def test_the_table_and_its_page_agree():
+    """Every wrapper is in docs/launch.md's table, and every row says what public file it is modelled on."""
+    text = DOCS.read_text()
+    for row in WRAPPERS:
+        assert row.modelled_on, row.names
+        for name in row.names:
+            assert re.search(rf"`{re.escape(name)}`", text), f"docs/launch.md does not list {name}"
+    for entry in ENTRYPOINT_PASS_THROUGH:
+        assert f"`{entry}`" in text
+    assert entrypoint_passes(["/usr/bin/tini", "-s", "--", "vllm", "serve"]) == (["vllm", "serve"], entrypoint_passes(
+        ["tini", "--", "vllm"])[1])
+    assert entrypoint_passes(["/opt/start.sh", "x"]) == (["/opt/start.sh", "x"], "")
+
+
+# --- the sandbox: stand-ins, $0 and "$@" ------------------------------------------------------------------------
+
+@sandboxed
+def test_stand_ins_answer_queries_as_a_clean_host(tmp_path):
+    probe = ("podman container exists old; echo exists=$?; docker inspect -f '{{.State.Running}}' x; echo inspect=$?;"
+             " echo ps=[$(docker ps -q --filter name=x)]; podman image exists img; echo image=$?;"
+             " kubectl get pods -n ns; echo list=$?; kubectl get pod p1; echo get=$?; docker rm -f old; echo rm=$?")
+    run = run_launcher(["bash", "-c", probe], environ={"PATH": os.environ["PATH"]}, cwd=str(tmp_path))
+    said = dict(line.split("=", 1) for line in run.stdout.split() if "=" in line)
+    assert said == {"exists": "1", "inspect": "1", "ps": "[]", "image": "1", "list": "0", "get": "1", "rm": "0"}
+    assert [r.answer for r in run.records if r.answer] == ["absent", "absent", "empty", "absent", "empty", "absent"]
+
+
+@sandboxed
+def test_bash_c_gives_the_script_its_name_and_arguments():
+    words = ["bash", "-lc", 'exec vllm serve "$@" --port "$0"', "8123", "/m", "-tp", "2"]
+    start = find_server(words, {})
+    assert list(start.words) == ["vllm", "serve", "/m", "-tp", "2", "--port", "8123"]
+    start = find_server(["sh", "-c", 'exec vllm serve "$@"', "--", "/m", "--max-model-len", "8"], {})
+    assert list(start.words)[2:] == ["/m", "--max-model-len", "8"]  # `--` is $0: the words after it are "$@"
+
+
+@sandboxed
+def test_an_entrypoint_script_in_a_root_folder_is_read_there(tmp_path, model):
+    """``podman run --rootfs DIR ... /opt/start.sh``: the script is the root folder's, run in the container's view."""
+    root = tmp_path / "root"
+    (root / "opt").mkdir(parents=True)
+    (root / "opt" / "start.sh").write_text(f"#!/bin/bash\nexport VLLM_EXL3_ONLINE_CACHE_DIR=/c\n"
+                                          f"exec vllm serve /models/M --quantization-config '{QC}' \"$@\"\n")
+    argv = ["podman", "run", "-v", f"{model.parent}:/models", "-v", f"{tmp_path}:/c",
+            *[a for w in SERVER for a in ("-e", w)], "--rootfs", str(root), "/opt/start.sh", "-tp", "2"]
+    s = settings(argv, environ={"HOME": "/h"})
+    assert (s.tp_size, s.cache_dir, s.settings["model_here"].value) == (2, str(tmp_path), str(model))
+
+
+def test_pid_of_a_server_under_proot_reads_proots_view(tmp_path, model):
+    """proot traces its guest: /proc/PID/root of the server reads this machine's "/", so the guest's paths are read
+    through its parent's proot command line (its root and binds), not here."""
+    proc = tmp_path / "proc"
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    procs = {4300: (1, ["/var/tmp/proot", "-R", str(tmp_path / "rootfs"), "-b", f"{model.parent}:/models",
+                        "-b", f"{cache}:/cache", "/usr/bin/env", "-i", "vllm", "serve", "/models/M"]),
+             4301: (4300, ["/usr/bin/python3", "/opt/venv/bin/vllm", "serve", "/models/M", "--quantization-config",
+                           QC])}
+    for pid, (parent, argv) in procs.items():
+        d = proc / str(pid)
+        (d / "ns").mkdir(parents=True)
+        (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+        (d / "stat").write_text(f"{pid} (x) S {parent} 1 1 0")
+        os.symlink("/", d / "root")
+        os.symlink("mnt:[4026531840]", d / "ns" / "mnt")
+    env = {**dict(w.split("=", 1) for w in SERVER), "VLLM_EXL3_ONLINE_CACHE_DIR": "/cache/x", "HOME": "/root"}
+    (proc / "4301" / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+    (proc / "self" / "ns").mkdir(parents=True)
+    os.symlink("mnt:[4026531840]", proc / "self" / "ns" / "mnt")
+    launch, layers = load_launch(pid=4301, environ={}, proc=str(proc))
+    s = resolve_launch(launch, layers, Explicit())
+    assert s.cache_dir == str(cache / "x") and s.settings["model_here"].value == str(model)
+    assert any("runs under proot (process 4300" in n for n in s.notes)
+
+
+@sandboxed
+def test_a_script_run_by_proot_runs_in_proots_binds(tmp_path, model):
+    """``proot -R ROOT -b HOST:GUEST bash -lc SCRIPT``: the script sees the guest's paths (its binds), and what it
+    exports and starts is read in the guest's view."""
+    (tmp_path / "rootfs").mkdir()
+    script = (f'test -f /models/M/config.json || exit 9; export VLLM_EXL3_ONLINE_CACHE_DIR=/cache/x 2>/dev/null; '
+              f'exec vllm serve /models/M --quantization-config \'{QC}\' "$@"')
+    argv = ["proot", "-R", str(tmp_path / "rootfs"), "-b", f"{model.parent}:/models", "-b", f"{tmp_path}:/cache",
+            "/bin/bash", "-lc", script, "--", "-tp", "2"]
+    s = settings(argv, environ={"HOME": "/h", **dict(w.split("=", 1) for w in SERVER)})
+    assert (s.tp_size, s.cache_dir, s.settings["model_here"].value) == (2, str(tmp_path / "x"), str(model))
+
+
+@sandboxed
+def test_compose_entrypoint_and_command_lists_reach_the_script(tmp_path, model):
+    """compose ``entrypoint: [bash, -lc, 'exec vllm serve "$@"', --]`` with ``command: [MODEL, -tp, 2]``."""
+    compose = tmp_path / "docker-compose.yml"
+    compose.write_text(
+        "services:\n  vllm:\n    image: example/vllm:1\n"
+        "    entrypoint: [\"bash\", \"-lc\", \"exec vllm serve \\\"$$@\\\"\", \"--\"]\n"
+        f"    command: [\"/models/M\", \"-tp\", \"2\", \"--quantization-config\", {QC!r}]\n"
+        f"    environment: [{', '.join(SERVER)}, VLLM_EXL3_ONLINE_CACHE_DIR=/c]\n"
+        f"    volumes: [\"{model.parent}:/models\", \"{tmp_path}:/c\"]\n")
+    launch, layers = load_launch(compose=str(compose), environ={})
+    s = resolve_launch(launch, layers, Explicit())
+    assert (s.tp_size, s.cache_dir, s.settings["model_here"].value) == (2, str(tmp_path), str(model))
