@@ -265,17 +265,23 @@ def container_launch(run: ContainerRun, form: str, environ: Mapping[str, str],
     env_values = {k: v.value for k, v in base_env.items()}
     view = ScriptView(_mounts(run.paths), tuple(launcher_dirs), run.workdir)
     inner = _find(words, env_values, run.paths, view, _text_reader(run.paths, run.workdir))
-    if inner is None and words[:1] == ["serve"]:
+    if inner is None and words[:1] == ["serve"] and not from_image:
         inner = ServerStart("vllm", 1, "vllm serve (the image's entrypoint: vllm)")
     if inner is None and given:
         raise ConfigError(f"the launch's {given} does not start a vllm server; " + _NOT_FOUND)
-    if inner is None and entry:
+    if inner is None and from_image:
+        # the image's own entrypoint runs: its script, or (after a pass-through such as NVIDIA's) the first word,
+        # which is then a command of the image (`serve` alone is not vllm's), never guessed to be `vllm serve`
         where = image.how() if image is not None else "the image"
+        runs = (f"{words[0]} is inside the image, not on a volume of the launch or beside it" if words else
+                "it is given no command")
+        if entry != list(from_image) and words:
+            runs = f"it runs its arguments, so {words[0]!r} is a command of the image that exl3tool cannot read"
         raise ConfigError(
             f"the image {run.image}'s entrypoint {shlex.join(from_image)} (from {where}) starts no vllm server "
-            f"exl3tool can see: {entry[0]} is inside the image, not on a volume of the launch or beside it; copy it "
-            f"out (docker cp) beside the launch or into its launchers/ folder to have it read, or give the server's "
-            "command with --entrypoint (`--entrypoint vllm IMAGE serve MODEL ...`), or its DRY_RUN output")
+            f"exl3tool can see: {runs}; copy it out (docker cp) beside the launch or into its launchers/ folder to "
+            f"have it read, or give the server's command with --entrypoint (`--entrypoint vllm IMAGE serve MODEL "
+            "...`) or after the image (`IMAGE vllm serve MODEL ...`), or its DRY_RUN output")
     if inner is None:
         words = ["vllm", "serve", *words]
         inner = ServerStart("vllm", 2, "vllm serve (taken as the image's entrypoint)")

@@ -11,6 +11,7 @@ computes the encoder identity the image's settings give.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -76,9 +77,9 @@ def _plan(cli, *args) -> tuple[int, dict, str]:
     return code, doc, err
 
 
-def _launch(name: str, model: Path, cache: Path, extra: str = "") -> str:
+def _launch(name: str, model: Path, cache: Path, extra: str = "", serve: str = "serve") -> str:
     return (f"docker run --gpus all -v {model}:/models/M -v {cache}/c:/cache -v {cache}/v:/var/cache {extra} "
-            f"-e VLLM_EXL3_ONLINE_TRELLIS_BITS=5 {_tag(name)} serve /models/M -tp 2 --quantization-config '{QC}'")
+            f"-e VLLM_EXL3_ONLINE_TRELLIS_BITS=5 {_tag(name)} {serve} /models/M -tp 2 --quantization-config '{QC}'")
 
 
 def _reference(cli, model: Path, root: str, revision: str | None, cache_here: Path, source: Path | None = None) -> dict:
@@ -106,17 +107,24 @@ def test_each_image_as_the_server_derives_it(tmp_path, cli, model, export, name)
     want = EXPECTED[name]
     cache = tmp_path / "cache"
     extra = ""
-    if want["encoder_root"] is None:  # the July image sets no encoder: its launchers pass it, so must this launch
+    if want["entrypoint"] == ["/opt/nvidia/nvidia_entrypoint.sh"]:
+        # NVIDIA's entrypoint runs its arguments: `IMAGE serve ...` runs a command `serve` of the image, not vllm's
         code, _, err = _plan(cli, "--image-inspect", str(DATA / name), "--launch", _launch(name, model, cache))
+        assert code == 2 and "nvidia_entrypoint.sh" in err and "'serve' is a command of the image" in err, err
+        launch_of = functools.partial(_launch, serve="vllm serve")
+    else:
+        launch_of = _launch
+    if want["encoder_root"] is None:  # the July image sets no encoder: its launchers pass it, so must this launch
+        code, _, err = _plan(cli, "--image-inspect", str(DATA / name), "--launch", launch_of(name, model, cache))
         assert code == 2 and "VLLM_EXL3_ENCODER_SOURCE" in err, err
         extra = f"-e VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3-python/exllamav3 -e VLLM_EXL3_ENCODER_REVISION={FORK_REV}"
         want = {**want, "encoder_root": "/opt/exllamav3-python/exllamav3", "encoder_revision": FORK_REV}
     if want["entrypoint"] not in (["vllm"], ["/opt/nvidia/nvidia_entrypoint.sh"]):
         # the image's entrypoint is a script inside it: named, never taken for `vllm serve`; the launch names vllm
-        code, _, err = _plan(cli, "--image-inspect", str(DATA / name), "--launch", _launch(name, model, cache, extra))
+        code, _, err = _plan(cli, "--image-inspect", str(DATA / name), "--launch", launch_of(name, model, cache, extra))
         assert code == 2 and f"entrypoint {' '.join(want['entrypoint'])}" in err and "--entrypoint" in err, err
         extra += " --entrypoint vllm"
-    args = ["--image-inspect", str(DATA / name), "--launch", _launch(name, model, cache, extra)]
+    args = ["--image-inspect", str(DATA / name), "--launch", launch_of(name, model, cache, extra)]
     if want["encoder_revision"] is None:  # files mode: the server hashes the image's files; give their copy
         args += ["--encoder-source", str(export)]
     code, got, err = _plan(cli, *args)
@@ -144,7 +152,7 @@ def test_the_runtime_on_path_inspects_the_image(tmp_path, cli, model, monkeypatc
     name = "gg-like-r34.inspect.json"
     monkeypatch.setenv("PATH", f"{_fake_runtime(tmp_path, tool)}{os.pathsep}/usr/bin{os.pathsep}/bin")
     cache = tmp_path / "cache"
-    launch = _launch(name, model, cache).replace("docker run", f"{tool} run", 1)
+    launch = _launch(name, model, cache, serve="vllm serve").replace("docker run", f"{tool} run", 1)
     code, got, err = _plan(cli, "--launch", launch)
     assert code == 0, err
     assert got["launch"]["image"]["source"] == f"{tool} image inspect"
@@ -196,7 +204,7 @@ def test_one_image_only(tmp_path, cli, model):
     cache = tmp_path / "cache"
     name = "gg-like-r34.inspect.json"
     code, _, err = _plan(cli, "--image", "other/image:1", "--image-inspect", str(DATA / name), "--launch",
-                         _launch(name, model, cache))
+                         _launch(name, model, cache, serve="vllm serve"))
     assert code == 2 and "give one image" in err
 
 
