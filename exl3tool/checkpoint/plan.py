@@ -217,6 +217,22 @@ class LayerPlan:
             if why:
                 raise ConfigError(f"{why}; vLLM cannot shard this model at tensor-parallel size {tp_size}")
 
+    def shard_problem(self, tp_size: int) -> Optional[str]:
+        """Why vLLM cannot split this model at ``tp_size`` (``check_tp``'s refusal, or a planned layer whose heads,
+        KV heads or parts do not divide by it), or None when it can."""
+        try:
+            self.check_tp(tp_size)
+            for layer in self.layers:
+                rank_sizes(layer, tp_size)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    def shardable_tp_sizes(self, up_to: int = 8) -> tuple[int, ...]:
+        """The TP sizes from 1 to ``up_to`` vLLM can split this model into (``shard_problem`` says why not the
+        others): the sizes a server of it can start at."""
+        return tuple(tp for tp in range(1, up_to + 1) if self.shard_problem(tp) is None)
+
     def for_tp(self, tp_size: int, *, include_skipped: bool = False) -> list[RankJob]:
         """One job per layer and rank ``0..W-1``; ranks the server never caches (6.3) only if asked."""
         self.check_tp(tp_size)

@@ -1,8 +1,8 @@
 """`exl3tool hydrate`: a new checkpoint in which every layer the server would encode online is stored as EXL3.
 
 ``plan_hydrate`` decides what to store from ``cache warm``'s own plan at TP 1 (``plan.request.prepare``, one rule,
-one place), then checks each layer against the fork's loader at every TP size asked for
-(``checkpoint.hydrated.hydration_problem``). ``hydrate`` runs it: each source module is encoded once
+one place), then checks each layer against the fork's loader at every TP size OUT must start at (by default every
+size up to 8 vLLM can split the model into; ``checkpoint.hydrated.storage_problem`` / ``slicing_problem``). ``hydrate`` runs it: each source module is encoded once
 (``encode_linear``, the bytes ``cache warm`` writes for an unfused layer at TP 1), kept under a temporary folder
 beside OUT so a killed run resumes, then the changed shards are written (kept tensors copied byte for byte), the
 others hard-linked (else copied), the index and ``tensor_storage`` rewritten, and the folder renamed to OUT.
@@ -23,9 +23,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from exl3tool.checkpoint.hydrate_record import HYDRATED_BY, hydrate_note
 from exl3tool.checkpoint.hydrated import (
-    DTYPE_CODES, EXL3_SUFFIXES, SourceModule, exl3_tensors_of, hydration_problem, read_header, source_modules, storage_record,
-    tensor_nbytes, write_shard,
+    DTYPE_CODES, EXL3_SUFFIXES, SourceModule, exl3_tensors_of, read_header, slicing_problem, source_modules,
+    storage_problem, storage_record, tensor_nbytes, tp_problems, write_shard,
 )
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.text import plural
@@ -37,7 +38,7 @@ TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name
 _WORK = ".hydrate"  # inside the temporary folder: per-layer results and the job's settings
 _INDEX = "model.safetensors.index.json"
 _QUANT = "quantization_config.json"
-HYDRATED_BY = "exl3tool_hydrate"  # a note beside tensor_storage (the fork reads neither it nor other extra keys)
+MAX_TP = 8  # the default TP sizes: every size up to this one that vLLM can split the model into
 
 EncodeFn = Callable[..., Any]  # (weight [K, N] float32, bits, seed, device) -> EncodedLinear
 LayerFn = Callable[[int, int, str, float, bool], None]  # (done, total, module, seconds, reused)
@@ -97,19 +98,35 @@ class HydratePlan:
     storage_file: str  # where tensor_storage lives: quantization_config.json or config.json (inline)
     already_stored: str = ""  # non-empty: nothing to do, every online layer is stored already (why)
     checkpoint: Any = field(default=None, compare=False, repr=False)
+    tp_default: bool = False  # tp_sizes are the default (every size up to MAX_TP vLLM can split the model into)
+    left_tp: dict[str, tuple[int, ...]] = field(default_factory=dict)  # left_bf16 prefix -> the TP sizes it fails at
+    fails_at: dict[int, str] = field(default_factory=dict)  # other TP sizes <= MAX_TP where OUT fails: "layer: why"
 
     @property
     def modules(self) -> list[HydrateModule]:
         return [m for layer in self.layers for m in layer.modules]
 
+    def note(self) -> dict[str, Any]:
+        """The ``exl3tool_hydrate`` record written into OUT beside ``tensor_storage`` (``checkpoint.hydrate_record``):
+        the TP sizes checked, those up to ``MAX_TP`` where a stored layer cannot be sliced, what is stored."""
+        mods = sorted(self.modules, key=lambda m: m.module)
+        return hydrate_note(bits=self.bits, tp_sizes=self.tp_sizes, modules={m.module: m.source.weight for m in mods},
+                            bits_by_module={}, left_bf16=[p for p, _ in self.left_bf16],
+                            left_tp=self.left_tp, fails_at=self.fails_at, checked_up_to=MAX_TP)
+
+    def _left_json(self) -> list[dict[str, Any]]:
+        return [{"prefix": p, "why": w, "tp_sizes": list(self.left_tp.get(p, ()))} for p, w in self.left_bf16]
+
     def as_json(self) -> dict[str, Any]:
         """The `hydrate --dry-run --json` document (docs/hydrate.md)."""
         mods = self.modules
         return {"source": str(self.source), "out": str(self.out), "model": self.model, "bits": self.bits,
-                "tp_sizes": list(self.tp_sizes), "dtype": self.dtype, "already_stored": self.already_stored or None,
+                "tp_sizes": list(self.tp_sizes), "tp_default": self.tp_default,
+                "fails_at": {str(tp): why for tp, why in sorted(self.fails_at.items())}, "dtype": self.dtype,
+                "already_stored": self.already_stored or None,
                 "layers": [layer.as_json() for layer in self.layers], "modules": len(mods),
                 "tiles": sum((m.source.in_features // 16) * (m.source.out_features // 16) for m in mods),
-                "left_bf16": [{"prefix": p, "why": w} for p, w in self.left_bf16],
+                "left_bf16": self._left_json(),
                 "not_planned": [{"prefix": p, "reason": r, "why": w} for p, r, w in self.not_planned],
                 "changed_shards": list(self.changed_shards), "unchanged_files": len(self.unchanged_files),
                 "storage_file": self.storage_file,
@@ -136,8 +153,9 @@ class HydrateReport:
         p = self.plan
         return {"source": str(p.source), "out": str(p.out), "noop": self.noop,
                 "already_stored": p.already_stored or None, "bits": p.bits, "tp_sizes": list(p.tp_sizes),
+                "tp_default": p.tp_default, "fails_at": {str(tp): why for tp, why in sorted(p.fails_at.items())},
                 "layers": len(p.layers), "modules_stored": len(p.modules), "encoded": self.encoded,
-                "reused": self.reused, "left_bf16": [{"prefix": a, "why": b} for a, b in p.left_bf16],
+                "reused": self.reused, "left_bf16": p._left_json(),
                 "shards_written": len(p.changed_shards), "files_linked": self.linked, "files_copied": self.copied,
                 "bytes": {"before": p.bytes_before, "after": self.bytes_after}, "seconds": self.seconds}
 
@@ -250,22 +268,26 @@ def _layer_seed(layer, source: SourceModule) -> int:
     return layer_seed(f"{base}.{source.module.rsplit('.', 1)[-1]}")
 
 
-def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
+def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True,
                  environ: Optional[dict] = None) -> HydratePlan:
     """The hydrate plan of ``request.model`` into ``out``: ``cache warm``'s layer plan at TP 1, each layer checked
-    for the fork's loader at ``request.tp_sizes``; headers only.
+    for the fork's loader at every TP size OUT must start at; headers only.
 
+    The TP sizes are ``request.tp_sizes``, or, when empty, every size up to ``MAX_TP`` vLLM can split the model
+    into (``LayerPlan.shardable_tp_sizes``): OUT starts wherever SOURCE starts. A layer a server at one of them
+    could not slice stays BF16, as in SOURCE, and is listed with those sizes (``left_bf16``, ``left_tp``); the
+    other sizes up to ``MAX_TP`` where a stored layer could not be sliced are recorded in OUT (``fails_at``).
     Refuses (ConfigError / InputError, one line): OUT inside SOURCE or existing, a checkpoint the server does not
     encode online (a BF16 model, a plan with no layer), kinds whose stored layers the fork reads another way
-    (rank-sliced routed experts, the GLM-5.3 routed-only scope), and layers a server at one of the TP sizes could
-    not slice (unless ``leave_unaligned``: they stay BF16 and the plan lists them).
-    Example: ``hydrate(plan_hydrate(ServerRequest(model="./m", tp_sizes=(1, 2)), "./m-k6"))``.
+    (rank-sliced routed experts, the GLM-5.3 routed-only scope), a TP size vLLM cannot split the model into, and a
+    plan where every layer is left BF16.
+    Example: ``hydrate(plan_hydrate(ServerRequest(model="./m", tp_sizes=()), "./m-k6"))``.
 
     Args:
         request: the server's settings (``ServerRequest``): SOURCE as ``model``, bits, overlay, dtype, the TP sizes
-            OUT must serve, ``layers`` / ``exclude``.
+            OUT must serve (empty: every one), ``layers`` / ``exclude``.
         out: the new checkpoint folder.
-        leave_unaligned: keep BF16 (and list) the layers a server at one of the TP sizes could not slice.
+        leave_unaligned: kept for callers of earlier versions; layers that cannot be sliced are always left BF16.
         environ: the environment the plan's defaults are read from (None: ``os.environ``).
 
     Returns:
@@ -321,13 +343,18 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     if not layer_plan.server_lookup:
         raise ConfigError(f"{source}: the server would not encode any layer of this checkpoint online "
                           f"({'; '.join(layer_plan.notes[:1])}); there is nothing to hydrate")
-    tp_sizes = tuple(sorted(set(request.tp_sizes or (1,))))
-    for tp in tp_sizes:
-        layer_plan.check_tp(tp)  # vLLM cannot shard the model at all there: say so before anything else
+    whole = layer_plan if not (layers or exclude) else plan_layers(  # the server builds every layer
+        checkpoint, overlay=overlay, language_model_only=request.language_model_only)
+    shardable = whole.shardable_tp_sizes(MAX_TP)
+    tp_sizes = tuple(sorted(set(request.tp_sizes))) or shardable
+    for tp in tp_sizes:  # vLLM cannot shard the model at all there: say so before anything else
+        why = whole.shard_problem(tp)
+        if why:
+            raise ConfigError(why)
     dtype = serving_torch_dtype(request.dtype) or checkpoint.dtype
     base = dict(source=source, out=out_path, model=str(source), bits=request.bits, tp_sizes=tp_sizes,
                 dtype=str(dtype).removeprefix("torch."), checkpoint=checkpoint,
-                storage_file=_storage_location(checkpoint))
+                storage_file=_storage_location(checkpoint), tp_default=not request.tp_sizes)
     files = _files(source)
     total = sum((source / f).stat().st_size for f in files)
     not_planned = tuple((e.prefix, e.reason, e.detail) for e in layer_plan.excluded)
@@ -340,7 +367,9 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     _, warm_plan, _ = prepare(replace(request, model=str(source), tp_sizes=(1,), tp_ranks=None, mode="off"),
                               environ=environ)
     hydrated: list[HydrateLayer] = []
+    stored_layers: list[tuple[Any, list[SourceModule]]] = []
     left: list[tuple[str, str]] = []
+    left_tp: dict[str, tuple[int, ...]] = {}
     family = layer_plan.family
     packed = family.packed(layer_plan.text) if family is not None and layer_plan.text is not None else {}
     mapper = family.storage_mapper if family is not None else ()
@@ -351,10 +380,13 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
         layer = job.rank_job.layer
         rows = {name: checkpoint.info(name).shape[0] for name in layer.sources}
         sources = source_modules(layer, rows)
-        problem = hydration_problem(layer, sources, tp_sizes)
-        if problem:
-            left.append((layer.prefix, problem))
+        problem = storage_problem(layer, sources)
+        at = tp_problems(layer, sources, tp_sizes) if problem is None else {}
+        if problem or at:  # kept BF16, as in SOURCE: a server at any TP size loads it as it loads SOURCE's
+            left.append((layer.prefix, problem or at[min(at)]))
+            left_tp[layer.prefix] = tuple(sorted(at))
             continue
+        stored_layers.append((layer, sources))
         mods = []
         for i, s in enumerate(sources):
             info = checkpoint.info(s.weight)
@@ -365,19 +397,26 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
             mods.append(HydrateModule(s, _layer_seed(layer, s), info.file.name,
                                       tensor_nbytes(info.shape, info.dtype_code), exl3, key, stored_as))
         hydrated.append(HydrateLayer(layer.prefix, layer.parallel, tuple(mods)))
-    if left and not leave_unaligned:
-        first, why = left[0]
-        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-        raise ConfigError(f"{first} cannot be stored as EXL3 for TP {','.join(map(str, tp_sizes))}: {why}{more}; "
-                          "pass --leave-unaligned to keep such layers BF16 (the server encodes or keeps them as "
-                          "today), or drop that TP size from --tp-size")
+    base.update(left_tp=left_tp)
     if not hydrated and left and _hydrated_by_us(checkpoint, base["storage_file"]):
         return HydratePlan(**base, layers=(), left_bf16=tuple(left), not_planned=not_planned, changed_shards=(),
                            unchanged_files=tuple(files), bytes_before=total, bytes_after=total,
                            already_stored=f"every storable layer is stored; {plural(len(left), 'layer')} left BF16")
     if not hydrated:
-        raise ConfigError(f"{source}: nothing to hydrate: every layer a TP 1 server encodes online is left BF16 "
-                          f"({left[0][0]}: {left[0][1]})" if left else f"{source}: nothing to hydrate")
+        sizes = ",".join(map(str, tp_sizes))
+        narrow = "; narrow --tp-size to the sizes you serve" if any(left_tp.values()) else ""
+        raise ConfigError(f"{source}: nothing to hydrate for TP {sizes}: every layer a TP 1 server encodes online "
+                          f"stays BF16 ({left[0][0]}: {left[0][1]}){narrow}" if left else
+                          f"{source}: nothing to hydrate")
+    fails_at: dict[int, str] = {}
+    for tp in shardable:  # the sizes not asked for: recorded in OUT, so `cache check` there names the layer
+        if tp in tp_sizes:
+            continue
+        why = next((f"{layer.prefix}: {w}" for layer, srcs in stored_layers
+                    if (w := slicing_problem(layer, srcs, tp))), None)
+        if why:
+            fails_at[tp] = why
+    base.update(fails_at=fails_at)
     changed = sorted({m.shard for layer in hydrated for m in layer.modules})
     meta_files = {_INDEX, base["storage_file"]}
     unchanged = tuple(f for f in files if f not in changed and f not in meta_files)
@@ -575,9 +614,7 @@ def _assemble(plan: HydratePlan, temp: Path, results: dict[str, dict[str, torch.
         index.setdefault("metadata", {})["total_size"] = total
         _write_json(temp / _INDEX, index, 2)
     records = {m.record_key or m.module: storage_record(m.module, shapes[m.module], plan.bits) for m in plan.modules}
-    note = {"bits": plan.bits, "tp_sizes": list(plan.tp_sizes),
-            "modules": {m.module: m.source.weight for m in sorted(plan.modules, key=lambda m: m.module)},
-            "left_bf16": [p for p, _ in plan.left_bf16]}
+    note = plan.note()
     if plan.storage_file == "config.json":
         cfg = json.loads((plan.source / "config.json").read_text())
         cfg["quantization_config"]["tensor_storage"].update(records)
