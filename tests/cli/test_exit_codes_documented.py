@@ -453,7 +453,9 @@ def scenario_exact(m, tmp, monkeypatch):
 
 
 def scenario_hydrate(m, tmp, monkeypatch):
-    assert run(["hydrate", m["good"], tmp / "out", "--dry-run"]) == 0
+    tp1 = ["--tp-size", "1"]  # the tiny Llama: no layer slices in 128-blocks at TP 4, one of the default sizes
+    assert run(["hydrate", m["good"], tmp / "out", "--dry-run", *tp1]) == 0
+    assert run(["hydrate", m["good"], tmp / "out", "--dry-run"]) == 2  # nothing to hydrate for TP 1,2,4
     assert run(["hydrate", m["good"], m["good"] / "out", "--dry-run"]) == 2  # OUT inside SOURCE
     assert run(["hydrate", m["plain"], tmp / "out"]) == 2  # a BF16 model: nothing the server encodes online
     import exl3tool.operations.hydrate as hy
@@ -462,16 +464,16 @@ def scenario_hydrate(m, tmp, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(hy, "hydrate", interrupted)
-    assert run(["hydrate", m["good"], tmp / "out"]) == 130
+    assert run(["hydrate", m["good"], tmp / "out", *tp1]) == 130
     monkeypatch.undo()
     real_plan = hy.plan_hydrate  # a checkpoint whose online layers are stored already: nothing to do, exit 0
     monkeypatch.setattr(hy, "plan_hydrate", lambda *a, **k: replace(real_plan(*a, **k), already_stored="stored"))
-    assert run(["hydrate", m["good"], tmp / "out"]) == 0 and not (tmp / "out").exists()
+    assert run(["hydrate", m["good"], tmp / "out", *tp1]) == 0 and not (tmp / "out").exists()
     monkeypatch.undo()
     from filelock import FileLock
 
     with FileLock(str(hy.lock_file(tmp / "out"))):  # another hydrate into the same OUT is running
-        assert run(["hydrate", m["good"], tmp / "out"]) == 2 and not (tmp / "out").exists()
+        assert run(["hydrate", m["good"], tmp / "out", *tp1]) == 2 and not (tmp / "out").exists()
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}

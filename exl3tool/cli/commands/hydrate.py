@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from dataclasses import replace
+from typing import Annotated, Optional
 
 import typer
 
@@ -11,7 +12,7 @@ from exl3tool.cli.commands.launching import ComposeOpt, LaunchFileOpt, ServiceOp
 from exl3tool.cli.commands.launching import EnvFileOpt, LaunchCommand, LaunchOpt, PidOpt, apply_options, launch_json
 from exl3tool.cli.commands.options import (
     BitsOpt, DeviceOpt, DtypeOpt, ExcludeOpt, JsonOpt, LayersOpt, QuantizationConfigOpt, QuietOpt, SharedOpt,
-    TpSizesOpt, request_from_options,
+    parse_positive_ints, request_from_options,
 )
 from exl3tool.cli.output import Output, plural
 
@@ -19,6 +20,10 @@ __all__ = ["register", "hydrate_command"]
 
 SourceArg = Annotated[str, typer.Argument(metavar="SOURCE", help="The EXL3 checkpoint folder (read only, never written).")]
 OutArg = Annotated[str, typer.Argument(metavar="OUT", help="The new checkpoint folder (must not exist; not inside SOURCE).")]
+HydrateTpOpt = Annotated[Optional[str], typer.Option(
+    "--tp-size", "-tp", "--tp-sizes", metavar="N[,N...]",
+    help="The TP sizes OUT must start at; a layer one of them cannot slice stays BF16 and is listed. Default: the "
+         "launch's, else every size up to 8 vLLM can split the model into.")]
 
 
 def _mib(n: int) -> str:
@@ -29,7 +34,7 @@ def hydrate_command(
     ctx: typer.Context,
     model: SourceArg,
     out_dir: OutArg,
-    tp_sizes: TpSizesOpt = "1",
+    tp_sizes: HydrateTpOpt = None,
     bits: BitsOpt = None,
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
@@ -38,8 +43,7 @@ def hydrate_command(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     leave_unaligned: Annotated[bool, typer.Option(
-        "--leave-unaligned", help="Keep BF16 the layers a server at one of --tp-size could not slice in 128-blocks "
-        "(default: refuse, naming the first).")] = False,
+        "--leave-unaligned", hidden=True, help="No effect: such layers are always kept BF16 and listed.")] = False,
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
@@ -52,9 +56,12 @@ def hydrate_command(
 ) -> None:
     """Write OUT: SOURCE with every layer the server would encode online stored as EXL3 (no cache needed).
 
-    The layers are `cache warm`'s plan at TP 1 (bits, overlay and dtype as the server's; a launch gives them), each
-    checked for the fork's loader at every --tp-size size. Changed shards are rewritten (kept tensors byte for
-    byte), the rest hard-linked or copied, the index and tensor_storage rewritten; OUT appears only when complete.
+    The layers are `cache warm`'s plan at TP 1 (bits, overlay and dtype as the server's; a launch gives them). OUT
+    must start at every TP size SOURCE starts at: by default each size up to 8 vLLM can split the model into (with
+    a launch: its TP size); a layer one of them could not slice stays BF16, as in SOURCE, and is listed with the
+    size. The sizes checked are recorded in OUT, where `identity` and `cache check` read them. Changed shards are
+    rewritten (kept tensors byte for byte), the rest hard-linked or copied, the index and tensor_storage
+    rewritten; OUT appears only when complete.
     A killed run resumes from the temporary folder beside OUT. A checkpoint already hydrated is a no-op. Under
     `torchrun --nproc-per-node N -m exl3tool hydrate ...` each process encodes a share on its GPU.
 
@@ -66,13 +73,19 @@ def hydrate_command(
     from exl3tool.operations.hydrate import hydrate, plan_hydrate
 
     out = Output(json=json_out, quiet=quiet)
-    request, given = request_from_options(ctx)
+    request, given = request_from_options(ctx, skip=("tp_sizes",))
+    if tp_sizes is not None:  # narrows the default on purpose; with a launch, adds to its TP size
+        request, given = replace(request, tp_sizes=parse_positive_ints(tp_sizes, "--tp-size")), {*given, "tp_sizes"}
+    else:
+        request = replace(request, tp_sizes=())  # every size vLLM can split the model into (a launch: its own)
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
                                                need_cache=False)
     extra = launch_json(settings)
-    plan = plan_hydrate(request, out_dir, leave_unaligned=leave_unaligned, environ=environ)
+    plan = plan_hydrate(request, out_dir, environ=environ)
     for prefix, why in plan.left_bf16:
-        out.warn(f"left BF16: {prefix}: {why}")
+        out.warn(f"left BF16 (as in SOURCE): {prefix}: {why}")
+    for tp, why in sorted(plan.fails_at.items()):
+        out.note(f"not for TP {tp} (not asked for): {why}")
     if plan.already_stored:
         out.line(f"nothing to do: {plan.source} is hydrated already ({plan.already_stored}); nothing written")
         report = None if dry_run else hydrate(plan)
@@ -85,9 +98,14 @@ def hydrate_command(
                 s = m.source
                 out.line(f"{m.module}  [{s.in_features} x {s.out_features}]  {_mib(m.weight_bytes)} -> "
                          f"{_mib(m.exl3_bytes)}  ({layer.prefix}, {layer.parallel})")
+    sizes = ",".join(map(str, plan.tp_sizes)) + (" (every size vLLM can split it into)" if plan.tp_default else "")
     head = (f"{plural(len(mods), 'module')} of {plural(len(plan.layers), 'layer')} to store as EXL3 K{plan.bits} "
-            f"(TP {','.join(map(str, plan.tp_sizes))}); {plural(len(plan.changed_shards), 'shard')} rewritten, "
+            f"for TP {sizes}; {plural(len(plan.changed_shards), 'shard')} rewritten, "
             f"{plural(len(plan.unchanged_files), 'file')} linked; {_mib(plan.bytes_before)} -> {_mib(plan.bytes_after)}")
+    narrowed = sorted({tp for at in plan.left_tp.values() for tp in at})
+    if narrowed:
+        head += (f"; {plural(sum(1 for at in plan.left_tp.values() if at), 'layer')} left BF16 because TP "
+                 f"{','.join(map(str, narrowed))} cannot slice them (a --tp-size without that size stores them)")
     if dry_run:
         out.line(head + " (dry run: nothing written)")
         out.data({**plan.as_json(), **extra})
@@ -111,7 +129,7 @@ def hydrate_command(
         return
     out.line(f"wrote {plan.out}: {plural(len(mods), 'module')} stored as EXL3 K{plan.bits} ({report.encoded} encoded, "
              f"{report.reused} kept from an interrupted run), {_mib(plan.bytes_before)} -> {_mib(report.bytes_after)}, "
-             f"{report.seconds:.1f} s")
+             f"{report.seconds:.1f} s; hydrated for TP {','.join(map(str, plan.tp_sizes))}")
     out.data({**report.as_json(), **extra})
 
 
