@@ -43,7 +43,8 @@ def hydrate_command(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     leave_unaligned: Annotated[bool, typer.Option(
-        "--leave-unaligned", hidden=True, help="No effect: such layers are always kept BF16 and listed.")] = False,
+        "--leave-unaligned", help="No effect, kept for earlier scripts: a layer a TP size cannot slice is always "
+        "kept BF16 and listed.")] = False,
     launch: LaunchOpt = None,
     pid: PidOpt = None,
     env_file: EnvFileOpt = [],
