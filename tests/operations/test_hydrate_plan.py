@@ -157,3 +157,27 @@ def test_dry_run_json_and_lines_say_the_sizes(tmp_path, capsys):
     assert code == 0, err
     assert "for TP 1,2;" in stdout and "not for TP 4 (not asked for): model.layers.0.self_attn.o_proj" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_cache_check_says_which_launch_variables_a_stored_checkpoint_no_longer_needs(outs, tmp_path, capsys):
+    """Every online layer stored (OUT hydrated for TP 1, served at TP 1): a launch that still sets
+    VLLM_EXL3_ONLINE_TRELLIS_BITS gets a note naming the variables to drop (exit 0: it starts); the launch without
+    them is 0 look-ups and exit 0 too, never 'a warm cache changes nothing' (exit 1)."""
+    family, _, _, _, out1, _ = outs
+    from exl3tool.checkpoint import DEFAULT_OVERLAY_JSON
+
+    quant = f" --quantization-config '{TINY_FAMILIES[family].overlay or DEFAULT_OVERLAY_JSON}'"
+    env = (f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE={ENC['encoder_root']} "
+           f"VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path / 'cache'} ")
+    code, stdout, err = run(["cache", "check", "--launch", f"{env}vllm serve {out1} -tp 1{quant}", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["lookups"] == 0 and doc["ok"] and doc["stored_only"].startswith("every online layer is stored")
+    [note] = [n for n in doc["notes"] if n["field"] == "launch"]
+    assert "requires VLLM_EXL3_ENCODER_SOURCE" in note["text"]
+    assert note["fix"].startswith("drop VLLM_EXL3_ONLINE_TRELLIS_BITS, VLLM_EXL3_ENCODER_SOURCE, "
+                                  "VLLM_EXL3_ONLINE_CACHE_DIR from the launch; keep --quantization-config")
+    code, stdout, err = run(["cache", "check", "--launch", f"vllm serve {out1} -tp 1{quant}"], capsys)
+    assert code == 0, err
+    assert "0 look-ups: every online layer is stored" in stdout and "which is right for this checkpoint" in err
+    assert "note (launch)" not in err
