@@ -64,12 +64,16 @@ def tensor_nbytes(shape: Iterable[int], code: str) -> int:
 
 def storage_record(module: str, tensors: dict[str, tuple[tuple[int, ...], str]], bits: int) -> dict:
     """The ``tensor_storage`` record of one stored module; ``tensors`` maps every tensor under ``module`` (the EXL3
-    ones and a kept bias) to ``(shape, safetensors dtype code)``."""
+    ones and a kept bias) to ``(shape, safetensors dtype code)``. ``bits_per_weight`` is the K its trellis holds
+    (last dimension / 16: what the fork reads, ``_validate_loaded_tensors``; modules of one checkpoint may differ),
+    ``bits`` where there is no trellis."""
     torch_names = {v: str(k) for k, v in DTYPE_CODES.items()}
     stored = {name: {"shape": list(shape), "n_bytes": tensor_nbytes(shape, code),
                      "dtype": torch_names.get(code, code)}
               for name, (shape, code) in sorted(tensors.items())}
-    return {"stored_tensors": stored, "quant_format": "exl3", "bits_per_weight": int(bits),
+    trellis = tensors.get(f"{module}.trellis")
+    k = trellis[0][-1] // 16 if trellis is not None and len(trellis[0]) == 3 else bits
+    return {"stored_tensors": stored, "quant_format": "exl3", "bits_per_weight": int(k),
             "mcg_multiplier": MCG_MULTIPLIER}
 
 

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from exl3tool.errors import ConfigError, InputError
 from exl3tool.text import plural
 
 __all__ = ["HydrateLayer", "HydratePlan", "HydrateReport", "plan_hydrate", "hydrate", "stored_only_reason",
-           "TEMP_SUFFIX", "temp_dir"]
+           "TEMP_SUFFIX", "temp_dir", "bits_rules"]
 
 TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name>.hydrate-partial"
 _WORK = ".hydrate"  # inside the temporary folder: per-layer results and the job's settings
@@ -55,6 +55,7 @@ class HydrateModule:
     exl3_bytes: int
     record_key: str = ""  # its tensor_storage key: the module, or the vLLM name where the fork cannot find that
     stored_as: str = ""  # the prefix of its EXL3 tensors: the module, or its primary spelling for an aliased path
+    bits: int = 0  # its K (--bits, or the last --bits-for rule that matches it); 0: the plan's
 
     @property
     def module(self) -> str:
@@ -62,7 +63,8 @@ class HydrateModule:
 
     def as_json(self) -> dict[str, Any]:
         s = self.source
-        return {"module": self.module, "weight": s.weight, "record_key": self.record_key, "in_features": s.in_features, "out_features": s.out_features, "seed": self.seed,
+        return {"module": self.module, "weight": s.weight, "record_key": self.record_key, "in_features": s.in_features,
+                "out_features": s.out_features, "seed": self.seed, "bits": self.bits,
                 "shard": self.shard, "bytes_before": self.weight_bytes, "bytes_after": self.exl3_bytes}
 
 
@@ -111,7 +113,8 @@ class HydratePlan:
         the TP sizes checked, those up to ``MAX_TP`` where a stored layer cannot be sliced, what is stored."""
         mods = sorted(self.modules, key=lambda m: m.module)
         return hydrate_note(bits=self.bits, tp_sizes=self.tp_sizes, modules={m.module: m.source.weight for m in mods},
-                            bits_by_module={}, left_bf16=[p for p, _ in self.left_bf16],
+                            bits_by_module={m.module: m.bits for m in mods if m.bits and m.bits != self.bits},
+                            left_bf16=[p for p, _ in self.left_bf16],
                             left_tp=self.left_tp, fails_at=self.fails_at, checked_up_to=MAX_TP)
 
     def _left_json(self) -> list[dict[str, Any]]:
@@ -268,8 +271,42 @@ def _layer_seed(layer, source: SourceModule) -> int:
     return layer_seed(f"{base}.{source.module.rsplit('.', 1)[-1]}")
 
 
-def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True,
-                 environ: Optional[dict] = None) -> HydratePlan:
+def bits_rules(rules: Iterable[str | tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """``--bits-for`` rules as ``(glob, K)``: ``"GLOB=K"`` strings (or pairs), K from 3 to 8 as ``--bits``;
+    ConfigError naming the rule otherwise."""
+    from exl3tool.cache.settings import BITS_RANGE
+
+    lo, hi = BITS_RANGE
+    out = []
+    for rule in rules:
+        glob, sep, k = rule.rpartition("=") if isinstance(rule, str) else (rule[0], "=", str(rule[1]))
+        if not sep or not glob.strip() or not k.strip().isdigit() or not lo <= int(k) <= hi:
+            raise ConfigError(f"--bits-for {rule!r}: give GLOB=K, K from {lo} to {hi} (e.g. "
+                              f"'*.mlp.down_proj=5')")
+        out.append((glob.strip(), int(k)))
+    return tuple(out)
+
+
+def _module_bits(rules: tuple[tuple[str, int], ...], names: tuple[str, ...], default: int, used: set[int]) -> int:
+    """The K of a module known by ``names``: the last rule whose glob matches one of them, else ``default``."""
+    import fnmatch
+
+    bits = default
+    for n, (glob, k) in enumerate(rules):
+        if any(fnmatch.fnmatchcase(name, glob) for name in names):
+            bits = k
+            used.add(n)
+    return bits
+
+
+def _bits_for_json(plan: HydratePlan) -> dict[str, Any]:
+    """The modules stored at another K than the plan's, for the resume's job file (nothing without --bits-for)."""
+    other = {m.module: m.bits for m in plan.modules if m.bits and m.bits != plan.bits}
+    return {"bits_for": other} if other else {}
+
+
+def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True, environ: Optional[dict] = None,
+                 bits_for: Sequence[str | tuple[str, int]] = ()) -> HydratePlan:
     """The hydrate plan of ``request.model`` into ``out``: ``cache warm``'s layer plan at TP 1, each layer checked
     for the fork's loader at every TP size OUT must start at; headers only.
 
@@ -289,6 +326,9 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True,
         out: the new checkpoint folder.
         leave_unaligned: kept for callers of earlier versions; layers that cannot be sliced are always left BF16.
         environ: the environment the plan's defaults are read from (None: ``os.environ``).
+        bits_for: per-module K, ``"GLOB=K"`` or ``(GLOB, K)`` each (``--bits-for``): the last rule whose fnmatch glob
+            matches a stored module (its checkpoint name, or its vLLM layer or source prefix) gives its K; every
+            other module takes ``request.bits``. A rule that matches no stored module is refused.
 
     Returns:
         A ``HydratePlan`` (``as_json()``: the ``--dry-run --json`` document); ``already_stored`` says why there is
@@ -300,6 +340,7 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True,
     from exl3tool.plan.request import prepare, serving_torch_dtype
 
     request = replace(request, bits=server_bits(request.bits, os.environ if environ is None else environ))
+    rules = bits_rules(bits_for)
     if not os.path.isdir(os.path.expanduser(request.model)):
         raise InputError(f"SOURCE {request.model}: not a checkpoint folder; hydrate reads a local checkpoint "
                          "(download a Hub model first, e.g. `hf download REPO --local-dir DIR`)")
@@ -370,6 +411,7 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True,
     stored_layers: list[tuple[Any, list[SourceModule]]] = []
     left: list[tuple[str, str]] = []
     left_tp: dict[str, tuple[int, ...]] = {}
+    used: set[int] = set()  # the --bits-for rules that matched a stored module
     family = layer_plan.family
     packed = family.packed(layer_plan.text) if family is not None and layer_plan.text is not None else {}
     mapper = family.storage_mapper if family is not None else ()
@@ -391,13 +433,20 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True,
         for i, s in enumerate(sources):
             info = checkpoint.info(s.weight)
             k, n = s.in_features, s.out_features
-            exl3 = tensor_nbytes((k // 16, n // 16, 16 * request.bits), "I16") + 2 * (k + n) + 4
             stored_as = _primary_spelling(s.module, aliases)
-            key = _record_key(stored_as, _source_prefix(layer, i, packed), mapper)
+            vllm_name = _source_prefix(layer, i, packed)
+            bits = _module_bits(rules, (stored_as, s.module, vllm_name, layer.prefix), request.bits, used)
+            exl3 = tensor_nbytes((k // 16, n // 16, 16 * bits), "I16") + 2 * (k + n) + 4
+            key = _record_key(stored_as, vllm_name, mapper)
             mods.append(HydrateModule(s, _layer_seed(layer, s), info.file.name,
-                                      tensor_nbytes(info.shape, info.dtype_code), exl3, key, stored_as))
+                                      tensor_nbytes(info.shape, info.dtype_code), exl3, key, stored_as, bits))
         hydrated.append(HydrateLayer(layer.prefix, layer.parallel, tuple(mods)))
     base.update(left_tp=left_tp)
+    unused = [f"{glob}={k}" for n, (glob, k) in enumerate(rules) if n not in used]
+    if unused and hydrated:
+        raise ConfigError(f"--bits-for {unused[0]} matches no module hydrate stores; a glob matches checkpoint modules "
+                          f"(e.g. '{hydrated[0].modules[0].module}') or vLLM layer prefixes "
+                          f"(e.g. '{hydrated[0].prefix}')")
     if not hydrated and left and _hydrated_by_us(checkpoint, base["storage_file"]):
         return HydratePlan(**base, layers=(), left_bf16=tuple(left), not_planned=not_planned, changed_shards=(),
                            unchanged_files=tuple(files), bytes_before=total, bytes_after=total,
@@ -436,11 +485,11 @@ def _fingerprint(plan: HydratePlan, m: HydrateModule) -> str:
     dtype) makes the resume encode the module again."""
     st = (plan.source / m.shard).stat()
     return json.dumps({"weight": m.source.weight, "shard": m.shard, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                       "bits": plan.bits, "seed": m.seed, "dtype": plan.dtype, "schema": 1}, sort_keys=True)
+                       "bits": m.bits or plan.bits, "seed": m.seed, "dtype": plan.dtype, "schema": 1}, sort_keys=True)
 
 
 def _job_json(plan: HydratePlan) -> str:
-    return json.dumps({"source": str(plan.source), "bits": plan.bits, "dtype": plan.dtype,
+    return json.dumps({"source": str(plan.source), "bits": plan.bits, "dtype": plan.dtype, **_bits_for_json(plan),
                        "modules": [m.module for m in plan.modules]}, sort_keys=True)
 
 
@@ -520,8 +569,8 @@ def _encode_module(plan: HydratePlan, m: HydrateModule, encode: Optional[EncodeF
     if encode is None:
         from exl3tool.encode import encode_linear
 
-        return encode_linear(weight.to(device), bits=plan.bits, seed=m.seed, device=device, name=m.module)
-    return encode(weight, plan.bits, m.seed, device)
+        return encode_linear(weight.to(device), bits=m.bits or plan.bits, seed=m.seed, device=device, name=m.module)
+    return encode(weight, m.bits or plan.bits, m.seed, device)
 
 
 def _free_space_check(plan: HydratePlan, temp: Path, pending: list[HydrateModule]) -> None:
