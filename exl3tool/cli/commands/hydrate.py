@@ -26,6 +26,16 @@ HydrateTpOpt = Annotated[Optional[str], typer.Option(
          "launch's, else every size up to 8 vLLM can split the model into.")]
 
 
+def _ks(plan) -> str:
+    """"K6", or "K6 (4 modules at K5)" with --bits-for rules."""
+    other: dict[int, int] = {}
+    for m in plan.modules:
+        if m.bits != plan.bits:
+            other[m.bits] = other.get(m.bits, 0) + 1
+    return f"K{plan.bits}" + (" (" + ", ".join(f"{plural(n, 'module')} at K{k}" for k, n in sorted(other.items()))
+                              + ")" if other else "")
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
@@ -36,6 +46,10 @@ def hydrate_command(
     out_dir: OutArg,
     tp_sizes: HydrateTpOpt = None,
     bits: BitsOpt = None,
+    bits_for: Annotated[list[str], typer.Option(
+        "--bits-for", metavar="GLOB=K",
+        help="Store the modules GLOB matches (checkpoint module or vLLM layer name) at K bits instead of --bits; "
+             "repeatable, the last matching rule wins, e.g. --bits 6 --bits-for '*.mlp.down_proj=5'.")] = [],
     layers: LayersOpt = [],
     exclude: ExcludeOpt = [],
     shared_experts: SharedOpt = False,
@@ -82,7 +96,7 @@ def hydrate_command(
     request, settings, environ = apply_options(ctx, out, request, launch, pid, env_file, given, add_tp_sizes=True,
                                                need_cache=False)
     extra = launch_json(settings)
-    plan = plan_hydrate(request, out_dir, environ=environ)
+    plan = plan_hydrate(request, out_dir, environ=environ, bits_for=bits_for)
     for prefix, why in plan.left_bf16:
         out.warn(f"left BF16 (as in SOURCE): {prefix}: {why}")
     for tp, why in sorted(plan.fails_at.items()):
@@ -97,10 +111,11 @@ def hydrate_command(
         for layer in plan.layers:
             for m in layer.modules:
                 s = m.source
-                out.line(f"{m.module}  [{s.in_features} x {s.out_features}]  {_mib(m.weight_bytes)} -> "
+                k = f"  K{m.bits}" if m.bits != plan.bits else ""
+                out.line(f"{m.module}  [{s.in_features} x {s.out_features}]{k}  {_mib(m.weight_bytes)} -> "
                          f"{_mib(m.exl3_bytes)}  ({layer.prefix}, {layer.parallel})")
     sizes = ",".join(map(str, plan.tp_sizes)) + (" (every size vLLM can split it into)" if plan.tp_default else "")
-    head = (f"{plural(len(mods), 'module')} of {plural(len(plan.layers), 'layer')} to store as EXL3 K{plan.bits} "
+    head = (f"{plural(len(mods), 'module')} of {plural(len(plan.layers), 'layer')} to store as EXL3 {_ks(plan)} "
             f"for TP {sizes}; {plural(len(plan.changed_shards), 'shard')} rewritten, "
             f"{plural(len(plan.unchanged_files), 'file')} linked; {_mib(plan.bytes_before)} -> {_mib(plan.bytes_after)}")
     narrowed = sorted({tp for at in plan.left_tp.values() for tp in at})
@@ -128,7 +143,7 @@ def hydrate_command(
         raise
     if report is None:  # a torchrun worker other than 0: worker 0 writes OUT and reports
         return
-    out.line(f"wrote {plan.out}: {plural(len(mods), 'module')} stored as EXL3 K{plan.bits} ({report.encoded} encoded, "
+    out.line(f"wrote {plan.out}: {plural(len(mods), 'module')} stored as EXL3 {_ks(plan)} ({report.encoded} encoded, "
              f"{report.reused} kept from an interrupted run), {_mib(plan.bytes_before)} -> {_mib(report.bytes_after)}, "
              f"{report.seconds:.1f} s; hydrated for TP {','.join(map(str, plan.tp_sizes))}")
     out.data({**report.as_json(), **extra})
