@@ -181,3 +181,33 @@ def test_cache_check_says_which_launch_variables_a_stored_checkpoint_no_longer_n
     assert code == 0, err
     assert "0 look-ups: every online layer is stored" in stdout and "which is right for this checkpoint" in err
     assert "note (launch)" not in err
+
+
+def test_per_layer_bits(tmp_path, capsys):
+    """--bits 6 with --bits-for rules (the last matching rule wins): each module's trellis holds its own K (what the
+    fork reads: last dimension / 16), its tensor_storage record says it, OUT's record lists the exceptions; a rule
+    that matches nothing and a K out of range are one-line usage errors."""
+    from safetensors import safe_open
+
+    src = write_tiny(tmp_path / "src", "deepseek-v3", seed=fresh_seed())
+    rules = ["model.layers.*.self_attn.*=5", "*.o_proj=4", "*.mlp.down_proj=8"]
+    plan = plan_hydrate(_request(src, "deepseek-v3", tp_sizes=(1,), bits=6), tmp_path / "out", bits_for=rules)
+    want = {m.module: (4 if m.module.endswith("o_proj") else 5 if ".self_attn." in m.module else
+                       8 if m.module.endswith("down_proj") else 6) for m in plan.modules}
+    assert {m.module: m.bits for m in plan.modules} == want and set(want.values()) == {4, 5, 6, 8}
+    hydrate(plan, device="cpu", encode=fake_encode)
+    out = tmp_path / "out"
+    qc = json.loads((out / "quantization_config.json").read_text())
+    for module, k in want.items():
+        with safe_open(str(out / plan.modules[0].shard), framework="np") as fh:
+            assert fh.get_slice(f"{module}.trellis").get_shape()[-1] == 16 * k
+        assert qc["tensor_storage"][module]["bits_per_weight"] == k
+    record = read_hydrate_record(out)
+    assert record.bits == 6 and record.bits_by_module == {m: k for m, k in want.items() if k != 6}
+    assert record.line().startswith("hydrated for TP 1 (K4/K5/K6/K8, 8 modules stored")
+    assert server_online_lookups(out, {p: m["leaves"] for p, m in SERVED["deepseek-v3"].items()
+                                       if p not in STORED_IN_SOURCE}) == []
+    for argv, words in ((["--bits-for", "*.nothing=5"], "matches no module hydrate stores"),
+                        (["--bits-for", "*.o_proj=9"], "K from 3 to 8"), (["--bits-for", "*.o_proj"], "GLOB=K")):
+        code, _, err = run(["hydrate", src, tmp_path / "again", "--tp-size", "1", "--dry-run", *argv], capsys)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
