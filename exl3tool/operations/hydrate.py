@@ -94,7 +94,7 @@ class HydratePlan:
     tp_sizes: tuple[int, ...]
     dtype: str
     layers: tuple[HydrateLayer, ...]
-    left_bf16: tuple[tuple[str, str], ...]  # (prefix, why) of planned layers kept BF16 (--leave-unaligned)
+    left_bf16: tuple[tuple[str, str], ...]  # (prefix, why) of planned layers kept BF16 (not storable at a TP size)
     not_planned: tuple[tuple[str, str, str], ...]  # (prefix, reason, why) as `cache warm --dry-run` lists them
     changed_shards: tuple[str, ...]
     unchanged_files: tuple[str, ...]
@@ -369,7 +369,7 @@ def _bits_for_json(plan: HydratePlan) -> dict[str, Any]:
     return {"bits_for": other} if other else {}
 
 
-def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True, environ: Optional[dict] = None,
+def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
                  bits_for: Sequence[str | tuple[str, int]] = ()) -> HydratePlan:
     """The hydrate plan of ``request.model`` into ``out``: ``cache warm``'s layer plan at TP 1, each layer checked
     for the fork's loader at every TP size OUT must start at; headers only.
@@ -388,7 +388,6 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = True, envi
         request: the server's settings (``ServerRequest``): SOURCE as ``model``, bits, overlay, dtype, the TP sizes
             OUT must serve (empty: every one), ``layers`` / ``exclude``.
         out: the new checkpoint folder.
-        leave_unaligned: kept for callers of earlier versions; layers that cannot be sliced are always left BF16.
         environ: the environment the plan's defaults are read from (None: ``os.environ``).
         bits_for: per-module K, ``"GLOB=K"`` or ``(GLOB, K)`` each (``--bits-for``): the last rule whose fnmatch glob
             matches a stored module (its checkpoint name, or its vLLM layer or source prefix) gives its K; every

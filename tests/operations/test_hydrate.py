@@ -485,6 +485,10 @@ def test_launch_gives_bits_overlay_and_tp_size(tmp_path, capsys):
     code, stdout, err = run(["hydrate", src, tmp_path / "out", "--dry-run", "--json", "--leave-unaligned",
                              "--launch", launch], capsys)
     assert code == 0, err
+    # an option of earlier versions that now does nothing: accepted, said in one line, absent from the help
+    [said] = [line for line in err.splitlines() if "--leave-unaligned" in line]
+    assert said.startswith("warning: --leave-unaligned has no effect"), err
+    assert "--leave-unaligned" not in run(["hydrate", "--help"], capsys)[1]
     doc = json.loads(stdout)
     assert doc["bits"] == 5 and doc["tp_sizes"] == [2] and doc["settings"]
     stored = {m["module"] for layer in doc["layers"] for m in layer["modules"]}

@@ -33,9 +33,8 @@ def hydrate_command(
         "--bits-for", metavar="GLOB=K",
         help="Store the modules GLOB matches (checkpoint module or vLLM layer name) at K bits instead of --bits; "
              "repeatable, the last matching rule wins, e.g. --bits 6 --bits-for '*.mlp.down_proj=5'.")] = [],
-    leave_unaligned: Annotated[bool, typer.Option(
-        "--leave-unaligned", help="No effect, kept for earlier scripts: a layer a TP size cannot slice is always "
-        "kept BF16 and listed.")] = False,
+    leave_unaligned: Annotated[bool, typer.Option(  # accepted for earlier scripts, with a warning; not in the help
+        "--leave-unaligned", hidden=True, help="No effect: a layer a TP size cannot slice is always kept BF16.")] = False,
     plan_only: Annotated[bool, typer.Option("--dry-run", help="Print the plan (layers, shapes, sizes) and write nothing.")] = False,
 ) -> None:
     """Write OUT: SOURCE with every layer the server would encode online stored as EXL3 (no cache needed).
@@ -57,10 +56,13 @@ def hydrate_command(
     from exl3tool.operations.hydrate import hydrate, plan_hydrate
 
     out = call.out
+    if leave_unaligned:
+        out.warn("--leave-unaligned has no effect: a layer a TP size cannot slice is always kept BF16 (as in SOURCE) "
+                 "and listed; drop it")
     request, settings, environ = call.resolve(call.request(), add_tp_sizes=True, need_cache=False,
                                               no_lookup="ignore")
     extra = launch_json(settings)
-    plan = plan_hydrate(request, out_dir, leave_unaligned=leave_unaligned, environ=environ, bits_for=bits_for)
+    plan = plan_hydrate(request, out_dir, environ=environ, bits_for=bits_for)
     for prefix, why in plan.left_bf16:
         out.warn(f"left BF16 (as in SOURCE): {prefix}: {why}")
     for tp, why in sorted(plan.fails_at.items()):
