@@ -36,7 +36,7 @@ from exl3tool.errors import ConfigError, InputError
 from exl3tool.text import plural
 
 __all__ = ["HydrateLayer", "HydratePlan", "HydrateReport", "plan_hydrate", "hydrate", "stored_only_reason",
-           "TEMP_SUFFIX", "temp_dir", "bits_rules"]
+           "TEMP_SUFFIX", "temp_dir", "bits_rules", "stopped_state"]
 
 TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name>.hydrate-partial"
 _INDEX = "model.safetensors.index.json"
@@ -740,6 +740,16 @@ def _kept(temp: Path) -> int:
         return sum(1 for p in (temp / _LAYERS).iterdir() if p.suffix == ".safetensors")
     except OSError:
         return 0
+
+
+def stopped_state(plan: HydratePlan) -> dict[str, Any]:
+    """What a run of ``plan`` that stopped (Ctrl-C) left, for its caller to say: ``out_written`` (OUT is in place,
+    complete: the stop came after its rename), ``kept`` (module results kept in the temporary folder, which the same
+    command reuses) and ``kept_in`` (that folder, None when there is none)."""
+    temp = temp_dir(plan.out)
+    written = plan.out.is_dir() and not temp.exists()
+    return {"out_written": written, "kept": 0 if written else _kept(temp),
+            "kept_in": str(temp) if temp.is_dir() else None}
 
 
 def _encode_module(plan: HydratePlan, m: HydrateModule, encode: Optional[EncodeFn], device: torch.device):

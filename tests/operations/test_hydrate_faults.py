@@ -208,7 +208,9 @@ def _swallowed_ctrl_c() -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_swallowed_ctrl_c_still_exits_130(tmp_path, capsys, monkeypatch, fake_encoder):
     """Through the CLI: Ctrl-C lost in a ctypes callback inside the third encode ends the run with 130 (it used to
-    run on and exit 0); the results are kept and named, the lock is gone, and the same command resumes."""
+    run on and exit 0); the results are kept and named, the lock is gone, and the same command resumes. The error
+    line is hydrate's own (where the results are kept, the same command resumes; not the cache commands' line about
+    published entries), and the --json error document says it too."""
     src = _checkpoint(tmp_path / "src", fresh_seed())
     calls = []
 
@@ -220,9 +222,14 @@ def test_a_swallowed_ctrl_c_still_exits_130(tmp_path, capsys, monkeypatch, fake_
 
     monkeypatch.setattr("exl3tool.encode.encode_linear", encode)
     out = tmp_path / "out"
-    code, _, err = run([*HYDRATE, str(src), str(out)], capsys)
+    code, stdout, err = run([*HYDRATE, str(src), str(out), "--json"], capsys)
     assert code == 130, err
-    assert f"kept in {temp_dir(out)}" in err and not out.exists()
+    assert err.splitlines()[-1] == (f"error: interrupted: OUT was not written; the 3 modules encoded so far are kept "
+                                    f"in {temp_dir(out)}: run the same command again to resume (or remove that folder "
+                                    "to start over)"), err
+    assert "published" not in err and not out.exists()
+    doc = json.loads(stdout)
+    assert (doc["exit_code"], doc["kept"], doc["kept_in"], doc["out_written"]) == (130, 3, str(temp_dir(out)), False)
     assert _leftovers(tmp_path) == [temp_dir(out).name]
     code, stdout, err = run([*HYDRATE, str(src), str(out), "--json"], capsys)
     assert code == 0 and json.loads(stdout)["reused"] == 3, err
@@ -244,7 +251,8 @@ def test_ctrl_c_wrapped_in_another_error_is_an_interrupt(tmp_path, capsys, monke
 
     with monkeypatch.context() as mp:
         mp.setattr(hy, "plan_hydrate", wrapped)
-        assert run([*HYDRATE, str(src), str(tmp_path / "out")], capsys)[0] == 130
+        code, _, err = run([*HYDRATE, str(src), str(tmp_path / "out")], capsys)
+        assert code == 130 and "interrupted before any module was encoded: nothing was written" in err, err
 
     def encode(w, **k):
         _swallowed_ctrl_c()

@@ -22,6 +22,21 @@ def _ks(plan) -> str:
                               + ")" if other else "")
 
 
+def _interrupted(plan) -> tuple[dict, str]:
+    """What a Ctrl-C left (``stopped_state``: the fields of the --json error document) and the error line that says
+    it: where the kept results are and that the same command resumes (not the cache commands' line about entries)."""
+    from exl3tool.operations.hydrate import stopped_state
+
+    state = stopped_state(plan)
+    if state["out_written"]:
+        return state, f"interrupted once {plan.out} was written whole; there is nothing to resume"
+    if state["kept"]:
+        return state, (f"interrupted: OUT was not written; the {plural(state['kept'], 'module')} encoded so far "
+                       f"{'is' if state['kept'] == 1 else 'are'} kept in {state['kept_in']}: run the same command "
+                       "again to resume (or remove that folder to start over)")
+    return state, "interrupted before any module was kept: nothing was written; run the same command again"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
@@ -56,6 +71,8 @@ def hydrate_command(
     from exl3tool.operations.hydrate import hydrate, plan_hydrate
 
     out = call.out
+    out.note_interrupted({}, "interrupted before any module was encoded: nothing was written; run the same command "
+                             "again")  # until the run says what it kept
     if leave_unaligned:
         out.warn("--leave-unaligned has no effect: a layer a TP size cannot slice is always kept BF16 (as in SOURCE) "
                  "and listed; drop it")
@@ -99,7 +116,10 @@ def hydrate_command(
 
     try:
         report = hydrate(plan, device=request.device, on_layer=on_layer)
-    except (KeyboardInterrupt, OSError):
+    except KeyboardInterrupt:
+        out.note_interrupted(*_interrupted(plan))
+        raise
+    except OSError:
         from exl3tool.operations.hydrate import temp_dir
 
         if temp_dir(plan.out).exists():
