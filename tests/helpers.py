@@ -7,7 +7,9 @@
   real ``warm()`` with that fake encoder (plan, pipeline and store are real; a re-encode writes the same bytes);
 * ``server_lookup``, ``server_model_identity``, ``server_encoder_identity``: the server's look-up and identities
   written from docs/cache-format.md (§2, §4, §5.3) with json, hashlib, pathlib and safetensors' numpy reader
-  only, never exl3tool's code, so they catch our library's mistakes; ``tree`` snapshots a folder.
+  only, never exl3tool's code, so they catch our library's mistakes; ``tree`` snapshots a folder;
+* ``server_online_lookups`` and ``server_tp_load``: which layers of a checkpoint the fork encodes online, and which
+  stored ones its loader fails to slice at a TP size, from the fork's storage and slicing rules.
 """
 
 from __future__ import annotations
@@ -357,6 +359,72 @@ def server_online_lookups(root, modules: dict[str, tuple[str, ...]]) -> list[str
             assert svh.dtype == np.float16 and svh.shape == (tr.shape[1] * 16,) and (tr.shape[1] * 16) % 128 == 0
             assert mcg.dtype == np.int32 and mcg.size == 1 and int(mcg.reshape(())) == MCG_MARKER
     return online
+
+
+def served_linear(style: str, in_features: int, parts: tuple[int, ...] = (), leaves: tuple[str, ...] = (),
+                  shards: tuple[tuple[int, ...], ...] = (), kv_heads: int = 0) -> dict:
+    """One linear module as the server builds it, for ``server_tp_load``: its parallel style ("row", "column",
+    "qkv"), full input width, full output rows of each part (vLLM's ``output_sizes``), the packed source leaves
+    (() unfused) and which parts each source holds (the fork's shard ids: one part each, or ``in_proj_qkvz``'s
+    ``(0, 1, 2)``), and for "qkv" the KV head count (ranks beyond it replicate k and v)."""
+    return {"style": style, "in": in_features, "parts": parts, "leaves": leaves,
+            "shards": shards or tuple((j,) for j in range(max(1, len(parts)))), "kv": kv_heads}
+
+
+def server_tp_load(root, modules: dict[str, dict], tp: int) -> dict[str, str]:
+    """Of ``modules`` (vLLM prefix -> ``served_linear``), the ones stored as EXL3 in the checkpoint at ``root`` that
+    a server at TP ``tp`` fails to load, each with the error the fork raises, written from the fork's
+    ``Exl3LinearMethod._shard_tensors_for_tensor_parallel`` (exl3.py, docs/hydrate.md rule 5), not exl3tool's code:
+    every rank narrows a row-parallel module's input at ``rank * K/W`` and a column-parallel source's part at
+    ``shard_rank * size`` (k, v: ``rank // replicas``; a source holding several parts: its part's offset plus
+    ``rank * size``), each start and size a multiple of 128, ranks in order. Modules not stored load as in SOURCE."""
+    root = Path(root)
+    qc_file = root / "quantization_config.json"
+    storage = json.loads(qc_file.read_text()).get("tensor_storage", {}) if qc_file.is_file() else {}
+    storage = json.loads((root / "config.json").read_text()).get("quantization_config", {}).get("tensor_storage") or storage
+    tensors = _checkpoint_tensors(root)
+    failed: dict[str, str] = {}
+    for prefix, m in modules.items():
+        base = prefix.rsplit(".", 1)[0]
+        sources = [f"{base}.{leaf}" for leaf in m["leaves"]] or [prefix]
+        records = [next((storage[s] for s in fork_spellings(src) if s in storage), None) for src in sources]
+        if not all(r is not None and r.get("quant_format") == "exl3" for r in records):
+            continue
+        shapes = []
+        for rec in records:
+            name = next(n for n in rec["stored_tensors"] if n.endswith(".trellis"))
+            tr = tensors[name]
+            shapes.append((tr.shape[0] * 16, tr.shape[1] * 16))  # full K, N as stored
+        assert all(k == m["in"] for k, _ in shapes), (prefix, shapes)
+        if tp == 1:
+            continue
+        if m["style"] == "row":
+            size = m["in"] // tp
+            bad = [(r * size, size) for r in range(tp) if (r * size) % 128 or size % 128]
+            if bad:
+                failed[prefix] = f"EXL3 TP input slice must be 128-aligned, got start={bad[0][0]}, size={bad[0][1]}"
+            continue
+        if m["style"] == "qkv":
+            head_dim = m["parts"][1] // m["kv"]
+            kv_r = max(1, m["kv"] // tp) * head_dim
+            local = (m["parts"][0] // tp, kv_r, kv_r)
+            replicas = max(1, tp // m["kv"])
+        else:
+            local, replicas = tuple(n // tp for n in m["parts"]), 1
+        for r in range(tp):
+            for (_, n_full), group in zip(shapes, m["shards"]):
+                offset = 0
+                for j in group:
+                    size = local[j]
+                    rank = r // replicas if m["style"] == "qkv" and j in (1, 2) else r
+                    start = (offset if len(group) > 1 else 0) + rank * size
+                    offset += m["parts"][j]
+                    if start + size > n_full:
+                        failed.setdefault(prefix, f"start ({start}) + length ({size}) exceeds dimension size ({n_full}).")
+                    elif start % 128 or size % 128:
+                        failed.setdefault(prefix, f"EXL3 TP output slice must be 128-aligned, got start={start}, "
+                                                  f"size={size}")
+    return failed
 
 
 def spec_dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, bits: int) -> np.ndarray:

@@ -1,5 +1,6 @@
 """README's "whole flow on your machine", run as written (bash), with the warm narrowed to one layer to stay quick;
-and the opening command's overlay is the one `exl3tool synth --family qwen3.5` prints."""
+the opening command's overlay is the one `exl3tool synth --family qwen3.5` prints; the hydrate sizes it states are
+the sizes a hydrate writes."""
 
 from __future__ import annotations
 
@@ -64,3 +65,22 @@ def test_the_opening_command_uses_the_overlay_synth_prints():
     assert json.loads(overlay) == json.loads(shlex.split(flow.removeprefix("OVERLAY="))[0])
     assert json.loads(overlay) == json.loads(TINY_FAMILIES["qwen3.5"].overlay)
     assert "--family qwen3.5" in opening and "--tp-size 2" in opening
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "llama"])
+def test_the_hydrate_sizes_are_what_a_hydrate_writes(tmp_path, family):
+    """README's "Sizes": `exl3tool synth`'s tiny checkpoint (its default seed) and what `hydrate --tp-size 1` makes of
+    it, in bytes, as the run's report counts them (a stand-in encoder: the bytes depend on the shapes alone)."""
+    from exl3tool.checkpoint.tiny import write_tiny
+    from exl3tool.operations.hydrate import hydrate, plan_hydrate
+    from exl3tool.plan import ServerRequest
+    from helpers import fake_encode
+
+    name = {"qwen3.5": "Qwen3.5", "llama": "Llama"}[family]
+    found = re.search(rf"{name}'s ([\d,]+) (?:bytes )?become ([\d,]+)", README)
+    assert found, f"README states no hydrate size for the tiny {name}"
+    before, after = (int(v.replace(",", "")) for v in found.groups())
+    src = write_tiny(tmp_path / "src", family, seed=0)
+    request = ServerRequest(model=str(src), tp_sizes=(1,), quantization_config=TINY_FAMILIES[family].overlay)
+    report = hydrate(plan_hydrate(request, tmp_path / "out"), device="cpu", encode=fake_encode)
+    assert (report.plan.bytes_before, report.bytes_after) == (before, after)

@@ -55,6 +55,10 @@ class ModuleTemplate:
     parts: Optional[Callable[[Config], tuple[int, ...]]] = None
     source_parts: Optional[tuple[int, ...]] = None  # how many fused parts each source holds, e.g. (3, 1)
     replicated_parts: tuple[int, ...] = ()  # parts every rank holds whole (a merged layer's replicated shard)
+    # Expected input width from the config where the module reads a low-rank latent, not the hidden state
+    # (validation: a weight whose shape contradicts config.json is refused). None: ``hidden_size`` for every style
+    # but "row", whose *output* is ``hidden_size`` instead.
+    inputs: Optional[Callable[[Config], int]] = None
 
 
 @dataclass(frozen=True)
@@ -221,17 +225,20 @@ def _dsa_check(cfg: Config) -> None:
 _MLA_ATTN = (
     ModuleTemplate("self_attn.fused_qkv_a_proj", "replicated", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
                    when=q_lora, parts=_mla_a_rows),
-    ModuleTemplate("self_attn.q_b_proj", "column", ("self_attn.q_b_proj",), when=q_lora, parts=_mla_q_rows),
+    ModuleTemplate("self_attn.q_b_proj", "column", ("self_attn.q_b_proj",), when=q_lora, parts=_mla_q_rows,
+                   inputs=lambda cfg: _int(cfg, "q_lora_rank")),
     ModuleTemplate("self_attn.q_proj", "column", ("self_attn.q_proj",), when=no_q_lora, parts=_mla_q_rows),
     ModuleTemplate("self_attn.kv_a_proj_with_mqa", "replicated", ("self_attn.kv_a_proj_with_mqa",), when=no_q_lora,
                    parts=_mla_kv_a_rows),
-    ModuleTemplate("self_attn.kv_b_proj", "column", ("self_attn.kv_b_proj",), parts=_mla_kv_b_rows),
+    ModuleTemplate("self_attn.kv_b_proj", "column", ("self_attn.kv_b_proj",), parts=_mla_kv_b_rows,
+                   inputs=lambda cfg: _int(cfg, "kv_lora_rank")),
     ModuleTemplate("self_attn.o_proj", "row", ("self_attn.o_proj",)),
 )
 
 
 def _indexer(when: When) -> ModuleTemplate:
     return ModuleTemplate("self_attn.indexer.wq_b", "replicated", ("self_attn.indexer.wq_b",), when=when,
+                          inputs=lambda cfg: _int(cfg, "q_lora_rank"),
                           parts=lambda cfg: (_int(cfg, "index_n_heads") * _int(cfg, "index_head_dim"),))
 
 
@@ -321,11 +328,11 @@ _GLM5NEXT = (
     ModuleTemplate("self_attn.in_proj_qkvgfab", "merged_column",
                    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.b_proj",
                     "self_attn.f_a_proj"), when=kda_layer, parts=_kda_in_rows, replicated_parts=(4,)),
-    ModuleTemplate("self_attn.f_b_proj", "column", ("self_attn.f_b_proj",), when=kda_layer,
+    ModuleTemplate("self_attn.f_b_proj", "column", ("self_attn.f_b_proj",), when=kda_layer, inputs=lambda cfg: _kda(cfg)[1],
                    parts=lambda cfg: (_kda(cfg)[0] * _kda(cfg)[1],)),
     ModuleTemplate("self_attn.g_a_proj", "replicated", ("self_attn.g_a_proj",), when=kda_layer,
                    parts=lambda cfg: (_kda(cfg)[1],)),
-    ModuleTemplate("self_attn.g_b_proj", "column", ("self_attn.g_b_proj",), when=kda_layer,
+    ModuleTemplate("self_attn.g_b_proj", "column", ("self_attn.g_b_proj",), when=kda_layer, inputs=lambda cfg: _kda(cfg)[1],
                    parts=lambda cfg: (_kda(cfg)[0] * _kda(cfg)[1],)),
     ModuleTemplate("self_attn.o_proj", "row", ("self_attn.o_proj",), when=kda_layer),
     ModuleTemplate("mlp.gate_up_proj", "merged_column", ("mlp.gate_proj", "mlp.up_proj"), when=glm5next_dense_layer,

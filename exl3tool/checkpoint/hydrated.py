@@ -32,7 +32,7 @@ from exl3tool.format.codebook import CODEBOOK_MARKERS
 
 __all__ = ["MCG_MULTIPLIER", "EXL3_SUFFIXES", "stored_module", "exl3_tensors_of", "storage_record", "shard_groups",
            "hydration_problem", "source_modules", "SourceModule", "read_header", "write_shard", "FileTensor",
-           "DTYPE_CODES", "tensor_nbytes"]
+           "DTYPE_CODES", "tensor_nbytes", "storage_problem", "slicing_problem", "tp_problems"]
 
 MCG_MULTIPLIER = 0xCBAC1FED  # exl3.py _MCG_SENTINEL; exllamav3 records it as mcg_multiplier
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "mcg")
@@ -64,12 +64,16 @@ def tensor_nbytes(shape: Iterable[int], code: str) -> int:
 
 def storage_record(module: str, tensors: dict[str, tuple[tuple[int, ...], str]], bits: int) -> dict:
     """The ``tensor_storage`` record of one stored module; ``tensors`` maps every tensor under ``module`` (the EXL3
-    ones and a kept bias) to ``(shape, safetensors dtype code)``."""
+    ones and a kept bias) to ``(shape, safetensors dtype code)``. ``bits_per_weight`` is the K its trellis holds
+    (last dimension / 16: what the fork reads, ``_validate_loaded_tensors``; modules of one checkpoint may differ),
+    ``bits`` where there is no trellis."""
     torch_names = {v: str(k) for k, v in DTYPE_CODES.items()}
     stored = {name: {"shape": list(shape), "n_bytes": tensor_nbytes(shape, code),
                      "dtype": torch_names.get(code, code)}
               for name, (shape, code) in sorted(tensors.items())}
-    return {"stored_tensors": stored, "quant_format": "exl3", "bits_per_weight": int(bits),
+    trellis = tensors.get(f"{module}.trellis")
+    k = trellis[0][-1] // 16 if trellis is not None and len(trellis[0]) == 3 else bits
+    return {"stored_tensors": stored, "quant_format": "exl3", "bits_per_weight": int(k),
             "mcg_multiplier": MCG_MULTIPLIER}
 
 
@@ -128,14 +132,9 @@ def _part_rank_slices(layer: PlannedLayer, tp: int, part: int) -> list[tuple[int
     return [(r * (n // tp), n // tp) for r in range(tp)]
 
 
-def hydration_problem(layer: PlannedLayer, sources: list[SourceModule], tp_sizes: Iterable[int]) -> Optional[str]:
-    """Why this layer cannot be stored as EXL3 for a server at one of ``tp_sizes``, or None when it can.
-
-    The fork (``Exl3LinearMethod``) loads each source as one shard, checks its full K and N are 128-aligned, and at
-    TP > 1 narrows row-parallel layers' ``suh`` / trellis rows at ``rank * K_r`` and column-parallel parts' ``svh`` /
-    trellis columns at ``shard_rank * size`` (k and v: ``rank // replicas``): every start and size 128-aligned.
-    Replicated layers are never sliced. A fused part every rank holds whole would be sliced anyway: not storable.
-    """
+def storage_problem(layer: PlannedLayer, sources: list[SourceModule]) -> Optional[str]:
+    """Why this layer cannot be stored as EXL3 at any TP size, or None: its checkpoint sources must be the shards
+    the fork loads (``_shard_ids_for_layer``), each full matrix 128-aligned (``_validate_loaded_tensors``)."""
     groups = shard_groups(layer)
     if layer.fused_source or len(groups) != len(sources) or any(
             tuple(s.parts) != g for s, g in zip(sources, groups, strict=True)):
@@ -146,24 +145,64 @@ def hydration_problem(layer: PlannedLayer, sources: list[SourceModule], tp_sizes
         bad = [f"{what} {n}" for what, n in (("K", s.in_features), ("N", s.out_features)) if n % ALIGN]
         if bad:
             return (f"{s.module}: {' and '.join(bad)} not a multiple of {ALIGN}; the fork refuses a stored EXL3 "
-                    "matrix that is not 128-aligned")
-    for tp in sorted(set(tp_sizes)):
-        if tp == 1 or layer.parallel == "replicated":
-            continue
-        if layer.parallel == "row":
-            if layer.in_features % tp or (layer.in_features // tp) % ALIGN:
-                return (f"at TP {tp} each rank's input slice is K/{tp} = {layer.in_features / tp:g} columns, not a "
-                        f"multiple of {ALIGN}")
-            continue
-        if layer.replicated_parts:
-            return f"at TP {tp} the fork would slice a fused part every rank holds whole (part {layer.replicated_parts[0]})"
+                    f"matrix that is not 128-aligned (\"EXL3 kernel dimensions must be {ALIGN}-aligned, got "
+                    f"K={s.in_features}, N={s.out_features}\")")
+    return None
+
+
+def _slice_error(axis: str, start: int, size: int) -> str:
+    """The fork's own message (``Exl3LinearMethod._slice_exl3_tensor``) for a slice that is not 128-aligned."""
+    return f"EXL3 TP {axis} slice must be {ALIGN}-aligned, got start={start}, size={size}"
+
+
+def slicing_problem(layer: PlannedLayer, sources: list[SourceModule], tp: int) -> Optional[str]:
+    """Why a server at TP ``tp`` fails to load this layer stored as EXL3 (ours, then the server's error in quotes),
+    or None when it loads. The fork (``_shard_tensors_for_tensor_parallel``) narrows row-parallel layers' ``suh`` and
+    trellis rows at ``rank * K_r`` and column-parallel parts' ``svh`` and trellis columns at ``shard_rank * size``
+    (k and v: ``rank // replicas``), every start and size 128-aligned, ranks in order; replicated layers are never
+    sliced. A fused part every rank holds whole is sliced anyway: rank 1's narrow runs past its end."""
+    if tp == 1 or layer.parallel == "replicated":
+        return None
+    if layer.parallel == "row":
+        k_r = layer.in_features // tp
+        if layer.in_features % tp or k_r % ALIGN:
+            return (f"at TP {tp} each rank's input slice is K/{tp} = {layer.in_features / tp:g} columns, not a "
+                    f"multiple of {ALIGN} (the server fails to load it: \"{_slice_error('input', 0, k_r)}\")")
+        return None
+    if layer.replicated_parts:
+        part = layer.replicated_parts[0]
+        n = layer.part_sizes[part]
+        return (f"at TP {tp} the fork would slice a fused part every rank holds whole (part {part}; the server "
+                f"fails to load it: \"start ({n}) + length ({n}) exceeds dimension size ({n}).\" on rank 1)")
+    for rank in range(tp):
         for s in sources:
             for part, offset in zip(s.parts, s.offsets, strict=True):
-                for start, size in _part_rank_slices(layer, tp, part):
-                    if (offset + start) % ALIGN or size % ALIGN:
-                        return (f"{s.module}: at TP {tp} a rank's output slice starts at row {offset + start} with "
-                                f"{size} rows, not {ALIGN}-aligned")
+                start, size = _part_rank_slices(layer, tp, part)[rank]
+                if (offset + start) % ALIGN or size % ALIGN:
+                    return (f"{s.module}: at TP {tp} rank {rank}'s output slice starts at row {offset + start} with "
+                            f"{size} rows, not {ALIGN}-aligned (the server fails to load it: "
+                            f"\"{_slice_error('output', offset + start, size)}\")")
     return None
+
+
+def tp_problems(layer: PlannedLayer, sources: list[SourceModule], tp_sizes: Iterable[int]) -> dict[int, str]:
+    """``slicing_problem`` at each of ``tp_sizes`` where there is one: TP size -> why."""
+    out = {}
+    for tp in sorted(set(tp_sizes)):
+        why = slicing_problem(layer, sources, tp)
+        if why:
+            out[tp] = why
+    return out
+
+
+def hydration_problem(layer: PlannedLayer, sources: list[SourceModule], tp_sizes: Iterable[int]) -> Optional[str]:
+    """Why this layer cannot be stored as EXL3 for a server at one of ``tp_sizes``, or None when it can: its
+    ``storage_problem``, else its ``slicing_problem`` at the first TP size where it has one."""
+    why = storage_problem(layer, sources)
+    if why:
+        return why
+    problems = tp_problems(layer, sources, tp_sizes)
+    return next(iter(problems.values())) if problems else None
 
 
 # --------------------------------------------------------------------------------------------------------------

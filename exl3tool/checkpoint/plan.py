@@ -217,6 +217,22 @@ class LayerPlan:
             if why:
                 raise ConfigError(f"{why}; vLLM cannot shard this model at tensor-parallel size {tp_size}")
 
+    def shard_problem(self, tp_size: int) -> Optional[str]:
+        """Why vLLM cannot split this model at ``tp_size`` (``check_tp``'s refusal, or a planned layer whose heads,
+        KV heads or parts do not divide by it), or None when it can."""
+        try:
+            self.check_tp(tp_size)
+            for layer in self.layers:
+                rank_sizes(layer, tp_size)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    def shardable_tp_sizes(self, up_to: int = 8) -> tuple[int, ...]:
+        """The TP sizes from 1 to ``up_to`` vLLM can split this model into (``shard_problem`` says why not the
+        others): the sizes a server of it can start at."""
+        return tuple(tp for tp in range(1, up_to + 1) if self.shard_problem(tp) is None)
+
     def for_tp(self, tp_size: int, *, include_skipped: bool = False) -> list[RankJob]:
         """One job per layer and rank ``0..W-1``; ranks the server never caches (6.3) only if asked."""
         self.check_tp(tp_size)
@@ -289,6 +305,40 @@ def _heads(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str) -> tupl
     return family.heads(cfg)
 
 
+def _shape_refusal(checkpoint: Checkpoint, name: str, found: tuple[int, int], expected: tuple, prefix: str,
+                   why: str) -> str:
+    """One line: the tensor, its file, the shape found and the shape config.json gives (``None``: any size)."""
+    want = ", ".join("*" if d is None else str(d) for d in expected)
+    return (f"{checkpoint.info(name).file}: {name} is [{found[0]}, {found[1]}] but config.json gives [{want}] for "
+            f"{prefix} ({why}); the weight is not the layer config.json describes (transposed, or another model's "
+            "config): fix the checkpoint or its config.json")
+
+
+def _check_config_shapes(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, tpl: ModuleTemplate,
+                         prefix: str, sources: tuple[str, ...], shapes: list[tuple[int, int]]) -> None:
+    """Every source's ``[out, in]`` against config.json before anything is planned from it: a module that reads the
+    hidden state has ``hidden_size`` columns (a low-rank latent: the template's ``inputs``), a row-parallel one
+    writes ``hidden_size`` rows, and q / k of an attention layer have the config's heads x head_dim rows. A weight
+    stored transposed is refused here, never encoded in the wrong orientation."""
+    hidden = _int_field(checkpoint, cfg, "hidden_size", arch)
+    if tpl.inputs is not None:
+        cols, col_why = tpl.inputs(cfg), "its input is a low-rank latent of config.json"
+    elif tpl.parallel == "row":
+        cols, col_why = None, ""
+    else:
+        cols, col_why = hidden, f"columns: hidden_size {hidden}"
+    rows_of: list[tuple[Optional[int], str]] = [(hidden, f"rows: hidden_size {hidden}") if tpl.parallel == "row"
+                                                else (None, "")] * len(sources)
+    if tpl.parallel == "qkv" and len(sources) == 3:
+        heads, kv, head_dim = _heads(checkpoint, family, cfg, arch)
+        rows_of[0] = (heads * head_dim, f"rows: {heads} heads x head_dim {head_dim}")
+        rows_of[1] = (kv * head_dim, f"rows: {kv} KV heads x head_dim {head_dim}")
+    for name, found, (rows, row_why) in zip(sources, shapes, rows_of, strict=True):
+        if (rows is not None and found[0] != rows) or (cols is not None and found[1] != cols):
+            why = "; ".join(w for w in (row_why, col_why) if w)
+            raise InputError(_shape_refusal(checkpoint, name, found, (rows, cols), prefix, why))
+
+
 def _plan_route(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, route: Route,
                 ckpt_layers: str) -> PlannedLayer | None:
     """Shapes of one planned module from the tensor headers; None when an optional module is absent."""
@@ -309,29 +359,19 @@ def _plan_route(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, ro
         raise InputError(f"{checkpoint.root}: checkpoint has no tensor {missing!r}{also}, needed for {route.prefix} "
                          "(not stored as EXL3, so the server loads it as BF16)")
     shapes = [_weight_shape(checkpoint, n) for n in sources]
+    _check_config_shapes(checkpoint, family, cfg, arch, tpl, route.prefix, sources, shapes)
     in_features = shapes[0][1]
     for n, (_, k) in zip(sources, shapes, strict=True):
         if k != in_features:
             raise InputError(f"{checkpoint.root}: {n} has {k} input features, {sources[0]} has {in_features}; "
                              f"they cannot be fused into {route.prefix}")
     out_features = sum(s[0] for s in shapes)
-    if tpl.parallel in ("qkv", "merged_column"):
-        hidden = _int_field(checkpoint, cfg, "hidden_size", arch)
-        if in_features != hidden:
-            raise InputError(f"{checkpoint.root}: {sources[0]} has {in_features} input features but config.json "
-                             f"hidden_size is {hidden}; the config does not belong to these weights")
     common = dict(spec=route.spec or "linear", replicated_parts=tpl.replicated_parts)
 
     if tpl.parallel == "qkv":
         num_heads, num_kv, head_dim = _heads(checkpoint, family, cfg, arch)
         q_rows, k_rows = num_heads * head_dim, num_kv * head_dim
         v_rows = out_features - q_rows - k_rows
-        if len(sources) == 3 and (shapes[0][0] != q_rows or shapes[1][0] != k_rows):
-            raise InputError(
-                f"{checkpoint.root}: {sources[0]} / {sources[1]} have {shapes[0][0]} / {shapes[1][0]} rows, "
-                f"but the config gives {num_heads} heads x {head_dim} = {q_rows} / "
-                f"{num_kv} KV heads x {head_dim} = {k_rows}"
-            )
         if v_rows <= 0 or v_rows % num_kv:
             raise InputError(
                 f"{checkpoint.root}: {route.prefix} has {out_features} output rows, which do not split into q "
@@ -363,9 +403,8 @@ def _plan_route(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, ro
     for s, (name, count) in enumerate(zip(sources, counts, strict=True)):
         want = sum(part_sizes[j:j + count])
         if shapes[s][0] != want:
-            raise InputError(f"{checkpoint.root}: {name} has {shapes[s][0]} rows, but config.json gives {want} "
-                             f"({' + '.join(map(str, part_sizes[j:j + count]))}) for {route.prefix}; the config "
-                             "does not belong to these weights")
+            raise InputError(_shape_refusal(checkpoint, name, shapes[s], (want, None), route.prefix,
+                                            f"rows {' + '.join(map(str, part_sizes[j:j + count]))}"))
         offset = 0
         for n in part_sizes[j:j + count]:
             part_sources.append((s, offset))

@@ -96,18 +96,36 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
         out: dict[str, TensorInfo] = {}
+        spans: list[tuple[int, int, str]] = []
         for name, rec in header.items():
             if name == "__metadata__":
                 continue
-            code, shape, offs = rec["dtype"], tuple(int(d) for d in rec["shape"]), rec["data_offsets"]
+            code, offs = rec["dtype"], rec["data_offsets"]
+            if not isinstance(rec["shape"], list) or any(
+                    not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in rec["shape"]):
+                raise ValueError(f"tensor {name!r} has shape {rec['shape']!r}, not a list of sizes")
+            shape = tuple(rec["shape"])
             if len(offs) == 2 and isinstance(offs[1], int) and offs[1] > size - 8 - n >= 0:
                 truncated = max(8 + n + o[1] for o in (r["data_offsets"] for k, r in header.items()
                                                        if k != "__metadata__") if isinstance(o[1], int))
                 raise _Truncated(f"{path}: truncated: its header places tensors up to byte {truncated:,}, the file "
                                  f"has {size:,} bytes (an interrupted copy or download?); copy or download it again")
-            if code not in _ST_DTYPES or len(offs) != 2 or not 0 <= offs[0] <= offs[1] <= size - 8 - n:
+            if code not in _ST_DTYPES or len(offs) != 2 or not all(isinstance(o, int) for o in offs) or not (
+                    0 <= offs[0] <= offs[1] <= size - 8 - n):
                 raise ValueError(f"bad record for tensor {name!r}")
+            numel = 1
+            for d in shape:
+                numel *= d
+            want = numel * _ST_DTYPES[code].itemsize
+            if offs[1] - offs[0] != want:
+                raise ValueError(f"tensor {name!r} is {code} {list(shape)} ({want:,} bytes) but its data_offsets "
+                                 f"{offs} span {offs[1] - offs[0]:,} bytes")
+            spans.append((offs[0], offs[1], name))
             out[name] = TensorInfo(name, path, code, shape)
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise ValueError(f"tensors {first!r} and {second!r} overlap (bytes {start:,} to {end:,})")
     except _Truncated as e:
         raise InputError(str(e)) from None
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:

@@ -166,8 +166,11 @@ def _reader_gone() -> None:
 
 
 def _interrupted(run: Run) -> None:
-    """Ctrl-C: exit 130 (128 + SIGINT, as shells report it), saying that the cache is consistent."""
+    """Ctrl-C: exit 130 (128 + SIGINT, as shells report it), saying that the cache is consistent, or what the command
+    said of its own results (``Output.note_interrupted``)."""
     report = run.interrupted
+    if run.interrupted_message:
+        _fail(run, run.interrupted_message, 130, extra=report)
     done = f" after publishing {plural(report['published'], 'entry', 'entries')}" if "published" in report else ""
     _fail(run, f"interrupted{done}: entries published so far are complete (a publish is atomic); run the same "
           "command again to resume", 130, extra=report)

@@ -204,11 +204,13 @@ class Output:
     stderr: Console = field(default_factory=lambda: _console(sys.stderr))
     document_written: bool = False  # the JSON document went to stdout (or was being written when it failed)
     interrupted: dict[str, Any] = field(default_factory=dict)  # fields an interrupted command's error document adds
+    interrupted_message: str = ""  # the command's own line for an interrupt ("" : main's, about cache entries)
 
-    def note_interrupted(self, report: dict[str, Any]) -> None:
+    def note_interrupted(self, report: dict[str, Any], message: str = "") -> None:
         """What this command had done when it was interrupted (a warm: ``published`` and ``counts``), for the error
-        document ``main`` writes."""
-        self.interrupted = dict(report)
+        document ``main`` writes; ``message``: the error line itself, where the command keeps other things than
+        cache entries (``hydrate``: where its results are kept)."""
+        self.interrupted, self.interrupted_message = dict(report), message
 
     def note(self, message: str) -> None:
         """A diagnostic line on stderr (suppressed by --quiet); at a terminal wrapped at spaces (``whole_words``)."""

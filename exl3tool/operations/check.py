@@ -31,7 +31,7 @@ from exl3tool.releases import (
 )
 
 __all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences",
-           "start_failures", "start_unknowns"]
+           "start_failures", "start_unknowns", "stored_only_report", "hydrated_failures"]
 
 _SHOWN = 3  # items named per line before "and N more"
 
@@ -98,6 +98,7 @@ class CheckReport:
     server_release: str = ""  # the release whose rules were applied (exl3tool.releases)
     release: Optional[ReleaseChoice] = None  # that release, where it came from and what was assumed
     cannot_tell: tuple[Finding, ...] = ()  # what exl3tool cannot tell about this server (an unread patched exl3.py)
+    hydrated: Optional[Any] = None  # the checkpoint's `exl3tool hydrate` record (checkpoint.hydrate_record), if any
 
     @property
     def assumed(self) -> bool:
@@ -137,6 +138,7 @@ class CheckReport:
             "stored_only": self.stored or None, "ok": self.ok, "server_release": self.server_release,
             "release": None if self.release is None else self.release.as_json(), "assumed": self.assumed,
             "cannot_tell": [f.as_json() for f in self.cannot_tell],
+            "hydrated": None if self.hydrated is None else self.hydrated.as_json(),
             "start_failures": [f.as_json() for f in self.start_failures], "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
             "invalid": plan.count("invalid"), "not_looked_up": plan.count("skipped"), "hit_origins": self.hit_origins,
             "causes": [c.as_json() for c in self.causes],
@@ -449,7 +451,7 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
         A ``CheckReport``: every look-up's state and, for each miss or invalid entry, its causes.
     """
     start = time.perf_counter()
-    stored = _stored_only(request, environ)
+    stored = stored_only_report(request, environ)
     if stored is not None:
         return stored
     checkpoint, plan, store = prepare(replace(request, mode="readonly"), environ=environ)  # the warm's verdicts
@@ -496,10 +498,12 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
         except ConfigError:
             pass
     failures = start_failures(plan, request, release, full)
+    record = _hydrate_record(request)
+    failures += hydrated_failures(record, tuple(request.tp_sizes), request.model)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4), start_failures=tuple(failures),
                        server_release=release.name, release=request.release_choice,
-                       cannot_tell=tuple(start_unknowns(plan, release, full)))
+                       cannot_tell=tuple(start_unknowns(plan, release, full)), hydrated=record)
 
 
 def _unaligned(plan: LookupPlan, full: Optional[LayerPlan], rule) -> dict[tuple[str, int], str]:
@@ -584,10 +588,65 @@ def _lock_notes(lookups: list[LookupJob], release: ServerRelease) -> list[Findin
                             f"{held[0].prefix}: {what}", "let the warm finish before starting the server")]
 
 
-def _stored_only(request: ServerRequest, environ: Optional[dict]) -> Optional[CheckReport]:
+def _hydrate_record(request: ServerRequest):
+    """The `exl3tool hydrate` record of a local checkpoint folder (``checkpoint.hydrate_record``), else None."""
+    import os
+
+    from exl3tool.checkpoint.hydrate_record import read_hydrate_record
+
+    return read_hydrate_record(request.model) if os.path.isdir(os.path.expanduser(request.model)) else None
+
+
+def hydrated_failures(record, tp_sizes: tuple[int, ...], model: str) -> list[Finding]:
+    """Why a server at one of ``tp_sizes`` fails to load a checkpoint `exl3tool hydrate` wrote (its record's
+    ``fails_at``: the first stored layer that TP size cannot slice, and the server's error). ConfigError (exit 2)
+    for a TP size the hydrate did not check: exl3tool cannot tell (docs/hydrate.md, "Checking OUT")."""
+    if record is None:
+        return []
+    checked = ",".join(map(str, record.tp_sizes))
+    out: list[Finding] = []
+    for tp in tp_sizes:
+        loads = record.loads_at(tp)
+        if loads is None:
+            raise ConfigError(f"{model}: {record.line()}, and its record covers TP sizes up to "
+                              f"{max(record.checked_up_to, *record.tp_sizes)}; TP {tp} was not checked, so exl3tool "
+                              f"cannot tell whether the server slices its stored layers there: hydrate SOURCE again "
+                              f"with --tp-size {tp}")
+        if not loads:
+            out.append(Finding(
+                "hydrated", f"this server will not start: {model} was hydrated for TP {checked}, and at TP {tp} "
+                            f"{record.fails_at[tp]}",
+                f"serve it at TP {checked}, or hydrate SOURCE again with --tp-size {tp} (a layer TP {tp} cannot "
+                "slice then stays BF16, as in SOURCE)"))
+    return out
+
+
+def _launch_notes(environ: Optional[dict]) -> list[Finding]:
+    """A launch of a checkpoint whose every online layer is stored that still sets the online-encode variables: the
+    fork then requires VLLM_EXL3_ENCODER_SOURCE at start-up (``Exl3Config._configure_online_cache_identity``: set
+    at all, and with the cache on and no revision, .py files under it to hash) although it encodes nothing."""
+    import os
+
+    from exl3tool.releases import KEY_VARIABLES
+
+    env = os.environ if environ is None else environ
+    bits = (env.get("VLLM_EXL3_ONLINE_TRELLIS_BITS") or "").strip()
+    if not bits:
+        return []
+    present = [v for v in KEY_VARIABLES if (env.get(v) or "").strip()]
+    return [Finding(
+        "launch", f"the launch sets VLLM_EXL3_ONLINE_TRELLIS_BITS={bits}, so the server still requires "
+                  "VLLM_EXL3_ENCODER_SOURCE at start-up (and, with the cache on and no VLLM_EXL3_ENCODER_REVISION, "
+                  ".py files under it to hash) although it encodes nothing",
+        f"drop {', '.join(present)} from the launch; keep --quantization-config (the layers the server keeps MXFP8 "
+        "stay MXFP8; docs/hydrate.md, 'Upload and serve')")]
+
+
+def stored_only_report(request: ServerRequest, environ: Optional[dict] = None) -> Optional[CheckReport]:
     """A report of zero look-ups when the local checkpoint stores every layer the server would encode online (a
     hydrated checkpoint, `exl3tool hydrate`): the rule is ``operations.hydrate.stored_only_reason``. None otherwise
-    (also for Hub models: their plan is ``prepare``'s, which fetches only what it needs)."""
+    (also for Hub models: their plan is ``prepare``'s, which fetches only what it needs). Its start failures are
+    the hydrate record's (``hydrated_failures``); its notes say which launch variables the server no longer needs."""
     import os
 
     from exl3tool.cache import cache_root
@@ -610,12 +669,15 @@ def _stored_only(request: ServerRequest, environ: Optional[dict]) -> Optional[Ch
     why = stored_only_reason(layer_plan, tuple(request.tp_sizes))
     if not why:
         return None
+    record = _hydrate_record(request)
+    failures = hydrated_failures(record, tuple(request.tp_sizes), checkpoint.model)
     root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, request.release)
     plan = LookupPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
                     tp_sizes=tuple(request.tp_sizes), cache_root=root, mode="readonly", jobs=(), layer_plan=layer_plan)
-    return CheckReport(plan, _resolved_dtype(request, checkpoint), (), (), {o: 0 for o in ORIGINS}, (),
-                       round(time.perf_counter() - start, 4), stored=why, server_release=request.release.name,
-                       release=request.release_choice)
+    return CheckReport(plan, _resolved_dtype(request, checkpoint), (), tuple(_launch_notes(environ)),
+                       {o: 0 for o in ORIGINS}, (), round(time.perf_counter() - start, 4), stored=why,
+                       start_failures=tuple(failures), server_release=request.release.name,
+                       release=request.release_choice, hydrated=record)
 
 
 def _unplanned_causes(plan: LookupPlan) -> list[Cause]:

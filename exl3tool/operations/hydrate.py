@@ -1,8 +1,8 @@
 """`exl3tool hydrate`: a new checkpoint in which every layer the server would encode online is stored as EXL3.
 
 ``plan_hydrate`` decides what to store from ``cache warm``'s own plan at TP 1 (``plan.request.prepare``, one rule,
-one place), then checks each layer against the fork's loader at every TP size asked for
-(``checkpoint.hydrated.hydration_problem``). ``hydrate`` runs it: each source module is encoded once
+one place), then checks each layer against the fork's loader at every TP size OUT must start at (by default every
+size up to 8 vLLM can split the model into; ``checkpoint.hydrated.storage_problem`` / ``slicing_problem``). ``hydrate`` runs it: each source module is encoded once
 (``encode_linear``, the bytes ``cache warm`` writes for an unfused layer at TP 1), kept under a temporary folder
 beside OUT so a stopped run resumes (``STEPS``), then the changed shards are written from SOURCE and those files
 (bytes copied, never held in memory), the others hard-linked (else copied), the index and ``tensor_storage``
@@ -23,24 +23,25 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from exl3tool.checkpoint.hydrate_record import HYDRATED_BY, hydrate_note
 from exl3tool.checkpoint.hydrated import (
-    EXL3_SUFFIXES, FileTensor, SourceModule, exl3_tensors_of, hydration_problem, read_header, source_modules,
-    storage_record, tensor_nbytes, write_shard,
+    EXL3_SUFFIXES, FileTensor, SourceModule, exl3_tensors_of, read_header, slicing_problem, source_modules,
+    storage_problem, storage_record, tensor_nbytes, tp_problems, write_shard,
 )
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.text import plural
 
 __all__ = ["HydrateLayer", "HydratePlan", "HydrateReport", "plan_hydrate", "hydrate", "stored_only_reason",
-           "TEMP_SUFFIX", "temp_dir"]
+           "TEMP_SUFFIX", "temp_dir", "bits_rules", "stopped_state"]
 
 TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name>.hydrate-partial"
 _INDEX = "model.safetensors.index.json"
 _QUANT = "quantization_config.json"
-HYDRATED_BY = "exl3tool_hydrate"  # a note beside tensor_storage (the fork reads neither it nor other extra keys)
+MAX_TP = 8  # the default TP sizes: every size up to this one that vLLM can split the model into
 
 EncodeFn = Callable[..., Any]  # (weight [K, N] float32, bits, seed, device) -> EncodedLinear
 LayerFn = Callable[[int, int, str, float, bool], None]  # (done, total, module, seconds, reused)
@@ -57,6 +58,7 @@ class HydrateModule:
     exl3_bytes: int
     record_key: str = ""  # its tensor_storage key: the module, or the vLLM name where the fork cannot find that
     stored_as: str = ""  # the prefix of its EXL3 tensors: the module, or its primary spelling for an aliased path
+    bits: int = 0  # its K (--bits, or the last --bits-for rule that matches it); 0: the plan's
 
     @property
     def module(self) -> str:
@@ -64,7 +66,8 @@ class HydrateModule:
 
     def as_json(self) -> dict[str, Any]:
         s = self.source
-        return {"module": self.module, "weight": s.weight, "record_key": self.record_key, "in_features": s.in_features, "out_features": s.out_features, "seed": self.seed,
+        return {"module": self.module, "weight": s.weight, "record_key": self.record_key, "in_features": s.in_features,
+                "out_features": s.out_features, "seed": self.seed, "bits": self.bits,
                 "shard": self.shard, "bytes_before": self.weight_bytes, "bytes_after": self.exl3_bytes}
 
 
@@ -91,7 +94,7 @@ class HydratePlan:
     tp_sizes: tuple[int, ...]
     dtype: str
     layers: tuple[HydrateLayer, ...]
-    left_bf16: tuple[tuple[str, str], ...]  # (prefix, why) of planned layers kept BF16 (--leave-unaligned)
+    left_bf16: tuple[tuple[str, str], ...]  # (prefix, why) of planned layers kept BF16 (not storable at a TP size)
     not_planned: tuple[tuple[str, str, str], ...]  # (prefix, reason, why) as `cache warm --dry-run` lists them
     changed_shards: tuple[str, ...]
     unchanged_files: tuple[str, ...]
@@ -100,19 +103,40 @@ class HydratePlan:
     storage_file: str  # where tensor_storage lives: quantization_config.json or config.json (inline)
     already_stored: str = ""  # non-empty: nothing to do, every online layer is stored already (why)
     checkpoint: Any = field(default=None, compare=False, repr=False)
+    tp_default: bool = False  # tp_sizes are the default (every size up to MAX_TP vLLM can split the model into)
+    left_tp: dict[str, tuple[int, ...]] = field(default_factory=dict)  # left_bf16 prefix -> the TP sizes it fails at
+    fails_at: dict[int, str] = field(default_factory=dict)  # other TP sizes <= MAX_TP where OUT fails: "layer: why"
 
     @property
     def modules(self) -> list[HydrateModule]:
         return [m for layer in self.layers for m in layer.modules]
 
+    def bits_by_module(self) -> dict[str, int]:
+        """The modules stored at another K than ``bits`` (``--bits-for``), by name."""
+        return {m.module: m.bits for m in sorted(self.modules, key=lambda m: m.module) if m.bits and m.bits != self.bits}
+
+    def note(self) -> dict[str, Any]:
+        """The ``exl3tool_hydrate`` record written into OUT beside ``tensor_storage`` (``checkpoint.hydrate_record``):
+        the TP sizes checked, those up to ``MAX_TP`` where a stored layer cannot be sliced, what is stored."""
+        mods = sorted(self.modules, key=lambda m: m.module)
+        return hydrate_note(bits=self.bits, tp_sizes=self.tp_sizes, modules={m.module: m.source.weight for m in mods},
+                            bits_by_module=self.bits_by_module(),
+                            left_bf16=[p for p, _ in self.left_bf16],
+                            left_tp=self.left_tp, fails_at=self.fails_at, checked_up_to=MAX_TP)
+
+    def _left_json(self) -> list[dict[str, Any]]:
+        return [{"prefix": p, "why": w, "tp_sizes": list(self.left_tp.get(p, ()))} for p, w in self.left_bf16]
+
     def as_json(self) -> dict[str, Any]:
         """The `hydrate --dry-run --json` document (docs/hydrate.md)."""
         mods = self.modules
         return {"source": str(self.source), "out": str(self.out), "model": self.model, "bits": self.bits,
-                "tp_sizes": list(self.tp_sizes), "dtype": self.dtype, "already_stored": self.already_stored or None,
+                "tp_sizes": list(self.tp_sizes), "tp_default": self.tp_default,
+                "fails_at": {str(tp): why for tp, why in sorted(self.fails_at.items())}, "dtype": self.dtype,
+                "already_stored": self.already_stored or None,
                 "layers": [layer.as_json() for layer in self.layers], "modules": len(mods),
                 "tiles": sum((m.source.in_features // 16) * (m.source.out_features // 16) for m in mods),
-                "left_bf16": [{"prefix": p, "why": w} for p, w in self.left_bf16],
+                "left_bf16": self._left_json(),
                 "not_planned": [{"prefix": p, "reason": r, "why": w} for p, r, w in self.not_planned],
                 "changed_shards": list(self.changed_shards), "unchanged_files": len(self.unchanged_files),
                 "storage_file": self.storage_file,
@@ -139,8 +163,9 @@ class HydrateReport:
         p = self.plan
         return {"source": str(p.source), "out": str(p.out), "noop": self.noop,
                 "already_stored": p.already_stored or None, "bits": p.bits, "tp_sizes": list(p.tp_sizes),
+                "tp_default": p.tp_default, "fails_at": {str(tp): why for tp, why in sorted(p.fails_at.items())},
                 "layers": len(p.layers), "modules_stored": len(p.modules), "encoded": self.encoded,
-                "reused": self.reused, "left_bf16": [{"prefix": a, "why": b} for a, b in p.left_bf16],
+                "reused": self.reused, "left_bf16": p._left_json(),
                 "shards_written": len(p.changed_shards), "files_linked": self.linked, "files_copied": self.copied,
                 "bytes": {"before": p.bytes_before, "after": self.bytes_after}, "seconds": self.seconds}
 
@@ -310,23 +335,63 @@ def _layer_seed(layer, source: SourceModule) -> int:
     return layer_seed(f"{base}.{source.module.rsplit('.', 1)[-1]}")
 
 
-def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
-                 environ: Optional[dict] = None) -> HydratePlan:
-    """The hydrate plan of ``request.model`` into ``out``: ``cache warm``'s layer plan at TP 1, each layer checked
-    for the fork's loader at ``request.tp_sizes``; headers only.
+def bits_rules(rules: Iterable[str | tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """``--bits-for`` rules as ``(glob, K)``: ``"GLOB=K"`` strings (or pairs), K from 3 to 8 as ``--bits``;
+    ConfigError naming the rule otherwise."""
+    from exl3tool.cache.settings import BITS_RANGE
 
+    lo, hi = BITS_RANGE
+    out = []
+    for rule in rules:
+        glob, sep, k = rule.rpartition("=") if isinstance(rule, str) else (rule[0], "=", str(rule[1]))
+        if not sep or not glob.strip() or not k.strip().isdigit() or not lo <= int(k) <= hi:
+            raise ConfigError(f"--bits-for {rule!r}: give GLOB=K, K from {lo} to {hi} (e.g. "
+                              f"'*.mlp.down_proj=5')")
+        out.append((glob.strip(), int(k)))
+    return tuple(out)
+
+
+def _module_bits(rules: tuple[tuple[str, int], ...], names: tuple[str, ...], default: int, used: set[int]) -> int:
+    """The K of a module known by ``names``: the last rule whose glob matches one of them, else ``default``."""
+    import fnmatch
+
+    bits = default
+    for n, (glob, k) in enumerate(rules):
+        if any(fnmatch.fnmatchcase(name, glob) for name in names):
+            bits = k
+            used.add(n)
+    return bits
+
+
+def _bits_for_json(plan: HydratePlan) -> dict[str, Any]:
+    """The modules stored at another K than the plan's, for the resume's job file (nothing without --bits-for)."""
+    other = plan.bits_by_module()
+    return {"bits_for": other} if other else {}
+
+
+def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
+                 bits_for: Sequence[str | tuple[str, int]] = ()) -> HydratePlan:
+    """The hydrate plan of ``request.model`` into ``out``: ``cache warm``'s layer plan at TP 1, each layer checked
+    for the fork's loader at every TP size OUT must start at; headers only.
+
+    The TP sizes are ``request.tp_sizes``, or, when empty, every size up to ``MAX_TP`` vLLM can split the model
+    into (``LayerPlan.shardable_tp_sizes``): OUT starts wherever SOURCE starts. A layer a server at one of them
+    could not slice stays BF16, as in SOURCE, and is listed with those sizes (``left_bf16``, ``left_tp``); the
+    other sizes up to ``MAX_TP`` where a stored layer could not be sliced are recorded in OUT (``fails_at``).
     Refuses (ConfigError / InputError, one line): OUT inside SOURCE or existing, a checkpoint the server does not
     encode online (a BF16 model, a plan with no layer), kinds whose stored layers the fork reads another way
-    (rank-sliced routed experts, the GLM-5.3 routed-only scope), and layers a server at one of the TP sizes could
-    not slice (unless ``leave_unaligned``: they stay BF16 and the plan lists them).
-    Example: ``hydrate(plan_hydrate(ServerRequest(model="./m", tp_sizes=(1, 2)), "./m-k6"))``.
+    (rank-sliced routed experts, the GLM-5.3 routed-only scope), a TP size vLLM cannot split the model into, and a
+    plan where every layer is left BF16.
+    Example: ``hydrate(plan_hydrate(ServerRequest(model="./m", tp_sizes=()), "./m-k6"))``.
 
     Args:
         request: the server's settings (``ServerRequest``): SOURCE as ``model``, bits, overlay, dtype, the TP sizes
-            OUT must serve, ``layers`` / ``exclude``.
+            OUT must serve (empty: every one), ``layers`` / ``exclude``.
         out: the new checkpoint folder.
-        leave_unaligned: keep BF16 (and list) the layers a server at one of the TP sizes could not slice.
         environ: the environment the plan's defaults are read from (None: ``os.environ``).
+        bits_for: per-module K, ``"GLOB=K"`` or ``(GLOB, K)`` each (``--bits-for``): the last rule whose fnmatch glob
+            matches a stored module (its checkpoint name, or its vLLM layer or source prefix) gives its K; every
+            other module takes ``request.bits``. A rule that matches no stored module is refused.
 
     Returns:
         A ``HydratePlan`` (``as_json()``: the ``--dry-run --json`` document); ``already_stored`` says why there is
@@ -338,6 +403,7 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     from exl3tool.plan.request import prepare, serving_torch_dtype
 
     request = replace(request, bits=server_bits(request.bits, os.environ if environ is None else environ))
+    rules = bits_rules(bits_for)
     if not os.path.isdir(os.path.expanduser(request.model)):
         raise InputError(f"SOURCE {request.model}: not a checkpoint folder; hydrate reads a local checkpoint "
                          "(download a Hub model first, e.g. `hf download REPO --local-dir DIR`)")
@@ -382,13 +448,18 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     if not layer_plan.server_lookup:
         raise ConfigError(f"{source}: the server would not encode any layer of this checkpoint online "
                           f"({'; '.join(layer_plan.notes[:1])}); there is nothing to hydrate")
-    tp_sizes = tuple(sorted(set(request.tp_sizes or (1,))))
-    for tp in tp_sizes:
-        layer_plan.check_tp(tp)  # vLLM cannot shard the model at all there: say so before anything else
+    whole = layer_plan if not (layers or exclude) else plan_layers(  # the server builds every layer
+        checkpoint, overlay=overlay, language_model_only=request.language_model_only, release=request.release)
+    shardable = whole.shardable_tp_sizes(MAX_TP)
+    tp_sizes = tuple(sorted(set(request.tp_sizes))) or shardable
+    for tp in tp_sizes:  # vLLM cannot shard the model at all there: say so before anything else
+        why = whole.shard_problem(tp)
+        if why:
+            raise ConfigError(why)
     dtype = serving_torch_dtype(request.dtype) or checkpoint.dtype
     base = dict(source=source, out=out_path, model=str(source), bits=request.bits, tp_sizes=tp_sizes,
                 dtype=str(dtype).removeprefix("torch."), checkpoint=checkpoint,
-                storage_file=_storage_location(checkpoint))
+                storage_file=_storage_location(checkpoint), tp_default=not request.tp_sizes)
     files = _files(source)
     total = sum((source / f).stat().st_size for f in files)
     not_planned = tuple((e.prefix, e.reason, e.detail) for e in layer_plan.excluded)
@@ -401,7 +472,10 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
     _, warm_plan, _ = prepare(replace(request, model=str(source), tp_sizes=(1,), tp_ranks=None, mode="off"),
                               environ=environ)
     hydrated: list[HydrateLayer] = []
+    stored_layers: list[tuple[Any, list[SourceModule]]] = []
     left: list[tuple[str, str]] = []
+    left_tp: dict[str, tuple[int, ...]] = {}
+    used: set[int] = set()  # the --bits-for rules that matched a stored module
     family = layer_plan.family
     packed = family.packed(layer_plan.text) if family is not None and layer_plan.text is not None else {}
     mapper = family.storage_mapper if family is not None else ()
@@ -412,33 +486,50 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
         layer = job.rank_job.layer
         rows = {name: checkpoint.info(name).shape[0] for name in layer.sources}
         sources = source_modules(layer, rows)
-        problem = hydration_problem(layer, sources, tp_sizes)
-        if problem:
-            left.append((layer.prefix, problem))
+        problem = storage_problem(layer, sources)
+        at = tp_problems(layer, sources, tp_sizes) if problem is None else {}
+        if problem or at:  # kept BF16, as in SOURCE: a server at any TP size loads it as it loads SOURCE's
+            left.append((layer.prefix, problem or at[min(at)]))
+            left_tp[layer.prefix] = tuple(sorted(at))
             continue
+        stored_layers.append((layer, sources))
         mods = []
         for i, s in enumerate(sources):
             info = checkpoint.info(s.weight)
             k, n = s.in_features, s.out_features
-            exl3 = tensor_nbytes((k // 16, n // 16, 16 * request.bits), "I16") + 2 * (k + n) + 4
             stored_as = _primary_spelling(s.module, aliases)
-            key = _record_key(stored_as, _source_prefix(layer, i, packed), mapper)
+            vllm_name = _source_prefix(layer, i, packed)
+            bits = _module_bits(rules, (stored_as, s.module, vllm_name, layer.prefix), request.bits, used)
+            exl3 = tensor_nbytes((k // 16, n // 16, 16 * bits), "I16") + 2 * (k + n) + 4
+            key = _record_key(stored_as, vllm_name, mapper)
             mods.append(HydrateModule(s, _layer_seed(layer, s), info.file.name,
-                                      tensor_nbytes(info.shape, info.dtype_code), exl3, key, stored_as))
+                                      tensor_nbytes(info.shape, info.dtype_code), exl3, key, stored_as, bits))
         hydrated.append(HydrateLayer(layer.prefix, layer.parallel, tuple(mods)))
-    if left and not leave_unaligned:
-        first, why = left[0]
-        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-        raise ConfigError(f"{first} cannot be stored as EXL3 for TP {','.join(map(str, tp_sizes))}: {why}{more}; "
-                          "pass --leave-unaligned to keep such layers BF16 (the server encodes or keeps them as "
-                          "today), or drop that TP size from --tp-size")
+    base.update(left_tp=left_tp)
+    unused = [f"{glob}={k}" for n, (glob, k) in enumerate(rules) if n not in used]
+    if unused and hydrated:
+        raise ConfigError(f"--bits-for {unused[0]} matches no module hydrate stores; a glob matches checkpoint modules "
+                          f"(e.g. '{hydrated[0].modules[0].module}') or vLLM layer prefixes "
+                          f"(e.g. '{hydrated[0].prefix}')")
     if not hydrated and left and _hydrated_by_us(checkpoint, base["storage_file"]):
         return HydratePlan(**base, layers=(), left_bf16=tuple(left), not_planned=not_planned, changed_shards=(),
                            unchanged_files=tuple(files), bytes_before=total, bytes_after=total,
                            already_stored=f"every storable layer is stored; {plural(len(left), 'layer')} left BF16")
     if not hydrated:
-        raise ConfigError(f"{source}: nothing to hydrate: every layer a TP 1 server encodes online is left BF16 "
-                          f"({left[0][0]}: {left[0][1]})" if left else f"{source}: nothing to hydrate")
+        sizes = ",".join(map(str, tp_sizes))
+        narrow = "; narrow --tp-size to the sizes you serve" if any(left_tp.values()) else ""
+        raise ConfigError(f"{source}: nothing to hydrate for TP {sizes}: every layer a TP 1 server encodes online "
+                          f"stays BF16 ({left[0][0]}: {left[0][1]}){narrow}" if left else
+                          f"{source}: nothing to hydrate")
+    fails_at: dict[int, str] = {}
+    for tp in shardable:  # the sizes not asked for: recorded in OUT, so `cache check` there names the layer
+        if tp in tp_sizes:
+            continue
+        why = next((f"{layer.prefix}: {w}" for layer, srcs in stored_layers
+                    if (w := slicing_problem(layer, srcs, tp))), None)
+        if why:
+            fails_at[tp] = why
+    base.update(fails_at=fails_at)
     changed = sorted({m.shard for layer in hydrated for m in layer.modules})
     meta_files = {_INDEX, base["storage_file"]}
     unchanged = tuple(f for f in files if f not in changed and f not in meta_files)
@@ -453,16 +544,21 @@ def plan_hydrate(request, out: str | Path, *, leave_unaligned: bool = False,
 # the run
 
 
+def _bits(plan: HydratePlan, m: HydrateModule) -> int:
+    """The K ``m`` is encoded at: its own (``--bits-for``), else the plan's."""
+    return m.bits or plan.bits
+
+
 def _fingerprint(plan: HydratePlan, m: HydrateModule) -> str:
     """What a kept per-layer result was made from: a change to any of it (a re-downloaded shard, other bits or
     dtype) makes the resume encode the module again."""
     st = (plan.source / m.shard).stat()
     return json.dumps({"weight": m.source.weight, "shard": m.shard, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                       "bits": plan.bits, "seed": m.seed, "dtype": plan.dtype, "schema": 1}, sort_keys=True)
+                       "bits": _bits(plan, m), "seed": m.seed, "dtype": plan.dtype, "schema": 1}, sort_keys=True)
 
 
 def _job_json(plan: HydratePlan) -> str:
-    return json.dumps({"source": str(plan.source), "bits": plan.bits, "dtype": plan.dtype,
+    return json.dumps({"source": str(plan.source), "bits": plan.bits, "dtype": plan.dtype, **_bits_for_json(plan),
                        "modules": [m.module for m in plan.modules]}, sort_keys=True)
 
 
@@ -646,6 +742,16 @@ def _kept(temp: Path) -> int:
         return 0
 
 
+def stopped_state(plan: HydratePlan) -> dict[str, Any]:
+    """What a run of ``plan`` that stopped (Ctrl-C) left, for its caller to say: ``out_written`` (OUT is in place,
+    complete: the stop came after its rename), ``kept`` (module results kept in the temporary folder, which the same
+    command reuses) and ``kept_in`` (that folder, None when there is none)."""
+    temp = temp_dir(plan.out)
+    written = plan.out.is_dir() and not temp.exists()
+    return {"out_written": written, "kept": 0 if written else _kept(temp),
+            "kept_in": str(temp) if temp.is_dir() else None}
+
+
 def _encode_module(plan: HydratePlan, m: HydrateModule, encode: Optional[EncodeFn], device: torch.device):
     from exl3tool.checkpoint import encoder_input
 
@@ -658,8 +764,8 @@ def _encode_module(plan: HydratePlan, m: HydrateModule, encode: Optional[EncodeF
     if encode is None:
         from exl3tool.encode import encode_linear
 
-        return encode_linear(weight.to(device), bits=plan.bits, seed=m.seed, device=device, name=m.module)
-    return encode(weight, plan.bits, m.seed, device)
+        return encode_linear(weight.to(device), bits=_bits(plan, m), seed=m.seed, device=device, name=m.module)
+    return encode(weight, _bits(plan, m), m.seed, device)
 
 
 def _same_filesystem(plan: HydratePlan) -> bool:
@@ -808,10 +914,9 @@ def _assemble(plan: HydratePlan, stage: Path, temp: Path, steps: _Steps) -> tupl
         index.setdefault("metadata", {})["total_size"] = total
         _write_json(stage / _INDEX, index, 2)
         steps("index")
-    records = {m.record_key or m.module: storage_record(m.module, shapes[m.module], plan.bits) for m in plan.modules}
-    note = {"bits": plan.bits, "tp_sizes": list(plan.tp_sizes),
-            "modules": {m.module: m.source.weight for m in sorted(plan.modules, key=lambda m: m.module)},
-            "left_bf16": [p for p, _ in plan.left_bf16]}
+    records = {m.record_key or m.module: storage_record(m.module, shapes[m.module], _bits(plan, m))
+               for m in plan.modules}
+    note = plan.note()
     if plan.storage_file == "config.json":
         cfg = json.loads((plan.source / "config.json").read_text())
         cfg["quantization_config"]["tensor_storage"].update(records)
@@ -955,7 +1060,7 @@ def _run(plan: HydratePlan, ctx, device: str, encode: Optional[EncodeFn], on_lay
             (temp / _ASSEMBLED).unlink(missing_ok=True)
             _remove(stage)
             for m in plan.modules:  # every worker's share is kept before OUT is written
-                if _load_result(_result_path(temp, m.module), _fingerprint(plan, m), m, plan.bits) is None:
+                if _load_result(_result_path(temp, m.module), _fingerprint(plan, m), m, _bits(plan, m)) is None:
                     raise InputError(f"{m.module}: its result is missing from {temp / _LAYERS} (a worker stopped?); "
                                      "run the command again to resume")
             linked, copied = _assemble(plan, stage, temp, steps)
@@ -1000,7 +1105,7 @@ def _encode_share(plan: HydratePlan, ctx, device: str, encode: Optional[EncodeFn
     for i, m in enumerate(mine, 1):
         t0 = time.perf_counter()
         path, fingerprint = _result_path(temp, m.module), _fingerprint(plan, m)
-        was_kept = _load_result(path, fingerprint, m, plan.bits) is not None
+        was_kept = _load_result(path, fingerprint, m, _bits(plan, m)) is not None
         if not was_kept:
             enc = _encode_module(plan, m, encode, dev)
             _save_result(path, exl3_tensors_of(m.module, enc.trellis, enc.suh, enc.svh), fingerprint)
@@ -1074,7 +1179,7 @@ def _fault(plan: HydratePlan, temp: Path, exc: BaseException, ours: bool) -> Bas
     kept = (f"the {plural(n, 'module')} encoded so far {'is' if n == 1 else 'are'} kept in {temp}" if n else "")
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         pending = [m for m in plan.modules
-                   if _load_result(_result_path(temp, m.module), _fingerprint(plan, m), m, plan.bits) is None]
+                   if _load_result(_result_path(temp, m.module), _fingerprint(plan, m), m, _bits(plan, m)) is None]
         needed, what = _bytes_to_write(plan, pending)
         free = shutil.disk_usage(plan.out.parent).free
         return InputError(f"{exc.filename or plan.out.parent}: no space left on its filesystem ({_mib(free)} free; the "
@@ -1104,7 +1209,7 @@ def _prepare_temp(plan: HydratePlan, temp: Path) -> None:
                               "it to start over, or run the command that made it to resume it")
     fingerprints = {m.module: _fingerprint(plan, m) for m in plan.modules}
     pending = [m for m in plan.modules
-               if _load_result(_result_path(temp, m.module), fingerprints[m.module], m, plan.bits) is None]
+               if _load_result(_result_path(temp, m.module), fingerprints[m.module], m, _bits(plan, m)) is None]
     _free_space_check(plan, temp, pending)
     created = not temp.is_dir()
     try:

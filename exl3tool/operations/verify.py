@@ -285,7 +285,8 @@ def verify_hydrated(
             k, n = tensors["suh"].shape[0], tensors["svh"].shape[0]
             base = dict(prefix=module, tp_size=1, tp_rank=0, input_size=k, output_size=n)
             weight = encoder_input(original.read(source_weight).to(dtype or original.dtype))
-            row_checks, rel, mse = verify_entry(tensors, weight, bits=bits, rows=rows, seed=seed, device=device,
+            k_bits = tensors["trellis"].shape[-1] // 16  # each module's own K (hydrate --bits-for)
+            row_checks, rel, mse = verify_entry(tensors, weight, bits=k_bits, rows=rows, seed=seed, device=device,
                                                 gemm=gemm)
         except Exception as exc:
             check = LayerCheck(prefix=module, tp_size=1, tp_rank=0, input_size=0, output_size=0, status="fail",
@@ -295,8 +296,9 @@ def verify_hydrated(
             k_err, q_err = max(r.kernel_err for r in row_checks), max(r.quant_err for r in row_checks)
             if not k_err <= max_kernel_err:
                 problems.append(f"kernel error {k_err:.2e} > {max_kernel_err:.1e}")
-            if not q_err <= quant_limit:
-                problems.append(f"quantization error {q_err:.3g} > {quant_limit:.3g} (the stored layer is not SOURCE's)")
+            limit = quant_limit if max_quant_err is not None or k_bits == bits else default_quant_err(k_bits)
+            if not q_err <= limit:
+                problems.append(f"quantization error {q_err:.3g} > {limit:.3g} (the stored layer is not SOURCE's)")
             check = LayerCheck(**base, status="fail" if problems else "pass", reason="; ".join(problems),
                                path=str(hydrated.info(f"{module}.trellis").file), rows=row_checks, weight_rel_err=rel,
                                weight_mse=mse, seconds=time.perf_counter() - start)

@@ -27,7 +27,8 @@ from exl3tool.plan.sharing import group_jobs, share_jobs
 if TYPE_CHECKING:
     from exl3tool.plan.job import LookupJob
 
-__all__ = ["Shard", "ShardInfo", "SCHEDULERS", "parse_shard", "resolve_shard", "shard_slice", "shard_info"]
+__all__ = ["Shard", "ShardInfo", "SCHEDULERS", "parse_shard", "resolve_shard", "shard_slice", "shard_info",
+           "check_count"]
 
 
 @dataclass(frozen=True)
@@ -200,10 +201,22 @@ def resolve_shard(option: Optional[str], shard_count: Optional[int] = None,
     return None
 
 
+def check_count(shard: Shard, jobs: list["LookupJob"]) -> None:
+    """ConfigError (a usage error, one line) when ``shard.count`` is more than the plan has jobs: such a count is a
+    mistake (a typo, a matrix sized for another model), never a split; it is refused before ``share_jobs`` sizes
+    anything by it (a count of 2**63 would not fit in memory)."""
+    if shard.count <= len(jobs):
+        return
+    encodes = len(group_jobs([j for j in jobs if j.state != "skipped"]))
+    raise ConfigError(f"shard count {shard.count} (from {shard.source}) is more than the plan's {len(jobs)} jobs "
+                      f"({encodes} encodes: at most {encodes} shards hold work); pass a count from 1 to {len(jobs)}")
+
+
 def shard_slice(jobs: list["LookupJob"], shard: Shard) -> list["LookupJob"]:
     """``shard``'s jobs of a plan's ``jobs`` (planned states need not be known): its share groups of the looked-up
     jobs, by ``share_jobs`` (largest encode first into the least-loaded shard, ties by digest and index), and on
-    shard 0 the skipped jobs; in the plan's order."""
+    shard 0 the skipped jobs; in the plan's order. ConfigError for a count beyond the plan's jobs (``check_count``)."""
+    check_count(shard, jobs)
     looked_up = [j for j in jobs if j.state != "skipped"]
     mine = {j.digest for j in share_jobs(looked_up, shard.index, shard.count)}
     return [j for j in jobs if j.digest in mine or (j.state == "skipped" and shard.index == 0)]

@@ -10,7 +10,7 @@ import pytest
 from exl3tool.checkpoint import (
     SUPPORTED_ARCHITECTURES, is_shared_expert_projection, open_checkpoint, plan_layers, write_checkpoint,
 )
-from exl3tool.checkpoint.synthetic import exl3_record, exl3_tensors
+from exl3tool.checkpoint.synthetic import exl3_record, exl3_tensors, write_llama_checkpoint
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.releases import newest
 
@@ -176,12 +176,37 @@ def test_config_that_does_not_fit_the_weights(tiny_hub, tmp_path):
     config = json.loads((d / "config.json").read_text())
     config["hidden_size"] = 512
     (d / "config.json").write_text(json.dumps(config))
-    with pytest.raises(InputError, match="hidden_size is 512"):
+    with pytest.raises(InputError, match=r"q_proj.weight is \[256, 256\] but config.json gives \[256, 512\]"):
         plan_layers(open_checkpoint(str(d)), release=newest())
     config["hidden_size"], config["num_key_value_heads"] = 256, 1
     (d / "config.json").write_text(json.dumps(config))
-    with pytest.raises(InputError, match="k_proj.weight have 256 / 128 rows"):
+    with pytest.raises(InputError, match=r"k_proj.weight is \[128, 256\] but config.json gives \[64, 256\] .*"
+                                         r"rows: 1 KV heads x head_dim 64"):
         plan_layers(open_checkpoint(str(d)), release=newest())
+
+
+@pytest.mark.parametrize("module, expected", [
+    ("self_attn.k_proj", "[128, 256]"),  # columns: hidden_size
+    ("mlp.down_proj", "[256, *]"),  # a row-parallel layer writes hidden_size rows
+])
+def test_a_weight_stored_transposed_is_refused_naming_file_and_shapes(tmp_path, module, expected):
+    """A weight whose header shape contradicts config.json (here: stored transposed) is refused before anything is
+    planned from it: the tensor, its file, the shape found and the shape the config gives; never planned (and
+    encoded) in the wrong orientation."""
+    from safetensors.torch import load_file, save_file
+
+    d = write_llama_checkpoint(tmp_path / "ck", layers=1, shards=1, intermediate=384)
+    shard = d / "model.safetensors"
+    tensors = load_file(str(shard))
+    name = f"model.layers.0.{module}.weight"
+    found = list(tensors[name].shape)[::-1]
+    tensors[name] = tensors[name].t().contiguous()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(InputError) as err:
+        plan_layers(open_checkpoint(str(d)), release=newest())
+    text = str(err.value)
+    assert text.startswith(f"{shard}: {name} is [{found[0]}, {found[1]}] but config.json gives {expected}"), text
+    assert "\n" not in text
 
 
 def _with_storage(tiny_hub, tmp_path, exl3_modules):

@@ -99,6 +99,50 @@ def test_corrupt_safetensors_header(tiny_hub, tmp_path):
         open_checkpoint(str(d))
 
 
+def _rewrite_header(shard, edit) -> None:
+    """Apply ``edit`` to the shard's header dict and write it back, padded to its old length (data unmoved)."""
+    import struct
+
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit({k: v for k, v in header.items() if k != "__metadata__"})
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    shard.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+
+
+@pytest.mark.parametrize("fault, words", [
+    ("dtype", "span"),  # a BF16 tensor relabelled F32: twice the bytes its offsets hold
+    ("shape", "span"),  # one row more than its bytes
+    ("overlap", "overlap"),  # two tensors over the same bytes
+    ("negative", "not a list of sizes"),
+])
+def test_header_records_must_match_their_bytes(tiny_hub, tmp_path, fault, words):
+    """Every tensor's bytes are its shape times its dtype's size, within the file and apart from the others: a
+    corrupt header is refused naming the file and the tensor, before any weight is read."""
+    d = _copy(tiny_hub[2], tmp_path / "ck")
+    shard = d / "model-00001-of-00002.safetensors"
+
+    def edit(header):
+        name, rec = next((k, r) for k, r in header.items() if r["dtype"] == "BF16" and len(r["shape"]) == 2)
+        if fault == "dtype":
+            rec["dtype"] = "F32"
+        elif fault == "shape":
+            rec["shape"][0] += 1
+        elif fault == "negative":
+            rec["shape"][0] = -rec["shape"][0]
+        else:
+            other = next(r for k, r in header.items() if k != name and r["data_offsets"][1] > r["data_offsets"][0])
+            rec["data_offsets"] = list(other["data_offsets"])
+            rec["shape"], rec["dtype"] = list(other["shape"]), other["dtype"]
+
+    _rewrite_header(shard, edit)
+    with pytest.raises(InputError, match=r"model-00001-of-00002\.safetensors: corrupt safetensors header") as err:
+        open_checkpoint(str(d))
+    assert words in str(err.value) and "tensor" in str(err.value), err.value
+
+
 def test_index_points_at_tensor_not_in_shard(tiny_hub, tmp_path):
     d = _copy(tiny_hub[2], tmp_path / "ck")
     index = json.loads((d / "model.safetensors.index.json").read_text())

@@ -88,7 +88,8 @@ CLAIMS = [
     ("docs/cache.md", "Neither changes a hit or an exit code", "parity"),
     ("docs/deploy.md", "a difference refuses the warm (exit 2)", "parity"),
     ("docs/deploy.md", "* **Errors** are one line, exit 2, before any work: `--shard 3/2`", "shards"),
-    ("docs/deploy.md", "* **A shard with no job** (N larger than the plan's encodes) is success (exit 0)", "shards"),
+    ("docs/deploy.md", "* **A shard with no job** (N larger than the plan's encodes, up to its jobs) is success (exit 0)",
+     "shards"),
     ("docs/deploy.md", "A plan with no work at all stays a usage error (exit 2), as unsharded.", "shards"),
     ("docs/deploy.md", "whole plan; it exits 0 only when every shard ran.", "shards"),
     ("help: hydrate", "Exit codes: 0 written (or nothing to do: already stored), 2 usage", "hydrate"),
@@ -98,6 +99,12 @@ CLAIMS = [
     ("docs/hydrate.md", "same OUT is refused at once (exit 2)", "hydrate"),
     ("docs/hydrate.md", "Ctrl-C always ends the run", "hydrate"),
     ("docs/hydrate.md", "every online layer is stored` and exits 0", "hydrate"),
+    ("docs/hydrate.md", 'start=0, size=64")` (exit 1)', "hydrate_record"),
+    ("docs/hydrate.md", "it says it cannot tell (exit 2)", "hydrate_record"),
+    ("docs/hydrate.md", "`0 look-ups: every online layer is stored` (exit 0) at a TP size", "hydrate_record"),
+    ("docs/hydrate.md", 'stored layer cannot be sliced at (exit 1, "TP sizes" above)', "hydrate_record"),
+    ("docs/hydrate.md", "(`note (launch): ... drop ...`, exit 0), and a launch without them answers the same 0 look-ups, "
+                        "exit 0", "hydrate_record"),
 ]
 
 
@@ -339,7 +346,9 @@ def scenario_shards(m, tmp, monkeypatch):
     monkeypatch.delenv("JOB_COMPLETION_INDEX")
     ignore_all = '{"linear": {"weight": "mxfp8"}, "ignore": ["re:.*"]}'
     assert run([*base, "--dry-run", "--shard", "0/2", "--quantization-config", ignore_all]) == 2
-    assert run([*base, "--layers", LAYER, "--shard", "1/2"]) == 0  # one job, two shards: shard 1 has none
+    assert run([*base, "--layers", LAYER, "--shard", "1/2"]) == 2  # one job, two shards: a count beyond its jobs
+    # 5 jobs (TP 1, and TP 4's 4 ranks the server keeps MXFP8: K_r 64), 1 encode: shard 1 of 2 has none
+    assert run([*base, "--layers", LAYER, "--tp-size", "1,4", "--shard", "1/2"]) == 0
     assert not (tmp / "c" / "v1").exists()
 
     import exl3tool.operations.warm.run as warm_run
@@ -469,7 +478,9 @@ def scenario_exact(m, tmp, monkeypatch):
 
 
 def scenario_hydrate(m, tmp, monkeypatch):
-    assert run(["hydrate", m["good"], tmp / "out", "--dry-run"]) == 0
+    tp1 = ["--tp-size", "1"]  # the tiny Llama: no layer slices in 128-blocks at TP 4, one of the default sizes
+    assert run(["hydrate", m["good"], tmp / "out", "--dry-run", *tp1]) == 0
+    assert run(["hydrate", m["good"], tmp / "out", "--dry-run"]) == 2  # nothing to hydrate for TP 1,2,4
     assert run(["hydrate", m["good"], m["good"] / "out", "--dry-run"]) == 2  # OUT inside SOURCE
     assert run(["hydrate", m["plain"], tmp / "out"]) == 2  # a BF16 model: nothing the server encodes online
     import exl3tool.operations.hydrate as hy
@@ -478,16 +489,40 @@ def scenario_hydrate(m, tmp, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(hy, "hydrate", interrupted)
-    assert run(["hydrate", m["good"], tmp / "out"]) == 130
+    assert run(["hydrate", m["good"], tmp / "out", *tp1]) == 130
     monkeypatch.undo()
     real_plan = hy.plan_hydrate  # a checkpoint whose online layers are stored already: nothing to do, exit 0
     monkeypatch.setattr(hy, "plan_hydrate", lambda *a, **k: replace(real_plan(*a, **k), already_stored="stored"))
-    assert run(["hydrate", m["good"], tmp / "out"]) == 0 and not (tmp / "out").exists()
+    assert run(["hydrate", m["good"], tmp / "out", *tp1]) == 0 and not (tmp / "out").exists()
     monkeypatch.undo()
     from filelock import FileLock
 
     with FileLock(str(hy.lock_file(tmp / "out"))):  # another hydrate into the same OUT is running
-        assert run(["hydrate", m["good"], tmp / "out"]) == 2 and not (tmp / "out").exists()
+        assert run(["hydrate", m["good"], tmp / "out", *tp1]) == 2 and not (tmp / "out").exists()
+
+
+def scenario_hydrate_record(m, tmp, monkeypatch):
+    """cache check on an OUT hydrated for TP 1: 0 look-ups (0) there, also from a launch with or without the
+    online-encode variables; at TP 2, where its stored qkv cannot be sliced, a start failure (1); with an earlier
+    record that checked only TP 1, TP 2 cannot be told (2)."""
+    import exl3tool.operations.hydrate as hy
+    from helpers import fake_encode
+
+    real = hy.hydrate
+    monkeypatch.setattr(hy, "hydrate", lambda plan, **k: real(plan, **{**k, "encode": fake_encode}))
+    out = tmp / "out"
+    assert run(["hydrate", m["good"], out, "--tp-size", "1", "--quiet"]) == 0
+    check = ["cache", "check", out, "--cache-dir", tmp / "c", "--quiet", *ENC]
+    assert run(check) == 0 and run([*check, "--tp-size", "2"]) == 1
+    env = f"VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3 VLLM_EXL3_ONLINE_CACHE_DIR={tmp / 'c'} "
+    launch = f"vllm serve {out} --quantization-config '{{\"linear\": \"mxfp8\"}}'"
+    assert run(["cache", "check", "--quiet", "--launch", env + launch]) == 0
+    assert run(["cache", "check", "--quiet", "--launch", launch]) == 0
+    qc = json.loads((out / "quantization_config.json").read_text())
+    for key in ("tp_checked_up_to", "fails_at"):
+        del qc["exl3tool_hydrate"][key]
+    (out / "quantization_config.json").write_text(json.dumps(qc))
+    assert run([*check, "--tp-size", "2"]) == 2
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}

@@ -170,7 +170,7 @@ def test_rehydrating_out_is_a_noop(hydrated, tmp_path, capsys):
 
 def test_dry_run_json_is_the_plan_and_writes_nothing(tmp_path, capsys):
     src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
-    code, stdout, err = run(["hydrate", src, tmp_path / "out", "--dry-run", "--json"], capsys)
+    code, stdout, err = run(["hydrate", src, tmp_path / "out", "--dry-run", "--json", "--tp-size", "1"], capsys)
     assert code == 0, err
     doc = json.loads(stdout)
     assert doc == plan_hydrate(ServerRequest(model=str(src)), tmp_path / "out").as_json()
@@ -197,31 +197,33 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys, monkeypatch
     cases = [
         (["hydrate", bf16, out], "not an EXL3 checkpoint"),
         (["hydrate", src, src / "inner"], "is inside SOURCE"),
-        (["hydrate", src, out, "--tp-size", "1,2"], "k_proj: at TP 2"),
+        (["hydrate", src, out], "nothing to hydrate for TP 1,2,4"),  # tiny: TP 4 slices no layer in 128-blocks
+        (["hydrate", src, out, "--tp-size", "3"], "not divisible by tensor-parallel size 3"),
     ]
     for argv, want in cases:
         code, _, err = run(argv, capsys)
         assert code == 2 and want in _one_line(err), (argv, err)
         _nothing_left(tmp_path, out)
     out.mkdir()
-    code, _, err = run(["hydrate", src, out], capsys)
+    code, _, err = run(["hydrate", src, out, "--tp-size", "1"], capsys)
     assert code == 2 and "exists" in _one_line(err)
     out.rmdir()
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
-    code, _, err = run(["hydrate", src, out], capsys)
+    code, _, err = run(["hydrate", src, out, "--tp-size", "1"], capsys)
     assert code == 2 and "free on its filesystem" in _one_line(err)
     _nothing_left(tmp_path, out)
 
 
-def test_unaligned_layers_left_bf16_when_asked(tmp_path, capsys, monkeypatch):
+def test_layers_a_tp_size_cannot_slice_are_left_bf16_and_listed(tmp_path, capsys, monkeypatch):
     src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
     monkeypatch.setattr("exl3tool.encode.encode_linear", lambda w, **k: weight_encode(w, k["bits"], k["seed"], "cpu"))
-    code, stdout, err = run(["hydrate", src, tmp_path / "out", "--tp-size", "1,2", "--leave-unaligned", "--json"], capsys)
+    code, stdout, err = run(["hydrate", src, tmp_path / "out", "--tp-size", "1,2", "--json"], capsys)
     assert code == 0, err
     doc = json.loads(stdout)
-    assert [d["prefix"] for d in doc["left_bf16"]] == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
-    assert "left BF16: model.layers.0.self_attn.qkv_proj" in err
+    assert [(d["prefix"], d["tp_sizes"]) for d in doc["left_bf16"]] == [
+        (f"model.layers.{i}.self_attn.qkv_proj", [2]) for i in range(2)]
+    assert "left BF16 (as in SOURCE): model.layers.0.self_attn.qkv_proj" in err
     online = server_online_lookups(tmp_path / "out", ONLINE["llama"])
     assert online == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
 
@@ -233,7 +235,7 @@ def test_read_only_source_is_read_only(tmp_path, capsys, monkeypatch):
     for p in [src, *src.iterdir()]:
         p.chmod(0o555 if p.is_dir() else 0o444)
     try:
-        code, _, err = run(["hydrate", src, tmp_path / "out", "-q"], capsys)
+        code, _, err = run(["hydrate", src, tmp_path / "out", "-q", "--tp-size", "1"], capsys)
     finally:
         src.chmod(0o755)
     assert code == 0, err
@@ -244,7 +246,7 @@ def test_read_only_source_is_read_only(tmp_path, capsys, monkeypatch):
     locked.mkdir(mode=0o555)
     if os.access(locked, os.W_OK):  # root writes anywhere: nothing to show
         return
-    code, _, err = run(["hydrate", src, locked / "out"], capsys)
+    code, _, err = run(["hydrate", src, locked / "out", "--tp-size", "1"], capsys)
     assert code == 2 and "cannot create" in _one_line(err)
     _nothing_left(locked, locked / "out")
 
@@ -266,7 +268,8 @@ def _child_setup(tmp_path: Path) -> tuple[Path, Path, Path, list[str]]:
     clean = tmp_path / "clean"
     hydrate(plan_hydrate(_request(src, "qwen3.5"), clean), device="cpu", encode=weight_encode)
     out = tmp_path / "out"
-    argv = ["hydrate", str(src), str(out), "--quantization-config", TINY_FAMILIES["qwen3.5"].overlay, "--device", "cpu"]
+    argv = ["hydrate", str(src), str(out), "--quantization-config", TINY_FAMILIES["qwen3.5"].overlay, "--device", "cpu",
+            "--tp-size", "1"]
     return src, clean, out, argv
 
 
@@ -441,7 +444,7 @@ def test_torchrun_two_workers_split_the_modules_and_write_the_same_bytes(tmp_pat
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), str(HERE / "operations")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "operations" / "hydrate_child.py"), "hydrate", str(src), str(tmp_path / "out"), "--device", "cpu",
-           "--json"]
+           "--json", "--tp-size", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
@@ -482,6 +485,10 @@ def test_launch_gives_bits_overlay_and_tp_size(tmp_path, capsys):
     code, stdout, err = run(["hydrate", src, tmp_path / "out", "--dry-run", "--json", "--leave-unaligned",
                              "--launch", launch], capsys)
     assert code == 0, err
+    # an option of earlier versions that now does nothing: accepted, said in one line, absent from the help
+    [said] = [line for line in err.splitlines() if "--leave-unaligned" in line]
+    assert said.startswith("warning: --leave-unaligned has no effect"), err
+    assert "--leave-unaligned" not in run(["hydrate", "--help"], capsys)[1]
     doc = json.loads(stdout)
     assert doc["bits"] == 5 and doc["tp_sizes"] == [2] and doc["settings"]
     stored = {m["module"] for layer in doc["layers"] for m in layer["modules"]}
@@ -538,13 +545,13 @@ def test_disk_filling_during_the_run_keeps_the_results_and_resumes(tmp_path, cap
 
     monkeypatch.setattr(hy, "_save_result", save)
     out = tmp_path / "out"
-    code, _, err = run(["hydrate", src, out, "--device", "cpu"], capsys)
+    code, _, err = run(["hydrate", src, out, "--device", "cpu", "--tp-size", "1"], capsys)
     line = _one_line(err)
     assert code == 2 and re.search(NO_SPACE, line), err
     assert str(saved[-1].parent) in line and "2 modules encoded so far are kept in" in line  # names file and where
     assert not out.exists()
     monkeypatch.setattr(hy, "_save_result", real)
-    code, stdout, err = run(["hydrate", src, out, "--device", "cpu", "--json"], capsys)
+    code, stdout, err = run(["hydrate", src, out, "--device", "cpu", "--json", "--tp-size", "1"], capsys)
     assert code == 0, err
     doc = json.loads(stdout)
     assert doc["reused"] == 2 and doc["encoded"] == 12

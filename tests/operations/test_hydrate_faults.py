@@ -51,6 +51,9 @@ def fake_encoder(monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is the kernel's; these tests kill processes only
 
 
+# the library's TP sizes (ServerRequest's default, TP 1) on the command line, whose default is every size vLLM can
+# split the model into: at TP 4 this model's layers slice in no 128-blocks, nothing would be hydrated
+HYDRATE = ("hydrate", "--tp-size", "1")
 LAYERS = ("*.o_proj", "*.down_proj")  # one module in each shard: every kind of step, few steps
 
 
@@ -65,7 +68,7 @@ def job(tmp_path, fake_encoder):
     steps: list[str] = []
     clean = tmp_path / "clean"
     hydrate(plan_hydrate(_request(src), clean), device="cpu", encode=weight_encode, on_step=steps.append)
-    argv = ["hydrate", str(src), str(tmp_path / "out"), "--json", *(a for g in LAYERS for a in ("--layers", g))]
+    argv = [*HYDRATE, str(src), str(tmp_path / "out"), "--json", *(a for g in LAYERS for a in ("--layers", g))]
     return src, _digests(clean), steps, tmp_path / "out", argv
 
 
@@ -205,7 +208,9 @@ def _swallowed_ctrl_c() -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_swallowed_ctrl_c_still_exits_130(tmp_path, capsys, monkeypatch, fake_encoder):
     """Through the CLI: Ctrl-C lost in a ctypes callback inside the third encode ends the run with 130 (it used to
-    run on and exit 0); the results are kept and named, the lock is gone, and the same command resumes."""
+    run on and exit 0); the results are kept and named, the lock is gone, and the same command resumes. The error
+    line is hydrate's own (where the results are kept, the same command resumes; not the cache commands' line about
+    published entries), and the --json error document says it too."""
     src = _checkpoint(tmp_path / "src", fresh_seed())
     calls = []
 
@@ -217,11 +222,16 @@ def test_a_swallowed_ctrl_c_still_exits_130(tmp_path, capsys, monkeypatch, fake_
 
     monkeypatch.setattr("exl3tool.encode.encode_linear", encode)
     out = tmp_path / "out"
-    code, _, err = run(["hydrate", str(src), str(out)], capsys)
+    code, stdout, err = run([*HYDRATE, str(src), str(out), "--json"], capsys)
     assert code == 130, err
-    assert f"kept in {temp_dir(out)}" in err and not out.exists()
+    assert err.splitlines()[-1] == (f"error: interrupted: OUT was not written; the 3 modules encoded so far are kept "
+                                    f"in {temp_dir(out)}: run the same command again to resume (or remove that folder "
+                                    "to start over)"), err
+    assert "published" not in err and not out.exists()
+    doc = json.loads(stdout)
+    assert (doc["exit_code"], doc["kept"], doc["kept_in"], doc["out_written"]) == (130, 3, str(temp_dir(out)), False)
     assert _leftovers(tmp_path) == [temp_dir(out).name]
-    code, stdout, err = run(["hydrate", str(src), str(out), "--json"], capsys)
+    code, stdout, err = run([*HYDRATE, str(src), str(out), "--json"], capsys)
     assert code == 0 and json.loads(stdout)["reused"] == 3, err
 
 
@@ -241,14 +251,15 @@ def test_ctrl_c_wrapped_in_another_error_is_an_interrupt(tmp_path, capsys, monke
 
     with monkeypatch.context() as mp:
         mp.setattr(hy, "plan_hydrate", wrapped)
-        assert run(["hydrate", str(src), str(tmp_path / "out")], capsys)[0] == 130
+        code, _, err = run([*HYDRATE, str(src), str(tmp_path / "out")], capsys)
+        assert code == 130 and "interrupted before any module was encoded: nothing was written" in err, err
 
     def encode(w, **k):
         _swallowed_ctrl_c()
         raise RuntimeError("Error calling __set_name__ on 'Field' instance")
 
     monkeypatch.setattr("exl3tool.encode.encode_linear", encode)
-    code, _, err = run(["hydrate", str(src), str(tmp_path / "out")], capsys)
+    code, _, err = run([*HYDRATE, str(src), str(tmp_path / "out")], capsys)
     assert code == 130 and "internal error" not in err, err
     assert _leftovers(tmp_path) == []
 
@@ -276,14 +287,14 @@ def test_a_real_full_filesystem_names_the_file_and_resumes(tmp_path, small_tmpfs
     real = hy.hydrate
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hy, "hydrate", lambda plan, **k: real(plan, **k, on_step=on_step))
-        code, _, err = run(["hydrate", str(src), str(out)], capsys)
+        code, _, err = run([*HYDRATE, str(src), str(out)], capsys)
     line = _one_line(err)
     assert code == 2 and re.search(NO_SPACE, line), err
     assert str(temp_dir(out)) in line.split(":", 2)[1] and "the rest of the run needs about" in line
     assert "kept in" in line and not out.exists() and not lock_file(out).exists()
     assert not (temp_dir(out) / "out").exists()  # the partial assembly is removed: its space is free again
     ballast.unlink()
-    code, stdout, err = run(["hydrate", str(src), str(out), "--json"], capsys)
+    code, stdout, err = run([*HYDRATE, str(src), str(out), "--json"], capsys)
     assert code == 0, err
     assert json.loads(stdout)["reused"] >= 2
     assert _digests(out) == _digests(clean) and _leftovers(small_tmpfs) == []
@@ -312,7 +323,7 @@ def test_a_corrupt_shard_met_mid_run_is_named_and_the_same_command_resumes(tmp_p
     good = shard.read_bytes()
     _corrupt(shard, weight, lambda rec: {**rec, "data_offsets": [rec["data_offsets"][0], rec["data_offsets"][1] + 2]})
     out = tmp_path / "out"
-    code, _, err = run(["hydrate", str(src), str(out)], capsys)
+    code, _, err = run([*HYDRATE, str(src), str(out)], capsys)
     line = _one_line(err)
     assert code == 2 and line.startswith(f"error: {shard}: "), err
     assert not out.exists() and not lock_file(out).exists()
@@ -324,7 +335,7 @@ def test_a_corrupt_shard_met_mid_run_is_named_and_the_same_command_resumes(tmp_p
     if weight.endswith("q_proj.weight"):  # the first module: refused before any result, nothing is left
         assert not temp_dir(out).exists()
     shard.write_bytes(good)
-    code, _, err = run(["hydrate", str(src), str(out)], capsys)
+    code, _, err = run([*HYDRATE, str(src), str(out)], capsys)
     assert code == 0, err
     assert _digests(out) == _digests(clean) and _leftovers(tmp_path) == []
 
@@ -362,7 +373,7 @@ def test_a_refused_run_leaves_nothing(tmp_path, capsys, fake_encoder, monkeypatc
         raise InputError("model.layers.0.self_attn.q_proj.weight: refused by the test")
 
     monkeypatch.setattr("exl3tool.encode.encode_linear", refuse)
-    code, _, err = run(["hydrate", str(src), str(tmp_path / "out")], capsys)
+    code, _, err = run([*HYDRATE, str(src), str(tmp_path / "out")], capsys)
     assert code == 2 and "refused by the test" in _one_line(err) and "kept" not in err
     assert _leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
 
@@ -374,12 +385,12 @@ def test_a_temporary_folder_without_results_is_reused_and_a_foreign_one_refused(
     out = tmp_path / "out"
     (temp_dir(out) / "layers").mkdir(parents=True)
     (temp_dir(out) / "out").mkdir()
-    code, _, err = run(["hydrate", str(src), str(out)], capsys)
+    code, _, err = run([*HYDRATE, str(src), str(out)], capsys)
     assert code == 0 and _leftovers(tmp_path) == [], err
     _remove_tree(out)
     temp_dir(out).mkdir()
     (temp_dir(out) / "notes.txt").write_text("mine")
-    code, _, err = run(["hydrate", str(src), str(out)], capsys)
+    code, _, err = run([*HYDRATE, str(src), str(out)], capsys)
     assert code == 2 and "a partial hydrate with other settings (or not exl3tool's)" in _one_line(err)
     assert [p.name for p in temp_dir(out).iterdir()] == ["notes.txt"] and not lock_file(out).exists()
 
@@ -410,7 +421,8 @@ def test_results_stream_to_disk(tmp_path, fake_encoder, monkeypatch):
 
 def test_out_bytes_are_those_before_results_streamed(tmp_path):
     """The bytes of OUT, fixed by the code that kept every result in memory (this branch's base, commit 80549c3),
-    for a fixed SOURCE and the tests' stand-in encoder."""
+    for a fixed SOURCE and the tests' stand-in encoder; quantization_config.json's record has gained the sizes
+    checked beyond those asked for since (hydrate-plan: ``tp_checked_up_to``, ``fails_at``), the rest unchanged."""
     src = write_llama_checkpoint(tmp_path / "src", hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256,
                                  layers=2, vocab=64, shards=2, seed=1234)
     sha = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(src.iterdir())}
@@ -423,7 +435,11 @@ def test_out_bytes_are_those_before_results_streamed(tmp_path):
     assert sha == {"config.json": "7a7c93a9a884f14d", "model-00001-of-00002.safetensors": "54ffb47a6e114200",
                    "model-00002-of-00002.safetensors": "a24aaa6849a4fbcd",
                    "model.safetensors.index.json": "cde536d69a25ee80",
-                   "quantization_config.json": "7d21edc0cea289b8"}
+                   "quantization_config.json": "796242c7a62baff3"}
+    qc = json.loads((tmp_path / "out" / "quantization_config.json").read_text())
+    assert qc["exl3tool_hydrate"]["tp_checked_up_to"] == 8 and sorted(qc["exl3tool_hydrate"].pop("fails_at")) == ["2", "4"]
+    del qc["exl3tool_hydrate"]["tp_checked_up_to"]
+    assert hashlib.sha256((json.dumps(qc, indent=4) + "\n").encode()).hexdigest()[:16] == "7d21edc0cea289b8"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -462,7 +478,7 @@ def test_what_is_not_sources_own_is_refused_by_name(tmp_path, capsys, case):
     else:
         entry.symlink_to(secret / "token.txt")
     for extra in (["--dry-run"], []):
-        code, _, err = run(["hydrate", str(src), str(tmp_path / "out"), *extra], capsys)
+        code, _, err = run([*HYDRATE, str(src), str(tmp_path / "out"), *extra], capsys)
         line = _one_line(err)
         assert code == 2 and f"{entry}:" in line, (case, err)
         assert {"file": "outside SOURCE", "folder": "outside SOURCE", "dangling": "does not exist",

@@ -83,16 +83,25 @@ def test_bad_scheduler_variables_are_one_line_errors(count, env, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("argv, env", [
-    (["--shard", "3/2"], {}), (["--shard", "0/0"], {}), (["--shard", "x/y"], {}),
-    ([], {"JOB_COMPLETION_INDEX": "1"}), (["--shard-count", "2"], {}),
-    (["--shard-count", "0", "--shard", "0/1"], {}),
+BEYOND = "more than the plan's 51 jobs (36 encodes"  # 42 entries and 9 skipped jobs
+
+
+@pytest.mark.parametrize("argv, env, words", [
+    (["--shard", "3/2"], {}, None), (["--shard", "0/0"], {}, None), (["--shard", "x/y"], {}, None),
+    ([], {"JOB_COMPLETION_INDEX": "1"}, None), (["--shard-count", "2"], {}, None),
+    (["--shard-count", "0", "--shard", "0/1"], {}, None),
+    # a count beyond the plan's jobs: refused before anything is sized by it (2**63 would not fit in memory)
+    (["--shard", "0/52"], {}, BEYOND), (["--shard", "0/99999999999999999999"], {}, BEYOND),
+    (["--shard", "0/9223372036854775807"], {}, BEYOND),
+    ([], {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "9223372036854775807"}, BEYOND),
+    (["--shard-count", "99999999999999999999"], {"JOB_COMPLETION_INDEX": "0"}, BEYOND),
 ])
-def test_cli_refuses_bad_shards_with_exit_2(glm, tmp_path, argv, env):
+def test_cli_refuses_bad_shards_with_exit_2(glm, tmp_path, argv, env, words):
     r = completed(["cache", "warm", glm, "--tp-size", "1,2", *ENC_ARGS, "--cache-dir", tmp_path, "--dry-run",
                    *argv], env={**os.environ, **env})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len([line for line in r.stderr.splitlines() if "rror" in line]) == 1, r.stderr
+    assert words is None or (words in r.stderr and "from 1 to 51" in r.stderr), r.stderr
     assert not (tmp_path / "v1").exists()
 
 

@@ -36,7 +36,13 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     from rich.text import Text
 
     plan = report.plan
+    if report.hydrated is not None:
+        out.note(f"{plan.model}: {report.hydrated.line()}")
     if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing
+        for f in report.start_failures:
+            out.warn(f"{f.text}; fix: {f.fix}")
+        for f in report.notes:
+            out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
         out.line(f"0 look-ups: {report.stored}; the server encodes nothing online and needs no cache")
         out.data({**report.as_json(), **(extra or {})})
         return
@@ -109,13 +115,22 @@ def cache_check(
         _refuse_assumption(request.release_choice.unknown)
         raise FindingsError("this server makes no cache look-up: a warm cache changes nothing for it")
     off = lookup_off(settings, environ)
+    from exl3tool.operations.check import check, stored_only_report
+
+    stored = stored_only_report(request, environ) if off else None
+    if stored is not None:  # every online layer is stored: encoding nothing is what this server should do
+        out.note("this server encodes nothing online, which is right for this checkpoint: every online layer is "
+                 "stored (the notes above about online-encode variables do not apply to it)")
+        render_check(out, stored, launch_json(settings))
+        _refuse_assumption(tuple(stored.assumptions()))
+        if stored.start_failures:
+            raise FindingsError(stored.start_failures[0].text)
+        return
     if off:
         what = "launch" if settings is not None else "environment"
         render_no_lookup(out, off, launch_json(settings), what)
         _refuse_assumption(request.release_choice.unknown)
         raise FindingsError(f"this {what} makes no cache look-up: a warm cache changes nothing for it")
-    from exl3tool.operations.check import check
-
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
     _refuse_assumption(tuple(report.assumptions()))

@@ -167,6 +167,11 @@ class Run:
         """What an interrupted command had done (empty when it said nothing)."""
         return dict(self.output.interrupted) if self.output is not None else {}
 
+    @property
+    def interrupted_message(self) -> str:
+        """An interrupted command's own error line ("" when it gave none)."""
+        return self.output.interrupted_message if self.output is not None else ""
+
 
 class ReaderGone(Exception):
     """stdout's reader closed the pipe (``exl3tool cache ls --json | head``)."""

@@ -58,10 +58,15 @@ def identity(call: Call) -> None:
         out.wrapped(f"encoder files hashed from: {eid.files_from}")
     out.wrapped(f"cache dir: v1/{mid.identity[:20]}/")
     out.wrapped(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
+    from exl3tool.checkpoint.hydrate_record import read_hydrate_record
+
+    hydrated = read_hydrate_record(model) if model and os.path.isdir(os.path.expanduser(model)) else None
+    if hydrated is not None:  # `exl3tool hydrate` wrote it: the TP sizes it was checked for
+        out.wrapped(f"checkpoint: {hydrated.line()}")
     for warning in ids.warnings:
         out.warn(warning)
     out.data({**ids.as_json(model, source_detail=source, quantization_config=overlay.as_json()),
-              **launch_json(launched)})
+              **({} if hydrated is None else {"hydrated": hydrated.as_json()}), **launch_json(launched)})
 
 
 def _encoder_from(call: Call, settings, launched) -> str:

@@ -174,6 +174,12 @@ ROWS: dict[str, Row] = {row.name: row for row in (
          typer.Option("--tp-size", "-tp", metavar=_TP_SIZES,
                       help="Comma-separated TP sizes; every rank of each is warmed."),
          "plan", "tp_sizes", lambda value: parse_positive_ints(value, "--tp-size"), old="--tp-sizes"),
+    _row("hydrate_tp_sizes", Optional[str], None,  # hydrate's: not given, every size OUT can start at
+         typer.Option("--tp-size", "-tp", metavar=_TP_SIZES,
+                      help="The TP sizes OUT must start at; a layer one of them cannot slice stays BF16 and is listed. "
+                      "Default: the launch's, else every size up to 8 vLLM can split the model into."),
+         "plan", "tp_sizes", lambda value: () if value is None else parse_positive_ints(value, "--tp-size"),
+         old="--tp-sizes"),
     _row("tp_rank", Optional[int], None,
          typer.Option("--tp-rank", metavar="INTEGER", help="Only this rank (default: every rank)."),
          "plan", "tp_ranks", lambda value: None if value is None else (value,)),
