@@ -289,24 +289,28 @@ def test_gpu_chunks_and_variants_agree():
 def test_gpu_cost_rows_equal_back_pointers(bits, rows):
     """Keeping every step's cost row (``rows`` 1) or every other (2) and recomputing the choice in the traceback
     gives the back-pointer kernel's states and values bit for bit, for gathered tiles and in place over a
-    weight, at every K and at 1 and several programs (tiles of several scales: ties and saturated costs)."""
+    weight, at every K, at 1 and several programs and 1, 2 and 4 tiles per program (tile lanes, a last group
+    part-filled) (tiles of several scales: ties and saturated costs)."""
     _gpu_ready()
     x = torch.randn(200, 256, device="cuda") * torch.logspace(-2, 1.5, 200, device="cuda")[:, None]
     ref_v, ref_s = vmod.viterbi_tiles(x, bits, "mcg", rows=False)
-    for edge_major in (True, False):  # the traceback's codebook reads: edge-major table or state-major
+    # the traceback's codebook reads (edge-major table or state-major) and tiles per program (f16x2 lanes; 37 slots
+    # with 4 lanes: 9 programs, 50 groups of 4)
+    for edge_major, lanes in ((True, 1), (False, 1), (True, 2), (True, 4), (False, 4)):
         for programs in (None, 1, 37):
             v, s = vmod.viterbi_tiles(x if programs != 1 else x[:9], bits, "mcg", rows=rows, programs=programs,
-                                      edge_major=edge_major)
+                                      edge_major=edge_major, lanes=lanes)
             count = v.shape[0]
-            assert torch.equal(s, ref_s[:count]) and torch.equal(v, ref_v[:count]), (bits, programs, edge_major)
+            assert torch.equal(s, ref_s[:count]) and torch.equal(v, ref_v[:count]), (bits, programs, edge_major, lanes)
     w = torch.randn(64, 96, device="cuda") * 1.5
     tiles = (64 // 16) * (96 // 16)
     plain = w.clone()
     s_bp = vmod.viterbi_matrix(plain, 0, tiles, bits, rows=False, programs=5)
-    for edge_major in (True, False):
-        inplace = w.clone()
-        s_rows = vmod.viterbi_matrix(inplace, 0, tiles, bits, rows=rows, programs=5, edge_major=edge_major)
-        assert torch.equal(s_bp, s_rows) and torch.equal(plain, inplace), (bits, rows, edge_major)
+    for edge_major, lanes in ((True, 1), (False, 1), (True, 4)):
+        inplace = w.clone()  # 24 tiles on 5 slots: lanes 4 gives one program of 4 (6 groups)
+        s_rows = vmod.viterbi_matrix(inplace, 0, tiles, bits, rows=rows, programs=5, edge_major=edge_major,
+                                     lanes=lanes)
+        assert torch.equal(s_bp, s_rows) and torch.equal(plain, inplace), (bits, rows, edge_major, lanes)
 
 
 @pytest.mark.gpu
