@@ -375,10 +375,10 @@ _ROWS_SCRIPT = textwrap.dedent(
     from exl3tool.format.layout import tile_element_index
     from exl3tool.kernels.viterbi import viterbi_matrix, viterbi_tiles
     torch.manual_seed(int(sys.argv[1]))
-    rows, bits, launch = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    rows, bits, launch, lanes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
     if launch == "tiles":
-        x = torch.randn(1, 256) * torch.empty(1).uniform_(0.5, 2.0)
-        _, states = viterbi_tiles(x, bits, mode=5, rows=rows)
+        x = torch.randn(lanes, 256) * torch.empty(lanes, 1).uniform_(0.5, 2.0)
+        _, states = viterbi_tiles(x, bits, mode=5, rows=rows, lanes=lanes, programs=lanes)
         print(json.dumps({"x": x.tolist(), "states": states.tolist()}))
     else:
         w = torch.randn(16, 32) * 1.3  # two tiles; the second quantized in place
@@ -394,24 +394,26 @@ _ROWS_SCRIPT = textwrap.dedent(
 def test_interpreter_cost_rows_match_reference():
     """The cost-row kernel (the traceback recomputes each choice from the costs kept: every step's row, or every
     other with the odd rows' entries recomputed from the even ones) in its packed-pair layout with exact
-    arithmetic (mode 5): a fresh tile at K=3 (``viterbi_tiles``) gives the independent numpy Viterbi's states, and
-    a tile quantized in place over a weight at K=2 (``viterbi_matrix``) gives them and writes (x - q)^2.
+    arithmetic (mode 5): a fresh tile at K=3 (``viterbi_tiles``), or two at K=2 in the two f16x2 lanes of one
+    program (``lanes`` 2), gives the independent numpy Viterbi's states, and a tile quantized in place over a weight
+    at K=2 (``viterbi_matrix``) gives them and writes (x - q)^2.
 
-    Which rows are kept (1: every row, 2: every other) and which launch runs are drawn from the test seed: 20 s of
-    interpreter each, so a run checks one of the four and the seed in the message says which (the GPU tests check
-    every one on every run)."""
+    Which rows are kept (1: every row, 2: every other), which launch runs and, for tiles, the lanes are drawn from
+    the test seed: 20 s of interpreter each, so a run checks one of the six and the seed in the message says which
+    (the GPU tests check every one on every run)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     seed = fresh_seed()
     rows, launch = 1 + seed % 2, ("tiles", "matrix")[(seed // 2) % 2]
-    bits = 3 if launch == "tiles" else 2
-    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed), str(rows), str(bits), launch], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (seed, rows, launch, proc.stderr[-3000:])
+    lanes = 1 + (seed // 4) % 2 if launch == "tiles" else 1
+    bits = 3 if launch == "tiles" and lanes == 1 else 2
+    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed), str(rows), str(bits), launch, str(lanes)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (seed, rows, launch, lanes, proc.stderr[-3000:])
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     if launch == "tiles":
-        x = np.asarray(res["x"], dtype=np.float32)[0]
-        got = np.asarray(res["states"], dtype=np.int64)[0] & 0xFFFF
-        assert np.array_equal(got, reference_tile(x, bits, "mcg")), (seed, rows, launch)
+        for i, x in enumerate(np.asarray(res["x"], dtype=np.float32)):
+            got = np.asarray(res["states"], dtype=np.int64)[i] & 0xFFFF
+            assert np.array_equal(got, reference_tile(x, bits, "mcg")), (seed, rows, launch, lanes, i)
         return
     tile = np.asarray(res["tile"], dtype=np.float32)[0]
     ref = reference_tile(tile, bits, "mcg")
