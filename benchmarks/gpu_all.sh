@@ -19,7 +19,7 @@
 #             quantize_tiles at K 6,4,8 on the same tiles (T_VITERBI 60)                                [reference]
 #   dropin    bench_dropin.py --warm-each: the fork's 20 layer calls, both encoders (T_DROPIN 150)       [reference]
 #   callers   bench_callers.py --probe: the fork loader's three callers, 13 calls (T_CALLERS 120)      [reference]
-#   hydrate   bench_hydrate.py --per-shape: Qwen3.8-27B and GLM-5 shapes (T_HYDRATE 200)                 [reference]
+#   hydrate   bench_hydrate.py --per-shape: Qwen3.8-27B and GLM-5 shapes ($HYDRATE_MODELS; T_HYDRATE 200) [reference]
 #   fleet     bench_fleet.py --reference: the fleet presets, both (T_FLEET 300)                        [reference]
 # A part's own environment: ENV_<PART>="VAR=value ..." (e.g. ENV_TESTS="EXL3TOOL_VITERBI_LANES=4").
 # Default PARTS="env tests viterbi dropin hydrate fleet" with the limits shrunk to what is left of T_TOTAL (580 s).
@@ -122,6 +122,7 @@ for p in $PARTS; do
       reference || continue
       b=$(lim hydrate 200)
       penv timeout "$b" python3 benchmarks/bench_hydrate.py --reference /tmp/site/exllamav3 --per-shape \
+        --models "${HYDRATE_MODELS:-qwen38-27b,glm5}" \
         --time-budget $(( b - 20 )) --json "$OUT/bench_hydrate.json" > "$log" 2>&1
       tail -30 "$log" ;;
     fleet)

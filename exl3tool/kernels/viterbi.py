@@ -850,10 +850,11 @@ def resident_tiles(device: torch.device, bits: int, codebook: str = "mcg", tunin
         mode = _check_launch(x, bits, codebook, None, None, None, None, "resident_tiles", tuning)  # self-checks
         values = torch.empty_like(x)
         states = torch.empty((8, 256), dtype=torch.int16, device=dev)
+        # the variant a launch over many tiles runs: its tiles per program with slots to spare
+        lanes = _tile_lanes(bits, mode, keeps_rows(bits, mode, tuning), 1 << 30, tuning, None, _sm_count(dev))
         compiled = _launch(x, 8, bits, codebook, mode, None, None, DEFAULT_SCRATCH_BYTES, None, states, values,
-                           tuning=tuning)
+                           tuning=tuning, lanes=lanes)
         programs = _occupancy(compiled, torch.cuda.get_device_properties(dev))
-        lanes = _tile_lanes(bits, mode, keeps_rows(bits, mode, tuning), 8, tuning, None)  # tiles per program
         _RESIDENT[key] = programs * lanes if programs else programs
     return _RESIDENT[key]
 
@@ -1117,10 +1118,12 @@ def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
     return _OFFSETS[key]
 
 
-def _tile_lanes(bits: int, mode: int, rows: int, slots: int, tuning: Tuning, lanes: int | None) -> int:
-    """Tiles per program (``TL``): ``lanes`` (None: the tuning's ``viterbi_lanes``), with cost rows in the packed modes
-    only, and no more than the slots in flight (each tile keeps its own slot's bytes: a program of TL tiles takes TL
-    slots)."""
+def _tile_lanes(bits: int, mode: int, rows: int, slots: int, tuning: Tuning, lanes: int | None,
+                sms: int = 1) -> int:
+    """Tiles per program (``TL``): ``lanes``, with cost rows in the packed modes only, and no more than the slots in
+    flight (each tile keeps its own slot's bytes: a program of TL tiles takes TL slots). None: the tuning's
+    ``viterbi_lanes``, at most 2 with every other row kept (its traceback recomputes an odd row lane by lane), and
+    fewer where TL would leave less than one program per SM of the ``sms``."""
     want = tuning.viterbi_lanes if lanes is None else lanes
     if want not in (1, 2, 4):
         raise ValueError(f"lanes must be 1, 2 or 4 tiles per program, got {want!r}")
@@ -1129,6 +1132,11 @@ def _tile_lanes(bits: int, mode: int, rows: int, slots: int, tuning: Tuning, lan
             raise ValueError(f"lanes={lanes} needs cost rows (rows 1 or 2) in mode 4 or 5, got rows={rows}, "
                              f"mode {mode}")
         return 1
+    if lanes is None:
+        if rows == 2:
+            want = min(want, 2)
+        while want > 1 and slots < want * sms:
+            want //= 2
     while want > 1 and want > slots:
         want //= 2
     return want
@@ -1160,7 +1168,7 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     dec_t = edge_major_table(codebook, bits, dev) if dect else dec  # dec: unused
     per_slot = slot_bytes(bits, mode, rows, tuning)
     slots = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
-    tl_ = _tile_lanes(bits, mode, rows, slots, tuning, lanes)
+    tl_ = _tile_lanes(bits, mode, rows, slots, tuning, lanes, 1 if interp else _sm_count(dev))
     n_groups = -(-n // tl_)  # programs run groups of tl_ tiles, one per lane (the last may be partial)
     g = max(1, min(n_groups, slots // tl_))
     if tuning.even_rounds and g < n_groups and not interp:
