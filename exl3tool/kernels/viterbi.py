@@ -821,7 +821,9 @@ def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_wa
     if mode != 1 and tuning.viterbi_selfcheck:
         x = torch.randn(8, 256, device=device) * (0.5 + torch.rand(8, 1, device=device))
         kw = dict(num_warps=num_warps, block_edges=block_edges)
-        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, tuning=tuning, **kw)
+        # the tiles per program of a large launch (8 tiles alone would run one per program)
+        lanes = _tile_lanes(bits, mode, keeps_rows(bits, mode, tuning), 1 << 30, tuning, None, _sm_count(device))
+        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, tuning=tuning, lanes=lanes, **kw)
         _, s_plain = viterbi_tiles(x, bits, codebook, mode=1, tuning=tuning, **kw)
         if not torch.equal(s_default, s_plain):
             warnings.warn(f"viterbi kernel mode {mode} disagrees with mode 1 on {device} at K={bits}; "
