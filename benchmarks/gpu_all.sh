@@ -17,7 +17,7 @@
 #   tests     pytest -m gpu tests/kernels tests/encode (T_TESTS 150; $TESTS other paths, $TESTS_K a -k)
 #   viterbi   the default Viterbi launch (and the sweep's best variant per K, if it ran) and the reference's
 #             quantize_tiles at K 6,4,8 on the same tiles (T_VITERBI 60)                                [reference]
-#   dropin    bench_dropin.py --warm-each: the fork's 20 layer calls, both encoders (T_DROPIN 150)       [reference]
+#   dropin    bench_dropin.py --warm-each: the fork's 20 layer calls ($DROPIN_MODELS), both (T_DROPIN 150) [reference]
 #   callers   bench_callers.py --probe: the fork loader's three callers, 13 calls (T_CALLERS 120)      [reference]
 #   hydrate   bench_hydrate.py --per-shape: Qwen3.8-27B and GLM-5 shapes ($HYDRATE_MODELS; T_HYDRATE 200) [reference]
 #   fleet     bench_fleet.py --reference: the fleet presets, both (T_FLEET 300)                        [reference]
@@ -111,6 +111,7 @@ for p in $PARTS; do
     dropin)
       reference || continue
       penv timeout "$(lim dropin 150)" python3 benchmarks/bench_dropin.py --reference /tmp/site/exllamav3 --warm-each \
+        ${DROPIN_MODELS:+--models "$DROPIN_MODELS"} \
         --json "$OUT/bench_dropin.json" > "$log" 2>&1
       tail -32 "$log" ;;
     callers)
