@@ -85,7 +85,7 @@ KNOBS: tuple[Knob, ...] = (
     _speed("IN_PLACE_BITS", "kset", frozenset({6}), "K at which a GPU encode quantizes every layer's tiles in place"),
     _speed("IN_PLACE_MAX_TILES", "int", 4096, "at any K, layers of at most this many tiles quantize in place; 0: off",
            minimum=0),
-    _speed("COST_ROW_BITS", "kset", frozenset({4, 6, 8}), "K at which the Viterbi kernel keeps cost rows instead of "
+    _speed("COST_ROW_BITS", "kset", frozenset({4, 6}), "K at which the Viterbi kernel keeps cost rows instead of "
            "back-pointers"),
     _speed("HALF_ROW_BITS", "kset", frozenset({4, 6}), "K (of COST_ROW_BITS) at which a slot may keep every other "
            "cost row"),
@@ -100,7 +100,7 @@ KNOBS: tuple[Knob, ...] = (
     # The Viterbi kernel's arithmetic (exl3tool.kernels.viterbi)
     _speed("VITERBI_MODE", "int", 4, "the GPU Viterbi kernel's arithmetic: 4 packed f16x2 (default), 1 scalar "
            "fma.rn.f16, 0 and 5 exact float64 emulation (slow)", choices=(0, 1, 4, 5)),
-    _speed("VITERBI_LANES", "int", 4, "tiles per Viterbi program, one in each f16x2 lane of its cost words (cost "
+    _speed("VITERBI_LANES", "int", 1, "tiles per Viterbi program, one in each f16x2 lane of its cost words (cost "
            "rows only)", choices=(1, 2, 4)),
     _speed("VITERBI_SELFCHECK", "int", 1, "1: the first call per (GPU, K) checks the default mode against mode 1 "
            "and falls back to 1 if they differ; 0: skip the check", choices=(0, 1), blank_default=True),
@@ -182,14 +182,14 @@ class Tuning:
     chunk_rounds_in_place: int = 16
     in_place_bits: frozenset = frozenset({6})
     in_place_max_tiles: int = 4096
-    cost_row_bits: frozenset = frozenset({4, 6, 8})
+    cost_row_bits: frozenset = frozenset({4, 6})
     half_row_bits: frozenset = frozenset({4, 6})
     half_rows_below_per_sm: float = 4.0
     even_rounds: int = 1
     resident_cap: int = 1
     edge_major_traceback: int = 1
     viterbi_mode: int = 4
-    viterbi_lanes: int = 4
+    viterbi_lanes: int = 1
     viterbi_selfcheck: int = 1
 
 

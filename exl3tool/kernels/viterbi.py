@@ -17,9 +17,14 @@ instructions per two candidates instead of 5; ptxas fuses pairs of mins into a 3
 traceback recomputes, at each position it visits, the NL candidate costs of its edge from the row the step
 read, with the same fp16 operations, and takes the first minimum: the choice the strict less-than kept.
 
-Programs are persistent: G of them (``programs``) each own one scratch slot and loop over tiles pid,
-pid + G, ..., so the scratch is G slots however many tiles one launch holds, and a launch never ends in a
-partial wave of short-lived programs.
+Tile lanes (``TL``, cost rows only; the tuning's ``viterbi_lanes``): a program runs TL = 2 or 4 tiles at once, tile l
+in bits 16 l .. 16 l + 15 of each edge's cost word (int32 or int64), so one codebook value read serves TL tiles'
+candidates (``_forward_lanes``; with two edges per register the L1 reads of the codebook bound the kernel); every
+lane's traceback runs at once with every row kept (``_traced_k_lanes``), lane by lane with every other row.
+
+Programs are persistent: G of them (``programs``) each own one scratch slot (TL slots with lanes) and loop over
+tiles pid, pid + G, ... (groups of TL tiles), so the scratch is G slots however many tiles one launch holds, and a
+launch never ends in a partial wave of short-lived programs.
 
 Exactness: the fp16 FMA must be rounded once. On the GPU it is PTX ``fma.rn.f16``/``fma.rn.f16x2``
 through inline assembly; under TRITON_INTERPRET=1 (no PTX) it is emulated exactly in float64 with

@@ -261,14 +261,14 @@ def test_speed_rules_can_be_overridden_for_a_benchmark(monkeypatch):
     assert m.viterbi_slot_bytes(4, tuning=custom) == 256 * 4096 // 2 + 4 * 4096 + 1024
 
     rows, half, in_place, rounds, slot4, slots, chunk = run()
-    assert (rows, half, in_place, rounds) == ([4, 6, 8], [4, 6], [6], 16) and slot4 == 129 * 2 * 4096 + 1024
+    assert (rows, half, in_place, rounds) == ([4, 6], [4, 6], [6], 16) and slot4 == 129 * 2 * 4096 + 1024
     assert m.viterbi_slot_bytes(4) == slot4  # nothing set: the defaults
     rows, half, in_place, rounds, slot4, slots2, chunk2 = run(EXL3TOOL_COST_ROW_BITS="6", EXL3TOOL_IN_PLACE_BITS="4,6",
                                                               EXL3TOOL_CHUNK_ROUNDS_IN_PLACE="8")
     assert (rows, half, in_place, rounds) == ([6], [4, 6], [4, 6], 8) and slot4 == 256 * 4096 // 2 + 4 * 4096 + 1024
     assert slots2 > slots and chunk2 >= 8 * slots2  # back-pointers: half the bytes a slot; in-place chunks
     rows, half, in_place, rounds, slot4, slots3, chunk3 = run(EXL3TOOL_HALF_ROW_BITS="")
-    assert (rows, half) == ([4, 6, 8], []) and slot4 == 256 * 2 * 4096 + 1024 and slots3 < slots  # every row
+    assert (rows, half) == ([4, 6], []) and slot4 == 256 * 2 * 4096 + 1024 and slots3 < slots  # every row
 
 
 @pytest.mark.parametrize("results", ["bench_dropin_vs_reference_h200_2026-12-03.json",
