@@ -100,6 +100,8 @@ KNOBS: tuple[Knob, ...] = (
     # The Viterbi kernel's arithmetic (exl3tool.kernels.viterbi)
     _speed("VITERBI_MODE", "int", 4, "the GPU Viterbi kernel's arithmetic: 4 packed f16x2 (default), 1 scalar "
            "fma.rn.f16, 0 and 5 exact float64 emulation (slow)", choices=(0, 1, 4, 5)),
+    _speed("VITERBI_LANES", "int", 1, "tiles per Viterbi program, one in each f16x2 lane of its cost words (cost "
+           "rows only)", choices=(1, 2, 4)),
     _speed("VITERBI_SELFCHECK", "int", 1, "1: the first call per (GPU, K) checks the default mode against mode 1 "
            "and falls back to 1 if they differ; 0: skip the check", choices=(0, 1), blank_default=True),
     # Running exl3tool
@@ -187,6 +189,7 @@ class Tuning:
     resident_cap: int = 1
     edge_major_traceback: int = 1
     viterbi_mode: int = 4
+    viterbi_lanes: int = 1
     viterbi_selfcheck: int = 1
 
 

@@ -17,9 +17,14 @@ instructions per two candidates instead of 5; ptxas fuses pairs of mins into a 3
 traceback recomputes, at each position it visits, the NL candidate costs of its edge from the row the step
 read, with the same fp16 operations, and takes the first minimum: the choice the strict less-than kept.
 
-Programs are persistent: G of them (``programs``) each own one scratch slot and loop over tiles pid,
-pid + G, ..., so the scratch is G slots however many tiles one launch holds, and a launch never ends in a
-partial wave of short-lived programs.
+Tile lanes (``TL``, cost rows only; the tuning's ``viterbi_lanes``): a program runs TL = 2 or 4 tiles at once, tile l
+in bits 16 l .. 16 l + 15 of each edge's cost word (int32 or int64), so one codebook value read serves TL tiles'
+candidates (``_forward_lanes``; with two edges per register the L1 reads of the codebook bound the kernel); every
+lane's traceback runs at once with every row kept (``_traced_k_lanes``), lane by lane with every other row.
+
+Programs are persistent: G of them (``programs``) each own one scratch slot (TL slots with lanes) and loop over
+tiles pid, pid + G, ... (groups of TL tiles), so the scratch is G slots however many tiles one launch holds, and a
+launch never ends in a partial wave of short-lived programs.
 
 Exactness: the fp16 FMA must be rounded once. On the GPU it is PTX ``fma.rn.f16``/``fma.rn.f16x2``
 through inline assembly; under TRITON_INTERPRET=1 (no PTX) it is emulated exactly in float64 with
@@ -280,6 +285,193 @@ if _HAVE_TRITON:
                     tl.store(bp + p * E + e, bk.to(tl.uint8))
             tl.debug_barrier()  # C_new and back-pointers visible to the whole CTA
 
+    # ---- tile lanes (TL = 2 or 4 tiles per program): each f16x2 half holds one tile's cost of the same edge ----
+    # A lane word (int32 for TL = 2, int64 for TL = 4) holds the fp16 costs of one edge in TL tiles, lane l in bits
+    # 16 l .. 16 l + 15. The codebook value of a candidate is the same in every tile, so one codebook read serves TL
+    # tiles (the cost-row kernel with two edges per register read it for one: its L1 traffic bound the speed).
+
+    @triton.jit
+    def _lane(word, li, TL: tl.constexpr):
+        """fp16 lane ``li`` of lane words (int32 / int64)."""
+        return ((word >> (16 * li)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _lane_bits(v, TL: tl.constexpr):
+        """fp16 -> its 16 bits in the lane word's integer type (zero-extended)."""
+        if TL == 2:
+            return v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        else:
+            return v.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+
+    @triton.jit
+    def _lanes_asm(dec, w, cold, best, TL: tl.constexpr, FIRST: tl.constexpr):
+        """fma16(f16(dec - w_l), ., cold_l) in every lane, min'd into best unless FIRST: f16x2 inline PTX, the
+        codebook value broadcast to both halves."""
+        if TL == 2:
+            if FIRST:
+                return tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 dd, d;
+                    mov.b32 dd, {$1, $1};
+                    sub.rn.f16x2 d, dd, $2;
+                    fma.rn.f16x2 $0, d, d, $3;
+                    }""",
+                    "=r,h,r,r", [dec, w, cold], dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                return tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 dd, d, c;
+                    mov.b32 dd, {$1, $1};
+                    sub.rn.f16x2 d, dd, $2;
+                    fma.rn.f16x2 c, d, d, $3;
+                    min.f16x2 $0, c, $4;
+                    }""",
+                    "=r,h,r,r,r", [dec, w, cold, best], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            if FIRST:
+                return tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 dd, w0, w1, c0, c1, d0, d1, r0, r1;
+                    mov.b32 dd, {$1, $1};
+                    mov.b64 {w0, w1}, $2;
+                    mov.b64 {c0, c1}, $3;
+                    sub.rn.f16x2 d0, dd, w0;
+                    sub.rn.f16x2 d1, dd, w1;
+                    fma.rn.f16x2 r0, d0, d0, c0;
+                    fma.rn.f16x2 r1, d1, d1, c1;
+                    mov.b64 $0, {r0, r1};
+                    }""",
+                    "=li,h,li,li", [dec, w, cold], dtype=tl.int64, is_pure=True, pack=1)
+            else:
+                return tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 dd, w0, w1, c0, c1, b0, b1, d0, d1, r0, r1;
+                    mov.b32 dd, {$1, $1};
+                    mov.b64 {w0, w1}, $2;
+                    mov.b64 {c0, c1}, $3;
+                    mov.b64 {b0, b1}, $4;
+                    sub.rn.f16x2 d0, dd, w0;
+                    sub.rn.f16x2 d1, dd, w1;
+                    fma.rn.f16x2 r0, d0, d0, c0;
+                    fma.rn.f16x2 r1, d1, d1, c1;
+                    min.f16x2 r0, r0, b0;
+                    min.f16x2 r1, r1, b1;
+                    mov.b64 $0, {r0, r1};
+                    }""",
+                    "=li,h,li,li,li", [dec, w, cold, best], dtype=tl.int64, is_pure=True, pack=1)
+
+    @triton.jit
+    def _lanes_asm2(da, db, w, ca, cb, best, TL: tl.constexpr):
+        """Two candidates (codebook values da, db; previous costs ca, cb) of every lane min'd into best in one
+        block: min(min(cost a, cost b), best), which ptxas issues as one 3-input VHMNMX per word."""
+        if TL == 2:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 xa, xb, d, e, c, f, m;
+                mov.b32 xa, {$1, $1};
+                mov.b32 xb, {$2, $2};
+                sub.rn.f16x2 d, xa, $3;
+                sub.rn.f16x2 e, xb, $3;
+                fma.rn.f16x2 c, d, d, $4;
+                fma.rn.f16x2 f, e, e, $5;
+                min.f16x2 m, c, f;
+                min.f16x2 $0, m, $6;
+                }""",
+                "=r,h,h,r,r,r,r", [da, db, w, ca, cb, best], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 xa, xb, w0, w1, a0, a1, b0, b1, m0, m1, d0, d1, e0, e1, c0, c1, f0, f1;
+                mov.b32 xa, {$1, $1};
+                mov.b32 xb, {$2, $2};
+                mov.b64 {w0, w1}, $3;
+                mov.b64 {a0, a1}, $4;
+                mov.b64 {b0, b1}, $5;
+                mov.b64 {m0, m1}, $6;
+                sub.rn.f16x2 d0, xa, w0;
+                sub.rn.f16x2 d1, xa, w1;
+                sub.rn.f16x2 e0, xb, w0;
+                sub.rn.f16x2 e1, xb, w1;
+                fma.rn.f16x2 c0, d0, d0, a0;
+                fma.rn.f16x2 c1, d1, d1, a1;
+                fma.rn.f16x2 f0, e0, e0, b0;
+                fma.rn.f16x2 f1, e1, e1, b1;
+                min.f16x2 c0, c0, f0;
+                min.f16x2 c1, c1, f1;
+                min.f16x2 c0, c0, m0;
+                min.f16x2 c1, c1, m1;
+                mov.b64 $0, {c0, c1};
+                }""",
+                "=li,h,h,li,li,li,li", [da, db, w, ca, cb, best], dtype=tl.int64, is_pure=True, pack=1)
+
+    @triton.jit
+    def _lanes_pair(da, db, w, ca, cb, best, TL: tl.constexpr, MODE: tl.constexpr):
+        """``_lanes_step`` for two candidates at once (``_lanes_asm2`` in MODE 4)."""
+        if MODE == 4:
+            return _lanes_asm2(da, db, w, ca, cb, best, TL)
+        else:
+            return _lanes_step(db, w, cb, _lanes_step(da, w, ca, best, TL, MODE, False), TL, MODE, False)
+
+    @triton.jit
+    def _lanes_step(dec, w, cold, best, TL: tl.constexpr, MODE: tl.constexpr, FIRST: tl.constexpr):
+        """One candidate of every edge in TL tiles at once (lane words): its cost, min'd into ``best`` unless
+        FIRST. MODE 4: f16x2 PTX; MODE 5: lane by lane with the exact emulation (the interpreter)."""
+        if MODE == 4:
+            return _lanes_asm(dec, w, cold, best, TL, FIRST)
+        else:
+            out = tl.zeros(dec.shape, dtype=cold.dtype)
+            for li in tl.static_range(TL):
+                c = _cost(dec, _lane(w, li, TL), _lane(cold, li, TL), 0)
+                if not FIRST:
+                    c = tl.minimum(c, _lane(best, li, TL))
+                out = out | (_lane_bits(c, TL) << (16 * li))
+            return out
+
+    @triton.jit
+    def _lane_word(xl, p, valid, TL: tl.constexpr):
+        """The lane word of trellis position p: x of lane li's tile (rows of 256 floats from ``xl``) as fp16, 0 in
+        lanes li >= valid (past the last tile)."""
+        if TL == 2:
+            word = tl.zeros([], dtype=tl.int32)
+        else:
+            word = tl.zeros([], dtype=tl.int64)
+        for li in tl.static_range(TL):
+            v = tl.load(xl + li * 256 + p, mask=li < valid, other=0.0).to(tl.float16)
+            word = word | (_lane_bits(v, TL) << (16 * li))
+        return word
+
+    @triton.jit
+    def _forward_lanes(xl, valid, dec_ptr, cw, START: tl.constexpr, K: tl.constexpr, NL: tl.constexpr,
+                       NH: tl.constexpr, BH: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr,
+                       STEPS: tl.constexpr, TL: tl.constexpr, UNROLL: tl.constexpr = 4):
+        """``_forward_pass`` with cost rows (ROWS 1 or 2) for TL tiles at once: ``cw`` points to the slot's lane
+        words (a cost row is E of them), the candidates of an edge are one fp16 codebook value each, read once for
+        every lane."""
+        E: tl.constexpr = NH * NL
+        rows = tl.arange(0, BH)[:, None]
+        cols = tl.arange(0, NL)[None, :]
+        for t in range(STEPS):
+            p = (t + START) % 256
+            w = _lane_word(xl, p, valid, TL)
+            if ROWS == 1:
+                src = cw + t * E
+                dst = cw + ((t + 1) % 256) * E
+            else:
+                src = cw + _row_slot(t) * E
+                dst = cw + _row_slot(t + 1) * E
+            for hc in range(NH // BH):
+                h = hc * BH + rows  # e >> K
+                e = h * NL + cols
+                cold0 = tl.load(src + h)
+                best = _lanes_step(tl.load(dec_ptr + e), w, cold0, cold0, TL, MODE, True)
+                for k in tl.range(1, NL - 1, 2, loop_unroll_factor=UNROLL):  # two candidates a time: a 3-input min
+                    best = _lanes_pair(tl.load(dec_ptr + k * E + e), tl.load(dec_ptr + (k + 1) * E + e), w,
+                                       tl.load(src + k * NH + h), tl.load(src + (k + 1) * NH + h), best, TL, MODE)
+                best = _lanes_step(tl.load(dec_ptr + (NL - 1) * E + e), w, tl.load(src + (NL - 1) * NH + h), best, TL,
+                                   MODE, False)
+                tl.store(dst + e, best)
+            tl.debug_barrier()  # the row is visible to the whole CTA before the next step reads it
+
     @triton.jit
     def _brev5(x):
         return ((x & 1) << 4) | ((x & 2) << 2) | (x & 4) | ((x & 8) >> 2) | ((x & 16) >> 4)
@@ -294,22 +486,23 @@ if _HAVE_TRITON:
             return tl.load(bp + p * E + ed).to(tl.int32)
 
     @triton.jit
-    def _even_row_block(row, j, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, WHOLE: tl.constexpr):
+    def _even_row_block(row, j, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, WHOLE: tl.constexpr,
+                        S: tl.constexpr = 1):
         """The (NL, NL) costs an odd row's entries j[i] are the minimum of: [i, k] = row[k * NH + (j[i] >> K)].
 
         WHOLE (K >= 6, 3K >= 16, with j[i] = i * NH + (edge >> K)): j[i] >> K is i >> (3K - 16) whatever the edge,
         so the block is the whole row (one contiguous load), transposed and each of its columns repeated
-        2^(3K - 16) times; otherwise NL x NL scattered loads."""
+        2^(3K - 16) times; otherwise NL x NL scattered loads. S: the row's entries are S apart (tile lanes)."""
         if WHOLE:
             R: tl.constexpr = 1 << (3 * K - 16)
-            even = tl.load(row + tl.arange(0, NL)[:, None] * NH + tl.arange(0, NH)[None, :])
+            even = tl.load(row + (tl.arange(0, NL)[:, None] * NH + tl.arange(0, NH)[None, :]) * S)
             return tl.reshape(tl.broadcast_to(tl.trans(even)[:, None, :], (NH, R, NL)), (NL, NL))
         else:
-            return tl.load(row + tl.arange(0, NL)[None, :] * NH + (j[:, None] >> K))
+            return tl.load(row + (tl.arange(0, NL)[None, :] * NH + (j[:, None] >> K)) * S)
 
     @triton.jit
     def _traced_k(x_t, dec_ptr, dect_ptr, cs, t, p, ed, K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr,
-                  MODE: tl.constexpr, ROWS: tl.constexpr, DECT: tl.constexpr):
+                  MODE: tl.constexpr, ROWS: tl.constexpr, DECT: tl.constexpr, S: tl.constexpr = 1):
         """The candidate k step t (position p) kept for edge ``ed``, recomputed from the cost row t it read: its
         NL candidates' costs again, with the same fp16 operations, and the first minimum, as the strict
         less-than in increasing k kept it. With ROWS = 2 an odd row t is not kept: its NL entries are those
@@ -317,7 +510,8 @@ if _HAVE_TRITON:
 
         DECT: the codebook values come from the edge-major table (``codebook.edge_major_table``: an edge's NL
         candidates side by side), one or a few cache lines a step, instead of NL values 2^(16-K) apart in the
-        state-major table (NL lines, and NL x NL of them at an odd row)."""
+        state-major table (NL lines, and NL x NL of them at an odd row). S: cost entries S apart (a tile lane's fp16
+        in lane words of S tiles; ``cs`` points to the lane's first)."""
         E: tl.constexpr = NH * NL
         M: tl.constexpr = 0 if MODE == 0 or MODE == 5 else 1
         kk = tl.arange(0, NL)
@@ -335,15 +529,35 @@ if _HAVE_TRITON:
                     dec2 = tl.load(dect_ptr + j[:, None] * NL + k2)
                 else:
                     dec2 = tl.load(dec_ptr + k2 * E + j[:, None])
-                c2 = _even_row_block(cs + ((t - 1) // 2) * E, j, K, NL, NH, DECT and 3 * K >= 16)
+                c2 = _even_row_block(cs + ((t - 1) // 2) * E * S, j, K, NL, NH, DECT and 3 * K >= 16, S)
                 # tl.min without indices reduces fp16 in fp32: back to fp16 (exact) so both branches agree
                 cold = tl.min(_cost(dec2, w1, c2, M), axis=1).to(tl.float16)
             else:
-                cold = tl.load(cs + (t // 2) * E + j)
+                cold = tl.load(cs + ((t // 2) * E + j) * S)
         else:
-            cold = tl.load(cs + t * E + j)
+            cold = tl.load(cs + (t * E + j) * S)
         c = _cost(dec, w, cold, M)
         _, k = tl.min(c, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        return k.to(tl.int32)
+
+    @triton.jit
+    def _traced_k_lanes(xl, valid, dec_ptr, dect_ptr, c16, t, p, ed, K: tl.constexpr, NL: tl.constexpr,
+                        NH: tl.constexpr, MODE: tl.constexpr, DECT: tl.constexpr, TL: tl.constexpr):
+        """``_traced_k`` (every cost row kept) for the TL lanes at once: ``ed`` is each lane's edge ([TL]), the
+        candidates a [TL, NL] block, so the TL tracebacks of a program take the time of one (lanes >= valid, past
+        the last tile, read x = 0)."""
+        E: tl.constexpr = NH * NL
+        M: tl.constexpr = 0 if MODE == 0 or MODE == 5 else 1
+        lanes = tl.arange(0, TL)[:, None]
+        kk = tl.arange(0, NL)[None, :]
+        ed2 = ed[:, None]
+        w = tl.load(xl + lanes * 256 + p, mask=lanes < valid, other=0.0).to(tl.float16)
+        if DECT:
+            dec = tl.load(dect_ptr + ed2 * NL + kk)
+        else:
+            dec = tl.load(dec_ptr + kk * E + ed2)
+        cold = tl.load(c16 + (t * E + kk * NH + (ed2 >> K)) * TL + lanes)
+        _, k = tl.min(_cost(dec, w, cold, M), axis=1, return_indices=True, return_indices_tie_break_left=True)
         return k.to(tl.int32)
 
     # the launch's integers are plain arguments, not specialised on (divisibility by 16, == 1): otherwise each
@@ -354,7 +568,7 @@ if _HAVE_TRITON:
                         tiles_n, n_cols,
                         K: tl.constexpr, NL: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr,
                         KC: tl.constexpr, MODE: tl.constexpr, PACK4: tl.constexpr, MATRIX: tl.constexpr,
-                        ROWS: tl.constexpr, DECT: tl.constexpr):
+                        ROWS: tl.constexpr, DECT: tl.constexpr, TL: tl.constexpr = 1):
         """Persistent programs, one scratch slot each, tiles pid, pid + G, ... (G programs): per tile pass 1,
         end-edge choice, traceback, constrained pass 2, traceback. The scratch is G slots, whatever n_tiles.
 
@@ -372,83 +586,201 @@ if _HAVE_TRITON:
         rows = tl.arange(0, BH)[:, None]
         cols = tl.arange(0, NL)[None, :]
         zero64 = pid.to(tl.int64) * 0  # 64-bit tile offsets in compiled code and under the interpreter alike
-        for tile in range(pid, n_tiles, tl.num_programs(0)):
-            t64 = tile + zero64
-            if MATRIX:  # the tile is copied into the slot's values row (a gather of 256 in parallel): the
-                # passes then read x_t[p] as for gathered tiles, not a dependent offset load per step
-                g64 = t64 + first_tile
-                row = g64 // tiles_n
-                x_m = x_ptr + row * 16 * n_cols + (g64 - row * tiles_n) * 16
-                pos = tl.arange(0, 256)
-                x_t = val_ptr + pid * 256
-                tl.store(x_t + pos, tl.load(x_m + tl.load(off_ptr + pos)))
+        if TL == 1:
+            for tile in range(pid, n_tiles, tl.num_programs(0)):
+                t64 = tile + zero64
+                if MATRIX:  # the tile is copied into the slot's values row (a gather of 256 in parallel): the
+                    # passes then read x_t[p] as for gathered tiles, not a dependent offset load per step
+                    g64 = t64 + first_tile
+                    row = g64 // tiles_n
+                    x_m = x_ptr + row * 16 * n_cols + (g64 - row * tiles_n) * 16
+                    pos = tl.arange(0, 256)
+                    x_t = val_ptr + pid * 256
+                    tl.store(x_t + pos, tl.load(x_m + tl.load(off_ptr + pos)))
+                    tl.debug_barrier()
+                else:
+                    x_t = x_ptr + t64 * 256
+
+                # pass 1 (unconstrained): C = 0 makes the first step fma16(d, d, 0) = f16(d*d)
+                for hc in range(NH // BH):
+                    e = (hc * BH + rows) * NL + cols
+                    tl.store(cs + e, tl.zeros([BH, NL], dtype=tl.float16))
                 tl.debug_barrier()
-            else:
-                x_t = x_ptr + t64 * 256
+                _forward_pass(x_t, dec_ptr, cs, bp, 128, K, NL, NH, BH, KC, MODE, PACK4, ROWS, 256)
 
-            # pass 1 (unconstrained): C = 0 makes the first step fma16(d, d, 0) = f16(d*d)
-            for hc in range(NH // BH):
-                e = (hc * BH + rows) * NL + cols
-                tl.store(cs + e, tl.zeros([BH, NL], dtype=tl.float16))
-            tl.debug_barrier()
-            _forward_pass(x_t, dec_ptr, cs, bp, 128, K, NL, NH, BH, KC, MODE, PACK4, ROWS, 256)
+                # end edge: min over (bits(C[e]), rank(e)); costs are >= +0 so bit order is value order
+                best_key = tl.full([], 0x7FFFFFFF, tl.int32)
+                for hc in range(NH // BH):
+                    e = (hc * BH + rows) * NL + cols
+                    cb = tl.load(cs + e).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                    rank = (_brev5((e >> 5) & 31) << 10) | (_brev5(e & 31) << 5) | (e >> 10)
+                    best_key = tl.minimum(best_key, tl.min(tl.min((cb << 16) | rank, axis=1), axis=0))
+                r = best_key & 0xFFFF
+                e_star = ((r & 31) << 10) | (_brev5((r >> 10) & 31) << 5) | _brev5((r >> 5) & 31)
+                e_star = tl.where((best_key >> 16) >= 0x7C00, 0, e_star)
 
-            # end edge: min over (bits(C[e]), rank(e)); costs are >= +0 so bit order is value order
-            best_key = tl.full([], 0x7FFFFFFF, tl.int32)
-            for hc in range(NH // BH):
-                e = (hc * BH + rows) * NL + cols
-                cb = tl.load(cs + e).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                rank = (_brev5((e >> 5) & 31) << 10) | (_brev5(e & 31) << 5) | (e >> 10)
-                best_key = tl.minimum(best_key, tl.min(tl.min((cb << 16) | rank, axis=1), axis=0))
-            r = best_key & 0xFFFF
-            e_star = ((r & 31) << 10) | (_brev5((r >> 10) & 31) << 5) | _brev5((r >> 5) & 31)
-            e_star = tl.where((best_key >> 16) >= 0x7C00, 0, e_star)
+                # partial traceback of pass 1 over positions 127..0 gives E_fix
+                ed = e_star
+                for i in range(128):
+                    p = 127 - i
+                    if ROWS:  # pass 1 visited position p at step p + 128
+                        k = _traced_k(x_t, dec_ptr, dect_ptr, cs, p + 128, p, ed, K, NL, NH, MODE, ROWS, DECT)
+                    else:
+                        k = _back_pointer(bp, p, ed, E, PACK4)
+                    ed = k * NH + (ed >> K)
+                e_fix = ed
+                tl.debug_barrier()
 
-            # partial traceback of pass 1 over positions 127..0 gives E_fix
-            ed = e_star
-            for i in range(128):
-                p = 127 - i
-                if ROWS:  # pass 1 visited position p at step p + 128
-                    k = _traced_k(x_t, dec_ptr, dect_ptr, cs, p + 128, p, ed, K, NL, NH, MODE, ROWS, DECT)
+                # pass 2 (constrained): C = 0 at E_fix, +inf elsewhere, so the first step gives f16(d*d) or +inf
+                for hc in range(NH // BH):
+                    e = (hc * BH + rows) * NL + cols
+                    tl.store(cs + e, tl.where(e == e_fix, 0.0, float("inf")).to(tl.float16))
+                tl.debug_barrier()
+                # with ROWS the last step is left out: its costs (row 256, which is row 0) are never read, and row 0
+                # must keep the constraint for the traceback's last position
+                _forward_pass(x_t, dec_ptr, cs, bp, 0, K, NL, NH, BH, KC, MODE, PACK4, ROWS, 255 if ROWS else 256)
+
+                # final traceback from E_fix, closing the ring
+                ed = e_fix
+                for i in range(256):
+                    p = 255 - i
+                    if ROWS:
+                        k = _traced_k(x_t, dec_ptr, dect_ptr, cs, p, p, ed, K, NL, NH, MODE, ROWS, DECT)
+                    else:
+                        k = _back_pointer(bp, p, ed, E, PACK4)
+                    s = (k << (16 - K)) | ed
+                    tl.store(idx_ptr + t64 * 256 + p, s.to(tl.int16))
+                    q = tl.load(dec_ptr + s).to(tl.float32)
+                    if MATRIX:  # the values replace the copy of the tile in the slot's row (the passes are done)
+                        tl.store(x_t + p, q)
+                    else:
+                        tl.store(val_ptr + t64 * 256 + p, q)
+                    ed = k * NH + (ed >> K)
+                tl.debug_barrier()  # the slot's back-pointers are read to the end before the next tile writes them
+                if MATRIX:
+                    # one thread per element reads x and q and writes (x - q)^2 in x's place (a scalar read-modify-
+                    # write in the traceback would race between warps, each running it for the same element)
+                    xp = x_m + tl.load(off_ptr + pos)
+                    d = tl.load(xp) - tl.load(x_t + pos)
+                    tl.store(xp, d * d)
+                    tl.debug_barrier()  # the slot's values row is read before the next tile writes it
+        else:
+            # TL tiles per program, one in each lane of the cost rows' lane words (``_forward_lanes``); the tracebacks
+            # read lane li's fp16 costs TL apart. Groups grp, grp + G, ... of TL consecutive tiles; the last may be
+            # partial: its lanes past the last tile compute on zeros and write nothing
+            WT: tl.constexpr = tl.int32 if TL == 2 else tl.int64
+            n_groups = (n_tiles + TL - 1) // TL
+            lanes = tl.arange(0, TL)
+            cw = cs_ptr.to(tl.pointer_type(WT)) + pid.to(tl.int64) * (NROWS * E)
+            c16 = cs_ptr + pid.to(tl.int64) * (NROWS * E * TL)
+            pos = tl.arange(0, 256)
+            for grp in range(pid, n_groups, tl.num_programs(0)):
+                t0 = (grp + zero64) * TL  # the group's first tile
+                valid = tl.minimum(n_tiles - t0, TL)
+                if MATRIX:  # lane li's tile copied into the slot's values row li
+                    xl = val_ptr + pid * (256 * TL)
+                    for li in tl.static_range(TL):
+                        if li < valid:
+                            g64 = t0 + li + first_tile
+                            row = g64 // tiles_n
+                            x_m = x_ptr + row * 16 * n_cols + (g64 - row * tiles_n) * 16
+                            tl.store(xl + li * 256 + pos, tl.load(x_m + tl.load(off_ptr + pos)))
+                    tl.debug_barrier()
                 else:
-                    k = _back_pointer(bp, p, ed, E, PACK4)
-                ed = k * NH + (ed >> K)
-            e_fix = ed
-            tl.debug_barrier()
+                    xl = x_ptr + t0 * 256
 
-            # pass 2 (constrained): C = 0 at E_fix, +inf elsewhere, so the first step gives f16(d*d) or +inf
-            for hc in range(NH // BH):
-                e = (hc * BH + rows) * NL + cols
-                tl.store(cs + e, tl.where(e == e_fix, 0.0, float("inf")).to(tl.float16))
-            tl.debug_barrier()
-            # with ROWS the last step is left out: its costs (row 256, which is row 0) are never read, and row 0
-            # must keep the constraint for the traceback's last position
-            _forward_pass(x_t, dec_ptr, cs, bp, 0, K, NL, NH, BH, KC, MODE, PACK4, ROWS, 255 if ROWS else 256)
+                # pass 1 (unconstrained), every lane
+                for hc in range(NH // BH):
+                    e = (hc * BH + rows) * NL + cols
+                    tl.store(cw + e, tl.zeros([BH, NL], dtype=WT))
+                tl.debug_barrier()
+                _forward_lanes(xl, valid, dec_ptr, cw, 128, K, NL, NH, BH, MODE, ROWS, 256, TL)
 
-            # final traceback from E_fix, closing the ring
-            ed = e_fix
-            for i in range(256):
-                p = 255 - i
-                if ROWS:
-                    k = _traced_k(x_t, dec_ptr, dect_ptr, cs, p, p, ed, K, NL, NH, MODE, ROWS, DECT)
+                # each lane's end edge, then the partial tracebacks (every lane at once with every row kept): E_fix
+                e_fix = tl.zeros([TL], dtype=tl.int32)
+                for ln in range(TL):
+                    best_key = tl.full([], 0x7FFFFFFF, tl.int32)
+                    for hc in range(NH // BH):
+                        e = (hc * BH + rows) * NL + cols
+                        cb = ((tl.load(cw + e) >> (16 * ln)) & 0xFFFF).to(tl.int32)
+                        rank = (_brev5((e >> 5) & 31) << 10) | (_brev5(e & 31) << 5) | (e >> 10)
+                        best_key = tl.minimum(best_key, tl.min(tl.min((cb << 16) | rank, axis=1), axis=0))
+                    r = best_key & 0xFFFF
+                    e_star = ((r & 31) << 10) | (_brev5((r >> 10) & 31) << 5) | _brev5((r >> 5) & 31)
+                    e_fix = tl.where(lanes == ln, tl.where((best_key >> 16) >= 0x7C00, 0, e_star), e_fix)
+                if ROWS == 1:
+                    for i in range(128):
+                        p = 127 - i
+                        k = _traced_k_lanes(xl, valid, dec_ptr, dect_ptr, c16, p + 128, p, e_fix, K, NL, NH, MODE,
+                                            DECT, TL)
+                        e_fix = k * NH + (e_fix >> K)
                 else:
-                    k = _back_pointer(bp, p, ed, E, PACK4)
-                s = (k << (16 - K)) | ed
-                tl.store(idx_ptr + t64 * 256 + p, s.to(tl.int16))
-                q = tl.load(dec_ptr + s).to(tl.float32)
-                if MATRIX:  # the values replace the copy of the tile in the slot's row (the passes are done)
-                    tl.store(x_t + p, q)
+                    for ln in range(TL):
+                        if ln < valid:
+                            ed = tl.sum(tl.where(lanes == ln, e_fix, 0))
+                            for i in range(128):
+                                p = 127 - i
+                                k = _traced_k(xl + ln * 256, dec_ptr, dect_ptr, c16 + ln, p + 128, p, ed, K, NL, NH,
+                                              MODE, ROWS, DECT, TL)
+                                ed = k * NH + (ed >> K)
+                            e_fix = tl.where(lanes == ln, ed, e_fix)
+                tl.debug_barrier()
+
+                # pass 2 (constrained): lane li's costs 0 at its E_fix, +inf elsewhere
+                for hc in range(NH // BH):
+                    e = (hc * BH + rows) * NL + cols
+                    word = tl.zeros([BH, NL], dtype=WT)
+                    for li in tl.static_range(TL):
+                        ef = tl.sum(tl.where(lanes == li, e_fix, 0))
+                        word = word | (tl.where(e == ef, 0, 0x7C00).to(WT) << (16 * li))
+                    tl.store(cw + e, word)
+                tl.debug_barrier()
+                _forward_lanes(xl, valid, dec_ptr, cw, 0, K, NL, NH, BH, MODE, ROWS, 255, TL)
+
+                # each lane's final traceback from its E_fix (every lane at once with every row kept)
+                if ROWS == 1:
+                    ed = e_fix
+                    live = lanes < valid
+                    for i in range(256):
+                        p = 255 - i
+                        k = _traced_k_lanes(xl, valid, dec_ptr, dect_ptr, c16, p, p, ed, K, NL, NH, MODE, DECT,
+                                            TL)
+                        s = (k << (16 - K)) | ed
+                        tl.store(idx_ptr + (t0 + lanes) * 256 + p, s.to(tl.int16), mask=live)
+                        q = tl.load(dec_ptr + s).to(tl.float32)
+                        if MATRIX:
+                            tl.store(xl + lanes * 256 + p, q, mask=live)
+                        else:
+                            tl.store(val_ptr + (t0 + lanes) * 256 + p, q, mask=live)
+                        ed = k * NH + (ed >> K)
                 else:
-                    tl.store(val_ptr + t64 * 256 + p, q)
-                ed = k * NH + (ed >> K)
-            tl.debug_barrier()  # the slot's back-pointers are read to the end before the next tile writes them
-            if MATRIX:
-                # one thread per element reads x and q and writes (x - q)^2 in x's place (a scalar read-modify-
-                # write in the traceback would race between warps, each running it for the same element)
-                xp = x_m + tl.load(off_ptr + pos)
-                d = tl.load(xp) - tl.load(x_t + pos)
-                tl.store(xp, d * d)
-                tl.debug_barrier()  # the slot's values row is read before the next tile writes it
+                    for ln in range(TL):
+                        if ln < valid:
+                            ed = tl.sum(tl.where(lanes == ln, e_fix, 0))
+                            tile = t0 + ln
+                            for i in range(256):
+                                p = 255 - i
+                                k = _traced_k(xl + ln * 256, dec_ptr, dect_ptr, c16 + ln, p, p, ed, K, NL, NH, MODE,
+                                              ROWS, DECT, TL)
+                                s = (k << (16 - K)) | ed
+                                tl.store(idx_ptr + tile * 256 + p, s.to(tl.int16))
+                                q = tl.load(dec_ptr + s).to(tl.float32)
+                                if MATRIX:
+                                    tl.store(xl + ln * 256 + p, q)
+                                else:
+                                    tl.store(val_ptr + tile * 256 + p, q)
+                                ed = k * NH + (ed >> K)
+                tl.debug_barrier()
+                if MATRIX:
+                    for li in tl.static_range(TL):
+                        if li < valid:
+                            g64 = t0 + li + first_tile
+                            row = g64 // tiles_n
+                            x_m = x_ptr + row * 16 * n_cols + (g64 - row * tiles_n) * 16
+                            xp = x_m + tl.load(off_ptr + pos)
+                            d = tl.load(xp) - tl.load(xl + li * 256 + pos)
+                            tl.store(xp, d * d)
+                    tl.debug_barrier()
 
 
 class _NullContext:
@@ -494,7 +826,9 @@ def _checked_default_mode(device: torch.device, bits: int, codebook: str, num_wa
     if mode != 1 and tuning.viterbi_selfcheck:
         x = torch.randn(8, 256, device=device) * (0.5 + torch.rand(8, 1, device=device))
         kw = dict(num_warps=num_warps, block_edges=block_edges)
-        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, tuning=tuning, **kw)
+        # the tiles per program of a large launch (8 tiles alone would run one per program)
+        lanes = _tile_lanes(bits, mode, keeps_rows(bits, mode, tuning), 1 << 30, tuning, None, _sm_count(device))
+        _, s_default = viterbi_tiles(x, bits, codebook, mode=mode, tuning=tuning, lanes=lanes, **kw)
         _, s_plain = viterbi_tiles(x, bits, codebook, mode=1, tuning=tuning, **kw)
         if not torch.equal(s_default, s_plain):
             warnings.warn(f"viterbi kernel mode {mode} disagrees with mode 1 on {device} at K={bits}; "
@@ -523,9 +857,12 @@ def resident_tiles(device: torch.device, bits: int, codebook: str = "mcg", tunin
         mode = _check_launch(x, bits, codebook, None, None, None, None, "resident_tiles", tuning)  # self-checks
         values = torch.empty_like(x)
         states = torch.empty((8, 256), dtype=torch.int16, device=dev)
+        # the variant a launch over many tiles runs: its tiles per program with slots to spare
+        lanes = _tile_lanes(bits, mode, keeps_rows(bits, mode, tuning), 1 << 30, tuning, None, _sm_count(dev))
         compiled = _launch(x, 8, bits, codebook, mode, None, None, DEFAULT_SCRATCH_BYTES, None, states, values,
-                           tuning=tuning)
-        _RESIDENT[key] = _occupancy(compiled, torch.cuda.get_device_properties(dev))
+                           tuning=tuning, lanes=lanes)
+        programs = _occupancy(compiled, torch.cuda.get_device_properties(dev))
+        _RESIDENT[key] = programs * lanes if programs else programs
     return _RESIDENT[key]
 
 
@@ -642,6 +979,7 @@ def viterbi_tiles(
     rows: bool | int | None = None,
     edge_major: bool | None = None,
     tuning: Tuning | None = None,
+    lanes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (n, 256) float32 tiles (trellis order) to EXL3 states; same contract as quantize_tiles.
 
@@ -652,6 +990,8 @@ def viterbi_tiles(
     scratch slot (``slot_bytes``); None: as many as ``scratch_bytes`` holds. Results never depend on it either,
     nor on ``rows`` (0: back-pointers, 1: every cost row, 2: every other; 1 and 2 in modes 4 and 5 only; None:
     ``keeps_rows``). ``tuning``: the speed rules and the default mode (None: ``knobs.current_tuning()``).
+    ``lanes``: tiles per program, one in each lane of its f16x2 cost words (1, 2 or 4; cost rows only; None: the
+    tuning's ``viterbi_lanes``); results never depend on it.
     """
     if not isinstance(tiles, torch.Tensor):
         raise ValueError(f"tiles must be a torch.Tensor, got {type(tiles).__name__}")
@@ -673,7 +1013,7 @@ def viterbi_tiles(
         states = torch.empty((n, 256), dtype=torch.int16, device=dev)
     if n:
         _launch(tiles.contiguous(), n, bits, codebook, mode, num_warps, block_edges, scratch_bytes,
-                programs, states, values, rows=rows, edge_major=edge_major, tuning=tuning)
+                programs, states, values, rows=rows, edge_major=edge_major, tuning=tuning, lanes=lanes)
     return values, states
 
 
@@ -692,6 +1032,7 @@ def viterbi_matrix(
     rows: bool | int | None = None,
     edge_major: bool | None = None,
     tuning: Tuning | None = None,
+    lanes: int | None = None,
 ) -> torch.Tensor:
     """Quantize the flat tiles ``first_tile`` .. ``first_tile + n_tiles - 1`` (row-major over the 16 x 16 tiles)
     of a contiguous (k, n) float32 ``weight`` where they lie, and overwrite each with its squared error
@@ -720,7 +1061,7 @@ def viterbi_matrix(
     if n_tiles:
         _launch(weight, n_tiles, bits, codebook, mode, num_warps, block_edges, DEFAULT_SCRATCH_BYTES,
                 programs, states, None, matrix=(first_tile, n // 16, n), rows=rows, edge_major=edge_major,
-                tuning=tuning)
+                tuning=tuning, lanes=lanes)
     return states
 
 
@@ -784,11 +1125,35 @@ def _tile_offsets(device: torch.device, n_cols: int) -> torch.Tensor:
     return _OFFSETS[key]
 
 
+def _tile_lanes(bits: int, mode: int, rows: int, slots: int, tuning: Tuning, lanes: int | None,
+                sms: int = 1) -> int:
+    """Tiles per program (``TL``): ``lanes``, with cost rows in the packed modes only, and no more than the slots in
+    flight (each tile keeps its own slot's bytes: a program of TL tiles takes TL slots). None: the tuning's
+    ``viterbi_lanes``, at most 2 with every other row kept (its traceback recomputes an odd row lane by lane), and
+    fewer where TL would leave less than one program per SM of the ``sms``."""
+    want = tuning.viterbi_lanes if lanes is None else lanes
+    if want not in (1, 2, 4):
+        raise ValueError(f"lanes must be 1, 2 or 4 tiles per program, got {want!r}")
+    if want > 1 and (not rows or mode < 4):
+        if lanes is not None:
+            raise ValueError(f"lanes={lanes} needs cost rows (rows 1 or 2) in mode 4 or 5, got rows={rows}, "
+                             f"mode {mode}")
+        return 1
+    if lanes is None:
+        if rows == 2:
+            want = min(want, 2)
+        while want > 1 and slots < want * sms:
+            want //= 2
+    while want > 1 and want > slots:
+        want //= 2
+    return want
+
+
 def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_warps: int | None,
             block_edges: int | None, scratch_bytes: int, programs: int | None,
             states: torch.Tensor, values: torch.Tensor | None,
             matrix: tuple[int, int, int] | None = None, rows: bool | int | None = None,
-            edge_major: bool | None = None, tuning: Tuning | None = None):
+            edge_major: bool | None = None, tuning: Tuning | None = None, lanes: int | None = None):
     """Scratch for G = min(n, programs) slots and one launch of the persistent kernel over n tiles of ``x``
     (gathered tiles, or a matrix when ``matrix`` = (first tile, tiles per row, columns)); ``rows``: keep cost
     rows instead of back-pointers (None: ``keeps_rows``); ``edge_major``: the traceback reads the edge-major
@@ -809,9 +1174,12 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
     dect = bool(tuning.edge_major_traceback if edge_major is None else edge_major) and bool(rows)
     dec_t = edge_major_table(codebook, bits, dev) if dect else dec  # dec: unused
     per_slot = slot_bytes(bits, mode, rows, tuning)
-    g = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
-    if tuning.even_rounds and g < n and not interp:
-        g = _even_rounds(n, g, _sm_count(dev))
+    slots = max(1, min(n, programs if programs is not None else scratch_bytes // per_slot))
+    tl_ = _tile_lanes(bits, mode, rows, slots, tuning, lanes, 1 if interp else _sm_count(dev))
+    n_groups = -(-n // tl_)  # programs run groups of tl_ tiles, one per lane (the last may be partial)
+    g = max(1, min(n_groups, slots // tl_))
+    if tuning.even_rounds and g < n_groups and not interp:
+        g = _even_rounds(n_groups, g, _sm_count(dev))
     if num_warps is None:  # about 8 edges per thread: 4 warps for a 1024-edge block, fewer for K = 7, 8; at K = 4
         # 8 warps (4 edges per thread) for the back-pointer kernel (+8 % at 4 programs per SM on an H200) and for
         # the cost-row kernel below 4 programs per SM (2 per SM: 217 K against 200 K tiles/s), 4 from there (4 per
@@ -819,12 +1187,12 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
         # row, 8 warps fit only 2 programs per SM: up to 3 per SM 8 warps (2: 210 K against 162 K, 3: 196 K against
         # 186 K), from 4 per SM 4 warps (4: 229 K against 213 K, 5: 251 K against 206 K; the same run)
         wide_below = 3 * _sm_count(dev) + 1 if rows == 2 else 4 * _sm_count(dev)
-        k4_wide = bits == 4 and not interp and (not rows or g < wide_below)
+        k4_wide = bits == 4 and not interp and tl_ == 1 and (not rows or g < wide_below)
         num_warps = 8 if k4_wide else max(1, min(4, (bh * nl) // 256))
     kc = nl if interp else 1  # the interpreter takes all 2^K candidates of a step as one block (fewer, larger ops)
     e = nl * nh
     meta = dict(K=bits, NL=nl, NH=nh, BH=bh, KC=kc, MODE=mode, PACK4=pack4, MATRIX=matrix is not None, ROWS=rows,
-                DECT=dect, num_warps=num_warps)
+                DECT=dect, TL=tl_, num_warps=num_warps)
     guard = torch.cuda.device(dev) if dev.type == "cuda" else _NullContext()
     if tuning.resident_cap and dev.type == "cuda" and not interp and g > 1:
         # programs beyond the GPU's resident wave queue and start as others end: a part of a wave left over ran
@@ -836,15 +1204,15 @@ def _launch(x: torch.Tensor, n: int, bits: int, codebook: str, mode: int, num_wa
         if wave and g > wave and g % wave:
             g = wave if tuning.resident_cap == 2 else g - g % wave
             if tuning.even_rounds:
-                g = _even_rounds(n, g, _sm_count(dev))
+                g = _even_rounds(n_groups, g, _sm_count(dev))
     # per_slot = back-pointers (none with rows) + cost rows (+ the values row of a matrix launch)
     bp = torch.empty((1,) if rows else (g, 256 * (e // 2 if pack4 else e)), dtype=torch.uint8, device=dev)
-    cs = torch.empty((g, slot_cost_rows(rows), e), dtype=torch.float16, device=dev)
+    cs = torch.empty((g, slot_cost_rows(rows), e * tl_), dtype=torch.float16, device=dev)
     if matrix is None:
         off, first, tiles_n, n_cols = dec, 0, 1, 1  # off unused
     else:
         first, tiles_n, n_cols = matrix
         off = _tile_offsets(dev, n_cols)
-        values = torch.empty((g, 256), dtype=torch.float32, device=dev)  # each slot's values row (+ 1 KiB a slot)
+        values = torch.empty((g, 256 * tl_), dtype=torch.float32, device=dev)  # each slot's values row (1 KiB)
     with guard:  # launch on the tensors' GPU, not whichever is current
         return _viterbi_kernel[(g,)](x, dec, dec_t, cs, bp, states, values, n, off, first, tiles_n, n_cols, **meta)

@@ -289,24 +289,28 @@ def test_gpu_chunks_and_variants_agree():
 def test_gpu_cost_rows_equal_back_pointers(bits, rows):
     """Keeping every step's cost row (``rows`` 1) or every other (2) and recomputing the choice in the traceback
     gives the back-pointer kernel's states and values bit for bit, for gathered tiles and in place over a
-    weight, at every K and at 1 and several programs (tiles of several scales: ties and saturated costs)."""
+    weight, at every K, at 1 and several programs and 1, 2 and 4 tiles per program (tile lanes, a last group
+    part-filled) (tiles of several scales: ties and saturated costs)."""
     _gpu_ready()
     x = torch.randn(200, 256, device="cuda") * torch.logspace(-2, 1.5, 200, device="cuda")[:, None]
     ref_v, ref_s = vmod.viterbi_tiles(x, bits, "mcg", rows=False)
-    for edge_major in (True, False):  # the traceback's codebook reads: edge-major table or state-major
+    # the traceback's codebook reads (edge-major table or state-major) and tiles per program (f16x2 lanes; 37 slots
+    # with 4 lanes: 9 programs, 50 groups of 4)
+    for edge_major, lanes in ((True, 1), (False, 1), (True, 2), (True, 4), (False, 4)):
         for programs in (None, 1, 37):
             v, s = vmod.viterbi_tiles(x if programs != 1 else x[:9], bits, "mcg", rows=rows, programs=programs,
-                                      edge_major=edge_major)
+                                      edge_major=edge_major, lanes=lanes)
             count = v.shape[0]
-            assert torch.equal(s, ref_s[:count]) and torch.equal(v, ref_v[:count]), (bits, programs, edge_major)
+            assert torch.equal(s, ref_s[:count]) and torch.equal(v, ref_v[:count]), (bits, programs, edge_major, lanes)
     w = torch.randn(64, 96, device="cuda") * 1.5
     tiles = (64 // 16) * (96 // 16)
     plain = w.clone()
     s_bp = vmod.viterbi_matrix(plain, 0, tiles, bits, rows=False, programs=5)
-    for edge_major in (True, False):
-        inplace = w.clone()
-        s_rows = vmod.viterbi_matrix(inplace, 0, tiles, bits, rows=rows, programs=5, edge_major=edge_major)
-        assert torch.equal(s_bp, s_rows) and torch.equal(plain, inplace), (bits, rows, edge_major)
+    for edge_major, lanes in ((True, 1), (False, 1), (True, 4)):
+        inplace = w.clone()  # 24 tiles on 5 slots: lanes 4 gives one program of 4 (6 groups)
+        s_rows = vmod.viterbi_matrix(inplace, 0, tiles, bits, rows=rows, programs=5, edge_major=edge_major,
+                                     lanes=lanes)
+        assert torch.equal(s_bp, s_rows) and torch.equal(plain, inplace), (bits, rows, edge_major, lanes)
 
 
 @pytest.mark.gpu
@@ -371,10 +375,10 @@ _ROWS_SCRIPT = textwrap.dedent(
     from exl3tool.format.layout import tile_element_index
     from exl3tool.kernels.viterbi import viterbi_matrix, viterbi_tiles
     torch.manual_seed(int(sys.argv[1]))
-    rows, bits, launch = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    rows, bits, launch, lanes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
     if launch == "tiles":
-        x = torch.randn(1, 256) * torch.empty(1).uniform_(0.5, 2.0)
-        _, states = viterbi_tiles(x, bits, mode=5, rows=rows)
+        x = torch.randn(lanes, 256) * torch.empty(lanes, 1).uniform_(0.5, 2.0)
+        _, states = viterbi_tiles(x, bits, mode=5, rows=rows, lanes=lanes, programs=lanes)
         print(json.dumps({"x": x.tolist(), "states": states.tolist()}))
     else:
         w = torch.randn(16, 32) * 1.3  # two tiles; the second quantized in place
@@ -390,24 +394,26 @@ _ROWS_SCRIPT = textwrap.dedent(
 def test_interpreter_cost_rows_match_reference():
     """The cost-row kernel (the traceback recomputes each choice from the costs kept: every step's row, or every
     other with the odd rows' entries recomputed from the even ones) in its packed-pair layout with exact
-    arithmetic (mode 5): a fresh tile at K=3 (``viterbi_tiles``) gives the independent numpy Viterbi's states, and
-    a tile quantized in place over a weight at K=2 (``viterbi_matrix``) gives them and writes (x - q)^2.
+    arithmetic (mode 5): a fresh tile at K=3 (``viterbi_tiles``), or two at K=2 in the two f16x2 lanes of one
+    program (``lanes`` 2), gives the independent numpy Viterbi's states, and a tile quantized in place over a weight
+    at K=2 (``viterbi_matrix``) gives them and writes (x - q)^2.
 
-    Which rows are kept (1: every row, 2: every other) and which launch runs are drawn from the test seed: 20 s of
-    interpreter each, so a run checks one of the four and the seed in the message says which (the GPU tests check
-    every one on every run)."""
+    Which rows are kept (1: every row, 2: every other), which launch runs and, for tiles, the lanes are drawn from
+    the test seed: 20 s of interpreter each, so a run checks one of the six and the seed in the message says which
+    (the GPU tests check every one on every run)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     seed = fresh_seed()
     rows, launch = 1 + seed % 2, ("tiles", "matrix")[(seed // 2) % 2]
-    bits = 3 if launch == "tiles" else 2
-    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed), str(rows), str(bits), launch], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (seed, rows, launch, proc.stderr[-3000:])
+    lanes = 1 + (seed // 4) % 2 if launch == "tiles" else 1
+    bits = 3 if launch == "tiles" and lanes == 1 else 2
+    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, str(seed), str(rows), str(bits), launch, str(lanes)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (seed, rows, launch, lanes, proc.stderr[-3000:])
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     if launch == "tiles":
-        x = np.asarray(res["x"], dtype=np.float32)[0]
-        got = np.asarray(res["states"], dtype=np.int64)[0] & 0xFFFF
-        assert np.array_equal(got, reference_tile(x, bits, "mcg")), (seed, rows, launch)
+        for i, x in enumerate(np.asarray(res["x"], dtype=np.float32)):
+            got = np.asarray(res["states"], dtype=np.int64)[i] & 0xFFFF
+            assert np.array_equal(got, reference_tile(x, bits, "mcg")), (seed, rows, launch, lanes, i)
         return
     tile = np.asarray(res["tile"], dtype=np.float32)[0]
     ref = reference_tile(tile, bits, "mcg")
