@@ -186,12 +186,9 @@ def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cac
 def _refuse_a_file_as_cache(request: ServerRequest, environ: Optional[dict]) -> None:
     """A dry run for a cache root that is a file would plan writes that can never happen: exit 2, as the warm
     itself would (``cache check`` reports it as its finding instead)."""
-    from pathlib import Path
-
-    from exl3tool.cache.settings import cache_root
     from exl3tool.errors import InputError
 
-    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, request.release)
+    root = request.cache_root(environ)
     if root.exists() and not root.is_dir():
         raise InputError(f"cache directory {root} is not a directory (check --cache-dir or "
                          "VLLM_EXL3_ONLINE_CACHE_DIR)")
