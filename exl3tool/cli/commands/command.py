@@ -6,9 +6,9 @@ rows named in ``options``, in the table's order), the body's own (a parameter wi
 output rows (``--progress`` where named, ``--json``, ``--quiet``: every command's). A row added to a group reaches
 every command that takes the group, with nothing else edited. The body's signature declares only what it reads:
 ``call`` (a ``Call``: the request the rows give, the launch, the output) or ``out`` (the run's ``Output``), its own
-options, and rows it reads as they are (a parameter named like a row, without a Typer annotation). ``rules=(...)`` declares the command's modes: the options
-a mode does not read (groups of rows, or options by name), refused there with one usage error (``Rule``, built with
-``OnlyWith``/``NotWith``), never ignored.
+options, and rows it reads as they are (a parameter named like a row, without a Typer annotation). ``rules=(...)``
+declares the command's modes: the options a mode does not read (groups of rows, or options by name), refused there
+with one usage error (``Rule``, built with ``OnlyWith``/``NotWith``), never ignored.
 """
 
 from __future__ import annotations
