@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 import torch
 
 from exl3tool.checkpoint.plan import ALIGN, PlannedLayer, qkv_partition
+from exl3tool.checkpoint.source import span_problem, tensor_nbytes
 from exl3tool.errors import InputError
 from exl3tool.format.codebook import CODEBOOK_MARKERS
 
@@ -38,8 +39,6 @@ MCG_MULTIPLIER = 0xCBAC1FED  # exl3.py _MCG_SENTINEL; exllamav3 records it as mc
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "mcg")
 DTYPE_CODES = {torch.int16: "I16", torch.int32: "I32", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.float32: "F32"}
-_CODE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 def stored_module(weight_name: str) -> str:
@@ -53,13 +52,6 @@ def exl3_tensors_of(module: str, trellis: torch.Tensor, suh: torch.Tensor, svh: 
             f"{module}.suh": suh.detach().to("cpu", torch.float16).contiguous(),
             f"{module}.svh": svh.detach().to("cpu", torch.float16).contiguous(),
             f"{module}.mcg": torch.tensor(CODEBOOK_MARKERS["mcg"], dtype=torch.int32)}
-
-
-def tensor_nbytes(shape: Iterable[int], code: str) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * _CODE_BYTES[code]
 
 
 def storage_record(module: str, tensors: dict[str, tuple[tuple[int, ...], str]], bits: int) -> dict:
@@ -238,16 +230,16 @@ def _span(path: Path, header: dict, start: int, size: int, name: str) -> tuple[i
     rec = header.get(name)
     try:
         lo, hi = (int(x) for x in rec["data_offsets"])
-        code, shape = rec["dtype"], [int(d) for d in rec["shape"]]
+        code, shape = rec["dtype"], rec["shape"]
     except (TypeError, KeyError, ValueError):
         raise InputError(f"{path}: tensor {name!r} has no valid dtype, shape and data_offsets in the header; the "
                          "file is corrupt: download it again") from None
     if not 0 <= lo <= hi or start + hi > size:
         raise InputError(f"{path}: tensor {name!r} has data_offsets [{lo}, {hi}] beyond the file's "
                          f"{size - start} data bytes; the file is corrupt or truncated: download it again")
-    if code in _CODE_BYTES and (any(d < 0 for d in shape) or tensor_nbytes(shape, code) != hi - lo):
-        raise InputError(f"{path}: tensor {name!r} is {code} {shape} ({tensor_nbytes(shape, code)} bytes) but its "
-                         f"data_offsets span {hi - lo} bytes; the file is corrupt: download it again")
+    problem = span_problem(name, code, shape, (lo, hi))
+    if problem:
+        raise InputError(f"{path}: {problem}; the file is corrupt: download it again")
     return start + lo, hi - lo
 
 

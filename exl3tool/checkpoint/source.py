@@ -22,7 +22,7 @@ from exl3tool.errors import InputError
 from exl3tool.jsontext import loads_json, read_json_object
 
 __all__ = ["Checkpoint", "TensorInfo", "FetchInfo", "open_checkpoint", "hub_cache_dir", "serving_dtype",
-           "QUANT_CONFIG", "Selector"]
+           "QUANT_CONFIG", "Selector", "ST_ITEMSIZE", "tensor_nbytes", "span_problem"]
 
 # The only files a Hub download fetches: what we read, nothing else (no .bin, no tokenizer); with an index,
 # only the shards it names. quantization_config.json says which layers an EXL3 checkpoint already stores
@@ -50,6 +50,39 @@ for _code, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), (
                      ("U32", "uint32"), ("U64", "uint64")):
     if hasattr(torch, _name):
         _ST_DTYPES[_code] = getattr(torch, _name)
+
+
+# bytes per element of each safetensors dtype code (safetensors' Dtype), torch's own dtype or not
+ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def tensor_nbytes(shape, code: str) -> int:
+    """The bytes a tensor of safetensors dtype ``code`` and ``shape`` holds."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * ST_ITEMSIZE[code]
+
+
+def span_problem(name: str, code: Any, shape: Any, offsets: tuple[int, int]) -> Optional[str]:
+    """Why a header's record of tensor ``name`` is wrong, or None: its shape is not a list of sizes, or its
+    ``data_offsets`` (``[begin, end]``) do not span its dtype's size times its shape (a dtype exl3tool does not know
+    is not counted). The one check of every shard exl3tool opens (``_read_header``) and of every tensor a hydrate
+    copies (``checkpoint.hydrated.write_shard``).
+
+    >>> span_problem("w", "BF16", [2, 3], (0, 12)) is None, span_problem("w", "F32", [2, 3], (0, 12))
+    (True, "tensor 'w' is F32 [2, 3] (24 bytes) but its data_offsets [0, 12] span 12 bytes")
+    """
+    if not isinstance(shape, list) or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+        return f"tensor {name!r} has shape {shape!r}, not a list of sizes"
+    if code not in ST_ITEMSIZE:
+        return None
+    want, have = tensor_nbytes(shape, code), offsets[1] - offsets[0]
+    if want != have:
+        return (f"tensor {name!r} is {code} {shape} ({want:,} bytes) but its data_offsets {list(offsets)} span "
+                f"{have:,} bytes")
+    return None
 
 
 class TensorInfo:
@@ -101,10 +134,6 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             if name == "__metadata__":
                 continue
             code, offs = rec["dtype"], rec["data_offsets"]
-            if not isinstance(rec["shape"], list) or any(
-                    not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in rec["shape"]):
-                raise ValueError(f"tensor {name!r} has shape {rec['shape']!r}, not a list of sizes")
-            shape = tuple(rec["shape"])
             if len(offs) == 2 and isinstance(offs[1], int) and offs[1] > size - 8 - n >= 0:
                 truncated = max(8 + n + o[1] for o in (r["data_offsets"] for k, r in header.items()
                                                        if k != "__metadata__") if isinstance(o[1], int))
@@ -113,15 +142,11 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             if code not in _ST_DTYPES or len(offs) != 2 or not all(isinstance(o, int) for o in offs) or not (
                     0 <= offs[0] <= offs[1] <= size - 8 - n):
                 raise ValueError(f"bad record for tensor {name!r}")
-            numel = 1
-            for d in shape:
-                numel *= d
-            want = numel * _ST_DTYPES[code].itemsize
-            if offs[1] - offs[0] != want:
-                raise ValueError(f"tensor {name!r} is {code} {list(shape)} ({want:,} bytes) but its data_offsets "
-                                 f"{offs} span {offs[1] - offs[0]:,} bytes")
+            problem = span_problem(name, code, rec["shape"], tuple(offs))
+            if problem:
+                raise ValueError(problem)
             spans.append((offs[0], offs[1], name))
-            out[name] = TensorInfo(name, path, code, shape)
+            out[name] = TensorInfo(name, path, code, tuple(rec["shape"]))
         spans.sort()
         for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
             if start < end:

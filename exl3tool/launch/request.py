@@ -11,7 +11,7 @@ from exl3tool.errors import ConfigError
 from exl3tool.launch.env import EnvLayers, read_env_file
 from exl3tool.launch.image import ImageSettings, image_settings, same_image
 from exl3tool.launch.load import load_launch
-from exl3tool.launch.resolve import Explicit, LaunchSettings, ServerLaunch, resolve_launch
+from exl3tool.launch.resolve import Explicit, LaunchSettings, ServerLaunch, resolve_cache_root, resolve_launch
 from exl3tool.plan.request import ServerRequest
 
 __all__ = ["LaunchInput", "apply_launch", "EXPLICIT_FIELDS", "launch_image", "environment_lookup_off"]
@@ -41,11 +41,19 @@ class LaunchInput:
         return (bool(self.text) or bool(self.argv) or self.pid is not None or self.file is not None
                 or self.compose is not None)
 
+    @property
+    def any_given(self) -> bool:
+        """A launch, or what gives the server's environment or release without one (``--env-file``, ``--image``,
+        ``--image-inspect``, ``--image-root``, ``--service``)."""
+        return (self.launch_given or bool(self.env_files) or self.image is not None or self.image_inspect is not None
+                or self.image_root is not None or self.service is not None)
+
 
 def _env_only(request: ServerRequest, given: Collection[str], files: tuple[str, ...],
-              environ: Mapping[str, str], image: Optional[ImageSettings] = None) -> tuple[ServerRequest, dict[str, str]]:
+              environ: Mapping[str, str], image: Optional[ImageSettings] = None,
+              cache_only: bool = False) -> tuple[ServerRequest, dict[str, str]]:
     """``--env-file`` / ``--image`` without a launch: the files' variables over the image's ENV over ours, for the
-    server's settings."""
+    server's settings (``cache_only``: the bits are not read)."""
     from exl3tool.cache.settings import server_bits
 
     merged = dict(environ)
@@ -53,6 +61,8 @@ def _env_only(request: ServerRequest, given: Collection[str], files: tuple[str, 
         merged.update(image.env)
     for path in files:
         merged.update({k: v.value for k, v in read_env_file(path, environ=environ).items()})
+    if cache_only:
+        return request, merged
     return replace(request, bits=server_bits(request.bits if "bits" in given else None, merged)), merged
 
 
@@ -70,19 +80,21 @@ def environment_lookup_off(environ: Optional[Mapping[str, str]] = None) -> tuple
 
 def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchInput, *, add_tp_sizes: bool = False,
                  environ: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, need_cache: bool = True,
-                 ) -> tuple[ServerRequest, Optional[LaunchSettings], Optional[dict[str, str]]]:
+                 cache_only: bool = False) -> tuple[ServerRequest, Optional[LaunchSettings], Optional[dict[str, str]]]:
     """``request`` with the launch's settings where the command's own flags (``given``: ServerRequest field names set
     on the command line) did not set them; also the settings with their sources and the server's environment.
 
     ``add_tp_sizes`` (``cache warm``): the launch's TP size comes first and ``--tp-size``, when given, adds more;
     otherwise a given ``--tp-size`` wins over the launch's. Without a launch the request is returned as is (with
     ``--env-file`` variables applied). ``need_cache`` False: a command that writes and reads no cache (``identity``).
+    ``cache_only`` (the cache commands): only the release and the cache root are taken from the launch
+    (``resolve_cache_root``); the request's other fields stay as given.
 
     Args:
         request: the request built from the command's flags.
         given: the ServerRequest field names the command line set.
         launch: the launch forms a command was given (``LaunchInput``).
-        add_tp_sizes, environ, cwd, need_cache: as described above.
+        add_tp_sizes, environ, cwd, need_cache, cache_only: as described above.
 
     Returns:
         ``(request, settings, server_environ)``: the filled request, the launch's ``LaunchSettings`` (None without a
@@ -97,9 +109,10 @@ def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchI
             from exl3tool.cache.settings import server_bits
 
             # what prepare() would decide: resolved here so a bad variable fails before any other check
-            request = replace(request, bits=server_bits(request.bits, environ))
+            if not cache_only:
+                request = replace(request, bits=server_bits(request.bits, environ))
             return _with_release(request, given, None, _modules(launch, None)), None, None
-        request, merged = _env_only(request, given, launch.env_files, environ, image)
+        request, merged = _env_only(request, given, launch.env_files, environ, image, cache_only)
         if image is not None:
             request = replace(request, encoder_image=image.name or None)
         return _with_release(request, given, image, _modules(launch, None)), None, merged
@@ -109,6 +122,10 @@ def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchI
     assert loaded is not None
     server, layers = _with_image(*loaded, launch)
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})
+    if cache_only:
+        settings = resolve_cache_root(server, layers, explicit, modules=_modules(launch, server))
+        return (replace(request, cache_dir=settings.cache_dir, server_release=settings.release), settings,
+                settings.environ)
     settings = resolve_launch(server, layers, explicit, need_cache=need_cache, modules=_modules(launch, server))
     tp_sizes: tuple[int, ...]
     if add_tp_sizes:

@@ -27,7 +27,7 @@ from exl3tool.releases import (
 )
 from exl3tool.plan.request import DTYPE_SPELLINGS, serving_dtype_name
 
-__all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_launch", "SEQUENCE_PARALLEL_ALL2ALL",
+__all__ = ["Setting", "ServerLaunch", "Explicit", "LaunchSettings", "resolve_launch", "resolve_cache_root", "SEQUENCE_PARALLEL_ALL2ALL",
            "unknown_flag_message", "unknown_flag_warning", "close_flag_matches"]
 
 # the fork's ParallelConfig.use_sequence_parallel_moe: these all2all backends with EP, TP > 1 and DP > 1
@@ -699,6 +699,25 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides,
         image_labels=dict(launch.image.labels) if launch.image is not None else {},
         server_release=b.choice.release.name if b.choice else None, release=b.choice)
+
+
+def resolve_cache_root(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, *,
+                       modules: Optional[ForkModules] = None) -> LaunchSettings:
+    """What a launch gives the cache commands (``cache ls`` ... ``cache import``): the server's release, its cache
+    root here and whether the server reads that cache, each with its source, by ``resolve_launch``'s own steps.
+    Nothing else is resolved (the launch's model need not be reachable from here): the settings hold those three,
+    and the fields for the model, TP size, overlay and encoder are empty."""
+    b = _Builder(launch, layers)
+    off: list[str] = []  # why the server makes no look-up
+    _release(b, explicit, off, None, modules)
+    cache_dir = _cache_dir(b, launch, explicit)
+    _cache_mode(b, off)
+    assert b.choice is not None
+    return LaunchSettings(
+        launch, b.settings, "", None, None, 0, "", 0, None, "", None, None, cache_dir, False, layers.merged(),
+        tuple(b.defaulted), tuple(b.warnings), _image_lines(launch) + tuple(launch.notes) + tuple(b.notes),
+        lookup_off=tuple(off), image_labels=dict(launch.image.labels) if launch.image is not None else {},
+        server_release=b.choice.release.name, release=b.choice)
 
 
 def _flags_known(b: _Builder, args: ServerArgs) -> None:

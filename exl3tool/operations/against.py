@@ -44,14 +44,16 @@ class AgainstModel:
         self._planned: dict[int, dict[str, RankJob]] = {}
 
     @classmethod
-    def from_request(cls, request, *, exact: bool = False) -> "AgainstModel":
+    def from_request(cls, request, *, exact: bool = False, environ: Optional[dict] = None) -> "AgainstModel":
         """The check for a warm's options (``ServerRequest``: model, revision, overlay, layers, identities, bits,
-        dtype, device): the same checkpoint, identities and layer plan that warm would use. Reads no cache."""
+        dtype, device): the same checkpoint, identities and layer plan that warm would use, in the server's
+        environment ``environ`` (a launch's; None: this process's). Reads no cache."""
         from dataclasses import replace
 
         from exl3tool.plan.request import prepare, resolve_device, serving_torch_dtype
 
-        checkpoint, plan, _ = prepare(replace(request, tp_sizes=(), mode="readonly"), check_hits=False)
+        checkpoint, plan, _ = prepare(replace(request, tp_sizes=(), mode="readonly"), environ=environ,
+                                      check_hits=False)
         return cls(checkpoint, plan.layer_plan, model_identity=plan.model_identity,
                    encoder_identity=plan.encoder_identity, bits=plan.bits, device=resolve_device(request.device),
                    dtype=serving_torch_dtype(request.dtype), exact=exact)

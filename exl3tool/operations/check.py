@@ -649,7 +649,6 @@ def stored_only_report(request: ServerRequest, environ: Optional[dict] = None) -
     the hydrate record's (``hydrated_failures``); its notes say which launch variables the server no longer needs."""
     import os
 
-    from exl3tool.cache import cache_root
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay
     from exl3tool.checkpoint.overrides import parse_hf_overrides
     from exl3tool.errors import Exl3ToolError
@@ -671,7 +670,7 @@ def stored_only_report(request: ServerRequest, environ: Optional[dict] = None) -
         return None
     record = _hydrate_record(request)
     failures = hydrated_failures(record, tuple(request.tp_sizes), checkpoint.model)
-    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, request.release)
+    root = request.cache_root(environ)
     plan = LookupPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
                     tp_sizes=tuple(request.tp_sizes), cache_root=root, mode="readonly", jobs=(), layer_plan=layer_plan)
     return CheckReport(plan, _resolved_dtype(request, checkpoint), (), tuple(_launch_notes(environ)),

@@ -144,6 +144,14 @@ class ServerRequest:
         """The release whose rules apply (cache root, lock, r7 routing, start-up failures)."""
         return self.release_choice.release
 
+    def cache_root(self, environ: Optional[dict] = None) -> Path:
+        """Where the server's cache is, here: ``cache_dir`` (``--cache-dir``, or a launch's root as seen from here),
+        else the root the server computes from ``environ`` (None: this process's) by the release's rule
+        (``exl3tool.cache.settings.cache_root``). The one rule of every command, warm and the cache commands."""
+        from exl3tool.cache.settings import cache_root
+
+        return Path(self.cache_dir).expanduser() if self.cache_dir else cache_root(environ, self.release)
+
 
 WarmRequest = ServerRequest  # its name before 0.2 (CHANGELOG "Renamed"), kept for one release
 
@@ -161,7 +169,7 @@ def prepare(request: ServerRequest, *, environ: Optional[dict] = None, check_hit
     Returns:
         ``(checkpoint, plan, store)``: the opened ``Checkpoint``, the looked-up ``LookupPlan`` and its ``CacheStore``.
     """
-    from exl3tool.cache import cache_root, server_identities
+    from exl3tool.cache import server_identities
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay, tensors_to_fetch
     from exl3tool.errors import ConfigError
 
@@ -208,7 +216,7 @@ def prepare(request: ServerRequest, *, environ: Optional[dict] = None, check_hit
                              language_model_only=request.language_model_only, release=release)
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
-    root_dir = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, release)
+    root_dir = request.cache_root(environ)
     from exl3tool.cache.store import CacheStore
     from exl3tool.plan.plan import build_plan
 

@@ -123,9 +123,11 @@ def test_header_records_must_match_their_bytes(tiny_hub, tmp_path, fault, words)
     corrupt header is refused naming the file and the tensor, before any weight is read."""
     d = _copy(tiny_hub[2], tmp_path / "ck")
     shard = d / "model-00001-of-00002.safetensors"
+    edited = []
 
     def edit(header):
         name, rec = next((k, r) for k, r in header.items() if r["dtype"] == "BF16" and len(r["shape"]) == 2)
+        edited.append(name)
         if fault == "dtype":
             rec["dtype"] = "F32"
         elif fault == "shape":
@@ -141,6 +143,14 @@ def test_header_records_must_match_their_bytes(tiny_hub, tmp_path, fault, words)
     with pytest.raises(InputError, match=r"model-00001-of-00002\.safetensors: corrupt safetensors header") as err:
         open_checkpoint(str(d))
     assert words in str(err.value) and "tensor" in str(err.value), err.value
+    if fault in ("dtype", "shape", "negative"):  # a hydrate copying the tensor refuses it by the same check
+        from exl3tool.checkpoint.hydrated import write_shard
+
+        with pytest.raises(InputError) as copied:
+            write_shard(tmp_path / "copy.safetensors", shard, [(edited[0], None)], None)
+        why = str(err.value).split("corrupt safetensors header (", 1)[1].rsplit("); ", 1)[0]
+        assert str(copied.value) == f"{shard}: {why}; the file is corrupt: download it again"
+        assert not (tmp_path / "copy.safetensors").exists()
 
 
 def test_index_points_at_tensor_not_in_shard(tiny_hub, tmp_path):

@@ -42,6 +42,9 @@ CLAIMS = [
     ("README.md", "Exit codes: export 1 when invalid entries were left out", "bundles"),
     ("docs/cache.md", "(`broken_locks`, exit 1)", "broken_lock"),
     ("docs/cache.md", "`cache ls`, `verify` and `prune` exit 2 when `--cache-dir`", "missing_cache_dir"),
+    ("docs/cache.md", "A root not on a bind mount of a container launch is an error (exit 2)", "cache_launch"),
+    ("docs/cache.md", "Beside `--cache-dir` the launch options and `--server-release` pick nothing and are refused (exit 2)",
+     "cache_launch"),
     ("docs/cache.md", "Exit 1 when `invalid`, `broken_locks` or `links` is not empty", "invalid_entry"),
     ("docs/cache.md", "`cache import` refuses the entries (exit 1)", "symlinked_folder"),
     ("docs/cache.md", "each symlinked folder (`links`, status `invalid`, exit 1)", "symlinked_folder"),
@@ -304,6 +307,21 @@ def scenario_symlinked_folder(m, tmp, monkeypatch):
 def scenario_missing_cache_dir(m, tmp, monkeypatch):
     for argv in (["cache", "ls"], ["cache", "verify"], ["cache", "prune", "--temp"]):
         assert run([*argv, "--cache-dir", tmp / "nope"]) == 2, argv
+
+
+def scenario_cache_launch(m, tmp, monkeypatch):
+    monkeypatch.delenv("VLLM_EXL3_ONLINE_CACHE_MODE", raising=False)
+    (tmp / "c").mkdir()
+    image = "vllm/vllm-openai:latest vllm serve /models/M"
+    unmounted = f"docker run -e VLLM_EXL3_ONLINE_CACHE_DIR=/cache -v {tmp}:/models {image}"
+    mounted = f"docker run -e VLLM_EXL3_ONLINE_CACHE_DIR=/cache -v {tmp / 'c'}:/cache {image}"
+    off = f"docker run -e VLLM_EXL3_ONLINE_CACHE_MODE=off -e VLLM_EXL3_ONLINE_CACHE_DIR=/cache -v {tmp / 'c'}:/cache {image}"
+    assert run(["cache", "ls", "--launch", unmounted]) == 2
+    assert run(["cache", "ls", "--launch", mounted]) == 0 and run(["cache", "ls", "--launch", off]) == 0
+    assert run(["cache", "import", tmp / "b.tar", "--launch", off]) == 2
+    for argv in (["cache", "ls"], ["cache", "verify"], ["cache", "export", tmp / "o.tar"]):
+        assert run([*argv, "--launch", mounted, "--cache-dir", tmp / "c"]) == 2, argv
+        assert run([*argv, "--server-release", "gilded-gnosis-r33", "--cache-dir", tmp / "c"]) == 2, argv
 
 
 def scenario_invalid_entry(m, tmp, monkeypatch):

@@ -45,11 +45,11 @@ def _modes() -> dict[tuple[str, str], tuple[str, ...]]:
 MODE_RULES = _modes()
 
 _COMMON = {"json", "quiet"}
-_LAUNCH = {"launch", "pid", "env_file", "launch_file", "compose", "service", "image", "image_inspect", "image_root"}
+_LAUNCH = {"launch", "pid", "env_file", "launch_file", "compose", "service", "image", "image_inspect", "image_root",
+           "server_release"}
 # what each mode reads (the rest of the command's options must be refused there)
 READS: dict[tuple[str, str], set[str]] = {
-    ("cache import", "without --against"): {"bundle", "cache_dir", "file_mode", "against", "server_release",
-                                            *_COMMON},
+    ("cache import", "without --against"): {"bundle", "cache_dir", "file_mode", "against", *_LAUNCH, *_COMMON},
     ("cache import", "with --cache-dir and without --against"): {"bundle", "cache_dir", "file_mode", "against",
                                                                  "exact", "revision", "bits", "layers", "exclude",
                                                                  "shared_experts", "quantization_config", "dtype",

@@ -119,8 +119,9 @@ def test_import_against_builds_its_request_from_the_rows(monkeypatch, tmp_path):
     and every row the import takes reaches the request (`--bits` and `--server-release` were left out before)."""
     seen = []
 
-    def stop(request, exact=False):
+    def stop(request, exact=False, environ=None):
         seen.append((request, exact))
+        assert environ is None  # no launch: this process's environment, as before
         raise Stop
 
     monkeypatch.setattr("exl3tool.operations.against.AgainstModel.from_request", stop)

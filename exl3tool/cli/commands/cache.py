@@ -14,7 +14,7 @@ from rich.filesize import decimal
 
 from exl3tool.cli.commands.command import Call, NotWith, OnlyWith, command
 from exl3tool.cli.commands.group import Exl3Group
-from exl3tool.cli.commands.options import MODEL_WANTED, existing_cache_dir, non_empty, resolve_cache_dir
+from exl3tool.cli.commands.options import MODEL_WANTED, non_empty
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output, plural
 
@@ -31,9 +31,10 @@ cache_app = typer.Typer(name="cache", help="Warm, check, list, show, verify, pru
                         no_args_is_help=True, cls=Exl3Group, rich_markup_mode=None)  # Click's help: see cli.py
 
 
-# a cache command's release only picks the cache root, which --cache-dir gives
-_ROOT_GIVEN = NotWith("cache_dir", names=("server_release",),
-                      fix="the release only picks the server's cache root, which --cache-dir gives: drop one of them")
+# a cache command's launch and release only pick the cache root, which --cache-dir gives
+_ROOT_GIVEN = NotWith("cache_dir", groups=("launch",),
+                      fix="the launch and the release only pick the server's cache root, which --cache-dir gives: drop "
+                      "one of them")
 
 
 def _when(ts: float) -> str:
@@ -55,9 +56,16 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-@command(cache_app, "ls", options=("cache_dir", "model_id", "server_release"), rules=(_ROOT_GIVEN,))
-def ls(out: Output, cache_dir: Optional[Path], model_id: Optional[str], server_release: Optional[str]) -> None:
+@command(cache_app, "ls", groups=("cache", "entries", "launch"), rules=(_ROOT_GIVEN,))
+def ls(call: Call, model_id: Optional[str]) -> None:
     """List entries grouped by model identity and TP layout (headers only; use `cache verify` to load them).
+
+    The cache is --cache-dir, else the server's: from its launch when given (a container's volumes, its
+    environment, its release), as `cache warm` finds it, else from this environment. Every cache command reads it
+    so.
+
+    Example: exl3tool cache ls --launch "docker run -v /srv/cache:/cache -e VLLM_EXL3_ONLINE_CACHE_DIR=/cache IMAGE
+    vllm serve /models/m"
 
     Exit codes: 0 listed (an empty cache too), 2 no such cache directory, usage or I/O error.
     """
@@ -65,7 +73,8 @@ def ls(out: Output, cache_dir: Optional[Path], model_id: Optional[str], server_r
 
     from exl3tool.cache.listing import list_cache
 
-    root = existing_cache_dir(cache_dir, server_release=server_release)
+    out = call.out
+    root = call.cache_root()
     listing = list_cache(root, model=model_id)
     table = Table(title=f"EXL3 cache {root}", box=None, pad_edge=False, header_style="bold underline")  # 80 columns
     table.add_column("model identity", no_wrap=True, min_width=20)
@@ -119,17 +128,15 @@ def _find_entry(root: Path, entry: str) -> Path:
         raise InputError(f"{entry}: no such file, and not a digest (give a path or at least 6 hex digits)")
     found = sorted((root / "v1").glob(f"*/*/{needle}*.safetensors"))
     if not found:
-        raise InputError(f"{entry}: no entry with that digest under {root} (check --cache-dir)")
+        raise InputError(f"{entry}: no entry with that digest under {root} (check --cache-dir or the launch)")
     if len(found) > 1:
         raise InputError(f"{entry}: digest prefix matches {len(found)} entries; give more digits")
     return found[0]
 
 
-@command(cache_app, "show", options=("entry", "cache_dir", "server_release"), rules=(_ROOT_GIVEN,))
+@command(cache_app, "show", groups=("cache", "launch"), rules=(_ROOT_GIVEN,))
 def show(
-    out: Output,
-    cache_dir: Optional[Path],
-    server_release: Optional[str],
+    call: Call,
     entry: Annotated[str, typer.Argument(metavar="ENTRY", parser=non_empty("an entry file or its digest"), help="Entry file path, or its digest (a unique prefix of 6+ hex digits).")],
 ) -> None:
     """Show one entry: key, tensors, metadata and whether the server would load it (exit 1 if not).
@@ -138,7 +145,8 @@ def show(
     """
     from exl3tool.cache.scan import inspect_entry
 
-    path = _find_entry(resolve_cache_dir(cache_dir, server_release), entry)
+    out = call.out
+    path = _find_entry(call.cache_root(exists=False), entry)
     try:
         info = inspect_entry(path)
     except ValueError as exc:
@@ -162,8 +170,8 @@ def show(
         raise FindingsError(f"{path}: the server would not load this entry: {info.reason}")
 
 
-@command(cache_app, "verify", options=("cache_dir", "model_id", "server_release"), rules=(_ROOT_GIVEN,))
-def verify(out: Output, cache_dir: Optional[Path], model_id: Optional[str], server_release: Optional[str]) -> None:
+@command(cache_app, "verify", groups=("cache", "entries", "launch"), rules=(_ROOT_GIVEN,))
+def verify(call: Call, model_id: Optional[str]) -> None:
     """Load every entry as the server would, check digest vs name and our checksum; exit 1 if any is invalid.
 
     Entries without exl3tool's checksum (the server writes none) are `unchecked`: the server would load them,
@@ -177,7 +185,8 @@ def verify(out: Output, cache_dir: Optional[Path], model_id: Optional[str], serv
 
     from exl3tool.cache.scan import CacheHealth, scan
 
-    root = existing_cache_dir(cache_dir, server_release=server_release)
+    out = call.out
+    root = call.cache_root()
     health = CacheHealth.of(root, [i for i in scan(root, deep=True) if _model_ok(i, model_id)])
     entries, valid, unchecked, invalid = health.entries, health.valid, health.unchecked, health.invalid
     bad_locks, temps, orphans, stale = health.broken_locks, health.temp_files, health.orphan_locks, health.stale_locks
@@ -222,13 +231,10 @@ def verify(out: Output, cache_dir: Optional[Path], model_id: Optional[str], serv
         raise FindingsError(f"{' and '.join(what)} under {root}; remove with: exl3tool cache prune --invalid")
 
 
-@command(cache_app, "prune", options=("invalid", "temp", "older_than", "records", "model_id", "plan_only", "yes",
-                                     "cache_dir", "server_release"), rules=(_ROOT_GIVEN,))
+@command(cache_app, "prune", groups=("cache", "entries", "launch"), rules=(_ROOT_GIVEN,))
 def prune(
-    out: Output,
+    call: Call,
     model_id: Optional[str],
-    cache_dir: Optional[Path],
-    server_release: Optional[str],
     invalid: Annotated[bool, typer.Option("--invalid", help="Invalid entries (the server would not load them, or exl3tool's checksums fail), broken lock paths and symlinked folders (the link, never its target).")] = False,
     temp: Annotated[bool, typer.Option("--temp", help="Leftover temporary files and orphan locks that no live process holds.")] = False,
     older_than: Annotated[
@@ -252,7 +258,8 @@ def prune(
         raise ConfigError("nothing selected: pass --invalid, --temp, --records and/or --older-than DAYS")
     if older_than is not None and older_than < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--older-than")
-    root = existing_cache_dir(cache_dir, server_release=server_release)
+    out = call.out
+    root = call.cache_root()
     from exl3tool.cache.prune_report import PruneReport
     from exl3tool.cache.records import execute_record_prune, plan_record_prune, read_records
     from exl3tool.cache.scan import execute_prune, plan_prune, scan
@@ -335,14 +342,11 @@ def _export_report(out: Output, plan, bundle: str, size: int) -> None:
     out.data(plan.as_json(bundle, size))
 
 
-@command(cache_app, "export", options=("out_path", "model_id", "tp_filter", "cache_dir", "server_release"),
-         rules=(_ROOT_GIVEN,))
+@command(cache_app, "export", groups=("cache", "entries", "launch"), options=("tp_filter",), rules=(_ROOT_GIVEN,))
 def export(
-    out: Output,
+    call: Call,
     model_id: Optional[str],
     tp_filter: Optional[str],
-    cache_dir: Optional[Path],
-    server_release: Optional[str],
     out_path: Annotated[str, typer.Argument(metavar="OUT", parser=non_empty("a file, or - for stdout"), help="Bundle file to write, or - for stdout.")],
 ) -> None:
     """Write the valid entries (default: all) into one bundle file: a tar whose first member is the manifest.
@@ -357,7 +361,8 @@ def export(
 
     from exl3tool.cache.bundle import plan_export, write_bundle, write_bundle_file
 
-    root = existing_cache_dir(cache_dir, server_release=server_release)
+    out = call.out
+    root = call.cache_root()
     if out_path == "-" and sys.stdout.isatty():
         raise ConfigError("refusing to write a bundle to a terminal; redirect stdout or pipe it (… | exl3tool cache import -)")
     plan = plan_export(root, model=model_id, tp_sizes=_tp_filter(tp_filter))
@@ -385,20 +390,16 @@ def export(
                             "the bundle; see them with: exl3tool cache verify")
 
 
-@command(cache_app, "import", options=(
-    "bundle", "cache_dir", "file_mode", "against", "exact", "revision", "bits", "layers", "exclude", "shared_experts",
-    "quantization_config", "dtype", "device", "encoder_root", "encoder_revision", "server_release", "encoder_source",
-    "server_path"), rules=(
-        # the import checks nothing against a model: the model, plan and encoder options mean nothing without it
-        OnlyWith("against", groups=("model", "plan", "encoder"), names=("exact",),
-                 fix="drop it, or give --against MODEL to check the entries against MODEL's plan"),
-        # --server-release stays without --against (it picks the cache root), but --cache-dir gives the root
-        NotWith("cache_dir", names=("server_release",), unless=("against",), fix=_ROOT_GIVEN.fix)))
+@command(cache_app, "import", groups=("model", "plan", "encoder", "cache", "launch"), without=("model", "tp_sizes"),
+         options=("device", "file_mode"), rules=(
+             # the import checks nothing against a model: the model, plan and encoder options mean nothing without it
+             OnlyWith("against", groups=("model", "plan", "encoder"), names=("exact", "device"),
+                      fix="drop it, or give --against MODEL to check the entries against MODEL's plan"),
+             # the launch stays without --against (it picks the cache root), but --cache-dir gives the root
+             NotWith("cache_dir", groups=("launch",), unless=("against",), fix=_ROOT_GIVEN.fix)))
 def import_(
     call: Call,
-    cache_dir: Optional[Path],
     file_mode: str,
-    server_release: Optional[str],
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", parser=non_empty("a file, or - for stdin"), help="Bundle file to read, or - for stdin.")],
     against: Annotated[Optional[str], typer.Option("--against", metavar="MODEL", parser=non_empty(MODEL_WANTED), help="Import only entries of MODEL's plan whose weights are MODEL's (within the verify bound; exactly with --exact); refuse the others. Takes the warm's model and encoder options.")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="With --against: compare each entry with a fresh encode (verify --exact's rule) instead of the verify bound.")] = False,
@@ -415,16 +416,21 @@ def import_(
     Exit codes: 0 all imported or present, 1 some refused (the rest imported), 2 unreadable bundle or I/O error.
     Example: exl3tool cache import exl3-cache.tar --cache-dir /srv/exl3-cache --file-mode 0644
     """
-    from rich.table import Table
-
     import sys
+    from dataclasses import replace
+
+    from rich.table import Table
 
     from exl3tool.cache.bundle import import_bundle
     from exl3tool.cache.store import CacheStore
     from exl3tool.cli.commands.options import parse_file_mode
 
     out = call.out
-    root = resolve_cache_dir(cache_dir, server_release)
+    if against is not None:  # MODEL's plan as a warm of it would make: the launch's settings, under these flags
+        request, _, environ = call.resolve(call.request(model=against), given=("model",))
+        root = request.cache_root(environ)
+    else:
+        root = call.cache_root(exists=False, no_lookup="refuse")
     try:
         store = CacheStore(root, "readwrite", file_mode=parse_file_mode(file_mode))
     except ValueError as exc:
@@ -433,7 +439,7 @@ def import_(
     if against is not None:
         from exl3tool.operations.against import AgainstModel
 
-        check = AgainstModel.from_request(call.request(model=against, cache_dir=str(root)), exact=exact)
+        check = AgainstModel.from_request(replace(request, cache_dir=str(root)), exact=exact, environ=environ)
     if bundle == "-":
         report = import_bundle(sys.stdin.buffer, store, source="-", check=check)
     else:

@@ -8,7 +8,6 @@ import typer
 
 from exl3tool.cli.commands.command import Call, NotWith, command
 from exl3tool.cli.commands.launching import launch_json, lookup_off
-from exl3tool.cli.commands.options import LAUNCH
 from exl3tool.cli.commands.planview import plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
@@ -175,12 +174,6 @@ def check_nodes(out: Output, specs: list[str]) -> None:
                             f"{ref} ({', '.join(differ)}): entries warmed on {ref} miss there")
 
 
-# `cache warm`'s options that can change a look-up, in the same order (tests/operations/test_provenance.py)
-CHECK_OPTIONS = ("model", "revision", "tp_sizes", "bits", "layers", "exclude", "cache_dir", "shared_experts",
-                 "quantization_config", "dtype", "encoder_root", "encoder_revision", "server_release", "encoder_source",
-                 "server_path", *LAUNCH, "nodes")
-
-
 def register(app: typer.Typer) -> None:
     """Add ``cache check`` (to the ``cache`` group)."""
     from exl3tool.cli.commands.cache import cache_app
@@ -188,4 +181,5 @@ def register(app: typer.Typer) -> None:
     # the fleet's identity documents are compared, nothing is planned: every other option means nothing there
     nodes = NotWith("nodes", groups=("model", "plan", "encoder", "cache", "launch"),
                     fix="drop it (--nodes compares the identity documents given), or check one launch without --nodes")
-    command(cache_app, "check", options=CHECK_OPTIONS, rules=(nodes,))(cache_check)
+    # `cache warm`'s groups that can change a look-up (tests/operations/test_provenance.py): not how an encode runs
+    command(cache_app, "check", groups=("model", "plan", "encoder", "cache", "launch"), rules=(nodes,))(cache_check)

@@ -1,12 +1,14 @@
 """How a command is built from its option rows, and the one object its body receives.
 
-``@command(parent, "warm", options=(...))`` registers the body as a Typer command whose options are, in help order,
-the rows named in ``options`` (``options.ROWS``) and the body's own (a parameter with a Typer annotation), then
-``--json`` and ``--quiet``. The body's signature declares only what it reads: ``call`` (a ``Call``: the request the
-rows give, the launch, the output) or ``out`` (the run's ``Output``), its own options, and rows it reads as they are
-(a parameter named like a row, without a Typer annotation). ``rules=(...)`` declares the command's modes: the options
-a mode does not read (groups of rows, or options by name), refused there with one usage error (``Rule``, built with
-``OnlyWith``/``NotWith``), never ignored.
+``@command(parent, "warm", groups=(...), without=(...), options=(...))`` registers the body as a Typer command whose
+options are, in help order, the rows it takes (``options.taken``: every row of its groups less ``without``, and the
+rows named in ``options``, in the table's order), the body's own (a parameter with a Typer annotation), then the
+output rows (``--progress`` where named, ``--json``, ``--quiet``: every command's). A row added to a group reaches
+every command that takes the group, with nothing else edited. The body's signature declares only what it reads:
+``call`` (a ``Call``: the request the rows give, the launch, the output) or ``out`` (the run's ``Output``), its own
+options, and rows it reads as they are (a parameter named like a row, without a Typer annotation). ``rules=(...)``
+declares the command's modes: the options a mode does not read (groups of rows, or options by name), refused there
+with one usage error (``Rule``, built with ``OnlyWith``/``NotWith``), never ignored.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Collection, Optional
 
 import typer
 
 from exl3tool.cli.commands.group import LAUNCH_ARGV, Exl3Command, LaunchCommand, Run
-from exl3tool.cli.commands.options import GROUPS, LAUNCH, OUTPUT, ROWS, Row
+from exl3tool.cli.commands.options import GROUPS, LAUNCH, ROWS, Row, existing_cache_dir, taken
 from exl3tool.cli.output import Output
 
 if TYPE_CHECKING:
@@ -148,16 +151,31 @@ class Call:
 
         return launch_input(self.ctx, **{name: self._values.get(name) for name in LAUNCH})
 
-    def resolve(self, request: ServerRequest, **how: Any):
-        """``request`` with the launch applied (this command line's fields win), each setting's source said on
-        stderr: ``(request, settings or None, the server's environment or None)`` (``launching.apply_options``).
-        A ``--tp-rank`` outside the TP size (which the launch may give) is a usage error."""
+    def resolve(self, request: ServerRequest, *, given: Collection[str] = (), **how: Any):
+        """``request`` with the launch applied (this command line's fields win, and the fields in ``given``, which
+        the command set from its own options: ``import --against``'s model), each setting's source said on stderr:
+        ``(request, settings or None, the server's environment or None)`` (``launching.apply_options``). A
+        ``--tp-rank`` outside the TP size (which the launch may give) is a usage error."""
         from exl3tool.cli.commands.launching import apply_options
 
-        request, settings, environ = apply_options(self.out, request, self.launch, self.given_fields, **how)
+        request, settings, environ = apply_options(self.out, request, self.launch, self.given_fields | set(given),
+                                                   **how)
         if request.tp_ranks and not 0 <= request.tp_ranks[0] < request.tp_sizes[0]:
             raise typer.BadParameter(f"--tp-rank {request.tp_ranks[0]} is outside 0..{request.tp_sizes[0] - 1}")
         return request, settings, environ
+
+    def cache_root(self, *, exists: bool = True, no_lookup: str = "say") -> Path:
+        """The cache a cache command reads or writes (``cache ls`` ... ``cache import``): ``--cache-dir``, else the
+        server's root as ``cache warm`` finds it (``ServerRequest.cache_root``): from the launch options (a
+        container's volumes, the launch's environment, the release; ``apply_launch``'s ``cache_only``), else this
+        process's environment, by ``--server-release``'s rule. ``exists``: it must be an existing directory (exit 2
+        otherwise); ``no_lookup``: a launch whose server reads no cache is warned about (``say``) or refused."""
+        request = self.request(model="")
+        environ = None
+        if self.launch.any_given:
+            request, _, environ = self.resolve(request, cache_only=True, no_lookup=no_lookup)
+        root = request.cache_root(environ)
+        return existing_cache_dir(root) if exists else root
 
 
 def _is_option(parameter: inspect.Parameter) -> bool:
@@ -165,21 +183,27 @@ def _is_option(parameter: inspect.Parameter) -> bool:
     return any(isinstance(m, typer.models.ParameterInfo) for m in getattr(parameter.annotation, "__metadata__", ()))
 
 
-def command(parent: typer.Typer, name: str, *, options: tuple[str, ...] = (),
-            rules: tuple[Rule, ...] = ()) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Register the decorated body as command ``name`` of ``parent`` (see the module's docstring)."""
+def command(parent: typer.Typer, name: str, *, groups: tuple[str, ...] = (), without: tuple[str, ...] = (),
+            options: tuple[str, ...] = (), rules: tuple[Rule, ...] = ()
+            ) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register the decorated body as command ``name`` of ``parent``: the rows of ``groups`` less ``without``, the
+    rows named in ``options``, the body's own options (see the module's docstring)."""
 
     def register(body: Callable[..., None]) -> Callable[..., None]:
         own = inspect.signature(body, eval_str=True).parameters
-        layout = (*options, *OUTPUT)
-        mine = {n for n, p in own.items() if _is_option(p)}
-        wrong = ([n for n in layout if n not in ROWS and n not in mine] + sorted(mine & set(ROWS))
-                 + [n for n in own if n not in ("call", "out") and n not in layout])
+        mine = [n for n, p in own.items() if _is_option(p)]
+        try:
+            rows = taken(groups, without, options)
+        except ValueError as exc:
+            raise TypeError(f"{body.__qualname__}: {exc}") from None
+        last = tuple(n for n in rows if ROWS[n].group == "output")  # --progress, --json, --quiet: every command's last
+        layout = (*(n for n in rows if n not in last), *mine, *last)
+        wrong = sorted(set(mine) & set(ROWS)) + [n for n in own if n not in ("call", "out") and n not in layout]
         wrong += [n for rule in rules for n in (*rule.with_, *rule.without, *rule.names, *rule.but) if n not in layout]
         wrong += [g for rule in rules for g in rule.groups if g not in GROUPS]
         if wrong:  # a typo, an own option named like a row, a parameter no option fills: at registration
-            raise TypeError(f"{body.__qualname__}: {wrong}: each option is a row or the body's own, named once, and "
-                            "placed in `options`")
+            raise TypeError(f"{body.__qualname__}: {wrong}: each option is a row or the body's own, named once; a "
+                            "row the body reads is one the command takes")
         params = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
         for n in layout:
             if n in mine:
@@ -209,9 +233,11 @@ def command(parent: typer.Typer, name: str, *, options: tuple[str, ...] = (),
 
         run.__signature__ = inspect.Signature(params)
         run.rules = rules  # type: ignore[attr-defined]  # the command's modes, for its tests (tests/cli/test_modes.py)
+        # what it was built from, for its tests (tests/cli/test_option_groups.py)
+        run.declared = {"body": body, "groups": groups, "without": without, "options": options}  # type: ignore[attr-defined]
         run.__doc__, run.__name__, run.__qualname__, run.__module__ = (body.__doc__, body.__name__, body.__qualname__,
                                                                        body.__module__)
-        cls = LaunchCommand if any(n in LAUNCH for n in layout) else Exl3Command
+        cls = LaunchCommand if any(n in LAUNCH for n in layout) else Exl3Command  # `-- ARGV` is a launch
         parent.command(name, cls=cls)(run)
         return run
 

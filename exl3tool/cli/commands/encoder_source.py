@@ -49,4 +49,4 @@ def encoder_source(
 
 def register(app: typer.Typer) -> None:
     """Add the ``encoder-source`` command."""
-    command(app, "encoder-source", options=("directory", "force"))(encoder_source)
+    command(app, "encoder-source")(encoder_source)

@@ -134,11 +134,6 @@ def hydrate_command(
     out.data({**report.as_json(), **extra})
 
 
-HYDRATE_OPTIONS = ("source", "out_dir", "hydrate_tp_sizes", "bits", "bits_for", "layers", "exclude", "shared_experts",
-                   "quantization_config", "dtype", "device", "server_release", "leave_unaligned", "launch", "pid",
-                   "env_file", "launch_file", "compose", "service", "plan_only")
-
-
 def register(app: typer.Typer) -> None:
     """Add the ``hydrate`` command."""
-    command(app, "hydrate", options=HYDRATE_OPTIONS)(hydrate_command)
+    command(app, "hydrate", groups=("plan", "launch"), options=("source", "hydrate_tp_sizes", "device"))(hydrate_command)

@@ -9,7 +9,6 @@ import typer
 
 from exl3tool.cli.commands.command import Call, command
 from exl3tool.cli.commands.launching import launch_json
-from exl3tool.cli.commands.options import LAUNCH
 from exl3tool.cli.output import Output
 
 if TYPE_CHECKING:
@@ -135,5 +134,4 @@ def _encoder_only(out: Output, request: ServerRequest, env_files: tuple[str, ...
 
 def register(app: typer.Typer) -> None:
     """Add the ``identity`` command."""
-    command(app, "identity", options=("model", "revision", "server_path", "encoder_root", "encoder_revision",
-                                      "server_release", "encoder_source", "quantization_config", *LAUNCH))(identity)
+    command(app, "identity", groups=("model", "encoder", "launch"), options=("quantization_config",))(identity)

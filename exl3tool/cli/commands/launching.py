@@ -45,28 +45,29 @@ def launch_json(settings) -> dict:
 
 
 def apply_options(out: Output, request, li: LaunchInput, given: frozenset[str], *, add_tp_sizes: bool = False,
-                  need_cache: bool = True, no_lookup: str = "refuse"):
+                  need_cache: bool = True, no_lookup: str = "refuse", cache_only: bool = False):
     """Fill ``request`` from the launch ``li`` (the fields in ``given``, which the command line set, win) and say on
     stderr where each setting came from (``command.Call.resolve``).
 
     Returns ``(request, settings or None, the server's environment or None)``; a command without MODEL and without
-    a launch is a usage error. A launch whose server makes no look-up (``settings.lookup_off``) is, by
+    a launch is a usage error, unless ``cache_only`` (the cache commands: the launch gives the release and the cache
+    root, ``apply_launch``'s ``cache_only``). A launch whose server makes no look-up (``settings.lookup_off``) is, by
     ``no_lookup``: ``"refuse"`` a usage error (nothing to encode or verify for it: exit 2), ``"report"`` left to
-    the command (``cache check`` reports it as a finding), ``"warn"`` said on stderr (``identity``), ``"ignore"``
-    nothing (``hydrate``: the checkpoint it writes is loaded whatever the server's cache does, and a release that
-    encodes nothing online is what it is for).
+    the command (``cache check`` reports it as a finding), ``"warn"`` said on stderr, with an encoder root required
+    (``identity``), ``"say"`` said on stderr (``cache ls``), ``"ignore"`` nothing (``hydrate``: the checkpoint it
+    writes is loaded whatever the server's cache does, and a release that encodes nothing online is what it is for).
     """
     from exl3tool.launch import apply_launch
 
     if li.image_inspect is not None and not li.image and not li.launch_given:
         raise typer.BadParameter("--image-inspect FILE is the saved inspect document of the server's image: give "
                                  "--image NAME or a docker/podman launch with it", param_hint="'--image-inspect'")
-    if not li.launch_given and not request.model:
+    if not li.launch_given and not request.model and not cache_only:
         raise typer.BadParameter("give MODEL, or the server's launch with --launch COMMAND, --launch-file FILE, "
                                  "--compose FILE, --pid PID or -- ARGV",
                                  param_hint="'MODEL'")
     request, settings, environ = apply_launch(request, given, li, add_tp_sizes=add_tp_sizes,
-                                              need_cache=need_cache)
+                                              need_cache=need_cache, cache_only=cache_only)
     choice = request.release_choice
     if settings is None and choice.source not in ("default", "--server-release"):
         out.note(choice.describe())  # a launch lists it with its settings
@@ -100,10 +101,10 @@ def apply_options(out: Output, request, li: LaunchInput, given: frozenset[str], 
         if no_lookup == "refuse":
             raise ConfigError(f"this {what} makes no cache look-up, so nothing would read what this command "
                               f"writes or checks: {why}")
-        if no_lookup == "warn":
+        if no_lookup in ("warn", "say"):
             for line in off:
                 out.warn(f"no look-up: {line}")
-            if not request.encoder_root:
+            if no_lookup == "warn" and not request.encoder_root:
                 raise ConfigError(f"this {what} makes no cache look-up ({why}) and names no encoder, so there "
                                   "is no encoder identity to show; pass --encoder-root")
     return request, settings, environ

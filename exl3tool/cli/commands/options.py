@@ -1,12 +1,15 @@
 """Every option a command shares, declared once: one row each, with its spelling, help, converter, group and the
-``ServerRequest`` field it sets (if any). A command names the rows it takes (``command.command``); its body gets
-the request the rows give, never the rows one by one.
+``ServerRequest`` field it sets (if any). A command names the groups it takes (``command.command``): it takes every
+row of each, in the table's order, less the rows it names in ``without``, and the rows it names in ``options``
+(a row ``by_name``, which no group hands out, or one of a group it does not take). Adding a row to a group gives it
+to every command that takes the group; its body gets the request the rows give, never the rows one by one.
 
-Groups: ``model`` (which checkpoint, as the server names it), ``plan`` (what the server plans: TP, bits, layers,
-overlay, dtype), ``encoder`` (the encoder's identity and how an encode runs), ``cache`` (where entries go and how
-they are written), ``launch`` (the server's launch), ``output`` (``--json``, ``--quiet``, ``--progress``: the run's
-``Output``). A rule ("only with --against", "nothing with --nodes") names groups, never a hand list of options
-(``command.Rule``).
+Groups, in help order: ``model`` (which checkpoint, as the server names it), ``plan`` (what the server plans: TP,
+bits, layers, overlay, dtype), ``encoder`` (the encoder's identity), ``cache`` (where the entries are),
+``encoding`` (how an encode runs and publishes its entries), ``entries`` (which entries a cache command takes),
+``launch`` (the server's launch and release: they give the settings, the cache root among them), ``output``
+(``--json``, ``--quiet``, ``--progress``: the run's ``Output``; every command takes it). A rule ("only with
+--against", "nothing with --nodes") names groups, never a hand list of options (``command.Rule``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import typer
 from exl3tool.cache.settings import BITS_RANGE, BITS_VAR, DEFAULT_BITS
 from exl3tool.plan.request import DTYPE_SPELLINGS, SERVING_DTYPES, serving_dtype_name
 
-__all__ = ["Row", "ROWS", "GROUPS", "LAUNCH", "OUTPUT", "HIDDEN_ALIASES", "group", "non_empty", "MODEL_WANTED",
-           "MODEL_HELP", "spelling", "resolve_cache_dir", "parse_positive_ints", "parse_file_mode", "existing_cache_dir"]
+__all__ = ["Row", "ROWS", "GROUPS", "LAUNCH", "HIDDEN_ALIASES", "group", "taken", "non_empty", "MODEL_WANTED",
+           "MODEL_HELP", "spelling", "parse_positive_ints", "parse_file_mode", "existing_cache_dir"]
 
-GROUPS = ("model", "plan", "encoder", "cache", "launch", "output")
+GROUPS = ("model", "plan", "encoder", "cache", "encoding", "entries", "launch", "output")
 REQUIRED = Parameter.empty  # a row without a default: the command line must give it
 
 
@@ -32,7 +35,9 @@ REQUIRED = Parameter.empty  # a row without a default: the command line must giv
 class Row:
     """One option (or argument): ``type`` is its ``Annotated`` type as Typer reads it (spelling, help, metavar,
     converter), ``field`` the ``ServerRequest`` field it sets (``convert``: its value as that field's), ``old`` an
-    old spelling still accepted and left out of the help for one release (CHANGELOG.md)."""
+    old spelling still accepted and left out of the help for one release (CHANGELOG.md). ``by_name``: a command
+    takes it only by naming it (``--tp-rank``, ``--dry-run``), not with its group; ``instead``: a variant of that row
+    of the group (``encode``'s one ``--tp-size`` instead of warm's list), taken by name in its place."""
 
     name: str
     type: Any
@@ -41,6 +46,8 @@ class Row:
     field: Optional[str] = None
     convert: Callable[[Any], Any] = lambda value: value
     old: Optional[str] = None
+    by_name: bool = False
+    instead: Optional[str] = None
 
 
 def non_empty(want: str, convert: Callable[[str], Any] = str) -> Callable[[str], Any]:
@@ -138,8 +145,10 @@ def _server_release(value: Optional[str]) -> Optional[str]:
 
 
 def _row(name: str, python_type: Any, default: Any, info: Any, group: str, field: Optional[str] = None,
-         convert: Callable[[Any], Any] = lambda value: value, old: Optional[str] = None) -> Row:
-    return Row(name, Annotated[python_type, info], default, group, field, convert, old)
+         convert: Callable[[Any], Any] = lambda value: value, old: Optional[str] = None, by_name: bool = False,
+         instead: Optional[str] = None) -> Row:
+    return Row(name, Annotated[python_type, info], default, group, field, convert, old, by_name or bool(instead),
+               instead)
 
 
 MODEL_WANTED = "a Hub repo id or a checkpoint directory (`.` for this one)"
@@ -155,7 +164,7 @@ ROWS: dict[str, Row] = {row.name: row for row in (
          "model", "model", lambda value: value or ""),
     _row("source", str, REQUIRED,
          typer.Argument(metavar="SOURCE", help="The EXL3 checkpoint folder (read only, never written)."),
-         "model", "model"),
+         "model", "model", instead="model"),
     _row("revision", Optional[str], None,
          typer.Option("--revision", metavar="TEXT",
                       help="Hub branch, tag or commit (default: main); resolved to the full commit hash."),
@@ -169,7 +178,7 @@ ROWS: dict[str, Row] = {row.name: row for row in (
     _row("tp_size", int, 1,
          typer.Option("--tp-size", "-tp", min=1, metavar="INTEGER RANGE",
                       help="Tensor-parallel world size of the server."),
-         "plan", "tp_sizes", lambda value: (value,)),
+         "plan", "tp_sizes", lambda value: (value,), instead="tp_sizes"),
     _row("tp_sizes", str, "1",  # one spelling with encode/verify's (and vLLM's -tp)
          typer.Option("--tp-size", "-tp", metavar=_TP_SIZES,
                       help="Comma-separated TP sizes; every rank of each is warmed."),
@@ -179,10 +188,10 @@ ROWS: dict[str, Row] = {row.name: row for row in (
                       help="The TP sizes OUT must start at; a layer one of them cannot slice stays BF16 and is listed. "
                       "Default: the launch's, else every size up to 8 vLLM can split the model into."),
          "plan", "tp_sizes", lambda value: () if value is None else parse_positive_ints(value, "--tp-size"),
-         old="--tp-sizes"),
+         old="--tp-sizes", instead="tp_sizes"),
     _row("tp_rank", Optional[int], None,
          typer.Option("--tp-rank", metavar="INTEGER", help="Only this rank (default: every rank)."),
-         "plan", "tp_ranks", lambda value: None if value is None else (value,)),
+         "plan", "tp_ranks", lambda value: None if value is None else (value,), by_name=True),
     _row("bits", Optional[int], None,
          typer.Option("--bits", callback=_bits, metavar="INTEGER", show_default=f"${BITS_VAR}, else {DEFAULT_BITS}",
                       help=f"Trellis bits per weight, {BITS_RANGE[0]} to {BITS_RANGE[1]} (the server's {BITS_VAR})."),
@@ -214,8 +223,8 @@ ROWS: dict[str, Row] = {row.name: row for row in (
          "plan", "dtype"),
     _row("dry_run", bool, False,
          typer.Option("--dry-run", help="Print the plan (layer, rank, shape, tiles, hit or miss) and encode nothing."),
-         "plan"),
-    # encoder: its identity, and how an encode runs
+         "plan", by_name=True),
+    # encoder: the encoder's identity
     _row("encoder_root", Optional[str], None,
          typer.Option("--encoder-root", metavar="TEXT",
                       help="The server's VLLM_EXL3_ENCODER_SOURCE path (default: that env var)."),
@@ -230,70 +239,72 @@ ROWS: dict[str, Row] = {row.name: row for row in (
                       "--encoder-revision); --encoder-root stays the path string the server uses. Default: the files "
                       "under --encoder-root."),
          "encoder", "encoder_source"),
-    _row("trust_encoder_identity", bool, False,
-         typer.Option("--trust-encoder-identity",
-                      help="Write entries under an encoder identity that is not exl3tool's own even when a probe "
-                      "encode with that encoder gave other bytes (encoder parity `differs`; recorded so in the "
-                      "provenance). Default: refuse."),
-         "encoder", "trust_encoder_identity"),
-    _row("device", str, "auto",
-         typer.Option("--device", metavar="TEXT",
-                      help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N."),
-         "encoder", "device"),
-    _row("overlap", bool, True,
-         typer.Option("--overlap/--no-overlap",
-                      help="Read the next weights and publish finished entries on background threads while encoding "
-                      "(same results)."),
-         "encoder", "overlap"),
-    _row("gpu_memory", Optional[float], None,
-         typer.Option("--gpu-memory", metavar="GiB",
-                      help="GPU memory budget per worker in GiB (default: what the device has free, less 5% or "
-                      "1 GiB); the encoder sizes its chunks to it and a layer that cannot fit fails with the memory it "
-                      "needed."),
-         "encoder", "gpu_memory_gib"),
-    # cache: where entries go, and how they are written
+    # cache: where the entries are
     _row("cache_dir", Optional[Path], None,
          typer.Option("--cache-dir", metavar="PATH",
                       parser=non_empty("a directory (`.` for this one), or leave --cache-dir out for the server's",
                                        Path),
                       help="Cache root (default: the server's, from VLLM_EXL3_ONLINE_CACHE_DIR etc.)."),
          "cache", "cache_dir"),
+    # encoding: how an encode runs and publishes its entries
+    _row("device", str, "auto",
+         typer.Option("--device", metavar="TEXT",
+                      help="auto (this process's GPU under torchrun, else CPU), cpu, cuda or cuda:N."),
+         "encoding", "device"),
+    _row("overlap", bool, True,
+         typer.Option("--overlap/--no-overlap",
+                      help="Read the next weights and publish finished entries on background threads while encoding "
+                      "(same results)."),
+         "encoding", "overlap"),
+    _row("gpu_memory", Optional[float], None,
+         typer.Option("--gpu-memory", metavar="GiB",
+                      help="GPU memory budget per worker in GiB (default: what the device has free, less 5% or "
+                      "1 GiB); the encoder sizes its chunks to it and a layer that cannot fit fails with the memory it "
+                      "needed."),
+         "encoding", "gpu_memory_gib"),
+    _row("trust_encoder_identity", bool, False,
+         typer.Option("--trust-encoder-identity",
+                      help="Write entries under an encoder identity that is not exl3tool's own even when a probe "
+                      "encode with that encoder gave other bytes (encoder parity `differs`; recorded so in the "
+                      "provenance). Default: refuse."),
+         "encoding", "trust_encoder_identity"),
+    _row("mode", str, "readwrite",
+         typer.Option("--mode", metavar="TEXT",
+                      help="readwrite (publish), readonly (encode misses, write nothing) or off (no cache)."),
+         "encoding", "mode", _cache_mode, by_name=True),
+    _row("file_mode", str, "0600",
+         typer.Option("--file-mode", metavar="TEXT",
+                      help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as "
+                      "another user)."),
+         "encoding", "file_mode", parse_file_mode),
+    _row("check_unchecked", bool, False,
+         typer.Option("--check-unchecked",
+                      help="Re-encode every hit without exl3tool's checksum (e.g. server-written), compare it exactly "
+                      "and replace it if it differs."),
+         "encoding", "check_unchecked", by_name=True),
+    _row("lock_timeout", Optional[float], None,
+         typer.Option("--lock-timeout", metavar="SECONDS", min=0,
+                      help="Give up on an entry whose lock another process has held this long (the job fails, "
+                      "nothing encoded). Default: wait while the holder runs; give up only on a stopped holder, or an "
+                      "unidentifiable one with no progress for 600 s."),
+         "encoding", "lock_timeout"),
+    # entries: which entries a cache command takes
     _row("model_id", Optional[str], None,
          typer.Option("--model", callback=_model_id, metavar="TEXT",
                       help="Only entries of this model identity (full or hex prefix)."),
-         "cache"),
+         "entries"),
     _row("tp_filter", Optional[str], None,
          typer.Option("--tp-size", "-tp", metavar=_TP_SIZES,
                       help="Only entries of these TP sizes, comma-separated (default: all)."),
-         "cache", old="--tp-sizes"),
+         "entries", old="--tp-sizes", by_name=True),
+    # launch: the server's launch and release (``command.Call.launch``, ``Call.cache_root``)
     _row("server_release", Optional[str], None,
          typer.Option("--server-release", metavar="NAME",
                       help="The fork release the server runs (e.g. gilded-gnosis-r33, infernal-invocation-r18, a "
                       "patched image's gilded-gnosis-r34+pr312), whose cache root, lock and start-up rules apply "
                       "(docs/releases.md). Default: the one the image's files or labels name, else the newest (said "
                       "as such)."),
-         "cache", "server_release", _server_release),
-    _row("mode", str, "readwrite",
-         typer.Option("--mode", metavar="TEXT",
-                      help="readwrite (publish), readonly (encode misses, write nothing) or off (no cache)."),
-         "cache", "mode", _cache_mode),
-    _row("file_mode", str, "0600",
-         typer.Option("--file-mode", metavar="TEXT",
-                      help="Permissions of new entries, octal (the server writes 0600; use 0644 if it runs as "
-                      "another user)."),
-         "cache", "file_mode", parse_file_mode),
-    _row("check_unchecked", bool, False,
-         typer.Option("--check-unchecked",
-                      help="Re-encode every hit without exl3tool's checksum (e.g. server-written), compare it exactly "
-                      "and replace it if it differs."),
-         "cache", "check_unchecked"),
-    _row("lock_timeout", Optional[float], None,
-         typer.Option("--lock-timeout", metavar="SECONDS", min=0,
-                      help="Give up on an entry whose lock another process has held this long (the job fails, "
-                      "nothing encoded). Default: wait while the holder runs; give up only on a stopped holder, or an "
-                      "unidentifiable one with no progress for 600 s."),
-         "cache", "lock_timeout"),
-    # launch: the server's launch (``command.Call.launch``)
+         "launch", "server_release", _server_release),
     _row("launch", Optional[str], None,
          typer.Option("--launch", metavar="COMMAND",
                       help="The server's launch, one shell-quoted string: `vllm serve MODEL ...`, `python -m "
@@ -347,27 +358,43 @@ ROWS: dict[str, Row] = {row.name: row for row in (
                       "release's rules, over its labels (a patched image keeps its release's labels; "
                       "docs/releases.md)."),
          "launch"),
-    # output: the run's ``Output`` (``command.command`` adds --json and --quiet to every command)
+    # output: the run's ``Output`` (``command.command`` gives --json and --quiet to every command)
     _row("progress", str, "auto",
          typer.Option("--progress", metavar="auto|bar|lines|none", callback=_progress_mode,
                       help="Progress on stderr: a bar, or log lines (one per job done and a status line every 30 s, "
                       "with tiles done/total, rate and ETA). auto: a bar on a terminal, lines otherwise (a pipe, a CI "
                       "log); none with --quiet."),
-         "output"),
+         "output", by_name=True),
     _row("json", bool, False, typer.Option("--json", help="Machine-readable JSON on stdout."), "output"),
     _row("quiet", bool, False, typer.Option("--quiet", "-q", help="No notes or progress on stderr."), "output"),
 )}
 
 
 def group(name: str) -> tuple[str, ...]:
-    """The rows of group ``name``, in the table's order."""
+    """The rows of group ``name``, in the table's order (those ``by_name`` included)."""
     if name not in GROUPS:
         raise KeyError(f"no option group {name!r} (groups: {', '.join(GROUPS)})")
     return tuple(row.name for row in ROWS.values() if row.group == name)
 
 
-LAUNCH = group("launch")
-OUTPUT = ("json", "quiet")  # every command's last options
+def taken(groups: tuple[str, ...], without: tuple[str, ...] = (), options: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The rows a command takes, in the table's order: every row of ``groups`` and of ``output`` (every command's)
+    that is not ``by_name``, less ``without``, and the rows named in ``options`` (a variant takes the place of the
+    row it stands ``instead`` of). ValueError naming what is wrong: an unknown group, a ``without`` that is not a
+    row of them, an option that is no row, or one the groups give already."""
+    wrong = [g for g in groups if g not in GROUPS]
+    names = {row.name for row in ROWS.values() if row.group in (*groups, "output") and not row.by_name}
+    wrong += [n for n in without if n not in names]
+    wrong += [n for n in options if n not in ROWS or n in names]
+    if wrong:
+        raise ValueError(f"{wrong}: a group of {GROUPS}, `without` a row of its groups, `options` rows they do not give")
+    names = (names - set(without)) | set(options)
+    names -= {ROWS[n].instead for n in options}
+    return tuple(n for n in ROWS if n in names)
+
+
+# the launch rows that give the server's launch (``launching.launch_input``); the others set request fields
+LAUNCH = tuple(n for n in group("launch") if ROWS[n].field is None)
 
 
 def spelling(row: Row) -> str:
@@ -379,24 +406,14 @@ def spelling(row: Row) -> str:
 HIDDEN_ALIASES = {row.old: spelling(row) for row in ROWS.values() if row.old}  # old spelling -> new
 
 
-def resolve_cache_dir(cache_dir: Path | None, server_release: Any = None, environ: dict | None = None) -> Path:
-    """``--cache-dir`` if given, else the server's cache root from the environment, by the rule of the release
-    ``--server-release`` names (``exl3tool.releases.resolve_release``: the newest when none is named)."""
-    from exl3tool.cache import cache_root
-    from exl3tool.releases import resolve_release
-
-    return cache_dir if cache_dir is not None else cache_root(environ, resolve_release(server_release).release)
-
-
-def existing_cache_dir(cache_dir: Path | None, environ: dict | None = None, server_release: Any = None) -> Path:
-    """``resolve_cache_dir`` (with ``environ``: the server's environment; ``server_release``: a name or the run's
-    ``ReleaseChoice``), which must be an existing directory (InputError otherwise, exit 2)."""
+def existing_cache_dir(root: Path) -> Path:
+    """The cache root a command reads (``ServerRequest.cache_root``), which must be an existing directory (InputError
+    otherwise, exit 2)."""
     from exl3tool.errors import InputError
 
-    root = resolve_cache_dir(cache_dir, server_release, environ)
     if not root.exists():
-        raise InputError(f"cache directory {root} does not exist (check --cache-dir, VLLM_EXL3_ONLINE_CACHE_DIR or "
-                         "--server-release)")
+        raise InputError(f"cache directory {root} does not exist (check --cache-dir, VLLM_EXL3_ONLINE_CACHE_DIR, "
+                         "--server-release or the launch)")
     if not root.is_dir():
         raise InputError(f"cache directory {root} is not a directory (check --cache-dir or VLLM_EXL3_ONLINE_CACHE_DIR)")
     return root

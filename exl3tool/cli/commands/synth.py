@@ -57,4 +57,4 @@ def synth(
 
 def register(app: typer.Typer) -> None:
     """Add the ``synth`` command."""
-    command(app, "synth", options=("directory", "family", "seed"))(synth)
+    command(app, "synth")(synth)

@@ -10,7 +10,7 @@ import typer
 
 from exl3tool.cli.commands.command import Call, NotWith, command
 from exl3tool.cli.commands.launching import launch_json
-from exl3tool.cli.commands.options import LAUNCH, existing_cache_dir, parse_positive_ints
+from exl3tool.cli.commands.options import existing_cache_dir, parse_positive_ints
 from exl3tool.errors import ConfigError, FindingsError, InputError
 from exl3tool.cli.output import Output
 from exl3tool.operations.bounds import DEFAULT_KERNEL_ERR
@@ -120,7 +120,7 @@ def verify(
                                  on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} {c.reason}"))
     else:
         # verify only reads: a missing cache is an I/O error, not N failed layers
-        existing_cache_dir(Path(request.cache_dir) if request.cache_dir else None, environ, request.server_release)
+        existing_cache_dir(request.cache_root(environ))
         checkpoint, plan, store = prepare(request, environ=environ)
         result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
                              max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,
@@ -147,17 +147,12 @@ def verify(
         raise FindingsError(f"{len(result.failed)} of {len(result.layers)} layer checks failed{named}")
 
 
-VERIFY_OPTIONS = ("model", "revision", "tp_size", "tp_rank", "bits", "layers", "exclude", "shared_experts",
-                  "quantization_config", "rows", "seed", "device", "max_kernel_err", "max_quant_err", "dtype",
-                  "cache_dir", "encoder_root", "encoder_revision", "server_release", "encoder_source", "server_path",
-                  "exact", "against", "report", *LAUNCH)
-
-
 def register(app: typer.Typer) -> None:
     # a hydrated checkpoint against its SOURCE: no cache, no plan, no launch (verify_hydrated reads the stored modules
     # the hydrate recorded, at TP 1, with the bits it recorded); --exact compares cache entries only
     hydrated = NotWith("against", groups=("plan", "encoder", "cache", "launch"), names=("revision", "server_path", "exact"),
-                       but=("dtype", "device"),
+                       but=("dtype",),
                        fix="drop it (the hydrated checkpoint's stored layers are compared with SOURCE's weights, no "
                        "cache), or verify the cache without --against")
-    command(app, "verify", options=VERIFY_OPTIONS, rules=(hydrated,))(verify)
+    command(app, "verify", groups=("model", "plan", "encoder", "cache", "launch"), options=("tp_size", "tp_rank", "device"),
+            rules=(hydrated,))(verify)

@@ -11,7 +11,6 @@ from rich.filesize import decimal
 
 from exl3tool.cli.commands.command import Call, command
 from exl3tool.cli.commands.launching import launch_json
-from exl3tool.cli.commands.options import LAUNCH
 from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
 from exl3tool.cli.output import Output, plural
@@ -186,12 +185,9 @@ def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cac
 def _refuse_a_file_as_cache(request: ServerRequest, environ: Optional[dict]) -> None:
     """A dry run for a cache root that is a file would plan writes that can never happen: exit 2, as the warm
     itself would (``cache check`` reports it as its finding instead)."""
-    from pathlib import Path
-
-    from exl3tool.cache.settings import cache_root
     from exl3tool.errors import InputError
 
-    root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, request.release)
+    root = request.cache_root(environ)
     if root.exists() and not root.is_dir():
         raise InputError(f"cache directory {root} is not a directory (check --cache-dir or "
                          "VLLM_EXL3_ONLINE_CACHE_DIR)")
@@ -208,12 +204,6 @@ def encode(call: Call, dry_run: bool) -> None:
     """
     request, settings, environ = call.resolve(call.request())
     _run(call.out, request, dry_run, "encode", environ, launch_json(settings))
-
-
-ENCODE_OPTIONS = ("model", "revision", "tp_size", "tp_rank", "bits", "layers", "exclude", "cache_dir", "mode", "device",
-                  "shared_experts", "quantization_config", "dtype", "encoder_root", "encoder_revision",
-                  "server_release", "encoder_source", "server_path", "file_mode", "overlap", "gpu_memory",
-                  "lock_timeout", "progress", *LAUNCH, "trust_encoder_identity", "dry_run")
 
 
 def _shard_option(value: Optional[str]) -> Optional[str]:
@@ -269,16 +259,12 @@ def cache_warm(
     _run(call.out, request, dry_run, "cache warm", environ, launch_json(settings))
 
 
-WARM_OPTIONS = ("model", "revision", "tp_sizes", "bits", "layers", "exclude", "cache_dir", "device", "shared_experts",
-                "quantization_config", "dtype", "encoder_root", "encoder_revision", "server_release", "encoder_source",
-                "server_path", "file_mode", "overlap", "check_unchecked", "gpu_memory", "lock_timeout", "progress",
-                "launch", "pid", "env_file", "launch_file", "compose", "service", "shard_option", "shard_count",
-                "image", "image_inspect", "image_root", "trust_encoder_identity", "dry_run")
+_ENCODES = ("model", "plan", "encoder", "cache", "encoding", "launch")  # the groups of a command that encodes
 
 
 def register(app: typer.Typer) -> None:
     """Add ``encode`` and ``cache warm`` (to the ``cache`` group)."""
     from exl3tool.cli.commands.cache import cache_app
 
-    command(app, "encode", options=ENCODE_OPTIONS)(encode)
-    command(cache_app, "warm", options=WARM_OPTIONS)(cache_warm)
+    command(app, "encode", groups=_ENCODES, options=("tp_size", "tp_rank", "dry_run", "mode", "progress"))(encode)
+    command(cache_app, "warm", groups=_ENCODES, options=("dry_run", "check_unchecked", "progress"))(cache_warm)
