@@ -8,6 +8,7 @@ no key changes). Hit or miss is decided by the independent server of ``tests/hel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -261,6 +262,10 @@ def test_an_r7_checkpoint_is_served_whatever_its_quant_method(tmp_path, monkeypa
     model = _r7_checkpoint(tmp_path / "M")
     cache = tmp_path / "cache"
     request = ServerRequest(model=str(model), tp_sizes=(2,), cache_dir=str(cache), quantization_config=LINEAR, **ENC)
+    with pytest.raises(ConfigError, match="release is not named.*r7_routed_experts.*--server-release NAME"):
+        fake_warm(request, monkeypatch)  # no release named: gilded-gnosis-r33 would refuse what r34 serves
+    assert not cache.exists()  # refused before anything was written
+    request = dataclasses.replace(request, server_release="infernal-invocation-r18")
     fake_warm(request, monkeypatch)
     _, plan, _ = prepare(request)
     assert any("r7" in n for n in plan.layer_plan.notes)

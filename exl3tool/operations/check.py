@@ -27,11 +27,13 @@ from exl3tool.text import plural
 from exl3tool.plan.plan import LookupJob, LookupPlan
 from exl3tool.plan.request import ServerRequest, prepare
 from exl3tool.releases import (
-    UNALIGNED_FIX, ReleaseChoice, ServerRelease, unaligned_start_failure, unaligned_start_unknown,
+    MXFP8_BLOCK, NAME_IT, UNALIGNED_FIX, ReleaseChoice, RuleSplit, ServerRelease, lock_waits, release_depends,
+    release_same_note, rule_splits, unaligned_start_failure, unaligned_start_unknown,
 )
 
 __all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences",
-           "start_failures", "start_unknowns", "stored_only_report", "hydrated_failures"]
+           "start_failures", "start_unknowns", "stored_only_report", "hydrated_failures", "release_rules",
+           "refuse_undetermined"]
 
 _SHOWN = 3  # items named per line before "and N more"
 
@@ -99,17 +101,30 @@ class CheckReport:
     release: Optional[ReleaseChoice] = None  # that release, where it came from and what was assumed
     cannot_tell: tuple[Finding, ...] = ()  # what exl3tool cannot tell about this server (an unread patched exl3.py)
     hydrated: Optional[Any] = None  # the checkpoint's `exl3tool hydrate` record (checkpoint.hydrate_record), if any
+    # the release not determined (``ReleaseChoice.determined``): the rules whose outcome differs between the
+    # releases that could be serving (then no answer: exit 2), else the note that every one gives this answer
+    release_splits: tuple[RuleSplit, ...] = ()
+    release_note: str = ""
 
     @property
     def assumed(self) -> bool:
-        """Whether the answer rests on an assumption (an unknown release label, a patched image not read): then
-        ``cache check`` exits 2, never 0 or 1 (docs/releases.md)."""
-        return bool(self.cannot_tell) or (self.release is not None and self.release.assumed)
+        """Whether the answer rests on an assumption (an unknown release label, a patched image not read, a release
+        not named where the answer depends on it): then ``cache check`` exits 2, never 0 or 1 (docs/releases.md)."""
+        return (bool(self.cannot_tell) or bool(self.release_splits)
+                or (self.release is not None and self.release.assumed))
 
     def assumptions(self) -> list[str]:
         """Each assumption in one line (what exl3tool did not know and what it assumed)."""
         return [*(self.release.unknown if self.release is not None else ()),
-                *(f"cannot tell whether this server starts: {f.text}" for f in self.cannot_tell)]
+                *(f"cannot tell whether this server starts: {f.text}" for f in self.cannot_tell),
+                *self.release_depends()]
+
+    def release_depends(self) -> list[str]:
+        """One line per rule whose outcome differs between the releases the server could run (the release not
+        named), naming them."""
+        if self.release is None or not self.release_splits:
+            return []
+        return release_depends(self.release, self.release_splits)
 
     @property
     def lookups(self) -> list[LookupJob]:
@@ -137,6 +152,7 @@ class CheckReport:
             **plan.header_json(),
             "stored_only": self.stored or None, "ok": self.ok, "server_release": self.server_release,
             "release": None if self.release is None else self.release.as_json(), "assumed": self.assumed,
+            "release_differs": [x.as_json() for x in self.release_splits], "release_note": self.release_note or None,
             "cannot_tell": [f.as_json() for f in self.cannot_tell],
             "hydrated": None if self.hydrated is None else self.hydrated.as_json(),
             "start_failures": [f.as_json() for f in self.start_failures], "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
@@ -489,7 +505,7 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
     notes += _unplanned_notes(plan, cache, records)
     notes += _parity_notes(lookups, records, plan)
     release = request.release
-    notes += _lock_notes(lookups, release)
+    notes += _lock_notes(lookups, request.release_choice)
     full = plan.layer_plan
     if full is not None and full.server_lookup and (request.layers or request.exclude):
         try:  # the server builds every layer, not only the ones --layers selects
@@ -500,10 +516,56 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
     failures = start_failures(plan, request, release, full)
     record = _hydrate_record(request)
     failures += hydrated_failures(record, tuple(request.tp_sizes), request.model)
+    splits, note = release_rules(request, checkpoint.config, environ, plan, full)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4), start_failures=tuple(failures),
                        server_release=release.name, release=request.release_choice,
-                       cannot_tell=tuple(start_unknowns(plan, release, full)), hydrated=record)
+                       cannot_tell=tuple(start_unknowns(plan, release, full)), hydrated=record,
+                       release_splits=splits, release_note=note)
+
+
+def release_rules(request: ServerRequest, config: dict, environ: Optional[dict] = None,
+                  plan: Optional[LookupPlan] = None, full: Optional[LayerPlan] = None, *, writes: bool = False,
+                  lookups: bool = True) -> tuple[tuple[RuleSplit, ...], str]:
+    """When the request's release is not determined (nothing named it, or what named it was not known): the rules
+    whose outcome for this request differs between the releases that could be serving it, and, when none does,
+    the one note saying that every one gives this answer (``exl3tool.releases.rule_splits``).
+
+    Compared are the request's release-dependent inputs, not a plan per release: the cache root where it comes from
+    the release's rule (no ``cache_dir``; a launch's root was compared as it was read, ``ReleaseChoice.splits``),
+    the checkpoint's r7 block (``config``), and with ``plan`` (``cache check``) the K_r of its 128-unaligned shards
+    (``full``: the layer plan the server builds) and its entries invalid for non-finite data. ``writes``: what a
+    warm writes (the root and the plan), not the start verdict; ``lookups`` False: the server looks nothing up
+    (a hydrated checkpoint), so no root matters. ``((), "")`` when the release is determined."""
+    import os
+
+    from exl3tool.checkpoint.routing import r7_reading_differs
+
+    choice = request.release_choice
+    if choice.determined:
+        return (), ""
+    env = os.environ if environ is None else environ
+    widths: set[int] = set()
+    nonfinite = False
+    if plan is not None and not writes:
+        lp = full or plan.layer_plan
+        for tp in plan.tp_sizes:
+            for layer in (lp.layers if lp is not None and lp.server_lookup else ()):
+                try:
+                    k_r, n_r = rank_sizes(layer, tp)
+                except (ValueError, ConfigError):
+                    continue
+                if (k_r % ALIGN or n_r % ALIGN) and k_r % MXFP8_BLOCK:
+                    widths.add(k_r)
+        nonfinite = any(j.state == "invalid" and "non-finite" in j.reason for j in plan.jobs)
+    splits = (*(choice.splits if lookups else ()), *rule_splits(
+        choice.candidates, root_env=None if request.cache_dir or not lookups else env.get,
+        r7=r7_reading_differs(config),
+        unaligned=tuple(sorted(widths)), nonfinite=nonfinite))
+    if splits:
+        return splits, ""
+    return (), release_same_note(choice, "would write the same entries in the same root" if writes else
+                                 "gives this answer")
 
 
 def _unaligned(plan: LookupPlan, full: Optional[LayerPlan], rule) -> dict[tuple[str, int], str]:
@@ -565,8 +627,18 @@ def start_failures(plan: LookupPlan, request: ServerRequest, release: ServerRele
     return out
 
 
-def _lock_notes(lookups: list[LookupJob], release: ServerRelease) -> list[Finding]:
-    """Entry locks held now (a warm running): what the release's server does when it reaches one at start-up."""
+def refuse_undetermined(request: ServerRequest, splits: tuple[RuleSplit, ...], what: str) -> None:
+    """No write on an assumption: a ConfigError (exit 2) naming the rule that differs between the releases the
+    server could run, and the fix, when ``splits`` (``release_rules``) has any."""
+    if splits:
+        lines = release_depends(request.release_choice, splits, what)
+        more = f" (and {len(lines) - 1} more rule(s))" if len(lines) > 1 else ""
+        raise ConfigError(f"no write on an assumption: {lines[0]}{more}; {NAME_IT}")
+
+
+def _lock_notes(lookups: list[LookupJob], choice: ReleaseChoice) -> list[Finding]:
+    """Entry locks held now (a warm running): what the release's server does when it reaches one at start-up (each
+    rule, when the release is not determined and the releases it could be wait differently)."""
     from exl3tool.cache.locks import lock_holders
     from exl3tool.cache.paths import lock_path
 
@@ -575,10 +647,13 @@ def _lock_notes(lookups: list[LookupJob], release: ServerRelease) -> list[Findin
         lock = lock_path(j.path)
         if lock.exists() and lock_holders(lock):
             held.append(j)
+    release = choice.release
     module = release.cache_module
     if not held or module is None:
         return []
-    if module.lock_timeout_s is None:
+    if len({r.cache_module.lock_timeout_s for r in choice.candidates if r.cache_module is not None}) > 1:
+        what = f"the server's release is not determined: {lock_waits(choice.candidates)}"
+    elif module.lock_timeout_s is None:
         what = (f"{release.name}'s entry lock has no timeout: a server starting now waits on each of them for as "
                 "long as the warm holds it")
     else:
@@ -674,10 +749,11 @@ def stored_only_report(request: ServerRequest, environ: Optional[dict] = None) -
     root = Path(request.cache_dir).expanduser() if request.cache_dir else cache_root(environ, request.release)
     plan = LookupPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
                     tp_sizes=tuple(request.tp_sizes), cache_root=root, mode="readonly", jobs=(), layer_plan=layer_plan)
+    splits, note = release_rules(request, checkpoint.config, environ, lookups=False)
     return CheckReport(plan, _resolved_dtype(request, checkpoint), (), tuple(_launch_notes(environ)),
                        {o: 0 for o in ORIGINS}, (), round(time.perf_counter() - start, 4), stored=why,
                        start_failures=tuple(failures), server_release=request.release.name,
-                       release=request.release_choice, hydrated=record)
+                       release=request.release_choice, hydrated=record, release_splits=splits, release_note=note)
 
 
 def _unplanned_causes(plan: LookupPlan) -> list[Cause]:

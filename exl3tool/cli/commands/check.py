@@ -38,6 +38,10 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     plan = report.plan
     if report.hydrated is not None:
         out.note(f"{plan.model}: {report.hydrated.line()}")
+    if report.release_note:
+        out.note(report.release_note)
+    for line in report.release_depends():
+        out.warn(line)  # the rules whose outcome differs between the releases the server could run
     if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing
         for f in report.start_failures:
             out.warn(f"{f.text}; fix: {f.fix}")
