@@ -164,6 +164,63 @@ def _image_root(root, exl3: str, cache_module: bytes = b"# the cache module\n"):
     return root
 
 
+def _save_image(root, out, name, labels, *, top: str, oci: bool = False, env=None, whiteout: bool = True):
+    """``docker save`` of image ``name`` whose files are ``root`` (an ``_image_root``), in two layers as a build
+    leaves them: the first holds ``root`` with another exl3.py and a second vllm package under /opt/conda, the
+    second replaces exl3.py with ``top`` and removes that package with a whiteout. ``oci``: the OCI archive (an
+    index and gzip layers, as `podman save --format oci-archive` writes) instead of docker's manifest.json."""
+    import gzip
+    import hashlib
+    import io
+    import tarfile
+
+    exl3 = "usr/local/venv/lib/python3.12/site-packages/vllm/model_executor/layers/quantization/exl3.py"
+    conda = "opt/conda/lib/python3.12/site-packages/vllm"
+
+    def tar_of(files: dict, links: dict = {}, base=None) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+            if base is not None:
+                t.add(str(base), arcname=".", recursive=True)
+            for path, data in files.items():
+                info = tarfile.TarInfo(path)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+            for path, target in links.items():
+                info = tarfile.TarInfo(path)
+                info.type, info.linkname = tarfile.SYMTYPE, target
+                t.addfile(info)
+        return buf.getvalue()
+
+    below = (root / exl3).read_bytes()
+    (root / exl3).write_text("class Exl3OnlineLinearMethod:\n    pass  # the base image's, replaced above\n")
+    first = tar_of({f"{conda}/__init__.py": b"", f"{conda}/model_executor/layers/quantization/__init__.py": b"",
+                    f"{conda}/model_executor/layers/quantization/exl3.py": b"# another vllm\n"}, base=root)
+    (root / exl3).write_bytes(below)
+    second = tar_of({exl3: top.encode(), **({f"{conda.rsplit('/', 1)[0]}/.wh.vllm": b""} if whiteout else {})})
+    config = json.dumps({"architecture": "amd64", "config": {"Env": [f"{k}={v}" for k, v in (env or {}).items()],
+                                                             "Labels": labels, "Entrypoint": ["vllm"]}}).encode()
+    blobs: dict[str, bytes] = {}
+
+    def blob(data: bytes) -> dict:
+        digest = hashlib.sha256(data).hexdigest()
+        blobs[f"blobs/sha256/{digest}"] = data
+        return {"digest": f"sha256:{digest}", "size": len(data)}
+
+    if oci:
+        manifest = {"schemaVersion": 2, "config": blob(config),
+                    "layers": [blob(gzip.compress(layer)) for layer in (first, second)]}
+        index = {"schemaVersion": 2, "manifests": [{**blob(json.dumps(manifest).encode()),
+                                                    "annotations": {"org.opencontainers.image.ref.name": name}}]}
+        outer = {"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": json.dumps(index).encode(),
+                 **blobs}
+    else:
+        outer = {"c0ffee.json": config, "l1/layer.tar": first, "l2/layer.tar": second, "manifest.json": json.dumps(
+            [{"Config": "c0ffee.json", "RepoTags": [name], "Layers": ["l1/layer.tar", "l2/layer.tar"]}]).encode()}
+    out.write_bytes(tar_of(outer))
+    return str(out)
+
+
 def test_a_patched_image_is_never_said_not_to_start(wide, tmp_path, monkeypatch, capsys):
     """gg-r34-patched images carry r34's labels and PR #312's exl3.py (a shard neither Trellis nor MXFP8 can hold
     stays BF16: the server starts). Before: "this server will not start" (#311's rule, from the labels). Now: from
@@ -186,14 +243,19 @@ def test_a_patched_image_is_never_said_not_to_start(wide, tmp_path, monkeypatch,
     # the image's files: its exl3.py decides; a cache module exl3tool knows (the newer one's blob, here ours)
     module = b"# our stand-in for the newer cache module\n"
     monkeypatch.setitem(CACHE_MODULES, "newer", dc_replace(CACHE_MODULES["newer"], blob=git_blob(module)))
-    for rule, want in (("pr312", 0), ("issue311", 1)):
+    labels = {"local-inference.vllm.integration.tree": r34.tree}
+    for (rule, want), oci in zip((("pr312", 0), ("issue311", 1)), (False, True)):
         root = _image_root(tmp_path / rule, EXL3_PY[rule], module)
-        code, out, err = run([*base, "--image-inspect", image, "--image-root", str(root), "--json"], capsys)
-        doc = json.loads(out)
-        assert code == want, err
-        assert doc["settings"]["server_release"]["source"] == "image files"
-        assert doc["release"]["rules"]["unaligned_shard"].startswith("mxfp8, or BF16" if want == 0 else "mxfp8 (")
-        assert ("will not start" in err) == (want == 1) and "/etc" not in doc["release"]["detail"]
+        saved = _save_image(root, tmp_path / f"{rule}.tar", "localhost/vllm:gg-r34-patched", labels,
+                            top=EXL3_PY[rule] + RETRY_R7, oci=oci)
+        for files in (["--image-inspect", image, "--image-root", str(root)], ["--image-archive", saved]):
+            code, out, err = run([*base, *files, "--json"], capsys)  # the saved image: its labels and its files
+            doc = json.loads(out)
+            assert code == want, err
+            assert doc["settings"]["server_release"]["source"] == "image files"
+            assert doc["release"]["rules"]["unaligned_shard"].startswith("mxfp8, or BF16" if want == 0 else "mxfp8 (")
+            assert ("will not start" in err) == (want == 1) and "/etc" not in doc["release"]["detail"]
+        assert doc["launch"]["image"]["source"] == "image archive" and doc["launch"]["image"]["labels"] == labels
     code, _, err = run([*base[:4], "--image-root", str(tmp_path / "nothing")], capsys)
     assert code == 2 and "--image-root" in err and "not a folder" in err
 
@@ -225,9 +287,64 @@ def test_the_fork_modules_are_read_by_git_blob_and_through_the_images_links(tmp_
     (upstream / "model_executor/layers/quantization/__init__.py").write_text("")
     plain = resolve_release(None, {}, modules=read_fork_modules(str(upstream.parent)))
     assert not plain.release.online_cache and "no EXL3 support" in plain.release.patched  # vLLM without exl3.py
+    # a saved image of the same files gives the same modules: its later layer's exl3.py, its whiteout honoured
+    from exl3tool.launch.forkfiles import read_image_archive
+
+    top = EXL3_PY["pr312"] + RETRY_R7
+    saved = read_image_archive(_save_image(root, tmp_path / "img.tar", "x:1", {}, top=top))
+    assert (saved.modules.cache_blob, saved.modules.exl3_blob, saved.modules.exl3_text) == (
+        mods.cache_blob, mods.exl3_blob, mods.exl3_text)
+    assert saved.modules.where == f"{tmp_path / 'img.tar'}:/opt/venv/lib/python3.12/site-packages/vllm"
+    assert saved.names == ("x:1",) and saved.config["Entrypoint"] == ["vllm"] and saved.layers == 2
+    with pytest.raises(ConfigError, match="holds 2 vllm packages"):  # without the whiteout, /opt/conda's is there
+        read_image_archive(_save_image(root, tmp_path / "nowh.tar", "x:1", {}, top=top, whiteout=False))
     (root / "usr/local/venv").rename(root / "usr/local/elsewhere")  # /opt/venv now points at nothing in the image
     with pytest.raises(ConfigError, match="no vllm package there"):
         read_fork_modules(str(root))
+
+
+def test_a_hostile_image_archive_writes_nothing_outside_and_is_named(tmp_path, capsys):
+    """Links out of the image, names climbing above its root, a layer the manifest names but the archive lacks, a
+    file that is no archive: read in the image's own terms, or one line naming the file."""
+    import io
+    import tarfile
+
+    from exl3tool.launch.forkfiles import read_image_archive
+
+    outside = tmp_path / "outside"
+
+    def tar(members) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            for name, data, link in members:
+                info = tarfile.TarInfo(name)
+                if link is not None:
+                    info.type, info.linkname = tarfile.SYMTYPE, link
+                    t.addfile(info)
+                else:
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+    quant = "model_executor/layers/quantization"
+    one = tar([("opt/venv", None, str(outside)), ("../../escape.py", b"x", None)])
+    two = tar([(f"opt/venv/lib/python3.12/site-packages/vllm/{quant}/exl3.py", EXL3_PY["pr312"].encode(), None),
+               ("opt/venv/lib/python3.12/site-packages/vllm/__init__.py", b"", None)])
+    manifest = json.dumps([{"Config": "c.json", "RepoTags": ["evil:1"], "Layers": ["1.tar", "2.tar"]}]).encode()
+    archive = tmp_path / "evil.tar"
+    archive.write_bytes(tar([("manifest.json", manifest, None), ("c.json", b'{"config": {}}', None),
+                             ("1.tar", one, None), ("2.tar", two, None)]))
+    saved = read_image_archive(str(archive))
+    assert saved.modules.exl3_blob and saved.modules.where.endswith(":/opt/venv/lib/python3.12/site-packages/vllm")
+    assert not outside.exists() and not (tmp_path.parent / "escape.py").exists()
+    archive.write_bytes(tar([("manifest.json", manifest, None), ("c.json", b"{}", None), ("1.tar", one, None)]))
+    with pytest.raises(ConfigError, match="names layer 2.tar, which the archive lacks"):
+        read_image_archive(str(archive))
+    (tmp_path / "i.json").write_text("[]")
+    for path, why in ((tmp_path / "i.json", "not a tar archive|cannot read it as a tar"), (tmp_path / "none.tar",
+                                                                                          "cannot read it")):
+        code, _, err = run(["cache", "check", str(tmp_path), "--image-archive", str(path)], capsys)
+        assert code == 2 and "--image-archive" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_128_unaligned_shard_that_is_32_aligned_starts(tmp_path, monkeypatch, capsys):

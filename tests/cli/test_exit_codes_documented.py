@@ -429,6 +429,14 @@ def scenario_release_assumed(m, tmp, monkeypatch):
             "--image-inspect", inspect]
     assert run(argv) == 2
     assert run([*argv, "--server-release", "infernal-invocation-r18"]) == 0  # named: answered
+    warm = ["cache", "warm", m["good"], "--cache-dir", tmp / "w", "--layers", LAYER, "--dry-run", *ENC]
+    assert run([*warm, "--image", "example.org/v:1", "--image-inspect", inspect]) == 0  # written alike by every one
+    # no release named, and XDG_CACHE_HOME gives the root: the older cache module's is ~/.cache/vllm/exl3_online
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp / "home"))
+    unnamed = ["cache", "check", m["good"], "--layers", LAYER, *ENC]
+    assert run(unnamed) == 2 and run(["cache", "warm", *unnamed[2:], "--dry-run"]) == 2
+    assert run([*unnamed, "--server-release", "gilded-gnosis-r33"]) == 1  # named: its root, where nothing is yet
 
 
 def scenario_launch_refusals(m, tmp, monkeypatch):

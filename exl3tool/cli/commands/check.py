@@ -99,7 +99,8 @@ def cache_check(
     records only, never encodes or writes. Misses are grouped by cause (model identity component, encoder identity,
     bits, shape, TP layout, overlay; entries the server wrote itself), one line each with the fix. Run it where the
     server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error or
-    an assumed release (a label it does not know, a patched image not read: give --server-release).
+    an assumed release (a label it does not know, a patched image not read, or none named where the releases
+    answer differently, e.g. an XDG_CACHE_HOME root: give --server-release).
 
     Example: exl3tool cache check /models/GLM-5.3 --tp-size 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
 

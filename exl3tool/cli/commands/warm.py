@@ -285,7 +285,7 @@ WARM_OPTIONS = ("model", "revision", "tp_sizes", "bits", "layers", "exclude", "c
                 "quantization_config", "dtype", "encoder_root", "encoder_revision", "server_release", "encoder_source",
                 "server_path", "file_mode", "overlap", "check_unchecked", "gpu_memory", "lock_timeout", "progress",
                 "launch", "pid", "env_file", "launch_file", "compose", "service", "shard_option", "shard_count",
-                "image", "image_inspect", "image_root", "trust_encoder_identity", "dry_run")
+                "image", "image_inspect", "image_root", "image_archive", "trust_encoder_identity", "dry_run")
 
 
 def register(app: typer.Typer) -> None:
