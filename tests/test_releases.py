@@ -18,7 +18,8 @@ from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
 from exl3tool.plan import ServerRequest, prepare
 from exl3tool.releases import (
-    CACHE_MODULES, NEWEST, RELEASES, newest, release, release_from_labels, resolve_release, variable_note,
+    CACHE_MODULES, NEWEST, RELEASES, lock_waits, newest, release, release_from_labels, resolve_release, rule_splits,
+    variable_note,
 )
 
 from helpers import (
@@ -393,6 +394,11 @@ def test_an_r7_checkpoint_is_served_whatever_its_quant_method(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="does not read r7_routed_experts"):
         prepare(ServerRequest(model=str(model), cache_dir=str(cache), quantization_config=LINEAR,
                             server_release="gilded-gnosis-r33", **ENC))
+    from exl3tool.operations.hydrate import plan_hydrate
+
+    with pytest.raises(ConfigError, match="what this hydrate writes depends on it: the checkpoint's r7_routed"):
+        plan_hydrate(ServerRequest(model=str(model), quantization_config=LINEAR), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("bad, why", [({"k_values": [3, 6]}, "unsupported k_values: \\[6\\]"),
@@ -579,3 +585,78 @@ def test_nothing_to_warm_for_a_release_without_the_online_cache(tiny_llama, tmp_
     code, _, err = run(["cache", "warm", str(tiny_llama), "--server-release", "gilded-gnosis-r19", "--dry-run",
                         "--cache-dir", str(tmp_path), *ENC_ARGS], capsys)
     assert code == 2 and "gilded-gnosis-r19 encodes no layer to EXL3 online" in err and "exl3tool hydrate" in err
+
+
+# --- a release nothing determines: compared, never assumed (issue 49) ---------------------------------------------
+
+def test_a_release_nothing_names_answers_only_where_every_release_agrees(tiny_llama, tmp_path, monkeypatch, capsys):
+    """No --server-release, no image: the answer stands where every release that encodes online gives it (said in
+    one note); where XDG_CACHE_HOME gives the root, Gilded Gnosis up to r33 look in ~/.cache/vllm and the newer ones
+    under XDG_CACHE_HOME: check and warm name that and stop (exit 2, nothing written). Before: the newest's root,
+    answered and written."""
+    from exl3tool.plan.request import ServerRequest as Req
+
+    from helpers import server_cache_root, tree
+
+    code, _, err = run(["cache", "warm", str(tiny_llama), "--dry-run", "--cache-dir", str(tmp_path / "c"),
+                        "--quantization-config", LINEAR, *ENC_ARGS], capsys)
+    assert code == 0 and "release is not named, but every release exl3tool knows that encodes online" in err, err
+    env = {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = [str(tiny_llama), "--quantization-config", LINEAR, *ENC_ARGS]
+    older, newer = server_cache_root(env, "older"), server_cache_root(env, "newer")
+    for command in (["cache", "check"], ["cache", "warm", "--dry-run"], ["cache", "warm", "--device", "cpu"]):
+        code, _, err = run([*command, *args], capsys)
+        assert code == 2 and "--server-release NAME" in err.splitlines()[-1], err
+        assert f"the cache root is ~/.cache/vllm/exl3_online for gilded-gnosis-r20..r33, but {newer} for " \
+               "gilded-gnosis-r34, infernal-invocation-r5..r18" in err.splitlines()[-1]
+    assert not tree(tmp_path / "xdg") and not tree(tmp_path / "home")
+    request = Req(model=str(tiny_llama), quantization_config=LINEAR, server_release="gilded-gnosis-r33", **ENC)
+    fake_warm(request, monkeypatch)  # named: written where that release's server reads
+    code, out, err = run(["cache", "check", *args, "--server-release", "gg-r33", "--json"], capsys)
+    assert code == 0 and json.loads(out)["cache_root"] == str(older) and "not named" not in err, err
+
+
+def test_an_unknown_label_or_a_patched_image_writes_where_every_release_it_could_be_would(tiny_llama, tmp_path,
+                                                                                          capsys):
+    """An unknown label: its release could be any that encodes online, so a warm is refused where their roots
+    differ (naming the label and the rule) and goes on where they do not; a patched image not read is r34 with or
+    without PR #312, which write alike (only the start differs)."""
+    labels = {"local-inference.release.name": "karmic-kraken-r3"}
+    image = _inspect(tmp_path, "example.org/vllm:kk", labels)
+    env = f"HOME={tmp_path / 'home'} XDG_CACHE_HOME={tmp_path / 'xdg'} "
+    xdg = (f"env {env}VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE={ENC['encoder_root']} "
+           f"VLLM_EXL3_ENCODER_REVISION={ENC['encoder_revision']} vllm serve {tiny_llama} "
+           f"--quantization-config {shlex.quote(LINEAR)}")
+    base = ["cache", "warm", "--dry-run", "--image", "example.org/vllm:kk", "--image-inspect", image]
+    code, _, err = run([*base, "--launch", xdg], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "karmic-kraken-r3" in last and "the cache root is" in last and "--server-release" in last
+    code, _, err = run([*base, "--launch", _launch(tiny_llama, tmp_path / "c")], capsys)
+    assert code == 0 and "karmic-kraken-r3" in err, err
+    assert "release is assumed, but every release it could be (gilded-gnosis-r20..r34, infernal-invocation-r5..r18) "\
+           "would write the same entries in the same root" in err
+    patched = resolve_release(None, {"local-inference.vllm.integration.tree": release("gg-r34").tree},
+                              image="localhost/vllm:gg-r34-patched")
+    assert [r.name for r in patched.candidates] == ["gilded-gnosis-r34", "gilded-gnosis-r34+pr312"]
+    assert rule_splits(patched.candidates, root_env={"XDG_CACHE_HOME": "/x"}.get) == ()
+    assert [s.rule for s in rule_splits(patched.candidates, unaligned=(4304, 4096))] == ["unaligned_start"]
+
+
+def test_each_rule_that_can_differ_is_said_with_the_releases_on_each_side():
+    """The sentences, from the table (an independent list of which releases have which module)."""
+    choice = resolve_release(None)
+    assert not choice.determined and choice.source == "default" and not choice.assumed
+    assert {r.name for r in choice.candidates} == {r.name for r in RELEASES if r.cache is not None}
+    older = "gilded-gnosis-r20..r33"
+    newer = "gilded-gnosis-r34, infernal-invocation-r5..r18"
+    splits = rule_splits(choice.candidates, root_env={"VLLM_CACHE_ROOT": "/v", "XDG_CACHE_HOME": "/x"}.get, r7=True,
+                         unaligned=(4096, 4304), nonfinite=True)
+    assert [s.rule for s in splits] == ["r7_checkpoints", "nonfinite_entries"]  # one root; no row has PR #312
+    assert splits[0].text.endswith(f"by {newer}, and not by {older}")
+    assert splits[1].text.endswith(f"by {newer}, but loaded as it is by {older}")
+    assert lock_waits(choice.candidates) == (f"{older} wait for as long as the warm holds it (no timeout); {newer} "
+                                             "wait up to 600 s, then encode that layer without the cache")
+    one = resolve_release("gg-r33")
+    assert one.determined and rule_splits(one.candidates, root_env={"XDG_CACHE_HOME": "/x"}.get, r7=True) == ()
