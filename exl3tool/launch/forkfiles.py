@@ -31,7 +31,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from exl3tool.cache.serverfs import server_realpath
 from exl3tool.errors import ConfigError
@@ -249,12 +249,10 @@ def _image_entries(outer: tarfile.TarFile, where: str) -> list[tuple[tuple[str, 
                       "save it with `docker save IMAGE -o FILE` or `podman save IMAGE -o FILE`")
 
 
-def _pick(entries, name: Optional[str], where: str):
-    from exl3tool.launch.image import same_image
-
+def _pick(entries, name: Optional[str], where: str, same: Callable[[str, str], bool]):
     if len(entries) == 1:
         return entries[0]
-    hits = [e for e in entries if name and any(same_image(name, t) for t in e[0])]
+    hits = [e for e in entries if name and any(same(name, t) for t in e[0])]
     if len(hits) == 1:
         return hits[0]
     tags = ", ".join(t for e in entries for t in e[0][:1]) or "untagged"
@@ -349,7 +347,7 @@ def _lay_out(root: _Node, into: str) -> None:
 
 
 @lru_cache(maxsize=4)
-def _saved(path: str, size: int, mtime_ns: int, name: Optional[str]) -> SavedImage:
+def _saved(path: str, size: int, mtime_ns: int, name: Optional[str], same: Callable[[str, str], bool]) -> SavedImage:
     where = f"--image-archive {path}"
     try:
         outer = tarfile.open(path, "r:*")
@@ -357,7 +355,7 @@ def _saved(path: str, size: int, mtime_ns: int, name: Optional[str]) -> SavedIma
         raise ConfigError(f"{where}: not a tar archive, or not a readable one ({_one(exc)}); save the image with "
                           "`docker save IMAGE -o FILE` or `podman save IMAGE -o FILE`") from None
     with outer:
-        tags, config_name, layer_names = _pick(_image_entries(outer, where), name, where)
+        tags, config_name, layer_names = _pick(_image_entries(outer, where), name, where, same)
         doc = _json_member(outer, config_name, where)
         config = (doc.get("config") or doc.get("Config") or {}) if isinstance(doc, dict) else {}
         root = _Node("dir")
@@ -388,13 +386,15 @@ def _saved(path: str, size: int, mtime_ns: int, name: Optional[str]) -> SavedIma
     return SavedImage(path, tuple(tags), config if isinstance(config, dict) else {}, mods, len(layer_names))
 
 
-def read_image_archive(path: str, name: Optional[str] = None) -> SavedImage:
+def read_image_archive(path: str, name: Optional[str] = None,
+                       same: Callable[[str, str], bool] = lambda a, b: a == b) -> SavedImage:
     """The saved image at ``path`` (``docker save``, ``podman save``, an OCI archive; ``name``: which image of
-    several): its names, configuration and fork modules. ConfigError (exit 2) naming the file for anything else."""
+    several, by ``same``, the image-reference rule: ``launch.image.same_image``): its names, configuration and fork
+    modules. ConfigError (exit 2) naming the file for anything else."""
     try:
         st = os.stat(path)
     except OSError as exc:
         raise ConfigError(f"--image-archive {path}: cannot read it ({exc.strerror or exc})") from None
     if not os.path.isfile(path):
         raise ConfigError(f"--image-archive {path}: not a file (give the tar `docker save IMAGE -o FILE` writes)")
-    return _saved(os.path.abspath(path), st.st_size, st.st_mtime_ns, name)
+    return _saved(os.path.abspath(path), st.st_size, st.st_mtime_ns, name, same)

@@ -250,7 +250,7 @@ def archive_settings(path: str, name: Optional[str] = None) -> ImageSettings:
     ``name`` names where it holds several."""
     from exl3tool.launch.forkfiles import read_image_archive
 
-    saved = read_image_archive(path, name)
+    saved = read_image_archive(path, name, same_image)
     where = f"--image-archive {path}"
     settings = _from_config(saved.config, name or next(iter(saved.names), "") or os.path.basename(path),
                             "image archive", path, where)

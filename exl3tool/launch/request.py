@@ -161,7 +161,7 @@ def _modules(launch: LaunchInput, server: Optional[ServerLaunch]):
         return read_fork_modules(launch.image_root)
     if launch.image_archive is not None:
         name = launch.image or (server.image_name if server is not None and server.image_name else None)
-        saved = read_image_archive(launch.image_archive, name)
+        saved = read_image_archive(launch.image_archive, name, same_image)
         if saved.modules is None:
             image = f"the image {saved.names[0]}" if saved.names else "the image"
             raise ConfigError(f"--image-archive {launch.image_archive}: {image} holds no vllm package in its "

@@ -27,13 +27,13 @@ from exl3tool.text import plural
 from exl3tool.plan.plan import LookupJob, LookupPlan
 from exl3tool.plan.request import ServerRequest, prepare
 from exl3tool.releases import (
-    MXFP8_BLOCK, NAME_IT, UNALIGNED_FIX, ReleaseChoice, RuleSplit, ServerRelease, lock_waits, release_depends,
-    release_same_note, rule_splits, unaligned_start_failure, unaligned_start_unknown,
+    UNALIGNED_FIX, ReleaseChoice, RuleSplit, ServerRelease, lock_waits, release_depends, unaligned_start_failure,
+    unaligned_start_unknown,
 )
+from exl3tool.operations.release_rules import release_rules
 
 __all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences",
-           "start_failures", "start_unknowns", "stored_only_report", "hydrated_failures", "release_rules",
-           "refuse_undetermined"]
+           "start_failures", "start_unknowns", "stored_only_report", "hydrated_failures"]
 
 _SHOWN = 3  # items named per line before "and N more"
 
@@ -524,50 +524,6 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
                        release_splits=splits, release_note=note)
 
 
-def release_rules(request: ServerRequest, config: dict, environ: Optional[dict] = None,
-                  plan: Optional[LookupPlan] = None, full: Optional[LayerPlan] = None, *, writes: bool = False,
-                  lookups: bool = True) -> tuple[tuple[RuleSplit, ...], str]:
-    """When the request's release is not determined (nothing named it, or what named it was not known): the rules
-    whose outcome for this request differs between the releases that could be serving it, and, when none does,
-    the one note saying that every one gives this answer (``exl3tool.releases.rule_splits``).
-
-    Compared are the request's release-dependent inputs, not a plan per release: the cache root where it comes from
-    the release's rule (no ``cache_dir``; a launch's root was compared as it was read, ``ReleaseChoice.splits``),
-    the checkpoint's r7 block (``config``), and with ``plan`` (``cache check``) the K_r of its 128-unaligned shards
-    (``full``: the layer plan the server builds) and its entries invalid for non-finite data. ``writes``: what a
-    warm writes (the root and the plan), not the start verdict; ``lookups`` False: the server looks nothing up
-    (a hydrated checkpoint), so no root matters. ``((), "")`` when the release is determined."""
-    import os
-
-    from exl3tool.checkpoint.routing import r7_reading_differs
-
-    choice = request.release_choice
-    if choice.determined:
-        return (), ""
-    env = os.environ if environ is None else environ
-    widths: set[int] = set()
-    nonfinite = False
-    if plan is not None and not writes:
-        lp = full or plan.layer_plan
-        for tp in plan.tp_sizes:
-            for layer in (lp.layers if lp is not None and lp.server_lookup else ()):
-                try:
-                    k_r, n_r = rank_sizes(layer, tp)
-                except (ValueError, ConfigError):
-                    continue
-                if (k_r % ALIGN or n_r % ALIGN) and k_r % MXFP8_BLOCK:
-                    widths.add(k_r)
-        nonfinite = any(j.state == "invalid" and "non-finite" in j.reason for j in plan.jobs)
-    splits = (*(choice.splits if lookups else ()), *rule_splits(
-        choice.candidates, root_env=None if request.cache_dir or not lookups else env.get,
-        r7=r7_reading_differs(config),
-        unaligned=tuple(sorted(widths)), nonfinite=nonfinite))
-    if splits:
-        return splits, ""
-    return (), release_same_note(choice, "would write the same entries in the same root" if writes else
-                                 "gives this answer")
-
-
 def _unaligned(plan: LookupPlan, full: Optional[LayerPlan], rule) -> dict[tuple[str, int], str]:
     """(prefix, TP size) -> ``rule(k_r)``'s sentence for each 128-unaligned shard the server builds where it says
     something (``unaligned_start_failure`` / ``unaligned_start_unknown``), in plan order."""
@@ -625,15 +581,6 @@ def start_failures(plan: LookupPlan, request: ServerRequest, release: ServerRele
             "set VLLM_EXL3_ENCODER_SOURCE to the absolute path (the identity is the same: the server expands ~ for "
             "it), or warm every look-up so the server never imports its encoder"))
     return out
-
-
-def refuse_undetermined(request: ServerRequest, splits: tuple[RuleSplit, ...], what: str) -> None:
-    """No write on an assumption: a ConfigError (exit 2) naming the rule that differs between the releases the
-    server could run, and the fix, when ``splits`` (``release_rules``) has any."""
-    if splits:
-        lines = release_depends(request.release_choice, splits, what)
-        more = f" (and {len(lines) - 1} more rule(s))" if len(lines) > 1 else ""
-        raise ConfigError(f"no write on an assumption: {lines[0]}{more}; {NAME_IT}")
 
 
 def _lock_notes(lookups: list[LookupJob], choice: ReleaseChoice) -> list[Finding]:

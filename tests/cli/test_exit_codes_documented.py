@@ -71,6 +71,7 @@ CLAIMS = [
     ("help: cache check", "Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error", "cache_check"),
     ("help: cache check", "or an assumed release (a label it does not know", "release_assumed"),
     ("docs/cache.md", "named with what was assumed, and the check exits 2 after its report", "release_assumed"),
+    ("docs/cache.md", "the rule and the releases on each side are named, exit 2", "release_assumed"),
     ("README.md", "Refused, naming the flag (exit 2): `--hf-config-path`", "launch_refusals"),
     ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
     ("README.md", "and exits 1 (never \"all hit\": the cache cannot make that server start warm)", "launch_refusals"),

@@ -137,7 +137,7 @@ def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cac
         _refuse_a_file_as_cache(request, environ)  # a real warm refuses it before its first encode
         checkpoint, plan, _ = prepare(request, environ=environ)
         if request.mode == "readwrite":  # as the warm itself refuses it (operations.warm.run)
-            from exl3tool.operations.check import refuse_undetermined, release_rules
+            from exl3tool.operations.release_rules import refuse_undetermined, release_rules
 
             refuse_undetermined(request, release_rules(request, checkpoint.config, environ, writes=True)[0],
                                 f"what this {command} writes")
