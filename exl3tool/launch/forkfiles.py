@@ -347,13 +347,16 @@ def _lay_out(root: _Node, into: str) -> None:
 
 
 @lru_cache(maxsize=4)
-def _saved(path: str, size: int, mtime_ns: int, name: Optional[str], same: Callable[[str, str], bool]) -> SavedImage:
-    where = f"--image-archive {path}"
+def _saved(path: str, size: int, mtime_ns: int, name: Optional[str], same: Callable[[str, str], bool],
+           shown: str) -> SavedImage:
+    where = f"--image-archive {shown}"
     try:
         outer = tarfile.open(path, "r:*")
+    except tarfile.ReadError:
+        raise ConfigError(f"{where}: not a tar archive (nor a gzip, bzip2 or xz one); save the image with `docker "
+                          "save IMAGE -o FILE` or `podman save IMAGE -o FILE`") from None
     except (OSError, tarfile.TarError) as exc:
-        raise ConfigError(f"{where}: not a tar archive, or not a readable one ({_one(exc)}); save the image with "
-                          "`docker save IMAGE -o FILE` or `podman save IMAGE -o FILE`") from None
+        raise ConfigError(f"{where}: cannot read it ({_one(exc)})") from None
     with outer:
         tags, config_name, layer_names = _pick(_image_entries(outer, where), name, where, same)
         doc = _json_member(outer, config_name, where)
@@ -379,11 +382,11 @@ def _saved(path: str, size: int, mtime_ns: int, name: Optional[str], same: Calla
         try:
             mods = read_fork_modules(tmp, required=False)
         except ConfigError as exc:
-            raise ConfigError(str(exc).replace(tmp, f"{path}:").replace("--image-root", where)) from None
+            raise ConfigError(str(exc).replace(tmp, f"{shown}:").replace("--image-root", where)) from None
         if mods is not None:
             package = mods.where[len(tmp):] or "/"
-            mods = replace(mods, where=f"{path}:{package}")
-    return SavedImage(path, tuple(tags), config if isinstance(config, dict) else {}, mods, len(layer_names))
+            mods = replace(mods, where=f"{shown}:{package}")
+    return SavedImage(shown, tuple(tags), config if isinstance(config, dict) else {}, mods, len(layer_names))
 
 
 def read_image_archive(path: str, name: Optional[str] = None,
@@ -397,4 +400,4 @@ def read_image_archive(path: str, name: Optional[str] = None,
         raise ConfigError(f"--image-archive {path}: cannot read it ({exc.strerror or exc})") from None
     if not os.path.isfile(path):
         raise ConfigError(f"--image-archive {path}: not a file (give the tar `docker save IMAGE -o FILE` writes)")
-    return _saved(os.path.abspath(path), st.st_size, st.st_mtime_ns, name, same)
+    return _saved(os.path.abspath(path), st.st_size, st.st_mtime_ns, name, same, path)
