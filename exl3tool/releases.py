@@ -35,7 +35,8 @@ __all__ = [
     "ReleaseChoice", "ForkModules", "resolve_release", "no_online_encoding", "PATCHES",
     "git_blob", "exl3_unaligned_rule", "KEY_VARIABLES", "NO_KEY_VARIABLES", "variable_note", "server_vllm_root",
     "server_cache_root", "RELEASE_LABELS", "MXFP8_BLOCK", "unaligned_start_failure", "unaligned_start_unknown",
-    "UNALIGNED_FIX", "R7_SCHEMA", "GLM53_SCOPE", "edit_distance",
+    "UNALIGNED_FIX", "R7_SCHEMA", "GLM53_SCOPE", "edit_distance", "ONLINE", "RuleSplit", "rule_splits",
+    "release_span", "lock_waits", "release_depends", "release_same_note", "NAME_IT",
 ]
 
 MXFP8_BLOCK = 32  # the MXFP8 fallback's block: its create_weights refuses a K_r that is not a multiple of it
@@ -244,6 +245,7 @@ RELEASES: tuple[ServerRelease, ...] = (
          None, None),
 )
 _BY_NAME = {r.name: r for r in RELEASES}
+ONLINE = tuple(r for r in RELEASES if r.online_cache)  # the releases that encode online (and look entries up)
 # the release a command follows when nothing names one (and says so): the newest that encodes online
 NEWEST = max((r for r in RELEASES if r.online_cache), key=lambda r: r.date).name  # infernal-invocation-r18
 
@@ -401,10 +403,26 @@ class ReleaseChoice:
     source: str  # "--server-release" | "image files" | "image label" | "published-images table" | "default"
     detail: str = ""
     unknown: tuple[str, ...] = ()
+    # the releases that could be serving when nothing determined one (the default: every release of the table that
+    # encodes online; an unknown label: the same; a patched image not read: its release with and without PR #312);
+    # () when the release is determined. ``candidates`` compares the rules an answer depends on across them.
+    could_be: tuple[ServerRelease, ...] = field(default=(), repr=False)
+    # rules found to differ between them while the launch was read (the cache root of its server's environment)
+    splits: tuple["RuleSplit", ...] = ()
 
     @property
     def name(self) -> str:
         return self.release.name
+
+    @property
+    def determined(self) -> bool:
+        """Whether one release is known to be the server's (named, or read from its image's files or labels)."""
+        return not self.could_be
+
+    @property
+    def candidates(self) -> tuple[ServerRelease, ...]:
+        """The releases whose rules could be the server's: the one applied when determined, else ``could_be``."""
+        return self.could_be or (self.release,)
 
     @property
     def assumed(self) -> bool:
@@ -421,7 +439,9 @@ class ReleaseChoice:
 
     def as_json(self) -> dict:
         return {"name": self.release.name, "source": self.source, "detail": self.detail or None,
-                "assumed": self.assumed, "unknown": list(self.unknown), "rules": self.release.as_json()}
+                "assumed": self.assumed, "unknown": list(self.unknown), "determined": self.determined,
+                "could_be": _names([r for r in self.could_be]), "differs": [x.as_json() for x in self.splits],
+                "rules": self.release.as_json()}
 
 
 def resolve_release(name: Union[str, ReleaseChoice, None] = None, labels: Optional[Mapping[str, str]] = None, *,
@@ -454,16 +474,22 @@ def resolve_release(name: Union[str, ReleaseChoice, None] = None, labels: Option
                        f"{MXFP8_BLOCK} wide fails the start ({row.name}: fork issue #311) or stays BF16 (fork PR "
                        "#312); give its files (--image-root DIR) or name it (--server-release "
                        f"{row.name}+pr312, or {row.name})")
+        could_be = (row, release(f"{row.name}+pr312")) if len(unknown) == 1 else None  # only #311 vs #312 unknown
         row = replace(row, unaligned="unknown", patched=f"patched image {image}: its exl3.py was not read")
+        return _assumed(ReleaseChoice(row, source, detail), unknown, could_be)
     if row is not None:
         return _assumed(ReleaseChoice(row, source, detail), unknown)
-    return _assumed(ReleaseChoice(newest(), "default"), unknown)
+    return _assumed(ReleaseChoice(newest(), "default", could_be=ONLINE), unknown)
 
 
-def _assumed(choice: ReleaseChoice, unknown: list[str]) -> ReleaseChoice:
-    """``choice`` with each unknown sentence ending in what was assumed."""
+def _assumed(choice: ReleaseChoice, unknown: list[str],
+             could_be: Optional[tuple[ServerRelease, ...]] = None) -> ReleaseChoice:
+    """``choice`` with each unknown sentence ending in what was assumed; the releases it could then be are
+    ``could_be``, by default every release of the table that encodes online."""
+    if not unknown:
+        return choice
     said = tuple(u if "assumed" in u else f"{u}; assumed {choice.release.name}'s rules" for u in unknown)
-    return replace(choice, unknown=said)
+    return replace(choice, unknown=said, could_be=could_be or choice.could_be or ONLINE)
 
 
 def _from_modules(mods: ForkModules, named: Optional[ServerRelease], unknown: list[str]) -> ReleaseChoice:
@@ -494,6 +520,7 @@ def _from_modules(mods: ForkModules, named: Optional[ServerRelease], unknown: li
         return _assumed(ReleaseChoice(row, "image files", files), unknown)
     if rule is None and not base.online_cache:
         return _assumed(ReleaseChoice(base, "image files", files), unknown)  # no online encoding, as labelled
+    only_rule = rule == "unknown" and not unknown  # the cache module is known: only #311 vs #312 is not
     if rule == "unknown":
         unknown.append(f"{where}: exl3.py (blob {mods.exl3_blob[:12]}) is no release's, and exl3tool cannot read from "
                        f"it what a shard neither 128-aligned nor a multiple of {MXFP8_BLOCK} wide does")
@@ -508,7 +535,8 @@ def _from_modules(mods: ForkModules, named: Optional[ServerRelease], unknown: li
                     {"bf16": "PR #312's rule, a shard neither Trellis nor MXFP8 can hold stays BF16",
                      "mxfp8": "the releases' rule for unaligned shards (fork issue #311)",
                      "unknown": "its rule for unaligned shards is not known"}[rule])))
-    return _assumed(ReleaseChoice(rel, "image files", files), unknown)
+    could_be = (replace(rel, unaligned="mxfp8"), replace(rel, unaligned="bf16")) if only_rule else None
+    return _assumed(ReleaseChoice(rel, "image files", files), unknown, could_be)
 
 
 def no_online_encoding(rel: ServerRelease) -> str:
@@ -574,6 +602,136 @@ def unaligned_start_unknown(k_r: int, rel: ServerRelease) -> Optional[str]:
 UNALIGNED_FIX = ("add the layer to the overlay's ignore list (it then stays BF16), or serve at a TP size where its K_r is "
                  f"a multiple of {MXFP8_BLOCK}; the fork's fix (PR #312: such a shard stays BF16) is in no release, "
                  "only in images that replace exl3.py (--server-release NAME+pr312)")
+
+
+# --- when the release is not determined: the rules an answer depends on -----------------------------------------
+
+@dataclass(frozen=True)
+class RuleSplit:
+    """One rule whose outcome for this request differs between the releases that could be serving it."""
+
+    rule: str  # "cache_root" | "r7_checkpoints" | "unaligned_start" | "nonfinite_entries"
+    text: str  # what each group of releases does, naming them
+
+    def as_json(self) -> dict:
+        return {"rule": self.rule, "text": self.text}
+
+
+def _names(rows) -> list[str]:
+    return list(dict.fromkeys(r.name for r in rows))
+
+
+def release_span(rows) -> str:
+    """Releases named compactly, in the table's order: ``gilded-gnosis-r20..r33, infernal-invocation-r5..r18``."""
+    by_line: dict[str, list[str]] = {}
+    for name in _names(rows):
+        line = next((p for p in _LINES if name.startswith(p + "-")), "")
+        by_line.setdefault(line, []).append(name)
+    parts = []
+    for line, names in by_line.items():
+        parts.append(names[0] if len(names) == 1 or not line else f"{names[0]}..{names[-1][len(line) + 1:]}")
+    return ", ".join(parts)
+
+
+def _split(rows, value: Callable[[ServerRelease], object]) -> list[tuple[object, list[ServerRelease]]]:
+    groups: dict[object, list[ServerRelease]] = {}
+    for r in rows:
+        groups.setdefault(value(r), []).append(r)
+    return list(groups.items())
+
+
+def rule_splits(candidates, *, root_env: Optional[Callable[[str], Optional[str]]] = None, r7: bool = False,
+                unaligned: tuple[int, ...] = (), nonfinite: bool = False) -> tuple[RuleSplit, ...]:
+    """The rules whose outcome for one request differs between ``candidates`` (``ReleaseChoice.candidates``), each
+    decided from the request's own release-dependent inputs, never from a plan per release:
+
+    * ``root_env``: the server's environment, when its cache root comes from the release's rule (no
+      VLLM_EXL3_ONLINE_CACHE_DIR, no --cache-dir): ``server_cache_root`` per release (XDG_CACHE_HOME is read by the
+      newer cache module only);
+    * ``r7``: the checkpoint's r7_routed_experts block is read differently by releases that take r7 checkpoints
+      and those that do not (``checkpoint.routing.r7_reading_differs``);
+    * ``unaligned``: the K_r of the 128-unaligned shards the server builds (``unaligned_start_failure``: fork issue
+      #311 or PR #312);
+    * ``nonfinite``: an entry present is invalid only for its non-finite data (the newer cache module refuses and
+      re-encodes it; the older one loads it as it is).
+    """
+    rows = list(candidates)
+    if len(rows) < 2:
+        return ()
+    out: list[RuleSplit] = []
+    if root_env is not None:
+        groups = _split(rows, lambda r: server_cache_root(root_env, r)[0])
+        if len(groups) > 1:
+            out.append(RuleSplit("cache_root", "the cache root is " + ", but ".join(
+                f"{root} for {release_span(g)}" for root, g in groups) + " (XDG_CACHE_HOME is read by the newer "
+                "cache module only)"))
+    if r7:
+        groups = _split(rows, lambda r: r.r7_checkpoints)
+        if len(groups) > 1:
+            yes = [r for r in rows if r.r7_checkpoints]
+            no = [r for r in rows if not r.r7_checkpoints]
+            out.append(RuleSplit("r7_checkpoints", f"the checkpoint's r7_routed_experts block ({R7_SCHEMA}) is read "
+                                 f"as EXL3 whatever its quant_method by {release_span(yes)}, and not by "
+                                 f"{release_span(no)}"))
+    for k_r in sorted({k for k in unaligned if k % MXFP8_BLOCK}):
+        groups = _split(rows, lambda r: r.unaligned if r.online_cache else "")
+        if len(groups) > 1:
+            what = {"mxfp8": "fails the start (fork issue #311)", "bf16": "stays BF16 and the server starts (PR #312)",
+                    "unknown": "is not known", "": "is never encoded online"}
+            out.append(RuleSplit("unaligned_start", f"a shard of K_r={k_r} (neither 128-aligned nor a multiple of "
+                                 f"{MXFP8_BLOCK}) " + ", but ".join(f"{what[rule]} under {release_span(g)}"
+                                                                     for rule, g in groups)))
+            break
+    if nonfinite:
+        groups = _split(rows, lambda r: bool(r.cache_module and r.cache_module.nonfinite_checks))
+        if len(groups) > 1:
+            refuse = [r for r in rows if r.cache_module and r.cache_module.nonfinite_checks]
+            load = [r for r in rows if not (r.cache_module and r.cache_module.nonfinite_checks)]
+            out.append(RuleSplit("nonfinite_entries", f"an entry with non-finite values is refused and encoded again "
+                                 f"at start-up by {release_span(refuse)}, but loaded as it is by {release_span(load)}"))
+    return tuple(out)
+
+
+def lock_waits(candidates) -> str:
+    """What the servers of ``candidates`` do on an entry lock a warm holds (one phrase per lock rule)."""
+    parts = []
+    for timeout, g in _split([r for r in candidates if r.cache_module is not None],
+                             lambda r: r.cache_module.lock_timeout_s):
+        parts.append(f"{release_span(g)} wait{'s' if len(_names(g)) == 1 else ''} "
+                     + ("for as long as the warm holds it (no timeout)" if timeout is None else
+                        f"up to {timeout:.0f} s, then encode{'s' if len(_names(g)) == 1 else ''} that layer without "
+                        "the cache"))
+    return "; ".join(parts)
+
+
+NAME_IT = "name the release the server runs: --server-release NAME (docs/releases.md)"
+
+
+def _not_named(choice: ReleaseChoice) -> str:
+    if choice.assumed:
+        return choice.unknown[0]
+    return "the server's release is not named (no --server-release, and neither the image's labels nor its files " \
+           "name one)"
+
+
+def release_depends(choice: ReleaseChoice, splits: tuple[RuleSplit, ...], what: str = "this answer") -> list[str]:
+    """One line per rule in ``splits``: the release was not determined and ``what`` depends on it."""
+    return [f"{_not_named(choice)}, and {what} depends on it: {s.text}" for s in splits]
+
+
+def release_same_note(choice: ReleaseChoice, what: str = "gives this answer") -> str:
+    """The one note of a run whose release was not determined but whose answer every candidate gives ("" when
+    the release is determined)."""
+    if choice.determined:
+        return ""
+    default = choice.source == "default" and not choice.assumed
+    whom = (f"every release exl3tool knows that encodes online ({release_span(choice.candidates)})" if default else
+            f"every release it could be ({release_span(choice.candidates)})")
+    tail = ("; a release that encodes nothing online (Gilded Gnosis up to r19, Infernal Invocation r2 to r4, the "
+            "Kimi-K3 and Jovian Judgement lines) makes no look-up: --server-release NAME says which the server runs"
+            if default else "")
+    lead = "the server's release is not named" if default else "the server's release is assumed"
+    return f"{lead}, but {whom} {what}{tail}"
 
 
 # --- variables --------------------------------------------------------------------------------------------------

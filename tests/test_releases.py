@@ -8,6 +8,7 @@ no key changes). Hit or miss is decided by the independent server of ``tests/hel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -17,7 +18,8 @@ from exl3tool.checkpoint import write_llama_checkpoint
 from exl3tool.errors import ConfigError
 from exl3tool.plan import ServerRequest, prepare
 from exl3tool.releases import (
-    CACHE_MODULES, NEWEST, RELEASES, newest, release, release_from_labels, resolve_release, variable_note,
+    CACHE_MODULES, NEWEST, RELEASES, lock_waits, newest, release, release_from_labels, resolve_release, rule_splits,
+    variable_note,
 )
 
 from helpers import (
@@ -163,6 +165,63 @@ def _image_root(root, exl3: str, cache_module: bytes = b"# the cache module\n"):
     return root
 
 
+def _save_image(root, out, name, labels, *, top: str, oci: bool = False, env=None, whiteout: bool = True):
+    """``docker save`` of image ``name`` whose files are ``root`` (an ``_image_root``), in two layers as a build
+    leaves them: the first holds ``root`` with another exl3.py and a second vllm package under /opt/conda, the
+    second replaces exl3.py with ``top`` and removes that package with a whiteout. ``oci``: the OCI archive (an
+    index and gzip layers, as `podman save --format oci-archive` writes) instead of docker's manifest.json."""
+    import gzip
+    import hashlib
+    import io
+    import tarfile
+
+    exl3 = "usr/local/venv/lib/python3.12/site-packages/vllm/model_executor/layers/quantization/exl3.py"
+    conda = "opt/conda/lib/python3.12/site-packages/vllm"
+
+    def tar_of(files: dict, links: dict = {}, base=None) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+            if base is not None:
+                t.add(str(base), arcname=".", recursive=True)
+            for path, data in files.items():
+                info = tarfile.TarInfo(path)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+            for path, target in links.items():
+                info = tarfile.TarInfo(path)
+                info.type, info.linkname = tarfile.SYMTYPE, target
+                t.addfile(info)
+        return buf.getvalue()
+
+    below = (root / exl3).read_bytes()
+    (root / exl3).write_text("class Exl3OnlineLinearMethod:\n    pass  # the base image's, replaced above\n")
+    first = tar_of({f"{conda}/__init__.py": b"", f"{conda}/model_executor/layers/quantization/__init__.py": b"",
+                    f"{conda}/model_executor/layers/quantization/exl3.py": b"# another vllm\n"}, base=root)
+    (root / exl3).write_bytes(below)
+    second = tar_of({exl3: top.encode(), **({f"{conda.rsplit('/', 1)[0]}/.wh.vllm": b""} if whiteout else {})})
+    config = json.dumps({"architecture": "amd64", "config": {"Env": [f"{k}={v}" for k, v in (env or {}).items()],
+                                                             "Labels": labels, "Entrypoint": ["vllm"]}}).encode()
+    blobs: dict[str, bytes] = {}
+
+    def blob(data: bytes) -> dict:
+        digest = hashlib.sha256(data).hexdigest()
+        blobs[f"blobs/sha256/{digest}"] = data
+        return {"digest": f"sha256:{digest}", "size": len(data)}
+
+    if oci:
+        manifest = {"schemaVersion": 2, "config": blob(config),
+                    "layers": [blob(gzip.compress(layer)) for layer in (first, second)]}
+        index = {"schemaVersion": 2, "manifests": [{**blob(json.dumps(manifest).encode()),
+                                                    "annotations": {"org.opencontainers.image.ref.name": name}}]}
+        outer = {"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": json.dumps(index).encode(),
+                 **blobs}
+    else:
+        outer = {"c0ffee.json": config, "l1/layer.tar": first, "l2/layer.tar": second, "manifest.json": json.dumps(
+            [{"Config": "c0ffee.json", "RepoTags": [name], "Layers": ["l1/layer.tar", "l2/layer.tar"]}]).encode()}
+    out.write_bytes(tar_of(outer))
+    return str(out)
+
+
 def test_a_patched_image_is_never_said_not_to_start(wide, tmp_path, monkeypatch, capsys):
     """gg-r34-patched images carry r34's labels and PR #312's exl3.py (a shard neither Trellis nor MXFP8 can hold
     stays BF16: the server starts). Before: "this server will not start" (#311's rule, from the labels). Now: from
@@ -185,14 +244,19 @@ def test_a_patched_image_is_never_said_not_to_start(wide, tmp_path, monkeypatch,
     # the image's files: its exl3.py decides; a cache module exl3tool knows (the newer one's blob, here ours)
     module = b"# our stand-in for the newer cache module\n"
     monkeypatch.setitem(CACHE_MODULES, "newer", dc_replace(CACHE_MODULES["newer"], blob=git_blob(module)))
-    for rule, want in (("pr312", 0), ("issue311", 1)):
+    labels = {"local-inference.vllm.integration.tree": r34.tree}
+    for (rule, want), oci in zip((("pr312", 0), ("issue311", 1)), (False, True)):
         root = _image_root(tmp_path / rule, EXL3_PY[rule], module)
-        code, out, err = run([*base, "--image-inspect", image, "--image-root", str(root), "--json"], capsys)
-        doc = json.loads(out)
-        assert code == want, err
-        assert doc["settings"]["server_release"]["source"] == "image files"
-        assert doc["release"]["rules"]["unaligned_shard"].startswith("mxfp8, or BF16" if want == 0 else "mxfp8 (")
-        assert ("will not start" in err) == (want == 1) and "/etc" not in doc["release"]["detail"]
+        saved = _save_image(root, tmp_path / f"{rule}.tar", "localhost/vllm:gg-r34-patched", labels,
+                            top=EXL3_PY[rule] + RETRY_R7, oci=oci)
+        for files in (["--image-inspect", image, "--image-root", str(root)], ["--image-archive", saved]):
+            code, out, err = run([*base, *files, "--json"], capsys)  # the saved image: its labels and its files
+            doc = json.loads(out)
+            assert code == want, err
+            assert doc["settings"]["server_release"]["source"] == "image files"
+            assert doc["release"]["rules"]["unaligned_shard"].startswith("mxfp8, or BF16" if want == 0 else "mxfp8 (")
+            assert ("will not start" in err) == (want == 1) and "/etc" not in doc["release"]["detail"]
+        assert doc["launch"]["image"]["source"] == "image archive" and doc["launch"]["image"]["labels"] == labels
     code, _, err = run([*base[:4], "--image-root", str(tmp_path / "nothing")], capsys)
     assert code == 2 and "--image-root" in err and "not a folder" in err
 
@@ -224,9 +288,64 @@ def test_the_fork_modules_are_read_by_git_blob_and_through_the_images_links(tmp_
     (upstream / "model_executor/layers/quantization/__init__.py").write_text("")
     plain = resolve_release(None, {}, modules=read_fork_modules(str(upstream.parent)))
     assert not plain.release.online_cache and "no EXL3 support" in plain.release.patched  # vLLM without exl3.py
+    # a saved image of the same files gives the same modules: its later layer's exl3.py, its whiteout honoured
+    from exl3tool.launch.forkfiles import read_image_archive
+
+    top = EXL3_PY["pr312"] + RETRY_R7
+    saved = read_image_archive(_save_image(root, tmp_path / "img.tar", "x:1", {}, top=top))
+    assert (saved.modules.cache_blob, saved.modules.exl3_blob, saved.modules.exl3_text) == (
+        mods.cache_blob, mods.exl3_blob, mods.exl3_text)
+    assert saved.modules.where == f"{tmp_path / 'img.tar'}:/opt/venv/lib/python3.12/site-packages/vllm"
+    assert saved.names == ("x:1",) and saved.config["Entrypoint"] == ["vllm"] and saved.layers == 2
+    with pytest.raises(ConfigError, match="holds 2 vllm packages"):  # without the whiteout, /opt/conda's is there
+        read_image_archive(_save_image(root, tmp_path / "nowh.tar", "x:1", {}, top=top, whiteout=False))
     (root / "usr/local/venv").rename(root / "usr/local/elsewhere")  # /opt/venv now points at nothing in the image
     with pytest.raises(ConfigError, match="no vllm package there"):
         read_fork_modules(str(root))
+
+
+def test_a_hostile_image_archive_writes_nothing_outside_and_is_named(tmp_path, capsys):
+    """Links out of the image, names climbing above its root, a layer the manifest names but the archive lacks, a
+    file that is no archive: read in the image's own terms, or one line naming the file."""
+    import io
+    import tarfile
+
+    from exl3tool.launch.forkfiles import read_image_archive
+
+    outside = tmp_path / "outside"
+
+    def tar(members) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            for name, data, link in members:
+                info = tarfile.TarInfo(name)
+                if link is not None:
+                    info.type, info.linkname = tarfile.SYMTYPE, link
+                    t.addfile(info)
+                else:
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+    quant = "model_executor/layers/quantization"
+    one = tar([("opt/venv", None, str(outside)), ("../../escape.py", b"x", None)])
+    two = tar([(f"opt/venv/lib/python3.12/site-packages/vllm/{quant}/exl3.py", EXL3_PY["pr312"].encode(), None),
+               ("opt/venv/lib/python3.12/site-packages/vllm/__init__.py", b"", None)])
+    manifest = json.dumps([{"Config": "c.json", "RepoTags": ["evil:1"], "Layers": ["1.tar", "2.tar"]}]).encode()
+    archive = tmp_path / "evil.tar"
+    archive.write_bytes(tar([("manifest.json", manifest, None), ("c.json", b'{"config": {}}', None),
+                             ("1.tar", one, None), ("2.tar", two, None)]))
+    saved = read_image_archive(str(archive))
+    assert saved.modules.exl3_blob and saved.modules.where.endswith(":/opt/venv/lib/python3.12/site-packages/vllm")
+    assert not outside.exists() and not (tmp_path.parent / "escape.py").exists()
+    archive.write_bytes(tar([("manifest.json", manifest, None), ("c.json", b"{}", None), ("1.tar", one, None)]))
+    with pytest.raises(ConfigError, match="names layer 2.tar, which the archive lacks"):
+        read_image_archive(str(archive))
+    (tmp_path / "i.json").write_text("[]")
+    for path, why in ((tmp_path / "i.json", "not a tar archive|cannot read it as a tar"), (tmp_path / "none.tar",
+                                                                                          "cannot read it")):
+        code, _, err = run(["cache", "check", str(tmp_path), "--image-archive", str(path)], capsys)
+        assert code == 2 and "--image-archive" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_128_unaligned_shard_that_is_32_aligned_starts(tmp_path, monkeypatch, capsys):
@@ -261,6 +380,10 @@ def test_an_r7_checkpoint_is_served_whatever_its_quant_method(tmp_path, monkeypa
     model = _r7_checkpoint(tmp_path / "M")
     cache = tmp_path / "cache"
     request = ServerRequest(model=str(model), tp_sizes=(2,), cache_dir=str(cache), quantization_config=LINEAR, **ENC)
+    with pytest.raises(ConfigError, match="release is not named.*r7_routed_experts.*--server-release NAME"):
+        fake_warm(request, monkeypatch)  # no release named: gilded-gnosis-r33 would refuse what r34 serves
+    assert not cache.exists()  # refused before anything was written
+    request = dataclasses.replace(request, server_release="infernal-invocation-r18")
     fake_warm(request, monkeypatch)
     _, plan, _ = prepare(request)
     assert any("r7" in n for n in plan.layer_plan.notes)
@@ -271,6 +394,11 @@ def test_an_r7_checkpoint_is_served_whatever_its_quant_method(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="does not read r7_routed_experts"):
         prepare(ServerRequest(model=str(model), cache_dir=str(cache), quantization_config=LINEAR,
                             server_release="gilded-gnosis-r33", **ENC))
+    from exl3tool.operations.hydrate import plan_hydrate
+
+    with pytest.raises(ConfigError, match="what this hydrate writes depends on it: the checkpoint's r7_routed"):
+        plan_hydrate(ServerRequest(model=str(model), quantization_config=LINEAR), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("bad, why", [({"k_values": [3, 6]}, "unsupported k_values: \\[6\\]"),
@@ -457,3 +585,78 @@ def test_nothing_to_warm_for_a_release_without_the_online_cache(tiny_llama, tmp_
     code, _, err = run(["cache", "warm", str(tiny_llama), "--server-release", "gilded-gnosis-r19", "--dry-run",
                         "--cache-dir", str(tmp_path), *ENC_ARGS], capsys)
     assert code == 2 and "gilded-gnosis-r19 encodes no layer to EXL3 online" in err and "exl3tool hydrate" in err
+
+
+# --- a release nothing determines: compared, never assumed (issue 49) ---------------------------------------------
+
+def test_a_release_nothing_names_answers_only_where_every_release_agrees(tiny_llama, tmp_path, monkeypatch, capsys):
+    """No --server-release, no image: the answer stands where every release that encodes online gives it (said in
+    one note); where XDG_CACHE_HOME gives the root, Gilded Gnosis up to r33 look in ~/.cache/vllm and the newer ones
+    under XDG_CACHE_HOME: check and warm name that and stop (exit 2, nothing written). Before: the newest's root,
+    answered and written."""
+    from exl3tool.plan.request import ServerRequest as Req
+
+    from helpers import server_cache_root, tree
+
+    code, _, err = run(["cache", "warm", str(tiny_llama), "--dry-run", "--cache-dir", str(tmp_path / "c"),
+                        "--quantization-config", LINEAR, *ENC_ARGS], capsys)
+    assert code == 0 and "release is not named, but every release exl3tool knows that encodes online" in err, err
+    env = {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = [str(tiny_llama), "--quantization-config", LINEAR, *ENC_ARGS]
+    older, newer = server_cache_root(env, "older"), server_cache_root(env, "newer")
+    for command in (["cache", "check"], ["cache", "warm", "--dry-run"], ["cache", "warm", "--device", "cpu"]):
+        code, _, err = run([*command, *args], capsys)
+        assert code == 2 and "--server-release NAME" in err.splitlines()[-1], err
+        assert f"the cache root is ~/.cache/vllm/exl3_online for gilded-gnosis-r20..r33, but {newer} for " \
+               "gilded-gnosis-r34, infernal-invocation-r5..r18" in err.splitlines()[-1]
+    assert not tree(tmp_path / "xdg") and not tree(tmp_path / "home")
+    request = Req(model=str(tiny_llama), quantization_config=LINEAR, server_release="gilded-gnosis-r33", **ENC)
+    fake_warm(request, monkeypatch)  # named: written where that release's server reads
+    code, out, err = run(["cache", "check", *args, "--server-release", "gg-r33", "--json"], capsys)
+    assert code == 0 and json.loads(out)["cache_root"] == str(older) and "not named" not in err, err
+
+
+def test_an_unknown_label_or_a_patched_image_writes_where_every_release_it_could_be_would(tiny_llama, tmp_path,
+                                                                                          capsys):
+    """An unknown label: its release could be any that encodes online, so a warm is refused where their roots
+    differ (naming the label and the rule) and goes on where they do not; a patched image not read is r34 with or
+    without PR #312, which write alike (only the start differs)."""
+    labels = {"local-inference.release.name": "karmic-kraken-r3"}
+    image = _inspect(tmp_path, "example.org/vllm:kk", labels)
+    env = f"HOME={tmp_path / 'home'} XDG_CACHE_HOME={tmp_path / 'xdg'} "
+    xdg = (f"env {env}VLLM_EXL3_ONLINE_TRELLIS_BITS=6 VLLM_EXL3_ENCODER_SOURCE={ENC['encoder_root']} "
+           f"VLLM_EXL3_ENCODER_REVISION={ENC['encoder_revision']} vllm serve {tiny_llama} "
+           f"--quantization-config {shlex.quote(LINEAR)}")
+    base = ["cache", "warm", "--dry-run", "--image", "example.org/vllm:kk", "--image-inspect", image]
+    code, _, err = run([*base, "--launch", xdg], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "karmic-kraken-r3" in last and "the cache root is" in last and "--server-release" in last
+    code, _, err = run([*base, "--launch", _launch(tiny_llama, tmp_path / "c")], capsys)
+    assert code == 0 and "karmic-kraken-r3" in err, err
+    assert "release is assumed, but every release it could be (gilded-gnosis-r20..r34, infernal-invocation-r5..r18) "\
+           "would write the same entries in the same root" in err
+    patched = resolve_release(None, {"local-inference.vllm.integration.tree": release("gg-r34").tree},
+                              image="localhost/vllm:gg-r34-patched")
+    assert [r.name for r in patched.candidates] == ["gilded-gnosis-r34", "gilded-gnosis-r34+pr312"]
+    assert rule_splits(patched.candidates, root_env={"XDG_CACHE_HOME": "/x"}.get) == ()
+    assert [s.rule for s in rule_splits(patched.candidates, unaligned=(4304, 4096))] == ["unaligned_start"]
+
+
+def test_each_rule_that_can_differ_is_said_with_the_releases_on_each_side():
+    """The sentences, from the table (an independent list of which releases have which module)."""
+    choice = resolve_release(None)
+    assert not choice.determined and choice.source == "default" and not choice.assumed
+    assert {r.name for r in choice.candidates} == {r.name for r in RELEASES if r.cache is not None}
+    older = "gilded-gnosis-r20..r33"
+    newer = "gilded-gnosis-r34, infernal-invocation-r5..r18"
+    splits = rule_splits(choice.candidates, root_env={"VLLM_CACHE_ROOT": "/v", "XDG_CACHE_HOME": "/x"}.get, r7=True,
+                         unaligned=(4096, 4304), nonfinite=True)
+    assert [s.rule for s in splits] == ["r7_checkpoints", "nonfinite_entries"]  # one root; no row has PR #312
+    assert splits[0].text.endswith(f"by {newer}, and not by {older}")
+    assert splits[1].text.endswith(f"by {newer}, but loaded as it is by {older}")
+    assert lock_waits(choice.candidates) == (f"{older} wait for as long as the warm holds it (no timeout); {newer} "
+                                             "wait up to 600 s, then encode that layer without the cache")
+    one = resolve_release("gg-r33")
+    assert one.determined and rule_splits(one.candidates, root_env={"XDG_CACHE_HOME": "/x"}.get, r7=True) == ()

@@ -29,7 +29,7 @@ from exl3tool.releases import GLM53_SCOPE, R7_SCHEMA, ServerRelease
 __all__ = [
     "NotServable", "CheckpointKind", "Route", "serving_kind", "storage_candidates", "StorageMap", "route_family",
     "GLM53_SCOPE", "GLM53_OLD_VERSION_REASON", "NO_STORAGE_REASON", "read_json", "ServingView", "serving_view",
-    "REASONS",
+    "REASONS", "r7_reading_differs",
 ]
 
 RANK_SLICED_FORMAT = "exl3-trellis"
@@ -261,6 +261,21 @@ def _r7(qc: Mapping[str, Any]) -> bool:
     if bad:
         raise NotServable(f"R7 EXL3 has unsupported k_values: {bad}")
     return True
+
+
+def r7_reading_differs(config: Mapping[str, Any]) -> bool:
+    """Whether a release that reads r7 routed-expert checkpoints (``ServerRelease.r7_checkpoints``) makes something
+    else of this checkpoint than one that does not: its config's r7_routed_experts block is the server's r7 kind
+    (``_r7``) and its quant_method is not exl3 (one serves it as EXL3, the other refuses it), or the block is one
+    that reading refuses and its quant_method is exl3 (one refuses it, the other serves it)."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("r7_routed_experts") is None:
+        return False
+    try:
+        taken = _r7(qc)
+    except NotServable:
+        return qc.get("quant_method") == "exl3"
+    return taken and qc.get("quant_method") != "exl3"
 
 
 def serving_kind(config: Mapping[str, Any], quant_file: Optional[Mapping[str, Any]],

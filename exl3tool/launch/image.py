@@ -3,7 +3,8 @@
 Read, in this order, from:
 
 1. a saved inspect document, ``--image-inspect FILE`` (what ``docker image inspect NAME > FILE`` writes, podman's
-   too): the image as it is where it runs, read here without a runtime;
+   too): the image as it is where it runs, read here without a runtime; or a saved image, ``--image-archive FILE``
+   (``docker save``: its configuration, read by ``launch.forkfiles``, which also reads the fork modules in it);
 2. ``docker|podman image inspect`` when the runner's CLI is on PATH and the image is present (the runner of the
    launch first). Never a pull: a missing image is said in one line, with how to give it;
 3. the table of the fork's published images that ships with exl3tool (``images.json``, data: each row cites the
@@ -29,12 +30,13 @@ from exl3tool.errors import ConfigError
 from exl3tool.launch.env import EnvValue
 
 __all__ = ["ImageSettings", "image_env", "read_image", "parse_inspect", "published_images", "table_image",
-           "IMAGE_SOURCES", "image_settings", "same_image"]
+           "IMAGE_SOURCES", "image_settings", "same_image", "archive_settings"]
 
 _TIMEOUT_S = 30
 _FORMAT = "{{json .Config}}"
 # where an image's settings came from (ImageSettings.source)
-IMAGE_SOURCES = ("inspect file", "docker image inspect", "podman image inspect", "published-images table")
+IMAGE_SOURCES = ("inspect file", "image archive", "docker image inspect", "podman image inspect",
+                 "published-images table")
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,8 @@ class ImageSettings:
                 for k, v in self.env.items()}
 
     def how(self) -> str:
-        if self.source == "inspect file":
-            return f"inspect file {self.detail}"
+        if self.source in ("inspect file", "image archive"):
+            return f"{self.source} {self.detail}"
         if self.source == "published-images table":
             return f"exl3tool's published-images table: {self.release}"
         return f"{self.source.split(' ')[0]} image inspect"
@@ -213,6 +215,10 @@ def read_image(name: str, *, runner: Optional[str] = None, inspect_file: Optiona
     the other; then the published-images table. Nothing is pulled.
     """
     if inspect_file is not None:
+        from exl3tool.launch.forkfiles import is_image_archive
+
+        if is_image_archive(inspect_file):  # a saved image (--image-archive): its configuration is in it
+            return archive_settings(inspect_file, name or None), ""
         try:
             with open(inspect_file, encoding="utf-8") as fh:
                 text = fh.read()
@@ -237,6 +243,21 @@ def read_image(name: str, *, runner: Optional[str] = None, inspect_file: Optiona
     return None, "; ".join(reasons) + (" and it is not one of the fork's published images exl3tool knows "
                                        "(docs/images.md); exl3tool never pulls: `docker pull` it, or save `docker image "
                                        f"inspect {name} > FILE` where it is and pass --image-inspect FILE")
+
+
+def archive_settings(path: str, name: Optional[str] = None) -> ImageSettings:
+    """The settings of the image saved at ``path`` (``docker save``, ``podman save``: ``launch.forkfiles``), the one
+    ``name`` names where it holds several."""
+    from exl3tool.launch.forkfiles import read_image_archive
+
+    saved = read_image_archive(path, name, same_image)
+    where = f"--image-archive {path}"
+    settings = _from_config(saved.config, name or next(iter(saved.names), "") or os.path.basename(path),
+                            "image archive", path, where)
+    if name is not None and saved.names and not any(same_image(name, n) for n in saved.names):
+        settings = _with_note(settings, f"{where} is the saved image {', '.join(saved.names[:2])}, not {name}: its "
+                                        "settings and files are used as given")
+    return settings
 
 
 def image_settings(name: Optional[str], inspect_file: Optional[str], runner: Optional[str] = None) -> ImageSettings:

@@ -35,6 +35,12 @@ class LaunchInput:
     image: Optional[str] = None  # --image NAME: the server's image (its ENV, labels, entrypoint)
     image_inspect: Optional[str] = None  # --image-inspect FILE: that image's saved `docker image inspect`
     image_root: Optional[str] = None  # --image-root DIR: the image's files (its fork modules give the release)
+    image_archive: Optional[str] = None  # --image-archive FILE: the saved image (its settings and its files)
+
+    @property
+    def saved_image(self) -> Optional[str]:
+        """The file the image's settings are read from: ``--image-inspect``, else ``--image-archive``."""
+        return self.image_inspect or self.image_archive
 
     @property
     def launch_given(self) -> bool:
@@ -101,10 +107,21 @@ def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchI
         launch) and the server's environment (None without one).
     """
     environ = os.environ if environ is None else environ
+    for a, b in (("image_inspect", "image_archive"), ("image_root", "image_archive")):
+        if getattr(launch, a) is not None and getattr(launch, b) is not None:
+            raise ConfigError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} both give the image's "
+                              f"{'settings' if a == 'image_inspect' else 'files'}: give one")
+    if launch.image_archive is not None:
+        from exl3tool.launch.forkfiles import is_image_archive, read_image_archive
+
+        if not is_image_archive(launch.image_archive):  # missing, a folder, an inspect document: named as such
+            read_image_archive(launch.image_archive)
+            raise ConfigError(f"--image-archive {launch.image_archive}: not a tar archive (give the file `docker "
+                              "save IMAGE -o FILE` writes)")
     if not launch.launch_given:
         if launch.service is not None:
             raise ConfigError("--service names a service of a compose file: give --compose FILE with it")
-        image = image_settings(launch.image, launch.image_inspect) if launch.image or launch.image_inspect else None
+        image = image_settings(launch.image, launch.saved_image) if launch.image or launch.saved_image else None
         if not launch.env_files and image is None:
             from exl3tool.cache.settings import server_bits
 
@@ -118,7 +135,7 @@ def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchI
         return _with_release(request, given, image, _modules(launch, None)), None, merged
     loaded = load_launch(text=launch.text, argv=launch.argv, pid=launch.pid, env_files=launch.env_files,
                          environ=environ, cwd=cwd, file=launch.file, compose=launch.compose, service=launch.service,
-                         image_inspect=launch.image_inspect)
+                         image_inspect=launch.saved_image)
     assert loaded is not None
     server, layers = _with_image(*loaded, launch)
     explicit = Explicit(**{f: getattr(request, f) for f in EXPLICIT_FIELDS if f in given})
@@ -153,11 +170,21 @@ def apply_launch(request: ServerRequest, given: Collection[str], launch: LaunchI
 
 def _modules(launch: LaunchInput, server: Optional[ServerLaunch]):
     """The fork modules of the server's image where its files can be read: ``--image-root DIR`` (required to hold a
-    vllm package), else a ``--pid`` server's own root (``/proc/PID/root``, when it holds one); else None."""
-    from exl3tool.launch.forkfiles import read_fork_modules
+    vllm package), ``--image-archive FILE`` (the saved image's layers; the same), else a ``--pid`` server's own
+    root (``/proc/PID/root``, when it holds one); else None."""
+    from exl3tool.launch.forkfiles import read_fork_modules, read_image_archive
 
     if launch.image_root is not None:
         return read_fork_modules(launch.image_root)
+    if launch.image_archive is not None:
+        name = launch.image or (server.image_name if server is not None and server.image_name else None)
+        saved = read_image_archive(launch.image_archive, name, same_image)
+        if saved.modules is None:
+            image = f"the image {saved.names[0]}" if saved.names else "the image"
+            raise ConfigError(f"--image-archive {launch.image_archive}: {image} holds no vllm package in its "
+                              f"{saved.layers} layer(s) (looked under /opt/venv, /usr/local/lib, /opt/conda, "
+                              "/usr/lib/python3 ...): save the image the server runs")
+        return saved.modules
     root = getattr(getattr(server, "paths", None), "root", None) if server is not None else None
     if server is not None and server.form == "pid" and root:
         try:
@@ -185,7 +212,7 @@ def _with_image(server: ServerLaunch, layers: EnvLayers, launch: LaunchInput) ->
     """The launch with ``--image`` / ``--image-inspect`` applied: a container launch's image read from the saved
     inspect document (its ENV replacing what was read for it), or the image a host command or a compose service
     runs in (its ENV the lowest layer; this process's environment is then not the server's)."""
-    if not launch.image and not launch.image_inspect:
+    if not launch.image and not launch.saved_image:
         return server, layers
     container = server.form in ("docker", "podman")
     if container and launch.image and server.image_name and not same_image(launch.image, server.image_name):
@@ -193,7 +220,7 @@ def _with_image(server: ServerLaunch, layers: EnvLayers, launch: LaunchInput) ->
                           "(drop --image, or fix the launch)")
     name = server.image_name if container else (launch.image or "")
     runner = server.form if container else None
-    image = image_settings(name, launch.image_inspect, runner)
+    image = image_settings(name, launch.saved_image, runner)
     if server.form == "pid":  # its environment is the process's own, the image's ENV included
         return replace(server, image=image, image_name=image.name), layers
     own = {k: v for k, v in server.env.items() if not v.detail.startswith("ENV of the image ")}
@@ -207,6 +234,6 @@ def launch_image(launch: LaunchInput, settings: Optional[LaunchSettings]) -> Opt
     or None: where its labels are read (a server release is picked from ``local-inference.vllm.integration.tree``)."""
     if settings is not None:
         return settings.image
-    if launch.image or launch.image_inspect:
-        return image_settings(launch.image, launch.image_inspect)  # read again: the runtime's answer is cached
+    if launch.image or launch.saved_image:
+        return image_settings(launch.image, launch.saved_image)  # read again: the runtime's answer is cached
     return None

@@ -12,7 +12,7 @@ import json
 import os
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from exl3tool.cache.hub import hub_cache_dir, hub_offline
@@ -22,8 +22,8 @@ from exl3tool.launch.container import PathMap
 from exl3tool.launch.env import EnvLayers, EnvValue
 from exl3tool.launch.parse import ServerArgs
 from exl3tool.releases import (
-    ForkModules, ReleaseChoice, ServerRelease, edit_distance, no_online_encoding, resolve_release, server_cache_root,
-    server_vllm_root, variable_note,
+    ForkModules, ReleaseChoice, ServerRelease, edit_distance, no_online_encoding, resolve_release, rule_splits,
+    server_cache_root, server_vllm_root, variable_note,
 )
 from exl3tool.plan.request import DTYPE_SPELLINGS, serving_dtype_name
 
@@ -489,6 +489,10 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     _legacy_cache_dir(b, rel)
     server: Optional[str]
     server, var = server_cache_root(get, rel)  # the one rule (exl3tool.releases), per release
+    if explicit.cache_dir is None and not b.choice.determined:  # the release not named: does the root depend on it?
+        found = rule_splits(b.choice.candidates, root_env=get)
+        if found:
+            b.choice = replace(b.choice, splits=(*b.choice.splits, *found))
     home = b.env("HOME")
     if var:
         item = b.env(var)

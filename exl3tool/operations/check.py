@@ -27,8 +27,10 @@ from exl3tool.text import plural
 from exl3tool.plan.plan import LookupJob, LookupPlan
 from exl3tool.plan.request import ServerRequest, prepare
 from exl3tool.releases import (
-    UNALIGNED_FIX, ReleaseChoice, ServerRelease, unaligned_start_failure, unaligned_start_unknown,
+    UNALIGNED_FIX, ReleaseChoice, RuleSplit, ServerRelease, lock_waits, release_depends, unaligned_start_failure,
+    unaligned_start_unknown,
 )
+from exl3tool.operations.release_rules import release_rules
 
 __all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences",
            "start_failures", "start_unknowns", "stored_only_report", "hydrated_failures"]
@@ -99,17 +101,30 @@ class CheckReport:
     release: Optional[ReleaseChoice] = None  # that release, where it came from and what was assumed
     cannot_tell: tuple[Finding, ...] = ()  # what exl3tool cannot tell about this server (an unread patched exl3.py)
     hydrated: Optional[Any] = None  # the checkpoint's `exl3tool hydrate` record (checkpoint.hydrate_record), if any
+    # the release not determined (``ReleaseChoice.determined``): the rules whose outcome differs between the
+    # releases that could be serving (then no answer: exit 2), else the note that every one gives this answer
+    release_splits: tuple[RuleSplit, ...] = ()
+    release_note: str = ""
 
     @property
     def assumed(self) -> bool:
-        """Whether the answer rests on an assumption (an unknown release label, a patched image not read): then
-        ``cache check`` exits 2, never 0 or 1 (docs/releases.md)."""
-        return bool(self.cannot_tell) or (self.release is not None and self.release.assumed)
+        """Whether the answer rests on an assumption (an unknown release label, a patched image not read, a release
+        not named where the answer depends on it): then ``cache check`` exits 2, never 0 or 1 (docs/releases.md)."""
+        return (bool(self.cannot_tell) or bool(self.release_splits)
+                or (self.release is not None and self.release.assumed))
 
     def assumptions(self) -> list[str]:
         """Each assumption in one line (what exl3tool did not know and what it assumed)."""
         return [*(self.release.unknown if self.release is not None else ()),
-                *(f"cannot tell whether this server starts: {f.text}" for f in self.cannot_tell)]
+                *(f"cannot tell whether this server starts: {f.text}" for f in self.cannot_tell),
+                *self.release_depends()]
+
+    def release_depends(self) -> list[str]:
+        """One line per rule whose outcome differs between the releases the server could run (the release not
+        named), naming them."""
+        if self.release is None or not self.release_splits:
+            return []
+        return release_depends(self.release, self.release_splits)
 
     @property
     def lookups(self) -> list[LookupJob]:
@@ -137,6 +152,7 @@ class CheckReport:
             **plan.header_json(),
             "stored_only": self.stored or None, "ok": self.ok, "server_release": self.server_release,
             "release": None if self.release is None else self.release.as_json(), "assumed": self.assumed,
+            "release_differs": [x.as_json() for x in self.release_splits], "release_note": self.release_note or None,
             "cannot_tell": [f.as_json() for f in self.cannot_tell],
             "hydrated": None if self.hydrated is None else self.hydrated.as_json(),
             "start_failures": [f.as_json() for f in self.start_failures], "lookups": len(lookups), "hit": plan.count("hit"), "miss": plan.count("miss"),
@@ -489,7 +505,7 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
     notes += _unplanned_notes(plan, cache, records)
     notes += _parity_notes(lookups, records, plan)
     release = request.release
-    notes += _lock_notes(lookups, release)
+    notes += _lock_notes(lookups, request.release_choice)
     full = plan.layer_plan
     if full is not None and full.server_lookup and (request.layers or request.exclude):
         try:  # the server builds every layer, not only the ones --layers selects
@@ -500,10 +516,12 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
     failures = start_failures(plan, request, release, full)
     record = _hydrate_record(request)
     failures += hydrated_failures(record, tuple(request.tp_sizes), request.model)
+    splits, note = release_rules(request, checkpoint.config, environ, plan, full)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
                        round(time.perf_counter() - start, 4), start_failures=tuple(failures),
                        server_release=release.name, release=request.release_choice,
-                       cannot_tell=tuple(start_unknowns(plan, release, full)), hydrated=record)
+                       cannot_tell=tuple(start_unknowns(plan, release, full)), hydrated=record,
+                       release_splits=splits, release_note=note)
 
 
 def _unaligned(plan: LookupPlan, full: Optional[LayerPlan], rule) -> dict[tuple[str, int], str]:
@@ -565,8 +583,9 @@ def start_failures(plan: LookupPlan, request: ServerRequest, release: ServerRele
     return out
 
 
-def _lock_notes(lookups: list[LookupJob], release: ServerRelease) -> list[Finding]:
-    """Entry locks held now (a warm running): what the release's server does when it reaches one at start-up."""
+def _lock_notes(lookups: list[LookupJob], choice: ReleaseChoice) -> list[Finding]:
+    """Entry locks held now (a warm running): what the release's server does when it reaches one at start-up (each
+    rule, when the release is not determined and the releases it could be wait differently)."""
     from exl3tool.cache.locks import lock_holders
     from exl3tool.cache.paths import lock_path
 
@@ -575,10 +594,13 @@ def _lock_notes(lookups: list[LookupJob], release: ServerRelease) -> list[Findin
         lock = lock_path(j.path)
         if lock.exists() and lock_holders(lock):
             held.append(j)
+    release = choice.release
     module = release.cache_module
     if not held or module is None:
         return []
-    if module.lock_timeout_s is None:
+    if len({r.cache_module.lock_timeout_s for r in choice.candidates if r.cache_module is not None}) > 1:
+        what = f"the server's release is not determined: {lock_waits(choice.candidates)}"
+    elif module.lock_timeout_s is None:
         what = (f"{release.name}'s entry lock has no timeout: a server starting now waits on each of them for as "
                 "long as the warm holds it")
     else:
@@ -673,10 +695,11 @@ def stored_only_report(request: ServerRequest, environ: Optional[dict] = None) -
     root = request.cache_root(environ)
     plan = LookupPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
                     tp_sizes=tuple(request.tp_sizes), cache_root=root, mode="readonly", jobs=(), layer_plan=layer_plan)
+    splits, note = release_rules(request, checkpoint.config, environ, lookups=False)
     return CheckReport(plan, _resolved_dtype(request, checkpoint), (), tuple(_launch_notes(environ)),
                        {o: 0 for o in ORIGINS}, (), round(time.perf_counter() - start, 4), stored=why,
                        start_failures=tuple(failures), server_release=request.release.name,
-                       release=request.release_choice, hydrated=record)
+                       release=request.release_choice, hydrated=record, release_splits=splits, release_note=note)
 
 
 def _unplanned_causes(plan: LookupPlan) -> list[Cause]:

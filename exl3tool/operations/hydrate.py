@@ -412,6 +412,10 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     out_path = out_path.parent.resolve() / out_path.name
     overlay = resolve_overlay(request.quantization_config, shared_experts=request.shared_experts)
     checkpoint = open_checkpoint(str(source), hf_overrides=parse_hf_overrides(request.hf_overrides))
+    from exl3tool.operations.release_rules import refuse_undetermined, release_rules
+
+    refuse_undetermined(request, release_rules(request, checkpoint.config, environ, writes=True, lookups=False)[0],
+                        "what this hydrate writes")  # the layer plan, where a release nothing named decides it
     layers, exclude = list(request.layers) or None, list(request.exclude) or None
     try:
         layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,

@@ -97,20 +97,25 @@ def test_the_cache_commands_read_the_volume_a_container_launch_warmed(model, tmp
 XDG_ROOT, HOME_ROOT = "xdg/vllm/exl3_online", "home/.cache/vllm/exl3_online"
 
 
-@pytest.mark.parametrize("release, root, other", [(None, XDG_ROOT, HOME_ROOT), (OLDER, HOME_ROOT, XDG_ROOT)])
+NEWEST = "infernal-invocation-r18"
+
+
+@pytest.mark.parametrize("release, root, other, other_release",
+                         [(NEWEST, XDG_ROOT, HOME_ROOT, OLDER), (OLDER, HOME_ROOT, XDG_ROOT, NEWEST)])
 def test_a_host_launch_with_xdg_cache_home_lists_the_root_of_its_release(model, tmp_path, capsys, release, root,
-                                                                          other):
+                                                                          other, other_release):
     """A host server started with XDG_CACHE_HOME (and a HOME of its own): the newest releases keep the cache under
-    XDG_CACHE_HOME, Gilded Gnosis up to r33 under HOME; `cache ls` with the same launch and release lists what the
-    warm wrote, and with the other release looks in the other root."""
+    XDG_CACHE_HOME, Gilded Gnosis up to r33 under HOME, so a warm that names no release writes nothing; `cache ls`
+    with the same launch and release lists what the warm wrote, and with the other release looks in the other root."""
     launch = f"env HOME={tmp_path / 'home'} XDG_CACHE_HOME={tmp_path / 'xdg'} {SERVER_ENV} {_serve(model)}"
-    named = ["--server-release", release] if release else []
-    warmed = _warm(capsys, "--launch", launch, *named)
+    code, _, err = run(["cache", "warm", "--launch", launch], capsys)
+    assert code == 2 and "no write on an assumption" in err and "--server-release" in err, err
+    assert not (tmp_path / XDG_ROOT).exists() and not (tmp_path / HOME_ROOT).exists()
+    warmed = _warm(capsys, "--launch", launch, "--server-release", release)
     assert warmed["cache_root"] == str(tmp_path / root)
-    listed = _listed(capsys, "--launch", launch, *named)
+    listed = _listed(capsys, "--launch", launch, "--server-release", release)
     assert (listed["root"], listed["entries"]) == (str(tmp_path / root), warmed["counts"]["encoded"])
-    code, _, err = run(["cache", "ls", "--launch", launch, *(["--server-release", OLDER] if not release else [])],
-                       capsys)
+    code, _, err = run(["cache", "ls", "--launch", launch, "--server-release", other_release], capsys)
     assert code == 2 and f"error: cache directory {tmp_path / other} does not exist" in err, err
 
 

@@ -74,6 +74,7 @@ CLAIMS = [
     ("help: cache check", "Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error", "cache_check"),
     ("help: cache check", "or an assumed release (a label it does not know", "release_assumed"),
     ("docs/cache.md", "named with what was assumed, and the check exits 2 after its report", "release_assumed"),
+    ("docs/cache.md", "the rule and the releases on each side are named, exit 2", "release_assumed"),
     ("README.md", "Refused, naming the flag (exit 2): `--hf-config-path`", "launch_refusals"),
     ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
     ("README.md", "and exits 1 (never \"all hit\": the cache cannot make that server start warm)", "launch_refusals"),
@@ -447,6 +448,14 @@ def scenario_release_assumed(m, tmp, monkeypatch):
             "--image-inspect", inspect]
     assert run(argv) == 2
     assert run([*argv, "--server-release", "infernal-invocation-r18"]) == 0  # named: answered
+    warm = ["cache", "warm", m["good"], "--cache-dir", tmp / "w", "--layers", LAYER, "--dry-run", *ENC]
+    assert run([*warm, "--image", "example.org/v:1", "--image-inspect", inspect]) == 0  # written alike by every one
+    # no release named, and XDG_CACHE_HOME gives the root: the older cache module's is ~/.cache/vllm/exl3_online
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp / "home"))
+    unnamed = ["cache", "check", m["good"], "--layers", LAYER, *ENC]
+    assert run(unnamed) == 2 and run(["cache", "warm", *unnamed[2:], "--dry-run"]) == 2
+    assert run([*unnamed, "--server-release", "gilded-gnosis-r33"]) == 1  # named: its root, where nothing is yet
 
 
 def scenario_launch_refusals(m, tmp, monkeypatch):

@@ -46,7 +46,7 @@ MODE_RULES = _modes()
 
 _COMMON = {"json", "quiet"}
 _LAUNCH = {"launch", "pid", "env_file", "launch_file", "compose", "service", "image", "image_inspect", "image_root",
-           "server_release"}
+           "server_release", "image_archive"}
 # what each mode reads (the rest of the command's options must be refused there)
 READS: dict[tuple[str, str], set[str]] = {
     ("cache import", "without --against"): {"bundle", "cache_dir", "file_mode", "against", *_LAUNCH, *_COMMON},
@@ -84,7 +84,7 @@ VALUES = {"model": "{tmp}/M", "bits": "4", "revision": "main", "layers": "*", "e
           "server_path": "/s", "tp_size": "2", "tp_rank": "0", "tp_sizes": "2", "cache_dir": "{tmp}",
           "server_release": "gilded-gnosis-r33", "launch": "vllm serve m", "pid": "1", "env_file": "{tmp}/e.env",
           "launch_file": "{tmp}/run.sh", "compose": "{tmp}/c.yml", "service": "s", "image": "i:1",
-          "image_inspect": "{tmp}/i.json", "image_root": "{tmp}"}
+          "image_inspect": "{tmp}/i.json", "image_root": "{tmp}", "image_archive": "{tmp}/i.tar"}
 
 
 def _command(path: str):

@@ -127,6 +127,11 @@ def test_each_image_as_the_server_derives_it(tmp_path, cli, model, export, name)
     args = ["--image-inspect", str(DATA / name), "--launch", launch_of(name, model, cache, extra)]
     if want["encoder_revision"] is None:  # files mode: the server hashes the image's files; give their copy
         args += ["--encoder-source", str(export)]
+    if want.get("cache_dir_by_release"):  # the root depends on a release nothing names: no plan until it is named
+        code, _, err = _plan(cli, *args)
+        assert code == 2 and "the cache root is ~/.cache/vllm/exl3_online for gilded-gnosis-r20..r33" in err, err
+        assert "--server-release NAME" in err
+        args += ["--server-release", "infernal-invocation-r18"]
     code, got, err = _plan(cli, *args)
     assert code == 0, err
     s, image = got["settings"], got["launch"]["image"]

@@ -311,6 +311,14 @@ def test_launch_case(path, sources, tmp_path, cli, case_env, monkeypatch):
         monkeypatch.setenv(name, case.sub(value))
     cache_host = case.host_path(case.sub(case.server["cache_root"]))
 
+    unnamed = case.header.get("release_unnamed")
+    if unnamed:  # the answer depends on the release and nothing names it: no plan, no write, until it is named
+        for command in (("cache", "warm", "--dry-run"), ("cache", "warm"), ("cache", "check")):
+            code, _, err = cli(*command, *case.args)
+            assert code == 2 and unnamed in err and "--server-release NAME" in err, (command, err)
+        assert not tree(cache_host)
+        case.args[:0] = ["--server-release", case.server["release"]]
+
     expect = case.header["expect"]
     if isinstance(expect, dict) and "refused" in expect:
         _refused(cli, case, expect["refused"], cache_host)

@@ -37,6 +37,10 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
     plan = report.plan
     if report.hydrated is not None:
         out.note(f"{plan.model}: {report.hydrated.line()}")
+    if report.release_note:
+        out.note(report.release_note)
+    for line in report.release_depends():
+        out.warn(line)  # the rules whose outcome differs between the releases the server could run
     if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing
         for f in report.start_failures:
             out.warn(f"{f.text}; fix: {f.fix}")
@@ -94,7 +98,8 @@ def cache_check(
     records only, never encodes or writes. Misses are grouped by cause (model identity component, encoder identity,
     bits, shape, TP layout, overlay; entries the server wrote itself), one line each with the fix. Run it where the
     server runs, before it starts. Exit codes: 0 every look-up hits, 1 some miss or are invalid, 2 usage error or
-    an assumed release (a label it does not know, a patched image not read: give --server-release).
+    an assumed release (a label it does not know, a patched image not read, or none named where the releases
+    answer differently, e.g. an XDG_CACHE_HOME root: give --server-release).
 
     Example: exl3tool cache check /models/GLM-5.3 --tp-size 2 --quantization-config "$QUANT_CONFIG" --cache-dir /cache/exl3
 

@@ -21,7 +21,7 @@ __all__ = ["launch_input", "apply_options", "launch_json", "lookup_off"]
 def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], env_file: list[str],
                  launch_file: Optional[str] = None, compose: Optional[str] = None, service: Optional[str] = None,
                  image: Optional[str] = None, image_inspect: Optional[str] = None,
-                 image_root: Optional[str] = None) -> LaunchInput:
+                 image_root: Optional[str] = None, image_archive: Optional[str] = None) -> LaunchInput:
     """The command's launch rows (and the words after ``--``) as one ``LaunchInput``."""
     from exl3tool.launch import LaunchInput
 
@@ -33,7 +33,7 @@ def launch_input(ctx: typer.Context, launch: Optional[str], pid: Optional[int], 
         raise typer.BadParameter("nothing after `--`: give the server's command line there (vllm serve MODEL ...)")
     return LaunchInput(text=launch, argv=argv, pid=pid, env_files=tuple(env_file or ()), file=launch_file,
                        compose=compose, service=service, image=image, image_inspect=image_inspect,
-                       image_root=image_root)
+                       image_root=image_root, image_archive=image_archive)
 
 
 def launch_json(settings) -> dict:

@@ -358,6 +358,12 @@ ROWS: dict[str, Row] = {row.name: row for row in (
                       "release's rules, over its labels (a patched image keeps its release's labels; "
                       "docs/releases.md)."),
          "launch"),
+    _row("image_archive", Optional[str], None,
+         typer.Option("--image-archive", metavar="FILE",
+                      help="The server's image saved by `docker save IMAGE -o FILE` (or `podman save`): its ENV, "
+                      "labels and entrypoint, and the fork modules in its layers, as --image-inspect and "
+                      "--image-root give them (read here, nothing run; docs/images.md)."),
+         "launch"),
     # output: the run's ``Output`` (``command.command`` gives --json and --quiet to every command)
     _row("progress", str, "auto",
          typer.Option("--progress", metavar="auto|bar|lines|none", callback=_progress_mode,

@@ -129,9 +129,19 @@ def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cac
     from exl3tool.plan.request import prepare
     from exl3tool.plan.sharing import sharing_figures
 
+    from exl3tool.releases import release_same_note
+
+    same = release_same_note(request.release_choice, "would write the same entries in the same root")
     if dry_run:
         _refuse_a_file_as_cache(request, environ)  # a real warm refuses it before its first encode
-        _, plan, _ = prepare(request, environ=environ)
+        checkpoint, plan, _ = prepare(request, environ=environ)
+        if request.mode == "readwrite":  # as the warm itself refuses it (operations.warm.run)
+            from exl3tool.operations.release_rules import refuse_undetermined, release_rules
+
+            refuse_undetermined(request, release_rules(request, checkpoint.config, environ, writes=True)[0],
+                                f"what this {command} writes")
+            if same:
+                out.note(same)
         render_plan(out, plan, extra)
         return
     display = out.progress_display()
@@ -143,6 +153,8 @@ def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cac
             todo = share_jobs(todo, ctx.worker, ctx.workers)
         plan_notes(out, plan)
         discard_note(out, plan)
+        if same and plan.mode == "readwrite":  # the warm refused the run had any rule differed
+            out.note(same)
         if plan.shard is not None:
             out.note(plan.shard.note)
         f = sharing_figures(todo)

@@ -81,6 +81,11 @@ def warm(
     if threads is not None:
         torch.set_num_threads(threads)
     checkpoint, plan, store = prepare(request, environ=environ, check_hits=ctx.worker == 0)  # worker 0's plan rules
+    if store.mode == "readwrite":  # no write where the root or the plan depends on a release nothing named
+        from exl3tool.operations.release_rules import refuse_undetermined, release_rules
+
+        refuse_undetermined(request, release_rules(request, checkpoint.config, environ, writes=True)[0],
+                            f"what this {command} writes")
     device = resolve_device(request.device, ctx.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels and allocations of this process go to its own GPU
