@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -342,6 +343,55 @@ def read_text(text: str, at: ReadAt) -> ServerLaunch:
     return _from_text(text or "", "--launch", at)
 
 
+# Files given as --launch-file that are not shell scripts. bash would read them as commands, and what it makes of
+# them is not what starts the server: `[Service]` is a command it does not find, `Environment=X=1` a shell variable
+# never exported, `ExecStart=/usr/bin/env vllm serve ...` an assignment before a command (the unit's Environment=
+# lines lost), a Makefile's `$(BITS)` a command substitution, a Dockerfile's `CMD vllm serve ...` a command without
+# the file's ENV. Each kind: how it is told (its name, its first line, or a make rule with a tab-indented recipe),
+# and what to give instead.
+_UNIT = re.compile(r"^\[[A-Za-z][A-Za-z0-9 ._-]*\]$")
+_MAKE_RULE = re.compile(r"^[^\s#=:][^=:]*::?(?![=:])(\s|$)")
+_DOCKERFILE_FIRST = re.compile(r"^(FROM|ARG)\s", re.I)
+_MANIFEST_FIRST = re.compile(r"^(apiVersion|kind|services|version|x-[A-Za-z0-9_-]+|---)\s*:?(\s|$)")
+_NOT_SCRIPTS: dict[str, str] = {
+    "unit": "a systemd unit or Podman Quadlet file ([Unit], [Service], [Container] sections), not a shell script: "
+            "exl3tool does not read units (their Environment=, EnvironmentFile=, User=, drop-ins and the manager's "
+            "own environment); give the unit's ExecStart= command with --launch and its environment with --env-file "
+            "(a Quadlet's generated podman run line: podman-system-generator --dryrun), or --pid of the running "
+            "service (systemctl show -p MainPID UNIT)",
+    "make": "a Makefile, not a shell script: give the target as make runs it, --launch 'make -f FILE TARGET' (make "
+            "runs in the read-only sandbox and the command its recipe starts is recorded)",
+    "dockerfile": "a Dockerfile, not a shell script: exl3tool reads a built image (its ENV, ENTRYPOINT and CMD, from "
+                  "docker|podman image inspect or --image-inspect); give the docker|podman run line of the built image",
+    "manifest": "a YAML manifest, not a shell script: give a compose file with --compose FILE; a Kubernetes pod spec "
+                "is not read (its env, volumes and args): give its container as a docker|podman run line, or --pid of "
+                "the server in the pod",
+}
+
+
+def _not_a_script(file: str, body: str) -> Optional[str]:
+    """Which of ``_NOT_SCRIPTS`` a --launch-file is (None: a shell script, or a launcher's DRY_RUN output)."""
+    name = os.path.basename(file)
+    lines = [line.rstrip() for line in body.splitlines()]
+    first = next((line.strip() for line in lines
+                  if line.strip() and not line.lstrip().startswith(("#", ";"))), "")
+    if body.startswith("#!"):
+        return None  # a script says what runs it
+    if _UNIT.match(first):
+        return "unit"
+    if name in ("Makefile", "makefile", "GNUmakefile") or name.endswith(".mk"):
+        return "make"
+    for i, line in enumerate(lines[:-1]):
+        if _MAKE_RULE.match(line) and lines[i + 1].startswith("\t"):
+            return "make"
+    if name.startswith(("Dockerfile", "Containerfile")) or name.endswith((".Dockerfile", ".Containerfile")) \
+            or _DOCKERFILE_FIRST.match(first):
+        return "dockerfile"
+    if _MANIFEST_FIRST.match(first):
+        return "manifest"
+    return None
+
+
 def read_file(file: str, at: ReadAt) -> ServerLaunch:
     """``--launch-file FILE``: ``bash FILE`` in the sandbox, or a launcher's DRY_RUN output."""
     try:
@@ -351,6 +401,9 @@ def read_file(file: str, at: ReadAt) -> ServerLaunch:
         raise ConfigError(f"--launch-file {file}: cannot read it ({exc.strerror or exc})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"--launch-file {file}: not a text file (a shell script is expected)") from None
+    kind = _not_a_script(file, body)
+    if kind is not None:
+        raise ConfigError(f"--launch-file {file} is {_NOT_SCRIPTS[kind]}")
     return _from_text(body, file, at, file=os.path.join(at.cwd, file))
 
 
