@@ -47,7 +47,7 @@ RECORDED_COMMANDS = (
     "huggingface-cli", "nvidia-smi", "curl", "wget", "git", "ssh", "scp", "sudo", "su", "nsys", "ncu", "numactl",
     "taskset", "env", "setsid", "nohup", "nice", "ionice", "stdbuf", "timeout", "chrt", "runuser", "gosu", "su-exec", "setpriv", "mkdir", "rm", "rmdir", "cp", "mv", "ln", "touch", "chmod", "chown", "install", "rsync", "truncate",
     "dd", "sleep", "kill", "pkill", "killall", "systemctl", "service", "apt-get", "apt", "yum", "dnf", "conda",
-    "mount", "umount",
+    "mount", "umount", "tmux", "screen", "docker-compose", "podman-compose",
     # wrappers that change the server's filesystem, user or host (launch.wrappers): recorded, never run
     "proot", "proot-distro", "chroot", "bwrap", "unshare", "nsenter", "apptainer", "singularity", "srun", "sbatch",
     "salloc", "mpirun", "mpiexec", "systemd-run", "flatpak-spawn", "firejail", "doas", "pkexec", "schroot",
