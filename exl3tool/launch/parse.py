@@ -184,7 +184,7 @@ def find_server(words: list[str], env: Optional[Mapping[str, str]] = None,
             start = ServerStart("vllm", i + 2, "vllm serve")
         elif base in ("docker", "podman", "nvidia-docker"):
             rest = words[i + 1:]
-            if "run" in rest:
+            if "run" in rest and "compose" not in rest[:rest.index("run")]:  # `docker compose run SERVICE`: compose's
                 start = ServerStart("podman" if base == "podman" else "docker", i + 2 + rest.index("run"),
                                     f"{base} run")
         elif _is_python(word):

@@ -83,6 +83,9 @@ _APPTAINER_OPTIONS = {
     "--silent": "flag", "-q": "flag", "--quiet": "flag", "-d": "flag", "--debug": "flag", "-v": "flag",
     "--verbose": "flag",
 }
+_COMPOSE = ("the server is a compose service, whose environment, volumes, entrypoint and command come from its "
+            "compose files (merged with -f, an override file and COMPOSE_FILE) and its .env; give it with --compose "
+            "FILE --service NAME (`docker compose config` prints the merged file)")
 _RUNNER_EXEC = ("the server runs in a container that is already running, whose volumes and environment exl3tool "
                 "does not see")
 
@@ -195,6 +198,8 @@ WRAPPERS: tuple[Wrapper, ...] = (
             "values), its command string run by tmux's default-shell", instead="give the command the session runs "
             "with --launch, with the environment it gets there, or --pid of the server process",
             modelled_on="tmux(1) new-session, ENVIRONMENT"),
+    Wrapper(("docker-compose", "podman-compose"), False, why=_COMPOSE, instead="give the compose file as the "
+            "server's launch", modelled_on="docker compose run SERVICE COMMAND (compose's run and up)"),
     Wrapper(("ssh", "mosh"), False, why="the server runs on another host, whose files and environment are not this "
             "machine's", instead="run exl3tool on that host (or give its launch there with --launch-file)",
             modelled_on="OpenSSH ssh(1): ssh HOST COMMAND"),
@@ -214,7 +219,8 @@ WRAPPERS: tuple[Wrapper, ...] = (
                 "user and environment exl3tool does not model", modelled_on="flatpak-spawn(1), toolbox(1), "
                                                                             "firejail(1), doas(1)"),
     Wrapper(("docker", "podman", "nerdctl", "kubectl"), False, subcommands={"exec": _RUNNER_EXEC,
-                                                                           "run": "the server runs in a new pod"},
+                                                                           "run": "the server runs in a new pod",
+                                                                           "compose": _COMPOSE},
             why=_RUNNER_EXEC, instead="give the server's container launch (its docker/podman run line or compose "
             "service), or --pid of the server process", modelled_on="docker exec CONTAINER vllm serve ..."),
 )
