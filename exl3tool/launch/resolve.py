@@ -908,21 +908,37 @@ _FORK_MODULES = ("exl3.py", "exl3_online_cache.py")
 def _mounted_fork_modules(paths: PathMap) -> list[tuple[str, str, str, str]]:
     """The fork modules a container launch's volumes put over its image's (``-v HOST/exl3.py:/opt/venv/lib/python3.12/
     site-packages/vllm/model_executor/layers/quantization/exl3.py``, as its users run a patched exl3.py on a release
-    image): (module, its path in the image, the host file, the volume as written), for the host files that exist."""
+    image; or a folder of the vllm package, a site-packages, a venv): (module, its path in the image, the host file,
+    the volume as written), for the host files that exist. The image's package is looked for where the fork's and
+    the usual images install it, and under any volume whose path ends in the package's own folders."""
     from exl3tool.launch.forkfiles import VLLM_PREFIXES
 
     if not paths.container or paths.root is not None or not any(m.host for m in paths.mounts):
         return []
     out = []
-    for prefix in VLLM_PREFIXES:
-        for name in _FORK_MODULES:
-            inside = f"{prefix}/vllm/model_executor/layers/quantization/{name}"
+    for name in _FORK_MODULES:
+        rel = f"vllm/model_executor/layers/quantization/{name}"
+        parts = rel.split("/")
+        targets = [f"{prefix}/{rel}" for prefix in VLLM_PREFIXES]
+        for m in paths.mounts:
+            inside = posixpath.normpath(m.inside)
+            for k in range(1, len(parts) + 1):  # a volume at .../vllm, .../vllm/model_executor, ..., the file itself
+                if inside.endswith("/" + "/".join(parts[:k])):
+                    targets.append(posixpath.join(inside, *parts[k:]))
+            if posixpath.basename(inside) in ("site-packages", "dist-packages"):
+                targets.append(posixpath.join(inside, rel))
+        for inside in dict.fromkeys(targets):
             covering = [m for m in paths.mounts if m.host and (inside == posixpath.normpath(m.inside) or inside.startswith(
                 posixpath.normpath(m.inside).rstrip("/") + "/"))]
             host = paths.to_host(inside) if covering else None
             if host and os.path.isfile(host):
-                spec = max(covering, key=lambda m: len(m.inside)).spec
-                out.append((name, inside, host, spec))
+                out.append((name, inside, host, max(covering, key=lambda m: len(m.inside)).spec))
+    for name, inside, _, _ in list(out):  # the other module of a package a volume holds: hidden when it lacks it
+        other = posixpath.join(posixpath.dirname(inside), next(n for n in _FORK_MODULES if n != name))
+        host = paths.to_host(other)
+        if host and not os.path.isfile(host) and not any(o[1] == other for o in out):
+            out.append((posixpath.basename(other), other, "", next(m.spec for m in paths.mounts if m.host and (
+                other.startswith(posixpath.normpath(m.inside).rstrip("/") + "/")))))
     return out
 
 
@@ -942,24 +958,29 @@ def _modules_with_volumes(mounted: list[tuple[str, str, str, str]], modules: Opt
             raise ConfigError(f"the launch mounts {host} over the image's vllm package: cannot read it here "
                               f"({exc.strerror or exc})") from None
 
-    by_name: dict[str, tuple[str, str, bytes]] = {}
+    by_name: dict[str, tuple[str, str, Optional[bytes]]] = {}
     for name, inside, host, spec in mounted:
-        data = read(host)
+        data = read(host) if host else None  # "": the volume's folder hides the image's file and holds none
         if name in by_name and by_name[name][2] != data:
             return modules, (f"the launch mounts different {name} files over the image's vllm packages ({spec}); "
                              "exl3tool cannot tell which one the server imports; give --server-release NAME",)
         by_name[name] = (inside, spec, data)
     base = resolve_release(None, labels, image=image, table_release=table)
     row = base.release if base.source in ("image label", "published-images table") else None
-    where = "; ".join(f"-v {spec}" if not spec.startswith(("-", "bind ")) else spec for _, spec, _ in by_name.values())
+    where = "; ".join(dict.fromkeys(f"-v {spec}" if not spec.startswith(("-", "bind ")) else spec
+                                    for _, spec, _ in by_name.values()))
     if "exl3_online_cache.py" in by_name:
-        cache_blob: Optional[str] = git_blob(by_name["exl3_online_cache.py"][2])
+        cache_data = by_name["exl3_online_cache.py"][2]
+        cache_blob: Optional[str] = git_blob(cache_data) if cache_data is not None else None
     elif modules is not None:
         cache_blob = modules.cache_blob
     else:
         cache_blob = row.cache_module.blob if row is not None and row.cache_module is not None else None
+    if "exl3.py" in by_name and by_name["exl3.py"][2] is None:
+        return modules, (f"the launch's volume {by_name['exl3.py'][1]} hides the image's exl3.py and holds none, so "
+                         "the server's vllm has no EXL3 support exl3tool can read; give --server-release NAME",)
     if "exl3.py" in by_name:
-        data = by_name["exl3.py"][2]
+        data = by_name["exl3.py"][2] or b""
         exl3_blob: Optional[str] = git_blob(data)
         text = data.decode("utf-8", "replace")
     elif modules is not None:
