@@ -25,6 +25,8 @@ is not run (a ConfigError says how to give the launcher's ``DRY_RUN=1`` output i
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 import shlex
 import shutil
 import subprocess
@@ -506,6 +508,47 @@ def script_changes(start: LauncherStart, environ: Mapping[str, str], where: str)
     return exports, notes
 
 
+# bash's line for a write the read-only sandbox refused (`cat > config.yaml <<EOF`, `vllm serve ... > logs/x.log`)
+_UNWRITTEN = re.compile(r"^(?:.*?: )?(?:line \d+: )?(?P<path>[^:]+): Read-only file system$")
+
+
+def _unwritten(run: LauncherRun) -> list[tuple[str, str]]:
+    """The files the launcher tried to write where the sandbox is read-only: (path as written, bash's line)."""
+    return [(m.group("path"), line.strip()) for line in run.stderr.splitlines()
+            if (m := _UNWRITTEN.match(line.strip())) and " " not in m.group("path")]
+
+
+def _names_unwritten(run: LauncherRun, server: Recorded, where: str) -> None:
+    """Refuse a server whose command names a file its launcher wrote just before (a --config here-document, an env
+    file), a write the read-only sandbox refused: the file read here (absent, or an older copy) is not the one the
+    server reads."""
+    failed = {posixpath.normpath(posixpath.join(server.cwd or "/", p)): line for p, line in _unwritten(run)}
+    if not failed:
+        return
+    for word in server.argv[1:]:
+        for part in {word, word.partition("=")[2], *word.split(":")}:
+            if part and posixpath.normpath(posixpath.join(server.cwd or "/", part)) in failed:
+                line = failed[posixpath.normpath(posixpath.join(server.cwd or "/", part))]
+                raise ConfigError(
+                    f"{where} writes {part} just before it starts the server, and the server's command reads it "
+                    f"({word}); the read-only sandbox kept the launcher from writing it ({line}), so the file here "
+                    "is not the one the server would read: give the launch with that file already written (the "
+                    "command alone, --launch), or the launcher's DRY_RUN output")
+
+
+def _no_server_unwritten(run: LauncherRun, where: str) -> Optional[ConfigError]:
+    """No server recorded, and the launcher's writes were refused: a command whose redirection fails does not run
+    (`nohup vllm serve ... > logs/server.log 2>&1 &`), so say that rather than 'no server'."""
+    failed = _unwritten(run)
+    if not failed:
+        return None
+    shown = "; ".join(dict.fromkeys(line for _, line in failed))[:300]
+    return ConfigError(f"{where} started no server in the read-only sandbox, where its writes failed ({shown}): a "
+                       "command whose output is redirected to such a file is not run there (`vllm serve ... > "
+                       "logs/server.log`); give the server's command without the redirection (--launch), or the "
+                       "launcher's DRY_RUN output")
+
+
 def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server, cwd: Optional[str] = None,
                   launcher_dirs: Sequence[str] = (), mounts: Optional[Sequence[tuple[str, str]]] = None,
                   where: str = "the launcher",
@@ -520,6 +563,7 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
     servers = [r for r in first.records if not r.at_exit and is_server(list(r.argv))]
     if servers:
         r = servers[-1]
+        _names_unwritten(first, r, where)
         return LauncherStart(r.argv, r.env, r.cwd, "exec", _others(first, r), r.unexported)
     runs = [first]
     if "DRY_RUN" not in environ or DRY_RUN_COMMAND not in first.stdout:
@@ -528,6 +572,7 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
         servers = [r for r in runs[-1].records if not r.at_exit and is_server(list(r.argv))]
         if servers:
             r = servers[-1]
+            _names_unwritten(runs[-1], r, where)
             return LauncherStart(r.argv, {k: v for k, v in r.env.items() if k != "DRY_RUN"}, r.cwd, "exec",
                                  _others(runs[-1], r), r.unexported)
     for run, added in zip(runs, (False, True)):
@@ -549,6 +594,9 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
             said = refused(list(r.argv)) if refused is not None and not r.at_exit else None
             if said:
                 raise ConfigError(said)
+    unwritten = _no_server_unwritten(first, where)
+    if unwritten is not None:
+        raise unwritten
     if first.status != 0:
         said = (first.stderr.strip().splitlines() or ["(it printed nothing)"])[-1]
         asked = [shlex.join(r.argv[:6]) for r in first.records if r.answer == "absent"]
