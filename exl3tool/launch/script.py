@@ -205,6 +205,7 @@ awk '{print $5}' /proc/self/mountinfo | sort -r | while read -r m; do
   mount -o remount,bind,ro "$m" 2>/dev/null || case "$m" in /proc*|/sys*|/dev*) ;; *) echo "read-only remount of $m failed" >&2; exit 97 ;; esac
 done
 mount -t tmpfs -o mode=755 exl3tool-scratch "$run/scratch"
+exec 4<"$run/scratch"  # kept open: binding $run again below hides this mount (read at the end through fd 4)
 for d in /tmp /var/tmp; do  # writable, this machine's files shown, nothing written through (overlay, else read-only)
   if [ -d "$d" ] && [ ! -L "$d" ]; then
     u=$run/scratch/$(echo "$d" | tr / _)
@@ -255,10 +256,10 @@ if [ "$view" != - ]; then
   mount --rbind "$run" "$root$run"
   chroot=$(command -v chroot)
   export PATH="$launcher_path"
-  "$chroot" "$root" "$@" && status=0 || status=$?
+  "$chroot" "$root" "$@" 4<&- && status=0 || status=$?
 else
   export PATH="$launcher_path"
-  "$@" && status=0 || status=$?  # not exec'd: as init of the namespace this shell outlives a recorder's kill -1
+  "$@" 4<&- && status=0 || status=$?  # not exec'd: as init of the namespace this shell outlives a recorder's kill -1
 fi
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 i=0  # what the launcher left running in the background (a server started with &): a few seconds to be recorded
@@ -268,6 +269,13 @@ while [ $i -lt 60 ]; do
   sleep 0.05
   i=$((i + 1))
 done
+{  # the files the launcher wrote in the sandbox's memory (the /tmp overlays, a container view's own root)
+  for d in /tmp /var/tmp; do
+    u=/proc/$$/fd/4/$(echo "$d" | tr / _)/up  # folders are read through the descriptor kept above
+    if [ -d "$u" ]; then (cd "$u" && find . -type f) | sed "s|^\\.|$d|"; fi
+  done
+  if [ -n "${root:-}" ]; then (cd "$root" && find . -xdev -type f) | sed "s|^\\.||"; fi
+} 2>/dev/null | head -n 5000 > "$run/written" || true
 exit $status
 """
 
@@ -314,6 +322,7 @@ class LauncherRun:
     stderr: str
     status: int
     notes: list[str] = field(default_factory=list)
+    written: tuple[str, ...] = ()  # files it wrote in the sandbox's memory (paths as it saw them)
 
 
 _problem: Optional[str] = None
@@ -452,7 +461,13 @@ def run_launcher(argv: Sequence[str], *, environ: Mapping[str, str], cwd: Option
                               "stopped (is it waiting for something?)") from None
         if done.returncode == 97:
             raise ConfigError(f"cannot read a launcher script here: {done.stderr.strip()}")
-        return LauncherRun(_read_records(run, path_given), done.stdout, done.stderr, done.returncode)
+        try:
+            with open(os.path.join(run, "written"), encoding="utf-8", errors="replace") as fh:
+                written = tuple(line.rstrip("\n") for line in fh if line.strip())
+        except OSError:
+            written = ()
+        return LauncherRun(_read_records(run, path_given), done.stdout, done.stderr, done.returncode,
+                           written=written)
     finally:
         shutil.rmtree(run, ignore_errors=True)
 
@@ -518,22 +533,49 @@ def _unwritten(run: LauncherRun) -> list[tuple[str, str]]:
             if (m := _UNWRITTEN.match(line.strip())) and " " not in m.group("path")]
 
 
+# options whose value is a file or folder exl3tool reads as the server's: --config, env files, volume sources
+_FILE_OPTIONS = ("--config", "--env-file", "-v", "--volume", "--mount", "-B", "--bind")
+
+
+def _named_files(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """(path, as written) for each file or folder a file-bearing option of ``argv`` names."""
+    out: list[tuple[str, str]] = []
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if eq and name in _FILE_OPTIONS:
+            shown = word
+        elif word in _FILE_OPTIONS and i + 1 < len(argv):
+            value, shown = argv[i + 1], f"{word} {argv[i + 1]}"
+        else:
+            continue
+        if name in ("--mount",) or "source=" in value or "src=" in value:
+            fields = dict(f.partition("=")[::2] for f in value.split(","))
+            value = fields.get("source") or fields.get("src") or ""
+        elif name in ("-v", "--volume", "-B", "--bind") or word in ("-v", "--volume", "-B", "--bind"):
+            value = value.split(":", 1)[0]
+        if value:
+            out.append((value, shown))
+    return out
+
+
 def _names_unwritten(run: LauncherRun, server: Recorded, where: str) -> None:
-    """Refuse a server whose command names a file its launcher wrote just before (a --config here-document, an env
-    file), a write the read-only sandbox refused: the file read here (absent, or an older copy) is not the one the
-    server reads."""
-    failed = {posixpath.normpath(posixpath.join(server.cwd or "/", p)): line for p, line in _unwritten(run)}
+    """Refuse a server whose command reads (``--config``, an env file, a volume) a file its launcher wrote just
+    before (a here-document): the sandbox kept that write in its memory, or refused it (read-only), so the file read
+    here (absent, or an older copy) is not the one the server reads."""
+    cwd = server.cwd or "/"
+    failed = {posixpath.normpath(posixpath.join(cwd, p)): f"the read-only sandbox refused it: {line}"
+              for p, line in _unwritten(run)}
+    failed.update({posixpath.normpath(p): "the sandbox kept it in memory" for p in run.written})
     if not failed:
         return
-    for word in server.argv[1:]:
-        for part in {word, word.partition("=")[2], *word.split(":")}:
-            if part and posixpath.normpath(posixpath.join(server.cwd or "/", part)) in failed:
-                line = failed[posixpath.normpath(posixpath.join(server.cwd or "/", part))]
-                raise ConfigError(
-                    f"{where} writes {part} just before it starts the server, and the server's command reads it "
-                    f"({word}); the read-only sandbox kept the launcher from writing it ({line}), so the file here "
-                    "is not the one the server would read: give the launch with that file already written (the "
-                    "command alone, --launch), or the launcher's DRY_RUN output")
+    for value, shown in _named_files(server.argv[1:]):
+        target = posixpath.normpath(posixpath.join(cwd, value))
+        hit = next((f for f in failed if f == target or f.startswith(target.rstrip("/") + "/")), None)
+        if hit is not None:
+            raise ConfigError(
+                f"{where} writes {hit} before it starts the server, whose command reads it ({shown}); "
+                f"{failed[hit]}, so what exl3tool would read here is not what the server reads: give the launch "
+                "with that file already written (the command alone, --launch), or the launcher's DRY_RUN output")
 
 
 def _no_server_unwritten(run: LauncherRun, where: str) -> Optional[ConfigError]:
