@@ -49,10 +49,13 @@ class ReadAt:
 
 # --- reading files the server names, through its view ----------------------------------------------------------
 
-def _reader(paths: PathMap):
-    """Read a file the server names (its --config), through its path map."""
+def _reader(paths: PathMap, cwd: Optional[str]):
+    """Read a file the server names (its --config), through its path map; a relative path is the server's working
+    directory's (the launch's after its `cd`, a container's workdir), never this process's."""
     def read(path: str) -> str:
-        here = paths.to_host(path) if os.path.isabs(path) else path
+        if not posixpath.isabs(path):
+            path = posixpath.join(cwd or ("/" if paths.container else os.getcwd()), path)
+        here = paths.to_host(path)
         if here is None:
             raise OSError(f"{path} is inside the image, not on a bind mount of the launch")
         with open(here, encoding="utf-8") as fh:
@@ -145,7 +148,8 @@ def _find(words: list[str], env: Optional[Mapping[str, str]], paths: PathMap, vi
     strict = env is not None
     try:
         start_ = script_view.read(["bash", path, *args], environ=dict(env or {}), where=name,
-                                  is_server=lambda w: find_server(w) is not None)
+                                  is_server=lambda w, cwd: find_server(w, view=replace(
+                                      script_view, cwd=cwd or script_view.cwd)) is not None)
     except ConfigError:
         if strict:
             raise
@@ -160,7 +164,7 @@ def _find(words: list[str], env: Optional[Mapping[str, str]], paths: PathMap, vi
 def _from_script(start: LauncherStart, environ: dict[str, str], where: str, workdir: Optional[str], strict: bool,
                  view: ScriptView) -> ServerStart:
     """The server's start in a script file's recorded start, with what the script exported and where it cd'd."""
-    inner = find_server(list(start.argv), start.env if strict else None, view)
+    inner = find_server(list(start.argv), start.env if strict else None, replace(view, cwd=start.cwd or view.cwd))
     assert inner is not None
     exports, notes = script_changes(start, environ, where)
     cwd = start.cwd if start.cwd and start.cwd != workdir else None
@@ -189,7 +193,7 @@ def _server(words: list[str], start: ServerStart, form: str, env: dict[str, EnvV
     follow(start.prefix, guest, environ=environ, cwd=guest.workdir or cwd, entry=start.entry, inside=inside)
     words = list(start.words) if start.words else words
     args = parse_server_args(words[start.index:], entry=start.entry, serve=start.kind == "vllm",
-                             read_text=_reader(guest.paths))
+                             read_text=_reader(guest.paths, guest.workdir or cwd))
     if guest.ignored:
         ignored = (*ignored, f"{' '.join(guest.ignored)} (wrapper words before {start.entry})")
     notes = (*notes, *guest.notes)
@@ -326,7 +330,8 @@ def _from_text(text: str, where: str, at: ReadAt, *, file: Optional[str] = None)
     argv = ["bash", file] if file is not None else ["bash", "-c", text]
     dirs = [os.path.dirname(file)] if file is not None else [at.cwd]
     start = read_launcher(argv, environ=at.environ, cwd=at.cwd, launcher_dirs=dirs, where=where,
-                          is_server=lambda w: find_server(w) is not None, refused=refusal_in)
+                          is_server=lambda w, cwd: find_server(w, view=replace(HOST_VIEW, cwd=cwd)) is not None,
+                          refused=refusal_in)
     if start is None:
         raise ConfigError(f"{where}: " + _NOT_FOUND)
     changed, unset_notes = script_changes(start, at.environ, where)

@@ -223,14 +223,16 @@ def find_server(words: list[str], env: Optional[Mapping[str, str]] = None,
     where = f"the {shell.how} script"
     try:
         start = script_view.read(["bash", "-c", shell.script, *shell.args], environ=base_env, where=where,
-                                 is_server=lambda w: find_server(w) is not None)
+                                 is_server=lambda w, cwd: find_server(w, view=replace(
+                                     script_view, cwd=cwd or script_view.cwd)) is not None)
     except ConfigError:
         if strict:
             raise
         return None
     if start is None:
         return None
-    found = find_server(list(start.argv), start.env if strict else None, script_view)
+    found = find_server(list(start.argv), start.env if strict else None,
+                        replace(script_view, cwd=start.cwd or script_view.cwd))
     if found is None:
         return None
     exports, notes = script_changes(start, base_env, where)

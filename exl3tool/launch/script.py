@@ -113,6 +113,16 @@ if [ -n "$answer" ]; then
 fi
 case "$n" in
   tee) exec cat ;;
+  env)  # `env NAME=VALUE ... bash FILE ...` (a launcher handing its inputs to another): run for real, so that script
+        # is read as any launcher is, with these variables; any other use of env stays recorded (launch.wrappers)
+    cmd= file=
+    for a in "$@"; do
+      if [ -z "$cmd" ]; then case "$a" in [A-Za-z_]*=*) continue ;; esac; cmd=$a; continue; fi
+      file=$a; break
+    done
+    case "${cmd##*/}" in
+      bash|sh|dash) case "$file" in ""|-*) ;; *) if [ -f "$file" ]; then exec "$(command -pv env)" "$@"; fi ;; esac ;;
+    esac ;;
   # tried for real, which reaches only this run's memory (/tmp, /var/tmp, /run and a container view are in memory,
   # the rest is read-only): a folder made for a log file is there for the launcher's next command
   mkdir|touch|ln|cp|mv|rm|rmdir|chmod|chown|install|truncate) command -p "$n" "$@" 2>/dev/null ;;
@@ -595,14 +605,15 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
                   launcher_dirs: Sequence[str] = (), mounts: Optional[Sequence[tuple[str, str]]] = None,
                   where: str = "the launcher",
                   refused: Optional[Callable[[list[str]], Optional[str]]] = None) -> Optional[LauncherStart]:
-    """The server a launcher starts (``is_server(argv)`` says which recorded command is one), or None when it
+    """The server a launcher starts (``is_server(argv, cwd)`` says which recorded command, run in ``cwd``, is
+    one), or None when it
     ends well without starting one (a ConfigError with its last error line when it fails). First run as written;
     when it records no server, its ``DRY_RUN=1`` mode (the fork's launchers print ``KEY=%q`` lines and ``Command:
     ...``, skipping their GPU probes), taking the environment it exported. ``refused(argv)`` names a recorded
     command that runs the server where exl3tool does not follow (``ssh HOST '...'``): raised when no server was
     found, instead of "no server"."""
     first = run_launcher(argv, environ=environ, cwd=cwd, launcher_dirs=launcher_dirs, mounts=mounts)
-    servers = [r for r in first.records if not r.at_exit and is_server(list(r.argv))]
+    servers = [r for r in first.records if not r.at_exit and is_server(list(r.argv), r.cwd)]
     if servers:
         r = servers[-1]
         _names_unwritten(first, r, where)
@@ -611,7 +622,7 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
     if "DRY_RUN" not in environ or DRY_RUN_COMMAND not in first.stdout:
         runs.append(run_launcher(argv, environ={**environ, "DRY_RUN": "1"}, cwd=cwd, launcher_dirs=launcher_dirs,
                                  mounts=mounts))
-        servers = [r for r in runs[-1].records if not r.at_exit and is_server(list(r.argv))]
+        servers = [r for r in runs[-1].records if not r.at_exit and is_server(list(r.argv), r.cwd)]
         if servers:
             r = servers[-1]
             _names_unwritten(runs[-1], r, where)
@@ -620,9 +631,11 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
     for run, added in zip(runs, (False, True)):
         words = dry_run_command(run.stdout)
         exits = [r for r in run.records if r.at_exit]
-        if words is None or not is_server(words) or not exits:
+        if not exits:
             continue
         deepest = max(exits, key=lambda r: r.level)  # the launcher itself, not the shell that started it
+        if words is None or not is_server(words, deepest.cwd):
+            continue
         env = {k: v for k, v in deepest.env.items() if not (added and k == "DRY_RUN")}
         why = ""
         if added:
