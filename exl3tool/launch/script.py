@@ -113,6 +113,36 @@ if [ -n "$answer" ]; then
 fi
 case "$n" in
   tee) exec cat ;;
+  nohup|setsid|nice|ionice|stdbuf|timeout|taskset|numactl|chrt|screen)
+    # a wrapper that changes no variable and no path, before a launcher script or make (`nohup ./serve.sh &`,
+    # `screen -dmS vllm make serve`): run that command for real, so it is read as any launcher is; before anything
+    # else (vllm itself, a container runtime, a tool of the image) the wrapper stays recorded, as it was
+    case "$n" in
+      nohup) [ "${1:-}" = -- ] && shift ;;
+      setsid) while [ $# -gt 0 ]; do case "$1" in -c|-f|-w|--ctty|--fork|--wait) shift ;; --) shift; break ;; *) break ;; esac; done ;;
+      nice) case "${1:-}" in -n|--adjustment) shift 2 ;; -n*|--adjustment=*|-[0-9]*) shift ;; esac ;;
+      ionice) while [ $# -gt 0 ]; do case "$1" in -c|-n|--class|--classdata) shift 2 ;; -t|--ignore|-c?|-n?) shift ;; *) break ;; esac; done ;;
+      stdbuf) while [ $# -gt 0 ]; do case "$1" in -i|-o|-e) shift 2 ;; -i?*|-o?*|-e?*|--input=*|--output=*|--error=*) shift ;; *) break ;; esac; done ;;
+      timeout) while [ $# -gt 0 ]; do case "$1" in -s|-k|--signal|--kill-after) shift 2 ;; -*) shift ;; *) break ;; esac; done
+               [ $# -gt 0 ] && shift ;;  # the duration
+      taskset) case "${1:-}" in -p|--pid) set -- ;; esac
+               while [ $# -gt 0 ]; do case "$1" in -a|-c|--all-tasks|--cpu-list) shift ;; *) break ;; esac; done
+               [ $# -gt 0 ] && shift ;;  # the mask or CPU list
+      numactl) while [ $# -gt 0 ]; do case "$1" in --*=*|-l|--localalloc|-s|--show|-H|--hardware) shift ;;
+                 -*) shift 2 ;; *) break ;; esac; done ;;
+      chrt) while [ $# -gt 0 ]; do case "$1" in -p|--pid) set -- ; break ;; -T|-P|-D|--sched-runtime|--sched-period|--sched-deadline) shift 2 ;;
+              -*) shift ;; *) break ;; esac; done
+            [ $# -gt 0 ] && shift ;;  # the priority
+      screen) while [ $# -gt 0 ]; do case "$1" in -X|-r|-x|-R|-ls|-list|-wipe|-Q) set -- ; break ;;
+                -S|-c|-e|-h|-p|-s|-T|-t|-Logfile|-[dDmRL]*S) shift 2 ;; -*) shift ;; *) break ;; esac; done ;;
+    esac
+    c=${1:-}
+    case "${c##*/}" in
+      bash|sh|dash|make|gmake) exec "$@" ;;
+      *.sh) if [ -f "$c" ]; then exec "$@"; fi ;;
+      "") ;;
+      *) if [ -f "$c" ] && [ "$(head -c 2 "$c" 2>/dev/null)" = "#!" ]; then exec "$@"; fi ;;
+    esac ;;
   env)  # `env NAME=VALUE ... bash FILE ...` (a launcher handing its inputs to another): run for real, so that script
         # is read as any launcher is, with these variables; any other use of env stays recorded (launch.wrappers)
     cmd= file=
