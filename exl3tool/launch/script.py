@@ -157,9 +157,16 @@ case "$n" in
   # the rest is read-only): a folder made for a log file is there for the launcher's next command
   mkdir|touch|ln|cp|mv|rm|rmdir|chmod|chown|install|truncate) command -p "$n" "$@" 2>/dev/null ;;
 esac
-case " $n $* " in  # the server (or its container) starts: the launcher would wait on it, so the reading ends here
-  *vllm*serve*|*" docker "*" run "*|*" podman "*" run "*|*" nerdctl "*" run "*) kill -KILL -1 2>/dev/null ;;
-esac
+start= prev=  # the server (or its container) starts: the launcher would wait on it, so the reading ends here
+for a in "$n" "$@"; do  # word by word: `vllm serve`, `-m vllm.entrypoints...` (not a word such as vllm_server.sh)
+  case "$a" in
+    serve) [ "${prev##*/}" = vllm ] && start=1 ;;
+    vllm.entrypoints.*) start=1 ;;
+  esac
+  prev=$a
+done
+case " $n $* " in *" docker "*" run "*|*" podman "*" run "*|*" nerdctl "*" run "*) start=1 ;; esac
+if [ -n "$start" ]; then kill -KILL -1 2>/dev/null; fi
 exit 0
 """
 
