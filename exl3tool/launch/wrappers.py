@@ -557,7 +557,7 @@ def _dotenv(name: str, got, guest: Guest, environ: Mapping[str, str], cwd: str) 
                 lines = fh.read().splitlines()
         except OSError as exc:
             raise ConfigError(f"the launch's `{how} {file}`: cannot read {path} ({exc.strerror or exc}); {name} "
-                              "refuses a missing file too") from None
+                              "refuses it too") from None
         for number, line in enumerate(lines, 1):
             text = line.strip()
             if not text or text.startswith("#"):
