@@ -167,6 +167,35 @@ def _runs_vllm(svc: dict) -> bool:
     return "vllm" in text.lower()
 
 
+# compose's own file names (compose-go cli/options.go): without -f, `docker compose` reads the first default file of
+# the folder and merges the first override file beside it over it
+_DEFAULT_FILES = ("compose.yaml", "compose.yml", "docker-compose.yml", "docker-compose.yaml")
+_OVERRIDE_FILES = ("compose.override.yml", "compose.override.yaml", "docker-compose.override.yml",
+                   "docker-compose.override.yaml")
+_MERGED = "give the merged file: docker compose config > merged.yml, then --compose merged.yml"
+
+
+def _one_file(path: str, lookup: Mapping[str, str], where: str) -> None:
+    """Refuse a service that docker compose would merge from more files than ``path``: ``COMPOSE_FILE`` (the
+    shell's or the project's .env) naming other files, or an override file beside a default-named one."""
+    listed = lookup.get("COMPOSE_FILE")
+    if listed:
+        files = [f for f in listed.split(lookup.get("COMPOSE_PATH_SEPARATOR") or ":") if f]
+        here = os.path.dirname(os.path.abspath(path))
+        if [os.path.realpath(os.path.join(here, f)) for f in files] != [os.path.realpath(path)]:
+            raise ConfigError(f"{where}: COMPOSE_FILE={listed} makes docker compose read {', '.join(files)} (merged "
+                              f"in that order), which exl3tool does not merge; {_MERGED}")
+        return
+    if os.path.basename(path) not in _DEFAULT_FILES:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    override = next((f for f in _OVERRIDE_FILES if os.path.isfile(os.path.join(folder, f))), None)
+    if override is not None:
+        raise ConfigError(f"{where}: docker compose run without -f also reads {override} beside it and merges it over "
+                          f"this file (its environment, volumes and command win), which exl3tool does not merge; "
+                          f"{_MERGED}")
+
+
 def compose_run(path: str, service: Optional[str], *, environ: Mapping[str, str],
                 project_dir: Optional[str] = None) -> tuple[ContainerRun, Optional[list[str]], list[str]]:
     """The service's container start (a ``ContainerRun``), its entrypoint's words (None: the image's) and notes."""
@@ -196,6 +225,7 @@ def compose_run(path: str, service: Optional[str], *, environ: Mapping[str, str]
     dotenv_path = os.path.join(project, ".env")
     dotenv = read_dotenv(dotenv_path, environ, label="the compose project's") if os.path.isfile(dotenv_path) else {}
     lookup = {**dotenv, **environ}  # the shell's environment wins over .env
+    _one_file(path, lookup, f"--compose {path}")
     unset: list[str] = []
     svc = _walk(services[service], lookup, where, unset)
     for key in _NOT_FOLLOWED:

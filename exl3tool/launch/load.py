@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -48,10 +49,13 @@ class ReadAt:
 
 # --- reading files the server names, through its view ----------------------------------------------------------
 
-def _reader(paths: PathMap):
-    """Read a file the server names (its --config), through its path map."""
+def _reader(paths: PathMap, cwd: Optional[str]):
+    """Read a file the server names (its --config), through its path map; a relative path is the server's working
+    directory's (the launch's after its `cd`, a container's workdir), never this process's."""
     def read(path: str) -> str:
-        here = paths.to_host(path) if os.path.isabs(path) else path
+        if not posixpath.isabs(path):
+            path = posixpath.join(cwd or ("/" if paths.container else os.getcwd()), path)
+        here = paths.to_host(path)
         if here is None:
             raise OSError(f"{path} is inside the image, not on a bind mount of the launch")
         with open(here, encoding="utf-8") as fh:
@@ -144,7 +148,8 @@ def _find(words: list[str], env: Optional[Mapping[str, str]], paths: PathMap, vi
     strict = env is not None
     try:
         start_ = script_view.read(["bash", path, *args], environ=dict(env or {}), where=name,
-                                  is_server=lambda w: find_server(w) is not None)
+                                  is_server=lambda w, cwd: find_server(w, view=replace(
+                                      script_view, cwd=cwd or script_view.cwd)) is not None)
     except ConfigError:
         if strict:
             raise
@@ -159,7 +164,7 @@ def _find(words: list[str], env: Optional[Mapping[str, str]], paths: PathMap, vi
 def _from_script(start: LauncherStart, environ: dict[str, str], where: str, workdir: Optional[str], strict: bool,
                  view: ScriptView) -> ServerStart:
     """The server's start in a script file's recorded start, with what the script exported and where it cd'd."""
-    inner = find_server(list(start.argv), start.env if strict else None, view)
+    inner = find_server(list(start.argv), start.env if strict else None, replace(view, cwd=start.cwd or view.cwd))
     assert inner is not None
     exports, notes = script_changes(start, environ, where)
     cwd = start.cwd if start.cwd and start.cwd != workdir else None
@@ -188,7 +193,7 @@ def _server(words: list[str], start: ServerStart, form: str, env: dict[str, EnvV
     follow(start.prefix, guest, environ=environ, cwd=guest.workdir or cwd, entry=start.entry, inside=inside)
     words = list(start.words) if start.words else words
     args = parse_server_args(words[start.index:], entry=start.entry, serve=start.kind == "vllm",
-                             read_text=_reader(guest.paths))
+                             read_text=_reader(guest.paths, guest.workdir or cwd))
     if guest.ignored:
         ignored = (*ignored, f"{' '.join(guest.ignored)} (wrapper words before {start.entry})")
     notes = (*notes, *guest.notes)
@@ -325,7 +330,8 @@ def _from_text(text: str, where: str, at: ReadAt, *, file: Optional[str] = None)
     argv = ["bash", file] if file is not None else ["bash", "-c", text]
     dirs = [os.path.dirname(file)] if file is not None else [at.cwd]
     start = read_launcher(argv, environ=at.environ, cwd=at.cwd, launcher_dirs=dirs, where=where,
-                          is_server=lambda w: find_server(w) is not None, refused=refusal_in)
+                          is_server=lambda w, cwd: find_server(w, view=replace(HOST_VIEW, cwd=cwd)) is not None,
+                          refused=refusal_in)
     if start is None:
         raise ConfigError(f"{where}: " + _NOT_FOUND)
     changed, unset_notes = script_changes(start, at.environ, where)
@@ -342,6 +348,55 @@ def read_text(text: str, at: ReadAt) -> ServerLaunch:
     return _from_text(text or "", "--launch", at)
 
 
+# Files given as --launch-file that are not shell scripts. bash would read them as commands, and what it makes of
+# them is not what starts the server: `[Service]` is a command it does not find, `Environment=X=1` a shell variable
+# never exported, `ExecStart=/usr/bin/env vllm serve ...` an assignment before a command (the unit's Environment=
+# lines lost), a Makefile's `$(BITS)` a command substitution, a Dockerfile's `CMD vllm serve ...` a command without
+# the file's ENV. Each kind: how it is told (its name, its first line, or a make rule with a tab-indented recipe),
+# and what to give instead.
+_UNIT = re.compile(r"^\[[A-Za-z][A-Za-z0-9 ._-]*\]$")
+_MAKE_RULE = re.compile(r"^[^\s#=:][^=:]*::?(?![=:])(\s|$)")
+_DOCKERFILE_FIRST = re.compile(r"^(FROM|ARG)\s", re.I)
+_MANIFEST_FIRST = re.compile(r"^(apiVersion|kind|services|version|x-[A-Za-z0-9_-]+|---)\s*:?(\s|$)")
+_NOT_SCRIPTS: dict[str, str] = {
+    "unit": "a systemd unit or Podman Quadlet file ([Unit], [Service], [Container] sections), not a shell script: "
+            "exl3tool does not read units (their Environment=, EnvironmentFile=, User=, drop-ins and the manager's "
+            "own environment); give the unit's ExecStart= command with --launch and its environment with --env-file "
+            "(a Quadlet's generated podman run line: podman-system-generator --dryrun), or --pid of the running "
+            "service (systemctl show -p MainPID UNIT)",
+    "make": "a Makefile, not a shell script: give the target as make runs it, --launch 'make -f FILE TARGET' (make "
+            "runs in the read-only sandbox and the command its recipe starts is recorded)",
+    "dockerfile": "a Dockerfile, not a shell script: exl3tool reads a built image (its ENV, ENTRYPOINT and CMD, from "
+                  "docker|podman image inspect or --image-inspect); give the docker|podman run line of the built image",
+    "manifest": "a YAML manifest, not a shell script: give a compose file with --compose FILE; a Kubernetes pod spec "
+                "is not read (its env, volumes and args): give its container as a docker|podman run line, or --pid of "
+                "the server in the pod",
+}
+
+
+def _not_a_script(file: str, body: str) -> Optional[str]:
+    """Which of ``_NOT_SCRIPTS`` a --launch-file is (None: a shell script, or a launcher's DRY_RUN output)."""
+    name = os.path.basename(file)
+    lines = [line.rstrip() for line in body.splitlines()]
+    first = next((line.strip() for line in lines
+                  if line.strip() and not line.lstrip().startswith(("#", ";"))), "")
+    if body.startswith("#!"):
+        return None  # a script says what runs it
+    if _UNIT.match(first):
+        return "unit"
+    if name in ("Makefile", "makefile", "GNUmakefile") or name.endswith(".mk"):
+        return "make"
+    for i, line in enumerate(lines[:-1]):
+        if _MAKE_RULE.match(line) and lines[i + 1].startswith("\t"):
+            return "make"
+    if name.startswith(("Dockerfile", "Containerfile")) or name.endswith((".Dockerfile", ".Containerfile")) \
+            or _DOCKERFILE_FIRST.match(first):
+        return "dockerfile"
+    if _MANIFEST_FIRST.match(first):
+        return "manifest"
+    return None
+
+
 def read_file(file: str, at: ReadAt) -> ServerLaunch:
     """``--launch-file FILE``: ``bash FILE`` in the sandbox, or a launcher's DRY_RUN output."""
     try:
@@ -351,6 +406,9 @@ def read_file(file: str, at: ReadAt) -> ServerLaunch:
         raise ConfigError(f"--launch-file {file}: cannot read it ({exc.strerror or exc})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"--launch-file {file}: not a text file (a shell script is expected)") from None
+    kind = _not_a_script(file, body)
+    if kind is not None:
+        raise ConfigError(f"--launch-file {file} is {_NOT_SCRIPTS[kind]}")
     return _from_text(body, file, at, file=os.path.join(at.cwd, file))
 
 

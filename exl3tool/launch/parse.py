@@ -184,7 +184,7 @@ def find_server(words: list[str], env: Optional[Mapping[str, str]] = None,
             start = ServerStart("vllm", i + 2, "vllm serve")
         elif base in ("docker", "podman", "nvidia-docker"):
             rest = words[i + 1:]
-            if "run" in rest:
+            if "run" in rest and "compose" not in rest[:rest.index("run")]:  # `docker compose run SERVICE`: compose's
                 start = ServerStart("podman" if base == "podman" else "docker", i + 2 + rest.index("run"),
                                     f"{base} run")
         elif _is_python(word):
@@ -223,14 +223,16 @@ def find_server(words: list[str], env: Optional[Mapping[str, str]] = None,
     where = f"the {shell.how} script"
     try:
         start = script_view.read(["bash", "-c", shell.script, *shell.args], environ=base_env, where=where,
-                                 is_server=lambda w: find_server(w) is not None)
+                                 is_server=lambda w, cwd: find_server(w, view=replace(
+                                     script_view, cwd=cwd or script_view.cwd)) is not None)
     except ConfigError:
         if strict:
             raise
         return None
     if start is None:
         return None
-    found = find_server(list(start.argv), start.env if strict else None, script_view)
+    found = find_server(list(start.argv), start.env if strict else None,
+                        replace(script_view, cwd=start.cwd or script_view.cwd))
     if found is None:
         return None
     exports, notes = script_changes(start, base_env, where)
@@ -305,23 +307,30 @@ def _yaml_args(path: str, read_text: Callable[[str], str]) -> list[str]:
 def _expand_config(args: list[str], serve: bool,
                    read_text: Callable[[str], str]) -> tuple[list[str], Optional[str], int, int]:
     """Insert ``--config FILE``'s flags where the fork puts them (after the positional model, before the rest, so
-    the command line wins); returns the words, the file, and where its words start and how many there are."""
-    hits = [i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")]
+    the command line wins), before any name is normalised (the fork's ``FlexibleArgumentParser.parse_args`` pulls the
+    file in first, then turns ``_`` into ``-`` in every ``--`` word, the file's included); returns the normalised
+    words, the file, and where its words start and how many there are.
+
+    The fork looks for the word ``--config`` itself: ``--config=FILE`` is left to argparse, which keeps the path and
+    reads nothing (nothing reads ``args.config`` after that), so that file is not read here either."""
+    hits = [i for i, a in enumerate(args) if a == "--config"]
+
+    def norm(part: list[str]) -> list[str]:
+        return [w for a in part for w in _normalise(a)]
+
     if not hits:
-        return args, None, -1, 0
+        return norm(args), None, -1, 0
     if len(hits) > 1:
         raise ConfigError("the launch gives --config twice (the server refuses more than one config file)")
     i = hits[0]
-    if args[i] == "--config":
-        if i + 1 >= len(args):
-            raise ConfigError("the launch's --config has no file (the server refuses it too)")
-        path, rest = args[i + 1], args[:i] + args[i + 2:]
-    else:
-        path, rest = args[i].partition("=")[2], args[:i] + args[i + 1:]
+    if i + 1 >= len(args):
+        raise ConfigError("the launch's --config has no file (the server refuses it too)")
+    path, rest = args[i + 1], args[:i] + args[i + 2:]
     extra = _yaml_args(path, read_text)
     model_first = serve and rest and not rest[0].startswith("-")
     at = 1 if model_first else 0
-    return rest[:at] + extra + rest[at:], path, at, len(extra)
+    head, mid, tail = norm(rest[:at]), norm(extra), norm(rest[at:])
+    return head + mid + tail, path, len(head), len(mid)
 
 
 def _long_name(flag: str) -> Optional[str]:
@@ -342,8 +351,7 @@ def parse_server_args(args: list[str], *, entry: str, serve: bool,
     >>> parse_server_args(["/m", "-tp", "2", "--port", "8000"], entry="vllm serve", serve=True).values["tp_size"]
     ('2', '-tp')
     """
-    words = [w for a in args for w in _normalise(a)]
-    words, config_file, config_at, config_len = _expand_config(words, serve, read_text)
+    words, config_file, config_at, config_len = _expand_config(list(args), serve, read_text)
     values: dict[str, tuple[str, str]] = {}
     ignored: list[str] = []
     unknown: list[str] = []
@@ -449,6 +457,9 @@ def parse_server_args(args: list[str], *, entry: str, serve: bool,
             set_value(row.setting, raw, spelled, at)
         elif row.name != "config":
             ignored.append((spelled if boolean else f"{spelled} {raw}") + (f" ({row.why})" if row.why else ""))
+        elif eq:  # --config=FILE: argparse keeps the path, the fork reads no file (only the word --config is pulled)
+            ignored.append(f"{word} (the fork reads a --config file only given as two words, --config FILE: "
+                           "with '=' argparse keeps the path and nothing reads the file, so its flags do not apply)")
     for name, tree in dotted.items():  # appended after everything, as the fork does: they win
         row = server_flag(name)
         spelled = f"--{name}.*"

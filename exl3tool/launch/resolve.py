@@ -925,6 +925,105 @@ def _image_lines(launch: ServerLaunch) -> tuple[str, ...]:
     return (image.describe(), *image.notes) if image is not None else ()
 
 
+_FORK_MODULES = ("exl3.py", "exl3_online_cache.py")
+
+
+def _mounted_fork_modules(paths: PathMap) -> list[tuple[str, str, str, str]]:
+    """The fork modules a container launch's volumes put over its image's (``-v HOST/exl3.py:/opt/venv/lib/python3.12/
+    site-packages/vllm/model_executor/layers/quantization/exl3.py``, as its users run a patched exl3.py on a release
+    image; or a folder of the vllm package, a site-packages, a venv): (module, its path in the image, the host file,
+    the volume as written), for the host files that exist. The image's package is looked for where the fork's and
+    the usual images install it, and under any volume whose path ends in the package's own folders."""
+    from exl3tool.launch.forkfiles import VLLM_PREFIXES
+
+    if not paths.container or paths.root is not None or not any(m.host for m in paths.mounts):
+        return []
+    out = []
+    for name in _FORK_MODULES:
+        rel = f"vllm/model_executor/layers/quantization/{name}"
+        parts = rel.split("/")
+        targets = [f"{prefix}/{rel}" for prefix in VLLM_PREFIXES]
+        for m in paths.mounts:
+            inside = posixpath.normpath(m.inside)
+            for k in range(1, len(parts) + 1):  # a volume at .../vllm, .../vllm/model_executor, ..., the file itself
+                if inside.endswith("/" + "/".join(parts[:k])):
+                    targets.append(posixpath.join(inside, *parts[k:]))
+            if posixpath.basename(inside) in ("site-packages", "dist-packages"):
+                targets.append(posixpath.join(inside, rel))
+        for inside in dict.fromkeys(targets):
+            covering = [m for m in paths.mounts if m.host and (inside == posixpath.normpath(m.inside) or inside.startswith(
+                posixpath.normpath(m.inside).rstrip("/") + "/"))]
+            host = paths.to_host(inside) if covering else None
+            if host and os.path.isfile(host):
+                out.append((name, inside, host, max(covering, key=lambda m: len(m.inside)).spec))
+    for name, inside, _, _ in list(out):  # the other module of a package a volume holds: hidden when it lacks it
+        other = posixpath.join(posixpath.dirname(inside), next(n for n in _FORK_MODULES if n != name))
+        host = paths.to_host(other)
+        if host and not os.path.isfile(host) and not any(o[1] == other for o in out):
+            out.append((posixpath.basename(other), other, "", next(m.spec for m in paths.mounts if m.host and (
+                other.startswith(posixpath.normpath(m.inside).rstrip("/") + "/")))))
+    return out
+
+
+def _modules_with_volumes(mounted: list[tuple[str, str, str, str]], modules: Optional[ForkModules],
+                          labels: dict[str, str], image: str, table: str) -> tuple[Optional[ForkModules],
+                                                                                   tuple[str, ...]]:
+    """The fork modules the server runs when the launch mounts some over its image's: the mounted files, and for
+    the one not mounted the image's (its files when read, else its labelled release's); the sentences naming what
+    could not be told (each makes the release an assumption: ``cache check`` exits 2 on it)."""
+    from exl3tool.releases import git_blob
+
+    def read(host: str) -> bytes:
+        try:
+            with open(host, "rb") as fh:
+                return fh.read(8 << 20)
+        except OSError as exc:
+            raise ConfigError(f"the launch mounts {host} over the image's vllm package: cannot read it here "
+                              f"({exc.strerror or exc})") from None
+
+    by_name: dict[str, tuple[str, str, Optional[bytes]]] = {}
+    for name, inside, host, spec in mounted:
+        data = read(host) if host else None  # "": the volume's folder hides the image's file and holds none
+        if name in by_name and by_name[name][2] != data:
+            return modules, (f"the launch mounts different {name} files over the image's vllm packages ({spec}); "
+                             "exl3tool cannot tell which one the server imports; give --server-release NAME",)
+        by_name[name] = (inside, spec, data)
+    base = resolve_release(None, labels, image=image, table_release=table)
+    row = base.release if base.source in ("image label", "published-images table") else None
+    where = "; ".join(dict.fromkeys(f"-v {spec}" if not spec.startswith(("-", "bind ")) else spec
+                                    for _, spec, _ in by_name.values()))
+    if "exl3_online_cache.py" in by_name:
+        cache_data = by_name["exl3_online_cache.py"][2]
+        cache_blob: Optional[str] = git_blob(cache_data) if cache_data is not None else None
+    elif modules is not None:
+        cache_blob = modules.cache_blob
+    else:
+        cache_blob = row.cache_module.blob if row is not None and row.cache_module is not None else None
+    if "exl3.py" in by_name and by_name["exl3.py"][2] is None:
+        return modules, (f"the launch's volume {by_name['exl3.py'][1]} hides the image's exl3.py and holds none, so "
+                         "the server's vllm has no EXL3 support exl3tool can read; give --server-release NAME",)
+    if "exl3.py" in by_name:
+        data = by_name["exl3.py"][2] or b""
+        exl3_blob: Optional[str] = git_blob(data)
+        text = data.decode("utf-8", "replace")
+    elif modules is not None:
+        exl3_blob, text = modules.exl3_blob, modules.exl3_text
+    elif row is not None and row.exl3_blob:
+        exl3_blob, text = row.exl3_blob, ""
+    else:
+        exl3_blob, text = None, ""
+    if row is None and modules is None and len(by_name) < len(_FORK_MODULES):
+        missing = next(n for n in _FORK_MODULES if n not in by_name)
+        return modules, (f"the launch mounts {where}: the server runs that file with its image's {missing}, and "
+                         "neither the image's files nor its labels say which that is; give --server-release NAME "
+                         "(the release whose rules the mounted file follows; NAME+pr312 for PR #312's exl3.py) or "
+                         "--image-root DIR",)
+    if exl3_blob is None:
+        return modules, (f"the launch mounts {where}, and exl3tool cannot tell which exl3.py its image holds "
+                         f"({base.release.name} records none); give --server-release NAME or --image-root DIR",)
+    return ForkModules(f"the launch's volume {where}", cache_blob, exl3_blob, text), ()
+
+
 def _release(b: _Builder, explicit: Explicit, off: list[str], labels: Optional[dict[str, str]],
              modules: Optional[ForkModules] = None) -> None:
     """The server release whose rules apply, resolved once (``exl3tool.releases.resolve_release``):
@@ -933,8 +1032,17 @@ def _release(b: _Builder, explicit: Explicit, off: list[str], labels: Optional[d
     image = getattr(b.launch, "image", None)
     labels = labels or (dict(image.labels) if image is not None else {})
     table = image.release if image is not None and image.source == "published-images table" else ""
+    mounted = _mounted_fork_modules(b.launch.paths)
+    extra: tuple[str, ...] = ()
+    if mounted and explicit.server_release is None:
+        modules, extra = _modules_with_volumes(mounted, modules, labels, b.launch.image_name, table)
+    elif mounted:
+        b.notes.append(f"the launch mounts {mounted[0][2]} over the image's {mounted[0][1]}: --server-release "
+                       f"{explicit.server_release} names the rules that file follows")
     b.choice = choice = resolve_release(explicit.server_release, labels, image=b.launch.image_name,
                                         table_release=table, modules=modules)
+    if extra:
+        choice = b.choice = replace(choice, unknown=(*choice.unknown, *extra))
     source = {"--server-release": "flag", "published-images table": "image label"}.get(choice.source, choice.source)
     b.put("server_release", choice.release.name, source, choice.describe())
     b.warnings.extend(choice.unknown)

@@ -25,6 +25,8 @@ is not run (a ConfigError says how to give the launcher's ``DRY_RUN=1`` output i
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 import shlex
 import shutil
 import subprocess
@@ -47,7 +49,7 @@ RECORDED_COMMANDS = (
     "huggingface-cli", "nvidia-smi", "curl", "wget", "git", "ssh", "scp", "sudo", "su", "nsys", "ncu", "numactl",
     "taskset", "env", "setsid", "nohup", "nice", "ionice", "stdbuf", "timeout", "chrt", "runuser", "gosu", "su-exec", "setpriv", "mkdir", "rm", "rmdir", "cp", "mv", "ln", "touch", "chmod", "chown", "install", "rsync", "truncate",
     "dd", "sleep", "kill", "pkill", "killall", "systemctl", "service", "apt-get", "apt", "yum", "dnf", "conda",
-    "mount", "umount",
+    "mount", "umount", "tmux", "screen", "docker-compose", "podman-compose",
     # wrappers that change the server's filesystem, user or host (launch.wrappers): recorded, never run
     "proot", "proot-distro", "chroot", "bwrap", "unshare", "nsenter", "apptainer", "singularity", "srun", "sbatch",
     "salloc", "mpirun", "mpiexec", "systemd-run", "flatpak-spawn", "firejail", "doas", "pkexec", "schroot",
@@ -111,13 +113,60 @@ if [ -n "$answer" ]; then
 fi
 case "$n" in
   tee) exec cat ;;
+  nohup|setsid|nice|ionice|stdbuf|timeout|taskset|numactl|chrt|screen)
+    # a wrapper that changes no variable and no path, before a launcher script or make (`nohup ./serve.sh &`,
+    # `screen -dmS vllm make serve`): run that command for real, so it is read as any launcher is; before anything
+    # else (vllm itself, a container runtime, a tool of the image) the wrapper stays recorded, as it was
+    case "$n" in
+      nohup) [ "${1:-}" = -- ] && shift ;;
+      setsid) while [ $# -gt 0 ]; do case "$1" in -c|-f|-w|--ctty|--fork|--wait) shift ;; --) shift; break ;; *) break ;; esac; done ;;
+      nice) case "${1:-}" in -n|--adjustment) shift 2 ;; -n*|--adjustment=*|-[0-9]*) shift ;; esac ;;
+      ionice) while [ $# -gt 0 ]; do case "$1" in -c|-n|--class|--classdata) shift 2 ;; -t|--ignore|-c?|-n?) shift ;; *) break ;; esac; done ;;
+      stdbuf) while [ $# -gt 0 ]; do case "$1" in -i|-o|-e) shift 2 ;; -i?*|-o?*|-e?*|--input=*|--output=*|--error=*) shift ;; *) break ;; esac; done ;;
+      timeout) while [ $# -gt 0 ]; do case "$1" in -s|-k|--signal|--kill-after) shift 2 ;; -*) shift ;; *) break ;; esac; done
+               [ $# -gt 0 ] && shift ;;  # the duration
+      taskset) case "${1:-}" in -p|--pid) set -- ;; esac
+               while [ $# -gt 0 ]; do case "$1" in -a|-c|--all-tasks|--cpu-list) shift ;; *) break ;; esac; done
+               [ $# -gt 0 ] && shift ;;  # the mask or CPU list
+      numactl) while [ $# -gt 0 ]; do case "$1" in --*=*|-l|--localalloc|-s|--show|-H|--hardware) shift ;;
+                 -*) shift 2 ;; *) break ;; esac; done ;;
+      chrt) while [ $# -gt 0 ]; do case "$1" in -p|--pid) set -- ; break ;; -T|-P|-D|--sched-runtime|--sched-period|--sched-deadline) shift 2 ;;
+              -*) shift ;; *) break ;; esac; done
+            [ $# -gt 0 ] && shift ;;  # the priority
+      screen) while [ $# -gt 0 ]; do case "$1" in -X|-r|-x|-R|-ls|-list|-wipe|-Q) set -- ; break ;;
+                -S|-c|-e|-h|-p|-s|-T|-t|-Logfile|-[dDmRL]*S) shift 2 ;; -*) shift ;; *) break ;; esac; done ;;
+    esac
+    c=${1:-}
+    case "${c##*/}" in
+      bash|sh|dash|make|gmake) exec "$@" ;;
+      *.sh) if [ -f "$c" ]; then exec "$@"; fi ;;
+      "") ;;
+      *) if [ -f "$c" ] && [ "$(head -c 2 "$c" 2>/dev/null)" = "#!" ]; then exec "$@"; fi ;;
+    esac ;;
+  env)  # `env NAME=VALUE ... bash FILE ...` (a launcher handing its inputs to another): run for real, so that script
+        # is read as any launcher is, with these variables; any other use of env stays recorded (launch.wrappers)
+    cmd= file=
+    for a in "$@"; do
+      if [ -z "$cmd" ]; then case "$a" in [A-Za-z_]*=*) continue ;; esac; cmd=$a; continue; fi
+      file=$a; break
+    done
+    case "${cmd##*/}" in
+      bash|sh|dash) case "$file" in ""|-*) ;; *) if [ -f "$file" ]; then exec "$(command -pv env)" "$@"; fi ;; esac ;;
+    esac ;;
   # tried for real, which reaches only this run's memory (/tmp, /var/tmp, /run and a container view are in memory,
   # the rest is read-only): a folder made for a log file is there for the launcher's next command
   mkdir|touch|ln|cp|mv|rm|rmdir|chmod|chown|install|truncate) command -p "$n" "$@" 2>/dev/null ;;
 esac
-case " $n $* " in  # the server (or its container) starts: the launcher would wait on it, so the reading ends here
-  *vllm*serve*|*" docker "*" run "*|*" podman "*" run "*|*" nerdctl "*" run "*) kill -KILL -1 2>/dev/null ;;
-esac
+start= prev=  # the server (or its container) starts: the launcher would wait on it, so the reading ends here
+for a in "$n" "$@"; do  # word by word: `vllm serve`, `-m vllm.entrypoints...` (not a word such as vllm_server.sh)
+  case "$a" in
+    serve) [ "${prev##*/}" = vllm ] && start=1 ;;
+    vllm.entrypoints.*) start=1 ;;
+  esac
+  prev=$a
+done
+case " $n $* " in *" docker "*" run "*|*" podman "*" run "*|*" nerdctl "*" run "*) start=1 ;; esac
+if [ -n "$start" ]; then kill -KILL -1 2>/dev/null; fi
 exit 0
 """
 
@@ -203,6 +252,7 @@ awk '{print $5}' /proc/self/mountinfo | sort -r | while read -r m; do
   mount -o remount,bind,ro "$m" 2>/dev/null || case "$m" in /proc*|/sys*|/dev*) ;; *) echo "read-only remount of $m failed" >&2; exit 97 ;; esac
 done
 mount -t tmpfs -o mode=755 exl3tool-scratch "$run/scratch"
+exec 4<"$run/scratch"  # kept open: binding $run again below hides this mount (read at the end through fd 4)
 for d in /tmp /var/tmp; do  # writable, this machine's files shown, nothing written through (overlay, else read-only)
   if [ -d "$d" ] && [ ! -L "$d" ]; then
     u=$run/scratch/$(echo "$d" | tr / _)
@@ -253,10 +303,10 @@ if [ "$view" != - ]; then
   mount --rbind "$run" "$root$run"
   chroot=$(command -v chroot)
   export PATH="$launcher_path"
-  "$chroot" "$root" "$@" && status=0 || status=$?
+  "$chroot" "$root" "$@" 4<&- && status=0 || status=$?
 else
   export PATH="$launcher_path"
-  "$@" && status=0 || status=$?  # not exec'd: as init of the namespace this shell outlives a recorder's kill -1
+  "$@" 4<&- && status=0 || status=$?  # not exec'd: as init of the namespace this shell outlives a recorder's kill -1
 fi
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 i=0  # what the launcher left running in the background (a server started with &): a few seconds to be recorded
@@ -266,6 +316,13 @@ while [ $i -lt 60 ]; do
   sleep 0.05
   i=$((i + 1))
 done
+{  # the files the launcher wrote in the sandbox's memory (the /tmp overlays, a container view's own root)
+  for d in /tmp /var/tmp; do
+    u=/proc/$$/fd/4/$(echo "$d" | tr / _)/up  # folders are read through the descriptor kept above
+    if [ -d "$u" ]; then (cd "$u" && find . -type f) | sed "s|^\\.|$d|"; fi
+  done
+  if [ -n "${root:-}" ]; then (cd "$root" && find . -xdev -type f) | sed "s|^\\.||"; fi
+} 2>/dev/null | head -n 5000 > "$run/written" || true
 exit $status
 """
 
@@ -312,6 +369,7 @@ class LauncherRun:
     stderr: str
     status: int
     notes: list[str] = field(default_factory=list)
+    written: tuple[str, ...] = ()  # files it wrote in the sandbox's memory (paths as it saw them)
 
 
 _problem: Optional[str] = None
@@ -450,7 +508,13 @@ def run_launcher(argv: Sequence[str], *, environ: Mapping[str, str], cwd: Option
                               "stopped (is it waiting for something?)") from None
         if done.returncode == 97:
             raise ConfigError(f"cannot read a launcher script here: {done.stderr.strip()}")
-        return LauncherRun(_read_records(run, path_given), done.stdout, done.stderr, done.returncode)
+        try:
+            with open(os.path.join(run, "written"), encoding="utf-8", errors="replace") as fh:
+                written = tuple(line.rstrip("\n") for line in fh if line.strip())
+        except OSError:
+            written = ()
+        return LauncherRun(_read_records(run, path_given), done.stdout, done.stderr, done.returncode,
+                           written=written)
     finally:
         shutil.rmtree(run, ignore_errors=True)
 
@@ -506,36 +570,109 @@ def script_changes(start: LauncherStart, environ: Mapping[str, str], where: str)
     return exports, notes
 
 
+# bash's line for a write the read-only sandbox refused (`cat > config.yaml <<EOF`, `vllm serve ... > logs/x.log`)
+_UNWRITTEN = re.compile(r"^(?:.*?: )?(?:line \d+: )?(?P<path>[^:]+): Read-only file system$")
+
+
+def _unwritten(run: LauncherRun) -> list[tuple[str, str]]:
+    """The files the launcher tried to write where the sandbox is read-only: (path as written, bash's line)."""
+    return [(m.group("path"), line.strip()) for line in run.stderr.splitlines()
+            if (m := _UNWRITTEN.match(line.strip())) and " " not in m.group("path")]
+
+
+# options whose value is a file or folder exl3tool reads as the server's: --config, env files, volume sources
+_FILE_OPTIONS = ("--config", "--env-file", "-v", "--volume", "--mount", "-B", "--bind")
+
+
+def _named_files(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """(path, as written) for each file or folder a file-bearing option of ``argv`` names."""
+    out: list[tuple[str, str]] = []
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if eq and name in _FILE_OPTIONS:
+            shown = word
+        elif word in _FILE_OPTIONS and i + 1 < len(argv):
+            value, shown = argv[i + 1], f"{word} {argv[i + 1]}"
+        else:
+            continue
+        if name in ("--mount",) or "source=" in value or "src=" in value:
+            fields = dict(f.partition("=")[::2] for f in value.split(","))
+            value = fields.get("source") or fields.get("src") or ""
+        elif name in ("-v", "--volume", "-B", "--bind") or word in ("-v", "--volume", "-B", "--bind"):
+            value = value.split(":", 1)[0]
+        if value:
+            out.append((value, shown))
+    return out
+
+
+def _names_unwritten(run: LauncherRun, server: Recorded, where: str) -> None:
+    """Refuse a server whose command reads (``--config``, an env file, a volume) a file its launcher wrote just
+    before (a here-document): the sandbox kept that write in its memory, or refused it (read-only), so the file read
+    here (absent, or an older copy) is not the one the server reads."""
+    cwd = server.cwd or "/"
+    failed = {posixpath.normpath(posixpath.join(cwd, p)): f"the read-only sandbox refused it: {line}"
+              for p, line in _unwritten(run)}
+    failed.update({posixpath.normpath(p): "the sandbox kept it in memory" for p in run.written})
+    if not failed:
+        return
+    for value, shown in _named_files(server.argv[1:]):
+        target = posixpath.normpath(posixpath.join(cwd, value))
+        hit = next((f for f in failed if f == target or f.startswith(target.rstrip("/") + "/")), None)
+        if hit is not None:
+            raise ConfigError(
+                f"{where} writes {hit} before it starts the server, whose command reads it ({shown}); "
+                f"{failed[hit]}, so what exl3tool would read here is not what the server reads: give the launch "
+                "with that file already written (the command alone, --launch), or the launcher's DRY_RUN output")
+
+
+def _no_server_unwritten(run: LauncherRun, where: str) -> Optional[ConfigError]:
+    """No server recorded, and the launcher's writes were refused: a command whose redirection fails does not run
+    (`nohup vllm serve ... > logs/server.log 2>&1 &`), so say that rather than 'no server'."""
+    failed = _unwritten(run)
+    if not failed:
+        return None
+    shown = "; ".join(dict.fromkeys(line for _, line in failed))[:300]
+    return ConfigError(f"{where} started no server in the read-only sandbox, where its writes failed ({shown}): a "
+                       "command whose output is redirected to such a file is not run there (`vllm serve ... > "
+                       "logs/server.log`); give the server's command without the redirection (--launch), or the "
+                       "launcher's DRY_RUN output")
+
+
 def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server, cwd: Optional[str] = None,
                   launcher_dirs: Sequence[str] = (), mounts: Optional[Sequence[tuple[str, str]]] = None,
                   where: str = "the launcher",
                   refused: Optional[Callable[[list[str]], Optional[str]]] = None) -> Optional[LauncherStart]:
-    """The server a launcher starts (``is_server(argv)`` says which recorded command is one), or None when it
+    """The server a launcher starts (``is_server(argv, cwd)`` says which recorded command, run in ``cwd``, is
+    one), or None when it
     ends well without starting one (a ConfigError with its last error line when it fails). First run as written;
     when it records no server, its ``DRY_RUN=1`` mode (the fork's launchers print ``KEY=%q`` lines and ``Command:
     ...``, skipping their GPU probes), taking the environment it exported. ``refused(argv)`` names a recorded
     command that runs the server where exl3tool does not follow (``ssh HOST '...'``): raised when no server was
     found, instead of "no server"."""
     first = run_launcher(argv, environ=environ, cwd=cwd, launcher_dirs=launcher_dirs, mounts=mounts)
-    servers = [r for r in first.records if not r.at_exit and is_server(list(r.argv))]
+    servers = [r for r in first.records if not r.at_exit and is_server(list(r.argv), r.cwd)]
     if servers:
         r = servers[-1]
+        _names_unwritten(first, r, where)
         return LauncherStart(r.argv, r.env, r.cwd, "exec", _others(first, r), r.unexported)
     runs = [first]
     if "DRY_RUN" not in environ or DRY_RUN_COMMAND not in first.stdout:
         runs.append(run_launcher(argv, environ={**environ, "DRY_RUN": "1"}, cwd=cwd, launcher_dirs=launcher_dirs,
                                  mounts=mounts))
-        servers = [r for r in runs[-1].records if not r.at_exit and is_server(list(r.argv))]
+        servers = [r for r in runs[-1].records if not r.at_exit and is_server(list(r.argv), r.cwd)]
         if servers:
             r = servers[-1]
+            _names_unwritten(runs[-1], r, where)
             return LauncherStart(r.argv, {k: v for k, v in r.env.items() if k != "DRY_RUN"}, r.cwd, "exec",
                                  _others(runs[-1], r), r.unexported)
     for run, added in zip(runs, (False, True)):
         words = dry_run_command(run.stdout)
         exits = [r for r in run.records if r.at_exit]
-        if words is None or not is_server(words) or not exits:
+        if not exits:
             continue
         deepest = max(exits, key=lambda r: r.level)  # the launcher itself, not the shell that started it
+        if words is None or not is_server(words, deepest.cwd):
+            continue
         env = {k: v for k, v in deepest.env.items() if not (added and k == "DRY_RUN")}
         why = ""
         if added:
@@ -549,6 +686,9 @@ def read_launcher(argv: Sequence[str], *, environ: Mapping[str, str], is_server,
             said = refused(list(r.argv)) if refused is not None and not r.at_exit else None
             if said:
                 raise ConfigError(said)
+    unwritten = _no_server_unwritten(first, where)
+    if unwritten is not None:
+        raise unwritten
     if first.status != 0:
         said = (first.stderr.strip().splitlines() or ["(it printed nothing)"])[-1]
         asked = [shlex.join(r.argv[:6]) for r in first.records if r.answer == "absent"]

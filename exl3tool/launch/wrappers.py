@@ -33,7 +33,7 @@ ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _TAKES = {"flag": 0, "login": 0, "keepenv": 0, "sethome": 0, "clearenv": 0, "nohome": 0, "contain": 0,
           "containall": 0, "nochdir": 0,
           "value": 1, "root": 1, "rootR": 1, "rootS": 1, "bind": 1, "binds": 1, "mountspec": 1, "cwd": 1,
-          "setenv": 1, "unsetenv": 1, "envfile": 1, "user": 1, "userspec": 1, "home": 1, "refuse": 1,
+          "setenv": 1, "unsetenv": 1, "envfile": 1, "dotenv": 1, "nodotenv": 0, "user": 1, "userspec": 1, "home": 1, "refuse": 1,
           "mask": 1, "refuseflag": 0,
           "bind2": 2, "mask2": 2, "setenv2": 2, "value2": 2}
 _INSTEAD = ("run exl3tool where the server runs (inside that environment), or give the launch as the server runs it "
@@ -83,8 +83,31 @@ _APPTAINER_OPTIONS = {
     "--silent": "flag", "-q": "flag", "--quiet": "flag", "-d": "flag", "--debug": "flag", "-v": "flag",
     "--verbose": "flag",
 }
+_COMPOSE = ("the server is a compose service, whose environment, volumes, entrypoint and command come from its "
+            "compose files (merged with -f, an override file and COMPOSE_FILE) and its .env; give it with --compose "
+            "FILE --service NAME (`docker compose config` prints the merged file)")
 _RUNNER_EXEC = ("the server runs in a container that is already running, whose volumes and environment exl3tool "
                 "does not see")
+
+# uv's global options and `uv run`'s (uv's CLI reference): the env files, the folder it changes to, the rest change
+# which Python environment runs the command, not what the server reads
+_UV_VALUE = ("--color", "--allow-insecure-host", "--project", "--config-file", "--cache-dir", "--python-preference",
+             "--preview-features", "--extra", "--no-extra", "--group", "--no-group", "--only-group", "--with", "-w",
+             "--with-editable", "--with-requirements", "--package", "--python", "-p", "--max-recursion-depth",
+             "--no-build-isolation-package", "--index", "--default-index", "--index-url", "-i", "--extra-index-url",
+             "--find-links", "-f", "--upgrade-package", "-P", "--reinstall-package", "--index-strategy",
+             "--keyring-provider", "--resolution", "--prerelease", "--fork-strategy", "--config-setting", "-C",
+             "--config-settings-package", "--exclude-newer", "--exclude-newer-package", "--link-mode",
+             "--refresh-package", "--no-build-package", "--no-binary-package", "--no-sources-package")
+_UV_FLAG = ("-q", "--quiet", "-v", "--verbose", "--native-tls", "--offline", "--no-progress", "--no-config", "-n",
+            "--no-cache", "--no-python-downloads", "--managed-python", "--no-managed-python", "--preview",
+            "--no-preview", "--all-extras", "--no-dev", "--dev", "--only-dev", "--no-default-groups", "--all-groups",
+            "--isolated", "--active", "--no-active", "--no-sync", "--locked", "--frozen", "--exact", "--no-editable",
+            "--no-project", "--all-packages", "--show-resolution", "--no-build-isolation", "--no-index", "-U",
+            "--upgrade", "--reinstall", "--pre", "--compile-bytecode", "--no-sources", "--refresh", "--no-build",
+            "--no-binary")
+_UV_OPTIONS = {**{o: "value" for o in _UV_VALUE}, **{o: "flag" for o in _UV_FLAG}, "--env-file": "dotenv",
+               "--no-env-file": "nodotenv", "--directory": "cwd"}
 
 WRAPPERS: tuple[Wrapper, ...] = (
     Wrapper(("proot",), True, {
@@ -166,6 +189,17 @@ WRAPPERS: tuple[Wrapper, ...] = (
                          "test": "it runs the image's test script"},
             modelled_on="princeton-ddss/blackfish src/app/templates/text_generation_slurm.sh (apptainer run --nv "
                         "--bind MODEL_DIR:/data IMAGE.sif --model /data/...); apptainer exec --bind"),
+    Wrapper(("uv",), True, _UV_OPTIONS, positionals=("subcommand",), subcommands={"run": ""},
+            modelled_on="uv run (crates/uv/src/commands/project/run.rs: each --env-file loaded with dotenvy::from_path, "
+                        "last file first, never over a variable already set; --env-file and UV_ENV_FILE split at "
+                        "spaces, --no-env-file and UV_NO_ENV_FILE turn it off)"),
+    Wrapper(("tmux",), False, why="the server runs in a tmux session, whose environment is the tmux server's global "
+            "environment (this command's only when no tmux server runs yet; then its update-environment list and -e "
+            "values), its command string run by tmux's default-shell", instead="give the command the session runs "
+            "with --launch, with the environment it gets there, or --pid of the server process",
+            modelled_on="tmux(1) new-session, ENVIRONMENT"),
+    Wrapper(("docker-compose", "podman-compose"), False, why=_COMPOSE, instead="give the compose file as the "
+            "server's launch", modelled_on="docker compose run SERVICE COMMAND (compose's run and up)"),
     Wrapper(("ssh", "mosh"), False, why="the server runs on another host, whose files and environment are not this "
             "machine's", instead="run exl3tool on that host (or give its launch there with --launch-file)",
             modelled_on="OpenSSH ssh(1): ssh HOST COMMAND"),
@@ -185,7 +219,8 @@ WRAPPERS: tuple[Wrapper, ...] = (
                 "user and environment exl3tool does not model", modelled_on="flatpak-spawn(1), toolbox(1), "
                                                                             "firejail(1), doas(1)"),
     Wrapper(("docker", "podman", "nerdctl", "kubectl"), False, subcommands={"exec": _RUNNER_EXEC,
-                                                                           "run": "the server runs in a new pod"},
+                                                                           "run": "the server runs in a new pod",
+                                                                           "compose": _COMPOSE},
             why=_RUNNER_EXEC, instead="give the server's container launch (its docker/podman run line or compose "
             "service), or --pid of the server process", modelled_on="docker exec CONTAINER vllm serve ..."),
 )
@@ -491,7 +526,50 @@ def _apply(row: Wrapper, words: list[str], at: int, guest: Guest, environ: Mappi
     for key, value in assigned:
         guest.set(key, value, f"{key}=... after {name} before {entry}")
     _filesystem(row, name, shown, got, positional, guest, environ, cwd, inside)
+    if any(r in ("dotenv", "nodotenv") for r in row.options.values()):
+        _dotenv(name, got, guest, environ, posixpath.join(cwd, guest.workdir or "."))
     return j
+
+
+# NAME=VALUE with a plain value, a single-quoted one (literal), or a double-quoted one without $, \\ or " (literal too)
+_PLAIN_DOTENV = re.compile(r"^(?:export[ \t]+)?([A-Za-z_][A-Za-z0-9_]*)=(?:([^\s'\"`$\\#]*)|'([^']*)'|\"([^\"$\\`]*)\")$")
+
+
+def _dotenv(name: str, got, guest: Guest, environ: Mapping[str, str], cwd: str) -> None:
+    """``uv run``'s env files: ``--env-file`` values (else ``UV_ENV_FILE``), split at spaces, each loaded without
+    overriding a variable already set, the last file first (so it wins over earlier ones, and the environment over
+    all), unless ``--no-env-file`` or ``UV_NO_ENV_FILE``. Only ``NAME=VALUE`` lines whose value dotenv takes
+    literally are read (``export`` allowed; a bare word, ``'...'``, or ``"..."`` without ``$``, ``\\``, a backtick):
+    an escape, a ``$`` substitution or a comment after the value is dotenv syntax exl3tool does not model, refused
+    naming the line."""
+    if any(r == "nodotenv" for r, _, _ in got) or \
+            (guest.get("UV_NO_ENV_FILE", environ) or "").strip().lower() in ("1", "true", "yes", "on", "y", "t"):
+        return
+    given = [v[0] for r, v, _ in got if r == "dotenv"]
+    how = f"{name} --env-file"
+    if not given and guest.get("UV_ENV_FILE", environ):
+        given, how = [guest.get("UV_ENV_FILE", environ) or ""], "UV_ENV_FILE"
+    files = [f for value in given for f in value.split(" ") if f]
+    for file in reversed(files):
+        path = posixpath.join(cwd, os.path.expanduser(file))
+        try:
+            with open(path, encoding="utf-8") as fh:
+                lines = fh.read().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"the launch's `{how} {file}`: cannot read {path} ({exc.strerror or exc}); {name} "
+                              "refuses it too") from None
+        for number, line in enumerate(lines, 1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            m = _PLAIN_DOTENV.match(text)
+            if m is None:
+                raise ConfigError(f"the launch's `{how} {file}` line {number}: {text[:80]!r} is dotenv syntax exl3tool "
+                                  "does not read (escapes, $ substitution, a comment or an unquoted space in the value); "
+                                  f"write it as plain NAME=VALUE, or give the variable before {name}")
+            if guest.get(m.group(1), environ) is None:
+                value = next(v for v in m.groups()[1:] if v is not None)
+                guest.set(m.group(1), value, f"{how} {file} line {number}")
 
 
 def _environment(row: Wrapper, name: str, shown: str, got, positional: dict[str, str], guest: Guest,

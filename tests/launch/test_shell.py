@@ -36,7 +36,7 @@ LINES = [
     'x "$@" $@ "${@}" y',
     'x a=b --flag="$QC" "--flag2=$EXTRA"',
 ]
-_SERVER = {"is_server": lambda w: w[:1] == ["vllm"], "where": "t"}
+_SERVER = {"is_server": lambda w, cwd=None: w[:1] == ["vllm"], "where": "t"}
 
 
 def run_script(text: str, *, environ: dict, is_server, where: str) -> Optional[SimpleNamespace]:
@@ -221,7 +221,8 @@ def test_reading_a_launcher_leaves_no_trace(tmp_path, monkeypatch):
     script.chmod(0o755)
     before = {p: p.read_bytes() for p in watch.rglob("*")}
     start = read_launcher(["bash", str(script)], environ={"WATCH": str(watch), "PATH": os.environ["PATH"]},
-                          cwd=str(tmp_path), is_server=lambda w: w[:2] == ["vllm", "serve"], where="hostile.sh")
+                          cwd=str(tmp_path), is_server=lambda w, cwd=None: w[:2] == ["vllm", "serve"],
+                          where="hostile.sh")
     assert start is not None and start.argv == ("vllm", "serve", "/models/M", "--tensor-parallel-size", "2")
     assert {p: p.read_bytes() for p in watch.rglob("*")} == before  # nothing written, removed or linked
     assert not Path("/cache/x").exists()
