@@ -424,7 +424,8 @@ def test_gpu_hydrate_verifies_through_the_triton_gemm(tmp_path, capsys):
     against SOURCE's FP32 weight (`verify OUT --against SOURCE`), and OUT makes no online look-up."""
     src = write_tiny(tmp_path / "src", "qwen3.5", seed=fresh_seed())
     ov = TINY_FAMILIES["qwen3.5"].overlay
-    code, _, err = run(["hydrate", src, tmp_path / "out", "--quantization-config", ov, "--device", "cuda"], capsys)
+    code, _, err = run(["hydrate", src, tmp_path / "out", "--quantization-config", ov, "--tp-size", "1", "--device",
+                        "cuda"], capsys)  # TP 1: every layer stored (the default TP 1,2 leaves 5 BF16)
     assert code == 0, err
     assert server_online_lookups(tmp_path / "out", ONLINE["qwen3.5"]) == []
     code, stdout, err = run(["verify", tmp_path / "out", "--against", src, "--device", "cuda", "--json"], capsys)
