@@ -163,7 +163,11 @@ class LaunchSettings:
 
 def close_flag_matches(unknown: tuple[str, ...]) -> dict[str, str]:
     """Unknown flags within edit distance 2 of a flag the server knows (a typo the server refuses), each with that
-    flag; the rest are taken for flags of a newer release than exl3tool's table."""
+    flag; the rest are taken for flags of a newer release than exl3tool's table.
+
+    A known name with the other number of dashes (``--tp`` for ``-tp``, ``-tensor-parallel-size``) is 1 edit away:
+    the fork's parser (argparse, ``allow_abbrev`` on) takes ``-tp`` only as written and no long flag starts with
+    ``--tp``, so it refuses the line (unrecognized arguments)."""
     from exl3tool.launch.flags import VLLM_FLAGS, VLLM_SHORT
 
     out: dict[str, str] = {}
@@ -172,10 +176,13 @@ def close_flag_matches(unknown: tuple[str, ...]) -> dict[str, str]:
         name, names, spell = ((flag[2:].partition(".")[0], VLLM_FLAGS, "--{}") if flag.startswith("--")
                               else (flag, VLLM_SHORT, "{}"))
         # nearest first; among equals, the longest shared start (-tpp: -tp before -dpp)
-        known = [(edit_distance(name, k), -len(os.path.commonprefix([name, k])), k) for k in names]
+        known = [(edit_distance(name, k), -len(os.path.commonprefix([name, k])), spell.format(k)) for k in names]
+        other = "-" + name if flag.startswith("--") else flag.lstrip("-")  # the same name, the other dashes
+        if other in (VLLM_SHORT if flag.startswith("--") else VLLM_FLAGS):
+            known.append((1, -len(other), other if flag.startswith("--") else "--" + other))
         best = min(known, default=None)
         if best is not None and 0 < best[0] <= 2:
-            out[flag] = spell.format(best[2])
+            out[flag] = best[2]
     return out
 
 
