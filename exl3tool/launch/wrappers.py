@@ -697,6 +697,10 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
         for var in ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH"):
             for item in (guest.get(var, environ) or "").split(","):
                 spec = _bind_spec(item.strip(), cwd) if item.strip() else None
+                if spec and not os.path.exists(spec[0]):
+                    raise ConfigError(f"the launch's {var}={item}: {spec[0]} does not exist here, and {name} refuses "
+                                      "a bind whose source is missing (mount source doesn't exist), so this server "
+                                      "never starts; create it first")
                 if spec:
                     binds.append(Mount(spec[0], spec[1], f"{var}={item}"))
         home_spec = next((v[0] for r, v, _ in got if r == "home"), None)

@@ -304,6 +304,26 @@ def test_stand_ins_answer_queries_as_a_clean_host(tmp_path):
 
 
 @sandboxed
+def test_absolute_paths_to_recorded_commands_are_recorded(tmp_path, model):
+    """``/usr/bin/env -i PATH=... vllm serve`` (the form of ggrun.sh) and ``/usr/bin/ssh HOST ...``: an absolute path
+    bypasses PATH, so before the sandbox ran this machine's env (its -i dropped the recorders: "exited 127 'vllm'")
+    and ssh ("Could not resolve hostname"), never the wrapper table's rule. The recorders stand in for those files
+    too; a ``#!/usr/bin/env bash`` launcher still runs (its shebang is env), and leaves no record of its own."""
+    (tmp_path / "serve.sh").write_text(
+        "#!/usr/bin/env bash\nset -e\n/bin/mkdir -p /tmp/logs\n"
+        f"/usr/bin/env -i PATH=/usr/bin:/bin HOME=/h {' '.join(SERVER)} VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path} "
+        f"vllm serve {model} -tp 2 --quantization-config '{QC}'\n")
+    (tmp_path / "serve.sh").chmod(0o755)
+    environ = {"PATH": os.environ["PATH"], "HOME": "/caller", "VLLM_EXL3_ONLINE_CACHE_MODE": "off"}
+    launch, layers = load_launch(text="./serve.sh", environ=environ, cwd=str(tmp_path))
+    s = resolve_launch(launch, layers, Explicit())
+    assert (s.tp_size, s.cache_dir, s.server_lookup) == (2, str(tmp_path), True)  # env -i dropped the caller's "off"
+    assert s.environ.get("HOME") == "/h" and not any("env bash" in n for n in s.notes), s.notes
+    with pytest.raises(ConfigError, match="through `ssh gpu1`.*exl3tool does not follow it"):
+        load_launch(text=f"/usr/bin/ssh gpu1 vllm serve {model}", environ=environ, cwd=str(tmp_path))
+
+
+@sandboxed
 def test_bash_c_gives_the_script_its_name_and_arguments():
     words = ["bash", "-lc", 'exec vllm serve "$@" --port "$0"', "8123", "/m", "-tp", "2"]
     start = find_server(words, {})
