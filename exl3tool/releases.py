@@ -547,7 +547,14 @@ def _from_modules(mods: ForkModules, named: Optional[ServerRelease], unknown: li
 
 
 def no_online_encoding(rel: ServerRelease) -> str:
-    """Why a server of ``rel`` looks nothing up (one sentence, the fix included): it encodes nothing online."""
+    """Why a server of ``rel`` looks nothing up (one sentence, the fix included): it encodes nothing online. A
+    release derived from an image's own files (``patched``) is said as those files, never as the row it was
+    compared with (an r34 label on an image whose exl3.py has no online method: r34 encodes online, the image not)."""
+    if rel.patched:
+        base = rel.name.split(" (", 1)[0]
+        return (f"the image's own files encode no layer to EXL3 online: {rel.patched}; the server runs those files, "
+                f"not {base}'s, whatever its labels say, so it loads only the EXL3 layers the checkpoint stores and "
+                "looks nothing up; to serve its BF16 layers as EXL3 there, store them: exl3tool hydrate MODEL OUT")
     return (f"{rel.name} encodes no layer to EXL3 online (no exl3_online_cache.py nor online Trellis method: they "
             "came with gilded-gnosis-r20 and infernal-invocation-r5, and the Kimi-K3 and Jovian Judgement lines ship "
             "neither): the server loads only the EXL3 layers the checkpoint stores and looks nothing up; to serve "
