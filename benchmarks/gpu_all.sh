@@ -47,6 +47,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     > "$OUT/pip.log" 2>&1 || echo "== wheels did not install: $(tail -1 "$OUT/pip.log")"
 fi
 export PYTHONPATH=$PWD:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+# a build killed by an earlier call on the same warm machine leaves its lock: the next build would wait on it for good
+pgrep -f "[l]oad_quantize_exl3" > /dev/null || rm -f /tmp/torch_ext/*/lock
 PREBUILT=
 if ls .ext/exllamav3_ext.so.part-* > /dev/null 2>&1; then
   mkdir -p /tmp/prebuilt && cat .ext/exllamav3_ext.so.part-* > /tmp/prebuilt/exllamav3_ext.so && PREBUILT=1
