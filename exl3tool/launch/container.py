@@ -10,6 +10,7 @@ with a flag or a model, as the arguments of an entrypoint ``vllm serve`` (said i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
 from collections.abc import Mapping
@@ -31,6 +32,9 @@ class Mount:
     inside: str
     spec: str  # as the launch wrote it
     readonly: bool = False
+    # non-empty: ``host`` does not exist here and the runner refuses to start without it (its message, said
+    # whole); ``launch.resolve`` refuses the launch unless writing the cache root there creates it
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -130,17 +134,17 @@ def _missing_source(runner: str, option: str, mount: Mount) -> Mount:
     """A bind whose host folder does not exist, as each runtime takes it: docker's ``-v`` creates it (an empty
     folder, owned by root), so the path map holds; docker's ``--mount type=bind`` and podman's ``-v`` and ``--mount``
     refuse to start the container (docker: "bind source path does not exist"; podman: "statfs HOST: no such file or
-    directory", it never creates a source), and so does a dangling link, so the server never starts: refused naming
-    it."""
+    directory", it never creates a source), and so does a dangling link: the mount is marked ``refused``, and the
+    launch is refused naming it unless the cache root a warm writes lies in it (``launch.resolve``)."""
     if mount.host is None or os.path.exists(mount.host):
         return mount
     if runner == "docker" and option == "-v" and not os.path.islink(mount.host):
         return mount
     said = ("invalid mount config for type \"bind\": bind source path does not exist" if runner == "docker"
             else f"Error: statfs {mount.host}: no such file or directory")
-    raise ConfigError(f"the launch's {runner} run {option} {mount.spec}: {mount.host} does not exist here, and "
-                      f"{runner} refuses to start the container ({said}), so this server never starts: create "
-                      "that folder first" + (" (docker's -v would create it)" if runner == "docker" else ""))
+    return dataclasses.replace(mount, refused=(
+        f"the launch's {runner} run {option} {mount.spec}: {mount.host} does not exist here, and {runner} refuses to "
+        f"start the container ({said})" + (" (docker's -v would create it)" if runner == "docker" else "")))
 
 
 def parse_run(runner: str, words: list[str], *, environ: Optional[Mapping[str, str]] = None,

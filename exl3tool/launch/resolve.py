@@ -376,6 +376,10 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         if host is not None:
             server, local_here = posixpath.normpath(candidate), host
     if server is not None and local_here is None and explicit.model is None:
+        mount = paths.mount_for(server)
+        if mount is not None and mount.refused:
+            raise ConfigError(f"{mount.refused}, so this server never starts (its model {name} is there); create "
+                              "that folder first")
         if paths.to_host(server) is not None:  # on a mount, yet not seen: a link that leaves the mounts?
             try:
                 server_realpath(paths, server, "the launch's model")
@@ -576,6 +580,21 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     return here
 
 
+def _refused_mounts(b: _Builder, launch: ServerLaunch, cache_dir: str) -> None:
+    """Binds whose host folder does not exist and whose runner refuses to start without it (``Mount.refused``): the
+    server never starts, so the launch is refused naming the bind, except where the cache root here lies in that
+    folder: a warm's first entry creates it (``mkdir -p``), after which the server starts; a warning says so."""
+    for mount in launch.paths.mounts:
+        if not mount.refused:
+            continue
+        host = posixpath.normpath(mount.host or "")
+        if cache_dir and (posixpath.normpath(cache_dir) + "/").startswith(host + "/"):
+            b.warnings.append(f"{mount.refused}: the server does not start until it exists; `cache warm` creates it "
+                              f"with the cache root {cache_dir} (or create it first)")
+            continue
+        raise ConfigError(f"{mount.refused}, so this server never starts; create that folder first")
+
+
 def _legacy_cache_dir(b: _Builder, rel: ServerRelease) -> None:
     """``VLLM_CACHE_DIR``, which deployments set as if it named vLLM's cache root: the fork's ``vllm/envs.py`` reads
     ``VLLM_CACHE_ROOT`` only (``VLLM_CACHE_DIR`` appears nowhere in its history), so it changes nothing; a warning
@@ -738,6 +757,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         b.warnings.append(f"also: {exc}")
         enc_root, enc_rev, enc_src = "", None, None
     cache_dir = _cache_dir(b, launch, explicit, need_cache)
+    _refused_mounts(b, launch, cache_dir)
     _cache_mode(b, off)
     if explicit.tp_sizes:
         b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-size")
@@ -761,6 +781,7 @@ def resolve_cache_root(launch: ServerLaunch, layers: EnvLayers, explicit: Explic
     off: list[str] = []  # why the server makes no look-up
     _release(b, explicit, off, None, modules)
     cache_dir = _cache_dir(b, launch, explicit)
+    _refused_mounts(b, launch, cache_dir)
     _cache_mode(b, off)
     assert b.choice is not None
     return LaunchSettings(

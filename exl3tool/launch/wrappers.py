@@ -652,12 +652,11 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
         elif role == "binds":
             for item in values[0].split(","):
                 spec = _bind_spec(item, cwd)
-                if spec and not os.path.exists(spec[0]):
-                    raise ConfigError(f"the launch's `{name} {spelled} {item}`: {spec[0]} does not exist here, and "
-                                      f"{name} refuses a bind whose source is missing (mount source doesn't exist), "
-                                      "so this server never starts; create it first")
+                refused = (f"the launch's `{name} {spelled} {item}`: {spec[0]} does not exist here, and {name} "
+                           "refuses a bind whose source is missing (mount source doesn't exist)"
+                           if spec and not os.path.exists(spec[0]) else "")
                 if spec:
-                    binds.append(Mount(spec[0], spec[1], f"{spelled} {item}", item.endswith(":ro")))
+                    binds.append(Mount(spec[0], spec[1], f"{spelled} {item}", item.endswith(":ro"), refused))
         elif role == "mountspec":
             fields = dict(p.partition("=")[::2] for p in values[0].split(","))
             src, dst = fields.get("source") or fields.get("src"), fields.get("destination") or fields.get(
@@ -671,12 +670,11 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
                 guest.notes.append(f"`{name} {spelled} {values[0]} {values[1]}`: {src} does not exist here, so "
                                    f"{name} skips it")
                 continue
-            if not os.path.exists(src):
-                raise ConfigError(f"the launch's `{name} {spelled} {values[0]} {values[1]}`: {src} does not exist "
-                                  f"here, and {name} refuses it (Can't find source path), so this server never "
-                                  f"starts; create it first, or use {spelled}-try")
+            refused = (f"the launch's `{name} {spelled} {values[0]} {values[1]}`: {src} does not exist here, and "
+                       f"{name} refuses it (Can't find source path; {spelled}-try would skip it)"
+                       if not os.path.exists(src) else "")
             binds.append(Mount(src, posixpath.normpath(values[1]), f"{spelled} {values[0]} {values[1]}",
-                               spelled.startswith("--ro")))
+                               spelled.startswith("--ro"), refused))
         elif role in ("mask", "mask2"):
             binds.append(Mount(None, posixpath.normpath(values[-1]), f"{spelled} {' '.join(values)}"))
         elif role == "cwd":
@@ -697,12 +695,11 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
         for var in ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH"):
             for item in (guest.get(var, environ) or "").split(","):
                 spec = _bind_spec(item.strip(), cwd) if item.strip() else None
-                if spec and not os.path.exists(spec[0]):
-                    raise ConfigError(f"the launch's {var}={item}: {spec[0]} does not exist here, and {name} refuses "
-                                      "a bind whose source is missing (mount source doesn't exist), so this server "
-                                      "never starts; create it first")
+                refused = (f"the launch's {var}={item}: {spec[0]} does not exist here, and {name} refuses a bind "
+                           "whose source is missing (mount source doesn't exist)"
+                           if spec and not os.path.exists(spec[0]) else "")
                 if spec:
-                    binds.append(Mount(spec[0], spec[1], f"{var}={item}"))
+                    binds.append(Mount(spec[0], spec[1], f"{var}={item}", refused=refused))
         home_spec = next((v[0] for r, v, _ in got if r == "home"), None)
         home = guest.get("HOME", environ)
         if home_spec is not None:

@@ -12,10 +12,12 @@ from exl3tool.launch.container import PathMap, parse_run
 def test_env_volumes_mounts_workdir(tmp_path):
     envfile = tmp_path / "server.env"
     envfile.write_text("# the image's settings\nVLLM_EXL3_ONLINE_TRELLIS_BITS=4\n\nFROM_HOST\nQUOTED=\"kept\"\n")
+    enc = tmp_path / "enc"  # docker --mount refuses a bind source that does not exist (-v creates it)
+    enc.mkdir()
     run = parse_run("docker", [
         "--rm", "-it", "--gpus", "all", "-e", "A=1", "-eB=2", "--env=C=3", "-e", "HOST_ONLY", "--env-file", str(envfile),
         "-v", "/srv/models/M:/models/M:ro", "--volume=/srv/cache:/cache/exl3-online", "-v", "named:/data",
-        "--mount", "type=bind,source=/srv/enc,target=/opt/exllamav3,readonly", "--mount", "type=tmpfs,target=/tmp",
+        "--mount", f"type=bind,source={enc},target=/opt/exllamav3,readonly", "--mount", "type=tmpfs,target=/tmp",
         "-w", "/work", "--shm-size=16g", "--ipc=host", "img:tag", "serve", "/models/M",
     ], environ={"HOST_ONLY": "h", "FROM_HOST": "f"}, cwd=str(tmp_path))
     env = {k: v.value for k, v in run.env.items()}
@@ -27,7 +29,7 @@ def test_env_volumes_mounts_workdir(tmp_path):
     assert paths.to_host("/models/M") == "/srv/models/M"
     assert paths.to_host("/models/M/config.json") == "/srv/models/M/config.json"
     assert paths.to_host("/cache/exl3-online/v1") == "/srv/cache/v1"
-    assert paths.to_host("/opt/exllamav3") == "/srv/enc"
+    assert paths.to_host("/opt/exllamav3") == str(enc)
     assert paths.to_host("/data/x") is None  # a named volume: docker decides where it lives
     assert paths.to_host("/usr/lib") is None  # inside the image
     assert paths.mount_for("/models/M/x").readonly and paths.mount_for("/opt/exllamav3").readonly
