@@ -176,8 +176,10 @@ class HydrateReport:
 
 def stored_only_reason(layer_plan, tp_sizes=(1,)) -> str:
     """Non-empty when a server at ``tp_sizes`` looks nothing up *because* the layers it would encode online are
-    stored as EXL3: no planned layer is 128-aligned there, at least one module is stored, none is encoded unmodelled
-    (the one rule `cache check` and `hydrate` use to say "every online layer is stored")."""
+    stored as EXL3: no planned layer is 128-aligned there and at least one module is stored (the one rule `cache
+    check` and `hydrate` use to say "every online layer is stored"). Where the server also encodes modules exl3tool
+    does not model (``not_modelled``: a vision tower the overlay does not ignore), it says so instead of "every
+    online layer": those are encoded online, and looked up, whatever is stored."""
     if not layer_plan.server_lookup:
         return ""
     try:
@@ -185,14 +187,25 @@ def stored_only_reason(layer_plan, tp_sizes=(1,)) -> str:
     except ConfigError:
         return ""
     reasons = [e.reason for e in layer_plan.excluded]
-    if looked_up or "stored_exl3" not in reasons or "not_modelled" in reasons:
+    if looked_up or "stored_exl3" not in reasons:
         return ""
+    unmodelled = [e.prefix for e in layer_plan.excluded if e.reason == "not_modelled"]
     stored = reasons.count("stored_exl3")
-    rest = len(reasons) - stored
+    rest = len(reasons) - stored - len(unmodelled)
     kept = len(layer_plan.layers)
-    return (f"every online layer is stored: {plural(stored, 'module')} stored as EXL3 in the checkpoint"
+    what = (f"{plural(stored, 'module')} stored as EXL3 in the checkpoint"
             + (f", {rest} kept BF16 by the overlay (ignored or without a spec)" if rest else "")
             + (f", {plural(kept, 'layer')} the server keeps MXFP8 (not 128-aligned)" if kept else ""))
+    if unmodelled:
+        return (f"every layer exl3tool models is stored ({what}), but the server still encodes "
+                f"{', '.join(unmodelled)} online, which exl3tool does not model")
+    return f"every online layer is stored: {what}"
+
+
+def not_modelled(layer_plan) -> list[tuple[str, str]]:
+    """``(prefix, why)`` of the modules a server encodes online that exl3tool does not model (``plan_layers``'
+    ``not_modelled``): hydrate cannot store them, so a server of OUT still encodes them at start-up."""
+    return [(e.prefix, e.detail) for e in layer_plan.excluded if e.reason == "not_modelled"]
 
 
 def _inside(child: Path, parent: Path) -> bool:
@@ -455,11 +468,20 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     whole = layer_plan if not (layers or exclude) else plan_layers(  # the server builds every layer
         checkpoint, overlay=overlay, language_model_only=request.language_model_only, release=request.release)
     shardable = whole.shardable_tp_sizes(MAX_TP)
-    tp_sizes = tuple(sorted(set(request.tp_sizes))) or shardable
+    starts = whole.startable_tp_sizes(MAX_TP)  # SOURCE's own stored modules slice there too
+    tp_sizes = tuple(sorted(set(request.tp_sizes))) or starts
     for tp in tp_sizes:  # vLLM cannot shard the model at all there: say so before anything else
         why = whole.shard_problem(tp)
         if why:
             raise ConfigError(why)
+    for tp in tp_sizes or shardable[:1]:  # nor does SOURCE start there: OUT would not either
+        why = whole.start_problem(tp)
+        if why:
+            where = (f"it starts at TP {','.join(map(str, starts))}: hydrate for those (--tp-size)" if starts else
+                     f"it starts at no TP size up to {MAX_TP}")
+            raise ConfigError(f"SOURCE {source} does not start at TP {tp}, so neither would OUT: {why}; {where}")
+    if not tp_sizes:
+        raise ConfigError(f"{source}: {whole.shard_problem(1) or 'vLLM can split this model into no TP size'}")
     dtype = serving_torch_dtype(request.dtype) or checkpoint.dtype
     base = dict(source=source, out=out_path, model=str(source), bits=request.bits, tp_sizes=tp_sizes,
                 dtype=str(dtype).removeprefix("torch."), checkpoint=checkpoint,
@@ -530,7 +552,7 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
         if tp in tp_sizes:
             continue
         why = next((f"{layer.prefix}: {w}" for layer, srcs in stored_layers
-                    if (w := slicing_problem(layer, srcs, tp))), None)
+                    if (w := slicing_problem(layer, srcs, tp))), None) or whole.start_problem(tp)
         if why:
             fails_at[tp] = why
     base.update(fails_at=fails_at)

@@ -458,7 +458,7 @@ def test_inline_storage_and_a_hub_snapshot_source(tmp_path):
     """tensor_storage inline in config.json gets the records there; a Hub-cache snapshot (files are links into
     blobs/) gives OUT real files, never links that point back into the cache."""
     snap = write_llama_checkpoint(tmp_path / "plain", hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256,
-                                  layers=1, vocab=64, shards=2, hub_cache=tmp_path / "hub", seed=fresh_seed())
+                                  layers=1, vocab=512, shards=2, hub_cache=tmp_path / "hub", seed=fresh_seed())
     out = tmp_path / "out"
     hydrate(plan_hydrate(ServerRequest(model=str(snap)), out), device="cpu", encode=weight_encode)
     online = {k: v for k, v in _llama().items() if ".layers.0." in k}

@@ -34,7 +34,7 @@ from test_warm_disk_full import small_tmpfs  # noqa: F401  (the fixture)
 def _checkpoint(path: Path, seed: int) -> Path:
     """One Llama layer (7 modules) in two shards with an index: every step of a run, with a file to link."""
     return write_llama_checkpoint(path, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256, layers=1,
-                                  vocab=64, shards=2, seed=seed)
+                                  vocab=512, shards=2, seed=seed)
 
 
 def _digests(root: Path) -> dict[str, str | None]:
@@ -422,24 +422,27 @@ def test_results_stream_to_disk(tmp_path, fake_encoder, monkeypatch):
 def test_out_bytes_are_those_before_results_streamed(tmp_path):
     """The bytes of OUT, fixed by the code that kept every result in memory (this branch's base, commit 80549c3),
     for a fixed SOURCE and the tests' stand-in encoder; quantization_config.json's record has gained the sizes
-    checked beyond those asked for since (hydrate-plan: ``tp_checked_up_to``, ``fails_at``), the rest unchanged."""
+    checked beyond those asked for since (hydrate-plan: ``tp_checked_up_to``, ``fails_at``), the rest unchanged.
+    SOURCE's vocabulary is 512 (fix-check: the fork refuses a stored lm_head of 64 rows, N not 128-aligned, so the
+    64 this test had made a SOURCE no server starts, which hydrate now refuses); the digests were recorded again by
+    running commit 80549c3's own hydrate on this SOURCE."""
     src = write_llama_checkpoint(tmp_path / "src", hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256,
-                                 layers=2, vocab=64, shards=2, seed=1234)
+                                 layers=2, vocab=512, shards=2, seed=1234)
     sha = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(src.iterdir())}
-    assert sha == {"config.json": "7a7c93a9a884f14d", "model-00001-of-00002.safetensors": "43097ef46cba259e",
-                   "model-00002-of-00002.safetensors": "226d1576aff94ddf",
-                   "model.safetensors.index.json": "d6f0bd32b50f03dc",
-                   "quantization_config.json": "406cd0717257369c"}, "the synthetic SOURCE changed: record again"
+    assert sha == {"config.json": "fe2bac8f2c632c6a", "model-00001-of-00002.safetensors": "ffeed77ea6c384bc",
+                   "model-00002-of-00002.safetensors": "621bc7960f0497e6",
+                   "model.safetensors.index.json": "6c8f825ad0214e99",
+                   "quantization_config.json": "b50b0f43383005c8"}, "the synthetic SOURCE changed: record again"
     hydrate(plan_hydrate(ServerRequest(model=str(src)), tmp_path / "out"), device="cpu", encode=weight_encode)
     sha = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted((tmp_path / "out").iterdir())}
-    assert sha == {"config.json": "7a7c93a9a884f14d", "model-00001-of-00002.safetensors": "54ffb47a6e114200",
-                   "model-00002-of-00002.safetensors": "a24aaa6849a4fbcd",
-                   "model.safetensors.index.json": "cde536d69a25ee80",
-                   "quantization_config.json": "796242c7a62baff3"}
+    qc_sha = sha.pop("quantization_config.json")
+    assert sha == {"config.json": "fe2bac8f2c632c6a", "model-00001-of-00002.safetensors": "3d69389b3b5300f0",
+                   "model-00002-of-00002.safetensors": "67f50ccdfd1a74f3",
+                   "model.safetensors.index.json": "c43c68eec646ad61"}
     qc = json.loads((tmp_path / "out" / "quantization_config.json").read_text())
     assert qc["exl3tool_hydrate"]["tp_checked_up_to"] == 8 and sorted(qc["exl3tool_hydrate"].pop("fails_at")) == ["2", "4"]
     del qc["exl3tool_hydrate"]["tp_checked_up_to"]
-    assert hashlib.sha256((json.dumps(qc, indent=4) + "\n").encode()).hexdigest()[:16] == "7d21edc0cea289b8"
+    assert hashlib.sha256((json.dumps(qc, indent=4) + "\n").encode()).hexdigest()[:16] == "4bc47cb5eee37421", qc_sha
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -461,7 +464,7 @@ def test_what_is_not_sources_own_is_refused_by_name(tmp_path, capsys, case):
     (secret / "token.txt").write_text("secret")
     if case == "hub-escape":
         src = write_llama_checkpoint(tmp_path / "plain", hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256,
-                                     layers=1, vocab=64, shards=2, hub_cache=tmp_path / "hub", seed=fresh_seed())
+                                     layers=1, vocab=512, shards=2, hub_cache=tmp_path / "hub", seed=fresh_seed())
     entry = src / {"file": "notes.txt", "folder": "extra", "dangling": "gone.txt", "loop": "sub/up",
                    "fifo": "pipe", "hub-escape": "notes.txt"}[case]
     if case == "file":

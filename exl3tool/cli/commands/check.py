@@ -30,10 +30,8 @@ def _where(cause) -> str:
 
 
 def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
-    """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix."""
-    from rich.table import Table
-    from rich.text import Text
-
+    """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix, and
+    last why the server will not start (if it will not)."""
     plan = report.plan
     if report.hydrated is not None:
         out.note(f"{plan.model}: {report.hydrated.line()}")
@@ -41,19 +39,45 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
         out.note(report.release_note)
     for line in report.release_depends():
         out.warn(line)  # the rules whose outcome differs between the releases the server could run
-    if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing
-        for f in report.start_failures:
-            out.warn(f"{f.text}; fix: {f.fix}")
+    if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing exl3tool models
+        for f in report.cannot_tell:
+            out.warn(f"cannot tell whether this server starts: {f.text}; fix: {f.fix}")
+        _causes(out, report)
         for f in report.notes:
             out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
-        out.line(f"0 look-ups: {report.stored}; the server encodes nothing online and needs no cache")
+        unplanned = any(c.kind == "unplanned" for c in report.causes)
+        out.line(f"0 look-ups: {report.stored}; " + (
+            "those look-ups miss (above)" if unplanned else "the server encodes nothing online and needs no cache"))
+        _start_failures(out, report)
         out.data({**report.as_json(), **(extra or {})})
         return
-    plan_notes(out, plan)
-    for f in report.start_failures:
-        out.warn(f"{f.text}; fix: {f.fix}")
+    plan_notes(out, plan, starts=False)
     for f in report.cannot_tell:
         out.warn(f"cannot tell whether this server starts: {f.text}; fix: {f.fix}")
+    _causes(out, report)
+    for f in report.notes:
+        out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
+    o = report.hit_origins
+    out.line(f"{plural(len(report.lookups), 'look-up')}: {plan.count('hit')} hit ({o['record']} recorded warms, "
+             f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
+             f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
+             f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
+    _start_failures(out, report)
+    out.data({**report.as_json(), **(extra or {})})
+
+
+def _start_failures(out: Output, report: CheckReport) -> None:
+    """Why this server will not start, in the report itself (stdout), after its counts: the hits do not matter
+    then."""
+    for f in report.start_failures:
+        out.line(f"{f.text}; fix: {f.fix}")
+
+
+def _causes(out: Output, report: CheckReport) -> None:
+    """One table per cause: where, which fields differ, one line per finding and its fix."""
+    from rich.table import Table
+    from rich.text import Text
+
     for n, cause in enumerate(report.causes, 1):
         title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",
                  "unplanned": "miss"}[cause.kind]
@@ -64,14 +88,6 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
             table.add_row(f.field.replace("_", " "), f.text)
             table.add_row("", Text(f"fix: {f.fix}", style="green"))
         out.table(table)
-    for f in report.notes:
-        out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
-    o = report.hit_origins
-    out.line(f"{plural(len(report.lookups), 'look-up')}: {plan.count('hit')} hit ({o['record']} recorded warms, "
-             f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
-             f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
-             f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
-    out.data({**report.as_json(), **(extra or {})})
 
 
 def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict, what: str = "launch") -> None:
@@ -129,6 +145,9 @@ def cache_check(
         _refuse_assumption(tuple(stored.assumptions()))
         if stored.start_failures:
             raise FindingsError(stored.start_failures[0].text)
+        if not stored.ok:  # the server encodes layers exl3tool does not model: those look-ups miss
+            raise FindingsError("the server makes look-ups outside the plan that would miss"
+                                + ("" if out.json else "; see the causes above"))
         return
     if off:
         what = "launch" if settings is not None else "environment"
