@@ -2,7 +2,7 @@
 
 ``plan_hydrate`` decides what to store from ``cache warm``'s own plan at TP 1 (``plan.request.prepare``, one rule,
 one place), then checks each layer against the fork's loader at every TP size OUT must start at (by default every
-size up to 8 vLLM can split the model into; ``checkpoint.hydrated.storage_problem`` / ``slicing_problem``). ``hydrate`` runs it: each source module is encoded once
+size up to 8 a server of SOURCE starts at; ``checkpoint.slicing.storage_problem`` / ``slicing_problem``). ``hydrate`` runs it: each source module is encoded once
 (``encode_linear``, the bytes ``cache warm`` writes for an unfused layer at TP 1), kept under a temporary folder
 beside OUT so a stopped run resumes (``STEPS``), then the changed shards are written from SOURCE and those files
 (bytes copied, never held in memory), the others hard-linked (else copied), the index and ``tensor_storage``
@@ -41,7 +41,7 @@ __all__ = ["HydrateLayer", "HydratePlan", "HydrateReport", "plan_hydrate", "hydr
 TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name>.hydrate-partial"
 _INDEX = "model.safetensors.index.json"
 _QUANT = "quantization_config.json"
-MAX_TP = 8  # the default TP sizes: every size up to this one that vLLM can split the model into
+MAX_TP = 8  # the default TP sizes: every size up to this one that a server of SOURCE starts at
 
 EncodeFn = Callable[..., Any]  # (weight [K, N] float32, bits, seed, device) -> EncodedLinear
 LayerFn = Callable[[int, int, str, float, bool], None]  # (done, total, module, seconds, reused)
@@ -103,9 +103,12 @@ class HydratePlan:
     storage_file: str  # where tensor_storage lives: quantization_config.json or config.json (inline)
     already_stored: str = ""  # non-empty: nothing to do, every online layer is stored already (why)
     checkpoint: Any = field(default=None, compare=False, repr=False)
-    tp_default: bool = False  # tp_sizes are the default (every size up to MAX_TP vLLM can split the model into)
+    tp_default: bool = False  # tp_sizes are the default (every size up to MAX_TP a server of SOURCE starts at)
     left_tp: dict[str, tuple[int, ...]] = field(default_factory=dict)  # left_bf16 prefix -> the TP sizes it fails at
     fails_at: dict[int, str] = field(default_factory=dict)  # other TP sizes <= MAX_TP where OUT fails: "layer: why"
+    # (prefix, why) of modules the server encodes online that exl3tool does not model: OUT does not store them, so
+    # a server of OUT still encodes them at start-up (a vision tower the overlay does not ignore)
+    not_modelled: tuple[tuple[str, str], ...] = ()
 
     @property
     def modules(self) -> list[HydrateModule]:
@@ -122,10 +125,14 @@ class HydratePlan:
         return hydrate_note(bits=self.bits, tp_sizes=self.tp_sizes, modules={m.module: m.source.weight for m in mods},
                             bits_by_module=self.bits_by_module(),
                             left_bf16=[p for p, _ in self.left_bf16],
-                            left_tp=self.left_tp, fails_at=self.fails_at, checked_up_to=MAX_TP)
+                            left_tp=self.left_tp, fails_at=self.fails_at, checked_up_to=MAX_TP,
+                            not_modelled=[p for p, _ in self.not_modelled])
 
     def _left_json(self) -> list[dict[str, Any]]:
         return [{"prefix": p, "why": w, "tp_sizes": list(self.left_tp.get(p, ()))} for p, w in self.left_bf16]
+
+    def _not_modelled_json(self) -> list[dict[str, str]]:
+        return [{"prefix": p, "why": w} for p, w in self.not_modelled]
 
     def as_json(self) -> dict[str, Any]:
         """The `hydrate --dry-run --json` document (docs/hydrate.md)."""
@@ -136,7 +143,7 @@ class HydratePlan:
                 "already_stored": self.already_stored or None,
                 "layers": [layer.as_json() for layer in self.layers], "modules": len(mods),
                 "tiles": sum((m.source.in_features // 16) * (m.source.out_features // 16) for m in mods),
-                "left_bf16": self._left_json(),
+                "left_bf16": self._left_json(), "not_modelled": self._not_modelled_json(),
                 "not_planned": [{"prefix": p, "reason": r, "why": w} for p, r, w in self.not_planned],
                 "changed_shards": list(self.changed_shards), "unchanged_files": len(self.unchanged_files),
                 "storage_file": self.storage_file,
@@ -165,7 +172,7 @@ class HydrateReport:
                 "already_stored": p.already_stored or None, "bits": p.bits, "tp_sizes": list(p.tp_sizes),
                 "tp_default": p.tp_default, "fails_at": {str(tp): why for tp, why in sorted(p.fails_at.items())},
                 "layers": len(p.layers), "modules_stored": len(p.modules), "encoded": self.encoded,
-                "reused": self.reused, "left_bf16": p._left_json(),
+                "reused": self.reused, "left_bf16": p._left_json(), "not_modelled": p._not_modelled_json(),
                 "shards_written": len(p.changed_shards), "files_linked": self.linked, "files_copied": self.copied,
                 "bytes": {"before": p.bytes_before, "after": self.bytes_after}, "seconds": self.seconds}
 
@@ -387,14 +394,15 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     """The hydrate plan of ``request.model`` into ``out``: ``cache warm``'s layer plan at TP 1, each layer checked
     for the fork's loader at every TP size OUT must start at; headers only.
 
-    The TP sizes are ``request.tp_sizes``, or, when empty, every size up to ``MAX_TP`` vLLM can split the model
-    into (``LayerPlan.shardable_tp_sizes``): OUT starts wherever SOURCE starts. A layer a server at one of them
-    could not slice stays BF16, as in SOURCE, and is listed with those sizes (``left_bf16``, ``left_tp``); the
-    other sizes up to ``MAX_TP`` where a stored layer could not be sliced are recorded in OUT (``fails_at``).
-    Refuses (ConfigError / InputError, one line): OUT inside SOURCE or existing, a checkpoint the server does not
-    encode online (a BF16 model, a plan with no layer), kinds whose stored layers the fork reads another way
-    (rank-sliced routed experts, the GLM-5.3 routed-only scope), a TP size vLLM cannot split the model into, and a
-    plan where every layer is left BF16.
+    The TP sizes are ``request.tp_sizes``, or, when empty, every size up to ``MAX_TP`` a server of SOURCE starts
+    at (``LayerPlan.startable_tp_sizes``: vLLM splits the model there and every rank slices SOURCE's own stored
+    modules): OUT starts wherever SOURCE starts. A layer a server at one of them could not slice stays BF16, as in
+    SOURCE, and is listed with those sizes (``left_bf16``, ``left_tp``); the other sizes up to ``MAX_TP`` vLLM can
+    split the model into where a stored layer (hydrate's or SOURCE's) could not be sliced are recorded in OUT
+    (``fails_at``). Refuses (ConfigError / InputError, one line): OUT inside SOURCE or existing, a checkpoint the
+    server does not encode online (a BF16 model, a plan with no layer), kinds whose stored layers the fork reads
+    another way (rank-sliced routed experts, the GLM-5.3 routed-only scope), a TP size vLLM cannot split the model
+    into or SOURCE does not start at, and a plan where every layer is left BF16.
     Example: ``hydrate(plan_hydrate(ServerRequest(model="./m", tp_sizes=()), "./m-k6"))``.
 
     Args:
@@ -485,7 +493,8 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     dtype = serving_torch_dtype(request.dtype) or checkpoint.dtype
     base = dict(source=source, out=out_path, model=str(source), bits=request.bits, tp_sizes=tp_sizes,
                 dtype=str(dtype).removeprefix("torch."), checkpoint=checkpoint,
-                storage_file=_storage_location(checkpoint), tp_default=not request.tp_sizes)
+                storage_file=_storage_location(checkpoint), tp_default=not request.tp_sizes,
+                not_modelled=tuple(not_modelled(layer_plan)))
     files = _files(source)
     total = sum((source / f).stat().st_size for f in files)
     not_planned = tuple((e.prefix, e.reason, e.detail) for e in layer_plan.excluded)

@@ -163,6 +163,7 @@ def test_record_is_read_by_identity_and_cache_check(outs, tmp_path, capsys):
 def test_dry_run_json_and_lines_say_the_sizes(tmp_path, capsys):
     """The CLI's default is every size SOURCE starts at (not TP 1), the report and --json say so, each layer left
     BF16 comes with its sizes; --tp-size narrows it on purpose, and the other sizes where OUT would fail are named;
+    modules the server encodes that exl3tool does not model (a vision tower not ignored) are named, never dropped;
     a size SOURCE itself does not start at (its stored experts cannot be sliced there) is refused, naming them."""
     src = write_tiny(tmp_path / "src", "qwen3.5", seed=fresh_seed())
     quant = ["--quantization-config", TINY_FAMILIES["qwen3.5"].overlay]
@@ -175,6 +176,21 @@ def test_dry_run_json_and_lines_say_the_sizes(tmp_path, capsys):
     code, stdout, err = run(["hydrate", src, tmp_path / "out", *quant, "--dry-run", "--tp-size", "1"], capsys)
     assert code == 0, err
     assert "for TP 1;" in stdout and f"not for TP 2 (not asked for): {Q}.3.self_attn.qkv_proj" in err
+    # An overlay that does not ignore the vision tower: the server encodes it online, exl3tool does not model it,
+    # so OUT cannot store it: the plan's line (stdout), --json, the warning and OUT's record say so.
+    vision = json.loads(TINY_FAMILIES["qwen3.5"].overlay)
+    vision["ignore"] = [g for g in vision["ignore"] if "visual" not in g]
+    vision = json.dumps(vision)
+    code, stdout, err = run(["hydrate", src, tmp_path / "out", "--quantization-config", vision, "--tp-size", "1",
+                             "--dry-run"], capsys)
+    assert code == 0 and "visual.* still encoded online (not modelled)" in stdout, stdout
+    assert "not stored: visual.*: the vision tower" in err and "a server of OUT still encodes it" in err, err
+    plan = plan_hydrate(ServerRequest(model=str(src), quantization_config=vision, tp_sizes=(1,)), tmp_path / "v")
+    assert [p for p, _ in plan.not_modelled] == ["visual.*"]
+    assert plan.as_json()["not_modelled"][0]["prefix"] == "visual.*"
+    hydrate(plan, device="cpu", encode=fake_encode)
+    record = read_hydrate_record(tmp_path / "v")
+    assert record.not_modelled == ("visual.*",) and "visual.* still encoded online" in record.line()
     mla = write_tiny(tmp_path / "mla", "deepseek-v3", seed=fresh_seed())
     code, stdout, err = run(["hydrate", mla, tmp_path / "out", "--dry-run", "--tp-size", "4"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
