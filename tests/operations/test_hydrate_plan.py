@@ -124,7 +124,8 @@ def test_the_old_default_fails_at_a_size_source_serves_and_its_record_says_so(ou
 
 def test_record_is_read_by_identity_and_cache_check(outs, tmp_path, capsys):
     """`identity` and `cache check` on OUT print the TP sizes it was hydrated for; `cache check` at a size where a
-    stored layer cannot be sliced is a start failure naming the layer and the server's error (exit 1); the record
+    stored layer cannot be sliced is a start failure naming the layer and the server's error (exit 1), the first
+    line of its report on stdout (not only in --json or on stderr); the record
     is not the only source: at a size an earlier exl3tool's record never checked, the fork's rule over every stored
     module answers the same."""
     family, _, _, _, out1, _ = outs
@@ -145,6 +146,9 @@ def test_record_is_read_by_identity_and_cache_check(outs, tmp_path, capsys):
     assert doc["hydrated"]["tp_sizes"] == [1] and not doc["ok"]
     [failure] = [f for f in doc["start_failures"] if f["field"] == "hydrated"]
     assert layer in failure["text"] and error in failure["text"] and f"at TP {tp}" in failure["text"]
+    code, stdout, err = run([*check, "--tp-size", str(tp)], capsys)  # the report (stdout) says it first
+    first = stdout.splitlines()[0]
+    assert code == 1 and first.startswith("this server will not start") and layer in first and error in first, stdout
     old = tmp_path / "old"  # a record of an earlier exl3tool: only the sizes asked for were checked
     shutil.copytree(out1, old)
     qc = json.loads((old / "quantization_config.json").read_text())

@@ -30,8 +30,8 @@ def _where(cause) -> str:
 
 
 def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
-    """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix, and
-    last why the server will not start (if it will not)."""
+    """First why the server will not start (if it will not: the hits do not matter then), then counts, then one
+    block per cause (where, which fields differ) with one line per finding and its fix."""
     plan = report.plan
     if report.hydrated is not None:
         out.note(f"{plan.model}: {report.hydrated.line()}")
@@ -39,6 +39,7 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
         out.note(report.release_note)
     for line in report.release_depends():
         out.warn(line)  # the rules whose outcome differs between the releases the server could run
+    _start_failures(out, report)  # the report's first finding (stdout): nothing below makes this server start
     if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing exl3tool models
         for f in report.cannot_tell:
             out.warn(f"cannot tell whether this server starts: {f.text}; fix: {f.fix}")
@@ -47,8 +48,8 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
             out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
         unplanned = any(c.kind == "unplanned" for c in report.causes)
         out.line(f"0 look-ups: {report.stored}; " + (
-            "those look-ups miss (above)" if unplanned else "the server encodes nothing online and needs no cache"))
-        _start_failures(out, report)
+            "those look-ups miss (above)" if unplanned else "the server encodes nothing online and needs no cache")
+            + ("; but it will not start (first line)" if report.start_failures else ""))
         out.data({**report.as_json(), **(extra or {})})
         return
     plan_notes(out, plan, starts=False)
@@ -62,13 +63,12 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
              f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
              f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
              f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
-    _start_failures(out, report)
     out.data({**report.as_json(), **(extra or {})})
 
 
 def _start_failures(out: Output, report: CheckReport) -> None:
-    """Why this server will not start, in the report itself (stdout), after its counts: the hits do not matter
-    then."""
+    """Why this server will not start, in the report itself (stdout), before anything else: the hits do not
+    matter then."""
     for f in report.start_failures:
         out.line(f"{f.text}; fix: {f.fix}")
 
@@ -142,7 +142,7 @@ def cache_check(
         out.note("this server encodes nothing online, which is right for this checkpoint: every online layer is "
                  "stored (the notes above about online-encode variables do not apply to it)")
         render_check(out, stored, launch_json(settings))
-        _refuse_assumption(tuple(stored.assumptions()))
+        _refuse_assumption(tuple(stored.assumptions()), _unknown_fix(stored))
         if stored.start_failures:
             raise FindingsError(stored.start_failures[0].text)
         if not stored.ok:  # the server encodes layers exl3tool does not model: those look-ups miss
@@ -156,7 +156,7 @@ def cache_check(
         raise FindingsError(f"this {what} makes no cache look-up: a warm cache changes nothing for it")
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
-    _refuse_assumption(tuple(report.assumptions()))
+    _refuse_assumption(tuple(report.assumptions()), _unknown_fix(report))
     if report.start_failures:
         raise FindingsError(report.start_failures[0].text)
     if not report.ok:
@@ -168,15 +168,22 @@ def cache_check(
         raise FindingsError(what if out.json else f"{what}; see the causes above")
 
 
-def _refuse_assumption(assumptions: tuple[str, ...]) -> None:
+def _unknown_fix(report: CheckReport) -> str:
+    """The fix for a report whose only assumptions are what exl3tool cannot tell about the start (a stored module
+    whose layout it does not model): that finding's own, not a release to name; "" otherwise."""
+    release = (report.release is not None and report.release.unknown) or report.release_depends()
+    return "" if release or not report.cannot_tell else report.cannot_tell[0].fix
+
+
+def _refuse_assumption(assumptions: tuple[str, ...], fix: str = "") -> None:
     """``cache check`` never answers on an assumption: exit 2 naming what exl3tool did not know (the report above
-    says what it found under the assumed rules), with the fix."""
+    says what it found under the assumed rules), with the fix (``fix``, else naming the release)."""
     if assumptions:
         from exl3tool.errors import ConfigError
 
         more = f" (and {len(assumptions) - 1} more above)" if len(assumptions) > 1 else ""
-        raise ConfigError(f"no answer on an assumption: {assumptions[0]}{more}; name the release the server runs: "
-                          "--server-release NAME (docs/releases.md)")
+        raise ConfigError(f"no answer on an assumption: {assumptions[0]}{more}; " + (
+            fix or "name the release the server runs: --server-release NAME (docs/releases.md)"))
 
 
 def check_nodes(out: Output, specs: list[str]) -> None:
