@@ -247,17 +247,24 @@ class LayerPlan:
         return f"{found[0].prefix}: {found[1]}" if found is not None else None
 
     def stored_failure(self, tp_size: int) -> Optional[tuple[Any, str]]:
-        """``(StoredModule, why)`` of the first stored module a server at ``tp_size`` fails to load, or None."""
+        """``(StoredModule, why)`` of the first stored module a server at ``tp_size`` fails to load (in the order
+        it slices them: ``slicing.load_order``), or None."""
+        found = self.stored_failures(tp_size)
+        return found[0] if found else None
+
+    def stored_failures(self, tp_size: int) -> list[tuple[Any, str]]:
+        """``(StoredModule, why)`` of every stored module a server at ``tp_size`` fails to load, in load order."""
         from exl3tool.checkpoint.slicing import stored_problem
 
+        out = []
         for m in self.stored:
             try:
                 why = stored_problem(m, tp_size)
             except ConfigError:  # vLLM cannot split the model there at all: ``shard_problem`` says so
                 continue
             if why:
-                return m, why
-        return None
+                out.append((m, why))
+        return out
 
     def stored_unknown(self) -> list[Any]:
         """The stored modules whose layout the fork's loader is not modelled for (``StoredModule.unknown``)."""
@@ -593,7 +600,9 @@ def _stored_modules(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str
         out += _stored_experts(checkpoint, family, cfg, ckpt_layers, storage, recorded,
                                streamed=kind is not None and kind.r7)
     out += _stored_head(checkpoint, cfg, storage, recorded)
-    return tuple(out)
+    from exl3tool.checkpoint.slicing import load_order
+
+    return tuple(sorted(out, key=lambda m: load_order(m.prefix)))  # the order the server slices them in
 
 
 def _never(stem: str) -> bool:

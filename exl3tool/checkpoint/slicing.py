@@ -19,15 +19,31 @@ docs/hydrate.md names). Every stored matrix is full-size in the checkpoint and e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from exl3tool.checkpoint.plan import ALIGN, PlannedLayer, qkv_partition
 
 __all__ = ["SourceModule", "StoredModule", "stored_module", "source_modules", "shard_groups", "storage_problem",
-           "slicing_problem", "tp_problems", "hydration_problem", "stored_problem", "shards_match", "VOCAB_PADDING"]
+           "slicing_problem", "tp_problems", "hydration_problem", "stored_problem", "shards_match", "VOCAB_PADDING",
+           "load_order"]
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: ParallelLMHead pads the vocabulary to a multiple of it
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def load_order(prefix: str) -> tuple[int, int]:
+    """Where a module comes in the order the server slices stored modules (vLLM's loader processes each module
+    after loading, in the model's module order): decoder layer by layer, the ``lm_head`` last, anything outside the
+    layers first. Sort stably by it (a layer's linears before its routed experts): the first module a TP size
+    cannot slice is the one whose error the server raises."""
+    if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        return (2, 0)
+    m = _LAYER_INDEX.search(prefix)
+    return (1, int(m.group(1))) if m else (0, 0)
 
 
 def stored_module(name: str) -> str:

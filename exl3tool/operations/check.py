@@ -636,32 +636,47 @@ def hydrated_failures(record, tp_sizes: tuple[int, ...], model: str) -> list[Fin
 def stored_failures(layer_plan: Optional[LayerPlan], record, tp_sizes: tuple[int, ...],
                     model: str) -> tuple[list[Finding], list[Finding]]:
     """``(failures, unknowns)`` of the modules the checkpoint stores as EXL3 at each of ``tp_sizes``: a size where a
-    rank cannot slice one of them (``LayerPlan.start_problem``: the fork's rules, ``checkpoint.slicing``) is a start
-    failure naming the module and the server's error, whatever the cache holds; the hydrate ``record`` is the fast
-    path for the sizes it names (``hydrated_failures``) and never the only source. ``unknowns``: stored modules
-    whose layout exl3tool does not model (then it cannot tell whether the server starts)."""
+    rank cannot slice one of them (``LayerPlan.stored_failures``: the fork's rules, ``checkpoint.slicing``) is a
+    start failure naming the first one in the order the server slices them and the server's error, whatever the
+    cache holds. The hydrate ``record`` gives the context (the sizes OUT was hydrated for) and the fix: hydrating
+    SOURCE again helps only where every failing module is one the hydrate stored (SOURCE's own stored modules fail
+    there too otherwise); where the rule finds nothing the record's ``fails_at`` is still said (never a start on
+    a disagreement). ``unknowns``: stored modules whose layout exl3tool does not model (then it cannot tell
+    whether the server starts)."""
     out: list[Finding] = []
     if layer_plan is None or not layer_plan.server_lookup:
         return out, []
-    recorded = hydrated_failures(record, tp_sizes, model)
-    out += recorded
-    done = {tp for tp in tp_sizes if record is not None and record.loads_at(tp) is False}
+    recorded = {f.text: f for f in hydrated_failures(record, tp_sizes, model)}
     starts: Optional[tuple[int, ...]] = None
     for tp in tp_sizes:
-        found = layer_plan.stored_failure(tp) if tp not in done else None
-        if found is None:
+        failing = layer_plan.stored_failures(tp)
+        if not failing:
+            out += [f for f in recorded.values() if f" at TP {tp} " in f.text]
             continue
-        module, why = found
+        module, why = failing[0]
         if starts is None:
             starts = layer_plan.startable_tp_sizes()
         serve = (f"serve it at TP {','.join(map(str, starts))} (where every rank slices each stored module)"
                  if starts else "no TP size up to 8 loads every stored module: store this module for the TP size "
                                 "you serve (its rank slices 128-aligned), or serve another checkpoint")
-        hydrated = record is not None and any(s.module in record.modules for s in module.sources)
-        again = (f", or hydrate SOURCE again with --tp-size {tp} (a layer TP {tp} cannot slice then stays BF16, as "
-                 "in SOURCE)" if hydrated else "")
-        out.append(Finding("stored", f"this server will not start: at TP {tp} {module.prefix}, stored as EXL3 in "
-                                     f"{model}, cannot be loaded: {why}", serve + again))
+        ours = [m for m, _ in failing if record is not None and any(s.module in record.modules for s in m.sources)]
+        theirs = [(m, w) for m, w in failing if m not in ours]
+        if record is not None and not theirs:
+            again = (f", or hydrate SOURCE again with --tp-size {tp} (a layer TP {tp} cannot slice then stays BF16, "
+                     "as in SOURCE)")
+        elif record is not None:
+            again = (f"; hydrating again does not help at TP {tp}: {theirs[0][0].prefix}, stored as EXL3 in SOURCE "
+                     f"itself, cannot be sliced there either ({theirs[0][1]})")
+        else:
+            again = ""
+        if record is not None:
+            checked = ",".join(map(str, record.tp_sizes))
+            text = (f"this server will not start: {model} was hydrated for TP {checked}, and at TP {tp} "
+                    f"{module.prefix}: {why}")
+            out.append(Finding("hydrated", text, serve + again))
+        else:
+            out.append(Finding("stored", f"this server will not start: at TP {tp} {module.prefix}, stored as EXL3 in "
+                                         f"{model}, cannot be loaded: {why}", serve + again))
     unknown = [Finding("stored", f"{m.prefix} is stored as EXL3, but {m.unknown}; exl3tool does not model how the "
                                  "fork loads it", "check that a server of this checkpoint starts at these TP sizes")
                for m in layer_plan.stored_unknown()]

@@ -32,6 +32,7 @@ from exl3tool.checkpoint.hydrated import (
     EXL3_SUFFIXES, FileTensor, SourceModule, exl3_tensors_of, read_header, slicing_problem, source_modules,
     storage_problem, storage_record, tensor_nbytes, tp_problems, write_shard,
 )
+from exl3tool.checkpoint.slicing import load_order
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.text import plural
 
@@ -560,10 +561,12 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     for tp in shardable:  # the sizes not asked for: recorded in OUT, so `cache check` there names the layer
         if tp in tp_sizes:
             continue
-        why = next((f"{layer.prefix}: {w}" for layer, srcs in stored_layers
-                    if (w := slicing_problem(layer, srcs, tp))), None) or whole.start_problem(tp)
-        if why:
-            fails_at[tp] = why
+        # the first module, hydrate's or SOURCE's own, in the order the server slices them: the error it raises
+        failing = [(layer.prefix, w) for layer, srcs in stored_layers if (w := slicing_problem(layer, srcs, tp))]
+        failing += [(m.prefix, w) for m, w in whole.stored_failures(tp)]
+        if failing:
+            prefix, why = min(failing, key=lambda f: load_order(f[0]))  # stable: the first of equal order
+            fails_at[tp] = f"{prefix}: {why}"
     base.update(fails_at=fails_at)
     changed = sorted({m.shard for layer in hydrated for m in layer.modules})
     meta_files = {_INDEX, base["storage_file"]}

@@ -23,8 +23,8 @@ def _digest(folder: Path) -> str:
 
 
 # The TP size `synth`'s next command warms for: 2, except where a module the tiny checkpoint stores as EXL3 cannot
-# be sliced there (GLM-4.5's stored layer-2 attention: 2 KV heads of 64, so 64 rows of k a rank; the fork slices
-# stored matrices in 128-blocks) and the server would not start.
+# be sliced there (GLM-4.5's stored layer-1 routed experts, 128 rows: 64 a rank, and its layer-2 attention: 2 KV
+# heads of 64; the fork slices stored matrices in 128-blocks) and the server would not start.
 NEXT_TP = {"glm4.5": 1}
 
 

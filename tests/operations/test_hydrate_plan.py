@@ -146,6 +146,10 @@ def test_record_is_read_by_identity_and_cache_check(outs, tmp_path, capsys):
     assert doc["hydrated"]["tp_sizes"] == [1] and not doc["ok"]
     [failure] = [f for f in doc["start_failures"] if f["field"] == "hydrated"]
     assert layer in failure["text"] and error in failure["text"] and f"at TP {tp}" in failure["text"]
+    # the fix: hydrating again helps only where SOURCE itself starts (DeepSeek's own experts fail at TP 4)
+    again = f"hydrate SOURCE again with --tp-size {tp}"
+    assert (again in failure["fix"]) is not bool(SOURCE_FAILS[family]), failure["fix"]
+    assert all(p in failure["fix"] and "SOURCE itself" in failure["fix"] for p in SOURCE_FAILS[family])
     code, stdout, err = run([*check, "--tp-size", str(tp)], capsys)  # the report (stdout) says it first
     first = stdout.splitlines()[0]
     assert code == 1 and first.startswith("this server will not start") and layer in first and error in first, stdout
@@ -254,3 +258,25 @@ def test_per_layer_bits(tmp_path, capsys):
                         (["--bits-for", "*.o_proj=9"], "K from 3 to 8"), (["--bits-for", "*.o_proj"], "GLOB=K")):
         code, _, err = run(["hydrate", src, tmp_path / "again", "--tp-size", "1", "--dry-run", *argv], capsys)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+# The first stored module a server fails to slice, in the order vLLM processes the model's modules (layer by layer;
+# the lm_head last), with the fork's error: the tiny GLM-4.5 stores layer 1's routed experts and layer 2's attention,
+# both unsliceable at TP 2; the server raises on layer 1's experts first (exl3tool named the attention: linears
+# were judged before every experts module).
+FIRST_FAILURE = {("glm4.5", 2): ("model.layers.1.mlp.experts",
+                                 "EXL3 TP output slice must be 128-aligned, got start=0, size=64"),
+                 ("deepseek-v3", 4): ("model.layers.1.mlp.experts",
+                                      "EXL3 TP output slice must be 128-aligned, got start=0, size=64")}
+
+
+@pytest.mark.parametrize("family,tp", sorted(FIRST_FAILURE))
+def test_cache_check_names_the_first_module_the_server_fails_to_slice(family, tp, tmp_path, capsys):
+    src = write_tiny(tmp_path / "src", family, seed=fresh_seed())
+    quant = ["--quantization-config", TINY_FAMILIES[family].overlay] if TINY_FAMILIES[family].overlay else []
+    code, stdout, err = run(["cache", "check", src, "--tp-size", str(tp), "--cache-dir", tmp_path / "c",
+                             "--encoder-root", ENC["encoder_root"], "--encoder-revision", ENC["encoder_revision"],
+                             *quant], capsys)
+    layer, error = FIRST_FAILURE[family, tp]
+    first = stdout.splitlines()[0]
+    assert code == 1 and first.startswith(f"this server will not start: at TP {tp} {layer},") and error in first, stdout
