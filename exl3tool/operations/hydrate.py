@@ -210,6 +210,27 @@ def stored_only_reason(layer_plan, tp_sizes=(1,)) -> str:
     return f"every online layer is stored: {what}"
 
 
+def refuse_other_launch_model(source: str, settings) -> None:
+    """ConfigError (exit 2, one line naming both) when ``hydrate --launch L SOURCE OUT`` is given a launch that
+    serves another model than SOURCE: its bits, overlay, TP size and dtype are that model's server's, so a plan of
+    SOURCE with them would be silently wrong. Same model: the launch's folder, as seen here (through its volumes),
+    resolves to SOURCE's. A launch that names no model, or no launch (``settings`` None), is not judged."""
+    if settings is None:
+        return
+    named = settings.settings.get("model")
+    if named is None or named.source != "launch argument":
+        return  # the launch names no model: SOURCE is the model
+    here = Path(os.path.expanduser(source)).resolve()
+    seen = settings.model_seen_here
+    if seen is not None and Path(os.path.expanduser(seen)).resolve() == here:
+        return
+    where = (f"{named.value} (here: {seen})" if seen is not None and seen != named.value else
+             f"{named.value}" + ("" if seen is not None else ", which is not a folder seen here"))
+    raise ConfigError(f"the launch serves {where}, not SOURCE {source}: its bits, overlay, TP size and dtype are "
+                      "that model's server's; give the launch that serves SOURCE, or SOURCE's settings as options "
+                      "(--bits, --quantization-config, --tp-size) without --launch")
+
+
 def not_modelled(layer_plan) -> list[tuple[str, str]]:
     """``(prefix, why)`` of the modules a server encodes online that exl3tool does not model (``plan_layers``'
     ``not_modelled``): hydrate cannot store them, so a server of OUT still encodes them at start-up."""

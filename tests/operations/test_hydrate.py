@@ -481,7 +481,7 @@ def test_inline_storage_and_a_hub_snapshot_source(tmp_path):
 def test_launch_gives_bits_overlay_and_tp_size(tmp_path, capsys):
     """From the server's launch: its VLLM_EXL3_ONLINE_TRELLIS_BITS, overlay and TP size make the plan."""
     src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
-    launch = ("VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3 VLLM_EXL3_ONLINE_TRELLIS_BITS=5 vllm serve /models/llama -tp 2 "
+    launch = (f"VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3 VLLM_EXL3_ONLINE_TRELLIS_BITS=5 vllm serve {src} -tp 2 "
               "--quantization-config '{\"linear\": \"mxfp8\", \"ignore\": [\"re:.*down_proj$\"]}'")
     code, stdout, err = run(["hydrate", src, tmp_path / "out", "--dry-run", "--json", "--leave-unaligned",
                              "--launch", launch], capsys)

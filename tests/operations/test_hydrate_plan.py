@@ -172,7 +172,8 @@ def test_dry_run_json_and_lines_say_the_sizes(tmp_path, capsys):
     """The CLI's default is every size SOURCE starts at (not TP 1), the report and --json say so, each layer left
     BF16 comes with its sizes; --tp-size narrows it on purpose, and the other sizes where OUT would fail are named;
     modules the server encodes that exl3tool does not model (a vision tower not ignored) are named, never dropped;
-    a size SOURCE itself does not start at (its stored experts cannot be sliced there) is refused, naming them."""
+    a size SOURCE itself does not start at (its stored experts cannot be sliced there) is refused, naming them, and
+    so is a launch that serves another model than SOURCE."""
     src = write_tiny(tmp_path / "src", "qwen3.5", seed=fresh_seed())
     quant = ["--quantization-config", TINY_FAMILIES["qwen3.5"].overlay]
     code, stdout, err = run(["hydrate", src, tmp_path / "out", *quant, "--dry-run", "--json"], capsys)
@@ -203,6 +204,11 @@ def test_dry_run_json_and_lines_say_the_sizes(tmp_path, capsys):
     code, stdout, err = run(["hydrate", mla, tmp_path / "out", "--dry-run", "--tp-size", "4"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "does not start at TP 4" in err and "model.layers.1.mlp.experts" in err and "TP 1,2" in err, err
+    # a launch that serves another model: its settings are not SOURCE's server's (one line naming both, exit 2)
+    for launch, shown in ((f"vllm serve {mla} -tp 2", str(mla)), ("vllm serve /nowhere/m -tp 2", "/nowhere/m")):
+        code, stdout, err = run(["hydrate", "--launch", launch, src, tmp_path / "out", "--dry-run"], capsys)
+        [line] = [x for x in err.splitlines() if x.startswith("error:")]  # after the launch's settings (stderr)
+        assert code == 2 and f"the launch serves {shown}" in line and f"not SOURCE {src}" in line, err
     assert not (tmp_path / "out").exists()
 
 

@@ -76,7 +76,7 @@ def hydrate_command(
     Example: exl3tool hydrate /models/Qwen3.8-27B-exl3 /models/Qwen3.8-27B-exl3-hydrated --bits 6 --tp-size 1,2
     --quantization-config "$OVERLAY"
     """
-    from exl3tool.operations.hydrate import hydrate, plan_hydrate
+    from exl3tool.operations.hydrate import hydrate, plan_hydrate, refuse_other_launch_model
 
     out = call.out
     out.note_interrupted({}, "interrupted before any module was encoded: nothing was written; run the same command "
@@ -86,6 +86,7 @@ def hydrate_command(
                  "and listed; drop it")
     request, settings, environ = call.resolve(call.request(), add_tp_sizes=True, need_cache=False,
                                               no_lookup="ignore")
+    refuse_other_launch_model(request.model, settings)
     extra = launch_json(settings)
     plan = plan_hydrate(request, out_dir, environ=environ, bits_for=bits_for)
     for prefix, why in plan.left_bf16:
