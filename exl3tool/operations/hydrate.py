@@ -42,6 +42,7 @@ __all__ = ["HydrateLayer", "HydratePlan", "HydrateReport", "plan_hydrate", "hydr
 TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name>.hydrate-partial"
 _INDEX = "model.safetensors.index.json"
 _QUANT = "quantization_config.json"
+STORED_BITS = (1, 8)  # the K a stored module may have: exl3.py _validate_loaded_tensors reads 1 to 8 from its trellis
 MAX_TP = 8  # the default TP sizes: every size up to this one that a server of SOURCE starts at
 
 EncodeFn = Callable[..., Any]  # (weight [K, N] float32, bits, seed, device) -> EncodedLinear
@@ -110,6 +111,7 @@ class HydratePlan:
     # (prefix, why) of modules the server encodes online that exl3tool does not model: OUT does not store them, so
     # a server of OUT still encodes them at start-up (a vision tower the overlay does not ignore)
     not_modelled: tuple[tuple[str, str], ...] = ()
+    left_out: tuple[str, ...] = ()  # SOURCE's hidden folders (.git, .cache, ...): tool data, not copied into OUT
 
     @property
     def modules(self) -> list[HydrateModule]:
@@ -145,6 +147,7 @@ class HydratePlan:
                 "layers": [layer.as_json() for layer in self.layers], "modules": len(mods),
                 "tiles": sum((m.source.in_features // 16) * (m.source.out_features // 16) for m in mods),
                 "left_bf16": self._left_json(), "not_modelled": self._not_modelled_json(),
+                "left_out": list(self.left_out),
                 "not_planned": [{"prefix": p, "reason": r, "why": w} for p, r, w in self.not_planned],
                 "changed_shards": list(self.changed_shards), "unchanged_files": len(self.unchanged_files),
                 "storage_file": self.storage_file,
@@ -174,6 +177,7 @@ class HydrateReport:
                 "tp_default": p.tp_default, "fails_at": {str(tp): why for tp, why in sorted(p.fails_at.items())},
                 "layers": len(p.layers), "modules_stored": len(p.modules), "encoded": self.encoded,
                 "reused": self.reused, "left_bf16": p._left_json(), "not_modelled": p._not_modelled_json(),
+                "left_out": list(p.left_out),
                 "shards_written": len(p.changed_shards), "files_linked": self.linked, "files_copied": self.copied,
                 "bytes": {"before": p.bytes_before, "after": self.bytes_after}, "seconds": self.seconds}
 
@@ -231,6 +235,27 @@ def refuse_other_launch_model(source: str, settings) -> None:
                       "(--bits, --quantization-config, --tp-size) without --launch")
 
 
+def nothing_encoded_online(request, environ: Optional[dict] = None) -> str:
+    """Why a server of ``request.model`` (a local checkpoint) encodes nothing online at its TP sizes (default 1):
+    every layer it would encode is stored (``stored_only_reason``, and no module it encodes is outside exl3tool's
+    model), so it computes no cache key and needs no encoder identity; "" otherwise (or when it cannot tell)."""
+    from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay
+    from exl3tool.checkpoint.overrides import parse_hf_overrides
+    from exl3tool.errors import Exl3ToolError
+
+    model = os.path.expanduser(request.model or "")
+    if not model or not os.path.isdir(model):
+        return ""
+    try:
+        checkpoint = open_checkpoint(model, hf_overrides=parse_hf_overrides(request.hf_overrides))
+        layer_plan = plan_layers(checkpoint, overlay=resolve_overlay(request.quantization_config),
+                                 language_model_only=request.language_model_only, release=request.release)
+    except Exl3ToolError:
+        return ""
+    why = stored_only_reason(layer_plan, tuple(request.tp_sizes) or (1,))
+    return "" if not why or not_modelled(layer_plan) else why
+
+
 def not_modelled(layer_plan) -> list[tuple[str, str]]:
     """``(prefix, why)`` of the modules a server encodes online that exl3tool does not model (``plan_layers``'
     ``not_modelled``): hydrate cannot store them, so a server of OUT still encodes them at start-up."""
@@ -277,9 +302,10 @@ def _refuse_entry(shown: Path, what: str, link: bool = True) -> InputError:
                       "command again")
 
 
-def _files(root: Path) -> list[str]:
+def _files(root: Path, hidden: Optional[list[str]] = None) -> list[str]:
     """Every file of the checkpoint folder ``root``, relative: each folder's files sorted, then its folders (hidden
-    files included). A link is followed where it resolves inside ``source_boundary(root)`` (a file, or a folder
+    files included; hidden folders, a tool's data such as ``.git``, ``.cache``, ``.store``, are not the model: left
+    out and, when ``hidden`` is given, appended to it, relative). A link is followed where it resolves inside ``source_boundary(root)`` (a file, or a folder
     walked by the same rule); a link that resolves elsewhere, a dangling one, a link to a folder that holds it,
     and a fifo, device or socket are refused naming the entry (InputError): nothing outside SOURCE reaches OUT."""
     real_root = Path(os.path.realpath(root))
@@ -307,6 +333,10 @@ def _files(root: Path) -> list[str]:
                 mode = os.stat(target).st_mode
             except OSError:
                 raise _refuse_entry(shown, f"a link to {os.readlink(e.path)}, which does not exist") from None
+            if stat.S_ISDIR(mode) and e.name.startswith("."):
+                if hidden is not None:
+                    hidden.append(str(rel / e.name))
+                continue
             if stat.S_ISDIR(mode):
                 if target in ancestors:
                     raise _refuse_entry(shown, f"a link to {target}, a folder that holds it (a loop)")
@@ -378,17 +408,23 @@ def _layer_seed(layer, source: SourceModule) -> int:
 
 
 def bits_rules(rules: Iterable[str | tuple[str, int]]) -> tuple[tuple[str, int], ...]:
-    """``--bits-for`` rules as ``(glob, K)``: ``"GLOB=K"`` strings (or pairs), K from 3 to 8 as ``--bits``;
-    ConfigError naming the rule otherwise."""
-    from exl3tool.cache.settings import BITS_RANGE
+    """``--bits-for`` rules as ``(glob, K)``: ``"GLOB=K"`` strings (or pairs), GLOB ASCII, K from 1 to 8
+    (``STORED_BITS``: the fork reads a stored module's K from its trellis, 1 to 8); ConfigError naming the rule (in
+    ASCII), what is wrong and the accepted form otherwise."""
 
-    lo, hi = BITS_RANGE
+    lo, hi = STORED_BITS
     out = []
     for rule in rules:
         glob, sep, k = rule.rpartition("=") if isinstance(rule, str) else (rule[0], "=", str(rule[1]))
-        if not sep or not glob.strip() or not k.strip().isdigit() or not lo <= int(k) <= hi:
-            raise ConfigError(f"--bits-for {rule!r}: give GLOB=K, K from {lo} to {hi} (e.g. "
-                              f"'*.mlp.down_proj=5')")
+        k = k.strip()
+        if (not sep or not glob.strip() or not k.isascii() or not k.isdigit() or not lo <= int(k) <= hi
+                or not glob.isascii()):
+            shown = ascii(rule if isinstance(rule, str) else f"{rule[0]}={rule[1]}")  # the rule, in ASCII
+            why = ("not GLOB=K" if not sep or not glob.strip() else
+                   "non-ASCII characters" if not (glob.isascii() and k.isascii()) else
+                   f"K {k!r} is not a whole number from {lo} to {hi}")
+            raise ConfigError(f"--bits-for {shown}: {why}; the accepted form is GLOB=K, GLOB a shell glob over "
+                              f"module names (ASCII) and K from {lo} to {hi}, e.g. --bits-for '*.mlp.down_proj=5'")
         out.append((glob.strip(), int(k)))
     return tuple(out)
 
@@ -445,6 +481,9 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     from exl3tool.cache.settings import server_bits
     from exl3tool.plan.request import prepare, serving_torch_dtype
 
+    if not str(out).strip():  # "" would be the working folder: never guessed
+        raise ConfigError("OUT is empty: give the new checkpoint's folder (one that does not exist yet, not inside "
+                          "SOURCE), e.g. exl3tool hydrate /models/M /models/M-k6")
     request = replace(request, bits=server_bits(request.bits, os.environ if environ is None else environ))
     rules = bits_rules(bits_for)
     if not os.path.isdir(os.path.expanduser(request.model)):
@@ -517,7 +556,9 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
                 dtype=str(dtype).removeprefix("torch."), checkpoint=checkpoint,
                 storage_file=_storage_location(checkpoint), tp_default=not request.tp_sizes,
                 not_modelled=tuple(not_modelled(layer_plan)))
-    files = _files(source)
+    hidden: list[str] = []
+    files = _files(source, hidden)
+    base.update(left_out=tuple(hidden))
     total = sum((source / f).stat().st_size for f in files)
     not_planned = tuple((e.prefix, e.reason, e.detail) for e in layer_plan.excluded)
     stored = stored_only_reason(layer_plan, (1,))
@@ -684,10 +725,12 @@ def _exclusive(out: Path):
         try:
             lock.acquire()
         except Timeout:
-            who = ", ".join(lock_holders(path))
-            raise ConfigError(f"{out}: another hydrate into it is running ({who + ' ' if who else ''}holds {path}); "
-                              "wait for it to finish, or stop it and run this command again to resume its work"
-                              ) from None
+            holders = lock_holders(path)
+            who = ", ".join(holders) or "a process exl3tool cannot name (on another host, or another user's)"
+            pids = " ".join(h.split()[1] for h in holders if h.startswith("pid "))
+            raise ConfigError(f"{out}: another hydrate into it is running: {who} holds its lock file {path}; wait "
+                              "for it to finish, or stop it" + (f" (kill {pids})" if pids else "")
+                              + " and run this command again: it resumes the work kept so far") from None
         except OSError as exc:
             raise InputError(f"{out.parent}: cannot create {path.name} there ({exc.strerror}); choose a writable "
                              "folder for OUT") from None
@@ -788,7 +831,7 @@ def _load_result(path: Path, fingerprint: str, m: HydrateModule, bits: int) -> O
 
 def _save_result(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) -> None:
     part = path.with_suffix(".part")
-    with _writing(path):
+    with _writing(path, part):
         write_shard(part, None, [(k, v.contiguous()) for k, v in tensors.items()], {"fingerprint": fingerprint})
         os.replace(part, path)
 
@@ -859,13 +902,19 @@ def _free_space_check(plan: HydratePlan, temp: Path, pending: list[HydrateModule
 
 
 @contextmanager
-def _writing(path: Path):
+def _writing(path: Path, part: Optional[Path] = None):
     """An OSError while writing ``path`` names ``path`` (a buffered write's error names no file; shutil's copy
-    names the file it reads)."""
+    names the file it reads); whatever stops the write (a full disk, Ctrl-C), its half-written ``part`` file is
+    removed: a result or a shard is there whole or not at all."""
     try:
         yield
-    except OSError as exc:
-        if exc.filename != str(path) and exc.errno is not None:
+    except BaseException as exc:
+        if part is not None:
+            try:
+                part.unlink(missing_ok=True)
+            except OSError:
+                pass
+        if isinstance(exc, OSError) and exc.filename != str(path) and exc.errno is not None:
             raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
         raise
 
@@ -886,7 +935,7 @@ def _link_or_copy(src: Path, dst: Path, boundary: Path) -> bool:
         return True
     except OSError:
         part = dst.with_name(dst.name + ".part")
-        with _writing(dst):
+        with _writing(dst, part):
             shutil.copy2(real, part)
             os.replace(part, dst)
         return False
@@ -899,7 +948,7 @@ def _write_json(path: Path, data: dict, indent: int) -> None:
 def _write_text(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all (a ``.part`` file fsynced, then renamed over it)."""
     part = path.with_name(path.name + ".part")
-    with _writing(path):
+    with _writing(path, part):
         with open(part, "w") as f:
             f.write(text)
             f.flush()
@@ -947,7 +996,7 @@ def _assemble(plan: HydratePlan, stage: Path, temp: Path, steps: _Steps) -> tupl
                 order.append((tname, FileTensor(result, tname)))
                 new_names[tname] = shard
         part = stage / (shard + ".part")
-        with _writing(stage / shard):
+        with _writing(stage / shard, part):
             write_shard(part, plan.source / shard, order, meta)
             os.replace(part, stage / shard)
         steps(f"shard {shard}")

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
 from exl3tool.format.encoded import EncodedLinear
-from exl3tool.operations.hydrate import TEMP_SUFFIX, hydrate, plan_hydrate
+from exl3tool.operations.hydrate import TEMP_SUFFIX, hydrate, lock_file, plan_hydrate
 from exl3tool.plan import ServerRequest
 
 from helpers import (ENC, run, server_encoder_identity, server_lookup, server_model_identity, server_online_lookups,
@@ -316,7 +316,9 @@ def test_a_second_hydrate_into_the_same_out_is_refused_while_the_first_runs(tmp_
         if line.startswith("["):
             break
     code, _, err = run(argv, capsys)
-    assert code == 2 and "another hydrate into it is running" in _one_line(err), err
+    line = _one_line(err)  # names the lock file, the process holding it and the fix
+    assert code == 2 and "another hydrate into it is running" in line, err
+    assert f"pid {first.pid} " in line and f"kill {first.pid}" in line and str(lock_file(out)) in line, line
     rest = first.stderr.read()
     assert first.wait(timeout=120) == 0, rest
     assert {k: v[3] for k, v in tree(out).items()} == {k: v[3] for k, v in tree(clean).items()}

@@ -268,7 +268,7 @@ def test_ctrl_c_wrapped_in_another_error_is_an_interrupt(tmp_path, capsys, monke
 def test_a_real_full_filesystem_names_the_file_and_resumes(tmp_path, small_tmpfs, capsys, fake_encoder, fill_at):  # noqa: F811
     """OUT on a 2 MiB tmpfs that another writer fills during the run (after the second module is saved, or once the
     unchanged files are linked): exit 2, one line naming the file written, the free and needed bytes and where the
-    results are kept; after the space is freed the same command writes the bytes of an uninterrupted run."""
+    results are kept, no `.part` file left; after the space is freed the same command writes the bytes of an uninterrupted run."""
     src = _checkpoint(tmp_path / "src", fresh_seed())
     clean = tmp_path / "clean"
     hydrate(plan_hydrate(ServerRequest(model=str(src)), clean), device="cpu", encode=weight_encode)
@@ -293,6 +293,7 @@ def test_a_real_full_filesystem_names_the_file_and_resumes(tmp_path, small_tmpfs
     assert str(temp_dir(out)) in line.split(":", 2)[1] and "the rest of the run needs about" in line
     assert "kept in" in line and not out.exists() and not lock_file(out).exists()
     assert not (temp_dir(out) / "out").exists()  # the partial assembly is removed: its space is free again
+    assert not [p.name for p in small_tmpfs.rglob("*.part")]  # nor is a file half-written left
     ballast.unlink()
     code, stdout, err = run([*HYDRATE, str(src), str(out), "--json"], capsys)
     assert code == 0, err

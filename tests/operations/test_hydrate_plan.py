@@ -138,6 +138,8 @@ def test_record_is_read_by_identity_and_cache_check(outs, tmp_path, capsys):
     code, stdout, err = run(["identity", out1, "--encoder-root", ENC["encoder_root"], "--encoder-revision",
                              ENC["encoder_revision"]], capsys)
     assert "hydrated for TP 1 (K6" in stdout, stdout
+    code, stdout, err = run(["identity", out1, *quant], capsys)  # nothing encoded online: no encoder to name
+    assert code == 0 and "encoder identity  none needed: every online layer is stored" in stdout, err
     check = ["cache", "check", out1, "--cache-dir", tmp_path, "--encoder-root", ENC["encoder_root"],
              "--encoder-revision", ENC["encoder_revision"], *quant]
     code, stdout, err = run([*check, "--tp-size", str(tp), "--json"], capsys)
@@ -175,10 +177,14 @@ def test_dry_run_json_and_lines_say_the_sizes(tmp_path, capsys):
     a size SOURCE itself does not start at (its stored experts cannot be sliced there) is refused, naming them, and
     so is a launch that serves another model than SOURCE."""
     src = write_tiny(tmp_path / "src", "qwen3.5", seed=fresh_seed())
+    for tool in (".store/x/blob", ".git/HEAD", ".gitattributes"):  # a tool's hidden folders: not the model
+        (src / tool).parent.mkdir(parents=True, exist_ok=True)
+        (src / tool).write_text("x")
     quant = ["--quantization-config", TINY_FAMILIES["qwen3.5"].overlay]
     code, stdout, err = run(["hydrate", src, tmp_path / "out", *quant, "--dry-run", "--json"], capsys)
     assert code == 0, err
     doc = json.loads(stdout)
+    assert doc["left_out"] == [".git", ".store"] and "left out of OUT: .git/, .store/" in err, err
     assert doc["tp_sizes"] == [1, 2] and doc["tp_default"] is True and doc["fails_at"] == {}
     assert {d["prefix"]: d["tp_sizes"] for d in doc["left_bf16"]} == {f"{Q}.3.self_attn.qkv_proj": [2]}
     assert f"left BF16 (as in SOURCE): {Q}.3.self_attn.qkv_proj: {QC}.3.self_attn.k_proj: at TP 2" in err
@@ -198,6 +204,8 @@ def test_dry_run_json_and_lines_say_the_sizes(tmp_path, capsys):
     assert [p for p, _ in plan.not_modelled] == ["visual.*"]
     assert plan.as_json()["not_modelled"][0]["prefix"] == "visual.*"
     hydrate(plan, device="cpu", encode=fake_encode)
+    assert (tmp_path / "v" / ".gitattributes").is_file() and not list(tmp_path.glob("v/.store*"))
+    assert not (tmp_path / "v" / ".git").exists()
     record = read_hydrate_record(tmp_path / "v")
     assert record.not_modelled == ("visual.*",) and "visual.* still encoded online" in record.line()
     mla = write_tiny(tmp_path / "mla", "deepseek-v3", seed=fresh_seed())
@@ -260,10 +268,18 @@ def test_per_layer_bits(tmp_path, capsys):
     assert record.line().startswith("hydrated for TP 1 (K4/K5/K6/K8, 8 modules stored")
     assert server_online_lookups(out, {p: m["leaves"] for p, m in SERVED["deepseek-v3"].items()
                                        if p not in STORED_IN_SOURCE}) == []
+    form = "the accepted form is GLOB=K, GLOB a shell glob over module names (ASCII) and K from 1 to 8"
     for argv, words in ((["--bits-for", "*.nothing=5"], "matches no module hydrate stores"),
-                        (["--bits-for", "*.o_proj=9"], "K from 3 to 8"), (["--bits-for", "*.o_proj"], "GLOB=K")):
-        code, _, err = run(["hydrate", src, tmp_path / "again", "--tp-size", "1", "--dry-run", *argv], capsys)
-        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+                        (["--bits-for", "*.o_proj=9"], "--bits-for '*.o_proj=9': K '9' is not a whole number"),
+                        (["--bits-for", "*.o_proj"], "--bits-for '*.o_proj': not GLOB=K; " + form),
+                        (["--bits-for", "*.o_proj=\u0665"], "--bits-for '*.o_proj=\\u0665': non-ASCII"),
+                        ([""], "OUT is empty")):
+        out_arg = [] if argv == [""] else [tmp_path / "again"]
+        code, _, err = run(["hydrate", src, *out_arg, "--tp-size", "1", "--dry-run", *argv], capsys)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1 and err.isascii(), err
+    code, _, err = run(["hydrate", src, tmp_path / "again", "--tp-size", "1", "--dry-run", "--bits-for", "*.o_proj=2"],
+                       capsys)
+    assert code == 0, err  # K 1 and 2 are stored K the fork loads (1 to 8 from the trellis)
 
 
 # The first stored module a server fails to slice, in the order vLLM processes the model's modules (layer by layer;

@@ -96,6 +96,9 @@ def hydrate_command(
     for prefix, why in plan.not_modelled:
         out.warn(f"not stored: {prefix}: {why}; OUT cannot store it either, so a server of OUT still encodes it "
                  "online at start-up")
+    if plan.left_out:
+        out.warn(f"left out of OUT: {', '.join(f + '/' for f in plan.left_out)} (hidden folders of SOURCE: a tool's "
+                 "data, not the model; OUT holds only the model)")
     if plan.already_stored:
         out.line(f"nothing to do: {plan.source} is hydrated already ({plan.already_stored}); nothing written")
         report = None if plan_only else hydrate(plan)
@@ -117,7 +120,7 @@ def hydrate_command(
     if narrowed:
         head += (f"; {plural(sum(1 for at in plan.left_tp.values() if at), 'layer')} left BF16 because TP "
                  f"{','.join(map(str, narrowed))} cannot slice them (a --tp-size without that size stores them)")
-    head += _still_online(plan)
+    head += _still_online(plan) + (f"; hidden folders left out: {', '.join(plan.left_out)}" if plan.left_out else "")
     if plan_only:
         out.line(head + " (dry run: nothing written)")
         out.data({**plan.as_json(), **extra})
@@ -143,7 +146,8 @@ def hydrate_command(
         return
     out.line(f"wrote {plan.out}: {plural(len(mods), 'module')} stored as EXL3 {_ks(plan)} ({report.encoded} encoded, "
              f"{report.reused} kept from an interrupted run), {_mib(plan.bytes_before)} -> {_mib(report.bytes_after)}, "
-             f"{report.seconds:.1f} s; hydrated for TP {','.join(map(str, plan.tp_sizes))}{_still_online(plan)}")
+             f"{report.seconds:.1f} s; hydrated for TP {','.join(map(str, plan.tp_sizes))}{_still_online(plan)}"
+             + (f"; hidden folders left out: {', '.join(plan.left_out)}" if plan.left_out else ""))
     out.data({**report.as_json(), **extra})
 
 
