@@ -16,8 +16,10 @@ nor do the Kimi-K3 and Jovian Judgement lines: their servers encode no layer to 
 checkpoint stores (``exl3tool hydrate`` writes that). Key, identities and entry format are the same in every version.
 
 One run follows one release, resolved once (``resolve_release``: ``--server-release``, else an image's fork modules,
-else its labels, else the newest, said as such) into a ``ReleaseChoice`` that the request carries; what could not be
-told (an unknown label, a patched image) is named in it, and ``cache check`` never answers on such an assumption.
+else its labels) into a ``ReleaseChoice`` that the request carries; what could not be told (an unknown label, a
+patched image) is named in it. Where nothing names the release it is not determined: the rules an answer or a write
+depends on are compared across every release it could be (``rule_splits``, ``operations.release_rules``), and no
+command answers, writes or picks a cache root where they differ.
 """
 
 from __future__ import annotations
@@ -246,13 +248,15 @@ RELEASES: tuple[ServerRelease, ...] = (
 )
 _BY_NAME = {r.name: r for r in RELEASES}
 ONLINE = tuple(r for r in RELEASES if r.online_cache)  # the releases that encode online (and look entries up)
-# the release a command follows when nothing names one (and says so): the newest that encodes online
+# the row whose rules fill a request when nothing names its release: only where every release that encodes online
+# gives the same (``ReleaseChoice.could_be``, ``rule_splits``), never as the server's release
 NEWEST = max((r for r in RELEASES if r.online_cache), key=lambda r: r.date).name  # infernal-invocation-r18
 
 
 def newest() -> ServerRelease:
-    """The newest release of the table that encodes online (``NEWEST``): what a command follows, and says it
-    follows, when neither ``--server-release`` nor the server's image names one."""
+    """The newest release of the table that encodes online (``NEWEST``): the rules a request holds when neither
+    ``--server-release`` nor the server's image names one, applied only where every release that encodes online
+    gives the same (``ReleaseChoice.could_be``)."""
     return _BY_NAME[NEWEST]
 
 # Image labels that name the release (the fork's Dockerfiles set them): the integration tree is exact; a release
@@ -431,9 +435,11 @@ class ReleaseChoice:
 
     def describe(self) -> str:
         """One line: the release and where it came from."""
-        how = {"default": "no --server-release, and neither the image's labels nor its files name a release: the "
-                          "newest that encodes online"}.get(self.source, self.source + (f" ({self.detail})" if
-                                                                                       self.detail else ""))
+        if self.source == "default":
+            return ("server release not named (no --server-release, and neither the image's labels nor its files name "
+                    f"one): every release that encodes online is compared ({release_span(self.candidates)}), and "
+                    f"{self.release.name}'s rules apply only where they all give the same")
+        how = self.source + (f" ({self.detail})" if self.detail else "")
         return f"server release {self.release.name}: {how}" + (f"; {self.release.patched}" if self.release.patched
                                                                  else "")
 
@@ -448,8 +454,9 @@ def resolve_release(name: Union[str, ReleaseChoice, None] = None, labels: Option
                     image: str = "", table_release: str = "", modules: Optional[ForkModules] = None) -> ReleaseChoice:
     """The release a run follows, resolved once: ``--server-release NAME`` (``name``; an unknown one is a
     ConfigError), else the fork modules the server's image holds (``modules``), else the release its labels name
-    (``labels``; ``table_release``: the one exl3tool's published-images table names for it), else the newest that
-    encodes online, said as such. A label that names no known release, or an image whose name says it is patched
+    (``labels``; ``table_release``: the one exl3tool's published-images table names for it), else none: not
+    determined, compared across every release that encodes online (``could_be``; the newest's rules fill the
+    request where they all agree). A label that names no known release, or an image whose name says it is patched
     and whose files were not read, is an assumption named in ``ReleaseChoice.unknown``.
     """
     if isinstance(name, ReleaseChoice):
@@ -540,7 +547,14 @@ def _from_modules(mods: ForkModules, named: Optional[ServerRelease], unknown: li
 
 
 def no_online_encoding(rel: ServerRelease) -> str:
-    """Why a server of ``rel`` looks nothing up (one sentence, the fix included): it encodes nothing online."""
+    """Why a server of ``rel`` looks nothing up (one sentence, the fix included): it encodes nothing online. A
+    release derived from an image's own files (``patched``) is said as those files, never as the row it was
+    compared with (an r34 label on an image whose exl3.py has no online method: r34 encodes online, the image not)."""
+    if rel.patched:
+        base = rel.name.split(" (", 1)[0]
+        return (f"the image's own files encode no layer to EXL3 online: {rel.patched}; the server runs those files, "
+                f"not {base}'s, whatever its labels say, so it loads only the EXL3 layers the checkpoint stores and "
+                "looks nothing up; to serve its BF16 layers as EXL3 there, store them: exl3tool hydrate MODEL OUT")
     return (f"{rel.name} encodes no layer to EXL3 online (no exl3_online_cache.py nor online Trellis method: they "
             "came with gilded-gnosis-r20 and infernal-invocation-r5, and the Kimi-K3 and Jovian Judgement lines ship "
             "neither): the server loads only the EXL3 layers the checkpoint stores and looks nothing up; to serve "

@@ -43,6 +43,12 @@ def test_the_table_names_every_release_and_its_cache_module():
     choice = resolve_release()
     assert NEWEST == "infernal-invocation-r18" == newest().name == choice.name
     assert choice.source == "default" and not choice.assumed  # said as the default, not an assumption
+    # nor as the server's release: the settings line and --server-release's help say it is compared (they said "the
+    # newest (said as such)", as if r18 were the server's)
+    from exl3tool.cli.commands.options import ROWS
+
+    said = " ".join((choice.describe(), ROWS["server_release"].type.__metadata__[0].help))
+    assert "newest" not in said and "not named" in choice.describe() and "(exit 2) until it is named" in said
     for r in RELEASES:
         assert r.cache is None or r.cache in CACHE_MODULES
         line, _, n = r.name.rpartition("-r")

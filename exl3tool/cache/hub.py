@@ -99,8 +99,16 @@ def _cache_here(environ: Mapping[str, str] | None, view: "ServerView | None") ->
     cache = hub_cache_dir(environ)
     if view is None:
         return cache
-    here = view.to_host(str(cache)) if cache.is_absolute() else None
+    here = _seen(view, cache)
     return Path(here) if here is not None else hub_cache_dir(None)
+
+
+def _seen(view: "ServerView", cache: Path) -> str | None:
+    """The server's Hub cache here, its links read in the server's view (``cache.serverfs``); None inside the
+    image (not on a mount); a ConfigError naming a link that leads out of what is here."""
+    from exl3tool.cache.serverfs import seen_from_here
+
+    return seen_from_here(view, str(cache), "the server's Hub cache") if cache.is_absolute() else None
 
 
 def server_hub_cache(environ: Mapping[str, str] | None, view: "ServerView | None") -> Path | None:
@@ -109,8 +117,8 @@ def server_hub_cache(environ: Mapping[str, str] | None, view: "ServerView | None
     if view is None:
         return None
     cache = hub_cache_dir(environ)
-    here = view.to_host(str(cache)) if cache.is_absolute() else None
-    return Path(here) if here is not None and here != str(cache) else None
+    here = _seen(view, cache)
+    return Path(here) if here is not None and here not in (str(cache), os.path.realpath(cache)) else None
 
 
 def resolve_hub_revision(

@@ -379,18 +379,23 @@ def _walk_py_files(root: str) -> list[tuple[str, ...]]:
     return found
 
 
-def resolve_encoder_identity(root: str, revision: str | None = None, *, source: str | None = None) -> EncoderIdentity:
+def resolve_encoder_identity(root: str, revision: str | None = None, *, source: str | None = None,
+                             view: ServerView | None = None) -> EncoderIdentity:
     """The server's ``encoder_identity`` for ``VLLM_EXL3_ENCODER_SOURCE=root`` (docs/cache-format.md §2.5).
 
     With a non-blank ``revision`` the payload is the resolved root string plus the stripped revision,
     and ``root`` need not exist here; the root string must still be the server's. Without one, every
     ``*.py`` file is hashed, ordered by path components: the files of ``source`` (a local copy of the
     server's encoder, e.g. an installed exllamav3 package) when given, else those under ``root``; the
-    payload always names ``root``.
+    payload always names ``root``, resolved as the server resolves it: in ``view`` (a launch's filesystem: its
+    links read there, never this machine's; a folder inside the image taken as written) when given.
 
     >>> resolve_encoder_identity("/opt/exllamav3", source="venv/lib/python3.12/site-packages/exllamav3")  # doctest: +SKIP
     """
-    real = os.path.realpath(os.path.expanduser(root))
+    if view is not None and posixpath.isabs(root):  # a launch's server: the root resolves in its own filesystem
+        real = server_realpath(view, root, "VLLM_EXL3_ENCODER_SOURCE", unseen="keep")
+    else:
+        real = os.path.realpath(os.path.expanduser(root))
     if revision is not None and revision.strip() != "":
         payload = _compact_json({"root": real, "revision": revision.strip()})
         return EncoderIdentity(model_payload_digest(payload), "revision", payload, real)
@@ -575,7 +580,7 @@ def server_identities(
     mid = resolve_model_identity(model, revision=revision, server_path=server_path,
                                  commit_hash=None if local else hub_commit, view=view, environ=environ)
     settings = encoder_settings(encoder_root, encoder_revision, environ, source_dir=encoder_source)
-    eid = resolve_encoder_identity(settings.root, settings.revision, source=settings.source_dir)
+    eid = resolve_encoder_identity(settings.root, settings.revision, source=settings.source_dir, view=view)
     server_rev, note, rev_warnings = _revision_advice(mid, revision)
     if local and os.path.isdir(os.path.expanduser(model)) and not os.path.isfile(
             os.path.join(os.path.expanduser(model), "config.json")):

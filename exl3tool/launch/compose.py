@@ -139,6 +139,13 @@ def _volumes(items: Any, project: str, where: str) -> list[Mount]:
                 continue
             src = str(item.get("source") or "")
             host = _host(src, project) if kind == "bind" and src else None
+            create = (item.get("bind") or {}).get("create_host_path") if isinstance(item.get("bind"), dict) else None
+            if host is not None and not os.path.exists(host) and create is not True:
+                # the short syntax creates a missing source (compose's legacy rule), the long one only with
+                # bind.create_host_path: true; otherwise the engine refuses the mount and the service never starts
+                raise ConfigError(f"{where}: the bind volume {src}:{target} names {host}, which does not exist here: "
+                                  "without bind.create_host_path: true the engine refuses it (bind source path does "
+                                  "not exist), so this service never starts; create that folder first")
             mounts.append(Mount(host, str(target), f"{kind} {src}:{target}", bool(item.get("read_only"))))
         else:
             raise ConfigError(f"{where}: volumes must hold strings or mappings")

@@ -46,6 +46,12 @@ class PathMap:
     container: bool = False  # paths not under a mount are inside the image, not here
     root: Optional[str] = None  # --pid of a process in another mount namespace: /proc/PID/root
 
+    @property
+    def own_view(self) -> bool:
+        """Whether the server's paths are read through a view of their own (a container's volumes, a root), not
+        this machine's tree as it is (where the kernel resolves their links as the server does)."""
+        return self.container or self.root is not None
+
     def to_host(self, path: str) -> Optional[str]:
         """Where ``path`` (absolute, as the server sees it) is here; None when it is inside the image only."""
         path = posixpath.normpath(path)
@@ -118,6 +124,23 @@ def _mount(spec: str, cwd: str) -> Optional[Mount]:
     host = posixpath.normpath(os.path.join(cwd, src)) if kind == "bind" and src else None
     ro = fields.get("readonly", fields.get("ro", "false")).lower() in ("true", "1", "")
     return Mount(host, target, spec, ro)
+
+
+def _missing_source(runner: str, option: str, mount: Mount) -> Mount:
+    """A bind whose host folder does not exist, as each runtime takes it: docker's ``-v`` creates it (an empty
+    folder, owned by root), so the path map holds; docker's ``--mount type=bind`` and podman's ``-v`` and ``--mount``
+    refuse to start the container (docker: "bind source path does not exist"; podman: "statfs HOST: no such file or
+    directory", it never creates a source), and so does a dangling link, so the server never starts: refused naming
+    it."""
+    if mount.host is None or os.path.exists(mount.host):
+        return mount
+    if runner == "docker" and option == "-v" and not os.path.islink(mount.host):
+        return mount
+    said = ("invalid mount config for type \"bind\": bind source path does not exist" if runner == "docker"
+            else f"Error: statfs {mount.host}: no such file or directory")
+    raise ConfigError(f"the launch's {runner} run {option} {mount.spec}: {mount.host} does not exist here, and "
+                      f"{runner} refuses to start the container ({said}), so this server never starts: create "
+                      "that folder first" + (" (docker's -v would create it)" if runner == "docker" else ""))
 
 
 def parse_run(runner: str, words: list[str], *, environ: Optional[Mapping[str, str]] = None,
@@ -196,11 +219,11 @@ def parse_run(runner: str, words: list[str], *, environ: Optional[Mapping[str, s
                                                source="launch env", dry_run_form=False).items():
                     env[key] = item
             elif role == "volume":
-                mounts.append(_volume(value, cwd))
+                mounts.append(_missing_source(runner, "-v", _volume(value, cwd)))
             elif role == "mount":
                 m = _mount(value, cwd)
                 if m is not None:
-                    mounts.append(m)
+                    mounts.append(_missing_source(runner, "--mount", m))
             elif role == "workdir":
                 workdir = value
             elif role == "entrypoint":

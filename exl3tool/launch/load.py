@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from exl3tool.cache.serverfs import seen_from_here
 from exl3tool.errors import ConfigError
 from exl3tool.launch.container import ContainerRun, PathMap, parse_run
 from exl3tool.launch.env import EnvLayers, EnvValue, is_dry_run_output, read_dry_run_env, read_env_file
@@ -55,7 +56,7 @@ def _reader(paths: PathMap, cwd: Optional[str]):
     def read(path: str) -> str:
         if not posixpath.isabs(path):
             path = posixpath.join(cwd or ("/" if paths.container else os.getcwd()), path)
-        here = paths.to_host(path)
+        here = _in_view(paths, path, "the launch's --config file")
         if here is None:
             raise OSError(f"{path} is inside the image, not on a bind mount of the launch")
         with open(here, encoding="utf-8") as fh:
@@ -70,13 +71,22 @@ def _text_reader(paths: PathMap, cwd: Optional[str]) -> Callable[[str], Optional
             if paths.container or cwd is None:
                 return None
             path = posixpath.join(cwd, path)
-        here = paths.to_host(path)
         try:
+            here = _in_view(paths, path, "the launch's script")
             with open(here, encoding="utf-8") as fh:  # type: ignore[arg-type]
                 return fh.read(), here  # type: ignore[return-value]
-        except (OSError, TypeError, UnicodeDecodeError):
+        except (OSError, TypeError, UnicodeDecodeError, ConfigError):
             return None
     return read
+
+
+def _in_view(paths: PathMap, path: str, what: str) -> Optional[str]:
+    """Where the server's file ``path`` is here: through its view's mounts with its links read there (a root, a
+    container's volumes; ``cache.serverfs``), never this machine's; None inside the image; a ConfigError naming
+    a link that leads out of what is here."""
+    if not paths.own_view:
+        return paths.to_host(path)
+    return seen_from_here(paths, path, what)
 
 
 def _mounts(paths: PathMap) -> Optional[tuple[tuple[str, str], ...]]:

@@ -166,7 +166,11 @@ class LaunchSettings:
 
 def close_flag_matches(unknown: tuple[str, ...]) -> dict[str, str]:
     """Unknown flags within edit distance 2 of a flag the server knows (a typo the server refuses), each with that
-    flag; the rest are taken for flags of a newer release than exl3tool's table."""
+    flag; the rest are taken for flags of a newer release than exl3tool's table.
+
+    A known name with the other number of dashes (``--tp`` for ``-tp``, ``-tensor-parallel-size``) is 1 edit away:
+    the fork's parser (argparse, ``allow_abbrev`` on) takes ``-tp`` only as written and no long flag starts with
+    ``--tp``, so it refuses the line (unrecognized arguments)."""
     from exl3tool.launch.flags import VLLM_FLAGS, VLLM_SHORT
 
     out: dict[str, str] = {}
@@ -175,10 +179,13 @@ def close_flag_matches(unknown: tuple[str, ...]) -> dict[str, str]:
         name, names, spell = ((flag[2:].partition(".")[0], VLLM_FLAGS, "--{}") if flag.startswith("--")
                               else (flag, VLLM_SHORT, "{}"))
         # nearest first; among equals, the longest shared start (-tpp: -tp before -dpp)
-        known = [(edit_distance(name, k), -len(os.path.commonprefix([name, k])), k) for k in names]
+        known = [(edit_distance(name, k), -len(os.path.commonprefix([name, k])), spell.format(k)) for k in names]
+        other = "-" + name if flag.startswith("--") else flag.lstrip("-")  # the same name, the other dashes
+        if other in (VLLM_SHORT if flag.startswith("--") else VLLM_FLAGS):
+            known.append((1, -len(other), other if flag.startswith("--") else "--" + other))
         best = min(known, default=None)
         if best is not None and 0 < best[0] <= 2:
-            out[flag] = spell.format(best[2])
+            out[flag] = best[2]
     return out
 
 
@@ -544,7 +551,17 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
         return explicit.cache_dir
     assert server is not None
     server = _server_path(server, launch, "cache root")
-    here = launch.paths.to_host(server)
+    paths = launch.paths
+    resolved, here = server, server  # this machine's tree: the kernel resolves its links as the server does
+    if paths.own_view:  # the server resolves the root's links in its own view (a proot/chroot root, volumes)
+        try:
+            resolved = server_realpath(paths, server, "the server's cache root", unseen="keep")
+        except ConfigError as exc:
+            if need_cache:
+                raise ConfigError(f"{exc}; or pass --cache-dir") from None
+            b.warnings.append(f"{exc}: entries written here would not reach the server")
+            return ""
+        here = paths.to_host(resolved)
     if here is None and not need_cache:
         b.warnings.append(f"the server's cache root {server} is not on a bind mount of the launch: entries written "
                           "here would not reach it")
@@ -552,12 +569,15 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     if here is None:
         raise ConfigError(f"the server's cache root {server} is not on a bind mount of the launch, so entries "
                           f"written here would never reach it: mount it (-v HOST_DIR:{server}) or pass --cache-dir")
-    mount = launch.paths.mount_for(server)
+    mount = paths.mount_for(resolved)
     if mount is not None and mount.readonly:
         b.warnings.append(f"the server's cache root {server} is mounted read-only ({mount.spec}): the server can "
                           "read these entries but not add its own")
+    if resolved != server:
+        b.put("cache_dir_resolved", resolved, "launch argument",
+              f"{server} resolved in the server's filesystem (its links read through the launch's view)")
     b.put("cache_dir_here", here, "launch argument",
-          "the server's cache root" if here == server else f"{server} through the launch's volumes")
+          "the server's cache root" if here == server else f"{resolved} through the launch's volumes")
     return here
 
 
@@ -616,9 +636,16 @@ def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str
         source = b.put("encoder_source", explicit.encoder_source, "flag", "--encoder-source")
     elif revision is None or not revision.strip():
         server_root = _server_path(root, launch, "VLLM_EXL3_ENCODER_SOURCE")
-        here = launch.paths.to_host(server_root)
-        if here is not None and here != server_root:
-            source = b.put("encoder_source", here, "launch argument", f"{server_root} through the launch's volumes")
+        paths = launch.paths
+        if paths.own_view:  # its links resolve in the server's view (a root, volumes), never this machine's
+            resolved = server_realpath(paths, server_root, "VLLM_EXL3_ENCODER_SOURCE", unseen="keep")
+            here = paths.to_host(resolved)
+        else:
+            resolved, here = server_root, server_root
+        if here is not None and here != resolved:
+            _py_links_in_view(paths, resolved, here)
+            shown = server_root if resolved == server_root else f"{server_root} (resolved there: {resolved})"
+            source = b.put("encoder_source", here, "launch argument", f"{shown} through the launch's volumes")
         elif here is None:
             if os.path.isdir(server_root):
                 b.warnings.append(f"the encoder {server_root} is inside the image: its .py files are hashed from "
@@ -629,6 +656,25 @@ def _encoder(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str
                                   "copy them out (docker cp) and pass --encoder-source DIR, or give the server a "
                                   "VLLM_EXL3_ENCODER_REVISION")
     return root, revision, source
+
+
+def _py_links_in_view(paths: PathMap, server_dir: str, here_dir: str) -> None:
+    """Refuse a ``.py`` link under the encoder's folder that the server resolves to another file than this
+    machine does (an absolute link read in its root or volumes): the files hashed here would not be the server's.
+    Links to folders are not followed by the server's file walk (``rglob``), so they are not read here either."""
+    for dirpath, _dirs, files in os.walk(here_dir, followlinks=False):
+        for name in files:
+            host = os.path.join(dirpath, name)
+            if not name.endswith(".py") or not os.path.islink(host):
+                continue
+            server = posixpath.join(server_dir, os.path.relpath(host, here_dir))
+            there = paths.to_host(server_realpath(paths, server, "the encoder's file", unseen="keep"))
+            if there is None or os.path.realpath(there) != os.path.realpath(host):
+                raise ConfigError(f"the encoder's file {server} is a link ({os.readlink(host)}) that the server "
+                                  f"resolves in its own filesystem to {there or 'a file inside its image'}, not to "
+                                  f"{os.path.realpath(host)} as read here: its .py files cannot be hashed as the "
+                                  "server hashes them; give the server a VLLM_EXL3_ENCODER_REVISION, or copy the "
+                                  "encoder without links (cp -rL) and pass --encoder-source")
 
 
 def _parallel(b: _Builder, args: ServerArgs) -> None:

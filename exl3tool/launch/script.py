@@ -58,17 +58,28 @@ RECORDED_COMMANDS = (
 LOOKUP_PREFIXES = ("VLLM_", "HF_", "XDG_", "HUGGINGFACE_", "TRANSFORMERS_")
 _PASS_THROUGH = ("tee",)  # recorded, stdin copied to stdout (no file written)
 _DROP = ("BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PROMPT_COMMAND", "CDPATH", "GLOBIGNORE", "X3T_SANDBOX_RUN",
-         "X3T_SANDBOX_LAUNCHER_DIRS", "X3T_SANDBOX_VIEW", "X3T_SANDBOX_UNEXPORTED")
+         "X3T_SANDBOX_LAUNCHER_DIRS", "X3T_SANDBOX_VIEW", "X3T_SANDBOX_UNEXPORTED", "X3T_SANDBOX_SHADOW",
+         "X3T_SANDBOX_REAL", "X3T_SANDBOX_MKDIR")
+# the system folders where the recorders also stand in for their commands' own files (`/usr/bin/env -i ...`,
+# `/usr/bin/ssh HOST ...`, a `#!/usr/bin/env bash` shebang): bash finds a command by PATH, an absolute path does not
+_SHADOWED = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 _BASH_OWN = ("SHLVL", "_", "OLDPWD", "PWD")  # set by bash itself, not by the launcher
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
 _RECORDER = r"""#!/bin/sh
 # exl3tool: record this command (argv, environment, directory) and run nothing
+real() {  # _p: the system's own file of command $1 (the recorders stand in for its name in the system folders)
+  _p= _i=$IFS; IFS=:
+  for _s in ${X3T_SANDBOX_REAL:-}; do if [ -x "$_s/$1" ]; then _p=$_s/$1; break; fi; done
+  IFS=$_i
+  [ -n "$_p" ] || _p=$(command -pv "$1")
+}
 d="$X3T_SANDBOX_RUN/rec/$$"
 n="${0##*/}"
 if [ "$n" = record ]; then printf '%s\0' "$@" > "$d.argv"; else printf '%s\0' "$n" "$@" > "$d.argv"; fi
-command -p env -0 > "$d.env"
+real env
+"$_p" -0 > "$d.env"
 pwd > "$d.cwd"
 if [ "$n" = record ]; then n="${1##*/}"; shift; fi
 answer=  # a query is answered as a clean host answers it: no container, image, volume or pod exists
@@ -144,18 +155,25 @@ case "$n" in
       *) if [ -f "$c" ] && [ "$(head -c 2 "$c" 2>/dev/null)" = "#!" ]; then exec "$@"; fi ;;
     esac ;;
   env)  # `env NAME=VALUE ... bash FILE ...` (a launcher handing its inputs to another): run for real, so that script
-        # is read as any launcher is, with these variables; any other use of env stays recorded (launch.wrappers)
-    cmd= file=
+        # is read as any launcher is, with these variables; any other use of env stays recorded (launch.wrappers).
+        # `env bash FILE` and `env -S 'bash -e' FILE` alone are a `#!/usr/bin/env bash` shebang: run, not recorded
+    cmd= file= set=
     for a in "$@"; do
-      if [ -z "$cmd" ]; then case "$a" in [A-Za-z_]*=*) continue ;; esac; cmd=$a; continue; fi
+      if [ -z "$cmd" ]; then case "$a" in [A-Za-z_]*=*) set=1; continue ;; esac; cmd=$a; continue; fi
       file=$a; break
     done
-    case "${cmd##*/}" in
-      bash|sh|dash) case "$file" in ""|-*) ;; *) if [ -f "$file" ]; then exec "$(command -pv env)" "$@"; fi ;; esac ;;
+    shell=${cmd##*/}
+    case "$cmd" in -S*) shell=${cmd#-S}; shell=${shell# }; shell=${shell%% *}; shell=${shell##*/} ;; esac
+    case "$shell" in
+      bash|sh|dash) case "$file" in ""|-*) ;; *) if [ -f "$file" ]; then
+        if [ -z "$set" ]; then real rm; "$_p" -f "$d.argv" "$d.env"; fi
+        real env
+        exec "$_p" "$@"
+      fi ;; esac ;;
     esac ;;
   # tried for real, which reaches only this run's memory (/tmp, /var/tmp, /run and a container view are in memory,
   # the rest is read-only): a folder made for a log file is there for the launcher's next command
-  mkdir|touch|ln|cp|mv|rm|rmdir|chmod|chown|install|truncate) command -p "$n" "$@" 2>/dev/null ;;
+  mkdir|touch|ln|cp|mv|rm|rmdir|chmod|chown|install|truncate) real "$n"; "$_p" "$@" 2>/dev/null ;;
 esac
 start= prev=  # the server (or its container) starts: the launcher would wait on it, so the reading ends here
 for a in "$n" "$@"; do  # word by word: `vllm serve`, `-m vllm.entrypoints...` (not a word such as vllm_server.sh)
@@ -229,7 +247,7 @@ if [[ -n ${X3T_SANDBOX_VIEW:-} ]]; then  # inside a container's view: a folder t
   cd() {                             # empty in the view's memory (what is inside the image is not known here)
     builtin cd "$@" 2>/dev/null && return 0
     local d=${!#}
-    [[ $# -gt 0 && $d != -* ]] && /bin/mkdir -p -- "$d" 2>/dev/null
+    [[ $# -gt 0 && $d != -* ]] && "${X3T_SANDBOX_MKDIR:-/bin/mkdir}" -p -- "$d" 2>/dev/null
     builtin cd "$@"
   }
 fi
@@ -281,6 +299,29 @@ if (: > /.exl3tool-write-probe) 2>/dev/null || [ -e /dev/nvidia0 ]; then
   echo "the sandbox is not read-only" >&2
   exit 97
 fi
+shadow() {  # the recorders stand in for their commands' files in the system folders of the root $1 sees, so an
+            # absolute path (/usr/bin/env -i ..., /usr/bin/ssh) is recorded as its name on PATH is; the system's own
+            # files stay under $run/sys for the recorders (X3T_SANDBOX_REAL) and for the rest of this setup
+  real= done=
+  for d in $X3T_SANDBOX_SHADOW; do  # first every folder's own files, then the stand-ins (mount is one of them)
+    [ -d "$1$d" ] && [ ! -L "$1$d" ] || continue
+    mount --bind "$1$d" "$1$run/sys$d" 2>/dev/null || continue
+    real=${real:+$real:}$run/sys$d done="$done $d"
+  done
+  mnt=$(command -v mount) mk=/bin/mkdir
+  for d in $(echo "$real" | tr : ' '); do
+    if [ -x "$d/mount" ] && [ "$mnt" = "$(command -v mount)" ]; then mnt=$d/mount; fi
+    if [ -x "$d/mkdir" ] && [ "$mk" = /bin/mkdir ]; then mk=$d/mkdir; fi
+  done
+  for d in $done; do
+    if ! "$mnt" -t overlay -o "lowerdir=$run/shadow:$1$d" exl3tool-shadow "$1$d" 2>/dev/null; then
+      for f in "$run"/shadow/*; do  # no overlay here: over each file the folder has
+        if [ -f "$1$d/${f##*/}" ]; then "$mnt" --bind "$run/record" "$1$d/${f##*/}" 2>/dev/null || true; fi
+      done
+    fi
+  done
+  export X3T_SANDBOX_REAL="$real" X3T_SANDBOX_MKDIR="$mk"
+}
 if [ "$view" != - ]; then
   root=$run/root
   mkdir "$root"
@@ -302,13 +343,15 @@ if [ "$view" != - ]; then
   mkdir -p "$root$run"
   mount --rbind "$run" "$root$run"
   chroot=$(command -v chroot)
+  shadow "$root"
   export PATH="$launcher_path"
   "$chroot" "$root" "$@" 4<&- && status=0 || status=$?
 else
+  shadow ""
   export PATH="$launcher_path"
   "$@" 4<&- && status=0 || status=$?  # not exec'd: as init of the namespace this shell outlives a recorder's kill -1
 fi
-PATH=/usr/sbin:/usr/bin:/sbin:/bin
+PATH=${X3T_SANDBOX_REAL:+$X3T_SANDBOX_REAL:}/usr/sbin:/usr/bin:/sbin:/bin  # the system's own sleep, not a recorder
 i=0  # what the launcher left running in the background (a server started with &): a few seconds to be recorded
 while [ $i -lt 60 ]; do
   set -- /proc/[0-9]*
@@ -465,12 +508,17 @@ def run_launcher(argv: Sequence[str], *, environ: Mapping[str, str], cwd: Option
         os.makedirs(os.path.join(run, "rec"))
         os.makedirs(os.path.join(run, "scratch"))
         os.makedirs(os.path.join(run, "dev"))
+        os.makedirs(os.path.join(run, "shadow"))
+        shadowed = [d for d in _SHADOWED if os.path.isdir(d) and not os.path.islink(d)]
+        for d in shadowed:
+            os.makedirs(os.path.join(run, "sys" + d))
         recorder = os.path.join(run, "record")
         with open(recorder, "w", encoding="utf-8") as fh:
             fh.write(_RECORDER)
         os.chmod(recorder, 0o755)
         for name in (*RECORDED_COMMANDS, *_PASS_THROUGH):
             os.symlink(recorder, os.path.join(bindir, name))
+            os.symlink(recorder, os.path.join(run, "shadow", name))
         bash = _tool("bash")
         assert bash is not None  # sandbox_problem() said so
         os.symlink(bash, os.path.join(bindir, "bash"))
@@ -493,11 +541,11 @@ def run_launcher(argv: Sequence[str], *, environ: Mapping[str, str], cwd: Option
         path_given = environ.get("PATH")
         env = _clean(environ)
         env.update(PATH=f"{bindir}:{path_given or _DEFAULT_PATH}", BASH_ENV=prelude, X3T_SANDBOX_RUN=run,
-                   X3T_SANDBOX_LAUNCHER_DIRS=":".join(launcher_dirs))
+                   X3T_SANDBOX_LAUNCHER_DIRS=":".join(launcher_dirs), X3T_SANDBOX_SHADOW=" ".join(shadowed))
         if mounts is not None:
             env["X3T_SANDBOX_VIEW"] = "1"
         where = cwd or ("/" if mounts is not None else os.getcwd())
-        inner = ["/bin/sh", "-c", 'cd "$1" 2>/dev/null || { [ -n "${X3T_SANDBOX_VIEW:-}" ] && /bin/mkdir -p "$1" && cd "$1"; } '
+        inner = ["/bin/sh", "-c", 'cd "$1" 2>/dev/null || { [ -n "${X3T_SANDBOX_VIEW:-}" ] && "$X3T_SANDBOX_MKDIR" -p "$1" && cd "$1"; } '
                  '|| cd /; shift; exec "$@"', "cd", where, *argv]
         command = [_tool("unshare") or "unshare", "-Urmnpf", "--kill-child", "--mount-proc", "/bin/sh", setup, run, view, *inner]
         try:

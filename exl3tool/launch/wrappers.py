@@ -375,7 +375,7 @@ def _bind_spec(spec: str, cwd: str, sep: str = ":") -> Optional[tuple[str, str]]
     if not host:
         return None
     host = posixpath.normpath(posixpath.join(cwd, os.path.expanduser(host)))
-    return host, posixpath.normpath(guest.rstrip("!") or "/")
+    return host, posixpath.normpath(posixpath.join(cwd, guest.rstrip("!") or "/"))  # relative: from cwd (proot)
 
 
 def follow(words: Sequence[str], guest: Guest, *, environ: Mapping[str, str], cwd: str, entry: str,
@@ -634,16 +634,28 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
         if role in ("rootR", "rootS"):
             home = guest.get("HOME", environ)
             for path in (*(_PROOT_R if role == "rootR" else _PROOT_S), *([home] if home else []), root):
-                binds.append(Mount(path, posixpath.normpath(path), f"{name} {'-R' if role == 'rootR' else '-S'}"))
+                if os.path.exists(path):  # proot adds these only where they exist (new_binding, must_exist off)
+                    binds.append(Mount(path, posixpath.normpath(path), f"{name} {'-R' if role == 'rootR' else '-S'}"))
     workdir: Optional[str] = None
+    no_deref: set[str] = set()  # proot guest paths ending in "!": their last component is not dereferenced
     for role, values, spelled in got:
         if role == "bind":
             spec = _bind_spec(values[0], cwd)
-            if spec:
+            if spec and not os.path.exists(spec[0]):  # proot: realpath of the host part fails, the binding dropped
+                guest.notes.append(f"`{name} {spelled} {values[0]}`: {spec[0]} does not exist here, so {name} skips "
+                                   f"that binding (\"can't sanitize binding\") and the server's {spec[1]} is its "
+                                   "root's own")
+            elif spec:
                 binds.append(Mount(spec[0], spec[1], f"{spelled} {values[0]}"))
+                if values[0].endswith("!"):
+                    no_deref.add(spec[1])
         elif role == "binds":
             for item in values[0].split(","):
                 spec = _bind_spec(item, cwd)
+                if spec and not os.path.exists(spec[0]):
+                    raise ConfigError(f"the launch's `{name} {spelled} {item}`: {spec[0]} does not exist here, and "
+                                      f"{name} refuses a bind whose source is missing (mount source doesn't exist), "
+                                      "so this server never starts; create it first")
                 if spec:
                     binds.append(Mount(spec[0], spec[1], f"{spelled} {item}", item.endswith(":ro")))
         elif role == "mountspec":
@@ -654,8 +666,17 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
                 binds.append(Mount(posixpath.normpath(posixpath.join(cwd, src)), posixpath.normpath(dst),
                                    f"{spelled} {values[0]}", "ro" in fields or "readonly" in fields))
         elif role == "bind2":
-            binds.append(Mount(posixpath.normpath(posixpath.join(cwd, values[0])), posixpath.normpath(values[1]),
-                               f"{spelled} {values[0]} {values[1]}", spelled.startswith("--ro")))
+            src = posixpath.normpath(posixpath.join(cwd, values[0]))
+            if not os.path.exists(src) and spelled.endswith("-try"):  # bwrap: the -try forms skip a missing source
+                guest.notes.append(f"`{name} {spelled} {values[0]} {values[1]}`: {src} does not exist here, so "
+                                   f"{name} skips it")
+                continue
+            if not os.path.exists(src):
+                raise ConfigError(f"the launch's `{name} {spelled} {values[0]} {values[1]}`: {src} does not exist "
+                                  f"here, and {name} refuses it (Can't find source path), so this server never "
+                                  f"starts; create it first, or use {spelled}-try")
+            binds.append(Mount(src, posixpath.normpath(values[1]), f"{spelled} {values[0]} {values[1]}",
+                               spelled.startswith("--ro")))
         elif role in ("mask", "mask2"):
             binds.append(Mount(None, posixpath.normpath(values[-1]), f"{spelled} {' '.join(values)}"))
         elif role == "cwd":
@@ -676,6 +697,10 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
         for var in ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH"):
             for item in (guest.get(var, environ) or "").split(","):
                 spec = _bind_spec(item.strip(), cwd) if item.strip() else None
+                if spec and not os.path.exists(spec[0]):
+                    raise ConfigError(f"the launch's {var}={item}: {spec[0]} does not exist here, and {name} refuses "
+                                      "a bind whose source is missing (mount source doesn't exist), so this server "
+                                      "never starts; create it first")
                 if spec:
                     binds.append(Mount(spec[0], spec[1], f"{var}={item}"))
         home_spec = next((v[0] for r, v, _ in got if r == "home"), None)
@@ -702,6 +727,8 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
                         guest.set(key[len(p):], value, f"{key} (apptainer passes it as {key[len(p):]})")
     if name == "chroot" and not any(r == "nochdir" for r, _, _ in got):
         workdir = "/"
+    if name == "proot":
+        binds = _proot_bindings(binds, root, no_deref)
     if not roots and not binds and not isolated:
         if workdir is not None:
             guest.workdir = workdir if posixpath.isabs(workdir) else posixpath.normpath(
@@ -724,3 +751,22 @@ def _filesystem(row: Wrapper, name: str, shown: str, got, positional: dict[str, 
     guest.notes.append(f"`{shown}`: the server's filesystem is {where}"
                        + (f", with {shown_binds[:300]}" if shown_binds else "")
                        + "; its paths are read through that view here")
+
+
+def _proot_bindings(binds: list[Mount], root: Optional[str], no_deref: set[str]) -> list[Mount]:
+    """proot's bindings as it installs them (proot-me/proot ``src/path/binding.c``, ``initialize_binding``): each
+    guest path canonicalized in the guest (its links read in the root and the bindings that hold it, outer ones
+    first; a final ``!`` keeps the last component as written), and of two bindings on one guest path only the last
+    is active."""
+    from exl3tool.cache.serverfs import server_realpath
+
+    done: list[Mount] = []
+    for m in sorted(binds, key=lambda m: m.inside.count("/") if m.inside != "/" else 0):  # outer ones first
+        view = PathMap(tuple(done), container=True, root=root or "/")
+        inside = m.inside
+        if inside != "/":
+            head, tail = posixpath.split(inside)
+            inside = (posixpath.join(server_realpath(view, head, "proot's binding", unseen="keep"), tail)
+                      if inside in no_deref else server_realpath(view, inside, "proot's binding", unseen="keep"))
+        done = [d for d in done if d.inside != inside] + [Mount(m.host, inside, m.spec, m.readonly)]
+    return done

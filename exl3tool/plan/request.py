@@ -124,8 +124,8 @@ class ServerRequest:
     encoder_image: Optional[str] = None
     encoder_image_runner: Optional[str] = None
     # the fork's release whose rules apply, resolved once (``exl3tool.releases.resolve_release``): given as a name
-    # (``--server-release``), a ``ReleaseChoice`` (a launch's, with its source), or None (the newest, said as such);
-    # always a ``ReleaseChoice`` once the request is built
+    # (``--server-release``), a ``ReleaseChoice`` (a launch's, with its source), or None (not determined: compared
+    # across every release that encodes online, ``operations.release_rules``); always a ``ReleaseChoice`` once built
     server_release: Union[str, "ReleaseChoice", None] = None
 
     def __post_init__(self) -> None:
@@ -147,7 +147,9 @@ class ServerRequest:
     def cache_root(self, environ: Optional[dict] = None) -> Path:
         """Where the server's cache is, here: ``cache_dir`` (``--cache-dir``, or a launch's root as seen from here),
         else the root the server computes from ``environ`` (None: this process's) by the release's rule
-        (``exl3tool.cache.settings.cache_root``). The one rule of every command, warm and the cache commands."""
+        (``exl3tool.cache.settings.cache_root``). The one rule of every command, warm and the cache commands. With
+        the release not determined this is the newest's root: a command takes it through
+        ``operations.release_rules.cache_root``, which refuses it where the releases it could be differ."""
         from exl3tool.cache.settings import cache_root
 
         return Path(self.cache_dir).expanduser() if self.cache_dir else cache_root(environ, self.release)

@@ -173,3 +173,41 @@ def test_import_against_plans_model_with_the_launchs_settings(model, tmp_path, m
                                                                                       str(cache), 4)
     assert (request.encoder_root, request.encoder_revision, request.quantization_config) == (*ENC, LINEAR_WEIGHT)
     assert environ["VLLM_EXL3_ONLINE_CACHE_DIR"] == "/cache/exl3"
+
+
+def test_no_command_picks_a_cache_root_that_depends_on_a_release_nothing_named(model, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Where XDG_CACHE_HOME gives the root and nothing names the release, Gilded Gnosis r20 to r33 read
+    ~/.cache/vllm/exl3_online and the newer releases XDG_CACHE_HOME/vllm/exl3_online. Before: `cache warm` refused,
+    but `cache import` wrote into the newest's root (exit 0) and `cache ls`, `verify`, `show`, `prune`, `export` and
+    `verify MODEL` answered on it. Now each is refused (exit 2) naming both roots and both fixes, from the launch or
+    from this process's environment; named, or where every release computes one root, each answers."""
+    xdg, home = tmp_path / XDG_ROOT, tmp_path / HOME_ROOT
+    xdg.mkdir(parents=True)  # both roots exist: the refusal is not "no such cache directory"
+    home.mkdir(parents=True)
+    launch = f"env HOME={tmp_path / 'home'} XDG_CACHE_HOME={tmp_path / 'xdg'} {SERVER_ENV} {_serve(model)}"
+    split = (f"the cache root is ~/.cache/vllm/exl3_online for gilded-gnosis-r20..r33, but {xdg} for "
+             "gilded-gnosis-r34, infernal-invocation-r5..r18")
+    bundle = tmp_path / "b.tar"
+    commands = (["cache", "ls"], ["cache", "verify"], ["cache", "show", "abcdef12"],
+                ["cache", "prune", "--temp", "--dry-run"], ["cache", "export", str(tmp_path / "out.tar")],
+                ["cache", "import", str(bundle)], ["cache", "import", str(bundle), "--against", str(model)],
+                ["verify"], ["encode", "--mode", "readonly", "--dry-run"])
+    for argv in commands:
+        code, _, err = run([*argv, "--launch", launch], capsys)
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and split in last and "--server-release NAME" in last and "--cache-dir DIR" in last, (argv,
+                                                                                                              err)
+        assert ("no write on an assumption" in last) == (argv[:2] == ["cache", "import"]), (argv, last)
+    assert not any(xdg.iterdir()) and not any(home.iterdir()) and not (tmp_path / "out.tar").exists()
+    # without a launch: this process's XDG_CACHE_HOME gives the root the same way
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    code, _, err = run(["cache", "ls"], capsys)
+    assert code == 2 and split in err and "in place of the launch" not in err, err
+    for named, root in ((OLDER, home), (NEWEST, xdg)):
+        assert _listed(capsys, "--server-release", named)["root"] == str(root)
+    assert _listed(capsys, "--cache-dir", str(home))["root"] == str(home)
+    monkeypatch.delenv("XDG_CACHE_HOME")  # every release computes ~/.cache/vllm/exl3_online: answered, no note
+    code, doc, err = _json(capsys, "cache", "ls")
+    assert code == 0 and doc["root"] == str(home) and "not named" not in err, err

@@ -75,6 +75,7 @@ CLAIMS = [
     ("help: cache check", "or an assumed release (a label it does not know", "release_assumed"),
     ("docs/cache.md", "named with what was assumed, and the check exits 2 after its report", "release_assumed"),
     ("docs/cache.md", "the rule and the releases on each side are named, exit 2", "release_assumed"),
+    ("docs/cache.md", "and the fix (exit 2: `--server-release NAME`, or `--cache-dir`)", "release_assumed"),
     ("README.md", "Refused, naming the flag (exit 2): `--hf-config-path`", "launch_refusals"),
     ("README.md", "**Errors** are one line, exit 2, naming the flag or file", "launch_refusals"),
     ("README.md", "and exits 1 (never \"all hit\": the cache cannot make that server start warm)", "launch_refusals"),
@@ -456,6 +457,8 @@ def scenario_release_assumed(m, tmp, monkeypatch):
     unnamed = ["cache", "check", m["good"], "--layers", LAYER, *ENC]
     assert run(unnamed) == 2 and run(["cache", "warm", *unnamed[2:], "--dry-run"]) == 2
     assert run([*unnamed, "--server-release", "gilded-gnosis-r33"]) == 1  # named: its root, where nothing is yet
+    # the cache commands' root likewise: refused unnamed, answered where --cache-dir gives it
+    assert run(["cache", "ls"]) == 2 and run(["cache", "ls", "--cache-dir", m["cache"]]) == 0
 
 
 def scenario_launch_refusals(m, tmp, monkeypatch):

@@ -1,7 +1,9 @@
 """Options a mode does not read are refused, never ignored (issue 49, goal 5).
 
 Before: `cache import --bits 4` without `--against` imported every entry whatever its bits, `verify --against SRC
---exact` ran without the exact check, and `cache check --nodes F --launch ...` never read the launch, each exit 0.
+--exact` ran without the exact check, `cache check --nodes F --launch ...` never read the launch, and `cache warm
+--dry-run --trust-encoder-identity` (or `--lock-timeout`, `--progress`, ...) planned as if it were not given, each
+exit 0.
 Each command with modes has its options walked: every option is either read in the mode (``READS``, written here
 from what each mode's code reads) or refused there (the rules declared on the command, ``command.Rule``), never neither; each refusal is one usage
 error (exit 2) naming the option and the mode, and a command line without it is not refused for that reason.
@@ -47,6 +49,10 @@ MODE_RULES = _modes()
 _COMMON = {"json", "quiet"}
 _LAUNCH = {"launch", "pid", "env_file", "launch_file", "compose", "service", "image", "image_inspect", "image_root",
            "server_release", "image_archive"}
+# what a warm's dry run reads of the options cache warm and encode share: model, plan, encoder, cache, launch
+_WARM_PLAN = {"model", "revision", "server_path", "bits", "layers", "exclude", "shared_experts", "quantization_config",
+              "dtype", "dry_run", "encoder_root", "encoder_revision", "encoder_source", "cache_dir", "device",
+              "file_mode", *_LAUNCH}
 # what each mode reads (the rest of the command's options must be refused there)
 READS: dict[tuple[str, str], set[str]] = {
     ("cache import", "without --against"): {"bundle", "cache_dir", "file_mode", "against", *_LAUNCH, *_COMMON},
@@ -64,6 +70,9 @@ READS: dict[tuple[str, str], set[str]] = {
     ("cache prune", "with --cache-dir"): {"invalid", "temp", "older_than", "records", "model_id", "plan_only", "yes",
                                           "cache_dir", *_COMMON},
     ("cache export", "with --cache-dir"): {"out_path", "model_id", "tp_filter", "cache_dir", *_COMMON},
+    # a dry run plans and looks up; it checks --device and --file-mode as the run would (a bad one exits 2 there too)
+    ("cache warm", "with --dry-run"): {*_WARM_PLAN, "tp_sizes", "shard_option", "shard_count", *_COMMON},
+    ("encode", "with --dry-run"): {*_WARM_PLAN, "tp_size", "tp_rank", "mode", *_COMMON},
 }
 # a command line in the mode, without any refused option
 BASE = {
@@ -77,6 +86,8 @@ BASE = {
     ("cache verify", "with --cache-dir"): ["cache", "verify", "--cache-dir", "{tmp}"],
     ("cache prune", "with --cache-dir"): ["cache", "prune", "--temp", "--dry-run", "--cache-dir", "{tmp}"],
     ("cache export", "with --cache-dir"): ["cache", "export", "{tmp}/out.tar", "--cache-dir", "{tmp}"],
+    ("cache warm", "with --dry-run"): ["cache", "warm", "{tmp}/M", "--dry-run"],
+    ("encode", "with --dry-run"): ["encode", "{tmp}/M", "--dry-run"],
 }
 # a value each option accepts (flags take none)
 VALUES = {"model": "{tmp}/M", "bits": "4", "revision": "main", "layers": "*", "exclude": "*.o_proj", "quantization_config": "{}",
@@ -84,7 +95,8 @@ VALUES = {"model": "{tmp}/M", "bits": "4", "revision": "main", "layers": "*", "e
           "server_path": "/s", "tp_size": "2", "tp_rank": "0", "tp_sizes": "2", "cache_dir": "{tmp}",
           "server_release": "gilded-gnosis-r33", "launch": "vllm serve m", "pid": "1", "env_file": "{tmp}/e.env",
           "launch_file": "{tmp}/run.sh", "compose": "{tmp}/c.yml", "service": "s", "image": "i:1",
-          "image_inspect": "{tmp}/i.json", "image_root": "{tmp}", "image_archive": "{tmp}/i.tar"}
+          "image_inspect": "{tmp}/i.json", "image_root": "{tmp}", "image_archive": "{tmp}/i.tar", "gpu_memory": "8",
+          "lock_timeout": "60", "progress": "lines"}
 
 
 def _command(path: str):

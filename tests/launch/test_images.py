@@ -260,3 +260,21 @@ def test_saved_inspect_of_several_images_picks_by_name(tmp_path):
     bad.write_text("not json")
     with pytest.raises(Exception, match="is not JSON"):
         read_image("x", inspect_file=str(bad))
+
+
+def test_image_files_without_online_encoding_are_named_not_the_labelled_release():
+    """An r34 label on an image whose exl3.py has no online method: the server runs those files, so the reason it
+    looks nothing up names them, never "gilded-gnosis-r34 encodes no layer" (false: r34 encodes online)."""
+    from exl3tool.releases import ForkModules, git_blob, no_online_encoding, resolve_release
+
+    labels = {"local-inference.release.name": "gilded-gnosis-r34"}
+    for text, said in (("class Nothing: pass\n", "is no release's: it encodes nothing online"),
+                       (None, "no exl3.py under /img/vllm")):
+        blob = git_blob(text.encode()) if text is not None else None
+        choice = resolve_release(labels=labels, modules=ForkModules("/img/vllm", None, blob, text or ""))
+        assert not choice.release.online_cache
+        why = no_online_encoding(choice.release)
+        assert why.startswith("the image's own files encode no layer to EXL3 online") and said in why, why
+        assert "gilded-gnosis-r34 encodes" not in why and "exl3tool hydrate" in why
+    assert no_online_encoding(resolve_release("gilded-gnosis-r19").release).startswith(  # a row: said by its name
+        "gilded-gnosis-r19 encodes no layer to EXL3 online")

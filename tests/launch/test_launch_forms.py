@@ -436,6 +436,9 @@ exec vllm serve "$SERVED_MODEL" -tp 2 --quantization-config "$QC" "$@"
     ("services:\n  a:\n    image: vllm/vllm-openai\n    env_file: gone.env\n", [], "env_file gone.env"),
     ("services:\n  a:\n    image: vllm/${IMG:?set the image}\n", [], "${IMG} is required"),
     ("services: [\n", [], "not valid YAML"),
+    # a long-syntax bind of a missing folder: the engine refuses it (the short syntax creates it)
+    ("services:\n  a:\n    image: vllm/vllm-openai\n    volumes:\n      - {type: bind, source: ./gone, target: /c}\n",
+     [], "./gone:/c names"),
 ])
 def test_compose_errors(tmp_path, cli, compose, extra, match):
     path = tmp_path / "compose.yaml"

@@ -186,6 +186,8 @@ def test_settings_json_block(model):
                                 "--tensor-parallel-size"),
     ("--quantisation-config '{}'", "did you mean --quantization-config"),
     ("-tpp 2", "-tpp is not a flag.*did you mean -tp"),
+    ("--tp 4", "--tp is not a flag.*did you mean -tp\\?"),  # argparse: -tp only as written, no --tp... flag
+    ("-tensor-parallel-size 4", "did you mean --tensor-parallel-size"),
     ("--port 1 --max-modle-len 4096 --bogus", "--max-modle-len .*and 1 more: --bogus.*did you mean --max-model-len"),
 ])
 def test_unknown_server_flags_are_refused_with_the_close_match(model, flags, match):

@@ -11,6 +11,7 @@ import os
 import pwd
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from exl3tool.launch.parse import find_server
 from exl3tool.launch.script import run_launcher, sandbox_problem
 from exl3tool.launch.wrappers import ENTRYPOINT_PASS_THROUGH, WRAPPERS, entrypoint_passes
 from helpers import LINEAR as QC, TINY_1 as TINY
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_server
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "launch.md"
 SERVER = ("VLLM_EXL3_ONLINE_TRELLIS_BITS=6", "VLLM_EXL3_ENCODER_SOURCE=/enc", "VLLM_EXL3_ENCODER_REVISION=r1")
@@ -91,6 +94,111 @@ def test_chroot_bwrap_and_unshare_roots(tmp_path, model):
                   "VLLM_EXL3_ONLINE_CACHE_DIR=/models", "vllm", "serve", "./current", "--quantization-config", QC])
     assert s.settings["server_path"].value == "/models/current"
     assert s.settings["server_path_resolved"].value == "/models/v2"  # the link read in the root
+
+
+@pytest.fixture()
+def linked_root(tmp_path, model):
+    """A guest root whose server paths are absolute links to a folder that this machine has too: followed here, each
+    leads to this machine's folder (the false answer: a warm wrote there, `cache check` said hit); followed in the
+    root, to the root's copy. The cache root /var/cachelink/x, the encoder /opt/enc -> /opt/enc-0.18 (its .py files
+    hashed), the --config file /etc/vllm.yaml (TP 4 here, TP 2 in the root), the model copied in at /m."""
+    root, host = tmp_path / "rootfs", tmp_path / "hostonly"
+    inside = root / str(host).lstrip("/")
+    for d in (root / "var", root / "etc", root / "opt" / "enc-0.18" / "modules", inside, host):
+        d.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(model, root / "m")
+    os.symlink(str(host), root / "var" / "cachelink")
+    os.symlink("/opt/enc-0.18", root / "opt" / "enc")
+    (root / "opt" / "enc-0.18" / "modules" / "quant.py").write_text("TOKEN = 'the root's encoder'\n")
+    os.symlink(str(host / "vllm.yaml"), root / "etc" / "vllm.yaml")
+    (host / "vllm.yaml").write_text("tensor_parallel_size: 4\n")
+    (inside / "vllm.yaml").write_text("tensor_parallel_size: 2\n")
+    env = ["VLLM_EXL3_ONLINE_TRELLIS_BITS=6", "VLLM_EXL3_ENCODER_SOURCE=/opt/enc", "VLLM_EXL3_ONLINE_CACHE_DIR=/var/cachelink/x"]
+    serve = ["vllm", "serve", "/m", "--config", "/etc/vllm.yaml", "--quantization-config", QC]
+    return dict(root=root, host=host, env=env, serve=serve)
+
+
+@pytest.mark.parametrize("form", ["proot", "chroot", "unshare", "bwrap"])
+def test_server_paths_resolve_in_the_servers_view_links_included(linked_root, form):
+    """The cache root, the encoder root and the --config file are read as the model path is: their links in the
+    server's view (``cache.serverfs.server_realpath``), never this machine's; decided by the real chroot."""
+    from exl3tool.cache import server_identities
+    from exl3tool.cache.hub import server_hub_cache
+    from exl3tool.launch import LaunchInput, apply_launch
+    from exl3tool.plan import ServerRequest
+
+    from fake_server import in_server_view
+    from helpers import server_encoder_identity
+
+    root, env, serve = linked_root["root"], linked_root["env"], linked_root["serve"]
+    wrapper = {"proot": ["proot", "-r", str(root), "env"], "chroot": ["chroot", str(root), "env"],
+               "unshare": ["unshare", "-R", str(root), "env"], "bwrap": ["bwrap", "--bind", str(root), "/", "env"]}
+    request, s, _ = apply_launch(ServerRequest(model=""), (), LaunchInput(argv=[*wrapper[form], *env, *serve]),
+                                 environ={"HOME": "/h"})
+    assert s.tp_size == 2  # the root's /etc/vllm.yaml, not the file its link names here
+    marker = Path(s.cache_dir) / "written-here"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("")
+    assert in_server_view(root, {}, os.path.exists, "/var/cachelink/x/written-here"), s.cache_dir
+    assert not (linked_root["host"] / "x").exists()
+    ids = server_identities(request.model, server_path=request.server_path, encoder_root=request.encoder_root,
+                            encoder_revision=request.encoder_revision, encoder_source=request.encoder_source,
+                            environ={}, view=request.server_view)
+    assert ids.encoder.identity == in_server_view(root, {}, server_encoder_identity, "/opt/enc")
+    hub = server_hub_cache({"HF_HUB_CACHE": "/var/cachelink/hub"}, request.server_view)
+    assert hub == Path(s.cache_dir).parent / "hub"  # the Hub cache too, through the same link in the root
+
+
+def test_a_link_that_leaves_the_views_mounts_is_refused_naming_it(linked_root, tmp_path):
+    """docker -v ROOT/var:/var: the cache root's link leads to a folder the container does not mount (its image's
+    own): refused naming the link, never written to this machine's folder of the same name. And a .py link of the
+    encoder that resolves elsewhere in the root than here is refused (its files would not be the server's)."""
+    root = linked_root["root"]
+    argv = ["docker", "run", "-v", f"{root}/var:/var", "-v", f"{root}/m:/m", "-e", "VLLM_EXL3_ONLINE_TRELLIS_BITS=6",
+            "-e", "VLLM_EXL3_ENCODER_SOURCE=/opt/e", "-e", "VLLM_EXL3_ENCODER_REVISION=r1", "-e",
+            "VLLM_EXL3_ONLINE_CACHE_DIR=/var/cachelink/x", "img", "serve", "/m", "--quantization-config", QC]
+    with pytest.raises(ConfigError, match=f"the link /var/cachelink -> {linked_root['host']} leads to "):
+        settings(argv)
+    os.symlink("/srv/shared/trellis.py", root / "opt" / "enc-0.18" / "modules" / "trellis.py")
+    (root / "srv" / "shared").mkdir(parents=True)
+    (root / "srv" / "shared" / "trellis.py").write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="the encoder's file /opt/enc-0.18/modules/trellis.py is a link"):
+        settings(["proot", "-r", str(root), "env", *linked_root["env"], *linked_root["serve"]])
+    assert not (linked_root["host"] / "x").exists()
+
+
+def test_binds_whose_source_is_missing_follow_each_runner(tmp_path, model):
+    """A bind of a host folder that does not exist: proot skips it (its root's folder is the server's, checked with
+    proot 5.1.0: "can't sanitize binding"), bwrap refuses it unless -try, podman refuses every one and docker its
+    --mount (the server never starts), docker's -v creates it. And proot installs a binding at its guest path
+    resolved in the root: -b H:/root/.cache/vllm with /root/.cache -> /data/.cache in the root binds /data/.cache/vllm."""
+    root, cache = tmp_path / "rootfs", tmp_path / "cache"
+    (root / "data" / ".cache").mkdir(parents=True)
+    (root / "root").mkdir()
+    os.symlink("/data/.cache", root / "root" / ".cache")
+    cache.mkdir()
+    gone = tmp_path / "nothere"
+    env = [*SERVER, "VLLM_EXL3_ONLINE_CACHE_DIR=/nothere/x"]
+    s = settings(["proot", "-r", str(root), "-b", f"{model.parent}:/models", "-b", f"{gone}:/nothere", "env", *env,
+                  "vllm", "serve", "/models/M", "--quantization-config", QC])
+    assert s.cache_dir == str(root / "nothere" / "x") and not gone.exists()  # not ./nothere/x here
+    assert any("skips that binding" in n and str(gone) in n for n in s.notes), s.notes
+    s = settings(["proot", "-r", str(root), "-b", f"{model.parent}:/models", "-b", f"{cache}:/root/.cache/vllm",
+                  "env", "HOME=/root", *SERVER, "vllm", "serve", "/models/M", "--quantization-config", QC])
+    assert s.cache_dir == str(cache / "exl3_online")  # through /root/.cache -> /data/.cache, into the binding
+    bwrap = ["bwrap", "--ro-bind", str(model), "/m", "--bind", str(gone), "/nothere", "env", *env, "vllm", "serve",
+             "/m", "--quantization-config", QC]
+    with pytest.raises(ConfigError, match="bwrap --bind .* does not exist here, and bwrap refuses it"):
+        settings(bwrap)
+    bwrap[4] = "--bind-try"
+    with pytest.raises(ConfigError, match="cache root /nothere/x is not on a bind mount"):  # skipped: an empty root
+        settings(bwrap)
+    run = ["-v", f"{model.parent}:/models", *[a for w in env for a in ("-e", w)]]
+    for runner, volume in (("podman", ["-v", f"{gone}:/nothere"]), ("docker", ["--mount", f"type=bind,src={gone},dst=/nothere"])):
+        with pytest.raises(ConfigError, match=f"{runner} refuses to start the container"):
+            settings([runner, "run", *run, *volume, "img", "serve", "/models/M", "--quantization-config", QC])
+    s = settings(["docker", "run", *run, "-v", f"{gone}:/nothere", "img", "serve", "/models/M", "--quantization-config", QC])
+    assert s.cache_dir == str(gone / "x")  # docker -v creates the folder: the map holds
 
 
 def test_apptainer_exec_binds_and_image_environment(tmp_path, model):
@@ -193,6 +301,26 @@ def test_stand_ins_answer_queries_as_a_clean_host(tmp_path):
     said = dict(line.split("=", 1) for line in run.stdout.split() if "=" in line)
     assert said == {"exists": "1", "inspect": "1", "ps": "[]", "image": "1", "list": "0", "get": "1", "rm": "0"}
     assert [r.answer for r in run.records if r.answer] == ["absent", "absent", "empty", "absent", "empty", "absent"]
+
+
+@sandboxed
+def test_absolute_paths_to_recorded_commands_are_recorded(tmp_path, model):
+    """``/usr/bin/env -i PATH=... vllm serve`` (the form of ggrun.sh) and ``/usr/bin/ssh HOST ...``: an absolute path
+    bypasses PATH, so before the sandbox ran this machine's env (its -i dropped the recorders: "exited 127 'vllm'")
+    and ssh ("Could not resolve hostname"), never the wrapper table's rule. The recorders stand in for those files
+    too; a ``#!/usr/bin/env bash`` launcher still runs (its shebang is env), and leaves no record of its own."""
+    (tmp_path / "serve.sh").write_text(
+        "#!/usr/bin/env bash\nset -e\n/bin/mkdir -p /tmp/logs\n"
+        f"/usr/bin/env -i PATH=/usr/bin:/bin HOME=/h {' '.join(SERVER)} VLLM_EXL3_ONLINE_CACHE_DIR={tmp_path} "
+        f"vllm serve {model} -tp 2 --quantization-config '{QC}'\n")
+    (tmp_path / "serve.sh").chmod(0o755)
+    environ = {"PATH": os.environ["PATH"], "HOME": "/caller", "VLLM_EXL3_ONLINE_CACHE_MODE": "off"}
+    launch, layers = load_launch(text="./serve.sh", environ=environ, cwd=str(tmp_path))
+    s = resolve_launch(launch, layers, Explicit())
+    assert (s.tp_size, s.cache_dir, s.server_lookup) == (2, str(tmp_path), True)  # env -i dropped the caller's "off"
+    assert s.environ.get("HOME") == "/h" and not any("env bash" in n for n in s.notes), s.notes
+    with pytest.raises(ConfigError, match="through `ssh gpu1`.*exl3tool does not follow it"):
+        load_launch(text=f"/usr/bin/ssh gpu1 vllm serve {model}", environ=environ, cwd=str(tmp_path))
 
 
 @sandboxed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 from rich.filesize import decimal
@@ -119,13 +119,16 @@ def _model_ok(info: EntryInfo, model: str | None) -> bool:
     return matches_model(info, model)
 
 
-def _find_entry(root: Path, entry: str) -> Path:
+def _find_entry(cache_root: Callable[[], Path], entry: str) -> Path:
+    """The entry file ``entry`` names: a path as given (no cache root picked), else a digest prefix under
+    ``cache_root()``."""
     path = Path(entry)
     if path.exists() or path.is_symlink():
         return path
     needle = entry.lower().removesuffix(".safetensors")
     if len(needle) < 6 or any(c not in "0123456789abcdef" for c in needle):
         raise InputError(f"{entry}: no such file, and not a digest (give a path or at least 6 hex digits)")
+    root = cache_root()
     found = sorted((root / "v1").glob(f"*/*/{needle}*.safetensors"))
     if not found:
         raise InputError(f"{entry}: no entry with that digest under {root} (check --cache-dir or the launch)")
@@ -146,7 +149,7 @@ def show(
     from exl3tool.cache.scan import inspect_entry
 
     out = call.out
-    path = _find_entry(call.cache_root(exists=False), entry)
+    path = _find_entry(lambda: call.cache_root(exists=False), entry)
     try:
         info = inspect_entry(path)
     except ValueError as exc:
@@ -427,10 +430,12 @@ def import_(
 
     out = call.out
     if against is not None:  # MODEL's plan as a warm of it would make: the launch's settings, under these flags
+        from exl3tool.operations.release_rules import cache_root
+
         request, _, environ = call.resolve(call.request(model=against), given=("model",))
-        root = request.cache_root(environ)
+        root = cache_root(request, environ, what="where this command writes", writes=True)
     else:
-        root = call.cache_root(exists=False, no_lookup="refuse")
+        root = call.cache_root(exists=False, no_lookup="refuse", writes=True)
     try:
         store = CacheStore(root, "readwrite", file_mode=parse_file_mode(file_mode))
     except ValueError as exc:

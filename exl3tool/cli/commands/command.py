@@ -125,6 +125,8 @@ class Call:
         source = self.ctx.get_parameter_source(name)
         if (source is None or source.name not in _GIVEN) and self.given(name) and ROWS.get(name) and ROWS[name].old:
             return ROWS[name].old
+        if getattr(param, "secondary_opts", None) and self._values.get(name) is False:  # --no-overlap
+            return max(param.secondary_opts, key=len)
         return max(param.opts, key=len)
 
     def _request_rows(self) -> list[Row]:
@@ -164,17 +166,24 @@ class Call:
             raise typer.BadParameter(f"--tp-rank {request.tp_ranks[0]} is outside 0..{request.tp_sizes[0] - 1}")
         return request, settings, environ
 
-    def cache_root(self, *, exists: bool = True, no_lookup: str = "say") -> Path:
+    def cache_root(self, *, exists: bool = True, no_lookup: str = "say", writes: bool = False) -> Path:
         """The cache a cache command reads or writes (``cache ls`` ... ``cache import``): ``--cache-dir``, else the
         server's root as ``cache warm`` finds it (``ServerRequest.cache_root``): from the launch options (a
         container's volumes, the launch's environment, the release; ``apply_launch``'s ``cache_only``), else this
-        process's environment, by ``--server-release``'s rule. ``exists``: it must be an existing directory (exit 2
-        otherwise); ``no_lookup``: a launch whose server reads no cache is warned about (``say``) or refused."""
+        process's environment, by ``--server-release``'s rule. Where that root depends on a release nothing named,
+        a usage error naming both roots (``operations.release_rules.cache_root``; ``writes``: the import's).
+        ``exists``: it must be an existing directory (exit 2 otherwise); ``no_lookup``: a launch whose server reads
+        no cache is warned about (``say``) or refused."""
+        from exl3tool.operations.release_rules import cache_root
+
         request = self.request(model="")
         environ = None
         if self.launch.any_given:
             request, _, environ = self.resolve(request, cache_only=True, no_lookup=no_lookup)
-        root = request.cache_root(environ)
+        root = cache_root(request, environ, writes=writes,
+                          what="where this command writes" if writes else "the cache this command reads",
+                          # beside a cache command's launch options --cache-dir is refused: it takes their place
+                          cache_dir="--cache-dir DIR" + (" in place of the launch options" if self.launch.any_given else ""))
         return existing_cache_dir(root) if exists else root
 
 

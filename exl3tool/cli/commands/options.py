@@ -302,8 +302,10 @@ ROWS: dict[str, Row] = {row.name: row for row in (
          typer.Option("--server-release", metavar="NAME",
                       help="The fork release the server runs (e.g. gilded-gnosis-r33, infernal-invocation-r18, a "
                       "patched image's gilded-gnosis-r34+pr312), whose cache root, lock and start-up rules apply "
-                      "(docs/releases.md). Default: the one the image's files or labels name, else the newest (said "
-                      "as such)."),
+                      "(docs/releases.md). Default: the one the image's files or labels name; else none is "
+                      "assumed: where the answer or the write depends on the release (the cache root where "
+                      "XDG_CACHE_HOME gives it, an r7 checkpoint, ...) the command stops (exit 2) until it is named, "
+                      "and where every release that encodes online gives the same, it goes on and says so."),
          "launch", "server_release", _server_release),
     _row("launch", Optional[str], None,
          typer.Option("--launch", metavar="COMMAND",

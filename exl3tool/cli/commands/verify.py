@@ -120,7 +120,9 @@ def verify(
                                  on_done=lambda c: out.note(f"{c.status:4s} {c.prefix} {c.reason}"))
     else:
         # verify only reads: a missing cache is an I/O error, not N failed layers
-        existing_cache_dir(request.cache_root(environ))
+        from exl3tool.operations.release_rules import cache_root
+
+        existing_cache_dir(cache_root(request, environ))  # nor, where the root depends on a release nothing named
         checkpoint, plan, store = prepare(request, environ=environ)
         result = verify_plan(plan, checkpoint, store, rows=row_counts, seed=seed, device=dev,
                              max_kernel_err=max_kernel_err, max_quant_err=max_quant_err, dtype=torch_dtype,

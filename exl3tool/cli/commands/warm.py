@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.filesize import decimal
 
-from exl3tool.cli.commands.command import Call, command
+from exl3tool.cli.commands.command import Call, NotWith, command
 from exl3tool.cli.commands.launching import launch_json
 from exl3tool.cli.commands.planview import discard_note, plan_notes
 from exl3tool.errors import FindingsError
@@ -132,6 +132,10 @@ def _run(out: Output, request: ServerRequest, dry_run: bool, command: str = "cac
     from exl3tool.releases import release_same_note
 
     same = release_same_note(request.release_choice, "would write the same entries in the same root")
+    if request.mode == "readonly":  # its hits are read where a release nothing named may not look (readwrite: below)
+        from exl3tool.operations.release_rules import cache_root
+
+        cache_root(request, environ, what=f"the cache this {command} reads")
     if dry_run:
         _refuse_a_file_as_cache(request, environ)  # a real warm refuses it before its first encode
         checkpoint, plan, _ = prepare(request, environ=environ)
@@ -274,9 +278,20 @@ def cache_warm(
 _ENCODES = ("model", "plan", "encoder", "cache", "encoding", "launch")  # the groups of a command that encodes
 
 
+def _dry_run(*reads: str):
+    """A dry run plans and looks up: it encodes, probes, locks and shows the progress of nothing, so the encoding
+    options are refused there but ``reads`` (``encode``'s --mode) and --device and --file-mode, which it checks as
+    the run would."""
+    return NotWith("dry_run", groups=("encoding",), but=("device", "file_mode", *reads), names=("progress",),
+                   fix="drop it: a dry run only plans (nothing is encoded, probed, locked or written), or run without "
+                   "--dry-run")
+
+
 def register(app: typer.Typer) -> None:
     """Add ``encode`` and ``cache warm`` (to the ``cache`` group)."""
     from exl3tool.cli.commands.cache import cache_app
 
-    command(app, "encode", groups=_ENCODES, options=("tp_size", "tp_rank", "dry_run", "mode", "progress"))(encode)
-    command(cache_app, "warm", groups=_ENCODES, options=("dry_run", "check_unchecked", "progress"))(cache_warm)
+    command(app, "encode", groups=_ENCODES, options=("tp_size", "tp_rank", "dry_run", "mode", "progress"),
+            rules=(_dry_run("mode"),))(encode)
+    command(cache_app, "warm", groups=_ENCODES, options=("dry_run", "check_unchecked", "progress"),
+            rules=(_dry_run(),))(cache_warm)
