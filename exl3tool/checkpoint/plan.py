@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from exl3tool.checkpoint.partition import ALIGN, qkv_partition
 from exl3tool.checkpoint.families import SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for, text_config
 from exl3tool.checkpoint.overlay import Overlay, is_shared_expert_projection, resolve_overlay
 from exl3tool.checkpoint.routing import (
@@ -30,7 +31,6 @@ from exl3tool.releases import ServerRelease
 __all__ = ["PlannedLayer", "RankJob", "LayerPlan", "Excluded", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN",
            "is_shared_expert_projection", "tensors_to_fetch"]
 
-ALIGN = 128  # the Hadamard block: K_r and N_r must both be multiples of it (docs/layer-plan.md §2)
 PARALLEL_STYLES = ("qkv", "merged_column", "column", "row", "replicated")
 
 
@@ -125,32 +125,6 @@ def _unplanned_vision_tower(checkpoint: Checkpoint, family: Family, cfg: dict, s
 def _check_tp(tp_size: int) -> None:
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ConfigError(f"tensor-parallel size must be a positive integer, got {tp_size!r}")
-
-
-def qkv_partition(layer: PlannedLayer, tp_size: int, tp_rank: int) -> tuple[int, int, int, int]:
-    """``(heads_r, kv_r, replicas, kr)`` for a qkv layer as vLLM's QKVParallelLinear computes them (6.4)."""
-    heads, kv = layer.num_heads, layer.num_kv_heads
-    assert heads is not None and kv is not None, "qkv layer without head counts"
-    if heads % tp_size:
-        raise ConfigError(
-            f"{layer.prefix}: {heads} attention heads are not divisible by tensor-parallel size {tp_size}; "
-            "vLLM cannot shard this model at that size"
-        )
-    if tp_size >= kv:
-        if tp_size % kv:
-            raise ConfigError(
-                f"{layer.prefix}: tensor-parallel size {tp_size} is not a multiple of {kv} KV heads; "
-                "vLLM cannot replicate KV heads evenly"
-            )
-        kv_r, replicas = 1, tp_size // kv
-    else:
-        if kv % tp_size:
-            raise ConfigError(
-                f"{layer.prefix}: {kv} KV heads are not divisible by tensor-parallel size {tp_size}; "
-                "vLLM cannot shard this model at that size"
-            )
-        kv_r, replicas = kv // tp_size, 1
-    return heads // tp_size, kv_r, replicas, tp_rank // replicas
 
 
 def _divide(layer: PlannedLayer, what: str, n: int, tp_size: int) -> int:

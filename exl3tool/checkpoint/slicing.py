@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
-from exl3tool.checkpoint.plan import ALIGN, PlannedLayer, qkv_partition
+from exl3tool.checkpoint.partition import ALIGN, qkv_partition
+
+PlannedLayer = Any  # a checkpoint.plan.PlannedLayer (not imported: plan builds the stored modules judged here)
 
 __all__ = ["SourceModule", "StoredModule", "stored_module", "source_modules", "shard_groups", "storage_problem",
            "slicing_problem", "tp_problems", "hydration_problem", "stored_problem", "shards_match", "VOCAB_PADDING",
