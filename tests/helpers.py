@@ -371,13 +371,22 @@ def served_linear(style: str, in_features: int, parts: tuple[int, ...] = (), lea
             "shards": shards or tuple((j,) for j in range(max(1, len(parts)))), "kv": kv_heads}
 
 
+def served_experts(intermediate: int) -> dict:
+    """A layer's routed experts as the server builds them (``FusedMoE``), for ``server_tp_load``: the prefix is the
+    checkpoint's ``...mlp.experts`` (expert ``e``'s projections under ``.{e}.gate_proj``), ``intermediate`` vLLM's
+    ``intermediate_size`` (each rank gets ``intermediate / W``)."""
+    return {"style": "experts", "intermediate": intermediate}
+
+
 def server_tp_load(root, modules: dict[str, dict], tp: int) -> dict[str, str]:
-    """Of ``modules`` (vLLM prefix -> ``served_linear``), the ones stored as EXL3 in the checkpoint at ``root`` that
-    a server at TP ``tp`` fails to load, each with the error the fork raises, written from the fork's
-    ``Exl3LinearMethod._shard_tensors_for_tensor_parallel`` (exl3.py, docs/hydrate.md rule 5), not exl3tool's code:
+    """Of ``modules`` (vLLM prefix -> ``served_linear``, or a checkpoint's experts prefix -> ``served_experts``), the
+    ones stored as EXL3 in the checkpoint at ``root`` that a server at TP ``tp`` fails to load, each with the error
+    the fork raises, written from the fork's ``Exl3LinearMethod._shard_tensors_for_tensor_parallel`` and
+    ``Exl3MoEMethod._shard_tensors_for_tensor_parallel`` (exl3.py, docs/hydrate.md rule 5), not exl3tool's code:
     every rank narrows a row-parallel module's input at ``rank * K/W`` and a column-parallel source's part at
     ``shard_rank * size`` (k, v: ``rank // replicas``; a source holding several parts: its part's offset plus
-    ``rank * size``), each start and size a multiple of 128, ranks in order. Modules not stored load as in SOURCE."""
+    ``rank * size``), every routed expert's intermediate rows at ``rank * I/W``, each start and size a multiple of
+    128, ranks in order. Modules not stored load as in SOURCE."""
     root = Path(root)
     qc_file = root / "quantization_config.json"
     storage = json.loads(qc_file.read_text()).get("tensor_storage", {}) if qc_file.is_file() else {}
@@ -385,6 +394,16 @@ def server_tp_load(root, modules: dict[str, dict], tp: int) -> dict[str, str]:
     tensors = _checkpoint_tensors(root)
     failed: dict[str, str] = {}
     for prefix, m in modules.items():
+        if m["style"] == "experts":  # Exl3MoEMethod._shard_tensors_for_tensor_parallel: every expert at rank * I/W
+            stored = [next((storage[s] for s in fork_spellings(f"{prefix}.0.{p}") if s in storage), None)
+                      for p in ("gate_proj", "up_proj", "down_proj")]
+            if tp == 1 or not all(r is not None and r.get("quant_format") == "exl3" for r in stored):
+                continue
+            size = m["intermediate"] // tp
+            bad = [(r * size, size) for r in range(tp) if (r * size) % 128 or size % 128]
+            if bad:
+                failed[prefix] = f"EXL3 TP output slice must be 128-aligned, got start={bad[0][0]}, size={bad[0][1]}"
+            continue
         base = prefix.rsplit(".", 1)[0]
         sources = [f"{base}.{leaf}" for leaf in m["leaves"]] or [prefix]
         records = [next((storage[s] for s in fork_spellings(src) if s in storage), None) for src in sources]

@@ -33,6 +33,7 @@ class HydrateRecord:
     fails_at: dict[int, str] = field(default_factory=dict)  # TP size <= checked_up_to -> "layer: the server's error"
     checked_up_to: int = 0  # every TP size up to this one vLLM can split the model into was checked (0: old record)
     path: str = ""  # the file the note was read from
+    not_modelled: tuple[str, ...] = ()  # modules the server still encodes online that exl3tool does not model
 
     def loads_at(self, tp: int) -> Optional[bool]:
         """Whether a server at TP ``tp`` loads every stored layer: True, False (``fails_at`` says why), or None
@@ -47,20 +48,23 @@ class HydrateRecord:
         """One line for people: "hydrated for TP 1,2 (K6, 14 modules stored, 2 layers left BF16)"."""
         ks = sorted({self.bits, *self.bits_by_module.values()})
         left = f", {len(self.left_bf16)} layer{'s' if len(self.left_bf16) != 1 else ''} left BF16" if self.left_bf16 else ""
+        online = (f", {', '.join(self.not_modelled)} still encoded online (not modelled)" if self.not_modelled
+                  else "")
         return (f"hydrated for TP {','.join(map(str, self.tp_sizes))} ({'/'.join(f'K{k}' for k in ks)}, "
-                f"{len(self.modules)} module{'s' if len(self.modules) != 1 else ''} stored{left}; exl3tool hydrate)")
+                f"{len(self.modules)} module{'s' if len(self.modules) != 1 else ''} stored{left}{online}; "
+                "exl3tool hydrate)")
 
     def as_json(self) -> dict[str, Any]:
         return {"tp_sizes": list(self.tp_sizes), "bits": self.bits, "bits_by_module": dict(self.bits_by_module),
                 "modules": len(self.modules), "left_bf16": list(self.left_bf16),
                 "left_bf16_tp_sizes": {p: list(t) for p, t in self.left_tp.items()},
                 "fails_at": {str(tp): why for tp, why in sorted(self.fails_at.items())},
-                "checked_up_to": self.checked_up_to, "path": self.path}
+                "checked_up_to": self.checked_up_to, "not_modelled": list(self.not_modelled), "path": self.path}
 
 
 def hydrate_note(*, bits: int, tp_sizes: tuple[int, ...], modules: dict[str, str], bits_by_module: dict[str, int],
                  left_bf16: list[str], left_tp: dict[str, tuple[int, ...]], fails_at: dict[int, str],
-                 checked_up_to: int) -> dict[str, Any]:
+                 checked_up_to: int, not_modelled: list[str] = ()) -> dict[str, Any]:
     """The ``exl3tool_hydrate`` note a hydrate writes (the one place its keys are spelled)."""
     note: dict[str, Any] = {"bits": int(bits), "tp_sizes": list(tp_sizes), "modules": dict(sorted(modules.items())),
                             "left_bf16": list(left_bf16), "tp_checked_up_to": int(checked_up_to),
@@ -69,6 +73,8 @@ def hydrate_note(*, bits: int, tp_sizes: tuple[int, ...], modules: dict[str, str
         note["bits_by_module"] = dict(sorted(bits_by_module.items()))
     if left_tp:
         note["left_bf16_tp_sizes"] = {p: list(t) for p, t in sorted(left_tp.items()) if t}
+    if not_modelled:  # OUT does not store them: a server of it still encodes them online
+        note["not_modelled"] = list(not_modelled)
     return note
 
 
@@ -109,5 +115,6 @@ def read_hydrate_record(root: str | Path) -> Optional[HydrateRecord]:
             left_bf16=tuple(str(p) for p in note.get("left_bf16") or () if isinstance(p, str)),
             left_tp={str(p): _ints(t) for p, t in left_tp.items()}, fails_at=fails,
             checked_up_to=up_to if isinstance(up_to, int) and not isinstance(up_to, bool) else 0,
-            path=str(root / name))
+            path=str(root / name),
+            not_modelled=tuple(str(p) for p in note.get("not_modelled") or () if isinstance(p, str)))
     return None

@@ -16,8 +16,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
+from exl3tool.checkpoint.partition import ALIGN, qkv_partition
 from exl3tool.checkpoint.families import SUPPORTED_ARCHITECTURES, Family, ModuleTemplate, family_for, text_config
 from exl3tool.checkpoint.overlay import Overlay, is_shared_expert_projection, resolve_overlay
 from exl3tool.checkpoint.routing import (
@@ -30,7 +31,6 @@ from exl3tool.releases import ServerRelease
 __all__ = ["PlannedLayer", "RankJob", "LayerPlan", "Excluded", "plan_layers", "rank_sizes", "qkv_partition", "ALIGN",
            "is_shared_expert_projection", "tensors_to_fetch"]
 
-ALIGN = 128  # the Hadamard block: K_r and N_r must both be multiples of it (docs/layer-plan.md §2)
 PARALLEL_STYLES = ("qkv", "merged_column", "column", "row", "replicated")
 
 
@@ -127,32 +127,6 @@ def _check_tp(tp_size: int) -> None:
         raise ConfigError(f"tensor-parallel size must be a positive integer, got {tp_size!r}")
 
 
-def qkv_partition(layer: PlannedLayer, tp_size: int, tp_rank: int) -> tuple[int, int, int, int]:
-    """``(heads_r, kv_r, replicas, kr)`` for a qkv layer as vLLM's QKVParallelLinear computes them (6.4)."""
-    heads, kv = layer.num_heads, layer.num_kv_heads
-    assert heads is not None and kv is not None, "qkv layer without head counts"
-    if heads % tp_size:
-        raise ConfigError(
-            f"{layer.prefix}: {heads} attention heads are not divisible by tensor-parallel size {tp_size}; "
-            "vLLM cannot shard this model at that size"
-        )
-    if tp_size >= kv:
-        if tp_size % kv:
-            raise ConfigError(
-                f"{layer.prefix}: tensor-parallel size {tp_size} is not a multiple of {kv} KV heads; "
-                "vLLM cannot replicate KV heads evenly"
-            )
-        kv_r, replicas = 1, tp_size // kv
-    else:
-        if kv % tp_size:
-            raise ConfigError(
-                f"{layer.prefix}: {kv} KV heads are not divisible by tensor-parallel size {tp_size}; "
-                "vLLM cannot shard this model at that size"
-            )
-        kv_r, replicas = kv // tp_size, 1
-    return heads // tp_size, kv_r, replicas, tp_rank // replicas
-
-
 def _divide(layer: PlannedLayer, what: str, n: int, tp_size: int) -> int:
     if n % tp_size:
         raise ConfigError(
@@ -204,6 +178,9 @@ class LayerPlan:
     family: Optional[Family] = field(default=None, compare=False, repr=False)
     notes: tuple[str, ...] = ()
     text: Optional[dict] = field(default=None, compare=False, repr=False)
+    # the modules the checkpoint stores as EXL3 that the server builds (``checkpoint.slicing.StoredModule``): every
+    # rank slices them at start-up, whatever the plan holds (``start_problem``)
+    stored: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     def check_tp(self, tp_size: int) -> None:
         """ConfigError where the server refuses this TP size (rank-sliced kinds) or vLLM cannot shard the model."""
@@ -224,14 +201,54 @@ class LayerPlan:
             self.check_tp(tp_size)
             for layer in self.layers:
                 rank_sizes(layer, tp_size)
+            for m in self.stored:
+                if m.layer is not None and not m.unknown:
+                    rank_sizes(m.layer, tp_size)
         except ConfigError as exc:
             return str(exc)
         return None
 
     def shardable_tp_sizes(self, up_to: int = 8) -> tuple[int, ...]:
         """The TP sizes from 1 to ``up_to`` vLLM can split this model into (``shard_problem`` says why not the
-        others): the sizes a server of it can start at."""
+        others)."""
         return tuple(tp for tp in range(1, up_to + 1) if self.shard_problem(tp) is None)
+
+    def start_problem(self, tp_size: int) -> Optional[str]:
+        """Why a server at ``tp_size`` fails to load a module the checkpoint stores as EXL3 ("PREFIX: why (the
+        server's error)", the first one in model order; ``checkpoint.slicing.stored_problem``: the fork's slicing
+        rules), or None. Modules whose layout is not modelled are ``stored_unknown``'s, not judged here."""
+        found = self.stored_failure(tp_size)
+        return f"{found[0].prefix}: {found[1]}" if found is not None else None
+
+    def stored_failure(self, tp_size: int) -> Optional[tuple[Any, str]]:
+        """``(StoredModule, why)`` of the first stored module a server at ``tp_size`` fails to load (in the order
+        it slices them: ``slicing.load_order``), or None."""
+        found = self.stored_failures(tp_size)
+        return found[0] if found else None
+
+    def stored_failures(self, tp_size: int) -> list[tuple[Any, str]]:
+        """``(StoredModule, why)`` of every stored module a server at ``tp_size`` fails to load, in load order."""
+        from exl3tool.checkpoint.slicing import stored_problem
+
+        out = []
+        for m in self.stored:
+            try:
+                why = stored_problem(m, tp_size)
+            except ConfigError:  # vLLM cannot split the model there at all: ``shard_problem`` says so
+                continue
+            if why:
+                out.append((m, why))
+        return out
+
+    def stored_unknown(self) -> list[Any]:
+        """The stored modules whose layout the fork's loader is not modelled for (``StoredModule.unknown``)."""
+        return [m for m in self.stored if m.unknown]
+
+    def startable_tp_sizes(self, up_to: int = 8) -> tuple[int, ...]:
+        """The TP sizes from 1 to ``up_to`` a server of this checkpoint starts at: vLLM can split the model there
+        (``shard_problem``) and every rank slices each module the checkpoint stores as EXL3 (``start_problem``)."""
+        return tuple(tp for tp in range(1, up_to + 1)
+                     if self.shard_problem(tp) is None and self.start_problem(tp) is None)
 
     def for_tp(self, tp_size: int, *, include_skipped: bool = False) -> list[RankJob]:
         """One job per layer and rank ``0..W-1``; ranks the server never caches (6.3) only if asked."""
@@ -288,8 +305,8 @@ def _checkpoint_layers(family: Family, names: Iterable[str]) -> str:
     return family.checkpoint_layers[0]
 
 
-def _source_candidates(family: Family, base: str, source: str) -> list[str]:
-    return [f"{base}.{source}.weight"] + [f"{base}.{alt}.weight" for src, alt in family.aliases if src == source]
+def _source_candidates(family: Family, base: str, source: str, suffix: str = "weight") -> list[str]:
+    return [f"{base}.{source}.{suffix}"] + [f"{base}.{alt}.{suffix}" for src, alt in family.aliases if src == source]
 
 
 def _heads(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str) -> tuple[int, int, int]:
@@ -360,6 +377,14 @@ def _plan_route(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, ro
                          "(not stored as EXL3, so the server loads it as BF16)")
     shapes = [_weight_shape(checkpoint, n) for n in sources]
     _check_config_shapes(checkpoint, family, cfg, arch, tpl, route.prefix, sources, shapes)
+    return _route_layer(checkpoint, family, cfg, arch, route, sources, shapes, fused)
+
+
+def _route_layer(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, route: Route,
+                 sources: tuple[str, ...], shapes: list[tuple[int, int]], fused: str) -> PlannedLayer:
+    """The ``PlannedLayer`` of a routed module whose checkpoint matrices ``sources`` are ``shapes`` ([out, in]):
+    its parallel style, fused parts and where each lives (a BF16 weight's, or a stored EXL3 matrix's)."""
+    tpl: ModuleTemplate = route.template
     in_features = shapes[0][1]
     for n, (_, k) in zip(sources, shapes, strict=True):
         if k != in_features:
@@ -412,6 +437,146 @@ def _plan_route(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, ro
         j += count
     return PlannedLayer(route.prefix, tpl.parallel, sources, part_sizes, in_features, out_features,
                         part_sources=tuple(part_sources), **common)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the modules stored as EXL3: what the server slices at start-up (checkpoint.slicing)
+
+
+def _recorded_trellis(storage: StorageMap) -> dict[str, tuple[int, ...]]:
+    """Every ``.trellis`` tensor the ``tensor_storage`` records list, with the shape they record (a Hub checkpoint
+    fetched in part has no header for it here)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for rec in storage.records.values():
+        tensors = rec.get("stored_tensors") if isinstance(rec, dict) else None
+        for name, t in (tensors or {}).items() if isinstance(tensors, dict) else ():
+            shape = t.get("shape") if isinstance(t, dict) else None
+            if str(name).endswith(".trellis") and isinstance(shape, list) and all(
+                    isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+                out[str(name)] = tuple(shape)
+    return out
+
+
+def _trellis_shape(checkpoint: Checkpoint, name: str, recorded: dict[str, tuple[int, ...]]
+                   ) -> Optional[tuple[int, int]]:
+    """``[N, K]`` (rows, columns: a weight's orientation) of the stored matrix whose trellis is ``name``, from its
+    header, else the shape its record gives; None when neither has a rank-3 trellis."""
+    shape = checkpoint.info(name).shape if checkpoint.has_tensor(name) else recorded.get(name)
+    if shape is None or len(shape) != 3:
+        return None
+    return shape[1] * 16, shape[0] * 16
+
+
+def _record_trellis(storage: StorageMap, prefix: str) -> Optional[str]:
+    """The ``.trellis`` tensor the record the server finds for ``prefix`` lists (``_storage_entry``'s spellings)."""
+    rec = storage.entry(prefix)
+    tensors = rec.get("stored_tensors") if isinstance(rec, dict) else None
+    names = [str(n) for n in tensors if str(n).endswith(".trellis")] if isinstance(tensors, dict) else []
+    return names[0] if names else None
+
+
+def _stored_linear(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, route: Route, ckpt_layers: str,
+                   storage: StorageMap, packed: dict, recorded: dict[str, tuple[int, ...]]) -> Any:
+    """The ``StoredModule`` of a routed module the checkpoint stores as EXL3: its stored matrices (the checkpoint's
+    names, else the ones its records list) and the layer they make, or ``unknown`` saying what is not modelled."""
+    from exl3tool.checkpoint.slicing import StoredModule, shards_match, source_modules
+
+    tpl: ModuleTemplate = route.template
+    base = f"{ckpt_layers}.{route.layer}"
+    names = [next((n for n in _source_candidates(family, base, s, "trellis") if n in recorded
+                   or checkpoint.has_tensor(n)), None) for s in tpl.sources]
+    fused = f"{base}.{tpl.name}.trellis"
+    if not all(names):
+        if storage.is_exl3(route.prefix):  # the fused module stored whole
+            names = [_record_trellis(storage, route.prefix) or fused]
+        else:
+            vbase, _, leaf = route.prefix.rpartition(".")
+            names = [_record_trellis(storage, f"{vbase}.{x}" if vbase else x) for x in packed.get(leaf) or ()]
+    shapes = [_trellis_shape(checkpoint, n, recorded) if n else None for n in names]
+    if not names or None in shapes:
+        return StoredModule(route.prefix, "linear", unknown="its record says stored as EXL3, but the checkpoint's "
+                                                             "stored matrices for it are not found")
+    sources = tuple(n for n in names if n)
+    try:
+        layer = _route_layer(checkpoint, family, cfg, arch, route, sources, [s for s in shapes if s], fused)
+    except (InputError, ConfigError) as exc:
+        return StoredModule(route.prefix, "linear", unknown=str(exc))
+    mods = source_modules(layer, {n: s[0] for n, s in zip(sources, shapes, strict=True) if s})
+    if not shards_match(layer, mods):
+        return StoredModule(route.prefix, "linear", unknown="its stored matrices are not one per shard the fork "
+                                                             "loads (a fused matrix)")
+    return StoredModule(route.prefix, "linear", layer=layer, sources=tuple(mods))
+
+
+_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _stored_experts(checkpoint: Checkpoint, family: Family, cfg: dict, ckpt_layers: str, storage: StorageMap,
+                    recorded: dict[str, tuple[int, ...]], streamed: bool) -> list[Any]:
+    """One ``StoredModule`` per decoder layer whose routed experts are stored as EXL3 (``_moe_prefix_is_exl3``:
+    expert 0's gate, up and down), with the intermediate size every rank slices; layers past
+    ``num_hidden_layers`` (a draft's MTP layer) are not built."""
+    import re
+
+    from exl3tool.checkpoint.slicing import StoredModule
+
+    n_layers = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else 0
+    found: dict[int, tuple[str, str]] = {}
+    for prefix in (ckpt_layers, family.layers_prefix):
+        pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.((?:[\w]+\.)*?)experts\.0\.gate_proj$")
+        for key in storage.records:
+            m = pattern.match(key)
+            if m and int(m.group(1)) < n_layers and int(m.group(1)) not in found:
+                found[int(m.group(1))] = (key.removesuffix(".0.gate_proj"), m.group(2))
+    out = []
+    for i, (experts, middle) in sorted(found.items()):
+        if not all(storage.is_exl3(f"{experts}.0.{p}") for p in _EXPERT_PROJ):
+            continue
+        prefix = f"{family.layers_prefix}.{i}.{middle}experts"
+        name = _record_trellis(storage, f"{experts}.0.gate_proj") or f"{experts}.0.gate_proj.trellis"
+        shape = _trellis_shape(checkpoint, name, recorded)
+        size = cfg.get("moe_intermediate_size")
+        rows = shape[0] if shape is not None else size if isinstance(size, int) and size > 0 else None
+        if rows is None:
+            out.append(StoredModule(prefix, "experts", unknown="the experts' intermediate size is not known"))
+        else:
+            out.append(StoredModule(prefix, "experts", rows=rows, streamed=streamed))
+    return out
+
+
+def _stored_head(checkpoint: Checkpoint, cfg: dict, storage: StorageMap, recorded: dict[str, tuple[int, ...]]
+                 ) -> list[Any]:
+    """The ``lm_head`` when the checkpoint stores it as EXL3 (``has_quantized_lm_head``), with vLLM's padded
+    vocabulary (``VocabParallelEmbedding``: a multiple of 64, ``padded / W`` rows a rank)."""
+    from exl3tool.checkpoint.slicing import VOCAB_PADDING, StoredModule
+
+    if not storage.is_exl3("lm_head"):
+        return []
+    name = _record_trellis(storage, "lm_head") or "lm_head.trellis"
+    shape = _trellis_shape(checkpoint, name, recorded)
+    if shape is None:
+        return [StoredModule("lm_head", "lm_head", unknown="its stored matrix is not found")]
+    vocab = cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else shape[0]
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    return [StoredModule("lm_head", "lm_head", rows=shape[0], padded=padded, in_features=shape[1])]
+
+
+def _stored_modules(checkpoint: Checkpoint, family: Family, cfg: dict, arch: str, routes: list[Route],
+                    ckpt_layers: str, view) -> tuple[Any, ...]:
+    """Every module the checkpoint stores as EXL3 that a server of it builds and slices: the routed linears, the
+    routed experts (not a rank-sliced checkpoint's: per-rank payloads) and the ``lm_head``."""
+    storage, kind = view.storage, view.kind
+    recorded = _recorded_trellis(storage)
+    packed = family.packed(cfg)
+    out = [_stored_linear(checkpoint, family, cfg, arch, r, ckpt_layers, storage, packed, recorded)
+           for r in routes if r.decision == "stored_exl3"]
+    if kind is None or kind.kind == "exl3":
+        out += _stored_experts(checkpoint, family, cfg, ckpt_layers, storage, recorded,
+                               streamed=kind is not None and kind.r7)
+    out += _stored_head(checkpoint, cfg, storage, recorded)
+    from exl3tool.checkpoint.slicing import load_order
+
+    return tuple(sorted(out, key=lambda m: load_order(m.prefix)))  # the order the server slices them in
 
 
 def _never(stem: str) -> bool:
@@ -537,8 +702,9 @@ def plan_layers(checkpoint: Checkpoint, *, release: ServerRelease, overlay: Over
     if vision and not layers:
         excluded.append(Excluded("visual.*", "not_modelled", vision))
         notes.append(vision)
+    stored = _stored_modules(checkpoint, family, cfg, arch or "", routes, ckpt_layers, view) if not view.refusal else ()
     return LayerPlan(tuple(planned), arch, tuple(serialized), tuple(excluded), overlay, view.kind,
-                     view.refusal is None, family, tuple(notes), cfg)
+                     view.refusal is None, family, tuple(notes), cfg, stored)
 
 
 def tensors_to_fetch(root: Path, config: dict, names: Iterable[str], overlay: Overlay | str | None = None,

@@ -132,6 +132,7 @@ class CheckpointKind:
     storage: StorageMap
     required_tp: Optional[int] = None  # rank-sliced routed experts: the server starts only at this TP size
     notes: tuple[str, ...] = ()
+    r7: bool = False  # r7 routed experts: narrowed per rank while they stream in (``Exl3MoEParameter``)
 
     def tp_refusal(self, tp: int) -> Optional[str]:
         if self.required_tp is not None and tp != self.required_tp:
@@ -321,7 +322,7 @@ def serving_kind(config: Mapping[str, Any], quant_file: Optional[Mapping[str, An
     _validate_records(storage)
     notes = ((f"r7 routed-expert checkpoint ({R7_SCHEMA}): taken as EXL3 whatever its quant_method "
               f"({qc.get('quant_method')!r}), as {rel.name} does",) if r7 else ())
-    return CheckpointKind("exl3", StorageMap.build(storage, mapper), notes=notes)
+    return CheckpointKind("exl3", StorageMap.build(storage, mapper), notes=notes, r7=r7)
 
 
 @dataclass(frozen=True)

@@ -79,10 +79,12 @@ def _experts(b: Builder, layer: str, n: int, hidden: int, inter: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# DeepSeek-V3 MLA (deepseek_v2.py): hidden 128, 4 heads, nope 64 / rope 64 / v 64, q_lora 128, kv_lora 128
+# DeepSeek-V3 MLA (deepseek_v2.py): hidden 128, 4 heads, nope 64 / rope 64 / v 64, q_lora 128, kv_lora 128; routed
+# experts of 256 (each rank of a TP 2 server slices 128 of them: the fork slices stored experts in 128-blocks), one
+# shared expert of 256 (as DeepSeek-V3's n_shared_experts 1)
 
-MLA = dict(hidden=128, heads=4, nope=64, rope=64, v=64, q_lora=128, kv_lora=128, inter=256, moe_inter=128,
-           n_shared=2, experts=4)
+MLA = dict(hidden=128, heads=4, nope=64, rope=64, v=64, q_lora=128, kv_lora=128, inter=256, moe_inter=256,
+           n_shared=1, experts=4)
 
 
 def mla_config(*, q_lora: bool = True, arch: str = "DeepseekV3ForCausalLM", layers: int = 2, **extra) -> dict:
@@ -176,9 +178,10 @@ def write_glm5(path: Path, *, layers: int = 4, seed: int = 0, **extra) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Qwen3.5 / Qwen3.8 hybrid (Qwen3_5ForConditionalGeneration): 4 layers, 3 gated-delta-net + 1 gated full attention
+# Qwen3.5 / Qwen3.8 hybrid (Qwen3_5ForConditionalGeneration): 4 layers, 3 gated-delta-net + 1 gated full attention;
+# 2 linear key heads of 128 (Qwen3.5's linear_key_head_dim), so a TP 2 rank slices 128 rows of each stored q and k
 
-QWEN35 = dict(hidden=128, nk=2, nv=4, hk=64, hv=64, heads=4, kv=2, hd=64, inter=256)
+QWEN35 = dict(hidden=128, nk=2, nv=4, hk=128, hv=64, heads=4, kv=2, hd=64, inter=256)
 
 
 def qwen35_config(**extra) -> dict:
@@ -325,8 +328,8 @@ def write_mla_from_config(path: Path, config: dict, *, header_only: bool = True,
 # layer 0 a dense MLP (mlp_only_layers), 1-3 sparse MoE with a shared expert. The GDN input projections ship as
 # one interleaved in_proj_qkvz and one in_proj_ba per layer, as the HF Qwen3-Next checkpoints do.
 
-QWEN3_NEXT = dict(hidden=128, nk=2, nv=4, hk=64, hv=64, heads=4, kv=2, hd=64, inter=256, moe_inter=128,
-                  shared=256, experts=4)
+QWEN3_NEXT = dict(hidden=128, nk=2, nv=4, hk=64, hv=64, heads=4, kv=2, hd=64, inter=256, moe_inter=256,
+                  shared=256, experts=4)  # routed experts of 256: a TP 2 rank slices 128 of each (128-blocks)
 
 
 def qwen3_next_config(**extra) -> dict:
@@ -475,7 +478,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
                "GLM-4.5/4.6 MoE: layer 0 dense, layers 1-2 MoE with 2 shared experts, a nextn layer"),
     TinyFamily("llama", "LlamaForCausalLM",
                lambda p, s: _write_llama(p, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256, layers=2,
-                                                   vocab=64, seed=s, shards=1), None,
+                                                   vocab=512, seed=s, shards=1), None,
                "Llama: 2 decoder layers, every linear BF16, lm_head stored as EXL3"),
 )}
 

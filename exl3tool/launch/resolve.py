@@ -128,6 +128,9 @@ class LaunchSettings:
     server_release: Optional[str] = None  # the release whose rules were applied (exl3tool.releases)
     image_labels: dict[str, str] = field(default_factory=dict)  # the server image's labels (launch.image), as read
     release: Optional[ReleaseChoice] = None  # that release, where it came from and what was assumed
+    # the launch's own model folder as seen here (through its volumes), also when MODEL replaced it; None when the
+    # launch serves a Hub repo id or its folder is not seen here
+    model_seen_here: Optional[str] = None
 
     @property
     def image(self) -> Optional[Any]:
@@ -264,6 +267,7 @@ class _Builder:
         self.notes: list[str] = []
         self.view: Optional[PathMap] = None  # set when the identity is computed in the server's filesystem
         self.choice: Optional[ReleaseChoice] = None  # the server release whose rules apply: _release sets it first
+        self.model_seen: Optional[str] = None  # the launch's own model folder as seen here (None: not seen, or Hub)
 
     def put(self, name: str, value: Any, source: str, detail: str = "") -> Any:
         self.settings[name] = Setting(value, source, detail)
@@ -393,6 +397,7 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         raise ConfigError(f"the launch serves the Hub repo {name}, whose identity is its commit, but MODEL is "
                           f"{explicit.model}: drop MODEL (exl3tool reads {name} from the Hub or its cache), or make "
                           "the launch serve the folder")
+    b.model_seen = local_here
     if explicit.model is not None:
         b.put("model_here", explicit.model, "flag", "MODEL")
     elif local_here is not None:
@@ -766,7 +771,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         launch, b.settings, model, server_path, revision, tp, dtype, bits, qc, enc_root, enc_rev, enc_src,
         cache_dir, lmo, layers.merged(), tuple(b.defaulted), tuple(b.warnings),
         _image_lines(launch) + tuple(launch.notes) + tuple(b.notes),
-        view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides,
+        view=b.view, lookup_off=tuple(off), hf_overrides=hf_overrides, model_seen_here=b.model_seen,
         image_labels=dict(launch.image.labels) if launch.image is not None else {},
         server_release=b.choice.release.name if b.choice else None, release=b.choice)
 

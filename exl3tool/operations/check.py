@@ -33,7 +33,7 @@ from exl3tool.releases import (
 from exl3tool.operations.release_rules import release_rules
 
 __all__ = ["Present", "Finding", "Cause", "CheckReport", "check", "no_lookup_json", "model_differences", "encoder_differences",
-           "start_failures", "start_unknowns", "stored_only_report", "hydrated_failures"]
+           "start_failures", "start_unknowns", "stored_only_report", "hydrated_failures", "stored_failures"]
 
 _SHOWN = 3  # items named per line before "and N more"
 
@@ -515,12 +515,12 @@ def check(request: ServerRequest, *, environ: Optional[dict] = None) -> CheckRep
             pass
     failures = start_failures(plan, request, release, full)
     record = _hydrate_record(request)
-    failures += hydrated_failures(record, tuple(request.tp_sizes), request.model)
+    stored, unknown = stored_failures(full, record, tuple(request.tp_sizes), request.model)
     splits, note = release_rules(request, checkpoint.config, environ, plan, full)
     return CheckReport(plan, dtype, tuple(causes), tuple(notes), hit_origins, tuple(records),
-                       round(time.perf_counter() - start, 4), start_failures=tuple(failures),
+                       round(time.perf_counter() - start, 4), start_failures=tuple(failures + stored),
                        server_release=release.name, release=request.release_choice,
-                       cannot_tell=tuple(start_unknowns(plan, release, full)), hydrated=record,
+                       cannot_tell=tuple(start_unknowns(plan, release, full) + unknown), hydrated=record,
                        release_splits=splits, release_note=note)
 
 
@@ -620,27 +620,67 @@ def _hydrate_record(request: ServerRequest):
 
 
 def hydrated_failures(record, tp_sizes: tuple[int, ...], model: str) -> list[Finding]:
-    """Why a server at one of ``tp_sizes`` fails to load a checkpoint `exl3tool hydrate` wrote (its record's
-    ``fails_at``: the first stored layer that TP size cannot slice, and the server's error). ConfigError (exit 2)
-    for a TP size the hydrate did not check: exl3tool cannot tell (docs/hydrate.md, "Checking OUT")."""
+    """Why a server at one of ``tp_sizes`` fails to load a checkpoint `exl3tool hydrate` wrote, as its record says
+    (``fails_at``: the first stored layer that TP size cannot slice, and the server's error); nothing for a size
+    the record does not name (``stored_failures`` judges every stored module there)."""
     if record is None:
         return []
     checked = ",".join(map(str, record.tp_sizes))
+    return [Finding("hydrated", f"this server will not start: {model} was hydrated for TP {checked}, and at TP {tp} "
+                                f"{record.fails_at[tp]}",
+                    f"serve it at TP {checked}, or hydrate SOURCE again with --tp-size {tp} (a layer TP {tp} cannot "
+                    "slice then stays BF16, as in SOURCE)")
+            for tp in tp_sizes if record.loads_at(tp) is False]
+
+
+def stored_failures(layer_plan: Optional[LayerPlan], record, tp_sizes: tuple[int, ...],
+                    model: str) -> tuple[list[Finding], list[Finding]]:
+    """``(failures, unknowns)`` of the modules the checkpoint stores as EXL3 at each of ``tp_sizes``: a size where a
+    rank cannot slice one of them (``LayerPlan.stored_failures``: the fork's rules, ``checkpoint.slicing``) is a
+    start failure naming the first one in the order the server slices them and the server's error, whatever the
+    cache holds. The hydrate ``record`` gives the context (the sizes OUT was hydrated for) and the fix: hydrating
+    SOURCE again helps only where every failing module is one the hydrate stored (SOURCE's own stored modules fail
+    there too otherwise); where the rule finds nothing the record's ``fails_at`` is still said (never a start on
+    a disagreement). ``unknowns``: stored modules whose layout exl3tool does not model (then it cannot tell
+    whether the server starts)."""
     out: list[Finding] = []
+    if layer_plan is None or not layer_plan.server_lookup:
+        return out, []
+    recorded = {f.text: f for f in hydrated_failures(record, tp_sizes, model)}
+    starts: Optional[tuple[int, ...]] = None
     for tp in tp_sizes:
-        loads = record.loads_at(tp)
-        if loads is None:
-            raise ConfigError(f"{model}: {record.line()}, and its record covers TP sizes up to "
-                              f"{max(record.checked_up_to, *record.tp_sizes)}; TP {tp} was not checked, so exl3tool "
-                              f"cannot tell whether the server slices its stored layers there: hydrate SOURCE again "
-                              f"with --tp-size {tp}")
-        if not loads:
-            out.append(Finding(
-                "hydrated", f"this server will not start: {model} was hydrated for TP {checked}, and at TP {tp} "
-                            f"{record.fails_at[tp]}",
-                f"serve it at TP {checked}, or hydrate SOURCE again with --tp-size {tp} (a layer TP {tp} cannot "
-                "slice then stays BF16, as in SOURCE)"))
-    return out
+        failing = layer_plan.stored_failures(tp)
+        if not failing:
+            out += [f for f in recorded.values() if f" at TP {tp} " in f.text]
+            continue
+        module, why = failing[0]
+        if starts is None:
+            starts = layer_plan.startable_tp_sizes()
+        serve = (f"serve it at TP {','.join(map(str, starts))} (where every rank slices each stored module)"
+                 if starts else "no TP size up to 8 loads every stored module: store this module for the TP size "
+                                "you serve (its rank slices 128-aligned), or serve another checkpoint")
+        ours = [m for m, _ in failing if record is not None and any(s.module in record.modules for s in m.sources)]
+        theirs = [(m, w) for m, w in failing if m not in ours]
+        if record is not None and not theirs:
+            again = (f", or hydrate SOURCE again with --tp-size {tp} (a layer TP {tp} cannot slice then stays BF16, "
+                     "as in SOURCE)")
+        elif record is not None:
+            again = (f"; hydrating again does not help at TP {tp}: {theirs[0][0].prefix}, stored as EXL3 in SOURCE "
+                     f"itself, cannot be sliced there either ({theirs[0][1]})")
+        else:
+            again = ""
+        if record is not None:
+            checked = ",".join(map(str, record.tp_sizes))
+            text = (f"this server will not start: {model} was hydrated for TP {checked}, and at TP {tp} "
+                    f"{module.prefix}: {why}")
+            out.append(Finding("hydrated", text, serve + again))
+        else:
+            out.append(Finding("stored", f"this server will not start: at TP {tp} {module.prefix}, stored as EXL3 in "
+                                         f"{model}, cannot be loaded: {why}", serve + again))
+    unknown = [Finding("stored", f"{m.prefix} is stored as EXL3, but {m.unknown}; exl3tool does not model how the "
+                                 "fork loads it", "check that a server of this checkpoint starts at these TP sizes")
+               for m in layer_plan.stored_unknown()]
+    return out, unknown
 
 
 def _launch_notes(environ: Optional[dict]) -> list[Finding]:
@@ -665,10 +705,14 @@ def _launch_notes(environ: Optional[dict]) -> list[Finding]:
 
 
 def stored_only_report(request: ServerRequest, environ: Optional[dict] = None) -> Optional[CheckReport]:
-    """A report of zero look-ups when the local checkpoint stores every layer the server would encode online (a
-    hydrated checkpoint, `exl3tool hydrate`): the rule is ``operations.hydrate.stored_only_reason``. None otherwise
-    (also for Hub models: their plan is ``prepare``'s, which fetches only what it needs). Its start failures are
-    the hydrate record's (``hydrated_failures``); its notes say which launch variables the server no longer needs."""
+    """A report of zero look-ups when the local checkpoint stores every layer the server would encode online and
+    exl3tool models (a hydrated checkpoint, `exl3tool hydrate`): the rule is
+    ``operations.hydrate.stored_only_reason``. None otherwise (also for Hub models: their plan is ``prepare``'s,
+    which fetches only what it needs). A TP size vLLM cannot split the model into is a ConfigError (exit 2) naming
+    why, as for any plan. Its start failures are ``stored_failures``' (every module the checkpoint stores, the
+    hydrate record's among them); layers the server encodes that exl3tool does not model (a vision tower the
+    overlay does not ignore) are its causes (each look-up a miss); its notes say which launch variables the server
+    no longer needs."""
     import os
 
     from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay
@@ -687,19 +731,24 @@ def stored_only_report(request: ServerRequest, environ: Optional[dict] = None) -
                                  language_model_only=request.language_model_only, release=request.release)
     except Exl3ToolError:
         return None  # prepare says it, as for any check
+    for tp in request.tp_sizes:  # vLLM cannot split the model there: that is the answer, whatever is stored
+        problem = layer_plan.shard_problem(tp)
+        if problem:
+            raise ConfigError(problem)
     why = stored_only_reason(layer_plan, tuple(request.tp_sizes))
     if not why:
         return None
     record = _hydrate_record(request)
-    failures = hydrated_failures(record, tuple(request.tp_sizes), checkpoint.model)
+    failures, unknown = stored_failures(layer_plan, record, tuple(request.tp_sizes), checkpoint.model)
     root = request.cache_root(environ)
     plan = LookupPlan(model=checkpoint.model, model_identity="", encoder_identity="", bits=request.bits,
                     tp_sizes=tuple(request.tp_sizes), cache_root=root, mode="readonly", jobs=(), layer_plan=layer_plan)
     splits, note = release_rules(request, checkpoint.config, environ, lookups=False)
-    return CheckReport(plan, _resolved_dtype(request, checkpoint), (), tuple(_launch_notes(environ)),
-                       {o: 0 for o in ORIGINS}, (), round(time.perf_counter() - start, 4), stored=why,
-                       start_failures=tuple(failures), server_release=request.release.name,
-                       release=request.release_choice, hydrated=record, release_splits=splits, release_note=note)
+    return CheckReport(plan, _resolved_dtype(request, checkpoint), tuple(_unplanned_causes(plan)),
+                       tuple(_launch_notes(environ)), {o: 0 for o in ORIGINS}, (), round(time.perf_counter() - start, 4),
+                       stored=why, start_failures=tuple(failures), server_release=request.release.name,
+                       release=request.release_choice, cannot_tell=tuple(unknown), hydrated=record,
+                       release_splits=splits, release_note=note)
 
 
 def _unplanned_causes(plan: LookupPlan) -> list[Cause]:

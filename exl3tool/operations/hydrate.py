@@ -2,7 +2,7 @@
 
 ``plan_hydrate`` decides what to store from ``cache warm``'s own plan at TP 1 (``plan.request.prepare``, one rule,
 one place), then checks each layer against the fork's loader at every TP size OUT must start at (by default every
-size up to 8 vLLM can split the model into; ``checkpoint.hydrated.storage_problem`` / ``slicing_problem``). ``hydrate`` runs it: each source module is encoded once
+size up to 8 a server of SOURCE starts at; ``checkpoint.slicing.storage_problem`` / ``slicing_problem``). ``hydrate`` runs it: each source module is encoded once
 (``encode_linear``, the bytes ``cache warm`` writes for an unfused layer at TP 1), kept under a temporary folder
 beside OUT so a stopped run resumes (``STEPS``), then the changed shards are written from SOURCE and those files
 (bytes copied, never held in memory), the others hard-linked (else copied), the index and ``tensor_storage``
@@ -32,6 +32,7 @@ from exl3tool.checkpoint.hydrated import (
     EXL3_SUFFIXES, FileTensor, SourceModule, exl3_tensors_of, read_header, slicing_problem, source_modules,
     storage_problem, storage_record, tensor_nbytes, tp_problems, write_shard,
 )
+from exl3tool.checkpoint.slicing import load_order
 from exl3tool.errors import ConfigError, InputError
 from exl3tool.text import plural
 
@@ -41,7 +42,8 @@ __all__ = ["HydrateLayer", "HydratePlan", "HydrateReport", "plan_hydrate", "hydr
 TEMP_SUFFIX = ".hydrate-partial"  # the temporary folder beside OUT: ".<OUT name>.hydrate-partial"
 _INDEX = "model.safetensors.index.json"
 _QUANT = "quantization_config.json"
-MAX_TP = 8  # the default TP sizes: every size up to this one that vLLM can split the model into
+STORED_BITS = (1, 8)  # the K a stored module may have: exl3.py _validate_loaded_tensors reads 1 to 8 from its trellis
+MAX_TP = 8  # the default TP sizes: every size up to this one that a server of SOURCE starts at
 
 EncodeFn = Callable[..., Any]  # (weight [K, N] float32, bits, seed, device) -> EncodedLinear
 LayerFn = Callable[[int, int, str, float, bool], None]  # (done, total, module, seconds, reused)
@@ -103,9 +105,13 @@ class HydratePlan:
     storage_file: str  # where tensor_storage lives: quantization_config.json or config.json (inline)
     already_stored: str = ""  # non-empty: nothing to do, every online layer is stored already (why)
     checkpoint: Any = field(default=None, compare=False, repr=False)
-    tp_default: bool = False  # tp_sizes are the default (every size up to MAX_TP vLLM can split the model into)
+    tp_default: bool = False  # tp_sizes are the default (every size up to MAX_TP a server of SOURCE starts at)
     left_tp: dict[str, tuple[int, ...]] = field(default_factory=dict)  # left_bf16 prefix -> the TP sizes it fails at
     fails_at: dict[int, str] = field(default_factory=dict)  # other TP sizes <= MAX_TP where OUT fails: "layer: why"
+    # (prefix, why) of modules the server encodes online that exl3tool does not model: OUT does not store them, so
+    # a server of OUT still encodes them at start-up (a vision tower the overlay does not ignore)
+    not_modelled: tuple[tuple[str, str], ...] = ()
+    left_out: tuple[str, ...] = ()  # SOURCE's hidden folders (.git, .cache, ...): tool data, not copied into OUT
 
     @property
     def modules(self) -> list[HydrateModule]:
@@ -122,10 +128,14 @@ class HydratePlan:
         return hydrate_note(bits=self.bits, tp_sizes=self.tp_sizes, modules={m.module: m.source.weight for m in mods},
                             bits_by_module=self.bits_by_module(),
                             left_bf16=[p for p, _ in self.left_bf16],
-                            left_tp=self.left_tp, fails_at=self.fails_at, checked_up_to=MAX_TP)
+                            left_tp=self.left_tp, fails_at=self.fails_at, checked_up_to=MAX_TP,
+                            not_modelled=[p for p, _ in self.not_modelled])
 
     def _left_json(self) -> list[dict[str, Any]]:
         return [{"prefix": p, "why": w, "tp_sizes": list(self.left_tp.get(p, ()))} for p, w in self.left_bf16]
+
+    def _not_modelled_json(self) -> list[dict[str, str]]:
+        return [{"prefix": p, "why": w} for p, w in self.not_modelled]
 
     def as_json(self) -> dict[str, Any]:
         """The `hydrate --dry-run --json` document (docs/hydrate.md)."""
@@ -136,7 +146,8 @@ class HydratePlan:
                 "already_stored": self.already_stored or None,
                 "layers": [layer.as_json() for layer in self.layers], "modules": len(mods),
                 "tiles": sum((m.source.in_features // 16) * (m.source.out_features // 16) for m in mods),
-                "left_bf16": self._left_json(),
+                "left_bf16": self._left_json(), "not_modelled": self._not_modelled_json(),
+                "left_out": list(self.left_out),
                 "not_planned": [{"prefix": p, "reason": r, "why": w} for p, r, w in self.not_planned],
                 "changed_shards": list(self.changed_shards), "unchanged_files": len(self.unchanged_files),
                 "storage_file": self.storage_file,
@@ -165,7 +176,8 @@ class HydrateReport:
                 "already_stored": p.already_stored or None, "bits": p.bits, "tp_sizes": list(p.tp_sizes),
                 "tp_default": p.tp_default, "fails_at": {str(tp): why for tp, why in sorted(p.fails_at.items())},
                 "layers": len(p.layers), "modules_stored": len(p.modules), "encoded": self.encoded,
-                "reused": self.reused, "left_bf16": p._left_json(),
+                "reused": self.reused, "left_bf16": p._left_json(), "not_modelled": p._not_modelled_json(),
+                "left_out": list(p.left_out),
                 "shards_written": len(p.changed_shards), "files_linked": self.linked, "files_copied": self.copied,
                 "bytes": {"before": p.bytes_before, "after": self.bytes_after}, "seconds": self.seconds}
 
@@ -176,8 +188,10 @@ class HydrateReport:
 
 def stored_only_reason(layer_plan, tp_sizes=(1,)) -> str:
     """Non-empty when a server at ``tp_sizes`` looks nothing up *because* the layers it would encode online are
-    stored as EXL3: no planned layer is 128-aligned there, at least one module is stored, none is encoded unmodelled
-    (the one rule `cache check` and `hydrate` use to say "every online layer is stored")."""
+    stored as EXL3: no planned layer is 128-aligned there and at least one module is stored (the one rule `cache
+    check` and `hydrate` use to say "every online layer is stored"). Where the server also encodes modules exl3tool
+    does not model (``not_modelled``: a vision tower the overlay does not ignore), it says so instead of "every
+    online layer": those are encoded online, and looked up, whatever is stored."""
     if not layer_plan.server_lookup:
         return ""
     try:
@@ -185,14 +199,67 @@ def stored_only_reason(layer_plan, tp_sizes=(1,)) -> str:
     except ConfigError:
         return ""
     reasons = [e.reason for e in layer_plan.excluded]
-    if looked_up or "stored_exl3" not in reasons or "not_modelled" in reasons:
+    if looked_up or "stored_exl3" not in reasons:
         return ""
+    unmodelled = [e.prefix for e in layer_plan.excluded if e.reason == "not_modelled"]
     stored = reasons.count("stored_exl3")
-    rest = len(reasons) - stored
+    rest = len(reasons) - stored - len(unmodelled)
     kept = len(layer_plan.layers)
-    return (f"every online layer is stored: {plural(stored, 'module')} stored as EXL3 in the checkpoint"
+    what = (f"{plural(stored, 'module')} stored as EXL3 in the checkpoint"
             + (f", {rest} kept BF16 by the overlay (ignored or without a spec)" if rest else "")
             + (f", {plural(kept, 'layer')} the server keeps MXFP8 (not 128-aligned)" if kept else ""))
+    if unmodelled:
+        return (f"every layer exl3tool models is stored ({what}), but the server still encodes "
+                f"{', '.join(unmodelled)} online, which exl3tool does not model")
+    return f"every online layer is stored: {what}"
+
+
+def refuse_other_launch_model(source: str, settings) -> None:
+    """ConfigError (exit 2, one line naming both) when ``hydrate --launch L SOURCE OUT`` is given a launch that
+    serves another model than SOURCE: its bits, overlay, TP size and dtype are that model's server's, so a plan of
+    SOURCE with them would be silently wrong. Same model: the launch's folder, as seen here (through its volumes),
+    resolves to SOURCE's. A launch that names no model, or no launch (``settings`` None), is not judged."""
+    if settings is None:
+        return
+    named = settings.settings.get("model")
+    if named is None or named.source != "launch argument":
+        return  # the launch names no model: SOURCE is the model
+    here = Path(os.path.expanduser(source)).resolve()
+    seen = settings.model_seen_here
+    if seen is not None and Path(os.path.expanduser(seen)).resolve() == here:
+        return
+    where = (f"{named.value} (here: {seen})" if seen is not None and seen != named.value else
+             f"{named.value}" + ("" if seen is not None else ", which is not a folder seen here"))
+    raise ConfigError(f"the launch serves {where}, not SOURCE {source}: its bits, overlay, TP size and dtype are "
+                      "that model's server's; give the launch that serves SOURCE, or SOURCE's settings as options "
+                      "(--bits, --quantization-config, --tp-size) without --launch")
+
+
+def nothing_encoded_online(request, environ: Optional[dict] = None) -> str:
+    """Why a server of ``request.model`` (a local checkpoint) encodes nothing online at its TP sizes (default 1):
+    every layer it would encode is stored (``stored_only_reason``, and no module it encodes is outside exl3tool's
+    model), so it computes no cache key and needs no encoder identity; "" otherwise (or when it cannot tell)."""
+    from exl3tool.checkpoint import open_checkpoint, plan_layers, resolve_overlay
+    from exl3tool.checkpoint.overrides import parse_hf_overrides
+    from exl3tool.errors import Exl3ToolError
+
+    model = os.path.expanduser(request.model or "")
+    if not model or not os.path.isdir(model):
+        return ""
+    try:
+        checkpoint = open_checkpoint(model, hf_overrides=parse_hf_overrides(request.hf_overrides))
+        layer_plan = plan_layers(checkpoint, overlay=resolve_overlay(request.quantization_config),
+                                 language_model_only=request.language_model_only, release=request.release)
+    except Exl3ToolError:
+        return ""
+    why = stored_only_reason(layer_plan, tuple(request.tp_sizes) or (1,))
+    return "" if not why or not_modelled(layer_plan) else why
+
+
+def not_modelled(layer_plan) -> list[tuple[str, str]]:
+    """``(prefix, why)`` of the modules a server encodes online that exl3tool does not model (``plan_layers``'
+    ``not_modelled``): hydrate cannot store them, so a server of OUT still encodes them at start-up."""
+    return [(e.prefix, e.detail) for e in layer_plan.excluded if e.reason == "not_modelled"]
 
 
 def _inside(child: Path, parent: Path) -> bool:
@@ -235,9 +302,10 @@ def _refuse_entry(shown: Path, what: str, link: bool = True) -> InputError:
                       "command again")
 
 
-def _files(root: Path) -> list[str]:
+def _files(root: Path, hidden: Optional[list[str]] = None) -> list[str]:
     """Every file of the checkpoint folder ``root``, relative: each folder's files sorted, then its folders (hidden
-    files included). A link is followed where it resolves inside ``source_boundary(root)`` (a file, or a folder
+    files included; hidden folders, a tool's data such as ``.git``, ``.cache``, ``.store``, are not the model: left
+    out and, when ``hidden`` is given, appended to it, relative). A link is followed where it resolves inside ``source_boundary(root)`` (a file, or a folder
     walked by the same rule); a link that resolves elsewhere, a dangling one, a link to a folder that holds it,
     and a fifo, device or socket are refused naming the entry (InputError): nothing outside SOURCE reaches OUT."""
     real_root = Path(os.path.realpath(root))
@@ -265,6 +333,10 @@ def _files(root: Path) -> list[str]:
                 mode = os.stat(target).st_mode
             except OSError:
                 raise _refuse_entry(shown, f"a link to {os.readlink(e.path)}, which does not exist") from None
+            if stat.S_ISDIR(mode) and e.name.startswith("."):
+                if hidden is not None:
+                    hidden.append(str(rel / e.name))
+                continue
             if stat.S_ISDIR(mode):
                 if target in ancestors:
                     raise _refuse_entry(shown, f"a link to {target}, a folder that holds it (a loop)")
@@ -336,17 +408,23 @@ def _layer_seed(layer, source: SourceModule) -> int:
 
 
 def bits_rules(rules: Iterable[str | tuple[str, int]]) -> tuple[tuple[str, int], ...]:
-    """``--bits-for`` rules as ``(glob, K)``: ``"GLOB=K"`` strings (or pairs), K from 3 to 8 as ``--bits``;
-    ConfigError naming the rule otherwise."""
-    from exl3tool.cache.settings import BITS_RANGE
+    """``--bits-for`` rules as ``(glob, K)``: ``"GLOB=K"`` strings (or pairs), GLOB ASCII, K from 1 to 8
+    (``STORED_BITS``: the fork reads a stored module's K from its trellis, 1 to 8); ConfigError naming the rule (in
+    ASCII), what is wrong and the accepted form otherwise."""
 
-    lo, hi = BITS_RANGE
+    lo, hi = STORED_BITS
     out = []
     for rule in rules:
         glob, sep, k = rule.rpartition("=") if isinstance(rule, str) else (rule[0], "=", str(rule[1]))
-        if not sep or not glob.strip() or not k.strip().isdigit() or not lo <= int(k) <= hi:
-            raise ConfigError(f"--bits-for {rule!r}: give GLOB=K, K from {lo} to {hi} (e.g. "
-                              f"'*.mlp.down_proj=5')")
+        k = k.strip()
+        if (not sep or not glob.strip() or not k.isascii() or not k.isdigit() or not lo <= int(k) <= hi
+                or not glob.isascii()):
+            shown = ascii(rule if isinstance(rule, str) else f"{rule[0]}={rule[1]}")  # the rule, in ASCII
+            why = ("not GLOB=K" if not sep or not glob.strip() else
+                   "non-ASCII characters" if not (glob.isascii() and k.isascii()) else
+                   f"K {k!r} is not a whole number from {lo} to {hi}")
+            raise ConfigError(f"--bits-for {shown}: {why}; the accepted form is GLOB=K, GLOB a shell glob over "
+                              f"module names (ASCII) and K from {lo} to {hi}, e.g. --bits-for '*.mlp.down_proj=5'")
         out.append((glob.strip(), int(k)))
     return tuple(out)
 
@@ -374,14 +452,15 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     """The hydrate plan of ``request.model`` into ``out``: ``cache warm``'s layer plan at TP 1, each layer checked
     for the fork's loader at every TP size OUT must start at; headers only.
 
-    The TP sizes are ``request.tp_sizes``, or, when empty, every size up to ``MAX_TP`` vLLM can split the model
-    into (``LayerPlan.shardable_tp_sizes``): OUT starts wherever SOURCE starts. A layer a server at one of them
-    could not slice stays BF16, as in SOURCE, and is listed with those sizes (``left_bf16``, ``left_tp``); the
-    other sizes up to ``MAX_TP`` where a stored layer could not be sliced are recorded in OUT (``fails_at``).
-    Refuses (ConfigError / InputError, one line): OUT inside SOURCE or existing, a checkpoint the server does not
-    encode online (a BF16 model, a plan with no layer), kinds whose stored layers the fork reads another way
-    (rank-sliced routed experts, the GLM-5.3 routed-only scope), a TP size vLLM cannot split the model into, and a
-    plan where every layer is left BF16.
+    The TP sizes are ``request.tp_sizes``, or, when empty, every size up to ``MAX_TP`` a server of SOURCE starts
+    at (``LayerPlan.startable_tp_sizes``: vLLM splits the model there and every rank slices SOURCE's own stored
+    modules): OUT starts wherever SOURCE starts. A layer a server at one of them could not slice stays BF16, as in
+    SOURCE, and is listed with those sizes (``left_bf16``, ``left_tp``); the other sizes up to ``MAX_TP`` vLLM can
+    split the model into where a stored layer (hydrate's or SOURCE's) could not be sliced are recorded in OUT
+    (``fails_at``). Refuses (ConfigError / InputError, one line): OUT inside SOURCE or existing, a checkpoint the
+    server does not encode online (a BF16 model, a plan with no layer), kinds whose stored layers the fork reads
+    another way (rank-sliced routed experts, the GLM-5.3 routed-only scope), a TP size vLLM cannot split the model
+    into or SOURCE does not start at, and a plan where every layer is left BF16.
     Example: ``hydrate(plan_hydrate(ServerRequest(model="./m", tp_sizes=()), "./m-k6"))``.
 
     Args:
@@ -402,6 +481,9 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     from exl3tool.cache.settings import server_bits
     from exl3tool.plan.request import prepare, serving_torch_dtype
 
+    if not str(out).strip():  # "" would be the working folder: never guessed
+        raise ConfigError("OUT is empty: give the new checkpoint's folder (one that does not exist yet, not inside "
+                          "SOURCE), e.g. exl3tool hydrate /models/M /models/M-k6")
     request = replace(request, bits=server_bits(request.bits, os.environ if environ is None else environ))
     rules = bits_rules(bits_for)
     if not os.path.isdir(os.path.expanduser(request.model)):
@@ -455,16 +537,28 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     whole = layer_plan if not (layers or exclude) else plan_layers(  # the server builds every layer
         checkpoint, overlay=overlay, language_model_only=request.language_model_only, release=request.release)
     shardable = whole.shardable_tp_sizes(MAX_TP)
-    tp_sizes = tuple(sorted(set(request.tp_sizes))) or shardable
+    starts = whole.startable_tp_sizes(MAX_TP)  # SOURCE's own stored modules slice there too
+    tp_sizes = tuple(sorted(set(request.tp_sizes))) or starts
     for tp in tp_sizes:  # vLLM cannot shard the model at all there: say so before anything else
         why = whole.shard_problem(tp)
         if why:
             raise ConfigError(why)
+    for tp in tp_sizes or shardable[:1]:  # nor does SOURCE start there: OUT would not either
+        why = whole.start_problem(tp)
+        if why:
+            where = (f"it starts at TP {','.join(map(str, starts))}: hydrate for those (--tp-size)" if starts else
+                     f"it starts at no TP size up to {MAX_TP}")
+            raise ConfigError(f"SOURCE {source} does not start at TP {tp}, so neither would OUT: {why}; {where}")
+    if not tp_sizes:
+        raise ConfigError(f"{source}: {whole.shard_problem(1) or 'vLLM can split this model into no TP size'}")
     dtype = serving_torch_dtype(request.dtype) or checkpoint.dtype
     base = dict(source=source, out=out_path, model=str(source), bits=request.bits, tp_sizes=tp_sizes,
                 dtype=str(dtype).removeprefix("torch."), checkpoint=checkpoint,
-                storage_file=_storage_location(checkpoint), tp_default=not request.tp_sizes)
-    files = _files(source)
+                storage_file=_storage_location(checkpoint), tp_default=not request.tp_sizes,
+                not_modelled=tuple(not_modelled(layer_plan)))
+    hidden: list[str] = []
+    files = _files(source, hidden)
+    base.update(left_out=tuple(hidden))
     total = sum((source / f).stat().st_size for f in files)
     not_planned = tuple((e.prefix, e.reason, e.detail) for e in layer_plan.excluded)
     stored = stored_only_reason(layer_plan, (1,))
@@ -529,10 +623,12 @@ def plan_hydrate(request, out: str | Path, *, environ: Optional[dict] = None,
     for tp in shardable:  # the sizes not asked for: recorded in OUT, so `cache check` there names the layer
         if tp in tp_sizes:
             continue
-        why = next((f"{layer.prefix}: {w}" for layer, srcs in stored_layers
-                    if (w := slicing_problem(layer, srcs, tp))), None)
-        if why:
-            fails_at[tp] = why
+        # the first module, hydrate's or SOURCE's own, in the order the server slices them: the error it raises
+        failing = [(layer.prefix, w) for layer, srcs in stored_layers if (w := slicing_problem(layer, srcs, tp))]
+        failing += [(m.prefix, w) for m, w in whole.stored_failures(tp)]
+        if failing:
+            prefix, why = min(failing, key=lambda f: load_order(f[0]))  # stable: the first of equal order
+            fails_at[tp] = f"{prefix}: {why}"
     base.update(fails_at=fails_at)
     changed = sorted({m.shard for layer in hydrated for m in layer.modules})
     meta_files = {_INDEX, base["storage_file"]}
@@ -629,10 +725,12 @@ def _exclusive(out: Path):
         try:
             lock.acquire()
         except Timeout:
-            who = ", ".join(lock_holders(path))
-            raise ConfigError(f"{out}: another hydrate into it is running ({who + ' ' if who else ''}holds {path}); "
-                              "wait for it to finish, or stop it and run this command again to resume its work"
-                              ) from None
+            holders = lock_holders(path)
+            who = ", ".join(holders) or "a process exl3tool cannot name (on another host, or another user's)"
+            pids = " ".join(h.split()[1] for h in holders if h.startswith("pid "))
+            raise ConfigError(f"{out}: another hydrate into it is running: {who} holds its lock file {path}; wait "
+                              "for it to finish, or stop it" + (f" (kill {pids})" if pids else "")
+                              + " and run this command again: it resumes the work kept so far") from None
         except OSError as exc:
             raise InputError(f"{out.parent}: cannot create {path.name} there ({exc.strerror}); choose a writable "
                              "folder for OUT") from None
@@ -733,7 +831,7 @@ def _load_result(path: Path, fingerprint: str, m: HydrateModule, bits: int) -> O
 
 def _save_result(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) -> None:
     part = path.with_suffix(".part")
-    with _writing(path):
+    with _writing(path, part):
         write_shard(part, None, [(k, v.contiguous()) for k, v in tensors.items()], {"fingerprint": fingerprint})
         os.replace(part, path)
 
@@ -804,13 +902,19 @@ def _free_space_check(plan: HydratePlan, temp: Path, pending: list[HydrateModule
 
 
 @contextmanager
-def _writing(path: Path):
+def _writing(path: Path, part: Optional[Path] = None):
     """An OSError while writing ``path`` names ``path`` (a buffered write's error names no file; shutil's copy
-    names the file it reads)."""
+    names the file it reads); whatever stops the write (a full disk, Ctrl-C), its half-written ``part`` file is
+    removed: a result or a shard is there whole or not at all."""
     try:
         yield
-    except OSError as exc:
-        if exc.filename != str(path) and exc.errno is not None:
+    except BaseException as exc:
+        if part is not None:
+            try:
+                part.unlink(missing_ok=True)
+            except OSError:
+                pass
+        if isinstance(exc, OSError) and exc.filename != str(path) and exc.errno is not None:
             raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
         raise
 
@@ -831,7 +935,7 @@ def _link_or_copy(src: Path, dst: Path, boundary: Path) -> bool:
         return True
     except OSError:
         part = dst.with_name(dst.name + ".part")
-        with _writing(dst):
+        with _writing(dst, part):
             shutil.copy2(real, part)
             os.replace(part, dst)
         return False
@@ -844,7 +948,7 @@ def _write_json(path: Path, data: dict, indent: int) -> None:
 def _write_text(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all (a ``.part`` file fsynced, then renamed over it)."""
     part = path.with_name(path.name + ".part")
-    with _writing(path):
+    with _writing(path, part):
         with open(part, "w") as f:
             f.write(text)
             f.flush()
@@ -892,7 +996,7 @@ def _assemble(plan: HydratePlan, stage: Path, temp: Path, steps: _Steps) -> tupl
                 order.append((tname, FileTensor(result, tname)))
                 new_names[tname] = shard
         part = stage / (shard + ".part")
-        with _writing(stage / shard):
+        with _writing(stage / shard, part):
             write_shard(part, plan.source / shard, order, meta)
             os.replace(part, stage / shard)
         steps(f"shard {shard}")

@@ -216,6 +216,10 @@ def prepare(request: ServerRequest, *, environ: Optional[dict] = None, check_hit
         model_id, encoder_id, identity_warnings = ids.model.identity, ids.encoder.identity, ids.warnings
     layer_plan = plan_layers(checkpoint, overlay=overlay, layers=layers, exclude=exclude,
                              language_model_only=request.language_model_only, release=release)
+    for tp in request.tp_sizes:  # vLLM cannot split the model there: the cause, before whatever the plan holds
+        problem = layer_plan.shard_problem(tp)
+        if problem:
+            raise ConfigError(problem)
     if not layer_plan.layers:
         raise ConfigError(nothing_to_do(checkpoint.model, layer_plan, request.exclude))
     root_dir = request.cache_root(environ)

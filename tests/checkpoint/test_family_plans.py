@@ -133,7 +133,8 @@ def test_indexer_freq_rules_differ_between_model_files(tmp_path):
 
 
 # Qwen3.8-style hybrid (Qwen3_5ForConditionalGeneration) with the fork's recipe overlay: layers 0-2 gated delta net,
-# layer 3 gated full attention. in_proj_qkvz = [key 128, key 128, value 256, value 256] / 2 per rank;
+# layer 3 gated full attention. in_proj_qkvz = [key 256, key 256, value 256, value 256] / 2 per rank (2 key heads
+# of 128, as Qwen3.5's linear_key_head_dim; 4 value heads of 64);
 # qkv_proj = QKVParallelLinear(8 "heads" (4 + 4 gates), 2 KV heads) -> 4*64 + 64 + 64 at TP 2.
 L = "language_model.model.layers"
 QWEN38_TP2 = {
@@ -147,7 +148,7 @@ QWEN38_TP2 = {
     f"{L}.1.linear_attn.out_proj": ("stored_exl3",),
     f"{L}.1.mlp.gate_up_proj": ("stored_exl3",),
     f"{L}.1.mlp.down_proj": ("stored_exl3",),
-    f"{L}.2.linear_attn.in_proj_qkvz": ("merged_column", 128, 384, "job"),
+    f"{L}.2.linear_attn.in_proj_qkvz": ("merged_column", 128, 512, "job"),
     f"{L}.2.linear_attn.in_proj_ba": ("ignored",),
     f"{L}.2.linear_attn.out_proj": ("row", 128, 128, "job"),
     f"{L}.2.mlp.gate_up_proj": ("stored_exl3",),
@@ -165,7 +166,7 @@ def test_qwen38_hybrid_with_the_recipe(tmp_path):
     qkvz = next(x for x in plan.layers if x.prefix.endswith("in_proj_qkvz"))
     assert qkvz.sources == ("model.language_model.layers.2.linear_attn.in_proj_qkv.weight",
                             "model.language_model.layers.2.linear_attn.in_proj_z.weight")
-    assert qkvz.part_sizes == (128, 128, 256, 256) and qkvz.part_sources == ((0, 0), (0, 128), (0, 256), (1, 0))
+    assert qkvz.part_sizes == (256, 256, 256, 256) and qkvz.part_sources == ((0, 0), (0, 256), (0, 512), (1, 0))
     assert not any("visual" in x.prefix or "mtp" in x.prefix for x in plan.layers)
     # without the ignore list in_proj_ba is planned, and unaligned (N_r = 2 x 4 value heads / 2)
     plain = table(plan_layers(open_checkpoint(str(tmp_path / "q")), release=newest()))

@@ -30,9 +30,9 @@ def test_qwen35_in_proj_qkvz_and_gated_qkv(tmp_path):
     t, base = _tensors(d), "model.language_model.layers"
     ckpt, jobs = _jobs(d, "language_model.model.layers.2.linear_attn.in_proj_qkvz")
     qkv, z = t[f"{base}.2.linear_attn.in_proj_qkv.weight"], t[f"{base}.2.linear_attn.in_proj_z.weight"]
-    for job in jobs:  # q | k | v (the three parts of in_proj_qkv: 128, 128, 256 rows) | z, each halved
+    for job in jobs:  # q | k | v (the three parts of in_proj_qkv: 256, 256, 256 rows) | z, each halved
         r = job.tp_rank
-        want = torch.cat([qkv[:128].chunk(2)[r], qkv[128:256].chunk(2)[r], qkv[256:].chunk(2)[r], z.chunk(2)[r]])
+        want = torch.cat([qkv[:256].chunk(2)[r], qkv[256:512].chunk(2)[r], qkv[512:].chunk(2)[r], z.chunk(2)[r]])
         assert torch.equal(rank_local_weight(ckpt, job), want)
     ckpt, jobs = _jobs(d, "language_model.model.layers.3.self_attn.qkv_proj")
     q, k, v = (t[f"{base}.3.self_attn.{x}_proj.weight"] for x in "qkv")

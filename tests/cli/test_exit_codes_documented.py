@@ -533,8 +533,9 @@ def scenario_hydrate(m, tmp, monkeypatch):
 
 def scenario_hydrate_record(m, tmp, monkeypatch):
     """cache check on an OUT hydrated for TP 1: 0 look-ups (0) there, also from a launch with or without the
-    online-encode variables; at TP 2, where its stored qkv cannot be sliced, a start failure (1); with an earlier
-    record that checked only TP 1, TP 2 cannot be told (2)."""
+    online-encode variables; at TP 2, where its stored qkv cannot be sliced, a start failure (1), also with an
+    earlier record that checked only TP 1 (the fork's rule answers); a stored module whose layout exl3tool does not
+    model cannot be told (2)."""
     import exl3tool.operations.hydrate as hy
     from helpers import fake_encode
 
@@ -552,7 +553,13 @@ def scenario_hydrate_record(m, tmp, monkeypatch):
     for key in ("tp_checked_up_to", "fails_at"):
         del qc["exl3tool_hydrate"][key]
     (out / "quantization_config.json").write_text(json.dumps(qc))
-    assert run([*check, "--tp-size", "2"]) == 2
+    assert run([*check, "--tp-size", "2"]) == 1  # the fork's rule over every stored module answers for it
+    ts = qc["tensor_storage"]  # a stored module whose matrix is not found: its layout is not modelled
+    stored = ts[sorted(ts)[0]]["stored_tensors"]
+    trellis = next(n for n in stored if n.endswith(".trellis"))
+    stored["elsewhere.trellis"] = {**stored.pop(trellis), "shape": [8, 8]}
+    (out / "quantization_config.json").write_text(json.dumps(qc))
+    assert run(check) == 2
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from exl3tool.checkpoint.synthetic import write_llama_checkpoint
 from exl3tool.checkpoint.tiny import TINY_FAMILIES, write_tiny
 from exl3tool.format.encoded import EncodedLinear
-from exl3tool.operations.hydrate import TEMP_SUFFIX, hydrate, plan_hydrate
+from exl3tool.operations.hydrate import TEMP_SUFFIX, hydrate, lock_file, plan_hydrate
 from exl3tool.plan import ServerRequest
 
 from helpers import (ENC, run, server_encoder_identity, server_lookup, server_model_identity, server_online_lookups,
@@ -316,7 +316,9 @@ def test_a_second_hydrate_into_the_same_out_is_refused_while_the_first_runs(tmp_
         if line.startswith("["):
             break
     code, _, err = run(argv, capsys)
-    assert code == 2 and "another hydrate into it is running" in _one_line(err), err
+    line = _one_line(err)  # names the lock file, the process holding it and the fix
+    assert code == 2 and "another hydrate into it is running" in line, err
+    assert f"pid {first.pid} " in line and f"kill {first.pid}" in line and str(lock_file(out)) in line, line
     rest = first.stderr.read()
     assert first.wait(timeout=120) == 0, rest
     assert {k: v[3] for k, v in tree(out).items()} == {k: v[3] for k, v in tree(clean).items()}
@@ -458,7 +460,7 @@ def test_inline_storage_and_a_hub_snapshot_source(tmp_path):
     """tensor_storage inline in config.json gets the records there; a Hub-cache snapshot (files are links into
     blobs/) gives OUT real files, never links that point back into the cache."""
     snap = write_llama_checkpoint(tmp_path / "plain", hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256,
-                                  layers=1, vocab=64, shards=2, hub_cache=tmp_path / "hub", seed=fresh_seed())
+                                  layers=1, vocab=512, shards=2, hub_cache=tmp_path / "hub", seed=fresh_seed())
     out = tmp_path / "out"
     hydrate(plan_hydrate(ServerRequest(model=str(snap)), out), device="cpu", encode=weight_encode)
     online = {k: v for k, v in _llama().items() if ".layers.0." in k}
@@ -481,7 +483,7 @@ def test_inline_storage_and_a_hub_snapshot_source(tmp_path):
 def test_launch_gives_bits_overlay_and_tp_size(tmp_path, capsys):
     """From the server's launch: its VLLM_EXL3_ONLINE_TRELLIS_BITS, overlay and TP size make the plan."""
     src = write_tiny(tmp_path / "src", "llama", seed=fresh_seed())
-    launch = ("VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3 VLLM_EXL3_ONLINE_TRELLIS_BITS=5 vllm serve /models/llama -tp 2 "
+    launch = (f"VLLM_EXL3_ENCODER_SOURCE=/opt/exllamav3 VLLM_EXL3_ONLINE_TRELLIS_BITS=5 vllm serve {src} -tp 2 "
               "--quantization-config '{\"linear\": \"mxfp8\", \"ignore\": [\"re:.*down_proj$\"]}'")
     code, stdout, err = run(["hydrate", src, tmp_path / "out", "--dry-run", "--json", "--leave-unaligned",
                              "--launch", launch], capsys)

@@ -30,10 +30,8 @@ def _where(cause) -> str:
 
 
 def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None) -> None:
-    """Counts, then one block per cause (where, which fields differ) with one line per finding and its fix."""
-    from rich.table import Table
-    from rich.text import Text
-
+    """First why the server will not start (if it will not: the hits do not matter then), then counts, then one
+    block per cause (where, which fields differ) with one line per finding and its fix."""
     plan = report.plan
     if report.hydrated is not None:
         out.note(f"{plan.model}: {report.hydrated.line()}")
@@ -41,19 +39,45 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
         out.note(report.release_note)
     for line in report.release_depends():
         out.warn(line)  # the rules whose outcome differs between the releases the server could run
-    if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing
-        for f in report.start_failures:
-            out.warn(f"{f.text}; fix: {f.fix}")
+    _start_failures(out, report)  # the report's first finding (stdout): nothing below makes this server start
+    if report.stored:  # a hydrated checkpoint: the server encodes and looks up nothing exl3tool models
+        for f in report.cannot_tell:
+            out.warn(f"cannot tell whether this server starts: {f.text}; fix: {f.fix}")
+        _causes(out, report)
         for f in report.notes:
             out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
-        out.line(f"0 look-ups: {report.stored}; the server encodes nothing online and needs no cache")
+        unplanned = any(c.kind == "unplanned" for c in report.causes)
+        out.line(f"0 look-ups: {report.stored}; " + (
+            "those look-ups miss (above)" if unplanned else "the server encodes nothing online and needs no cache")
+            + ("; but it will not start (first line)" if report.start_failures else ""))
         out.data({**report.as_json(), **(extra or {})})
         return
-    plan_notes(out, plan)
-    for f in report.start_failures:
-        out.warn(f"{f.text}; fix: {f.fix}")
+    plan_notes(out, plan, starts=False)
     for f in report.cannot_tell:
         out.warn(f"cannot tell whether this server starts: {f.text}; fix: {f.fix}")
+    _causes(out, report)
+    for f in report.notes:
+        out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
+    o = report.hit_origins
+    out.line(f"{plural(len(report.lookups), 'look-up')}: {plan.count('hit')} hit ({o['record']} recorded warms, "
+             f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
+             f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
+             f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
+    out.data({**report.as_json(), **(extra or {})})
+
+
+def _start_failures(out: Output, report: CheckReport) -> None:
+    """Why this server will not start, in the report itself (stdout), before anything else: the hits do not
+    matter then."""
+    for f in report.start_failures:
+        out.line(f"{f.text}; fix: {f.fix}")
+
+
+def _causes(out: Output, report: CheckReport) -> None:
+    """One table per cause: where, which fields differ, one line per finding and its fix."""
+    from rich.table import Table
+    from rich.text import Text
+
     for n, cause in enumerate(report.causes, 1):
         title = {"miss": "miss", "invalid": "invalid", "server_written": "server-written",
                  "unplanned": "miss"}[cause.kind]
@@ -64,14 +88,6 @@ def render_check(out: Output, report: CheckReport, extra: Optional[dict] = None)
             table.add_row(f.field.replace("_", " "), f.text)
             table.add_row("", Text(f"fix: {f.fix}", style="green"))
         out.table(table)
-    for f in report.notes:
-        out.note(f"note ({f.field.replace('_', ' ')}): {f.text}; {f.fix}")
-    o = report.hit_origins
-    out.line(f"{plural(len(report.lookups), 'look-up')}: {plan.count('hit')} hit ({o['record']} recorded warms, "
-             f"{o['exl3tool']} exl3tool without a record, {o['server']} written by the server), "
-             f"{plan.count('miss')} miss, {plan.count('invalid')} invalid; {plural(plan.count('skipped'), 'layer rank')} the "
-             f"server keeps unencoded (not 128-aligned); cache {plan.cache_root}")
-    out.data({**report.as_json(), **(extra or {})})
 
 
 def render_no_lookup(out: Output, reasons: tuple[str, ...], extra: dict, what: str = "launch") -> None:
@@ -126,9 +142,12 @@ def cache_check(
         out.note("this server encodes nothing online, which is right for this checkpoint: every online layer is "
                  "stored (the notes above about online-encode variables do not apply to it)")
         render_check(out, stored, launch_json(settings))
-        _refuse_assumption(tuple(stored.assumptions()))
+        _refuse_assumption(tuple(stored.assumptions()), _unknown_fix(stored))
         if stored.start_failures:
             raise FindingsError(stored.start_failures[0].text)
+        if not stored.ok:  # the server encodes layers exl3tool does not model: those look-ups miss
+            raise FindingsError("the server makes look-ups outside the plan that would miss"
+                                + ("" if out.json else "; see the causes above"))
         return
     if off:
         what = "launch" if settings is not None else "environment"
@@ -137,7 +156,7 @@ def cache_check(
         raise FindingsError(f"this {what} makes no cache look-up: a warm cache changes nothing for it")
     report = check(request, environ=environ)
     render_check(out, report, launch_json(settings))
-    _refuse_assumption(tuple(report.assumptions()))
+    _refuse_assumption(tuple(report.assumptions()), _unknown_fix(report))
     if report.start_failures:
         raise FindingsError(report.start_failures[0].text)
     if not report.ok:
@@ -149,15 +168,22 @@ def cache_check(
         raise FindingsError(what if out.json else f"{what}; see the causes above")
 
 
-def _refuse_assumption(assumptions: tuple[str, ...]) -> None:
+def _unknown_fix(report: CheckReport) -> str:
+    """The fix for a report whose only assumptions are what exl3tool cannot tell about the start (a stored module
+    whose layout it does not model): that finding's own, not a release to name; "" otherwise."""
+    release = (report.release is not None and report.release.unknown) or report.release_depends()
+    return "" if release or not report.cannot_tell else report.cannot_tell[0].fix
+
+
+def _refuse_assumption(assumptions: tuple[str, ...], fix: str = "") -> None:
     """``cache check`` never answers on an assumption: exit 2 naming what exl3tool did not know (the report above
-    says what it found under the assumed rules), with the fix."""
+    says what it found under the assumed rules), with the fix (``fix``, else naming the release)."""
     if assumptions:
         from exl3tool.errors import ConfigError
 
         more = f" (and {len(assumptions) - 1} more above)" if len(assumptions) > 1 else ""
-        raise ConfigError(f"no answer on an assumption: {assumptions[0]}{more}; name the release the server runs: "
-                          "--server-release NAME (docs/releases.md)")
+        raise ConfigError(f"no answer on an assumption: {assumptions[0]}{more}; " + (
+            fix or "name the release the server runs: --server-release NAME (docs/releases.md)"))
 
 
 def check_nodes(out: Output, specs: list[str]) -> None:

@@ -37,6 +37,12 @@ def _interrupted(plan) -> tuple[dict, str]:
     return state, "interrupted before any module was kept: nothing was written; run the same command again"
 
 
+def _still_online(plan) -> str:
+    """"; visual.* still encoded online (not modelled)" where the server encodes modules hydrate cannot store."""
+    names = [p for p, _ in plan.not_modelled]
+    return f"; {', '.join(names)} still encoded online (not modelled)" if names else ""
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
@@ -55,9 +61,11 @@ def hydrate_command(
     """Write OUT: SOURCE with every layer the server would encode online stored as EXL3 (no cache needed).
 
     The layers are `cache warm`'s plan at TP 1 (bits, overlay and dtype as the server's; a launch gives them). OUT
-    must start at every TP size SOURCE starts at: by default each size up to 8 vLLM can split the model into (with
-    a launch: its TP size); a layer one of them could not slice stays BF16, as in SOURCE, and is listed with the
-    size. The sizes checked are recorded in OUT, where `identity` and `cache check` read them. Changed shards are
+    must start at every TP size SOURCE starts at: by default each size up to 8 a server of SOURCE starts at (vLLM
+    splits the model there and every rank slices SOURCE's own stored modules; with a launch: its TP size); a
+    layer one of them could not slice stays BF16, as in SOURCE, and is listed with the size. Modules the server
+    encodes online that exl3tool does not model (a vision tower the overlay does not ignore) are named: a server
+    of OUT still encodes them. The sizes checked are recorded in OUT, where `identity` and `cache check` read them. Changed shards are
     rewritten (kept tensors byte for byte), the rest hard-linked or copied, the index and tensor_storage
     rewritten; OUT appears only when complete.
     A killed run resumes from the temporary folder beside OUT. A checkpoint already hydrated is a no-op. Under
@@ -68,7 +76,7 @@ def hydrate_command(
     Example: exl3tool hydrate /models/Qwen3.8-27B-exl3 /models/Qwen3.8-27B-exl3-hydrated --bits 6 --tp-size 1,2
     --quantization-config "$OVERLAY"
     """
-    from exl3tool.operations.hydrate import hydrate, plan_hydrate
+    from exl3tool.operations.hydrate import hydrate, plan_hydrate, refuse_other_launch_model
 
     out = call.out
     out.note_interrupted({}, "interrupted before any module was encoded: nothing was written; run the same command "
@@ -78,12 +86,19 @@ def hydrate_command(
                  "and listed; drop it")
     request, settings, environ = call.resolve(call.request(), add_tp_sizes=True, need_cache=False,
                                               no_lookup="ignore")
+    refuse_other_launch_model(request.model, settings)
     extra = launch_json(settings)
     plan = plan_hydrate(request, out_dir, environ=environ, bits_for=bits_for)
     for prefix, why in plan.left_bf16:
         out.warn(f"left BF16 (as in SOURCE): {prefix}: {why}")
     for tp, why in sorted(plan.fails_at.items()):
         out.note(f"not for TP {tp} (not asked for): {why}")
+    for prefix, why in plan.not_modelled:
+        out.warn(f"not stored: {prefix}: {why}; OUT cannot store it either, so a server of OUT still encodes it "
+                 "online at start-up")
+    if plan.left_out:
+        out.warn(f"left out of OUT: {', '.join(f + '/' for f in plan.left_out)} (hidden folders of SOURCE: a tool's "
+                 "data, not the model; OUT holds only the model)")
     if plan.already_stored:
         out.line(f"nothing to do: {plan.source} is hydrated already ({plan.already_stored}); nothing written")
         report = None if plan_only else hydrate(plan)
@@ -97,7 +112,7 @@ def hydrate_command(
                 k = f"  K{m.bits}" if m.bits != plan.bits else ""
                 out.line(f"{m.module}  [{s.in_features} x {s.out_features}]{k}  {_mib(m.weight_bytes)} -> "
                          f"{_mib(m.exl3_bytes)}  ({layer.prefix}, {layer.parallel})")
-    sizes = ",".join(map(str, plan.tp_sizes)) + (" (every size vLLM can split it into)" if plan.tp_default else "")
+    sizes = ",".join(map(str, plan.tp_sizes)) + (" (every size SOURCE starts at)" if plan.tp_default else "")
     head = (f"{plural(len(mods), 'module')} of {plural(len(plan.layers), 'layer')} to store as EXL3 {_ks(plan)} "
             f"for TP {sizes}; {plural(len(plan.changed_shards), 'shard')} rewritten, "
             f"{plural(len(plan.unchanged_files), 'file')} linked; {_mib(plan.bytes_before)} -> {_mib(plan.bytes_after)}")
@@ -105,6 +120,7 @@ def hydrate_command(
     if narrowed:
         head += (f"; {plural(sum(1 for at in plan.left_tp.values() if at), 'layer')} left BF16 because TP "
                  f"{','.join(map(str, narrowed))} cannot slice them (a --tp-size without that size stores them)")
+    head += _still_online(plan) + (f"; hidden folders left out: {', '.join(plan.left_out)}" if plan.left_out else "")
     if plan_only:
         out.line(head + " (dry run: nothing written)")
         out.data({**plan.as_json(), **extra})
@@ -130,7 +146,8 @@ def hydrate_command(
         return
     out.line(f"wrote {plan.out}: {plural(len(mods), 'module')} stored as EXL3 {_ks(plan)} ({report.encoded} encoded, "
              f"{report.reused} kept from an interrupted run), {_mib(plan.bytes_before)} -> {_mib(report.bytes_after)}, "
-             f"{report.seconds:.1f} s; hydrated for TP {','.join(map(str, plan.tp_sizes))}")
+             f"{report.seconds:.1f} s; hydrated for TP {','.join(map(str, plan.tp_sizes))}{_still_online(plan)}"
+             + (f"; hidden folders left out: {', '.join(plan.left_out)}" if plan.left_out else ""))
     out.data({**report.as_json(), **extra})
 
 

@@ -10,6 +10,7 @@ import typer
 from exl3tool.cli.commands.command import Call, command
 from exl3tool.cli.commands.launching import launch_json
 from exl3tool.cli.output import Output
+from exl3tool.errors import ConfigError
 
 if TYPE_CHECKING:
     from exl3tool.plan import ServerRequest
@@ -42,9 +43,18 @@ def identity(call: Call) -> None:
     request, launched, environ = call.resolve(request, need_cache=False, no_lookup="warn")
     model = request.model
     overlay = resolve_overlay(request.quantization_config)
-    ids = server_identities(model, revision=request.revision, server_path=request.server_path,
-                            encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
-                            encoder_source=request.encoder_source, environ=environ, view=request.server_view)
+    try:
+        ids = server_identities(model, revision=request.revision, server_path=request.server_path,
+                                encoder_root=request.encoder_root, encoder_revision=request.encoder_revision,
+                                encoder_source=request.encoder_source, environ=environ, view=request.server_view)
+    except ConfigError as exc:
+        from exl3tool.operations.hydrate import nothing_encoded_online
+
+        why = str(exc).startswith("no encoder identity") and nothing_encoded_online(request, environ)
+        if not why:
+            raise
+        _model_only(out, request, environ, launched, overlay, why)
+        return
     mid, eid, settings = ids.model, ids.encoder, ids.encoder_settings
     source = _encoder_from(call, settings, launched)
     out.fields("Identities", [("model identity", mid.identity), ("model derivation", f"{mid.kind}: {mid.derivation}"),
@@ -65,6 +75,30 @@ def identity(call: Call) -> None:
     for warning in ids.warnings:
         out.warn(warning)
     out.data({**ids.as_json(model, source_detail=source, quantization_config=overlay.as_json()),
+              **({} if hydrated is None else {"hydrated": hydrated.as_json()}), **launch_json(launched)})
+
+
+def _model_only(out, request, environ, launched, overlay, why: str) -> None:
+    """A checkpoint whose every online layer is stored (a hydrated one) and no encoder given: the model identity,
+    and that the server needs no encoder identity (it encodes nothing online, so it computes no cache key)."""
+    from exl3tool.cache.identity import resolve_model_identity
+    from exl3tool.checkpoint.hydrate_record import read_hydrate_record
+
+    model = request.model
+    mid = resolve_model_identity(model, revision=request.revision, server_path=request.server_path,
+                                 view=request.server_view, environ=environ)
+    line = f"none needed: {why}; the server encodes nothing online, so it computes no cache key"
+    out.fields("Identities", [("model identity", mid.identity), ("model derivation", f"{mid.kind}: {mid.derivation}"),
+                              ("encoder identity", line)])
+    out.wrapped(f"quantization config: {overlay.text}" + (" (default)" if overlay.default else ""))
+    hydrated = read_hydrate_record(model)
+    if hydrated is not None:
+        out.wrapped(f"checkpoint: {hydrated.line()}")
+    for warning in mid.warnings:
+        out.warn(warning)
+    out.data({"model": {"name": model, "identity": mid.identity, "kind": mid.kind, "revision": mid.revision,
+                        "payload": mid.payload, "derivation": mid.derivation},
+              "encoder": None, "encoder_needed": False, "why": why, "quantization_config": overlay.as_json(),
               **({} if hydrated is None else {"hydrated": hydrated.as_json()}), **launch_json(launched)})
 
 

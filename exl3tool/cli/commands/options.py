@@ -186,7 +186,7 @@ ROWS: dict[str, Row] = {row.name: row for row in (
     _row("hydrate_tp_sizes", Optional[str], None,  # hydrate's: not given, every size OUT can start at
          typer.Option("--tp-size", "-tp", metavar=_TP_SIZES,
                       help="The TP sizes OUT must start at; a layer one of them cannot slice stays BF16 and is listed. "
-                      "Default: the launch's, else every size up to 8 vLLM can split the model into."),
+                      "Default: the launch's, else every size up to 8 a server of SOURCE starts at."),
          "plan", "tp_sizes", lambda value: () if value is None else parse_positive_ints(value, "--tp-size"),
          old="--tp-sizes", instead="tp_sizes"),
     _row("tp_rank", Optional[int], None,

@@ -13,8 +13,10 @@ if TYPE_CHECKING:
 __all__ = ["plan_notes", "discard_note"]
 
 
-def plan_notes(out: Output, plan: LookupPlan) -> None:
-    """The plan's header on stderr: overlay, kind, notes; a warning when the server will not look entries up."""
+def plan_notes(out: Output, plan: LookupPlan, *, starts: bool = True) -> None:
+    """The plan's header on stderr: overlay, kind, notes; a warning when the server will not look entries up, and
+    (``starts``; `cache check` reports them itself) one per TP size where a server of the checkpoint will not start
+    because a rank cannot slice a module it stores as EXL3 (``LayerPlan.start_problem``)."""
     for warning in plan.identity_warnings:
         out.warn(warning)
     lp = plan.layer_plan
@@ -27,6 +29,12 @@ def plan_notes(out: Output, plan: LookupPlan) -> None:
         (out.note if lp.server_lookup and note not in gaps else out.warn)(note)
     if plan.fetch is not None:
         out.note(plan.fetch.line())
+    if starts and lp.server_lookup:
+        for tp in plan.tp_sizes:
+            why = lp.start_problem(tp)
+            if why:
+                out.warn(f"a server of this checkpoint at TP {tp} will not start, whatever the cache holds: {why}; "
+                         "`exl3tool cache check` says where it does")
 
 
 def discard_note(out: Output, plan: LookupPlan) -> None:

@@ -50,9 +50,19 @@ def synth(
     out.line(f"wrote a tiny {fam.name} EXL3 checkpoint ({fam.architecture}; {len(files)} files, {size:,} bytes) "
              f"to {path}: {fam.about}")
     out.line(f"overlay: {overlay or '(the default overlay)'}")
-    out.line("next: exl3tool cache warm " + where + " --tp-size 2" + flag
+    out.line("next: exl3tool cache warm " + where + f" --tp-size {_next_tp(path, overlay)}" + flag
              + " --encoder-root /opt/exllamav3 --encoder-revision v0.0.18 --cache-dir ./exl3-cache")
     out.data(written)
+
+
+def _next_tp(path: Path, overlay) -> int:
+    """The TP size the next command warms for: 2 where a server of the checkpoint starts there, else the largest
+    size up to 2 it starts at (``LayerPlan.startable_tp_sizes``: its stored modules must slice there too)."""
+    from exl3tool.checkpoint import open_checkpoint, plan_layers
+    from exl3tool.releases import newest
+
+    starts = plan_layers(open_checkpoint(str(path)), overlay=overlay, release=newest()).startable_tp_sizes(2)
+    return max(starts, default=1)
 
 
 def register(app: typer.Typer) -> None:
