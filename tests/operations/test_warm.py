@@ -169,11 +169,21 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
     assert time.perf_counter() - t0 < 30
 
 
+@pytest.fixture
+def small_hub(tmp_path):
+    """The tiny Llama at half its width (hidden 128; 4 heads of 64, so o_proj's K_r stays a multiple of 128 at TP 2):
+    o_proj is 128 tiles, not 256 (the split and the bytes do not depend on the size; the two runs below encode
+    each entry twice)."""
+    snap = write_llama_checkpoint(tmp_path / "plain", **{**TINY, "hidden": 128, "intermediate": 256}, head_dim=64,
+                                  seed=fresh_seed(), shards=2, hub_cache=tmp_path / "hub", repo_id=REPO)
+    return tmp_path / "hub", snap, tmp_path / "plain"
+
+
 @pytest.mark.slow
-def test_torchrun_two_cpu_workers_split_the_plan(hub, tmp_path):
+def test_torchrun_two_cpu_workers_split_the_plan(small_hub, tmp_path):
     """layer-1 o_proj at TP 1 and 2 (3 entries), two gloo workers: the union is the plan, nothing twice."""
     cache = tmp_path / "cache"
-    env = _env(hub)
+    env = _env(small_hub)
     env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "exl3tool",
            "cache", "warm", REPO, "--tp-size", "1,2", "--layers", "model.layers.1.self_attn.o_proj",
@@ -182,7 +192,7 @@ def test_torchrun_two_cpu_workers_split_the_plan(hub, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
-    assert doc["workers"] == 2 and doc["counts"]["encoded"] == 3 and doc["counts"]["failed"] == 0
+    assert doc["workers"] == 2 and doc["counts"]["encoded"] == 3 and doc["counts"]["failed"] == 0, doc["counts"]
     jobs = [(e["prefix"], e["tp_size"], e["tp_rank"]) for e in doc["entries"]]
     assert sorted(jobs) == sorted({(p, t, r_) for p, t, r_ in jobs}) and len(jobs) == 3
     assert {e["worker"] for e in doc["entries"]} == {0, 1}
