@@ -38,6 +38,35 @@ def tiny_llama(tmp_path_factory) -> Path:
     return write_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama") / "M", **TINY)
 
 
+@pytest.fixture
+def viterbi_memo(monkeypatch):
+    """The CPU Viterbi (numba) remembered by its exact inputs, for tests that encode the same weight twice to show
+    that something else (torch's thread count, the pipeline's overlap) changes no byte: the second encode reuses
+    the first's states wherever the Viterbi's inputs are the same bits, and runs the kernel wherever they differ,
+    so the test fails exactly as without it. (The kernel's own results: tests/encode/test_viterbi.py.) Yields the
+    counts {"hit": n, "miss": n}."""
+    import hashlib
+
+    import exl3tool.kernels.viterbi_numba as vn
+
+    real = vn.quantize_tiles_numba
+    seen: dict[tuple, object] = {}
+    counts = {"hit": 0, "miss": 0}
+
+    def memo(tiles, bits, table, *args, **kwargs):
+        key = (bits, tiles.dtype.str, tiles.shape, hashlib.blake2b(tiles.tobytes()).digest(),
+               hashlib.blake2b(table.tobytes()).digest(), args, tuple(sorted(kwargs.items())))
+        if key not in seen:
+            counts["miss"] += 1
+            seen[key] = real(tiles, bits, table, *args, **kwargs)
+        else:
+            counts["hit"] += 1
+        return seen[key].copy()
+
+    monkeypatch.setattr(vn, "quantize_tiles_numba", memo)
+    yield counts
+
+
 def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)
     if workerinput and "exl3tool_test_seed" in workerinput:  # an xdist worker: the controller's seed
