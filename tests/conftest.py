@@ -39,32 +39,12 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def viterbi_memo(monkeypatch):
-    """The CPU Viterbi (numba) remembered by its exact inputs, for tests that encode the same weight twice to show
-    that something else (torch's thread count, the pipeline's overlap) changes no byte: the second encode reuses
-    the first's states wherever the Viterbi's inputs are the same bits, and runs the kernel wherever they differ,
-    so the test fails exactly as without it. (The kernel's own results: tests/encode/test_viterbi.py.) Yields the
-    counts {"hit": n, "miss": n}."""
-    import hashlib
+def viterbi_memo():
+    """helpers.viterbi_memo for one test: yields its counts {"hit": n, "miss": n}."""
+    from helpers import viterbi_memo as memo
 
-    import exl3tool.kernels.viterbi_numba as vn
-
-    real = vn.quantize_tiles_numba
-    seen: dict[tuple, object] = {}
-    counts = {"hit": 0, "miss": 0}
-
-    def memo(tiles, bits, table, *args, **kwargs):
-        key = (bits, tiles.dtype.str, tiles.shape, hashlib.blake2b(tiles.tobytes()).digest(),
-               hashlib.blake2b(table.tobytes()).digest(), args, tuple(sorted(kwargs.items())))
-        if key not in seen:
-            counts["miss"] += 1
-            seen[key] = real(tiles, bits, table, *args, **kwargs)
-        else:
-            counts["hit"] += 1
-        return seen[key].copy()
-
-    monkeypatch.setattr(vn, "quantize_tiles_numba", memo)
-    yield counts
+    with memo() as counts:
+        yield counts
 
 
 def pytest_configure(config):

@@ -283,8 +283,9 @@ def _no_leftovers(store: CacheStore, plan) -> None:
 
 
 @pytest.mark.slow
-def test_overlap_on_and_off_publish_identical_trees(offline, tmp_path):
-    """Real encodes of layer 1's o_proj at TP 2 (2 entries of 128 x 256), once with overlap and once without."""
+def test_overlap_on_and_off_publish_identical_trees(offline, viterbi_memo, tmp_path):
+    """Real encodes of layer 1's o_proj at TP 2 (2 entries of 128 x 256), once with overlap and once without (the
+    second run's Viterbi reuses the first's states where its tiles are the same bits: conftest's viterbi_memo)."""
     from exl3tool.checkpoint import open_checkpoint
     from exl3tool.operations.warm import run_plan
 
