@@ -40,6 +40,17 @@ def hub(tmp_path_factory):
     return base / "hub", snap, base / "plain"
 
 
+@pytest.fixture(scope="module")
+def small_hub(tmp_path_factory):
+    """The tiny Llama at half its width (hidden 128; 4 heads of 64, so o_proj's K_r stays a multiple of 128 at TP 2):
+    o_proj is 128 tiles, not 256, for the tests that start warms in other processes (the kill, the torchrun split:
+    what they check does not depend on the size)."""
+    base = tmp_path_factory.mktemp("small")
+    snap = write_llama_checkpoint(base / "plain", **{**TINY, "hidden": 128, "intermediate": 256}, head_dim=64,
+                                  seed=fresh_seed(), shards=2, hub_cache=base / "hub", repo_id=REPO)
+    return base / "hub", snap, base / "plain"
+
+
 @pytest.fixture
 def offline(monkeypatch, hub):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -126,8 +137,13 @@ def test_share_jobs_is_a_balanced_partition(offline, tmp_path):
 
 
 @pytest.mark.slow
-def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
-    """o_proj of layer 0 at TP 1 and 2 (3 entries): kill a warm after its first entry, resume, check slices."""
+def test_warm_kill_resume_decode_and_all_hits(small_hub, monkeypatch, tmp_path):
+    """o_proj of layer 0 (256 in, 128 out: small_hub) at TP 1 and 2 (3 entries): kill a warm after its first entry,
+    resume, check slices."""
+    hub = small_hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub[0]))
+    monkeypatch.delenv("VLLM_EXL3_ENCODER_SOURCE", raising=False)
     cache = tmp_path / "cache"
     layer = "model.layers.0.self_attn.o_proj"
     args = ["cache", "warm", REPO, "--tp-size", "1,2", "--layers", layer, "--cache-dir", str(cache),
@@ -167,16 +183,6 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
     again = warm(request)
     assert again.counts == {"hit": 3, "encoded": 0, "skipped": 0, "failed": 0}
     assert time.perf_counter() - t0 < 30
-
-
-@pytest.fixture
-def small_hub(tmp_path):
-    """The tiny Llama at half its width (hidden 128; 4 heads of 64, so o_proj's K_r stays a multiple of 128 at TP 2):
-    o_proj is 128 tiles, not 256 (the split and the bytes do not depend on the size; the two runs below encode
-    each entry twice)."""
-    snap = write_llama_checkpoint(tmp_path / "plain", **{**TINY, "hidden": 128, "intermediate": 256}, head_dim=64,
-                                  seed=fresh_seed(), shards=2, hub_cache=tmp_path / "hub", repo_id=REPO)
-    return tmp_path / "hub", snap, tmp_path / "plain"
 
 
 @pytest.mark.slow
