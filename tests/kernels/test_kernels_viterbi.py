@@ -334,25 +334,22 @@ def test_gpu_empty_batch():
 
 _MATRIX_SCRIPT = textwrap.dedent(
     """
-    import os, sys
+    import os
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from safetensors.torch import load_file
     from exl3tool.format.layout import tile_element_index
-    from exl3tool.kernels.viterbi import viterbi_matrix
-    g = load_file(os.path.join(sys.argv[1], "tiles_golden.safetensors"))
-    rows = [int(r) for r in sys.argv[2].split(",")]
-    torch.manual_seed(int(sys.argv[3]))
+    from exl3tool.kernels.viterbi import viterbi_matrix, viterbi_tiles
+    torch.manual_seed({seed})
     w = torch.randn(32, 48) * torch.empty(1, 48).uniform_(0.5, 2.0)  # 2 x 3 tiles
     first, count = 2, 2  # the last tile of row 0 and the first of row 1
     index = tile_element_index(48, torch.arange(first, first + count))
-    tiles = g["k6_mcg.input"][rows]
-    w.reshape(-1)[index] = tiles  # two golden K=6 tiles where the matrix holds them
+    tiles = w.reshape(-1)[index]
+    values, states = viterbi_tiles(tiles, 6, mode=0)
     inplace = w.clone()
     got = viterbi_matrix(inplace, first, count, 6, mode=0, programs=1)  # one slot: its values row is reused
     expected = w.clone()
-    expected.reshape(-1)[index] = (tiles - g["k6_mcg.output"][rows]).square()
-    assert torch.equal(got, g["k6_mcg.indices"][rows]), "states"
+    expected.reshape(-1)[index] = (tiles - values).square()
+    assert torch.equal(got, states), "states"
     assert torch.equal(inplace, expected), "squared errors in place, other tiles untouched"
     print("ok")
     """
@@ -360,21 +357,14 @@ _MATRIX_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow  # > 5 s on 2 shared cores (--durations, issue 44): the full suite only
-def test_interpreter_matrix_launch_equals_gathered_tiles(golden):
-    """viterbi_matrix reads tiles where they lie and writes their squared error over them: two golden K=6 tiles
-    (drawn from the test seed) placed across a row boundary of a fresh weight give the golden states, and
-    (x - q)^2 with q the golden values, the other tiles untouched. (The golden states are viterbi_tiles' own:
-    test_interpreter_matches_golden; comparing with them saves running viterbi_tiles on these tiles here.)"""
-    from safetensors import safe_open
-
-    with safe_open(str(golden / "tiles_golden.safetensors"), "pt") as f:
-        n = int(f.metadata()["k6_mcg.n_gauss"]) + int(f.metadata()["k6_mcg.n_real"])
-    seed = fresh_seed()
-    rows = np.random.default_rng(seed).choice(n, size=2, replace=False).tolist()
+def test_interpreter_matrix_launch_equals_gathered_tiles():
+    """viterbi_matrix reads tiles where they lie and writes their squared error over them: the same states as
+    viterbi_tiles on the gathered tiles, and (x - q)^2 with q those tiles' values (fresh weight, K=6)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _MATRIX_SCRIPT, str(golden), ",".join(map(str, rows)), str(seed)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (seed, rows, proc.stderr[-3000:])
+    seed = fresh_seed()
+    proc = subprocess.run([sys.executable, "-c", _MATRIX_SCRIPT.format(seed=seed)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (seed, proc.stderr[-3000:])
 
 
 _ROWS_SCRIPT = textwrap.dedent(
