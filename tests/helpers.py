@@ -23,6 +23,7 @@ import math
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import subprocess
 
@@ -506,3 +507,34 @@ def server_cache_root(environ: dict, module: str = "newer") -> Path:
         return Path(expand(environ.get("VLLM_CACHE_ROOT", "~/.cache/vllm"))) / "exl3_online"
     base = environ.get("XDG_CACHE_HOME", os.path.join(expand("~"), ".cache"))
     return Path(expand(environ.get("VLLM_CACHE_ROOT", os.path.join(base, "vllm")))) / "exl3_online"
+
+
+@contextlib.contextmanager
+def viterbi_memo():
+    """The CPU Viterbi (numba) remembered by its exact inputs, for tests that encode the same weight twice to show
+    that something else (torch's thread count, the pipeline's overlap, the fork's call) changes no byte: a later
+    encode reuses the states of an earlier call whose inputs were the same bits, and runs the kernel wherever they
+    differ, so the test fails exactly as without it (the kernel is a function of its inputs; its own results:
+    tests/encode/test_viterbi.py). Not for tests about the kernel's threads or concurrency. Yields the counts
+    {"hit": n, "miss": n}."""
+    import exl3tool.kernels.viterbi_numba as vn
+
+    real = vn.quantize_tiles_numba
+    seen: dict[tuple, Any] = {}
+    counts = {"hit": 0, "miss": 0}
+
+    def memo(tiles, bits, table, *args, **kwargs):
+        key = (bits, tiles.dtype.str, tiles.shape, hashlib.blake2b(tiles.tobytes()).digest(),
+               hashlib.blake2b(table.tobytes()).digest(), args, tuple(sorted(kwargs.items())))
+        if key in seen:
+            counts["hit"] += 1
+        else:
+            counts["miss"] += 1
+            seen[key] = real(tiles, bits, table, *args, **kwargs)
+        return seen[key].copy()
+
+    vn.quantize_tiles_numba = memo
+    try:
+        yield counts
+    finally:
+        vn.quantize_tiles_numba = real

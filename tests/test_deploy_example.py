@@ -26,7 +26,8 @@ CI = REPO_ROOT / "examples" / "ci"
 DOC = REPO_ROOT / "docs" / "deploy.md"
 SCRIPTS = ("common.sh", "identity-key.sh", "warm.sh", "export.sh", "import.sh", "check.sh", "warm-and-bundle.yml",
            "warm-shards.yml")  # warm-shards.yml: run by tests/test_deploy_shards.py
-HD = 64  # head dim of TINY
+NARROW = {**TINY, "hidden": 128, "intermediate": 256}  # the tiny Llama at half its width, 4 heads of HD: a quarter
+HD = 32  # of the tiles to encode (qkv_proj: 128 + 2 x 64); nothing the scripts do depends on the size
 TP_SIZES = (1, 2)
 LAYERS = "model.layers.0.self_attn.*"  # qkv_proj and o_proj of layer 0
 QUANT_CONFIG = '{"linear": {"weight": "mxfp8"}, "ignore": ["re:.*o_proj$"]}'  # the server's: o_proj stays BF16
@@ -35,7 +36,7 @@ QUANT_CONFIG = '{"linear": {"weight": "mxfp8"}, "ignore": ["re:.*o_proj$"]}'  # 
 def expected_jobs():
     """(prefix, W, R, K_r, N_r) of layer 0's qkv_proj at each TP size, from the slicing rules (docs/layer-plan.md §4);
     o_proj is ignored by QUANT_CONFIG, as the server started with it would."""
-    heads, kv, hidden = TINY["heads"], TINY["kv_heads"], TINY["hidden"]
+    heads, kv, hidden = NARROW["heads"], NARROW["kv_heads"], NARROW["hidden"]
     for w in TP_SIZES:
         kv_r = max(1, kv // w)
         for r in range(w):
@@ -51,7 +52,7 @@ def _run(script: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_scripts_warm_export_import_and_every_entry_hits(tmp_path):
     ci, srv = tmp_path / "ci", tmp_path / "server"
-    model = write_llama_checkpoint(ci / "models" / "tiny", **TINY, seed=11, shards=2)
+    model = write_llama_checkpoint(ci / "models" / "tiny", **NARROW, head_dim=HD, seed=11, shards=2)
     encoder = ci / "exllamav3"
     (encoder / "modules" / "quant" / "exl3_lib").mkdir(parents=True)
     (encoder / "__init__.py").write_text("__version__ = 'test'\n")
@@ -99,8 +100,8 @@ def test_scripts_warm_export_import_and_every_entry_hits(tmp_path):
     files = [p for p in (srv / "cache").rglob("*.safetensors")]
     assert len(files) == 3 and all(p.stat().st_mode & 0o777 == 0o644 for p in files)
     o_proj = [h for w in TP_SIZES for r in range(w) for h in [server_lookup(
-        srv / "cache", model_id, encoder_id, "model.layers.0.self_attn.o_proj", 6, w, r, TINY["hidden"] // w,
-        TINY["hidden"])] if h is not None]
+        srv / "cache", model_id, encoder_id, "model.layers.0.self_attn.o_proj", 6, w, r, NARROW["hidden"] // w,
+        NARROW["hidden"])] if h is not None]
     assert not o_proj, "o_proj is ignored by the server's overlay and must not be warmed"
 
 

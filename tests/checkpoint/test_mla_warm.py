@@ -1,10 +1,12 @@
 """Each kind of planned entry of the tiny DeepSeek-V3 MLA model, encoded on the CPU at TP 2, found by the tests'
 independent server look-up, decoding to the right rank-local slice; ``verify`` passes on it.
 
-One module-scoped warm of every module kind once: layer 0 (dense MLP) and layer 1's shared experts, 7 aligned
-entries per rank (K=6), and layer 0's unaligned ``fused_qkv_a_proj`` skipped, as the server skips it. (Layer 1's
+One module-scoped warm of every module kind once: layer 0 (dense MLP) and layer 1's shared experts, the 7 aligned
+entries of rank 1 (K=6), and layer 0's unaligned ``fused_qkv_a_proj`` skipped, as the server skips it. (Layer 1's
 attention repeats layer 0's shapes; every layer's planned look-up is checked without encoding in
-tests/checkpoint/test_family_plans.py.)
+tests/checkpoint/test_family_plans.py.) Rank 0 is not encoded (7 encodes, not 14): its 7 jobs are planned, each
+missing where rank 1's hits, and the weight it would encode is checked against the same plain-indexing slices; a
+warm that encoded every rank from rank 0's slice fails on rank 1, whose slice is the second half.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from exl3tool.checkpoint import rank_local_weight
 from exl3tool.encode import dequantize_tensors
 from exl3tool.operations.verify import verify_plan
 from exl3tool.plan import ServerRequest, prepare
@@ -45,7 +48,7 @@ def rank_slice(t: dict[str, torch.Tensor], prefix: str, r: int) -> torch.Tensor:
 def warmed(tmp_path_factory):
     base = tmp_path_factory.mktemp("mla")
     model = write_mla(base / "model", seed=fresh_seed())
-    summary = warm(ServerRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(base / "cache"),
+    summary = warm(ServerRequest(model=str(model), tp_sizes=(2,), tp_ranks=(1,), bits=BITS, cache_dir=str(base / "cache"),
                                device="cpu", quantization_config=OVERLAY, layers=LAYERS, **ENC))
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(model.glob("*.safetensors")):
@@ -56,7 +59,8 @@ def warmed(tmp_path_factory):
 @pytest.mark.slow
 def test_every_planned_entry_is_a_server_hit_with_the_right_slice(warmed):
     model, cache, summary, tensors = warmed
-    assert summary.counts == {"hit": 0, "encoded": 14, "skipped": 2, "failed": 0}
+    assert summary.counts == {"hit": 0, "encoded": 7, "skipped": 1, "failed": 0}
+    assert {e.tp_rank for e in summary.entries} == {1}
     assert {e.prefix for e in summary.entries if e.status == "skipped"} == {"model.layers.0.self_attn.fused_qkv_a_proj"}
     encoded = [e for e in summary.entries if e.status == "encoded"]
     assert {e.prefix for e in encoded} == {
@@ -77,9 +81,26 @@ def test_every_planned_entry_is_a_server_hit_with_the_right_slice(warmed):
 
 
 @pytest.mark.slow
+def test_rank_0_is_planned_as_misses_of_its_own_slices(warmed):
+    """Rank 0's look-ups, not encoded here: each planned as a miss beside rank 1's hit, of the right weight."""
+    model, cache, summary, tensors = warmed
+    checkpoint, plan, _ = prepare(ServerRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(cache),
+                                                mode="readonly", device="cpu", quantization_config=OVERLAY,
+                                                layers=LAYERS, **ENC))
+    states = {(j.prefix, j.tp_rank): j.state for j in plan.jobs}
+    encoded = {e.prefix for e in summary.entries if e.status == "encoded"}
+    assert states == {**{(p, r): ("hit" if r else "miss") for p in encoded for r in (0, 1)},
+                      **{("model.layers.0.self_attn.fused_qkv_a_proj", r): "skipped" for r in (0, 1)}}
+    for job in plan.jobs:
+        if job.tp_rank == 0 and job.state == "miss":
+            got = rank_local_weight(checkpoint, job.rank_job).float()
+            assert torch.equal(got, rank_slice(tensors, job.prefix, 0)), job.prefix
+
+
+@pytest.mark.slow
 def test_verify_passes(warmed):
     model, cache, _, _ = warmed
-    checkpoint, plan, store = prepare(ServerRequest(model=str(model), tp_sizes=(2,), bits=BITS, cache_dir=str(cache),
-                                                  mode="readonly", device="cpu", quantization_config=OVERLAY, layers=LAYERS, **ENC))
+    checkpoint, plan, store = prepare(ServerRequest(model=str(model), tp_sizes=(2,), tp_ranks=(1,), bits=BITS,
+                                                  cache_dir=str(cache), mode="readonly", device="cpu", quantization_config=OVERLAY, layers=LAYERS, **ENC))
     report = verify_plan(plan, checkpoint, store, rows=(1, 16), seed=3, device=torch.device("cpu"))
-    assert report.ok and len(report.layers) == 14
+    assert report.ok and len(report.layers) == 7

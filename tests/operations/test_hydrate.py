@@ -332,10 +332,11 @@ REAL = {"llama": "model.layers.0.self_attn.o_proj", "qwen3.5": f"{QWEN}.3.self_a
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_real_encode_decodes_within_k6_error_and_equals_the_warm_entry(family, tmp_path, capsys):
+def test_real_encode_decodes_within_k6_error_and_equals_the_warm_entry(family, viterbi_memo, tmp_path, capsys):
     """The real CPU encoder: each stored module decodes (the tests' numpy decoder from the spec) to SOURCE's weight
     within the K6 error; an unfused layer's bytes are the TP 1 entry `cache warm` writes; `verify --against` passes
-    on SOURCE and fails on other weights."""
+    on SOURCE and fails on other weights. (The warm's Viterbi reuses the hydrate's states where its tiles are the
+    same bits: conftest's viterbi_memo.)"""
     from safetensors.torch import load_file
 
     from exl3tool.operations.warm import warm

@@ -24,7 +24,7 @@ from exl3tool.errors import Exl3ToolError
 from exl3tool.plan import ServerRequest, prepare
 from exl3tool.operations.warm import warm
 
-from helpers import ENC, ENC_ARGS, TINY, make_encoded
+from helpers import ENC, ENC_ARGS, TINY, make_encoded, viterbi_memo
 from seeds import fresh_seed
 
 # every test here shares a module fixture that encodes on the CPU (30-100 s on 2 shared cores, --durations):
@@ -33,6 +33,14 @@ pytestmark = pytest.mark.slow
 
 _register()
 LAYER = "model.layers.1.self_attn.o_proj"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memo():
+    """import --against --exact's fresh encodes repeat the warm's encode of the same weights: their Viterbi reuses
+    its states where the tiles are the same bits (helpers.viterbi_memo); where they differ the kernel runs."""
+    with viterbi_memo() as counts:
+        yield counts
 
 
 def cli(*args):

@@ -40,6 +40,17 @@ def hub(tmp_path_factory):
     return base / "hub", snap, base / "plain"
 
 
+@pytest.fixture(scope="module")
+def small_hub(tmp_path_factory):
+    """The tiny Llama at half its width (hidden 128; 4 heads of 64, so o_proj's K_r stays a multiple of 128 at TP 2):
+    o_proj is 128 tiles, not 256, for the tests that start warms in other processes (the kill, the torchrun split:
+    what they check does not depend on the size)."""
+    base = tmp_path_factory.mktemp("small")
+    snap = write_llama_checkpoint(base / "plain", **{**TINY, "hidden": 128, "intermediate": 256}, head_dim=64,
+                                  seed=fresh_seed(), shards=2, hub_cache=base / "hub", repo_id=REPO)
+    return base / "hub", snap, base / "plain"
+
+
 @pytest.fixture
 def offline(monkeypatch, hub):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -126,8 +137,13 @@ def test_share_jobs_is_a_balanced_partition(offline, tmp_path):
 
 
 @pytest.mark.slow
-def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
-    """o_proj of layer 0 at TP 1 and 2 (3 entries): kill a warm after its first entry, resume, check slices."""
+def test_warm_kill_resume_decode_and_all_hits(small_hub, monkeypatch, tmp_path):
+    """o_proj of layer 0 (256 in, 128 out: small_hub) at TP 1 and 2 (3 entries): kill a warm after its first entry,
+    resume, check slices."""
+    hub = small_hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub[0]))
+    monkeypatch.delenv("VLLM_EXL3_ENCODER_SOURCE", raising=False)
     cache = tmp_path / "cache"
     layer = "model.layers.0.self_attn.o_proj"
     args = ["cache", "warm", REPO, "--tp-size", "1,2", "--layers", layer, "--cache-dir", str(cache),
@@ -170,10 +186,10 @@ def test_warm_kill_resume_decode_and_all_hits(hub, offline, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_two_cpu_workers_split_the_plan(hub, tmp_path):
+def test_torchrun_two_cpu_workers_split_the_plan(small_hub, tmp_path):
     """layer-1 o_proj at TP 1 and 2 (3 entries), two gloo workers: the union is the plan, nothing twice."""
     cache = tmp_path / "cache"
-    env = _env(hub)
+    env = _env(small_hub)
     env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "exl3tool",
            "cache", "warm", REPO, "--tp-size", "1,2", "--layers", "model.layers.1.self_attn.o_proj",
@@ -182,7 +198,7 @@ def test_torchrun_two_cpu_workers_split_the_plan(hub, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
-    assert doc["workers"] == 2 and doc["counts"]["encoded"] == 3 and doc["counts"]["failed"] == 0
+    assert doc["workers"] == 2 and doc["counts"]["encoded"] == 3 and doc["counts"]["failed"] == 0, doc["counts"]
     jobs = [(e["prefix"], e["tp_size"], e["tp_rank"]) for e in doc["entries"]]
     assert sorted(jobs) == sorted({(p, t, r_) for p, t, r_ in jobs}) and len(jobs) == 3
     assert {e["worker"] for e in doc["entries"]} == {0, 1}
@@ -273,8 +289,9 @@ def _no_leftovers(store: CacheStore, plan) -> None:
 
 
 @pytest.mark.slow
-def test_overlap_on_and_off_publish_identical_trees(offline, tmp_path):
-    """Real encodes of layer 1's o_proj at TP 2 (2 entries of 128 x 256), once with overlap and once without."""
+def test_overlap_on_and_off_publish_identical_trees(offline, viterbi_memo, tmp_path):
+    """Real encodes of layer 1's o_proj at TP 2 (2 entries of 128 x 256), once with overlap and once without (the
+    second run's Viterbi reuses the first's states where its tiles are the same bits: conftest's viterbi_memo)."""
     from exl3tool.checkpoint import open_checkpoint
     from exl3tool.operations.warm import run_plan
 

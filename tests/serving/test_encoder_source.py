@@ -25,6 +25,7 @@ from exl3tool.serving.encoder_source import MARKER, quantize_py_text, read_marke
 from exl3tool.serving.quantize_api import UnsupportedCallError, quantize_exl3
 
 from goldens import golden_case
+from helpers import viterbi_memo
 from _fork_loader import fork_call, fork_seed, load_quantize_exl3, unload
 from seeds import fresh_bytes, fresh_seed
 
@@ -66,7 +67,13 @@ def export(tmp_path):
 
 @pytest.fixture(scope="module")
 def cpu_pair(tmp_path_factory):
-    """One (256 in, 128 out) K=4 layer through the fork's loader and call, and through encode_linear."""
+    """One (256 in, 128 out) K=4 layer through the fork's loader and call, and through encode_linear (the later two
+    encodes' Viterbi reuse the first's states where their tiles are the same bits: helpers.viterbi_memo)."""
+    with viterbi_memo():
+        return _cpu_pair(tmp_path_factory)
+
+
+def _cpu_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("src") / "enc"
     write_encoder_source(root)
     fn = load_quantize_exl3(root)
