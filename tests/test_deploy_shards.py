@@ -119,6 +119,9 @@ def test_kubernetes_indexed_job_then_check(tmp_path):
                      _base_env(tmp_path))
     assert f"--shard-count {count}" in argv[-1], "--shard-count must equal spec.completions"
     model = write_tiny(Path(env["MODEL"]), "glm5", seed=8)  # MLA with the DSA indexer: shared encodes
+    # the example's TP 2,4 is GLM-5's; the tiny one's experts (256) slice in 128-blocks at TP 1,2 only, so a TP 4
+    # server of it would not start (cache check says so, exit 1): the ConfigMap's TP_SIZES as an operator sets it
+    env["TP_SIZES"] = "1,2"
     env["EXL3TOOL_THREADS"] = "1"
     procs = [subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(count)]
@@ -129,6 +132,7 @@ def test_kubernetes_indexed_job_then_check(tmp_path):
     _assert_union(reports, plan, Path(env["CACHE_DIR"]), count)
 
     argv, env = _pod(check_job, settings, {"models": tmp_path / "models", "cache": tmp_path / "cache"}, env)
+    env["TP_SIZES"] = "1,2"
     _check_ok(subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300))
 
 
