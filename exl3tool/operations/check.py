@@ -661,7 +661,12 @@ def stored_failures(layer_plan: Optional[LayerPlan], record, tp_sizes: tuple[int
                                 "you serve (its rank slices 128-aligned), or serve another checkpoint")
         ours = [m for m, _ in failing if record is not None and any(s.module in record.modules for s in m.sources)]
         theirs = [(m, w) for m, w in failing if m not in ours]
-        if record is not None and not theirs:
+        ours_sources = {s.module for m in ours for s in m.sources}
+        if record is not None and not theirs and set(record.modules) <= ours_sources:
+            # every module the hydrate stored fails at tp: a hydrate for tp would store nothing (it refuses)
+            again = (f", or serve SOURCE itself at TP {tp} (no module the hydrate stored slices there, so a hydrate "
+                     f"for TP {tp} would store nothing; SOURCE's server encodes those layers online)")
+        elif record is not None and not theirs:
             again = (f", or hydrate SOURCE again with --tp-size {tp} (a layer TP {tp} cannot slice then stays BF16, "
                      "as in SOURCE)")
         elif record is not None:

@@ -168,6 +168,14 @@ def test_record_is_read_by_identity_and_cache_check(outs, tmp_path, capsys):
     assert code == (1 if tp == 2 else 0), err  # before: exit 2, "TP 2 was not checked"
     if tp == 2:  # the line on stdout names the layer, the server's error and that a hydrate for TP 2 helps
         assert layer in stdout and error in stdout and "hydrate SOURCE again with --tp-size 2" in stdout, stdout
+        # where every module the hydrate stored fails at TP 2, a hydrate for TP 2 stores nothing (it refuses):
+        # the advice is SOURCE itself, never a hydrate that cannot help
+        qc = json.loads((old / "quantization_config.json").read_text())
+        qc["exl3tool_hydrate"]["modules"] = {k: v for k, v in qc["exl3tool_hydrate"]["modules"].items()
+                                             if k.startswith(f"{QC}.3.self_attn.") and not k.endswith("o_proj")}
+        (old / "quantization_config.json").write_text(json.dumps(qc))
+        code, stdout, err = run([*check, "--tp-size", "2"], capsys)
+        assert code == 1 and "serve SOURCE itself at TP 2" in stdout and "hydrate SOURCE again" not in stdout, stdout
 
 
 def test_dry_run_json_and_lines_say_the_sizes(tmp_path, capsys):
