@@ -35,6 +35,7 @@ class Mount:
     # non-empty: ``host`` does not exist here and the runner refuses to start without it (its message, said
     # whole); ``launch.resolve`` refuses the launch unless writing the cache root there creates it
     refused: str = ""
+    created_empty: bool = False  # ``host`` does not exist here and the runner creates it empty (docker's -v)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _missing_source(runner: str, option: str, mount: Mount) -> Mount:
     if mount.host is None or os.path.exists(mount.host):
         return mount
     if runner == "docker" and option == "-v" and not os.path.islink(mount.host):
-        return mount
+        return dataclasses.replace(mount, created_empty=True)
     said = ("invalid mount config for type \"bind\": bind source path does not exist" if runner == "docker"
             else f"Error: statfs {mount.host}: no such file or directory")
     return dataclasses.replace(mount, refused=(

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from exl3tool.cache.hub import hub_cache_dir, hub_offline
 from exl3tool.cache.serverfs import server_realpath
 from exl3tool.errors import ConfigError
-from exl3tool.launch.container import PathMap
+from exl3tool.launch.container import Mount, PathMap
 from exl3tool.launch.env import EnvLayers, EnvValue
 from exl3tool.launch.parse import ServerArgs
 from exl3tool.releases import (
@@ -381,9 +381,8 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
             server, local_here = posixpath.normpath(candidate), host
     if server is not None and local_here is None and explicit.model is None:
         mount = paths.mount_for(server)
-        if mount is not None and mount.refused:
-            raise ConfigError(f"{mount.refused}, so this server never starts (its model {name} is there); create "
-                              "that folder first")
+        if mount is not None and (mount.refused or mount.created_empty):
+            raise ConfigError(_model_bind_message(mount, name))
         if paths.to_host(server) is not None:  # on a mount, yet not seen: a link that leaves the mounts?
             try:
                 server_realpath(paths, server, "the launch's model")
@@ -573,6 +572,13 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     if here is None:
         raise ConfigError(f"the server's cache root {server} is not on a bind mount of the launch, so entries "
                           f"written here would never reach it: mount it (-v HOST_DIR:{server}) or pass --cache-dir")
+    root = posixpath.normpath(resolved)
+    inner = [m for m in paths.mounts if paths.own_view and posixpath.normpath(m.inside).startswith(root + "/")
+             and posixpath.normpath(m.host or "") != posixpath.join(here, posixpath.relpath(m.inside, root))]
+    if inner:  # the server's entries under it live elsewhere here, and exl3tool writes one folder
+        raise ConfigError(f"the launch mounts {inner[0].spec} inside the server's cache root {server}: the server "
+                          f"reads what is under {inner[0].inside} from {inner[0].host or 'a named volume'}, the rest "
+                          f"from {here}, and exl3tool writes one folder; bind the cache root alone")
     mount = paths.mount_for(resolved)
     if mount is not None and mount.readonly:
         b.warnings.append(f"the server's cache root {server} is mounted read-only ({mount.spec}): the server can "
@@ -585,15 +591,60 @@ def _cache_dir(b: _Builder, launch: ServerLaunch, explicit: Explicit, need_cache
     return here
 
 
-def _refused_mounts(b: _Builder, launch: ServerLaunch, cache_dir: str) -> None:
+def _model_bind_message(mount: Mount, name: str) -> str:
+    """Why a server whose model folder is a bind that does not exist here never starts (refused, or docker's -v,
+    which creates it empty: vLLM then finds no config.json there)."""
+    elsewhere = "; or, where exl3tool runs on another host than the server, pass MODEL (a copy here)"
+    if mount.refused:
+        return (f"{mount.refused}, so this server never starts (its model {name} is there); create that folder "
+                f"first{elsewhere}")
+    return (f"the launch's docker run -v {mount.spec}: {mount.host} does not exist here, so docker creates it empty "
+            f"and the server finds no model at {name} (no config.json): it never starts; put the model there or fix "
+            f"the -v{elsewhere}")
+
+
+def _not_creatable(host: str) -> str:
+    """Why ``mkdir -p host`` fails here (a dangling link on the way, a file), or "" where it creates the folder."""
+    path = host
+    while path and not os.path.exists(path):
+        if os.path.islink(path):
+            return f"{path} is a link to {os.readlink(path)}, which does not exist: create the link's target"
+        path = posixpath.dirname(path) if path != "/" else ""
+    if path and not os.path.isdir(path):
+        return f"{path} is a file, so no folder can be made under it: fix the bind's source"
+    return ""
+
+
+def _refused_mounts(b: _Builder, launch: ServerLaunch, cache_dir: str, explicit: Explicit) -> None:
     """Binds whose host folder does not exist and whose runner refuses to start without it (``Mount.refused``): the
     server never starts, so the launch is refused naming the bind, except where the cache root here lies in that
-    folder: a warm's first entry creates it (``mkdir -p``), after which the server starts; a warning says so."""
+    folder and ``mkdir -p`` can make it: a warm's first entry creates it, after which the server starts; a warning
+    says so (and ``cache check`` counts it a start failure until then). Where MODEL or ``--cache-dir`` names a copy
+    here, exl3tool may run on another host than the server (CI warming for a fleet: docs/launch.md), so the launch's
+    host paths may exist there only: each such bind is a warning naming what happens if this is the server's host,
+    never a refusal nor a start failure. A model folder docker's ``-v`` would create empty is said the same way."""
+    raw = _arg(launch.args, "model")
+    model = posixpath.normpath(raw[0]) if raw is not None and raw[0].startswith("/") else None
+    elsewhere = explicit.model is not None or explicit.cache_dir is not None
     for mount in launch.paths.mounts:
+        inside = posixpath.normpath(mount.inside)
+        if mount.created_empty and model is not None and (model + "/").startswith(inside.rstrip("/") + "/"):
+            b.warnings.append(f"{_model_bind_message(mount, model).split('; or, where')[0]}, if this is the "
+                              "server's host (taken as another host's path: MODEL is the copy here)")
+            continue
         if not mount.refused:
+            continue
+        if elsewhere and not (cache_dir and (posixpath.normpath(cache_dir) + "/").startswith(
+                posixpath.normpath(mount.host or "") + "/")):
+            b.warnings.append(f"{mount.refused}, so the server never starts if this is its host (taken as another "
+                              "host's path: MODEL or --cache-dir names the copy here)")
             continue
         host = posixpath.normpath(mount.host or "")
         if cache_dir and (posixpath.normpath(cache_dir) + "/").startswith(host + "/"):
+            why = _not_creatable(host)
+            if why:
+                raise ConfigError(f"{mount.refused}, so this server never starts, and `cache warm` cannot create "
+                                  f"it: {why}")
             b.warnings.append(f"{mount.refused}: the server does not start until it exists; `cache warm` creates it "
                               f"with the cache root {cache_dir} (or create it first)")
             continue
@@ -762,7 +813,7 @@ def resolve_launch(launch: ServerLaunch, layers: EnvLayers, explicit: Explicit, 
         b.warnings.append(f"also: {exc}")
         enc_root, enc_rev, enc_src = "", None, None
     cache_dir = _cache_dir(b, launch, explicit, need_cache)
-    _refused_mounts(b, launch, cache_dir)
+    _refused_mounts(b, launch, cache_dir, explicit)
     _cache_mode(b, off)
     if explicit.tp_sizes:
         b.put("tp_sizes_extra", list(explicit.tp_sizes), "flag", "--tp-size")
@@ -786,7 +837,7 @@ def resolve_cache_root(launch: ServerLaunch, layers: EnvLayers, explicit: Explic
     off: list[str] = []  # why the server makes no look-up
     _release(b, explicit, off, None, modules)
     cache_dir = _cache_dir(b, launch, explicit)
-    _refused_mounts(b, launch, cache_dir)
+    _refused_mounts(b, launch, cache_dir, explicit)
     _cache_mode(b, off)
     assert b.choice is not None
     return LaunchSettings(

@@ -569,6 +569,13 @@ def start_failures(plan: LookupPlan, request: ServerRequest, release: ServerRele
     seen = _unaligned(plan, full, lambda k_r: unaligned_start_failure(k_r, release))
     if seen:
         out.append(Finding("start", _one_line(seen, "this server will not start: "), UNALIGNED_FIX))
+    import os
+
+    here = os.path.normpath(request.cache_dir or "") + "/"
+    for mount in getattr(request.server_view, "mounts", ()):  # left by launch.resolve: the cache root's own bind
+        if getattr(mount, "refused", "") and mount.host and here.startswith(os.path.normpath(mount.host) + "/"):
+            out.append(Finding("launch", f"this server will not start yet: {mount.refused}",
+                               "`exl3tool cache warm` creates it with the cache root (or create it first)"))
     root = request.encoder_root or ""
     misses = [j for j in plan.jobs if j.state in ("miss", "invalid")]
     if root.startswith("~") and misses and not release.encoder_source_tilde_expanded_for_import:

@@ -163,6 +163,10 @@ def test_the_runtime_on_path_inspects_the_image(tmp_path, cli, model, monkeypatc
     assert code == 0, err
     # the cache root's own bind (cache/c) is missing: a warm creates it, so podman starts after the warm
     assert (tool == "podman") == ("`cache warm` creates it" in err), err
+    if tool == "podman":  # until then podman refuses the container: cache check's first finding, not plain misses
+        code, out, err = cli("cache", "check", "--json", "--launch", launch)
+        failures = json.loads(out)["start_failures"]
+        assert code == 1 and failures[0]["field"] == "launch" and "will not start yet" in failures[0]["text"], out
     assert got["launch"]["image"]["source"] == f"{tool} image inspect"
     assert got["settings"]["encoder_revision"]["value"] == FORK_REV
     assert got["launch"]["image"]["labels"]["local-inference.vllm.integration.tree"] == EXPECTED[name]["tree"]

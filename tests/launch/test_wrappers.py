@@ -213,6 +213,37 @@ def test_binds_whose_source_is_missing_follow_each_runner(tmp_path, model):
     assert s.cache_dir == str(gone / "x")  # docker -v creates the folder: the map holds
 
 
+def test_binds_under_the_cache_root_and_folders_a_warm_cannot_make(tmp_path, model):
+    """A hostile tester's false answers: a bind inside the cache root (the server reads entries under it from
+    another folder: a warm wrote the outer one and check said hit), a missing cache bind through a dangling link or
+    under a file (a warm cannot create it: the warning promised it would), and docker's -v of a missing model
+    folder with MODEL given (docker creates it empty: the server never starts; check said all hit)."""
+    outer, inner = tmp_path / "e1", tmp_path / "e2"
+    outer.mkdir(), inner.mkdir()
+    env = [a for w in (*SERVER, "VLLM_EXL3_ONLINE_CACHE_DIR=/c") for a in ("-e", w)]
+    run = ["podman", "run", *env, "-v", f"{model.parent}:/models", "-v", f"{outer}:/c"]
+    with pytest.raises(ConfigError, match=f"mounts {inner}:/c/v1 inside the server's cache root /c"):
+        settings([*run, "-v", f"{inner}:/c/v1", "img", "serve", "/models/M", "--quantization-config", QC])
+    same = outer / "v1"  # the same folder the outer bind gives: nothing differs
+    same.mkdir()
+    assert settings([*run, "-v", f"{same}:/c/v1", "img", "serve", "/models/M", "--quantization-config", QC]
+                    ).cache_dir == str(outer)
+    os.symlink(tmp_path / "nowhere", tmp_path / "lnk")
+    (tmp_path / "afile").write_text("x")
+    for source, why in ((tmp_path / "lnk", "create the link's target"), (tmp_path / "afile" / "sub", "is a file")):
+        with pytest.raises(ConfigError, match=f"cannot create it: .*{why}"):
+            settings(["podman", "run", *env, "-v", f"{model.parent}:/models", "-v", f"{source}:/c", "img", "serve",
+                      "/models/M", "--quantization-config", QC])
+    docker = ["docker", "run", *env, "-v", f"{outer}:/c", "-v", f"{tmp_path / 'nomodel'}:/model", "img", "serve",
+              "/model", "--quantization-config", QC]
+    with pytest.raises(ConfigError, match="docker creates it empty and the server finds no model at /model"):
+        settings(docker)
+    # MODEL given (a copy here): exl3tool may run on another host than the server (CI, docs/launch.md), so the
+    # launch's host path is said, never taken for this host's: a warning, not a refusal
+    s = resolve_launch(*load_launch(argv=docker, environ={}), Explicit(model=str(model)))
+    assert any("docker creates it empty" in w and "if this is the server's host" in w for w in s.warnings), s.warnings
+
+
 def test_apptainer_exec_binds_and_image_environment(tmp_path, model):
     sandbox = tmp_path / "img"
     (sandbox / "opt").mkdir(parents=True)
