@@ -171,6 +171,9 @@ def _interrupted(run: Run) -> None:
     report = run.interrupted
     if run.interrupted_message:
         _fail(run, run.interrupted_message, 130, extra=report)
+    if run.output is None:  # before the command made its output from its options: no work had begun
+        _fail(run, "interrupted before the command began its work: nothing was written; run the same command again",
+              130, extra=report)
     done = f" after publishing {plural(report['published'], 'entry', 'entries')}" if "published" in report else ""
     _fail(run, f"interrupted{done}: entries published so far are complete (a publish is atomic); run the same "
           "command again to resume", 130, extra=report)

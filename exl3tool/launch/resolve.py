@@ -393,9 +393,10 @@ def _model(b: _Builder, launch: ServerLaunch, explicit: Explicit) -> tuple[str, 
         raise ConfigError(f"the launch's model {name}: {where}; pass MODEL, a copy here with mtimes kept (cp -a, "
                           "rsync -a), and its identity is computed with the launch's path")
     if server is None and explicit.model is not None and explicit.model != name:
-        raise ConfigError(f"the launch serves the Hub repo {name}, whose identity is its commit, but MODEL is "
-                          f"{explicit.model}: drop MODEL (exl3tool reads {name} from the Hub or its cache), or make "
-                          "the launch serve the folder")
+        raise ConfigError(f"the launch serves the Hub repo {name}, whose identity is its commit, but MODEL (or "
+                          f"hydrate's SOURCE) is {explicit.model}: drop MODEL (exl3tool reads {name} from the Hub or "
+                          "its cache; hydrate needs the launch of SOURCE's own folder), or make the launch serve the "
+                          "folder")
     b.model_seen = local_here
     if explicit.model is not None:
         b.put("model_here", explicit.model, "flag", "MODEL")

@@ -291,6 +291,19 @@ def test_ctrl_c_says_the_cache_is_consistent_and_how_to_resume(model, tmp_path, 
     assert json.loads(out)["exit_code"] == 130 and "Traceback" not in err
 
 
+def test_ctrl_c_before_the_command_began_says_nothing_was_written(model, tmp_path, capsys, monkeypatch):
+    """Ctrl-C before a command has made its output from its options (imports, parsing): no work had begun, so the
+    line says nothing was written, not the cache commands' "entries published so far" (a hydrate's first second)."""
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("exl3tool.cli.commands.command.Output", interrupted)
+    code, _, err = run(["hydrate", str(model), str(tmp_path / "out"), "--dry-run"], capsys)
+    assert code == 130 and "before the command began its work: nothing was written" in err, err
+    assert "entries published" not in err and "Traceback" not in err
+
+
 def test_identity_names_a_missing_path_and_warns_on_a_folder_without_config(tmp_path, capsys):
     """identity says what encode says for a path that does not exist; a folder without config.json gets an identity
     (the server would compute one) and a warning that no server can load it."""
