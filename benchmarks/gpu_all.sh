@@ -47,28 +47,9 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     > "$OUT/pip.log" 2>&1 || echo "== wheels did not install: $(tail -1 "$OUT/pip.log")"
 fi
 export PYTHONPATH=$PWD:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-# a build killed by an earlier call on the same warm machine leaves its lock: the next build would wait on it for good
-pgrep -f "[l]oad_quantize_exl3" > /dev/null || rm -f /tmp/torch_ext/*/lock
-PREBUILT=
-if ls .ext/exllamav3_ext.so.part-* > /dev/null 2>&1; then
-  mkdir -p /tmp/prebuilt && cat .ext/exllamav3_ext.so.part-* > /tmp/prebuilt/exllamav3_ext.so && PREBUILT=1
-  export PYTHONPATH=$PYTHONPATH:/tmp/prebuilt
-fi
-CPID=
+PREBUILT= CPID=
 if [ -d /tmp/site/exllamav3 ]; then
-  python3 - > "$OUT/compile.log" 2>&1 <<'PY' &
-import sys, time
-sys.path.insert(0, "tests")
-start = time.perf_counter()
-from _fork_loader import load_quantize_exl3
-try:
-    load_quantize_exl3("/tmp/site/exllamav3", package="_exllamav3_reference")
-    print(f"compile+import ok {time.perf_counter() - start:.1f} s")
-except BaseException as exc:
-    print(f"compile+import FAILED after {time.perf_counter() - start:.1f} s: {type(exc).__name__}: {exc}")
-    raise
-PY
-  CPID=$!
+  . benchmarks/_reference_build.sh && reference_build "$OUT/compile.log"
 fi
 reference() {  # wait for the extension; 0 once it loads
   [ -n "$REF_OK" ] && return 0

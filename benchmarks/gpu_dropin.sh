@@ -22,19 +22,7 @@ T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext EXL3TOOL_GOLDEN=${EXL3TOOL_GOLDEN:-$PWD/golden}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-python3 - > "$OUT/compile.log" 2>&1 <<'EOF' &
-import sys, time
-sys.path.insert(0, "tests")
-start = time.perf_counter()
-from _fork_loader import load_quantize_exl3
-try:
-    load_quantize_exl3("/tmp/site/exllamav3", package="_exllamav3_reference")
-    print(f"compile+import ok {time.perf_counter() - start:.1f} s")
-except BaseException as exc:
-    print(f"compile+import FAILED after {time.perf_counter() - start:.1f} s: {type(exc).__name__}: {exc}")
-    raise
-EOF
-CPID=$!
+. benchmarks/_reference_build.sh && reference_build "$OUT/compile.log"
 timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/serving/test_encoder_source.py > "$OUT/tests.log" 2>&1
 echo "== drop-in GPU tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -10
 SRC=$(find /tmp/site/exllamav3/exllamav3_ext -name '*.cu' -o -name '*.cpp' | wc -l)

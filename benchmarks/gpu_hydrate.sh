@@ -17,24 +17,7 @@ T0=$(date +%s)
 since() { echo "$(( $(date +%s) - T0 )) s"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-PREBUILT=
-if ls .ext/exllamav3_ext.so.part-* > /dev/null 2>&1; then
-  mkdir -p /tmp/prebuilt && cat .ext/exllamav3_ext.so.part-* > /tmp/prebuilt/exllamav3_ext.so && PREBUILT=1
-  export PYTHONPATH=$PYTHONPATH:/tmp/prebuilt
-fi
-python3 - > "$OUT/compile.log" 2>&1 <<'PY' &
-import sys, time
-sys.path.insert(0, "tests")
-start = time.perf_counter()
-from _fork_loader import load_quantize_exl3
-try:
-    load_quantize_exl3("/tmp/site/exllamav3", package="_exllamav3_reference")
-    print(f"compile+import ok {time.perf_counter() - start:.1f} s")
-except BaseException as exc:
-    print(f"compile+import FAILED after {time.perf_counter() - start:.1f} s: {type(exc).__name__}: {exc}")
-    raise
-PY
-CPID=$!
+. benchmarks/_reference_build.sh && reference_build "$OUT/compile.log"
 timeout "${T_TESTS:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/operations/test_hydrate.py \
   > "$OUT/gpu_tests.log" 2>&1
 echo "== hydrate GPU tests ($(since)): $(tail -1 "$OUT/gpu_tests.log")"

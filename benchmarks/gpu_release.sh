@@ -33,21 +33,8 @@ T0=$(date +%s)
 since() { echo "$(( $(date +%s) - T0 )) s"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext EXL3TOOL_GOLDEN=${EXL3TOOL_GOLDEN:-$PWD/golden}
-PREBUILT=
-if ls .ext/exllamav3_ext.so.part-* > /dev/null 2>&1; then
-  mkdir -p /tmp/prebuilt && cat .ext/exllamav3_ext.so.part-* > /tmp/prebuilt/exllamav3_ext.so && PREBUILT=1
-  export PYTHONPATH=$PYTHONPATH:/tmp/prebuilt
-fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-python3 - > "$OUT/compile.log" 2>&1 <<'EOF' &
-import sys, time
-sys.path.insert(0, "tests")
-start = time.perf_counter()
-from _fork_loader import load_quantize_exl3
-load_quantize_exl3("/tmp/site/exllamav3", package="_exllamav3_reference")
-print(f"compile+import ok {time.perf_counter() - start:.1f} s")
-EOF
-CPID=$!
+. benchmarks/_reference_build.sh && reference_build "$OUT/compile.log"
 
 step() {
   case "$1" in
